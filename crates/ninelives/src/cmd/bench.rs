@@ -1,0 +1,116 @@
+//! `ninelives bench`: each workload in a VM against the same code natively,
+//! measured in the same invocation and reported as ratios.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+use serde::Serialize;
+
+use crate::cli::{BenchArgs, MachineArgs, PatternName, WorkloadArgs, WorkloadName};
+use crate::cmd::run::run_vms;
+use crate::guest;
+
+#[derive(Serialize)]
+struct Entry {
+    workload: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pattern: Option<&'static str>,
+    guest_ops_per_sec: f64,
+    native_ops_per_sec: f64,
+    ratio: f64,
+    digest_ok: bool,
+}
+
+#[derive(Serialize)]
+struct BootStats {
+    runs: usize,
+    median_ms: f64,
+    min_ms: f64,
+    max_ms: f64,
+}
+
+fn measure(
+    w: &WorkloadArgs,
+    pattern: Option<&'static str>,
+    duration: f64,
+    m: &MachineArgs,
+) -> Result<Entry> {
+    let params = guest::workload_params(w, duration)?;
+    let native = nl_workloads::native::run_for(&params, 0, Duration::from_secs_f64(duration), m.timer_hz)
+        .map_err(anyhow::Error::msg)?;
+    let config = guest::vm_config(m, params, guest::kernel_image(m)?, None)?;
+    let r = run_vms(&[config], w.workload.name(), true)?.remove(0);
+    if let Some(e) = &r.error {
+        bail!("{} in the guest failed: {e}", w.workload.name());
+    }
+    let native_ops = native.ops_per_sec();
+    Ok(Entry {
+        workload: w.workload.name(),
+        pattern,
+        guest_ops_per_sec: r.ops_per_sec,
+        native_ops_per_sec: native_ops,
+        ratio: if native_ops > 0.0 { r.ops_per_sec / native_ops } else { 0.0 },
+        digest_ok: r.digest_ok,
+    })
+}
+
+fn boot_times(n: u32, m: &MachineArgs) -> Result<BootStats> {
+    let w = WorkloadArgs { workload: WorkloadName::Idle, ..WorkloadArgs::default() };
+    let params = guest::workload_params(&w, 0.05)?;
+    let mut v = Vec::new();
+    for _ in 0..n.max(1) {
+        let config = guest::vm_config(m, params, guest::kernel_image(m)?, None)?;
+        let r = run_vms(&[config], "idle", true)?.remove(0);
+        if let Some(b) = r.boot_ms {
+            v.push(b);
+        }
+    }
+    if v.is_empty() {
+        bail!("no boot reached the workload");
+    }
+    v.sort_by(f64::total_cmp);
+    Ok(BootStats { runs: v.len(), median_ms: v[v.len() / 2], min_ms: v[0], max_ms: v[v.len() - 1] })
+}
+
+pub fn bench(a: BenchArgs) -> Result<ExitCode> {
+    if !(a.duration.is_finite() && a.duration > 0.0) {
+        bail!("--duration must be a positive number of seconds");
+    }
+    let m = MachineArgs::default();
+    let wanted = if a.workloads.is_empty() { WorkloadName::ALL.to_vec() } else { a.workloads.clone() };
+    let mut results = Vec::new();
+    for w in wanted {
+        let cases: Vec<(WorkloadArgs, Option<&'static str>)> = match w {
+            WorkloadName::Memwrite => vec![
+                (WorkloadArgs { pattern: PatternName::Sequential, ..WorkloadArgs::default() }, Some("sequential")),
+                (WorkloadArgs { pattern: PatternName::Random, ..WorkloadArgs::default() }, Some("random")),
+            ],
+            other => vec![(WorkloadArgs { workload: other, ..WorkloadArgs::default() }, None)],
+        };
+        for (args, pattern) in cases {
+            let e = measure(&args, pattern, a.duration, &m)?;
+            if !a.json {
+                println!(
+                    "{:<9} {:<11} guest {:>12.4e} ops/s  native {:>12.4e} ops/s  ratio {:.3}",
+                    e.workload,
+                    e.pattern.unwrap_or(""),
+                    e.guest_ops_per_sec,
+                    e.native_ops_per_sec,
+                    e.ratio
+                );
+            }
+            results.push(e);
+        }
+    }
+    let boot = boot_times(a.boots, &m)?;
+    if !a.json {
+        println!(
+            "boot to first workload instruction: median {:.2} ms (min {:.2}, max {:.2}, {} boots)",
+            boot.median_ms, boot.min_ms, boot.max_ms, boot.runs
+        );
+    } else {
+        println!("{}", serde_json::json!({ "results": results, "boot": boot }));
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,95 @@
+//! `ninelives host` (a long-running VMM driven over a Unix socket) and
+//! `ninelives api` (send it one request).
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::cli::{parse_size, ApiArgs, HostArgs, MachineArgs, PatternName, WorkloadArgs, WorkloadName};
+use crate::guest;
+
+/// A size given as a number of bytes or a string such as "256M".
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Size {
+    Bytes(u64),
+    Text(String),
+}
+
+impl Size {
+    fn bytes(&self) -> Result<u64, String> {
+        match self {
+            Size::Bytes(b) => Ok(*b),
+            Size::Text(t) => parse_size(t),
+        }
+    }
+}
+
+/// Parameters of a `create` request; every field is optional.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateRequest {
+    #[allow(dead_code)]
+    op: String,
+    #[serde(default)]
+    workload: WorkloadName,
+    mem: Option<Size>,
+    vcpus: Option<u32>,
+    #[serde(default = "default_duration")]
+    duration: f64,
+    seed: Option<u64>,
+    ws: Option<Size>,
+    write_pct: Option<u64>,
+    pattern: Option<PatternName>,
+    stride: Option<u64>,
+    hot_pct: Option<u64>,
+    timer_hz: Option<u64>,
+    console: Option<std::path::PathBuf>,
+}
+
+fn default_duration() -> f64 {
+    3600.0
+}
+
+fn build_config(req: &Value) -> Result<nl_vmm::VmConfig, String> {
+    let r: CreateRequest =
+        serde_json::from_value(req.clone()).map_err(|e| format!("bad create request: {e}"))?;
+    let d = WorkloadArgs::default();
+    let w = WorkloadArgs {
+        workload: r.workload,
+        seed: r.seed.unwrap_or(d.seed),
+        ws: r.ws.map(|s| s.bytes()).transpose()?.unwrap_or(d.ws),
+        write_pct: r.write_pct.unwrap_or(d.write_pct),
+        pattern: r.pattern.unwrap_or(d.pattern),
+        stride: r.stride.unwrap_or(d.stride),
+        hot_pct: r.hot_pct.unwrap_or(d.hot_pct),
+    };
+    let dm = MachineArgs::default();
+    let m = MachineArgs {
+        mem: r.mem.map(|s| s.bytes()).transpose()?.unwrap_or(dm.mem),
+        vcpus: r.vcpus.unwrap_or(dm.vcpus),
+        timer_hz: r.timer_hz.unwrap_or(dm.timer_hz),
+        ..dm
+    };
+    let params = guest::workload_params(&w, r.duration).map_err(|e| e.to_string())?;
+    let kernel = guest::kernel_image(&m).map_err(|e| e.to_string())?;
+    guest::vm_config(&m, params, kernel, r.console).map_err(|e| e.to_string())
+}
+
+pub fn host(a: HostArgs) -> Result<ExitCode> {
+    let host = nl_vmm::host::Host::new()?;
+    eprintln!("ninelives host: serving the API on {}", a.api.display());
+    nl_vmm::api::serve(host, &a.api, Arc::new(build_config))
+        .with_context(|| format!("host on {}", a.api.display()))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn api_client(a: ApiArgs) -> Result<ExitCode> {
+    let req: Value = serde_json::from_str(&a.request).context("the request is not valid JSON")?;
+    let reply = nl_vmm::api::request(&a.api, &req)?;
+    println!("{reply}");
+    Ok(if reply.get("ok") == Some(&Value::Bool(true)) { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}

@@ -1,0 +1,5 @@
+//! The subcommands.
+
+pub mod bench;
+pub mod host;
+pub mod run;

@@ -1,0 +1,142 @@
+//! `ninelives run`: boot VMs, run a workload in each, verify every digest.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use nl_vmm::{Vm, VmConfig, VmOutcome};
+use serde::Serialize;
+
+use crate::cli::RunArgs;
+use crate::guest;
+use crate::verify::verify_vcpus;
+
+/// The result of one VM's run, as printed.
+#[derive(Clone, Debug, Serialize)]
+pub struct VmResult {
+    pub id: u32,
+    pub workload: &'static str,
+    pub ok: bool,
+    pub digest_ok: bool,
+    pub ops: u64,
+    pub ops_per_sec: f64,
+    pub boot_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// Creates, starts and waits for `configs.len()` VMs in this process, then
+/// verifies their digests.
+pub fn run_vms(configs: &[VmConfig], workload: &'static str, quiet: bool) -> Result<Vec<VmResult>> {
+    let kvm = nl_vmm::open_kvm()?;
+    let mut vms = Vec::new();
+    for (id, c) in configs.iter().enumerate() {
+        let vm = Vm::create(&kvm, id as u32, c.clone()).with_context(|| format!("cannot create VM {id}"))?;
+        vms.push(Arc::new(vm));
+    }
+    for vm in &vms {
+        vm.start()?;
+    }
+    let longest = configs.iter().map(|c| c.workload.duration_ms).max().unwrap_or(0);
+    let bar = progress(longest, quiet);
+    let limit = Duration::from_millis(longest * 2 + 120_000);
+    let outcomes: Vec<VmOutcome> = std::thread::scope(|s| {
+        let waiters: Vec<_> = vms.iter().map(|vm| s.spawn(move || vm.wait(limit))).collect();
+        while waiters.iter().any(|w| !w.is_finished()) {
+            bar.tick();
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        waiters.into_iter().map(|w| w.join().unwrap_or(VmOutcome::Stopped)).collect()
+    });
+    bar.finish_and_clear();
+
+    let mut results = Vec::new();
+    for (vm, outcome) in vms.iter().zip(outcomes) {
+        let report = vm.report();
+        let regs: Vec<_> = report.vcpus.iter().map(|v| v.regs).collect();
+        let tsc_khz = nl_arch::read_boot_info(vm.memory().mem())?.tsc_khz;
+        let ops = regs.iter().map(|r| r.ops).sum();
+        let (digest_ok, ops_per_sec, mut error) = if outcome == VmOutcome::Completed {
+            let verdicts = verify_vcpus(&vm.config().workload, &regs, tsc_khz);
+            let bad = verdicts.iter().enumerate().find_map(|(i, v)| v.problem.as_ref().map(|p| format!("vCPU {i}: {p}")));
+            (verdicts.iter().all(|v| v.digest_ok), verdicts.iter().map(|v| v.ops_per_sec).sum(), bad)
+        } else {
+            (false, 0.0, Some(outcome.message()))
+        };
+        if error.is_none() && !digest_ok {
+            error = Some("digest mismatch".into());
+        }
+        let mut tail = vm.console().tail();
+        if error.is_some() && !tail.trim().is_empty() {
+            tail.truncate(2000);
+            eprintln!("--- console of VM {} ---\n{}", vm.id(), tail.trim_end());
+        }
+        results.push(VmResult {
+            id: vm.id(),
+            workload,
+            ok: outcome == VmOutcome::Completed && digest_ok,
+            digest_ok,
+            ops,
+            ops_per_sec,
+            boot_ms: report.boot_ms,
+            error,
+        });
+    }
+    Ok(results)
+}
+
+fn progress(duration_ms: u64, quiet: bool) -> ProgressBar {
+    if quiet {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new_spinner();
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} running guests for {msg} [{elapsed}]")
+            .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+    );
+    bar.set_message(format!("{:.1} s", duration_ms as f64 / 1000.0));
+    bar
+}
+
+pub fn run(a: RunArgs) -> Result<ExitCode> {
+    let t0 = Instant::now();
+    if a.vms == 0 || a.vms > 64 {
+        anyhow::bail!("--vms {} is out of range 1..=64", a.vms);
+    }
+    let params = guest::workload_params(&a.workload, a.duration)?;
+    let kernel = guest::kernel_image(&a.machine)?;
+    let config = guest::vm_config(&a.machine, params, kernel, a.console.clone())?;
+    let configs = vec![config; a.vms as usize];
+    let results = run_vms(&configs, a.workload.workload.name(), a.json)?;
+    let host_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let all_ok = results.iter().all(|r| r.ok);
+
+    for r in &results {
+        let boot = r.boot_ms.map_or("-".to_string(), |b| format!("{b:.1} ms"));
+        let status = if r.ok { "ok" } else { "FAILED" };
+        println!(
+            "VM {}: {} {status}: digest {}, {} ops, {:.3e} ops/s, boot {boot}",
+            r.id,
+            r.workload,
+            if r.digest_ok { "verified" } else { "NOT verified" },
+            r.ops,
+            r.ops_per_sec,
+        );
+        if let Some(e) = &r.error {
+            println!("VM {}: {e}", r.id);
+        }
+    }
+    println!(
+        "{} of {} VMs verified in {:.0} ms ({})",
+        results.iter().filter(|r| r.ok).count(),
+        results.len(),
+        host_ms,
+        nl_arch::backend::Backend::detect()
+    );
+    if a.json {
+        println!("{}", serde_json::json!({ "vms": results, "host_ms": host_ms }));
+    }
+    Ok(if all_ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}

@@ -1,0 +1,28 @@
+//! `ninelives`: the command-line front end of the VMM.
+
+mod cli;
+mod cmd;
+mod guest;
+mod verify;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let cli = cli::Cli::parse();
+    let result = match cli.command.unwrap_or_default() {
+        cli::Command::Run(a) => cmd::run::run(a),
+        cli::Command::Bench(a) => cmd::bench::bench(a),
+        cli::Command::Host(a) => cmd::host::host(a),
+        cli::Command::Api(a) => cmd::host::api_client(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            // One line, no backtrace: bad input is reported, never a panic.
+            eprintln!("ninelives: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}

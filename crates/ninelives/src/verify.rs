@@ -1,0 +1,64 @@
+//! Checking a guest's results against the same workload code run on the host.
+
+use std::thread;
+
+use nl_abi::WorkloadParams;
+use nl_devices::control::VcpuRegsSnapshot;
+
+/// The verdict for one vCPU.
+#[derive(Clone, Debug)]
+pub struct VcpuVerdict {
+    pub digest_ok: bool,
+    /// Measured ops per second in the guest (warm-up excluded).
+    pub ops_per_sec: f64,
+    pub problem: Option<String>,
+}
+
+/// Replays each vCPU's rounds natively and compares digests. A wrong digest
+/// is silent data corruption, never success. Replays run in parallel.
+pub fn verify_vcpus(
+    params: &WorkloadParams,
+    regs: &[VcpuRegsSnapshot],
+    tsc_khz: u64,
+) -> Vec<VcpuVerdict> {
+    thread::scope(|s| {
+        let handles: Vec<_> = regs
+            .iter()
+            .enumerate()
+            .map(|(cpu, r)| s.spawn(move || verify_one(params, cpu as u64, r, tsc_khz)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| VcpuVerdict {
+                    digest_ok: false,
+                    ops_per_sec: 0.0,
+                    problem: Some("host replay panicked".into()),
+                })
+            })
+            .collect()
+    })
+}
+
+fn verify_one(params: &WorkloadParams, cpu: u64, r: &VcpuRegsSnapshot, tsc_khz: u64) -> VcpuVerdict {
+    let secs = if tsc_khz > 0 { r.cycles as f64 / (tsc_khz as f64 * 1e3) } else { 0.0 };
+    let ops_per_sec = if secs > 0.0 { r.ops as f64 / secs } else { 0.0 };
+    if r.phase != nl_abi::PHASE_DONE {
+        return VcpuVerdict { digest_ok: false, ops_per_sec, problem: Some("workload did not finish".into()) };
+    }
+    // Halts cost nothing on the host when verifying: timer_hz = 0.
+    match nl_workloads::native::replay(params, cpu, r.rounds, 0) {
+        Ok(rep) if rep.digest == r.digest && rep.ops == r.ops && rep.warmup_ops == r.warmup_ops => {
+            VcpuVerdict { digest_ok: true, ops_per_sec, problem: None }
+        }
+        Ok(rep) => VcpuVerdict {
+            digest_ok: false,
+            ops_per_sec,
+            problem: Some(format!(
+                "silent data corruption: guest digest {:#018x} over {} rounds ({} ops), host computes {:#018x} ({} ops)",
+                r.digest, r.rounds, r.ops, rep.digest, rep.ops
+            )),
+        },
+        Err(e) => VcpuVerdict { digest_ok: false, ops_per_sec, problem: Some(format!("cannot replay: {e}")) },
+    }
+}

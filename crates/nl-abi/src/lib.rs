@@ -1,0 +1,300 @@
+//! The contract between the ninelives VMM (the host side) and the reference
+//! guest (kernel in ring 0, workloads in ring 3).
+//!
+//! Everything both sides must agree on lives here and nowhere else: the guest
+//! physical memory layout, the [`BootInfo`] page the VMM fills in as the
+//! "bootloader", the initial vCPU state, the syscall numbers, and the register
+//! map of the paravirtual control device.
+//!
+//! Guest virtual addresses equal guest physical addresses (identity map built
+//! by the VMM). Ranges below [`USER_BASE`] are supervisor-only (no U bit, so
+//! ring 3 cannot touch them and SMEP keeps ring 0 off user pages); everything
+//! from [`USER_BASE`] to the end of RAM, the boot-info page (read-only) and the
+//! control device page carry the U bit.
+#![no_std]
+
+// ---------------------------------------------------------------------------
+// Guest physical memory layout
+// ---------------------------------------------------------------------------
+
+/// Boot information page ([`BootInfo`]), written by the VMM before the first
+/// instruction. Mapped read-only and user-accessible.
+pub const BOOT_INFO_GPA: u64 = 0x1000;
+/// Shared interrupt descriptor table (256 x 16 bytes), zeroed by the VMM and
+/// filled by the kernel.
+pub const IDT_GPA: u64 = 0x2000;
+/// Per-vCPU area: GDT at offset 0, TSS at [`CPU_AREA_TSS_OFFSET`], per-CPU
+/// kernel data ([`PerCpu`]) at [`CPU_AREA_PERCPU_OFFSET`].
+pub const CPU_AREA_GPA: u64 = 0x10000;
+pub const CPU_AREA_SIZE: u64 = 0x1000;
+pub const CPU_AREA_TSS_OFFSET: u64 = 0x80;
+pub const CPU_AREA_PERCPU_OFFSET: u64 = 0x100;
+/// Most vCPUs a VM may have.
+pub const MAX_VCPUS: u32 = 32;
+/// Page tables built by the VMM live in [PAGE_TABLES_GPA, LOW_END).
+pub const PAGE_TABLES_GPA: u64 = 0x40000;
+/// End of the low area mapped with 4 KiB pages.
+pub const LOW_END: u64 = 0x20_0000;
+/// The kernel ELF is linked and loaded here (supervisor-only).
+pub const KERNEL_BASE: u64 = 0x20_0000;
+/// Per-vCPU kernel stacks, [`KERNEL_STACK_SIZE`] each; vCPU i's stack top is
+/// `KERNEL_STACKS_GPA + (i + 1) * KERNEL_STACK_SIZE`.
+pub const KERNEL_STACKS_GPA: u64 = 0x60_0000;
+pub const KERNEL_STACK_SIZE: u64 = 0x4000;
+/// First user-accessible address; the user ELF is linked and loaded here.
+pub const USER_BASE: u64 = 0x80_0000;
+/// Per-vCPU user stacks, [`USER_STACK_SIZE`] each (top = base + (i+1)*size).
+pub const USER_STACKS_GPA: u64 = 0x100_0000;
+pub const USER_STACK_SIZE: u64 = 0x4_0000;
+/// Start of the user heap: the workloads' working sets are carved from here.
+pub const USER_HEAP_GPA: u64 = 0x200_0000;
+/// Smallest guest memory the layout needs (heap of at least 1 MiB).
+pub const MIN_MEM_BYTES: u64 = USER_HEAP_GPA + 0x10_0000;
+/// RAM above this address is placed at [`HIGH_RAM_GPA`] and up.
+pub const MMIO_HOLE_START: u64 = 0xC000_0000;
+pub const HIGH_RAM_GPA: u64 = 0x1_0000_0000;
+/// Most guest memory supported by the page-table layout.
+pub const MAX_MEM_BYTES: u64 = 64 << 30;
+
+// ---------------------------------------------------------------------------
+// Initial vCPU state (set by the VMM with KVM_SET_SREGS / REGS / MSRS)
+// ---------------------------------------------------------------------------
+//
+// * 64-bit long mode, CPL 0, RIP = kernel ELF entry, RFLAGS = 0x2 (IF clear).
+// * RSP = this vCPU's kernel stack top, RDI = vCPU index, RSI = BOOT_INFO_GPA.
+// * GDTR = this vCPU's CPU area (limit GDT_LIMIT); TR = SEL_TSS, a 64-bit busy
+//   TSS at CPU area + CPU_AREA_TSS_OFFSET whose RSP0 = the kernel stack top.
+// * IDTR = IDT_GPA, limit 0xfff (all gates not present until the kernel fills them).
+// * GS_BASE = this vCPU's PerCpu, KERNEL_GS_BASE = 0 (kernel swaps before user).
+// * APIC_BASE MSR: enabled, x2APIC mode. The kernel programs the LAPIC timer
+//   through x2APIC MSRs (LVT timer 0x832, initial count 0x838, divide 0x83e,
+//   EOI 0x80b) with BootInfo::lapic_timer_count at divide-by-1 (0xb).
+// * CR0 = PE|MP|ET|NE|WP|AM|PG, CR4 = PAE|FSGSBASE|OSFXSR|OSXMMEXCPT,
+//   EFER = SCE|LME|LMA|NXE.
+
+/// GDT selectors (the same GDT layout on every vCPU).
+pub const SEL_KERNEL_CODE: u16 = 0x08;
+pub const SEL_KERNEL_DATA: u16 = 0x10;
+/// STAR[63:48]: SYSRET loads SS = this + 8 and CS = this + 16 (both RPL 3).
+pub const SEL_SYSRET_BASE: u16 = 0x23;
+pub const SEL_USER_DATA: u16 = 0x2b;
+pub const SEL_USER_CODE: u16 = 0x33;
+pub const SEL_TSS: u16 = 0x40;
+pub const GDT_LIMIT: u16 = 0x4f;
+
+/// Timer interrupt vector programmed into the LAPIC LVT timer.
+pub const TIMER_VECTOR: u8 = 0x20;
+/// Spurious interrupt vector.
+pub const SPURIOUS_VECTOR: u8 = 0xff;
+
+/// Per-vCPU kernel data, pointed to by GS base while in ring 0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PerCpu {
+    /// Kernel stack top for this vCPU (used by the syscall entry).
+    pub kernel_rsp: u64,
+    /// Scratch slot: user RSP saved by the syscall entry.
+    pub user_rsp: u64,
+    /// vCPU index.
+    pub cpu: u64,
+    /// Timer interrupts taken on this vCPU.
+    pub ticks: u64,
+}
+
+// ---------------------------------------------------------------------------
+// Syscalls: `syscall` with the number in RAX, arguments in RDI, RSI; result in RAX.
+// ---------------------------------------------------------------------------
+
+/// Wait (sti; hlt) until the next interrupt, then return to the caller.
+pub const SYS_HALT: u64 = 0;
+/// The workload is finished: the vCPU parks forever (cli; hlt).
+pub const SYS_EXIT: u64 = 1;
+/// Port output on behalf of ring 3: port in RDI, 32-bit value in RSI.
+pub const SYS_OUTL: u64 = 2;
+/// Timer ticks seen by this vCPU so far.
+pub const SYS_TICKS: u64 = 3;
+/// Unknown syscall numbers return this.
+pub const SYS_ENOSYS: u64 = u64::MAX;
+
+// ---------------------------------------------------------------------------
+// Paravirtual control device (MMIO, user-accessible page)
+// ---------------------------------------------------------------------------
+
+/// Base of the control device; vCPU i uses the 0x100-byte block at
+/// `CONTROL_MMIO_GPA + i * CONTROL_BLOCK_SIZE`.
+pub const CONTROL_MMIO_GPA: u64 = 0xD000_0000;
+pub const CONTROL_BLOCK_SIZE: u64 = 0x100;
+pub const CONTROL_MMIO_SIZE: u64 = CONTROL_BLOCK_SIZE * MAX_VCPUS as u64;
+
+/// Register offsets inside a vCPU's block. All registers are 64-bit.
+pub mod reg {
+    /// R: [`super::CONTROL_MAGIC`].
+    pub const MAGIC: u64 = 0x00;
+    /// W: liveness; value = ops completed so far. Written at least every
+    /// [`super::HEARTBEAT_MS`] while a workload runs.
+    pub const HEARTBEAT: u64 = 0x08;
+    /// W: one of the `PHASE_*` values.
+    pub const PHASE: u64 = 0x10;
+    /// W: ops completed in the measured period.
+    pub const OPS: u64 = 0x18;
+    /// W: the workload's result digest.
+    pub const DIGEST: u64 = 0x20;
+    /// W: a guest-detected error (`ERR_*`); the VMM treats it as fatal for the VM.
+    pub const ERROR: u64 = 0x28;
+    /// W: detail for the error (e.g. faulting RIP); write before ERROR.
+    pub const ERROR_INFO: u64 = 0x30;
+    /// W: TSC cycles spent in the measured period.
+    pub const CYCLES: u64 = 0x38;
+    /// W: workload rounds completed (warm-up round included).
+    pub const ROUNDS: u64 = 0x40;
+    /// RW: reads return the last value written (exercised by the `exits` workload).
+    pub const SCRATCH: u64 = 0x48;
+    /// W: low byte appended to the VM console.
+    pub const PRINT: u64 = 0x50;
+    /// W: ops completed in the warm-up round (excluded from the measured period).
+    pub const WARMUP_OPS: u64 = 0x58;
+}
+
+/// Value of [`reg::MAGIC`]: "NINELIVE" in little-endian bytes.
+pub const CONTROL_MAGIC: u64 = u64::from_le_bytes(*b"NINELIVE");
+
+pub const PHASE_KERNEL_UP: u64 = 1;
+/// Written as the very first action of the workload (boot-time mark).
+pub const PHASE_WORKLOAD_START: u64 = 2;
+/// Warm-up round done, working set mapped: the measured period starts.
+pub const PHASE_MEASURE_START: u64 = 3;
+/// OPS, CYCLES, ROUNDS and DIGEST are final.
+pub const PHASE_DONE: u64 = 4;
+
+/// Guest-detected errors written to [`reg::ERROR`].
+/// An unhandled CPU exception: ERR_EXCEPTION_BASE + vector (ERROR_INFO = RIP).
+pub const ERR_EXCEPTION_BASE: u64 = 0x100;
+/// The workload's own self-check failed (ERROR_INFO = round number).
+pub const ERR_SELF_CHECK: u64 = 0x200;
+/// The boot info page was not valid.
+pub const ERR_BAD_BOOT_INFO: u64 = 0x201;
+/// The kernel panicked.
+pub const ERR_KERNEL_PANIC: u64 = 0x202;
+/// The user program panicked.
+pub const ERR_USER_PANIC: u64 = 0x203;
+
+/// Heartbeat period the guest keeps while a workload runs.
+pub const HEARTBEAT_MS: u64 = 10;
+
+/// Port of the `exits` workload's port-I/O target (echo device): a 32-bit
+/// `out` stores the value, a 32-bit `in` returns it with every bit inverted.
+pub const EXITS_PORT: u16 = 0x510;
+/// 16550 UART used as the console (vm-superio).
+pub const SERIAL_PORT: u16 = 0x3f8;
+
+// ---------------------------------------------------------------------------
+// Boot information
+// ---------------------------------------------------------------------------
+
+pub const BOOT_MAGIC: u64 = u64::from_le_bytes(*b"9LIVBOOT");
+pub const BOOT_VERSION: u64 = 1;
+
+/// Workload kinds (`WorkloadParams::kind`).
+pub const WORKLOAD_MEMWRITE: u64 = 1;
+pub const WORKLOAD_COMPUTE: u64 = 2;
+pub const WORKLOAD_EXITS: u64 = 3;
+pub const WORKLOAD_IDLE: u64 = 4;
+
+/// Access patterns of `memwrite` (`WorkloadParams::pattern`).
+pub const PATTERN_SEQUENTIAL: u64 = 0;
+pub const PATTERN_STRIDED: u64 = 1;
+pub const PATTERN_RANDOM: u64 = 2;
+pub const PATTERN_HOTCOLD: u64 = 3;
+
+/// What a vCPU's workload does. Identical on the host (native run and
+/// digest verification) and in the guest.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct WorkloadParams {
+    /// `WORKLOAD_*`.
+    pub kind: u64,
+    /// Seed; vCPU i runs with `seed_for_cpu(seed, i)`.
+    pub seed: u64,
+    /// memwrite: working-set bytes per vCPU (multiple of 4096).
+    pub ws_bytes: u64,
+    /// memwrite: percentage (0..=100) of accesses that are writes.
+    pub write_pct: u64,
+    /// memwrite: `PATTERN_*`.
+    pub pattern: u64,
+    /// memwrite strided: stride in bytes (multiple of 8).
+    pub stride: u64,
+    /// memwrite hot/cold: share of the working set that is hot, in percent.
+    pub hot_pct: u64,
+    /// How long the guest keeps running rounds after the warm-up round.
+    pub duration_ms: u64,
+}
+
+/// Seed of vCPU `cpu` derived from the run seed.
+pub const fn seed_for_cpu(seed: u64, cpu: u64) -> u64 {
+    seed ^ cpu.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// The page at [`BOOT_INFO_GPA`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BootInfo {
+    pub magic: u64,
+    pub version: u64,
+    /// Total guest RAM in bytes.
+    pub mem_bytes: u64,
+    pub num_vcpus: u64,
+    /// TSC frequency in kHz (KVM_GET_TSC_KHZ), for ring-3 timekeeping with rdtsc.
+    pub tsc_khz: u64,
+    /// LAPIC timer initial count for one tick at divide-by-1.
+    pub lapic_timer_count: u64,
+    /// Timer ticks per second that `lapic_timer_count` gives.
+    pub timer_hz: u64,
+    /// Entry point of the user program (ring 3).
+    pub user_entry: u64,
+    /// Usable user heap [heap_start, heap_end); vCPU i's working set starts at
+    /// `heap_start + i * workload.ws_bytes`.
+    pub heap_start: u64,
+    pub heap_end: u64,
+    /// Nonzero: ring 3 runs with IOPL 3 and may use `in`/`out` directly;
+    /// zero: port I/O goes through SYS_OUTL.
+    pub user_iopl: u64,
+    pub workload: WorkloadParams,
+}
+
+impl BootInfo {
+    /// Start of vCPU `cpu`'s working set.
+    pub const fn ws_base(&self, cpu: u64) -> u64 {
+        self.heap_start + cpu * self.workload.ws_bytes
+    }
+}
+
+/// Kernel stack top of vCPU `cpu`.
+pub const fn kernel_stack_top(cpu: u64) -> u64 {
+    KERNEL_STACKS_GPA + (cpu + 1) * KERNEL_STACK_SIZE
+}
+
+/// User stack top of vCPU `cpu`.
+pub const fn user_stack_top(cpu: u64) -> u64 {
+    USER_STACKS_GPA + (cpu + 1) * USER_STACK_SIZE
+}
+
+/// Address of vCPU `cpu`'s CPU area.
+pub const fn cpu_area(cpu: u64) -> u64 {
+    CPU_AREA_GPA + cpu * CPU_AREA_SIZE
+}
+
+/// Address of vCPU `cpu`'s control-device register `reg`.
+pub const fn control_reg(cpu: u64, reg: u64) -> u64 {
+    CONTROL_MMIO_GPA + cpu * CONTROL_BLOCK_SIZE + reg
+}
+
+// Compile-time checks of the layout.
+const _: () = {
+    assert!(CPU_AREA_GPA + MAX_VCPUS as u64 * CPU_AREA_SIZE <= PAGE_TABLES_GPA);
+    assert!(kernel_stack_top(MAX_VCPUS as u64 - 1) <= USER_BASE);
+    assert!(user_stack_top(MAX_VCPUS as u64 - 1) <= USER_HEAP_GPA);
+    assert!(core::mem::size_of::<BootInfo>() <= 4096);
+    assert!(core::mem::size_of::<PerCpu>() <= (CPU_AREA_SIZE - CPU_AREA_PERCPU_OFFSET) as usize);
+    assert!(CONTROL_MMIO_SIZE <= 0x2000);
+};

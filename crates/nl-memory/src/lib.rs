@@ -1,0 +1,213 @@
+//! Guest memory of one VM.
+//!
+//! All RAM of a VM lives in one memfd, mapped `MAP_SHARED | MAP_NORESERVE`
+//! into the VMM: pages are allocated only when first touched (a 1 GiB VM does
+//! not cost 1 GiB at start), the same memory can be mapped by another process
+//! from the fd (microreboot and warm reboot hand the fd to a new VMM), and the
+//! mapping can be registered with userfaultfd (copy-on-write checkpoints).
+//!
+//! RAM below [`nl_abi::MMIO_HOLE_START`] is one region at guest address 0; RAM
+//! beyond it continues at [`nl_abi::HIGH_RAM_GPA`] as a second region, backed
+//! by the same memfd at the following offset.
+
+mod memfd;
+
+use std::fs::File;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestRegionMmap};
+
+pub use vm_memory;
+
+/// The vm-memory type used for guest RAM everywhere in ninelives.
+pub type GuestMem = GuestMemoryMmap<()>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum MemoryError {
+    #[error("guest memory of {got} bytes is too small: the reference layout needs at least {min} bytes")]
+    TooSmall { got: u64, min: u64 },
+    #[error("guest memory of {got} bytes is too large: at most {max} bytes are supported")]
+    TooLarge { got: u64, max: u64 },
+    #[error("guest memory size {0} is not a multiple of 4096")]
+    Unaligned(u64),
+    #[error("cannot create memfd for guest memory: {0}")]
+    Memfd(std::io::Error),
+    #[error("cannot size memfd for guest memory: {0}")]
+    Truncate(std::io::Error),
+    #[error("memfd holds {got} bytes but the layout needs {need}")]
+    FdTooSmall { got: u64, need: u64 },
+    #[error("cannot map guest memory: {0}")]
+    Map(String),
+}
+
+/// One contiguous range of guest RAM and where it lives in the memfd.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionInfo {
+    /// Guest physical address of the first byte.
+    pub gpa: u64,
+    /// Length in bytes.
+    pub size: u64,
+    /// Offset of the first byte in the memfd.
+    pub fd_offset: u64,
+}
+
+/// The RAM layout for a VM of `mem_bytes`.
+pub fn layout(mem_bytes: u64) -> Vec<RegionInfo> {
+    let low = mem_bytes.min(nl_abi::MMIO_HOLE_START);
+    let mut regions = vec![RegionInfo { gpa: 0, size: low, fd_offset: 0 }];
+    if mem_bytes > low {
+        regions.push(RegionInfo {
+            gpa: nl_abi::HIGH_RAM_GPA,
+            size: mem_bytes - low,
+            fd_offset: low,
+        });
+    }
+    regions
+}
+
+/// Guest RAM of one VM: the memfd and its mapping.
+#[derive(Clone, Debug)]
+pub struct GuestMemory {
+    fd: Arc<File>,
+    mem_bytes: u64,
+    regions: Vec<RegionInfo>,
+    mmap: GuestMem,
+}
+
+impl GuestMemory {
+    /// Checks a requested memory size against the reference layout.
+    pub fn check_size(mem_bytes: u64) -> Result<(), MemoryError> {
+        if mem_bytes < nl_abi::MIN_MEM_BYTES {
+            return Err(MemoryError::TooSmall { got: mem_bytes, min: nl_abi::MIN_MEM_BYTES });
+        }
+        if mem_bytes > nl_abi::MAX_MEM_BYTES {
+            return Err(MemoryError::TooLarge { got: mem_bytes, max: nl_abi::MAX_MEM_BYTES });
+        }
+        if mem_bytes % 4096 != 0 {
+            return Err(MemoryError::Unaligned(mem_bytes));
+        }
+        Ok(())
+    }
+
+    /// Creates fresh, zeroed guest RAM of `mem_bytes` in a new memfd.
+    pub fn new(name: &str, mem_bytes: u64) -> Result<Self, MemoryError> {
+        Self::check_size(mem_bytes)?;
+        let fd = memfd::create(name).map_err(MemoryError::Memfd)?;
+        fd.set_len(mem_bytes).map_err(MemoryError::Truncate)?;
+        Self::from_fd(Arc::new(fd), mem_bytes)
+    }
+
+    /// Maps existing guest RAM from a memfd (e.g. one handed over by another
+    /// VMM process). The contents are left untouched.
+    pub fn from_fd(fd: Arc<File>, mem_bytes: u64) -> Result<Self, MemoryError> {
+        Self::check_size(mem_bytes)?;
+        let got = fd.metadata().map_err(MemoryError::Truncate)?.len();
+        if got < mem_bytes {
+            return Err(MemoryError::FdTooSmall { got, need: mem_bytes });
+        }
+        let regions = layout(mem_bytes);
+        let mmap = map_regions(&fd, &regions)?;
+        Ok(Self { fd, mem_bytes, regions, mmap })
+    }
+
+    /// The vm-memory view of guest RAM.
+    pub fn mem(&self) -> &GuestMem {
+        &self.mmap
+    }
+
+    /// The memfd backing all regions.
+    pub fn fd(&self) -> &Arc<File> {
+        &self.fd
+    }
+
+    /// Total RAM in bytes.
+    pub fn size(&self) -> u64 {
+        self.mem_bytes
+    }
+
+    /// The RAM regions in guest-address order.
+    pub fn regions(&self) -> &[RegionInfo] {
+        &self.regions
+    }
+
+    /// Host virtual address of each region's mapping, in [`Self::regions`] order.
+    pub fn host_addrs(&self) -> Vec<u64> {
+        self.mmap.iter().map(|r| r.as_ptr() as u64).collect()
+    }
+
+    /// A view of `[gpa, gpa + size)` as its own guest memory object, backed by
+    /// the same memfd. Accesses outside the window fail, which makes it a safe
+    /// target for loading untrusted images into a fixed range.
+    pub fn window(&self, gpa: u64, size: u64) -> Result<GuestMem, MemoryError> {
+        let region = self
+            .regions
+            .iter()
+            .find(|r| gpa >= r.gpa && gpa + size <= r.gpa + r.size)
+            .ok_or_else(|| MemoryError::Map(format!("window {gpa:#x}+{size:#x} is not inside RAM")))?;
+        let info = RegionInfo { gpa, size, fd_offset: region.fd_offset + (gpa - region.gpa) };
+        map_regions(&self.fd, &[info])
+    }
+}
+
+fn map_regions(fd: &Arc<File>, regions: &[RegionInfo]) -> Result<GuestMem, MemoryError> {
+    let mapped = regions
+        .iter()
+        .map(|r| {
+            GuestRegionMmap::from_range(
+                GuestAddress(r.gpa),
+                r.size as usize,
+                Some(FileOffset::from_arc(fd.clone(), r.fd_offset)),
+            )
+            .map_err(|e| MemoryError::Map(e.to_string()))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    GuestMemoryMmap::from_regions(mapped).map_err(|e| MemoryError::Map(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vm_memory::{Bytes, GuestMemoryBackend as _};
+
+    #[test]
+    fn layout_splits_around_the_mmio_hole() {
+        assert_eq!(layout(256 << 20).len(), 1);
+        let l = layout(4 << 30);
+        assert_eq!(l.len(), 2);
+        assert_eq!(l[0].size, nl_abi::MMIO_HOLE_START);
+        assert_eq!(l[1].gpa, nl_abi::HIGH_RAM_GPA);
+        assert_eq!(l[1].fd_offset, nl_abi::MMIO_HOLE_START);
+        assert_eq!(l[0].size + l[1].size, 4 << 30);
+    }
+
+    #[test]
+    fn sizes_are_checked() {
+        assert!(matches!(GuestMemory::new("t", 1 << 20), Err(MemoryError::TooSmall { .. })));
+        assert!(matches!(GuestMemory::new("t", (64 << 20) + 1), Err(MemoryError::Unaligned(_))));
+        assert!(matches!(GuestMemory::new("t", 1 << 40), Err(MemoryError::TooLarge { .. })));
+    }
+
+    #[test]
+    fn memory_is_lazy_and_shared_through_the_fd() {
+        // 4 GiB would be impossible to allocate eagerly in a test; lazily it is free.
+        let m = GuestMemory::new("t", 4 << 30).unwrap();
+        m.mem().write_obj(0xdead_beef_u64, GuestAddress(nl_abi::HIGH_RAM_GPA + 8)).unwrap();
+        m.mem().write_obj(0x1234_u64, GuestAddress(0x3000)).unwrap();
+        let other = GuestMemory::from_fd(m.fd().clone(), m.size()).unwrap();
+        let v: u64 = other.mem().read_obj(GuestAddress(nl_abi::HIGH_RAM_GPA + 8)).unwrap();
+        assert_eq!(v, 0xdead_beef);
+        assert_eq!(other.mem().read_obj::<u64>(GuestAddress(0x3000)).unwrap(), 0x1234);
+        assert_eq!(m.mem().num_regions(), 2);
+    }
+
+    #[test]
+    fn windows_are_bounded() {
+        let m = GuestMemory::new("t", 64 << 20).unwrap();
+        let w = m.window(0x20_0000, 0x1000).unwrap();
+        w.write_obj(7u64, GuestAddress(0x20_0ff8)).unwrap();
+        assert!(w.write_obj(7u64, GuestAddress(0x20_1000)).is_err());
+        assert_eq!(m.mem().read_obj::<u64>(GuestAddress(0x20_0ff8)).unwrap(), 7);
+        assert!(m.window(63 << 20, 2 << 20).is_err());
+    }
+}

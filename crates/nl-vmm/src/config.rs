@@ -1,0 +1,55 @@
+//! What a VM is made of.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use nl_abi::WorkloadParams;
+
+/// Configuration of one VM.
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    pub mem_bytes: u64,
+    pub vcpus: u32,
+    pub workload: WorkloadParams,
+    /// Kernel ELF image (ring 0).
+    pub kernel: Arc<Vec<u8>>,
+    /// User program ELF image (ring 3).
+    pub user: Arc<Vec<u8>>,
+    /// Where console output goes, in addition to an in-memory tail.
+    pub console_path: Option<std::path::PathBuf>,
+    /// LAPIC timer frequency the guest programs.
+    pub timer_hz: u64,
+    /// The VM is declared hung when the guest shows no control-device
+    /// activity for this long while running.
+    pub heartbeat_timeout: Duration,
+}
+
+impl VmConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.vcpus == 0 || self.vcpus > nl_abi::MAX_VCPUS {
+            return Err(format!(
+                "--vcpus {} is out of range: between 1 and {} are supported",
+                self.vcpus,
+                nl_abi::MAX_VCPUS
+            ));
+        }
+        nl_memory::GuestMemory::check_size(self.mem_bytes).map_err(|e| e.to_string())?;
+        if !(10..=10_000).contains(&self.timer_hz) {
+            return Err(format!("timer frequency {} Hz is out of range 10..=10000", self.timer_hz));
+        }
+        let heap = self.mem_bytes.min(nl_abi::MMIO_HOLE_START) - nl_abi::USER_HEAP_GPA;
+        let need = self.workload.ws_bytes.saturating_mul(u64::from(self.vcpus));
+        if need > heap {
+            return Err(format!(
+                "guest memory too small: {} vCPUs x {} MiB working set need {} MiB of heap, \
+                 but {} MiB of memory leave only {} MiB (raise --mem or lower --ws)",
+                self.vcpus,
+                self.workload.ws_bytes >> 20,
+                need >> 20,
+                self.mem_bytes >> 20,
+                heap >> 20
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,36 @@
+//! The ninelives VMM core.
+//!
+//! * [`vm`]: one VM: guest memory, devices, vCPUs; create, start, pause,
+//!   resume, save and restore state, stop.
+//! * [`vcpu`]: the per-vCPU thread and its exit loop, with the pause protocol
+//!   that stops every vCPU at a consistent point (no exit half-handled).
+//! * [`state`]: vCPU, device and VM state as versioned, serializable data.
+//! * [`kick`]: interrupting a vCPU thread out of KVM_RUN with a signal.
+//! * [`host`]: several VMs in one VMM process, addressed by id.
+//! * [`api`]: the Unix-socket API of `ninelives host`.
+//!
+//! The mechanisms (checkpointing, replication, recovery, rejuvenation,
+//! sandboxes, fault injection) build on these hooks: [`vm::Vm::pause`],
+//! [`vm::Vm::save_state`], [`vm::Vm::restore_state`], [`vm::Vm::memory`] and
+//! the device bus.
+
+
+pub mod api;
+pub mod config;
+pub mod error;
+pub mod host;
+
+pub mod kick;
+mod memslots;
+pub mod state;
+pub mod vcpu;
+pub mod vm;
+
+pub use config::VmConfig;
+pub use error::VmmError;
+pub use vm::{Vm, VmOutcome};
+
+/// Opens /dev/kvm with a clear error when it is missing or not usable.
+pub fn open_kvm() -> Result<kvm_ioctls::Kvm, VmmError> {
+    kvm_ioctls::Kvm::new().map_err(|e| VmmError::NoKvm(e.to_string()))
+}

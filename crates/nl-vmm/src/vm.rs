@@ -1,0 +1,551 @@
+//! One VM: guest memory, in-kernel irqchip, devices and vCPUs.
+
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvm_bindings::{kvm_mp_state, kvm_userspace_memory_region, CpuId, KVM_MAX_CPUID_ENTRIES};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use nl_abi::*;
+use nl_devices::control::{describe_error, ControlDevice, ControlState, VcpuRegsSnapshot};
+use nl_devices::echo::EchoPort;
+use nl_devices::serial::{Console, SerialDevice};
+use nl_devices::Bus;
+use nl_memory::GuestMemory;
+use serde::Serialize;
+
+use crate::config::VmConfig;
+use crate::error::{kvm, VmmError};
+use crate::kick;
+use crate::state::{IrqchipState, VcpuState, VmState};
+use crate::vcpu::{run_vcpu, RunControl, VcpuContext, VcpuStats, VcpuStatsSnapshot, VcpuStop};
+
+/// KVM's APIC bus runs at 1 GHz.
+const APIC_BUS_HZ: u64 = 1_000_000_000;
+
+/// How a VM's run ended.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum VmOutcome {
+    /// Every vCPU finished its workload.
+    Completed,
+    /// The guest reported an error through the control device.
+    GuestError { cpu: usize, code: u64, info: u64, message: String },
+    /// A vCPU crashed (triple fault, emulation failure, ...).
+    Crashed { cpu: usize, message: String },
+    /// No heartbeat or other guest activity for too long.
+    Hung { silent_ms: u64 },
+    /// The run went past its time limit.
+    TimedOut { limit_ms: u64 },
+    /// The VMM stopped the VM.
+    Stopped,
+}
+
+impl VmOutcome {
+    pub fn message(&self) -> String {
+        match self {
+            VmOutcome::Completed => "completed".into(),
+            VmOutcome::GuestError { cpu, message, .. } => format!("vCPU {cpu}: {message}"),
+            VmOutcome::Crashed { cpu, message } => format!("vCPU {cpu} crashed: {message}"),
+            VmOutcome::Hung { silent_ms } => {
+                format!("guest stopped heartbeating: no sign of life for {silent_ms} ms")
+            }
+            VmOutcome::TimedOut { limit_ms } => format!("did not finish within {limit_ms} ms"),
+            VmOutcome::Stopped => "stopped by the VMM".into(),
+        }
+    }
+}
+
+/// Per-vCPU view for reports.
+#[derive(Clone, Debug, Serialize)]
+pub struct VcpuReport {
+    pub cpu: usize,
+    pub regs: VcpuRegsSnapshot,
+    pub exits: VcpuStatsSnapshot,
+    pub stop: Option<VcpuStop>,
+}
+
+/// A VM's report (the `stats` of the host API).
+#[derive(Clone, Debug, Serialize)]
+pub struct VmReport {
+    pub id: u32,
+    pub mem_bytes: u64,
+    pub vcpus: Vec<VcpuReport>,
+    pub paused: bool,
+    /// From the start of VM creation to the first workload instruction (vCPU 0).
+    pub boot_ms: Option<f64>,
+    pub unclaimed_io: u64,
+    pub unclaimed_mmio: u64,
+}
+
+struct VcpuSlot {
+    fd: Arc<Mutex<VcpuFd>>,
+    stats: Arc<VcpuStats>,
+    thread: Option<JoinHandle<VcpuStop>>,
+    stop: Option<VcpuStop>,
+}
+
+/// One virtual machine. Methods take `&self`, so a VM can be shared between
+/// a monitor and an API server.
+pub struct Vm {
+    id: u32,
+    config: VmConfig,
+    created_at: Instant,
+    // Field order matters for drop: vCPUs, then the VM fd, then the memory
+    // that its memory slots point into.
+    vcpus: Mutex<Vec<VcpuSlot>>,
+    run: Arc<RunControl>,
+    started: AtomicBool,
+    io_bus: Arc<Bus>,
+    mmio_bus: Arc<Bus>,
+    control: Arc<ControlState>,
+    console: Console,
+    vm_fd: VmFd,
+    memory: GuestMemory,
+}
+
+fn supported_cpuid(kvm: &Kvm) -> Result<CpuId, VmmError> {
+    kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm_err("KVM_GET_SUPPORTED_CPUID"))
+}
+
+fn kvm_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmmError {
+    kvm(what)
+}
+
+impl Vm {
+    /// Creates a VM ready to boot the reference guest (not started).
+    pub fn create(kvm: &Kvm, id: u32, config: VmConfig) -> Result<Self, VmmError> {
+        let created_at = Instant::now();
+        config.validate().map_err(VmmError::Config)?;
+        let memory = GuestMemory::new(&format!("vm{id}"), config.mem_bytes)?;
+        let vm = Self::assemble(kvm, id, config, memory, created_at)?;
+        vm.write_boot_structures()?;
+        let cpuid = supported_cpuid(kvm)?;
+        let entry = vm.load_images()?;
+        for (cpu, slot) in vm.slots().iter().enumerate() {
+            let fd = slot.fd.lock().unwrap_or_else(|p| p.into_inner());
+            nl_arch::regs::setup_vcpu(&fd, cpu as u64, entry, &cpuid)?;
+            if cpu > 0 {
+                // Application processors start runnable: no INIT/SIPI dance.
+                fd.set_mp_state(kvm_mp_state { mp_state: kvm_bindings::KVM_MP_STATE_RUNNABLE })
+                    .map_err(kvm_err("KVM_SET_MP_STATE"))?;
+            }
+        }
+        Ok(vm)
+    }
+
+    /// Re-creates a VM over existing guest memory from saved state (not
+    /// started). This is how a new VMM process takes over a running guest.
+    pub fn restore(
+        kvm: &Kvm,
+        id: u32,
+        config: VmConfig,
+        memory: GuestMemory,
+        state: &VmState,
+    ) -> Result<Self, VmmError> {
+        let created_at = Instant::now();
+        config.validate().map_err(VmmError::Config)?;
+        check_compatible(&config, state)?;
+        if memory.size() != state.mem_bytes {
+            return Err(VmmError::State(format!(
+                "memory holds {} bytes but the state is for {}",
+                memory.size(),
+                state.mem_bytes
+            )));
+        }
+        let vm = Self::assemble(kvm, id, config, memory, created_at)?;
+        let cpuid = supported_cpuid(kvm)?;
+        for (cpu, slot) in vm.slots().iter().enumerate() {
+            let fd = slot.fd.lock().unwrap_or_else(|p| p.into_inner());
+            let mut c = cpuid.clone();
+            for e in c.as_mut_slice() {
+                if e.function == 1 {
+                    e.ebx = (e.ebx & 0x00ff_ffff) | ((cpu as u32) << 24);
+                    e.ecx |= 1 << 21;
+                }
+                if e.function == 0xb || e.function == 0x1f {
+                    e.edx = cpu as u32;
+                }
+            }
+            fd.set_cpuid2(&c).map_err(kvm_err("KVM_SET_CPUID2"))?;
+        }
+        vm.load_state(state)?;
+        Ok(vm)
+    }
+
+    /// Memory slots, irqchip, devices and vCPU fds.
+    fn assemble(
+        kvm: &Kvm,
+        id: u32,
+        config: VmConfig,
+        memory: GuestMemory,
+        created_at: Instant,
+    ) -> Result<Self, VmmError> {
+        kick::install();
+        let vm_fd = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
+        for (slot, (region, host)) in memory.regions().iter().zip(memory.host_addrs()).enumerate()
+        {
+            let r = kvm_userspace_memory_region {
+                slot: slot as u32,
+                flags: 0,
+                guest_phys_addr: region.gpa,
+                memory_size: region.size,
+                userspace_addr: host,
+            };
+            crate::memslots::set_region(&vm_fd, r)?;
+        }
+        vm_fd.create_irq_chip().map_err(kvm_err("KVM_CREATE_IRQCHIP"))?;
+
+        let console = match &config.console_path {
+            Some(p) => Console::to_file(
+                std::fs::OpenOptions::new().create(true).append(true).open(p).map_err(|e| {
+                    VmmError::Config(format!("cannot open console file {}: {e}", p.display()))
+                })?,
+            ),
+            None => Console::buffer(),
+        };
+        let n = config.vcpus as usize;
+        let control = ControlState::new(n);
+        let mut io_bus = Bus::new();
+        io_bus.insert(u64::from(SERIAL_PORT), 8, Arc::new(Mutex::new(SerialDevice::new(console.clone())?)))?;
+        io_bus.insert(u64::from(EXITS_PORT), 4, Arc::new(Mutex::new(EchoPort::new(n))))?;
+        let mut mmio_bus = Bus::new();
+        mmio_bus.insert(
+            CONTROL_MMIO_GPA,
+            ControlDevice::mmio_len(n),
+            Arc::new(Mutex::new(ControlDevice::new(control.clone(), console.clone()))),
+        )?;
+
+        let mut vcpus = Vec::with_capacity(n);
+        for cpu in 0..n {
+            let fd = vm_fd.create_vcpu(cpu as u64).map_err(kvm_err("KVM_CREATE_VCPU"))?;
+            vcpus.push(VcpuSlot {
+                fd: Arc::new(Mutex::new(fd)),
+                stats: Arc::default(),
+                thread: None,
+                stop: None,
+            });
+        }
+        Ok(Self {
+            id,
+            config,
+            created_at,
+            vcpus: Mutex::new(vcpus),
+            run: Arc::default(),
+            started: AtomicBool::new(false),
+            io_bus: Arc::new(io_bus),
+            mmio_bus: Arc::new(mmio_bus),
+            control,
+            console,
+            vm_fd,
+            memory,
+        })
+    }
+
+    fn slots(&self) -> MutexGuard<'_> {
+        self.vcpus.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write_boot_structures(&self) -> Result<(), VmmError> {
+        let mem = self.memory.mem();
+        nl_arch::setup_memory(mem, self.memory.size())?;
+        for cpu in 0..u64::from(self.config.vcpus) {
+            nl_arch::gdt::setup_cpu_area(mem, cpu)?;
+        }
+        Ok(())
+    }
+
+    /// Loads kernel and user images and writes the boot info; returns the kernel entry.
+    fn load_images(&self) -> Result<u64, VmmError> {
+        let kernel = nl_arch::image::load_elf(
+            &self.memory,
+            "kernel",
+            &self.config.kernel,
+            KERNEL_BASE,
+            KERNEL_STACKS_GPA,
+        )?;
+        let user =
+            nl_arch::image::load_elf(&self.memory, "user program", &self.config.user, USER_BASE, USER_STACKS_GPA)?;
+        let tsc_khz = {
+            let slots = self.slots();
+            let fd = slots[0].fd.lock().unwrap_or_else(|p| p.into_inner());
+            fd.get_tsc_khz().map_err(kvm_err("KVM_GET_TSC_KHZ"))?
+        };
+        let heap_end = self.memory.size().min(MMIO_HOLE_START);
+        let info = BootInfo {
+            magic: BOOT_MAGIC,
+            version: BOOT_VERSION,
+            mem_bytes: self.memory.size(),
+            num_vcpus: u64::from(self.config.vcpus),
+            tsc_khz: u64::from(tsc_khz),
+            lapic_timer_count: APIC_BUS_HZ / self.config.timer_hz,
+            timer_hz: self.config.timer_hz,
+            user_entry: user.entry,
+            heap_start: USER_HEAP_GPA,
+            heap_end,
+            user_iopl: 1,
+            workload: self.config.workload,
+        };
+        nl_arch::write_boot_info(self.memory.mem(), &info)?;
+        Ok(kernel.entry)
+    }
+
+    /// Starts the vCPU threads.
+    pub fn start(&self) -> Result<(), VmmError> {
+        if self.started.swap(true, Relaxed) {
+            return Err(VmmError::Vm(self.id, "already started".into()));
+        }
+        let mut slots = self.slots();
+        for (cpu, slot) in slots.iter_mut().enumerate() {
+            let ctx = Arc::new(VcpuContext {
+                io_bus: self.io_bus.clone(),
+                mmio_bus: self.mmio_bus.clone(),
+                control: self.control.clone(),
+                run: self.run.clone(),
+            });
+            let (fd, stats) = (slot.fd.clone(), slot.stats.clone());
+            self.run.thread_started();
+            let t = std::thread::Builder::new()
+                .name(format!("vm{}-vcpu{cpu}", self.id))
+                .spawn(move || run_vcpu(cpu, fd, ctx, stats));
+            match t {
+                Ok(t) => slot.thread = Some(t),
+                Err(e) => {
+                    drop(slots);
+                    self.stop();
+                    return Err(VmmError::Vm(self.id, format!("cannot start vCPU thread: {e}")));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn kick_all(&self) {
+        for s in self.slots().iter() {
+            if let Some(t) = &s.thread {
+                kick::kick(t);
+            }
+        }
+    }
+
+    /// Stops every vCPU at a consistent point. Returns once all are parked.
+    pub fn pause(&self) {
+        self.run.pause(|| self.kick_all());
+    }
+
+    /// Lets paused vCPUs run again.
+    pub fn resume(&self) {
+        self.run.resume();
+    }
+
+    pub fn is_paused(&self) -> bool {
+        self.run.paused()
+    }
+
+    /// Stops and joins all vCPU threads.
+    pub fn stop(&self) {
+        self.run.request_stop();
+        for _ in 0..10_000 {
+            let alive = self.slots().iter().any(|s| s.thread.as_ref().is_some_and(|t| !t.is_finished()));
+            if !alive {
+                break;
+            }
+            self.kick_all();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.reap();
+    }
+
+    /// Joins vCPU threads that have ended and records why.
+    fn reap(&self) {
+        for s in self.slots().iter_mut() {
+            if s.thread.as_ref().is_some_and(|t| t.is_finished()) {
+                let t = s.thread.take().expect("checked above");
+                s.stop = Some(t.join().unwrap_or_else(|_| VcpuStop::Internal("vCPU thread panicked".into())));
+            }
+        }
+    }
+
+    /// Saves the VM's non-memory state. The VM must be paused (or not started).
+    pub fn save_state(&self) -> Result<VmState, VmmError> {
+        self.require_stopped_vcpus()?;
+        let vcpus = self
+            .slots()
+            .iter()
+            .map(|s| VcpuState::save(&s.fd.lock().unwrap_or_else(|p| p.into_inner())))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(VmState {
+            version: crate::state::STATE_VERSION,
+            mem_bytes: self.memory.size(),
+            num_vcpus: self.config.vcpus,
+            timer_hz: self.config.timer_hz,
+            workload: self.config.workload,
+            vcpus,
+            irqchip: IrqchipState::save(&self.vm_fd)?,
+            io_devices: self.io_bus.save(),
+            mmio_devices: self.mmio_bus.save(),
+        })
+    }
+
+    /// Loads saved state into this VM. The VM must be paused (or not started)
+    /// and of the same shape.
+    pub fn restore_state(&self, state: &VmState) -> Result<(), VmmError> {
+        self.require_stopped_vcpus()?;
+        check_compatible(&self.config, state)?;
+        self.load_state(state)
+    }
+
+    fn load_state(&self, state: &VmState) -> Result<(), VmmError> {
+        // Devices first: their restore is all-or-nothing.
+        self.io_bus.restore(&state.io_devices)?;
+        self.mmio_bus.restore(&state.mmio_devices)?;
+        state.irqchip.restore(&self.vm_fd)?;
+        for (s, v) in self.slots().iter().zip(&state.vcpus) {
+            v.restore(&s.fd.lock().unwrap_or_else(|p| p.into_inner()))?;
+        }
+        Ok(())
+    }
+
+    fn require_stopped_vcpus(&self) -> Result<(), VmmError> {
+        if self.started.load(Relaxed) && !self.run.paused() {
+            let running = self.slots().iter().any(|s| s.thread.as_ref().is_some_and(|t| !t.is_finished()));
+            if running {
+                return Err(VmmError::Vm(self.id, "pause the VM before saving or restoring state".into()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until the VM completes, fails, hangs, or `limit` passes.
+    /// Stops the vCPUs of a VM that did not complete.
+    pub fn wait(&self, limit: Duration) -> VmOutcome {
+        let start = Instant::now();
+        let mut gen = self.control.generation();
+        let mut activity = (self.control.total_beats(), gen);
+        let mut last_alive = Instant::now();
+        let outcome = loop {
+            self.reap();
+            if let Some((cpu, code, info)) = self.control.first_error() {
+                break VmOutcome::GuestError { cpu, code, info, message: describe_error(code, info) };
+            }
+            let stops: Vec<Option<VcpuStop>> = self.slots().iter().map(|s| s.stop.clone()).collect();
+            if let Some((cpu, s)) = stops.iter().enumerate().find_map(|(i, s)| s.as_ref().filter(|s| s.is_crash()).map(|s| (i, s))) {
+                break VmOutcome::Crashed { cpu, message: describe_stop(s) };
+            }
+            if stops.iter().all(|s| *s == Some(VcpuStop::Done)) {
+                break VmOutcome::Completed;
+            }
+            if stops.iter().all(Option::is_some) {
+                break VmOutcome::Stopped;
+            }
+            let now_activity = (self.control.total_beats(), gen);
+            if now_activity != activity || self.run.paused() {
+                activity = now_activity;
+                last_alive = Instant::now();
+            } else if last_alive.elapsed() > self.config.heartbeat_timeout {
+                break VmOutcome::Hung { silent_ms: last_alive.elapsed().as_millis() as u64 };
+            }
+            if start.elapsed() > limit {
+                break VmOutcome::TimedOut { limit_ms: limit.as_millis() as u64 };
+            }
+            gen = self.control.wait_event(gen, Duration::from_millis(50));
+        };
+        if outcome != VmOutcome::Completed {
+            self.stop();
+        }
+        outcome
+    }
+
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    pub fn config(&self) -> &VmConfig {
+        &self.config
+    }
+
+    /// Guest RAM (enumerate regions, map by fd, register with userfaultfd).
+    pub fn memory(&self) -> &GuestMemory {
+        &self.memory
+    }
+
+    /// The KVM VM fd (dirty logging and other VM-wide ioctls).
+    pub fn vm_fd(&self) -> &VmFd {
+        &self.vm_fd
+    }
+
+    /// The control device's shared state.
+    pub fn control(&self) -> &Arc<ControlState> {
+        &self.control
+    }
+
+    pub fn console(&self) -> &Console {
+        &self.console
+    }
+
+    /// A snapshot of the VM for reports.
+    pub fn report(&self) -> VmReport {
+        self.reap();
+        let boot_ms = self.control.workload_start.lock().unwrap_or_else(|p| p.into_inner())[0]
+            .map(|t| t.duration_since(self.created_at).as_secs_f64() * 1e3);
+        VmReport {
+            id: self.id,
+            mem_bytes: self.memory.size(),
+            vcpus: self
+                .slots()
+                .iter()
+                .enumerate()
+                .map(|(cpu, s)| VcpuReport {
+                    cpu,
+                    regs: self.control.vcpus[cpu].snapshot(),
+                    exits: s.stats.snapshot(),
+                    stop: s.stop.clone(),
+                })
+                .collect(),
+            paused: self.run.paused(),
+            boot_ms,
+            unclaimed_io: {
+                let u = self.io_bus.unclaimed();
+                u.reads + u.writes
+            },
+            unclaimed_mmio: {
+                let u = self.mmio_bus.unclaimed();
+                u.reads + u.writes
+            },
+        }
+    }
+}
+
+type MutexGuard<'a> = std::sync::MutexGuard<'a, Vec<VcpuSlot>>;
+
+fn describe_stop(s: &VcpuStop) -> String {
+    match s {
+        VcpuStop::TripleFault { rip } => format!("guest triple fault (last rip {rip:#x})"),
+        VcpuStop::Halted { rip } => format!("guest halted with interrupts off at rip {rip:#x}"),
+        VcpuStop::Internal(m) => m.clone(),
+        other => format!("{other:?}"),
+    }
+}
+
+fn check_compatible(config: &VmConfig, state: &VmState) -> Result<(), VmmError> {
+    if state.num_vcpus != config.vcpus || state.vcpus.len() != config.vcpus as usize {
+        return Err(VmmError::State(format!(
+            "state has {} vCPUs, the VM has {}",
+            state.num_vcpus, config.vcpus
+        )));
+    }
+    if state.mem_bytes != config.mem_bytes {
+        return Err(VmmError::State(format!(
+            "state is for {} bytes of memory, the VM has {}",
+            state.mem_bytes, config.mem_bytes
+        )));
+    }
+    Ok(())
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,521 @@
+//! The ninelives workload engine.
+//!
+//! One deterministic engine, run in two places:
+//!
+//! * inside the VM, in guest ring 3, where the VMM measures its throughput;
+//! * natively on the host (feature `std`, module `native`), to verify the
+//!   guest's digest by replaying the same number of rounds and to measure the
+//!   native throughput the guest's is compared with.
+//!
+//! Everything a workload does is a function of `(params, cpu, rounds)`: the
+//! seed of vCPU `cpu` is [`nl_abi::seed_for_cpu`]`(params.seed, cpu)`, all
+//! randomness comes from a PRNG seeded from it, and the working set starts all
+//! zero. Round 0 is the warm-up round (for `memwrite` it maps the whole
+//! working set); the measured period is rounds 1 and up.
+//!
+//! The workloads (an "op" is what the throughput counts):
+//!
+//! * `memwrite`: op = one 8-byte access to the working set. Round 0 stores
+//!   one word in every 4 KiB page (ops = pages). Later rounds make a fixed
+//!   number of accesses (`MEMWRITE_*_OPS_PER_ROUND`, at most one per word of
+//!   the working set) at addresses from the pattern: sequential, strided
+//!   (every word eventually), random (uniform) or hot/cold (90% in the first
+//!   `hot_pct`% of the pages). Exactly `write_pct` of every 100 consecutive
+//!   accesses are stores, spread evenly; the others are loads folded into the
+//!   digest. [`Workload::finish`] hashes the whole working set.
+//! * `compute`: op = one iteration of four chained multiply/xorshift streams,
+//!   [`COMPUTE_ITERS_PER_ROUND`] per round; no memory traffic.
+//! * `exits`: op = one [`Platform`] call: 32 `port_echo` + 32 `mmio_echo`
+//!   per round plus one `halt` every [`EXITS_HALT_EVERY`]th round; the digest
+//!   folds the values the platform returns.
+//! * `idle`: op = one `halt` per round.
+//!
+//! The crate is `no_std` and allocation-free; the hot loops avoid indirect
+//! calls ([`Platform`] is a generic parameter) and bounds checks where the
+//! index is not provably in range only cost a predictable branch.
+#![no_std]
+#![deny(unsafe_code)]
+
+#[cfg(any(feature = "std", test))]
+extern crate std;
+
+#[cfg(feature = "std")]
+pub mod native;
+
+#[cfg(test)]
+mod tests;
+
+use nl_abi::{
+    WorkloadParams, MAX_MEM_BYTES, PATTERN_HOTCOLD, PATTERN_RANDOM, PATTERN_SEQUENTIAL,
+    PATTERN_STRIDED, WORKLOAD_COMPUTE, WORKLOAD_EXITS, WORKLOAD_IDLE, WORKLOAD_MEMWRITE,
+};
+
+/// What a workload needs from the machine it runs on.
+///
+/// In the guest these are real VM exits; natively (see `native`) they are
+/// emulated, each with one cheap syscall as the analog of an exit.
+pub trait Platform {
+    /// A 32-bit `out` of `v` to the echo port ([`nl_abi::EXITS_PORT`]) then a
+    /// 32-bit `in` from it. A correct device returns `!v`.
+    fn port_echo(&mut self, v: u32) -> u32;
+    /// A 64-bit write of `v` to the control device's SCRATCH register, then a
+    /// read of it. A correct device returns `v`.
+    fn mmio_echo(&mut self, v: u64) -> u64;
+    /// Waits for the next timer tick (`sti; hlt` in the guest).
+    fn halt(&mut self);
+}
+
+/// Bytes in a page: the granularity of the VMM's dirty tracking.
+pub const PAGE_BYTES: u64 = 4096;
+const PAGE_WORDS: usize = (PAGE_BYTES / 8) as usize;
+
+/// memwrite, sequential pattern: accesses per measured round (fewer for a
+/// small working set: at most one access per word of it).
+pub const MEMWRITE_SEQUENTIAL_OPS_PER_ROUND: u64 = 1 << 20;
+/// memwrite, strided pattern (a new cache line, often a new page, per access
+/// but prefetchable): accesses per measured round (fewer for a small working
+/// set: at most one access per word of it).
+pub const MEMWRITE_STRIDED_OPS_PER_ROUND: u64 = 1 << 17;
+/// memwrite, random and hot/cold patterns (mostly cache and TLB misses):
+/// accesses per measured round (fewer for a small working set: at most one
+/// access per word of it).
+pub const MEMWRITE_RANDOM_OPS_PER_ROUND: u64 = 1 << 16;
+/// memwrite hot/cold: percentage of accesses that go to the hot part.
+pub const HOTCOLD_HOT_ACCESS_PCT: u64 = 90;
+/// compute: mixing iterations per round.
+pub const COMPUTE_ITERS_PER_ROUND: u64 = 1 << 19;
+/// exits: `port_echo` calls per round.
+pub const EXITS_PORT_PER_ROUND: u64 = 32;
+/// exits: `mmio_echo` calls per round.
+pub const EXITS_MMIO_PER_ROUND: u64 = 32;
+/// exits: rounds `r` with `r % EXITS_HALT_EVERY == EXITS_HALT_EVERY - 1`
+/// also make one `halt()` call.
+pub const EXITS_HALT_EVERY: u64 = 8;
+
+/// Checks that `params` describe a workload this engine can run.
+pub fn validate(params: &WorkloadParams) -> Result<(), &'static str> {
+    match params.kind {
+        WORKLOAD_MEMWRITE => validate_memwrite(params),
+        WORKLOAD_COMPUTE | WORKLOAD_EXITS | WORKLOAD_IDLE => Ok(()),
+        _ => Err("unknown workload kind"),
+    }
+}
+
+fn validate_memwrite(p: &WorkloadParams) -> Result<(), &'static str> {
+    if p.ws_bytes == 0 {
+        return Err("memwrite: ws_bytes must be nonzero");
+    }
+    if p.ws_bytes % PAGE_BYTES != 0 {
+        return Err("memwrite: ws_bytes must be a multiple of 4096");
+    }
+    if p.ws_bytes > MAX_MEM_BYTES || usize::try_from(p.ws_bytes / 8).is_err() {
+        return Err("memwrite: ws_bytes is larger than the largest guest memory");
+    }
+    if p.write_pct > 100 {
+        return Err("memwrite: write_pct must be at most 100");
+    }
+    match p.pattern {
+        PATTERN_SEQUENTIAL | PATTERN_RANDOM => Ok(()),
+        PATTERN_STRIDED => {
+            if p.stride == 0 {
+                Err("memwrite strided: stride must be nonzero")
+            } else if p.stride % 8 != 0 {
+                Err("memwrite strided: stride must be a multiple of 8")
+            } else if p.stride >= p.ws_bytes {
+                Err("memwrite strided: stride must be smaller than ws_bytes")
+            } else {
+                Ok(())
+            }
+        }
+        PATTERN_HOTCOLD => {
+            if p.hot_pct == 0 || p.hot_pct > 100 {
+                Err("memwrite hotcold: hot_pct must be in 1..=100")
+            } else {
+                Ok(())
+            }
+        }
+        _ => Err("memwrite: unknown pattern"),
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Memwrite,
+    Compute,
+    Exits,
+    Idle,
+}
+
+/// One vCPU's workload: its state between rounds.
+pub struct Workload<'m> {
+    kind: Kind,
+    /// The working set (memwrite only; ignored by the other kinds).
+    mem: &'m mut [u64],
+    seed: u64,
+    rng: u64,
+    /// Running digest: reads (memwrite) or returned echoes (exits).
+    digest: u64,
+    rounds: u64,
+    // memwrite
+    pattern: u64,
+    write_pct: u64,
+    /// Write/read decision accumulator (see [`Mix::access`]).
+    wacc: u64,
+    /// Strided: stride in words (1 for sequential).
+    stride: usize,
+    /// Sequential/strided: next word to access.
+    pos: usize,
+    /// Strided: offset (0..stride) of the current pass over the working set.
+    col: usize,
+    /// Hot/cold: words in the hot part (a whole number of pages).
+    hot_words: usize,
+    /// Accesses per measured round.
+    ops_per_round: u64,
+    // compute
+    lanes: [u64; 4],
+    // exits
+    mismatches: u64,
+}
+
+impl<'m> Workload<'m> {
+    /// Validates params (kind known; memwrite: ws_bytes a nonzero multiple of
+    /// 4096 and == mem.len()*8, write_pct <= 100, pattern known, stride
+    /// multiple of 8 and > 0 and < ws_bytes for strided, hot_pct 1..=100 for
+    /// hotcold).
+    ///
+    /// `mem` is the working set (memwrite) and must be all zero; the other
+    /// kinds ignore it (pass `&mut []`).
+    pub fn new(
+        params: &WorkloadParams,
+        cpu: u64,
+        mem: &'m mut [u64],
+    ) -> Result<Self, &'static str> {
+        validate(params)?;
+        let kind = match params.kind {
+            WORKLOAD_MEMWRITE => Kind::Memwrite,
+            WORKLOAD_COMPUTE => Kind::Compute,
+            WORKLOAD_EXITS => Kind::Exits,
+            _ => Kind::Idle,
+        };
+        let seed = nl_abi::seed_for_cpu(params.seed, cpu);
+        let mut stride = 1;
+        let mut hot_words = 0;
+        let mut ops_per_round = 0;
+        if kind == Kind::Memwrite {
+            if (mem.len() as u64).checked_mul(8) != Some(params.ws_bytes) {
+                return Err("memwrite: the memory slice must be exactly ws_bytes long");
+            }
+            ops_per_round = match params.pattern {
+                PATTERN_SEQUENTIAL => MEMWRITE_SEQUENTIAL_OPS_PER_ROUND,
+                PATTERN_STRIDED => MEMWRITE_STRIDED_OPS_PER_ROUND,
+                _ => MEMWRITE_RANDOM_OPS_PER_ROUND,
+            }
+            .min(mem.len() as u64);
+            if params.pattern == PATTERN_STRIDED {
+                stride = (params.stride / 8) as usize;
+            }
+            if params.pattern == PATTERN_HOTCOLD {
+                let pages = params.ws_bytes / PAGE_BYTES;
+                let hot_pages = (pages * params.hot_pct / 100).max(1);
+                hot_words = hot_pages as usize * PAGE_WORDS;
+            }
+        }
+        let salt = params.kind.wrapping_mul(0xD6E8_FEB8_6659_FD93);
+        let mut lanes = [0u64; 4];
+        for (i, l) in lanes.iter_mut().enumerate() {
+            *l = mix64(seed ^ salt ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        }
+        Ok(Workload {
+            kind,
+            mem,
+            seed,
+            rng: mix64(seed ^ salt ^ 0x5851_F42D_4C95_7F2D),
+            digest: mix64(seed.wrapping_add(salt)),
+            rounds: 0,
+            pattern: params.pattern,
+            write_pct: params.write_pct,
+            wacc: 0,
+            stride,
+            pos: 0,
+            col: 0,
+            hot_words,
+            ops_per_round,
+            lanes,
+            mismatches: 0,
+        })
+    }
+
+    /// Runs one round and returns the ops it did. Round 0 is the warm-up.
+    pub fn round<P: Platform>(&mut self, p: &mut P) -> u64 {
+        let ops = match self.kind {
+            Kind::Memwrite if self.rounds == 0 => self.warm_up(),
+            Kind::Memwrite => self.memwrite_round(),
+            Kind::Compute => self.compute_round(),
+            Kind::Exits => self.exits_round(p),
+            Kind::Idle => {
+                p.halt();
+                1
+            }
+        };
+        self.rounds += 1;
+        ops
+    }
+
+    /// Rounds run so far (warm-up included).
+    pub fn rounds_done(&self) -> u64 {
+        self.rounds
+    }
+
+    /// Echoes (exits workload) whose returned value was not the correct one
+    /// so far: a self-check the guest can report as `ERR_SELF_CHECK`. The
+    /// digest folds the returned values, so it shows the same thing.
+    pub fn echo_mismatches(&self) -> u64 {
+        self.mismatches
+    }
+
+    /// Final digest (folds a sweep over the working set for memwrite).
+    ///
+    /// Does not change the state: calling it twice gives the same value.
+    /// For memwrite it reads the whole working set (about 1 ns per 8 bytes).
+    pub fn finish(&mut self) -> u64 {
+        let mut h = fold(self.digest, mix64(self.rounds ^ 0xA24B_AED4_963E_E407));
+        match self.kind {
+            Kind::Memwrite => h = fold(h, sweep(self.mem)),
+            Kind::Compute => {
+                for l in self.lanes {
+                    h = fold(h, l);
+                }
+            }
+            Kind::Exits | Kind::Idle => {}
+        }
+        mix64(h)
+    }
+
+    /// Round 0 of memwrite: one store in every page, so the whole working
+    /// set is mapped before the measured period. Ops = pages.
+    fn warm_up(&mut self) -> u64 {
+        let mut pages: u64 = 0;
+        for page in self.mem.chunks_exact_mut(PAGE_WORDS) {
+            let h = mix64(self.seed ^ pages.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            page[(h >> 40) as usize & (PAGE_WORDS - 1)] = h | 1;
+            pages += 1;
+        }
+        pages
+    }
+
+    fn memwrite_round(&mut self) -> u64 {
+        // Values written this round: distinct per round and per access, never 0.
+        let wbase = mix64(self.seed ^ self.rounds.wrapping_mul(0xC2B2_AE3D_27D4_EB4F));
+        let ops = self.ops_per_round;
+        match self.pattern {
+            PATTERN_SEQUENTIAL | PATTERN_STRIDED => self.strided(ops as usize, wbase),
+            PATTERN_RANDOM => self.random(ops, wbase),
+            _ => self.hotcold(ops, wbase),
+        }
+        ops
+    }
+
+    /// Sequential (stride 1) and strided accesses: passes over the working
+    /// set at offsets 0, stride, 2*stride, ... then 1, 1+stride, ... so every
+    /// word is hit once every `words` accesses; continues across rounds.
+    fn strided(&mut self, mut left: usize, wbase: u64) {
+        let mut m = self.mix(wbase);
+        let mem = &mut *self.mem;
+        let n = mem.len();
+        let s = self.stride;
+        let (mut pos, mut col) = (self.pos, self.col);
+        while left > 0 {
+            // Accesses left in this pass: pos, pos+s, ... < n.
+            let avail = (n - 1 - pos) / s + 1;
+            let take = avail.min(left);
+            for w in mem[pos..].iter_mut().step_by(s).take(take) {
+                m.access(w);
+            }
+            left -= take;
+            if take == avail {
+                col += 1;
+                if col == s {
+                    col = 0;
+                }
+                pos = col;
+            } else {
+                pos += take * s;
+            }
+        }
+        (self.pos, self.col) = (pos, col);
+        self.unmix(m);
+    }
+
+    /// Uniformly random accesses over the whole working set.
+    fn random(&mut self, ops: u64, wbase: u64) {
+        let mut m = self.mix(wbase);
+        let mem = &mut *self.mem;
+        let n = mem.len();
+        let mut rng = self.rng;
+        for _ in 0..ops {
+            m.access(&mut mem[below(wyrand(&mut rng), n)]);
+        }
+        self.rng = rng;
+        self.unmix(m);
+    }
+
+    /// 90% of the accesses uniform in the hot part (the first hot_pct% of
+    /// the pages), 10% uniform in the rest.
+    fn hotcold(&mut self, ops: u64, wbase: u64) {
+        let mut m = self.mix(wbase);
+        let mem = &mut *self.mem;
+        let hot = self.hot_words;
+        let cold = mem.len() - hot;
+        // With no cold part every access is hot.
+        let hot_thresh = if cold == 0 { 100 } else { HOTCOLD_HOT_ACCESS_PCT };
+        let mut rng = self.rng;
+        for _ in 0..ops {
+            let r = wyrand(&mut rng);
+            // The low half decides hot or cold; `below` depends (almost only)
+            // on the high half.
+            let (base, len) =
+                if pct_of(r & 0xFFFF_FFFF) < hot_thresh { (0, hot) } else { (hot, cold) };
+            m.access(&mut mem[base + below(r, len)]);
+        }
+        self.rng = rng;
+        self.unmix(m);
+    }
+
+    fn mix(&self, wbase: u64) -> Mix {
+        Mix { acc: self.wacc, pct: self.write_pct, v: wbase, d: self.digest }
+    }
+
+    fn unmix(&mut self, m: Mix) {
+        (self.wacc, self.digest) = (m.acc, m.d);
+    }
+
+    fn compute_round(&mut self) -> u64 {
+        let mut l = self.lanes;
+        let base = self.rounds.wrapping_mul(COMPUTE_ITERS_PER_ROUND);
+        for k in 0..COMPUTE_ITERS_PER_ROUND {
+            let i = base.wrapping_add(k);
+            // Four independent multiply/xorshift chains keep the multiplier
+            // busy; the counter keeps 0 from being a fixed point.
+            l[0] = (l[0] ^ (l[0] >> 29) ^ i).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            l[1] = (l[1] ^ (l[1] >> 31) ^ i).wrapping_mul(0x94D0_49BB_1331_11EB);
+            l[2] = (l[2] ^ (l[2] >> 27) ^ i).wrapping_mul(0xD6E8_FEB8_6659_FD93);
+            l[3] = (l[3] ^ (l[3] >> 33) ^ i).wrapping_mul(0xFF51_AFD7_ED55_8CCD);
+        }
+        // Cross the lanes once per round.
+        l = [
+            l[0] ^ l[3].rotate_left(17),
+            l[1] ^ l[0].rotate_left(29),
+            l[2] ^ l[1].rotate_left(41),
+            l[3] ^ l[2].rotate_left(53),
+        ];
+        self.lanes = core::hint::black_box(l);
+        COMPUTE_ITERS_PER_ROUND
+    }
+
+    fn exits_round<P: Platform>(&mut self, p: &mut P) -> u64 {
+        let (mut rng, mut d, mut bad) = (self.rng, self.digest, 0);
+        for _ in 0..EXITS_PORT_PER_ROUND.max(EXITS_MMIO_PER_ROUND) {
+            let v = wyrand(&mut rng);
+            let a = p.port_echo(v as u32);
+            bad += u64::from(a != !(v as u32));
+            d = fold(d, u64::from(a));
+            let b = p.mmio_echo(v.rotate_left(32) ^ self.rounds);
+            bad += u64::from(b != v.rotate_left(32) ^ self.rounds);
+            d = fold(d, b);
+        }
+        let mut ops = EXITS_PORT_PER_ROUND + EXITS_MMIO_PER_ROUND;
+        if self.rounds % EXITS_HALT_EVERY == EXITS_HALT_EVERY - 1 {
+            p.halt();
+            ops += 1;
+        }
+        (self.rng, self.digest) = (rng, d);
+        self.mismatches += bad;
+        ops
+    }
+}
+
+/// The read/write mix of memwrite, kept in registers during a round.
+struct Mix {
+    /// Accumulator: an access is a write when adding `pct` carries past 100,
+    /// so exactly `pct` of every 100 consecutive accesses are writes, evenly
+    /// spread (a pattern the branch predictor can follow, unlike a coin flip).
+    acc: u64,
+    pct: u64,
+    /// Last value written.
+    v: u64,
+    /// Running digest.
+    d: u64,
+}
+
+impl Mix {
+    /// One memwrite access to `w`: a write of the next value (never 0), or a
+    /// read folded into the digest.
+    #[inline(always)]
+    fn access(&mut self, w: &mut u64) {
+        self.acc += self.pct;
+        if self.acc >= 100 {
+            self.acc -= 100;
+            self.v = self.v.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            *w = self.v | 1;
+        } else {
+            self.d = fold(self.d, *w);
+        }
+    }
+}
+
+/// Maps a 32-bit value uniformly onto 0..100.
+#[inline(always)]
+fn pct_of(x32: u64) -> u64 {
+    (x32 * 100) >> 32
+}
+
+/// Maps `r` onto 0..n (Lemire's multiply-shift; no division).
+#[inline(always)]
+fn below(r: u64, n: usize) -> usize {
+    ((u128::from(r) * n as u128) >> 64) as usize
+}
+
+/// wyrand: a fast 64-bit PRNG (one 64x64->128 multiply per output).
+#[inline(always)]
+fn wyrand(s: &mut u64) -> u64 {
+    *s = s.wrapping_add(0xA076_1D64_78BD_642F);
+    let t = u128::from(*s) * u128::from(*s ^ 0xE703_7ED1_A0B4_28DB);
+    (t >> 64) as u64 ^ t as u64
+}
+
+/// Folds `v` into the running hash `d`: a bijection of `d` for a fixed `v`
+/// and of `v` for a fixed `d`, so any single changed input changes `d`.
+#[inline(always)]
+fn fold(d: u64, v: u64) -> u64 {
+    (d ^ v).wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(23)
+}
+
+/// The splitmix64 finalizer.
+#[inline]
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Order-sensitive hash of the whole working set, eight lanes wide.
+fn sweep(mem: &[u64]) -> u64 {
+    let mut a = [0u64; 8];
+    for (i, l) in a.iter_mut().enumerate() {
+        *l = mix64(i as u64 + 1);
+    }
+    let mut chunks = mem.chunks_exact(8);
+    for c in &mut chunks {
+        for (l, w) in a.iter_mut().zip(c) {
+            *l = fold(*l, *w);
+        }
+    }
+    let mut h = mix64(mem.len() as u64);
+    for w in chunks.remainder() {
+        h = fold(h, *w);
+    }
+    for l in a {
+        h = fold(h, l);
+    }
+    mix64(h)
+}

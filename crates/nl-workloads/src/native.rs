@@ -1,0 +1,143 @@
+//! Host side: the workloads run natively, to verify a guest's digest
+//! ([`replay`]) and to measure the native baseline ([`run_for`]).
+
+use std::time::{Duration, Instant};
+use std::vec::Vec;
+
+use nl_abi::{WorkloadParams, WORKLOAD_MEMWRITE};
+
+use crate::{validate, Platform, Workload};
+
+/// The native stand-in for the VM's devices: correct echoes, each with one
+/// cheap real syscall (`getppid`) as the analog of a VM exit; `halt()` sleeps
+/// one timer tick.
+#[derive(Clone, Copy, Debug)]
+pub struct NativePlatform {
+    /// Sleep of one `halt()`; `None` (timer_hz 0) returns at once.
+    tick: Option<Duration>,
+}
+
+impl NativePlatform {
+    /// `timer_hz` is the guest timer rate: `halt()` sleeps `1 / timer_hz`
+    /// seconds. 0 makes `halt()` return at once.
+    pub fn new(timer_hz: u64) -> Self {
+        let tick = (timer_hz > 0).then(|| Duration::from_nanos(1_000_000_000 / timer_hz));
+        NativePlatform { tick }
+    }
+}
+
+#[allow(unsafe_code)]
+#[inline]
+fn exit_analog() {
+    // SAFETY: getppid takes no arguments, touches no memory of ours and
+    // cannot fail.
+    let ppid = unsafe { libc::getppid() };
+    core::hint::black_box(ppid);
+}
+
+impl Platform for NativePlatform {
+    fn port_echo(&mut self, v: u32) -> u32 {
+        exit_analog();
+        !v
+    }
+
+    fn mmio_echo(&mut self, v: u64) -> u64 {
+        exit_analog();
+        v
+    }
+
+    fn halt(&mut self) {
+        if let Some(tick) = self.tick {
+            std::thread::sleep(tick);
+        }
+    }
+}
+
+/// Result of a native run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Replay {
+    /// `Workload::finish()` after the last round.
+    pub digest: u64,
+    /// Ops of round 0 (the warm-up).
+    pub warmup_ops: u64,
+    /// Ops of rounds 1.. (the measured period).
+    pub ops: u64,
+    /// Wall time of rounds 1.. only, in nanoseconds.
+    pub measured_ns: u64,
+    /// Rounds run, warm-up included.
+    pub rounds: u64,
+}
+
+impl Replay {
+    /// Ops per second over the measured period (0 if nothing was measured).
+    pub fn ops_per_sec(&self) -> f64 {
+        if self.measured_ns == 0 {
+            0.0
+        } else {
+            self.ops as f64 * 1e9 / self.measured_ns as f64
+        }
+    }
+}
+
+/// A zeroed working set for `params` (empty unless memwrite). Zeroed
+/// allocation maps pages lazily, so the warm-up round faults them in just as
+/// in the guest.
+fn working_set(params: &WorkloadParams) -> Vec<u64> {
+    if params.kind == WORKLOAD_MEMWRITE {
+        std::vec![0u64; (params.ws_bytes / 8) as usize]
+    } else {
+        Vec::new()
+    }
+}
+
+/// Runs exactly `rounds` rounds (round 0, the warm-up, included) of vCPU
+/// `cpu`'s workload natively and returns its digest, which must equal the
+/// guest's after the same number of rounds.
+pub fn replay(
+    params: &WorkloadParams,
+    cpu: u64,
+    rounds: u64,
+    timer_hz: u64,
+) -> Result<Replay, &'static str> {
+    run(params, cpu, timer_hz, |_, done| done < rounds)
+}
+
+/// Runs the warm-up round, then measured rounds until `duration` has
+/// elapsed (at least one): the native throughput baseline.
+pub fn run_for(
+    params: &WorkloadParams,
+    cpu: u64,
+    duration: Duration,
+    timer_hz: u64,
+) -> Result<Replay, &'static str> {
+    run(params, cpu, timer_hz, |elapsed, done| done < 2 || elapsed < duration)
+}
+
+/// Runs rounds while `more(time since the measured period started, rounds
+/// done)` says so.
+fn run(
+    params: &WorkloadParams,
+    cpu: u64,
+    timer_hz: u64,
+    mut more: impl FnMut(Duration, u64) -> bool,
+) -> Result<Replay, &'static str> {
+    validate(params)?;
+    let mut mem = working_set(params);
+    let mut wl = Workload::new(params, cpu, &mut mem)?;
+    let mut plat = NativePlatform::new(timer_hz);
+    let mut warmup_ops = 0;
+    if more(Duration::ZERO, 0) {
+        warmup_ops = wl.round(&mut plat);
+    }
+    let mut ops = 0;
+    let start = Instant::now();
+    let mut elapsed = Duration::ZERO;
+    while more(elapsed, wl.rounds_done()) {
+        ops += wl.round(&mut plat);
+        elapsed = start.elapsed();
+    }
+    let measured_ns = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+    let rounds = wl.rounds_done();
+    let digest = wl.finish();
+    Ok(Replay { digest, warmup_ops, ops, measured_ns, rounds })
+}

@@ -1,0 +1,267 @@
+//! The ninelives reference guest's user program (ring 3, native speed on PVM).
+//!
+//! Runs the vCPU's workload from `nl-workloads` over its working set and
+//! reports to the VMM through the vCPU's control-device block (MMIO, 64-bit
+//! volatile accesses): PHASE_WORKLOAD_START first of all, the warm-up round,
+//! PHASE_MEASURE_START, measured rounds for `duration_ms` with a heartbeat at
+//! least every HEARTBEAT_MS, then OPS, CYCLES, ROUNDS, DIGEST, PHASE_DONE and
+//! SYS_EXIT.
+//!
+//! Entered by the kernel's `iretq` with RDI = vCPU index, RSI = boot info,
+//! RSP = this vCPU's user stack top.
+#![no_std]
+#![no_main]
+
+use core::arch::{asm, global_asm};
+use core::fmt::{self, Write};
+use core::ptr::{read_volatile, write_volatile};
+
+use nl_abi::{
+    control_reg, reg, BootInfo, BOOT_MAGIC, BOOT_VERSION, ERR_BAD_BOOT_INFO, ERR_USER_PANIC,
+    EXITS_PORT, HEARTBEAT_MS, PHASE_DONE, PHASE_MEASURE_START, PHASE_WORKLOAD_START, SYS_EXIT,
+    SYS_HALT, SYS_OUTL, USER_STACKS_GPA, USER_STACK_SIZE, WORKLOAD_MEMWRITE,
+};
+use nl_workloads::{Platform, Workload};
+
+mod mem;
+
+// The stack top is 16-byte aligned; `call` gives `main` the ABI's alignment.
+global_asm!(
+    r#"
+    .section .text.entry, "ax"
+    .global _start
+_start:
+    and rsp, -16
+    call {main}
+    ud2
+    "#,
+    main = sym main,
+);
+
+/// Writes control-device register `r` of vCPU `cpu`.
+#[inline(always)]
+fn ctl_write(cpu: u64, r: u64, value: u64) {
+    // SAFETY: the control device page is mapped user-accessible by the VMM;
+    // each vCPU only uses its own block.
+    unsafe { write_volatile(control_reg(cpu, r) as *mut u64, value) }
+}
+
+/// Reads control-device register `r` of vCPU `cpu`.
+#[inline(always)]
+fn ctl_read(cpu: u64, r: u64) -> u64 {
+    // SAFETY: as for `ctl_write`.
+    unsafe { read_volatile(control_reg(cpu, r) as *const u64) }
+}
+
+#[inline(always)]
+fn rdtsc() -> u64 {
+    let lo: u32;
+    let hi: u32;
+    // SAFETY: rdtsc has no side effects (CR4.TSD is clear).
+    unsafe {
+        asm!("rdtsc", out("eax") lo, out("edx") hi, options(nomem, nostack, preserves_flags))
+    };
+    (u64::from(hi) << 32) | u64::from(lo)
+}
+
+/// RFLAGS.IOPL = 3.
+const RFLAGS_IOPL3: u64 = 3 << 12;
+
+/// Current RFLAGS. On PVM the hardware runs ring 3 with IOPL 0 whatever the
+/// kernel asked for, so the guest checks before using `in`/`out` directly.
+#[inline(always)]
+fn rflags() -> u64 {
+    let f: u64;
+    // SAFETY: pushfq/pop only touch the stack slot they use.
+    unsafe { asm!("pushfq", "pop {}", out(reg) f, options(nomem, preserves_flags)) };
+    f
+}
+
+/// A syscall with up to two arguments, made with `int3`: on the PVM backend
+/// `syscall` from ring 3 does not reach a plain (non-PVM-aware) kernel, while
+/// `int3` through the kernel's DPL-3 gate at vector 3 does, on every backend.
+/// The kernel clobbers RDX.
+#[inline(always)]
+fn syscall2(nr: u64, a0: u64, a1: u64) -> u64 {
+    let ret: u64;
+    // SAFETY: the kernel's syscalls touch no user memory (the interrupt frame
+    // goes on the kernel stack).
+    unsafe {
+        asm!(
+            "int3",
+            inlateout("rax") nr => ret,
+            in("rdi") a0,
+            in("rsi") a1,
+            lateout("rdx") _,
+            options(nostack),
+        );
+    }
+    ret
+}
+
+/// Ends this vCPU's run (the kernel parks it).
+fn exit() -> ! {
+    syscall2(SYS_EXIT, 0, 0);
+    // SYS_EXIT does not return; should it ever, fault visibly.
+    loop {
+        // SAFETY: ud2 just raises #UD, which the kernel reports.
+        unsafe { asm!("ud2", options(nomem, nostack)) };
+    }
+}
+
+/// Reports a fatal error to the VMM and exits.
+fn fail(cpu: u64, error: u64, info: u64) -> ! {
+    ctl_write(cpu, reg::ERROR_INFO, info);
+    ctl_write(cpu, reg::ERROR, error);
+    exit()
+}
+
+/// The machine as the workload engine sees it from guest ring 3.
+struct Guest {
+    cpu: u64,
+    /// Ring 3 runs with IOPL 3 and may use `in`/`out` itself (BootInfo asked
+    /// for it and RFLAGS shows it).
+    iopl: bool,
+}
+
+impl Platform for Guest {
+    #[inline(always)]
+    fn port_echo(&mut self, v: u32) -> u32 {
+        if self.iopl {
+            let r: u32;
+            // SAFETY: IOPL 3 allows port I/O in ring 3; the echo port has no
+            // other effect.
+            unsafe {
+                asm!(
+                    "out dx, eax",
+                    "in eax, dx",
+                    in("dx") EXITS_PORT,
+                    inlateout("eax") v => r,
+                    options(nomem, nostack, preserves_flags),
+                );
+            }
+            r
+        } else {
+            // Without IOPL the `in` cannot be done; the kernel does the `out`
+            // and the result is what a correct device would return.
+            syscall2(SYS_OUTL, u64::from(EXITS_PORT), u64::from(v));
+            !v
+        }
+    }
+
+    #[inline(always)]
+    fn mmio_echo(&mut self, v: u64) -> u64 {
+        ctl_write(self.cpu, reg::SCRATCH, v);
+        ctl_read(self.cpu, reg::SCRATCH)
+    }
+
+    #[inline(always)]
+    fn halt(&mut self) {
+        syscall2(SYS_HALT, 0, 0);
+    }
+}
+
+extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
+    ctl_write(cpu, reg::PHASE, PHASE_WORKLOAD_START);
+
+    // SAFETY: the boot info page is mapped read-only for ring 3 and never
+    // changes while the guest runs.
+    let boot = unsafe { &*boot };
+    if boot.magic != BOOT_MAGIC || boot.version != BOOT_VERSION {
+        fail(cpu, ERR_BAD_BOOT_INFO, boot.magic);
+    }
+    let params = boot.workload;
+
+    // The working set: only memwrite uses it, the other kinds get none.
+    let ws: &mut [u64] = if params.kind == WORKLOAD_MEMWRITE {
+        let base = boot.ws_base(cpu);
+        let end = base.checked_add(params.ws_bytes);
+        if end.is_none_or(|end| base < boot.heap_start || end > boot.heap_end) {
+            fail(cpu, ERR_BAD_BOOT_INFO, base);
+        }
+        // SAFETY: [base, base + ws_bytes) is inside the user heap, mapped
+        // user-writable, and vCPU `cpu`'s alone.
+        unsafe { core::slice::from_raw_parts_mut(base as *mut u64, (params.ws_bytes / 8) as usize) }
+    } else {
+        &mut []
+    };
+    let mut w = match Workload::new(&params, cpu, ws) {
+        Ok(w) => w,
+        Err(e) => {
+            print(cpu, format_args!("workload rejected: {e}\n"));
+            fail(cpu, ERR_BAD_BOOT_INFO, params.kind)
+        }
+    };
+    let mut platform =
+        Guest { cpu, iopl: boot.user_iopl != 0 && rflags() & RFLAGS_IOPL3 == RFLAGS_IOPL3 };
+
+    // Warm-up round (maps the working set).
+    let warmup = w.round(&mut platform);
+    ctl_write(cpu, reg::WARMUP_OPS, warmup);
+
+    // Measured period.
+    let khz = boot.tsc_khz;
+    let duration = params.duration_ms.saturating_mul(khz);
+    let heartbeat = HEARTBEAT_MS.saturating_mul(khz);
+    ctl_write(cpu, reg::PHASE, PHASE_MEASURE_START);
+    let start = rdtsc();
+    let mut now = start;
+    let mut last_beat = start;
+    let mut ops = 0u64;
+    while now.wrapping_sub(start) < duration {
+        ops = ops.wrapping_add(w.round(&mut platform));
+        now = rdtsc();
+        if now.wrapping_sub(last_beat) >= heartbeat {
+            ctl_write(cpu, reg::HEARTBEAT, ops);
+            last_beat = now;
+        }
+    }
+    let cycles = now.wrapping_sub(start);
+
+    let digest = w.finish();
+    ctl_write(cpu, reg::OPS, ops);
+    ctl_write(cpu, reg::CYCLES, cycles);
+    ctl_write(cpu, reg::ROUNDS, w.rounds_done());
+    ctl_write(cpu, reg::DIGEST, digest);
+    ctl_write(cpu, reg::PHASE, PHASE_DONE);
+    exit()
+}
+
+/// Console output through the control device's PRINT register (one MMIO
+/// exit per byte: for diagnostics only).
+struct Console(u64);
+
+impl Write for Console {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        for b in s.bytes() {
+            ctl_write(self.0, reg::PRINT, u64::from(b));
+        }
+        Ok(())
+    }
+}
+
+fn print(cpu: u64, args: fmt::Arguments) {
+    let _ = Console(cpu).write_fmt(args);
+}
+
+/// This vCPU's index, from the user stack the stack pointer is in (the
+/// image is shared by all vCPUs, so it has no per-vCPU globals).
+fn current_cpu() -> u64 {
+    let rsp: u64;
+    // SAFETY: reads RSP only.
+    unsafe { asm!("mov {}, rsp", out(reg) rsp, options(nomem, nostack, preserves_flags)) };
+    rsp.wrapping_sub(USER_STACKS_GPA) / USER_STACK_SIZE
+}
+
+#[panic_handler]
+fn panic(info: &core::panic::PanicInfo) -> ! {
+    let cpu = current_cpu();
+    print(cpu, format_args!("guest user panic: {info}\n"));
+    let line = info.location().map_or(0, |l| u64::from(l.line()));
+    fail(cpu, ERR_USER_PANIC, line)
+}
+
+/// Referenced by the precompiled `core` when it is not optimized away (dev
+/// builds without LTO); never called, since panics abort.
+#[no_mangle]
+extern "C" fn rust_eh_personality() {}
