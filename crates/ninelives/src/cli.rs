@@ -5,7 +5,11 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Parser, Debug)]
-#[command(name = "ninelives", version, about = "A KVM virtual machine monitor built to keep its guests alive through faults.")]
+#[command(
+    name = "ninelives",
+    version,
+    about = "A KVM virtual machine monitor built to keep its guests alive through faults."
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,
@@ -29,7 +33,9 @@ impl Default for Command {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Default, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Default, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum WorkloadName {
     /// Writes and reads a working set (the dirtying patterns checkpointing depends on).
@@ -43,7 +49,9 @@ pub enum WorkloadName {
     Idle,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Default, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Default, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum PatternName {
     Sequential,

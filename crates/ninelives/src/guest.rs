@@ -66,7 +66,9 @@ pub fn workload_params(w: &WorkloadArgs, duration_secs: f64) -> Result<WorkloadP
 /// Reads `--kernel`, or returns the embedded reference kernel.
 pub fn kernel_image(m: &MachineArgs) -> Result<Arc<Vec<u8>>> {
     Ok(Arc::new(match &m.kernel {
-        Some(p) => std::fs::read(p).with_context(|| format!("cannot read --kernel {}", p.display()))?,
+        Some(p) => {
+            std::fs::read(p).with_context(|| format!("cannot read --kernel {}", p.display()))?
+        }
         None => nl_guest::KERNEL_ELF.to_vec(),
     }))
 }

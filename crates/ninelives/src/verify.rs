@@ -40,11 +40,20 @@ pub fn verify_vcpus(
     })
 }
 
-fn verify_one(params: &WorkloadParams, cpu: u64, r: &VcpuRegsSnapshot, tsc_khz: u64) -> VcpuVerdict {
+fn verify_one(
+    params: &WorkloadParams,
+    cpu: u64,
+    r: &VcpuRegsSnapshot,
+    tsc_khz: u64,
+) -> VcpuVerdict {
     let secs = if tsc_khz > 0 { r.cycles as f64 / (tsc_khz as f64 * 1e3) } else { 0.0 };
     let ops_per_sec = if secs > 0.0 { r.ops as f64 / secs } else { 0.0 };
     if r.phase != nl_abi::PHASE_DONE {
-        return VcpuVerdict { digest_ok: false, ops_per_sec, problem: Some("workload did not finish".into()) };
+        return VcpuVerdict {
+            digest_ok: false,
+            ops_per_sec,
+            problem: Some("workload did not finish".into()),
+        };
     }
     // Halts cost nothing on the host when verifying: timer_hz = 0.
     match nl_workloads::native::replay(params, cpu, r.rounds, 0) {

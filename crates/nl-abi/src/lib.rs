@@ -102,7 +102,14 @@ pub struct PerCpu {
 }
 
 // ---------------------------------------------------------------------------
-// Syscalls: `syscall` with the number in RAX, arguments in RDI, RSI; result in RAX.
+// Syscalls: number in RAX, arguments in RDI, RSI; result in RAX.
+//
+// Ring 3 enters the kernel with `int3` (vector 3 is a DPL-3 gate into the
+// syscall entry): on PVM the `syscall` instruction from guest ring 3 does not
+// switch to ring 0, and `int 0x80` raises #UD, while exceptions through the IDT
+// work. The `syscall` path (LSTAR/STAR/FMASK) is also set up for VMX/SVM.
+// PVM also runs ring 3 with IOPL 0 whatever RFLAGS asks, so the user program
+// checks its IOPL and falls back to SYS_OUTL for port output.
 // ---------------------------------------------------------------------------
 
 /// Wait (sti; hlt) until the next interrupt, then return to the caller.

@@ -207,10 +207,9 @@ mod tests {
             serde_json::json!(self.v)
         }
         fn restore(&mut self, s: &serde_json::Value) -> Result<(), BusError> {
-            self.v = s.as_u64().ok_or(BusError::BadState {
-                name: self.name.into(),
-                why: "not a number".into(),
-            })?;
+            self.v = s
+                .as_u64()
+                .ok_or(BusError::BadState { name: self.name.into(), why: "not a number".into() })?;
             Ok(())
         }
     }

@@ -143,13 +143,38 @@ impl ControlState {
 /// Describes a guest error code for humans.
 pub fn describe_error(code: u64, info: u64) -> String {
     const NAMES: [&str; 32] = [
-        "divide error", "debug", "NMI", "breakpoint", "overflow", "bound range",
-        "invalid opcode", "device not available", "double fault", "coprocessor overrun",
-        "invalid TSS", "segment not present", "stack fault", "general protection",
-        "page fault", "reserved", "x87 error", "alignment check", "machine check",
-        "SIMD error", "virtualization", "control protection", "reserved", "reserved",
-        "reserved", "reserved", "reserved", "reserved", "hypervisor injection",
-        "VMM communication", "security", "reserved",
+        "divide error",
+        "debug",
+        "NMI",
+        "breakpoint",
+        "overflow",
+        "bound range",
+        "invalid opcode",
+        "device not available",
+        "double fault",
+        "coprocessor overrun",
+        "invalid TSS",
+        "segment not present",
+        "stack fault",
+        "general protection",
+        "page fault",
+        "reserved",
+        "x87 error",
+        "alignment check",
+        "machine check",
+        "SIMD error",
+        "virtualization",
+        "control protection",
+        "reserved",
+        "reserved",
+        "reserved",
+        "reserved",
+        "reserved",
+        "reserved",
+        "hypervisor injection",
+        "VMM communication",
+        "security",
+        "reserved",
     ];
     match code {
         c if (nl_abi::ERR_EXCEPTION_BASE..nl_abi::ERR_EXCEPTION_BASE + 256).contains(&c) => {
@@ -248,7 +273,11 @@ impl Device for ControlDevice {
         if regs.len() != self.state.vcpus.len() {
             return Err(BusError::BadState {
                 name: "control".into(),
-                why: format!("{} vCPU blocks saved, {} present", regs.len(), self.state.vcpus.len()),
+                why: format!(
+                    "{} vCPU blocks saved, {} present",
+                    regs.len(),
+                    self.state.vcpus.len()
+                ),
             });
         }
         for (r, s) in self.state.vcpus.iter().zip(&regs) {

@@ -35,7 +35,10 @@ impl Device for EchoPort {
         let last: Vec<u32> = serde_json::from_value(state.clone())
             .map_err(|e| BusError::BadState { name: "echo".into(), why: e.to_string() })?;
         if last.len() != self.last.len() {
-            return Err(BusError::BadState { name: "echo".into(), why: "vCPU count differs".into() });
+            return Err(BusError::BadState {
+                name: "echo".into(),
+                why: "vCPU count differs".into(),
+            });
         }
         self.last = last;
         Ok(())

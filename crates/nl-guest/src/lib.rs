@@ -3,17 +3,27 @@
 //! `build.rs` builds the `guest/` workspace (a `no_std` ring-0 kernel and the
 //! ring-3 program that runs the `nl-workloads` engine) and this crate exposes
 //! the two static ELF executables. The VMM loads their `PT_LOAD` segments at
-//! their physical addresses ([`nl_abi`]'s layout: the kernel at
+//! their physical addresses (`nl_abi`'s layout: the kernel at
 //! `KERNEL_BASE`, the user program at `USER_BASE`), starts every vCPU at the
 //! kernel's entry point and puts the user program's entry point in
 //! `BootInfo::user_entry`.
 //!
-//! Guest-side conventions the VMM can rely on (see guest/kernel): the kernel
-//! fills IDT gates 0..=31, TIMER_VECTOR and SPURIOUS_VECTOR, reports
-//! exceptions as `ERR_EXCEPTION_BASE + vector`, writes `PHASE_KERNEL_UP`,
-//! and enters ring 3; the user program writes `PHASE_WORKLOAD_START` first.
-//! On PVM, ring 3 runs with IOPL 0 whatever `BootInfo::user_iopl` says; the
-//! user program notices and falls back to `SYS_OUTL`.
+//! What the VMM can rely on (see guest/kernel and guest/user):
+//! * the kernel fills IDT gates 0..=31, TIMER_VECTOR and SPURIOUS_VECTOR,
+//!   reports any exception as `ERR_EXCEPTION_BASE + vector` (ERROR_INFO =
+//!   RIP), writes `PHASE_KERNEL_UP`, and enters ring 3; the user program
+//!   writes `PHASE_WORKLOAD_START` first, then the sequence of `nl_abi::reg`.
+//! * After `PHASE_DONE` (or any ERROR) the vCPU parks with `cli; hlt`, so
+//!   with an in-kernel LAPIC KVM_RUN does not return on its own.
+//! * Syscalls from ring 3 use `int3` (vector 3 is a DPL-3 gate): on PVM
+//!   `syscall` from ring 3 does not reach a non-PVM-aware kernel and `int n`
+//!   raises #UD. The `syscall` entry is still programmed (LSTAR) for
+//!   hardware-assisted backends.
+//! * On PVM, ring 3 runs with IOPL 0 whatever `BootInfo::user_iopl` says;
+//!   the user program checks RFLAGS and falls back to `SYS_OUTL` (the echo
+//!   port then sees only the `out`).
+//! * No heartbeats during the warm-up round (one engine round: for a large
+//!   memwrite working set, about 8 µs per page on PVM).
 #![no_std]
 
 /// The guest kernel (ring 0): static, `ET_EXEC`, linked at `KERNEL_BASE`.

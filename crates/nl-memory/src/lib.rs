@@ -25,7 +25,9 @@ pub type GuestMem = GuestMemoryMmap<()>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MemoryError {
-    #[error("guest memory of {got} bytes is too small: the reference layout needs at least {min} bytes")]
+    #[error(
+        "guest memory of {got} bytes is too small: the reference layout needs at least {min} bytes"
+    )]
     TooSmall { got: u64, min: u64 },
     #[error("guest memory of {got} bytes is too large: at most {max} bytes are supported")]
     TooLarge { got: u64, max: u64 },
@@ -84,7 +86,7 @@ impl GuestMemory {
         if mem_bytes > nl_abi::MAX_MEM_BYTES {
             return Err(MemoryError::TooLarge { got: mem_bytes, max: nl_abi::MAX_MEM_BYTES });
         }
-        if mem_bytes % 4096 != 0 {
+        if !mem_bytes.is_multiple_of(4096) {
             return Err(MemoryError::Unaligned(mem_bytes));
         }
         Ok(())
@@ -140,11 +142,10 @@ impl GuestMemory {
     /// the same memfd. Accesses outside the window fail, which makes it a safe
     /// target for loading untrusted images into a fixed range.
     pub fn window(&self, gpa: u64, size: u64) -> Result<GuestMem, MemoryError> {
-        let region = self
-            .regions
-            .iter()
-            .find(|r| gpa >= r.gpa && gpa + size <= r.gpa + r.size)
-            .ok_or_else(|| MemoryError::Map(format!("window {gpa:#x}+{size:#x} is not inside RAM")))?;
+        let region =
+            self.regions.iter().find(|r| gpa >= r.gpa && gpa + size <= r.gpa + r.size).ok_or_else(
+                || MemoryError::Map(format!("window {gpa:#x}+{size:#x} is not inside RAM")),
+            )?;
         let info = RegionInfo { gpa, size, fd_offset: region.fd_offset + (gpa - region.gpa) };
         map_regions(&self.fd, &[info])
     }

@@ -2,7 +2,7 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum VmmError {
-    #[error("cannot open /dev/kvm ({0}): ninelives needs KVM; check that the kvm module is loaded and /dev/kvm is accessible")]
+    #[error("cannot open the KVM device ({0}): ninelives needs KVM; check that a kvm module is loaded and /dev/kvm is accessible")]
     NoKvm(String),
     #[error("{0}")]
     Config(String),

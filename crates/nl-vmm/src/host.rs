@@ -56,7 +56,11 @@ fn state_of(h: &HostedVm) -> String {
 
 impl Host {
     pub fn new() -> Result<Arc<Self>, VmmError> {
-        Ok(Arc::new(Self { kvm: crate::open_kvm()?, vms: Mutex::default(), next_id: AtomicU32::new(0) }))
+        Ok(Arc::new(Self {
+            kvm: crate::open_kvm()?,
+            vms: Mutex::default(),
+            next_id: AtomicU32::new(0),
+        }))
     }
 
     fn vms(&self) -> MutexGuard<'_, BTreeMap<u32, Arc<HostedVm>>> {
@@ -74,9 +78,8 @@ impl Host {
         vm.start()?;
         let outcome = Arc::new(Mutex::new(None));
         let (v, o) = (vm.clone(), outcome.clone());
-        let monitor = std::thread::Builder::new()
-            .name(format!("vm{id}-monitor"))
-            .spawn(move || {
+        let monitor =
+            std::thread::Builder::new().name(format!("vm{id}-monitor")).spawn(move || {
                 let r = v.wait(Duration::from_secs(u64::from(u32::MAX)));
                 *o.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
             })?;

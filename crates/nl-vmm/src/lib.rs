@@ -14,7 +14,6 @@
 //! [`vm::Vm::save_state`], [`vm::Vm::restore_state`], [`vm::Vm::memory`] and
 //! the device bus.
 
-
 pub mod api;
 pub mod config;
 pub mod error;
@@ -30,7 +29,14 @@ pub use config::VmConfig;
 pub use error::VmmError;
 pub use vm::{Vm, VmOutcome};
 
-/// Opens /dev/kvm with a clear error when it is missing or not usable.
+/// Environment variable naming another KVM device node than /dev/kvm.
+pub const KVM_DEVICE_ENV: &str = "NINELIVES_KVM_DEVICE";
+
+/// Opens /dev/kvm (or `$NINELIVES_KVM_DEVICE`) with a clear error when it is
+/// missing or not usable.
 pub fn open_kvm() -> Result<kvm_ioctls::Kvm, VmmError> {
-    kvm_ioctls::Kvm::new().map_err(|e| VmmError::NoKvm(e.to_string()))
+    let path = std::env::var(KVM_DEVICE_ENV).unwrap_or_else(|_| "/dev/kvm".into());
+    let c = std::ffi::CString::new(path.clone())
+        .map_err(|_| VmmError::NoKvm(format!("{path}: invalid path")))?;
+    kvm_ioctls::Kvm::new_with_path(&c).map_err(|e| VmmError::NoKvm(format!("{path}: {e}")))
 }

@@ -5,9 +5,9 @@
 //! not part of it; it stays in the memfd.
 
 use kvm_bindings::{
-    kvm_clock_data, kvm_irqchip, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_regs,
-    kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave, Msrs, KVM_IRQCHIP_IOAPIC,
-    KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
+    kvm_clock_data, kvm_irqchip, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_regs, kvm_sregs,
+    kvm_vcpu_events, kvm_xcrs, kvm_xsave, Msrs, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER,
+    KVM_IRQCHIP_PIC_SLAVE,
 };
 use kvm_ioctls::{VcpuFd, VmFd};
 use nl_abi::WorkloadParams;
@@ -35,10 +35,8 @@ pub struct VcpuState {
 
 /// Reads the MSRs in [`SAVED_MSRS`] that this KVM backend supports.
 fn read_msrs(fd: &VcpuFd) -> Result<Vec<kvm_msr_entry>, VmmError> {
-    let entries: Vec<_> = SAVED_MSRS
-        .iter()
-        .map(|&index| kvm_msr_entry { index, ..Default::default() })
-        .collect();
+    let entries: Vec<_> =
+        SAVED_MSRS.iter().map(|&index| kvm_msr_entry { index, ..Default::default() }).collect();
     let mut msrs = Msrs::from_entries(&entries).map_err(|e| VmmError::State(format!("{e:?}")))?;
     let n = fd.get_msrs(&mut msrs).map_err(kvm("KVM_GET_MSRS"))?;
     if n == entries.len() {

@@ -36,7 +36,10 @@ pub enum VcpuStop {
 impl VcpuStop {
     /// A stop that means the guest crashed.
     pub fn is_crash(&self) -> bool {
-        matches!(self, VcpuStop::TripleFault { .. } | VcpuStop::Halted { .. } | VcpuStop::Internal(_))
+        matches!(
+            self,
+            VcpuStop::TripleFault { .. } | VcpuStop::Halted { .. } | VcpuStop::Internal(_)
+        )
     }
 }
 
@@ -172,12 +175,7 @@ fn lock(fd: &Mutex<VcpuFd>) -> MutexGuard<'_, VcpuFd> {
     fd.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn vcpu_loop(
-    cpu: usize,
-    fd: &Mutex<VcpuFd>,
-    ctx: &VcpuContext,
-    stats: &VcpuStats,
-) -> VcpuStop {
+fn vcpu_loop(cpu: usize, fd: &Mutex<VcpuFd>, ctx: &VcpuContext, stats: &VcpuStats) -> VcpuStop {
     let regs = &ctx.control.vcpus[cpu];
     let mut vcpu = lock(fd);
     loop {
@@ -234,7 +232,9 @@ fn vcpu_loop(
                 ));
             }
             Ok(VcpuExit::SystemEvent(kind, _)) => {
-                return VcpuStop::Internal(format!("guest system event {kind} (reset or shutdown)"));
+                return VcpuStop::Internal(format!(
+                    "guest system event {kind} (reset or shutdown)"
+                ));
             }
             Ok(VcpuExit::Intr) => {
                 stats.intr.fetch_add(1, Relaxed);

@@ -184,8 +184,7 @@ impl Vm {
     ) -> Result<Self, VmmError> {
         kick::install();
         let vm_fd = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
-        for (slot, (region, host)) in memory.regions().iter().zip(memory.host_addrs()).enumerate()
-        {
+        for (slot, (region, host)) in memory.regions().iter().zip(memory.host_addrs()).enumerate() {
             let r = kvm_userspace_memory_region {
                 slot: slot as u32,
                 flags: 0,
@@ -208,7 +207,11 @@ impl Vm {
         let n = config.vcpus as usize;
         let control = ControlState::new(n);
         let mut io_bus = Bus::new();
-        io_bus.insert(u64::from(SERIAL_PORT), 8, Arc::new(Mutex::new(SerialDevice::new(console.clone())?)))?;
+        io_bus.insert(
+            u64::from(SERIAL_PORT),
+            8,
+            Arc::new(Mutex::new(SerialDevice::new(console.clone())?)),
+        )?;
         io_bus.insert(u64::from(EXITS_PORT), 4, Arc::new(Mutex::new(EchoPort::new(n))))?;
         let mut mmio_bus = Bus::new();
         mmio_bus.insert(
@@ -265,8 +268,13 @@ impl Vm {
             KERNEL_BASE,
             KERNEL_STACKS_GPA,
         )?;
-        let user =
-            nl_arch::image::load_elf(&self.memory, "user program", &self.config.user, USER_BASE, USER_STACKS_GPA)?;
+        let user = nl_arch::image::load_elf(
+            &self.memory,
+            "user program",
+            &self.config.user,
+            USER_BASE,
+            USER_STACKS_GPA,
+        )?;
         let tsc_khz = {
             let slots = self.slots();
             let fd = slots[0].fd.lock().unwrap_or_else(|p| p.into_inner());
@@ -347,7 +355,8 @@ impl Vm {
     pub fn stop(&self) {
         self.run.request_stop();
         for _ in 0..10_000 {
-            let alive = self.slots().iter().any(|s| s.thread.as_ref().is_some_and(|t| !t.is_finished()));
+            let alive =
+                self.slots().iter().any(|s| s.thread.as_ref().is_some_and(|t| !t.is_finished()));
             if !alive {
                 break;
             }
@@ -362,7 +371,9 @@ impl Vm {
         for s in self.slots().iter_mut() {
             if s.thread.as_ref().is_some_and(|t| t.is_finished()) {
                 let t = s.thread.take().expect("checked above");
-                s.stop = Some(t.join().unwrap_or_else(|_| VcpuStop::Internal("vCPU thread panicked".into())));
+                s.stop = Some(
+                    t.join().unwrap_or_else(|_| VcpuStop::Internal("vCPU thread panicked".into())),
+                );
             }
         }
     }
@@ -409,9 +420,13 @@ impl Vm {
 
     fn require_stopped_vcpus(&self) -> Result<(), VmmError> {
         if self.started.load(Relaxed) && !self.run.paused() {
-            let running = self.slots().iter().any(|s| s.thread.as_ref().is_some_and(|t| !t.is_finished()));
+            let running =
+                self.slots().iter().any(|s| s.thread.as_ref().is_some_and(|t| !t.is_finished()));
             if running {
-                return Err(VmmError::Vm(self.id, "pause the VM before saving or restoring state".into()));
+                return Err(VmmError::Vm(
+                    self.id,
+                    "pause the VM before saving or restoring state".into(),
+                ));
             }
         }
         Ok(())
@@ -427,10 +442,20 @@ impl Vm {
         let outcome = loop {
             self.reap();
             if let Some((cpu, code, info)) = self.control.first_error() {
-                break VmOutcome::GuestError { cpu, code, info, message: describe_error(code, info) };
+                break VmOutcome::GuestError {
+                    cpu,
+                    code,
+                    info,
+                    message: describe_error(code, info),
+                };
             }
-            let stops: Vec<Option<VcpuStop>> = self.slots().iter().map(|s| s.stop.clone()).collect();
-            if let Some((cpu, s)) = stops.iter().enumerate().find_map(|(i, s)| s.as_ref().filter(|s| s.is_crash()).map(|s| (i, s))) {
+            let stops: Vec<Option<VcpuStop>> =
+                self.slots().iter().map(|s| s.stop.clone()).collect();
+            if let Some((cpu, s)) = stops
+                .iter()
+                .enumerate()
+                .find_map(|(i, s)| s.as_ref().filter(|s| s.is_crash()).map(|s| (i, s)))
+            {
                 break VmOutcome::Crashed { cpu, message: describe_stop(s) };
             }
             if stops.iter().all(|s| *s == Some(VcpuStop::Done)) {

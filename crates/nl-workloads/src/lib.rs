@@ -105,7 +105,7 @@ fn validate_memwrite(p: &WorkloadParams) -> Result<(), &'static str> {
     if p.ws_bytes == 0 {
         return Err("memwrite: ws_bytes must be nonzero");
     }
-    if p.ws_bytes % PAGE_BYTES != 0 {
+    if !p.ws_bytes.is_multiple_of(PAGE_BYTES) {
         return Err("memwrite: ws_bytes must be a multiple of 4096");
     }
     if p.ws_bytes > MAX_MEM_BYTES || usize::try_from(p.ws_bytes / 8).is_err() {
@@ -119,7 +119,7 @@ fn validate_memwrite(p: &WorkloadParams) -> Result<(), &'static str> {
         PATTERN_STRIDED => {
             if p.stride == 0 {
                 Err("memwrite strided: stride must be nonzero")
-            } else if p.stride % 8 != 0 {
+            } else if !p.stride.is_multiple_of(8) {
                 Err("memwrite strided: stride must be a multiple of 8")
             } else if p.stride >= p.ws_bytes {
                 Err("memwrite strided: stride must be smaller than ws_bytes")

@@ -21,7 +21,7 @@ struct TestPlatform {
 
 impl TestPlatform {
     fn corrupt(&self) -> bool {
-        self.wrong != 0 && (self.ports + self.mmios) % self.wrong == 0
+        self.wrong != 0 && (self.ports + self.mmios).is_multiple_of(self.wrong)
     }
 }
 

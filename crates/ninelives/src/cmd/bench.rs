@@ -37,8 +37,9 @@ fn measure(
     m: &MachineArgs,
 ) -> Result<Entry> {
     let params = guest::workload_params(w, duration)?;
-    let native = nl_workloads::native::run_for(&params, 0, Duration::from_secs_f64(duration), m.timer_hz)
-        .map_err(anyhow::Error::msg)?;
+    let native =
+        nl_workloads::native::run_for(&params, 0, Duration::from_secs_f64(duration), m.timer_hz)
+            .map_err(anyhow::Error::msg)?;
     let config = guest::vm_config(m, params, guest::kernel_image(m)?, None)?;
     let r = run_vms(&[config], w.workload.name(), true)?.remove(0);
     if let Some(e) = &r.error {
@@ -78,13 +79,20 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         bail!("--duration must be a positive number of seconds");
     }
     let m = MachineArgs::default();
-    let wanted = if a.workloads.is_empty() { WorkloadName::ALL.to_vec() } else { a.workloads.clone() };
+    let wanted =
+        if a.workloads.is_empty() { WorkloadName::ALL.to_vec() } else { a.workloads.clone() };
     let mut results = Vec::new();
     for w in wanted {
         let cases: Vec<(WorkloadArgs, Option<&'static str>)> = match w {
             WorkloadName::Memwrite => vec![
-                (WorkloadArgs { pattern: PatternName::Sequential, ..WorkloadArgs::default() }, Some("sequential")),
-                (WorkloadArgs { pattern: PatternName::Random, ..WorkloadArgs::default() }, Some("random")),
+                (
+                    WorkloadArgs { pattern: PatternName::Sequential, ..WorkloadArgs::default() },
+                    Some("sequential"),
+                ),
+                (
+                    WorkloadArgs { pattern: PatternName::Random, ..WorkloadArgs::default() },
+                    Some("random"),
+                ),
             ],
             other => vec![(WorkloadArgs { workload: other, ..WorkloadArgs::default() }, None)],
         };

@@ -8,7 +8,9 @@ use anyhow::{Context, Result};
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::cli::{parse_size, ApiArgs, HostArgs, MachineArgs, PatternName, WorkloadArgs, WorkloadName};
+use crate::cli::{
+    parse_size, ApiArgs, HostArgs, MachineArgs, PatternName, WorkloadArgs, WorkloadName,
+};
 use crate::guest;
 
 /// A size given as a number of bytes or a string such as "256M".
@@ -91,5 +93,9 @@ pub fn api_client(a: ApiArgs) -> Result<ExitCode> {
     let req: Value = serde_json::from_str(&a.request).context("the request is not valid JSON")?;
     let reply = nl_vmm::api::request(&a.api, &req)?;
     println!("{reply}");
-    Ok(if reply.get("ok") == Some(&Value::Bool(true)) { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if reply.get("ok") == Some(&Value::Bool(true)) {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }

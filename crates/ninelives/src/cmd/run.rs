@@ -33,7 +33,8 @@ pub fn run_vms(configs: &[VmConfig], workload: &'static str, quiet: bool) -> Res
     let kvm = nl_vmm::open_kvm()?;
     let mut vms = Vec::new();
     for (id, c) in configs.iter().enumerate() {
-        let vm = Vm::create(&kvm, id as u32, c.clone()).with_context(|| format!("cannot create VM {id}"))?;
+        let vm = Vm::create(&kvm, id as u32, c.clone())
+            .with_context(|| format!("cannot create VM {id}"))?;
         vms.push(Arc::new(vm));
     }
     for vm in &vms {
@@ -60,8 +61,15 @@ pub fn run_vms(configs: &[VmConfig], workload: &'static str, quiet: bool) -> Res
         let ops = regs.iter().map(|r| r.ops).sum();
         let (digest_ok, ops_per_sec, mut error) = if outcome == VmOutcome::Completed {
             let verdicts = verify_vcpus(&vm.config().workload, &regs, tsc_khz);
-            let bad = verdicts.iter().enumerate().find_map(|(i, v)| v.problem.as_ref().map(|p| format!("vCPU {i}: {p}")));
-            (verdicts.iter().all(|v| v.digest_ok), verdicts.iter().map(|v| v.ops_per_sec).sum(), bad)
+            let bad = verdicts
+                .iter()
+                .enumerate()
+                .find_map(|(i, v)| v.problem.as_ref().map(|p| format!("vCPU {i}: {p}")));
+            (
+                verdicts.iter().all(|v| v.digest_ok),
+                verdicts.iter().map(|v| v.ops_per_sec).sum(),
+                bad,
+            )
         } else {
             (false, 0.0, Some(outcome.message()))
         };

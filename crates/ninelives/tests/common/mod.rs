@@ -1,0 +1,121 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::sync::Arc;
+use std::time::Duration;
+
+use nl_abi::WorkloadParams;
+use nl_vmm::VmConfig;
+
+/// Whether KVM can be used. Says so loudly when it cannot: the KVM tests are
+/// then skipped (they return early) and the line shows in the test output.
+pub fn kvm_available() -> bool {
+    match nl_vmm::open_kvm() {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!(
+                "\n*** SKIPPED: KVM is not available here ({e}); this KVM test did not run ***\n"
+            );
+            false
+        }
+    }
+}
+
+pub fn ninelives() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_ninelives"))
+}
+
+/// Runs the CLI and returns its output.
+pub fn run_cli(args: &[&str]) -> Output {
+    ninelives().args(args).output().expect("the ninelives binary runs")
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// The JSON object on the last line of stdout.
+pub fn last_json(o: &Output) -> serde_json::Value {
+    let out = stdout(o);
+    let line = out.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", stderr(o)));
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
+}
+
+/// Asserts a failure is a clear one-line error, not a panic.
+pub fn assert_clean_error(o: &Output, needle: &str) {
+    let err = stderr(o);
+    assert!(!o.status.success(), "expected failure, got success; stdout: {}", stdout(o));
+    assert!(!err.contains("panicked"), "must not panic: {err}");
+    assert!(!err.contains("RUST_BACKTRACE"), "must not print a backtrace hint: {err}");
+    let all = format!("{}{}", stdout(o), err);
+    assert!(all.to_lowercase().contains(&needle.to_lowercase()), "expected '{needle}' in: {all}");
+}
+
+/// Workload parameters as the CLI defaults would give.
+pub fn params(kind: u64, duration_ms: u64) -> WorkloadParams {
+    WorkloadParams {
+        kind,
+        seed: 7,
+        ws_bytes: if kind == nl_abi::WORKLOAD_MEMWRITE { 16 << 20 } else { 0 },
+        write_pct: 50,
+        pattern: nl_abi::PATTERN_RANDOM,
+        stride: 4096,
+        hot_pct: 10,
+        duration_ms,
+    }
+}
+
+/// A VM configuration booting the embedded reference guest.
+pub fn config(workload: WorkloadParams, vcpus: u32) -> VmConfig {
+    VmConfig {
+        mem_bytes: 128 << 20,
+        vcpus,
+        workload,
+        kernel: Arc::new(nl_guest::KERNEL_ELF.to_vec()),
+        user: Arc::new(nl_guest::USER_ELF.to_vec()),
+        console_path: None,
+        timer_hz: 100,
+        heartbeat_timeout: Duration::from_secs(20),
+    }
+}
+
+/// A minimal static ELF64 executable whose one segment holds `code` at the
+/// kernel base, entry at its first byte.
+pub fn tiny_elf(code: &[u8]) -> Vec<u8> {
+    let base = nl_abi::KERNEL_BASE;
+    let mut e = Vec::new();
+    e.extend_from_slice(&[0x7f, b'E', b'L', b'F', 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+    e.extend_from_slice(&2u16.to_le_bytes()); // ET_EXEC
+    e.extend_from_slice(&0x3eu16.to_le_bytes()); // x86-64
+    e.extend_from_slice(&1u32.to_le_bytes());
+    e.extend_from_slice(&base.to_le_bytes()); // entry
+    e.extend_from_slice(&64u64.to_le_bytes()); // phoff
+    e.extend_from_slice(&0u64.to_le_bytes()); // shoff
+    e.extend_from_slice(&0u32.to_le_bytes()); // flags
+    for v in [64u16, 56, 1, 64, 0, 0] {
+        e.extend_from_slice(&v.to_le_bytes());
+    }
+    assert_eq!(e.len(), 64);
+    e.extend_from_slice(&1u32.to_le_bytes()); // PT_LOAD
+    e.extend_from_slice(&7u32.to_le_bytes()); // RWX
+    e.extend_from_slice(&120u64.to_le_bytes()); // offset
+    e.extend_from_slice(&base.to_le_bytes()); // vaddr
+    e.extend_from_slice(&base.to_le_bytes()); // paddr
+    e.extend_from_slice(&(code.len() as u64).to_le_bytes());
+    e.extend_from_slice(&(code.len() as u64).to_le_bytes());
+    e.extend_from_slice(&0x1000u64.to_le_bytes());
+    e.extend_from_slice(code);
+    e
+}
+
+pub fn write_file(dir: &Path, name: &str, bytes: &[u8]) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, bytes).expect("write temp file");
+    p.to_string_lossy().into_owned()
+}
