@@ -101,3 +101,30 @@ fn guest_reported_errors_are_failures() {
     assert_clean_error(&o, "general protection");
     assert_eq!(o.status.code(), Some(1));
 }
+
+#[test]
+fn wild_port_io_and_mmio_are_answered_and_counted() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let info = nl_abi::control_reg(0, nl_abi::reg::ERROR_INFO);
+    let mut code = Vec::new();
+    // mov rax, 0xD0100000 (unclaimed MMIO inside the mapped device page)
+    code.extend_from_slice(&[0x48, 0xb8]);
+    code.extend_from_slice(&0xD010_0000u64.to_le_bytes());
+    code.extend_from_slice(&[0x48, 0xc7, 0x00, 0x01, 0x00, 0x00, 0x00]); // mov qword [rax], 1
+    code.extend_from_slice(&[0x48, 0x8b, 0x18]); // mov rbx, [rax]
+    code.extend_from_slice(&[0xe6, 0x99]); // out 0x99, al (no device)
+    code.extend_from_slice(&[0xe4, 0x99]); // in al, 0x99
+    code.extend_from_slice(&[0x48, 0xb8]); // mov rax, ERROR_INFO
+    code.extend_from_slice(&info.to_le_bytes());
+    code.extend_from_slice(&[0x48, 0x89, 0x18]); // mov [rax], rbx
+    code.extend_from_slice(&[0x48, 0xc7, 0x40, 0xf8, 0x34, 0x12, 0x00, 0x00]); // mov qword [rax-8], 0x1234 (ERROR)
+    code.extend_from_slice(&[0xeb, 0xfe]);
+    let k = write_file(dir.path(), "wild", &tiny_elf(&code));
+    let o = run_cli(&["run", "--kernel", &k, "--duration", "0.2"]);
+    // The VMM answered the wild read with all ones and kept running to see the report.
+    assert_clean_error(&o, "guest error 0x1234 (info 0xffffffffffffffff)");
+    assert_eq!(o.status.code(), Some(1));
+}

@@ -123,9 +123,11 @@ pub fn handle(host: &Host, build: &ConfigBuilder, req: &Value, done: &AtomicBool
                 done.store(true, Relaxed);
                 json!({})
             }
-            other => return Err(format!(
+            other => {
+                return Err(format!(
                 "unknown op \"{other}\" (create, list, pause, resume, stats, destroy, shutdown)"
-            )),
+            ))
+            }
         })
     })();
     match r {
