@@ -25,6 +25,8 @@ pub enum Command {
     Host(HostArgs),
     /// Send one request to a running host's API and print the reply.
     Api(ApiArgs),
+    /// Run a VM under VM-μCheckpoint (in-memory checkpoints, rollback on error).
+    Checkpoint(CheckpointArgs),
 }
 
 impl Default for Command {
@@ -190,6 +192,51 @@ pub struct ApiArgs {
     pub api: PathBuf,
     /// The request, a JSON object such as '{"op":"list"}'.
     pub request: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CkptMode {
+    /// Copy-on-write: write-protect all memory at each checkpoint.
+    CowB,
+    /// Copy-on-write with dirty-page prediction and pre-saving.
+    CowP,
+    /// KVM dirty logging into a full shadow image (the baseline).
+    DirtyLog,
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct CheckpointArgs {
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
+    #[command(flatten)]
+    pub machine: MachineArgs,
+    /// Seconds the workload runs after its warm-up round.
+    #[arg(long, default_value_t = 3.0)]
+    pub duration: f64,
+    /// Checkpoint interval in milliseconds (default: 50, or above the latency bound).
+    #[arg(long)]
+    pub interval: Option<f64>,
+    /// How checkpoints are taken.
+    #[arg(long, value_enum, default_value_t = CkptMode::CowP)]
+    pub mode: CkptMode,
+    /// Inject this many guest faults (random bit flips in memory or registers).
+    #[arg(long, default_value_t = 0)]
+    pub inject_guest_fault: u32,
+    /// Error-latency bound T_B in milliseconds; the interval must exceed it.
+    #[arg(long)]
+    pub latency_bound: Option<f64>,
+    /// File of measured error latencies (ms, one per line); T_B is their 95th percentile.
+    #[arg(long)]
+    pub latency_file: Option<PathBuf>,
+    /// Seconds without a heartbeat that count as a detected error.
+    #[arg(long, default_value_t = 1.0)]
+    pub hang_timeout: f64,
+    /// Append the guest's console output to this file.
+    #[arg(long)]
+    pub console: Option<PathBuf>,
+    /// Print one JSON object as the last line of stdout.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Parses sizes such as 4096, 64K, 256M, 2G, 1GiB.

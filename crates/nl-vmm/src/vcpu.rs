@@ -141,6 +141,19 @@ impl RunControl {
         self.cond.notify_all();
     }
 
+    /// Clears pause and stop requests before new threads start.
+    pub(crate) fn reset(&self) {
+        let c = self.counts();
+        debug_assert_eq!(c.active, 0);
+        self.pause.store(false, Relaxed);
+        self.stop.store(false, Relaxed);
+    }
+
+    /// Undoes `thread_started` for a thread that could not be spawned.
+    pub(crate) fn thread_ended_without_running(&self) {
+        self.thread_ended();
+    }
+
     pub(crate) fn paused(&self) -> bool {
         self.pause.load(Relaxed)
     }

@@ -304,6 +304,24 @@ impl Vm {
         if self.started.swap(true, Relaxed) {
             return Err(VmmError::Vm(self.id, "already started".into()));
         }
+        self.spawn_threads()
+    }
+
+    /// Starts fresh vCPU threads after [`Vm::halt_vcpus`] (e.g. after a
+    /// rollback loaded older state into the vCPUs).
+    pub fn relaunch(&self) -> Result<(), VmmError> {
+        if self.slots().iter().any(|s| s.thread.is_some()) {
+            return Err(VmmError::Vm(self.id, "vCPU threads are still running".into()));
+        }
+        self.run.reset();
+        for s in self.slots().iter_mut() {
+            s.stop = None;
+        }
+        self.control.poke();
+        self.spawn_threads()
+    }
+
+    fn spawn_threads(&self) -> Result<(), VmmError> {
         let mut slots = self.slots();
         for (cpu, slot) in slots.iter_mut().enumerate() {
             let ctx = Arc::new(VcpuContext {
@@ -320,6 +338,7 @@ impl Vm {
             match t {
                 Ok(t) => slot.thread = Some(t),
                 Err(e) => {
+                    self.run.thread_ended_without_running();
                     drop(slots);
                     self.stop();
                     return Err(VmmError::Vm(self.id, format!("cannot start vCPU thread: {e}")));
@@ -432,6 +451,40 @@ impl Vm {
         Ok(())
     }
 
+    /// Stops and joins every vCPU thread, leaving the vCPUs' state in KVM
+    /// for [`Vm::save_state`], [`Vm::restore_state`] and [`Vm::relaunch`].
+    pub fn halt_vcpus(&self) {
+        self.stop();
+    }
+
+    /// How the VM's run has ended, if it has (non-blocking; no hang detection).
+    pub fn poll_outcome(&self) -> Option<VmOutcome> {
+        self.reap();
+        if let Some((cpu, code, info)) = self.control.first_error() {
+            return Some(VmOutcome::GuestError {
+                cpu,
+                code,
+                info,
+                message: describe_error(code, info),
+            });
+        }
+        let stops: Vec<Option<VcpuStop>> = self.slots().iter().map(|s| s.stop.clone()).collect();
+        if let Some((cpu, s)) = stops
+            .iter()
+            .enumerate()
+            .find_map(|(i, s)| s.as_ref().filter(|s| s.is_crash()).map(|s| (i, s)))
+        {
+            return Some(VmOutcome::Crashed { cpu, message: describe_stop(s) });
+        }
+        if stops.iter().all(|s| *s == Some(VcpuStop::Done)) {
+            return Some(VmOutcome::Completed);
+        }
+        if stops.iter().all(Option::is_some) {
+            return Some(VmOutcome::Stopped);
+        }
+        None
+    }
+
     /// Waits until the VM completes, fails, hangs, or `limit` passes.
     /// Stops the vCPUs of a VM that did not complete.
     pub fn wait(&self, limit: Duration) -> VmOutcome {
@@ -440,29 +493,8 @@ impl Vm {
         let mut activity = (self.control.total_beats(), gen);
         let mut last_alive = Instant::now();
         let outcome = loop {
-            self.reap();
-            if let Some((cpu, code, info)) = self.control.first_error() {
-                break VmOutcome::GuestError {
-                    cpu,
-                    code,
-                    info,
-                    message: describe_error(code, info),
-                };
-            }
-            let stops: Vec<Option<VcpuStop>> =
-                self.slots().iter().map(|s| s.stop.clone()).collect();
-            if let Some((cpu, s)) = stops
-                .iter()
-                .enumerate()
-                .find_map(|(i, s)| s.as_ref().filter(|s| s.is_crash()).map(|s| (i, s)))
-            {
-                break VmOutcome::Crashed { cpu, message: describe_stop(s) };
-            }
-            if stops.iter().all(|s| *s == Some(VcpuStop::Done)) {
-                break VmOutcome::Completed;
-            }
-            if stops.iter().all(Option::is_some) {
-                break VmOutcome::Stopped;
+            if let Some(o) = self.poll_outcome() {
+                break o;
             }
             let now_activity = (self.control.total_beats(), gen);
             if now_activity != activity || self.run.paused() {
@@ -480,6 +512,48 @@ impl Vm {
             self.stop();
         }
         outcome
+    }
+
+    /// Runs `f` on vCPU `cpu`'s fd. The vCPU must not be running (paused or halted).
+    pub fn with_vcpu<R>(&self, cpu: usize, f: impl FnOnce(&VcpuFd) -> R) -> Result<R, VmmError> {
+        self.require_stopped_vcpus()?;
+        let slots = self.slots();
+        let slot = slots.get(cpu).ok_or_else(|| VmmError::Vm(self.id, format!("no vCPU {cpu}")))?;
+        let fd = slot.fd.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(f(&fd))
+    }
+
+    /// Turns KVM dirty-page logging on or off for all RAM slots.
+    pub fn set_dirty_logging(&self, on: bool) -> Result<(), VmmError> {
+        let flags = if on { kvm_bindings::KVM_MEM_LOG_DIRTY_PAGES } else { 0 };
+        for (slot, (region, host)) in
+            self.memory.regions().iter().zip(self.memory.host_addrs()).enumerate()
+        {
+            let r = kvm_userspace_memory_region {
+                slot: slot as u32,
+                flags,
+                guest_phys_addr: region.gpa,
+                memory_size: region.size,
+                userspace_addr: host,
+            };
+            crate::memslots::set_region(&self.vm_fd, r)?;
+        }
+        Ok(())
+    }
+
+    /// Fetches and clears the dirty bitmap of each RAM region (bit i of a
+    /// region's bitmap = its page i was written since the last call).
+    pub fn dirty_bitmaps(&self) -> Result<Vec<Vec<u64>>, VmmError> {
+        self.memory
+            .regions()
+            .iter()
+            .enumerate()
+            .map(|(slot, r)| {
+                self.vm_fd
+                    .get_dirty_log(slot as u32, r.size as usize)
+                    .map_err(kvm_err("KVM_GET_DIRTY_LOG"))
+            })
+            .collect()
     }
 
     pub fn id(&self) -> u32 {

@@ -273,6 +273,14 @@ impl<'m> Workload<'m> {
         self.mismatches
     }
 
+    /// Failed self-checks so far: wrong echoes (exits) or corrupted words
+    /// read from the working set (memwrite). The guest reports a nonzero
+    /// count as `ERR_SELF_CHECK`, which is how a bit flip in guest memory
+    /// becomes a detected error within the error latency of the next read.
+    pub fn self_check_failures(&self) -> u64 {
+        self.mismatches
+    }
+
     /// Final digest (folds a sweep over the working set for memwrite).
     ///
     /// Does not change the state: calling it twice gives the same value.
@@ -297,7 +305,7 @@ impl<'m> Workload<'m> {
         let mut pages: u64 = 0;
         for page in self.mem.chunks_exact_mut(PAGE_WORDS) {
             let h = mix64(self.seed ^ pages.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-            page[(h >> 40) as usize & (PAGE_WORDS - 1)] = h | 1;
+            page[(h >> 40) as usize & (PAGE_WORDS - 1)] = seal(h);
             pages += 1;
         }
         pages
@@ -382,11 +390,12 @@ impl<'m> Workload<'m> {
     }
 
     fn mix(&self, wbase: u64) -> Mix {
-        Mix { acc: self.wacc, pct: self.write_pct, v: wbase, d: self.digest }
+        Mix { bad: 0, acc: self.wacc, pct: self.write_pct, v: wbase, d: self.digest }
     }
 
     fn unmix(&mut self, m: Mix) {
         (self.wacc, self.digest) = (m.acc, m.d);
+        self.mismatches += m.bad;
     }
 
     fn compute_round(&mut self) -> u64 {
@@ -436,6 +445,8 @@ impl<'m> Workload<'m> {
 
 /// The read/write mix of memwrite, kept in registers during a round.
 struct Mix {
+    /// Reads whose word failed its self-check (a corrupted word).
+    bad: u64,
     /// Accumulator: an access is a write when adding `pct` carries past 100,
     /// so exactly `pct` of every 100 consecutive accesses are writes, evenly
     /// spread (a pattern the branch predictor can follow, unlike a coin flip).
@@ -456,11 +467,33 @@ impl Mix {
         if self.acc >= 100 {
             self.acc -= 100;
             self.v = self.v.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            *w = self.v | 1;
+            *w = seal(self.v);
         } else {
-            self.d = fold(self.d, *w);
+            let x = *w;
+            self.d = fold(self.d, x);
+            self.bad += u64::from(!sealed_ok(x));
         }
     }
+}
+
+/// A memwrite word: the high half carries the value, the low half a check of
+/// it (odd, so a written word is never 0). Any bit flip in a word breaks the
+/// check, so corrupted memory is detected when the word is next read.
+#[inline(always)]
+fn seal(v: u64) -> u64 {
+    let hi = (v >> 32) as u32;
+    (u64::from(hi) << 32) | u64::from(check32(hi))
+}
+
+#[inline(always)]
+fn check32(hi: u32) -> u32 {
+    (hi.wrapping_mul(0x9E37_79B1) ^ 0x7F4A_7C15) | 1
+}
+
+/// Whether a word read from the working set is 0 (never written) or sealed.
+#[inline(always)]
+fn sealed_ok(x: u64) -> bool {
+    x == 0 || x as u32 == check32((x >> 32) as u32)
 }
 
 /// Maps a 32-bit value uniformly onto 0..100.

@@ -467,3 +467,24 @@ mod native {
         p.halt();
     }
 }
+
+#[test]
+fn a_flipped_bit_in_a_written_word_fails_the_self_check_when_read() {
+    // Read-only sequential rounds read every word within one pass of the
+    // working set, so a flip in a written word is caught by the next pass.
+    let p = memwrite(PATTERN_SEQUENTIAL, 64 * KIB, 0);
+    for bit in [0, 1, 13, 31, 32, 47, 63] {
+        let mut mem = zeroed(&p);
+        let mut wl = Workload::new(&p, 0, &mut mem).unwrap();
+        let mut plat = TestPlatform::default();
+        wl.round(&mut plat);
+        wl.round(&mut plat);
+        assert_eq!(wl.self_check_failures(), 0, "a clean run has no failures");
+        let word = wl.mem.iter().position(|&x| x != 0).expect("warm-up wrote words");
+        wl.mem[word] ^= 1 << bit;
+        for _ in 0..4 {
+            wl.round(&mut plat);
+        }
+        assert!(wl.self_check_failures() > 0, "flip of bit {bit} not detected");
+    }
+}

@@ -17,7 +17,8 @@ use core::fmt::{self, Write};
 use core::ptr::{read_volatile, write_volatile};
 
 use nl_abi::{
-    control_reg, reg, BootInfo, BOOT_MAGIC, BOOT_VERSION, ERR_BAD_BOOT_INFO, ERR_USER_PANIC,
+    control_reg, reg, BootInfo, BOOT_MAGIC, BOOT_VERSION, ERR_BAD_BOOT_INFO, ERR_SELF_CHECK,
+    ERR_USER_PANIC,
     EXITS_PORT, HEARTBEAT_MS, PHASE_DONE, PHASE_MEASURE_START, PHASE_WORKLOAD_START, SYS_EXIT,
     SYS_HALT, SYS_OUTL, USER_STACKS_GPA, USER_STACK_SIZE, WORKLOAD_MEMWRITE,
 };
@@ -210,6 +211,9 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
     let mut ops = 0u64;
     while now.wrapping_sub(start) < duration {
         ops = ops.wrapping_add(w.round(&mut platform));
+        if w.self_check_failures() != 0 {
+            fail(cpu, ERR_SELF_CHECK, w.rounds_done());
+        }
         now = rdtsc();
         if now.wrapping_sub(last_beat) >= heartbeat {
             ctl_write(cpu, reg::HEARTBEAT, ops);

@@ -1,5 +1,6 @@
 //! The subcommands.
 
 pub mod bench;
+pub mod checkpoint;
 pub mod host;
 pub mod run;

@@ -1,0 +1,186 @@
+//! `ninelives checkpoint`: run a VM under VM-μCheckpoint, with optional
+//! injected guest faults, and verify it still produces the right digest.
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use nl_checkpoint::{CheckpointConfig, Mode, RunReport, Supervisor};
+use nl_vmm::{Vm, VmOutcome};
+use serde::Serialize;
+
+use crate::cli::{CheckpointArgs, CkptMode};
+use crate::guest;
+use crate::verify::verify_vcpus;
+
+impl CkptMode {
+    pub fn mode(self) -> Mode {
+        match self {
+            CkptMode::CowB => Mode::CowB,
+            CkptMode::CowP => Mode::CowP,
+            CkptMode::DirtyLog => Mode::DirtyLog,
+        }
+    }
+}
+
+/// The 95th percentile of the error latencies (ms, one per line) in `path`.
+pub fn latency_p95(path: &Path) -> Result<f64> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read latency file {}", path.display()))?;
+    let mut v = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let t = line.trim();
+        if t.is_empty() || t.starts_with('#') {
+            continue;
+        }
+        let x: f64 = t.parse().with_context(|| {
+            format!("{}:{}: '{t}' is not a latency in milliseconds", path.display(), i + 1)
+        })?;
+        if !(x.is_finite() && x >= 0.0) {
+            bail!("{}:{}: latency {x} is not a non-negative number", path.display(), i + 1);
+        }
+        v.push(x);
+    }
+    if v.is_empty() {
+        bail!("latency file {} holds no latencies", path.display());
+    }
+    v.sort_by(f64::total_cmp);
+    let idx = ((v.len() as f64 * 0.95).ceil() as usize).clamp(1, v.len()) - 1;
+    Ok(v[idx])
+}
+
+/// The checkpoint interval from the arguments and the error-latency bound:
+/// the interval must exceed T_B (the paper's section III).
+pub fn choose_interval(a: &CheckpointArgs) -> Result<(Duration, Option<f64>)> {
+    let bound = match (&a.latency_bound, &a.latency_file) {
+        (Some(_), Some(_)) => bail!("give --latency-bound or --latency-file, not both"),
+        (Some(b), None) => Some(*b),
+        (None, Some(f)) => Some(latency_p95(f)?),
+        (None, None) => None,
+    };
+    if let Some(b) = bound {
+        if !(b.is_finite() && b >= 0.0) {
+            bail!("--latency-bound must be a non-negative number of milliseconds");
+        }
+    }
+    let interval = match (a.interval, bound) {
+        (Some(i), Some(b)) if i <= b => bail!(
+            "the error-latency bound T_B = {b:.1} ms is not below the interval {i:.1} ms: \
+             a checkpoint could capture an undetected error (use an interval above T_B)"
+        ),
+        (Some(i), _) => i,
+        (None, Some(b)) => (b * 1.25).max(50.0).ceil(),
+        (None, None) => 50.0,
+    };
+    if !(interval.is_finite() && (5.0..=600_000.0).contains(&interval)) {
+        bail!("--interval {interval} ms is out of range 5..=600000");
+    }
+    Ok((Duration::from_secs_f64(interval / 1000.0), bound))
+}
+
+/// The result of one protected run.
+#[derive(Clone, Debug, Serialize)]
+pub struct ProtectedRun {
+    pub workload: &'static str,
+    pub ok: bool,
+    pub digest_ok: bool,
+    pub recovered: bool,
+    pub ops_per_sec: f64,
+    pub latency_bound_ms: Option<f64>,
+    pub rollback_ms: Option<f64>,
+    #[serde(flatten)]
+    pub report: RunReport,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// Boots one VM, runs it under checkpointing, verifies its digest.
+pub fn protected_run(a: &CheckpointArgs, quiet: bool) -> Result<ProtectedRun> {
+    let (interval, bound) = choose_interval(a)?;
+    let params = guest::workload_params(&a.workload, a.duration)?;
+    let kernel = guest::kernel_image(&a.machine)?;
+    let config = guest::vm_config(&a.machine, params, kernel, a.console.clone())?;
+    let kvm = nl_vmm::open_kvm()?;
+    let vm = Vm::create(&kvm, 0, config).context("cannot create the VM")?;
+    let cfg = CheckpointConfig {
+        mode: a.mode.mode(),
+        interval,
+        inject: a.inject_guest_fault,
+        seed: a.workload.seed ^ 0xC4E0,
+        hang_timeout: Duration::from_secs_f64(a.hang_timeout),
+        max_rollbacks: 50,
+        time_limit: Duration::from_secs_f64(a.duration * 4.0 + 60.0),
+    };
+    if !quiet {
+        eprintln!(
+            "checkpointing every {:.0} ms with {}{}",
+            interval.as_secs_f64() * 1e3,
+            cfg.mode.name(),
+            bound.map_or(String::new(), |b| format!(" (error-latency bound {b:.1} ms)"))
+        );
+    }
+    let report = Supervisor::start(&vm, cfg)?.run()?;
+    let regs: Vec<_> = vm.control().vcpus.iter().map(|r| r.snapshot()).collect();
+    let tsc_khz = nl_arch::read_boot_info(vm.memory().mem())?.tsc_khz;
+    let (digest_ok, ops_per_sec, error) = if report.outcome == VmOutcome::Completed {
+        let v = verify_vcpus(&vm.config().workload, &regs, tsc_khz);
+        let problem = v.iter().find_map(|v| v.problem.clone());
+        (v.iter().all(|v| v.digest_ok), v.iter().map(|v| v.ops_per_sec).sum(), problem)
+    } else {
+        (false, 0.0, Some(report.outcome.message()))
+    };
+    let rollback_ms = (!report.rollbacks.is_empty()).then(|| {
+        report.rollbacks.iter().map(|r| r.rollback_ms).sum::<f64>() / report.rollbacks.len() as f64
+    });
+    let recovered = digest_ok && !report.rollbacks.is_empty();
+    Ok(ProtectedRun {
+        workload: a.workload.workload.name(),
+        ok: digest_ok,
+        digest_ok,
+        recovered,
+        ops_per_sec,
+        latency_bound_ms: bound,
+        rollback_ms,
+        report,
+        error,
+    })
+}
+
+pub fn checkpoint(a: CheckpointArgs) -> Result<ExitCode> {
+    let r = protected_run(&a, a.json)?;
+    let rep = &r.report;
+    println!(
+        "{} under {} every {:.0} ms: {} checkpoints, {:.1} write faults and {:.1} pages ({:.3}% of memory) per interval, pause {:.2} ms avg / {:.2} max",
+        r.workload, rep.mode, rep.interval_ms, rep.checkpoints, rep.faults_per_interval,
+        rep.checkpoint_pages_avg, rep.checkpoint_pct_of_memory, rep.pause_ms_avg, rep.pause_ms_max
+    );
+    for i in &rep.injections {
+        println!("  injected at {:.0} ms: {:?}", i.at_ms, i.fault);
+    }
+    for rb in &rep.rollbacks {
+        println!(
+            "  rollback at {:.0} ms ({}): {:.2} ms, {} pages, {} level(s){}",
+            rb.at_ms,
+            rb.reason,
+            rb.rollback_ms,
+            rb.pages,
+            rb.levels,
+            if rb.checkpoint_after_fault {
+                ", CHECKPOINT CORRUPTION: taken after the fault"
+            } else {
+                ""
+            }
+        );
+    }
+    println!(
+        "digest {}{}, {:.3e} ops/s",
+        if r.digest_ok { "verified" } else { "NOT verified" },
+        r.error.as_ref().map_or(String::new(), |e| format!(" ({e})")),
+        r.ops_per_sec
+    );
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    }
+    Ok(if r.ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}

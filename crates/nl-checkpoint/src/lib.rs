@@ -1,0 +1,40 @@
+//! VM-μCheckpoint on ninelives (see `../shared/papers/vm-ucheckpoint-in-memory-checkpointing.txt`).
+//!
+//! A running VM is checkpointed into the VMM's own memory every interval.
+//! Two checkpoints are always kept; when an error is detected the VM is
+//! rolled back in place to the older (committed) one and continues.
+//!
+//! * [`pages`]: the pre-write page copies of one interval (DP_i in the paper).
+//! * [`tracker`]: userfaultfd write-protection of guest RAM and the fault
+//!   thread that saves a page before its first write.
+//! * [`engine`]: the three ways to take checkpoints: CoW-B, CoW-P and the
+//!   KVM dirty-log baseline; each can roll memory back two intervals.
+//! * [`supervisor`]: runs a VM under checkpointing: the interval timer,
+//!   error detection, rollback, statistics.
+//! * [`inject`]: guest fault injection (bit flips in memory or registers).
+
+pub mod engine;
+pub mod inject;
+pub mod pages;
+pub mod supervisor;
+pub mod tracker;
+
+pub use engine::Mode;
+pub use supervisor::{CheckpointConfig, RunReport, Supervisor};
+
+/// Guest page size.
+pub const PAGE: usize = 4096;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("userfaultfd: {0}")]
+    Uffd(String),
+    #[error(transparent)]
+    Vmm(#[from] nl_vmm::VmmError),
+    #[error(transparent)]
+    Memory(#[from] nl_memory::MemoryError),
+    #[error("guest memory access at {gpa:#x}: {why}")]
+    GuestMemory { gpa: u64, why: String },
+    #[error("{0}")]
+    Config(String),
+}

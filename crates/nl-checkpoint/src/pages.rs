@@ -1,0 +1,75 @@
+//! The pre-write copies of guest pages saved during one checkpoint interval.
+
+use std::collections::HashMap;
+
+use crate::PAGE;
+
+/// Saved page contents keyed by guest physical address (page aligned).
+#[derive(Default)]
+pub struct PageSet {
+    pages: HashMap<u64, Box<[u8; PAGE]>>,
+}
+
+impl PageSet {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn contains(&self, gpa: u64) -> bool {
+        self.pages.contains_key(&gpa)
+    }
+
+    /// Saves `content` for `gpa` unless a copy is already there (the first
+    /// copy is the pre-write one). Returns whether it was inserted.
+    pub fn save_once(&mut self, gpa: u64, content: &[u8]) -> bool {
+        if self.pages.contains_key(&gpa) {
+            return false;
+        }
+        let mut b = Box::new([0u8; PAGE]);
+        b.copy_from_slice(&content[..PAGE]);
+        self.pages.insert(gpa, b);
+        true
+    }
+
+    pub fn get(&self, gpa: u64) -> Option<&[u8; PAGE]> {
+        self.pages.get(&gpa).map(|b| &**b)
+    }
+
+    pub fn remove(&mut self, gpa: u64) {
+        self.pages.remove(&gpa);
+    }
+
+    pub fn len(&self) -> usize {
+        self.pages.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pages.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (u64, &[u8; PAGE])> {
+        self.pages.iter().map(|(g, b)| (*g, &**b))
+    }
+
+    pub fn gpas(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = self.pages.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_copy_wins() {
+        let mut s = PageSet::new();
+        assert!(s.save_once(0x1000, &[1u8; PAGE]));
+        assert!(!s.save_once(0x1000, &[2u8; PAGE]));
+        assert_eq!(s.iter().next().unwrap().1[0], 1);
+        assert_eq!(s.len(), 1);
+        s.remove(0x1000);
+        assert!(s.is_empty());
+    }
+}
