@@ -162,8 +162,32 @@ impl Default for RunArgs {
     }
 }
 
+#[derive(Subcommand, Debug, Clone)]
+pub enum BenchMechanism {
+    /// VM-μCheckpoint: overhead matrix, write faults, checkpoint size, rollback.
+    Checkpoint(BenchCheckpointArgs),
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct BenchCheckpointArgs {
+    /// Seconds each measured run lasts.
+    #[arg(long, default_value_t = 1.5)]
+    pub duration: f64,
+    /// Intervals (ms) of the overhead matrix.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1000.0, 600.0, 200.0, 50.0])]
+    pub intervals: Vec<f64>,
+    /// Injected-fault runs for the recovery share and rollback latency.
+    #[arg(long, default_value_t = 100)]
+    pub faults: u32,
+    /// Print one JSON object as the last line of stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
 #[derive(Args, Clone, Debug)]
 pub struct BenchArgs {
+    #[command(subcommand)]
+    pub mechanism: Option<BenchMechanism>,
     /// Seconds each measurement runs (guest and native alike).
     #[arg(long, default_value_t = 2.0)]
     pub duration: f64,
@@ -219,6 +243,10 @@ pub struct CheckpointArgs {
     /// How checkpoints are taken.
     #[arg(long, value_enum, default_value_t = CkptMode::CowP)]
     pub mode: CkptMode,
+    /// CoW modes: pages saved and unprotected per write fault (a power of
+    /// two; 1 = page-granular copy-on-write exactly as in the paper).
+    #[arg(long, default_value_t = 16)]
+    pub block_pages: usize,
     /// Inject this many guest faults (random bit flips in memory or registers).
     #[arg(long, default_value_t = 0)]
     pub inject_guest_fault: u32,

@@ -64,14 +64,18 @@ pub enum Engine {
 
 impl Engine {
     /// Sets up tracking; the VM must be paused (this is checkpoint 0).
-    pub fn start(mode: Mode, vm: &Vm) -> Result<Self, CheckpointError> {
+    /// `block_pages` > 1 makes the CoW engines save and unprotect whole
+    /// aligned blocks per fault (pages that did not change are dropped from
+    /// the checkpoint when the interval ends).
+    pub fn start(mode: Mode, vm: &Vm, block_pages: usize) -> Result<Self, CheckpointError> {
         let view = GuestMemory::from_fd(vm.memory().fd().clone(), vm.memory().size())?;
         Ok(match mode {
             Mode::CowB | Mode::CowP => {
-                let tracker = WriteTracker::new(vm.memory())?;
+                let tracker = WriteTracker::new(vm.memory(), block_pages)?;
                 tracker.protect_all()?;
                 Engine::Cow(CowEngine {
                     predict: mode == Mode::CowP,
+                    drop_unchanged: block_pages > 1,
                     tracker,
                     prev: None,
                     presaved: Vec::new(),
@@ -96,6 +100,16 @@ impl Engine {
         match self {
             Engine::Cow(e) => e.rollback(),
             Engine::DirtyLog(e) => e.rollback(vm),
+        }
+    }
+
+    /// Tells the engine the VMM itself wrote guest page `gpa` (device DMA,
+    /// fault injection). KVM's dirty log only sees writes made by the guest,
+    /// so the dirty-log engine must add these; the CoW engines already saw
+    /// the write through the write-protected mapping.
+    pub fn note_vmm_write(&mut self, gpa: u64) {
+        if let Engine::DirtyLog(e) = self {
+            e.vmm_dirty.insert(gpa & !(PAGE as u64 - 1));
         }
     }
 
@@ -130,6 +144,8 @@ fn read_page(view: &GuestMemory, gpa: u64, buf: &mut [u8]) -> Result<(), Checkpo
 
 pub struct CowEngine {
     predict: bool,
+    /// Saved pages may not have been written (block saves): compare and drop.
+    drop_unchanged: bool,
     tracker: WriteTracker,
     prev: Option<PageSet>,
     /// Pages pre-saved at the start of the running interval (CoW-P).
@@ -142,16 +158,21 @@ impl CowEngine {
     fn checkpoint(&mut self) -> Result<IntervalStats, CheckpointError> {
         let mut ended = std::mem::take(&mut *self.tracker.current());
         let mut buf = vec![0u8; PAGE];
-        if self.predict {
-            // A pre-saved page whose content did not change was not written:
-            // it is not part of this interval's checkpoint, and will be
-            // write-protected rather than pre-saved next time.
-            for &gpa in &self.presaved {
-                read_page(&self.view, gpa, &mut buf)?;
-                let unchanged = ended.get(gpa).is_some_and(|p| p[..] == buf[..]);
-                if unchanged {
-                    ended.remove(gpa);
-                }
+        // A pre-saved page (or, with block saves, any saved page) whose
+        // content did not change was not written: it is not part of this
+        // interval's checkpoint, and is write-protected rather than pre-saved
+        // next time.
+        let candidates = if self.drop_unchanged {
+            ended.gpas()
+        } else if self.predict {
+            std::mem::take(&mut self.presaved)
+        } else {
+            Vec::new()
+        };
+        for gpa in candidates {
+            read_page(&self.view, gpa, &mut buf)?;
+            if ended.get(gpa).is_some_and(|p| p[..] == buf[..]) {
+                ended.remove(gpa);
             }
         }
         let faults = self.tracker.faults();
@@ -224,6 +245,8 @@ pub struct DirtyLogEngine {
     undo: PageSet,
     /// Whether a checkpoint older than the shadow image exists (via `undo`).
     has_prev: bool,
+    /// Pages the VMM wrote since the last checkpoint (not in KVM's log).
+    vmm_dirty: std::collections::BTreeSet<u64>,
     view: GuestMemory,
 }
 
@@ -239,11 +262,26 @@ impl DirtyLogEngine {
             shadow.push(img);
         }
         vm.dirty_bitmaps()?; // clears the log: tracking starts now
-        Ok(Self { shadow, undo: PageSet::new(), has_prev: false, view })
+        Ok(Self {
+            shadow,
+            undo: PageSet::new(),
+            has_prev: false,
+            vmm_dirty: Default::default(),
+            view,
+        })
     }
 
-    fn dirty_pages(vm: &Vm) -> Result<Vec<(usize, usize)>, CheckpointError> {
+    /// Pages written since the last checkpoint, by the guest (KVM's log) or
+    /// by the VMM, as (region, page index); clears both.
+    fn dirty_pages(&mut self, vm: &Vm) -> Result<Vec<(usize, usize)>, CheckpointError> {
         let mut out = Vec::new();
+        for gpa in std::mem::take(&mut self.vmm_dirty) {
+            if let Some(region) =
+                self.view.regions().iter().position(|r| gpa >= r.gpa && gpa < r.gpa + r.size)
+            {
+                out.push((region, ((gpa - self.view.regions()[region].gpa) as usize) / PAGE));
+            }
+        }
         for (region, bitmap) in vm.dirty_bitmaps()?.iter().enumerate() {
             for (w, word) in bitmap.iter().enumerate() {
                 let mut bits = *word;
@@ -254,11 +292,13 @@ impl DirtyLogEngine {
                 }
             }
         }
+        out.sort_unstable();
+        out.dedup();
         Ok(out)
     }
 
     fn checkpoint(&mut self, vm: &Vm) -> Result<IntervalStats, CheckpointError> {
-        let dirty = Self::dirty_pages(vm)?;
+        let dirty = self.dirty_pages(vm)?;
         let mut undo = PageSet::new();
         let mut buf = vec![0u8; PAGE];
         for &(region, page) in &dirty {
@@ -274,7 +314,7 @@ impl DirtyLogEngine {
     }
 
     fn rollback(&mut self, vm: &Vm) -> Result<RollbackStats, CheckpointError> {
-        let dirty = Self::dirty_pages(vm)?;
+        let dirty = self.dirty_pages(vm)?;
         let mut pages = 0;
         for &(region, page) in &dirty {
             let gpa = self.view.regions()[region].gpa + (page * PAGE) as u64;

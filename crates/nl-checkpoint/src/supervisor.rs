@@ -12,13 +12,21 @@ use crate::engine::{Engine, Mode};
 use crate::inject::{self, GuestFault, Rng};
 use crate::CheckpointError;
 
+/// Consecutive checkpoints longer than the interval that end a run.
+pub const MAX_OVERRUNS: u32 = 5;
+
 /// How a VM is protected.
 #[derive(Clone, Debug)]
 pub struct CheckpointConfig {
     pub mode: Mode,
+    /// Pages saved and unprotected per write fault (CoW modes; 1 = per page).
+    pub block_pages: usize,
     pub interval: Duration,
     /// Guest faults to inject, spread at random over the run.
     pub inject: u32,
+    /// Faults to inject at given times since the start (replaying a logged
+    /// campaign, or a test); injected in addition to the random ones.
+    pub script: Vec<(Duration, GuestFault)>,
     pub seed: u64,
     /// No heartbeat for this long counts as a detected error (hang).
     pub hang_timeout: Duration,
@@ -54,6 +62,7 @@ pub struct InjectionRecord {
 #[derive(Clone, Debug, Serialize)]
 pub struct RunReport {
     pub mode: &'static str,
+    pub block_pages: usize,
     pub interval_ms: f64,
     pub checkpoints: u64,
     pub faults_total: u64,
@@ -84,6 +93,8 @@ pub struct Supervisor<'a> {
     pages_max: usize,
     presaved_sum: u64,
     pauses: Vec<f64>,
+    /// Consecutive checkpoints that took longer than the interval.
+    overruns: u32,
     rollbacks: Vec<RollbackRecord>,
     injections: Vec<(Instant, InjectionRecord)>,
 }
@@ -101,7 +112,7 @@ impl<'a> Supervisor<'a> {
         vm.pause();
         let setup = (|| {
             let state = vm.save_state()?;
-            let engine = Engine::start(cfg.mode, vm)?;
+            let engine = Engine::start(cfg.mode, vm, cfg.block_pages)?;
             Ok::<_, CheckpointError>((state, engine))
         })();
         let (state, engine) = match setup {
@@ -125,6 +136,7 @@ impl<'a> Supervisor<'a> {
             pages_max: 0,
             presaved_sum: 0,
             pauses: Vec::new(),
+            overruns: 0,
             rollbacks: Vec::new(),
             injections: Vec::new(),
         })
@@ -147,12 +159,20 @@ impl<'a> Supervisor<'a> {
         let (state, stats) = r?;
         let pause = t0.elapsed();
         self.pauses.push(pause.as_secs_f64() * 1e3);
+        // One slow checkpoint on a busy host is noise; checkpoints that keep
+        // taking longer than the interval mean the interval cannot be kept.
         if pause > self.cfg.interval {
-            return Err(CheckpointError::Config(format!(
-                "a checkpoint took {:.1} ms, longer than the {:.1} ms interval: use a longer --interval",
-                pause.as_secs_f64() * 1e3,
-                self.cfg.interval.as_secs_f64() * 1e3
-            )));
+            self.overruns += 1;
+            if self.overruns >= MAX_OVERRUNS {
+                return Err(CheckpointError::Config(format!(
+                    "{MAX_OVERRUNS} checkpoints in a row took longer than the {:.1} ms interval \
+                     (the last {:.1} ms): use a longer --interval",
+                    self.cfg.interval.as_secs_f64() * 1e3,
+                    pause.as_secs_f64() * 1e3
+                )));
+            }
+        } else {
+            self.overruns = 0;
         }
         self.intervals += 1;
         self.faults += stats.faults;
@@ -197,10 +217,13 @@ impl<'a> Supervisor<'a> {
         let mut rng = Rng::new(self.cfg.seed);
         let duration = Duration::from_millis(self.vm.config().workload.duration_ms);
         // Injection times: uniform over the workload's run, after boot.
-        let mut plan: Vec<Duration> = (0..self.cfg.inject)
-            .map(|_| Duration::from_micros(100_000 + rng.below(duration.as_micros() as u64)))
+        let mut plan: Vec<(Duration, Option<GuestFault>)> = (0..self.cfg.inject)
+            .map(|_| {
+                (Duration::from_micros(100_000 + rng.below(duration.as_micros() as u64)), None)
+            })
             .collect();
-        plan.sort();
+        plan.extend(self.cfg.script.iter().map(|(t, f)| (*t, Some(f.clone()))));
+        plan.sort_by_key(|(t, _)| *t);
         let mut plan = VecDeque::from(plan);
         let mut next = Instant::now() + self.cfg.interval;
         let mut beats = self.vm.control().total_beats();
@@ -210,10 +233,13 @@ impl<'a> Supervisor<'a> {
                 self.vm.halt_vcpus();
                 return Err(CheckpointError::Uffd(e));
             }
-            if plan.front().is_some_and(|&t| self.start.elapsed() >= t) {
-                plan.pop_front();
-                let fault = inject::pick(&mut rng, self.vm);
+            if plan.front().is_some_and(|(t, _)| self.start.elapsed() >= *t) {
+                let (_, scripted) = plan.pop_front().expect("checked");
+                let fault = scripted.unwrap_or_else(|| inject::pick(&mut rng, self.vm));
                 inject::apply(self.vm, &fault)?;
+                if let GuestFault::Memory { gpa, .. } = fault {
+                    self.engine.note_vmm_write(gpa);
+                }
                 let now = Instant::now();
                 let rec = InjectionRecord { at_ms: self.ms_since_start(now), fault };
                 self.injections.push((now, rec));
@@ -282,6 +308,7 @@ impl<'a> Supervisor<'a> {
         let pages_avg = self.pages_sum as f64 / n;
         RunReport {
             mode: self.cfg.mode.name(),
+            block_pages: self.cfg.block_pages,
             interval_ms: self.cfg.interval.as_secs_f64() * 1e3,
             checkpoints: self.intervals,
             faults_total: self.faults,

@@ -52,8 +52,15 @@ fn uffd_err(what: &str) -> impl Fn(userfaultfd::Error) -> CheckpointError + '_ {
 }
 
 impl WriteTracker {
-    /// Registers all of `memory` for write-protect faults and starts the fault thread.
-    pub fn new(memory: &GuestMemory) -> Result<Self, CheckpointError> {
+    /// Registers all of `memory` for write-protect faults and starts the fault
+    /// thread. A fault saves and unprotects the aligned block of
+    /// `block_pages` pages around it (1: page-granular copy-on-write).
+    pub fn new(memory: &GuestMemory, block_pages: usize) -> Result<Self, CheckpointError> {
+        if !block_pages.is_power_of_two() || block_pages > 512 {
+            return Err(CheckpointError::Config(format!(
+                "block of {block_pages} pages: must be a power of two up to 512"
+            )));
+        }
         let uffd = UffdBuilder::new()
             .close_on_exec(true)
             .non_blocking(true)
@@ -88,7 +95,7 @@ impl WriteTracker {
         let (u, s, mem, rs) = (uffd.clone(), shared.clone(), memory.mem().clone(), ranges.clone());
         let thread = std::thread::Builder::new()
             .name("ckpt-faults".into())
-            .spawn(move || fault_loop(&u, &s, &mem, &rs))
+            .spawn(move || fault_loop(&u, &s, &mem, &rs, block_pages))
             .map_err(|e| CheckpointError::Uffd(format!("cannot start the fault thread: {e}")))?;
         Ok(Self { uffd, ranges, shared, thread: Some(thread) })
     }
@@ -159,7 +166,8 @@ impl Drop for WriteTracker {
     }
 }
 
-fn fault_loop(uffd: &Uffd, s: &Shared, mem: &GuestMem, ranges: &[Range]) {
+fn fault_loop(uffd: &Uffd, s: &Shared, mem: &GuestMem, ranges: &[Range], block_pages: usize) {
+    let block = (block_pages * PAGE) as u64;
     let mut buf = vec![0u8; PAGE];
     while !s.stop.load(Relaxed) {
         if !wait_readable(uffd, 50) {
@@ -180,22 +188,30 @@ fn fault_loop(uffd: &Uffd, s: &Shared, mem: &GuestMem, ranges: &[Range]) {
                 record(s, format!("fault outside guest RAM at {host:#x}"));
                 continue;
             };
+            // The aligned block around the fault, clipped to the region.
             let gpa = r.gpa + (host - r.host);
+            let start = (gpa & !(block - 1)).max(r.gpa);
+            let end = (start + block).min(r.gpa + r.size);
             if kind == FaultKind::WriteProtected {
                 let mut cur = s.cur.lock().unwrap_or_else(|p| p.into_inner());
-                if !cur.contains(gpa) {
-                    match mem.read_slice(&mut buf, GuestAddress(gpa)) {
-                        Ok(()) => {
-                            cur.save_once(gpa, &buf);
+                for page in (start..end).step_by(PAGE) {
+                    if !cur.contains(page) {
+                        match mem.read_slice(&mut buf, GuestAddress(page)) {
+                            Ok(()) => {
+                                cur.save_once(page, &buf);
+                            }
+                            Err(e) => record(s, format!("saving page {page:#x}: {e}")),
                         }
-                        Err(e) => record(s, format!("saving page {gpa:#x}: {e}")),
                     }
                 }
                 drop(cur);
                 s.faults.fetch_add(1, Relaxed);
             }
-            if let Err(e) = uffd.remove_write_protection(host as *mut _, PAGE, true) {
-                record(s, format!("unprotecting page {gpa:#x}: {e}"));
+            let host_start = r.host + (start - r.gpa);
+            if let Err(e) =
+                uffd.remove_write_protection(host_start as *mut _, (end - start) as usize, true)
+            {
+                record(s, format!("unprotecting {start:#x}..{end:#x}: {e}"));
             }
         }
     }

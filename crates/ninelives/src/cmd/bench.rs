@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Result};
 use serde::Serialize;
 
-use crate::cli::{BenchArgs, MachineArgs, PatternName, WorkloadArgs, WorkloadName};
+use crate::cli::{BenchArgs, BenchMechanism, MachineArgs, PatternName, WorkloadArgs, WorkloadName};
 use crate::cmd::run::run_vms;
 use crate::guest;
 
@@ -75,6 +75,10 @@ fn boot_times(n: u32, m: &MachineArgs) -> Result<BootStats> {
 }
 
 pub fn bench(a: BenchArgs) -> Result<ExitCode> {
+    match a.mechanism {
+        Some(BenchMechanism::Checkpoint(c)) => return crate::cmd::bench_checkpoint::bench(c),
+        None => {}
+    }
     if !(a.duration.is_finite() && a.duration > 0.0) {
         bail!("--duration must be a positive number of seconds");
     }

@@ -105,8 +105,10 @@ pub fn protected_run(a: &CheckpointArgs, quiet: bool) -> Result<ProtectedRun> {
     let vm = Vm::create(&kvm, 0, config).context("cannot create the VM")?;
     let cfg = CheckpointConfig {
         mode: a.mode.mode(),
+        block_pages: a.block_pages,
         interval,
         inject: a.inject_guest_fault,
+        script: Vec::new(),
         seed: a.workload.seed ^ 0xC4E0,
         hang_timeout: Duration::from_secs_f64(a.hang_timeout),
         max_rollbacks: 50,

@@ -1,6 +1,7 @@
 //! The subcommands.
 
 pub mod bench;
+pub mod bench_checkpoint;
 pub mod checkpoint;
 pub mod host;
 pub mod run;

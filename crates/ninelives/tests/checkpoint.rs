@@ -1,0 +1,177 @@
+//! VM-μCheckpoint end to end: protected runs keep their digest, and an
+//! injected fault that would corrupt the result is rolled back.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use nl_checkpoint::inject::{self, GuestFault};
+use nl_checkpoint::{CheckpointConfig, Mode, Supervisor};
+use nl_vmm::{Vm, VmOutcome};
+
+/// A read-only sequential memwrite: every word is read on every pass, so a
+/// flipped bit is detected by the workload's self-check within one pass.
+fn readonly_params(duration_ms: u64) -> nl_abi::WorkloadParams {
+    nl_abi::WorkloadParams {
+        ws_bytes: 4 << 20,
+        write_pct: 0,
+        pattern: nl_abi::PATTERN_SEQUENTIAL,
+        ..params(nl_abi::WORKLOAD_MEMWRITE, duration_ms)
+    }
+}
+
+/// Page-granular CoW (the paper's algorithm) for single-vCPU tests; a
+/// writing workload on a loaded machine gets 16-page blocks so that write
+/// faults can't starve it (correctness, not speed, is tested here).
+fn ckpt(mode: Mode, script: Vec<(Duration, GuestFault)>) -> CheckpointConfig {
+    CheckpointConfig {
+        mode,
+        block_pages: 1,
+        interval: Duration::from_millis(50),
+        inject: 0,
+        script,
+        seed: 1,
+        hang_timeout: Duration::from_secs(20),
+        max_rollbacks: 5,
+        time_limit: Duration::from_secs(60),
+    }
+}
+
+fn digest_ok(vm: &Vm) -> bool {
+    vm.control().vcpus.iter().enumerate().all(|(cpu, r)| {
+        let r = r.snapshot();
+        let rep =
+            nl_workloads::native::replay(&vm.config().workload, cpu as u64, r.rounds, 0).unwrap();
+        r.phase == nl_abi::PHASE_DONE && rep.digest == r.digest
+    })
+}
+
+/// A flipped bit in the working set, at 300 ms.
+fn memory_flip() -> (Duration, GuestFault) {
+    let gpa = nl_abi::USER_HEAP_GPA + 12_345 * 8;
+    (Duration::from_millis(300), GuestFault::Memory { gpa, bit: 40 })
+}
+
+#[test]
+fn without_checkpoints_the_flip_is_a_detected_failure() {
+    if !kvm_available() {
+        return;
+    }
+    let kvm = nl_vmm::open_kvm().unwrap();
+    let vm = Vm::create(&kvm, 0, config(readonly_params(800), 1)).unwrap();
+    vm.start().unwrap();
+    std::thread::sleep(memory_flip().0);
+    inject::apply(&vm, &memory_flip().1).unwrap();
+    match vm.wait(Duration::from_secs(30)) {
+        VmOutcome::GuestError { code, .. } => assert_eq!(code, nl_abi::ERR_SELF_CHECK),
+        other => panic!("expected the self-check to fail, got {other:?}"),
+    }
+}
+
+#[test]
+fn every_mode_rolls_back_a_memory_fault_and_the_digest_is_right() {
+    if !kvm_available() {
+        return;
+    }
+    let kvm = nl_vmm::open_kvm().unwrap();
+    for mode in [Mode::CowB, Mode::CowP, Mode::DirtyLog] {
+        let vm = Vm::create(&kvm, 0, config(readonly_params(800), 1)).unwrap();
+        let report =
+            Supervisor::start(&vm, ckpt(mode, vec![memory_flip()])).unwrap().run().unwrap();
+        assert_eq!(report.outcome, VmOutcome::Completed, "{mode:?}");
+        assert_eq!(report.rollbacks.len(), 1, "{mode:?}: {:?}", report.rollbacks);
+        let rb = &report.rollbacks[0];
+        assert!(rb.reason.contains("self-check"), "{mode:?}: {}", rb.reason);
+        assert!(
+            !rb.checkpoint_after_fault,
+            "{mode:?}: rolled back to a checkpoint holding the fault"
+        );
+        assert!(report.checkpoints > 0);
+        assert!(digest_ok(&vm), "{mode:?}: digest wrong after rollback");
+    }
+}
+
+#[test]
+fn a_crash_from_a_register_fault_is_rolled_back() {
+    if !kvm_available() {
+        return;
+    }
+    let kvm = nl_vmm::open_kvm().unwrap();
+    // A non-canonical RIP: the next instruction fetch faults.
+    let fault = GuestFault::Register { cpu: 0, reg: "rip", bit: 62 };
+    let vm = Vm::create(&kvm, 0, config(readonly_params(800), 1)).unwrap();
+    let report =
+        Supervisor::start(&vm, ckpt(Mode::CowP, vec![(Duration::from_millis(300), fault)]))
+            .unwrap()
+            .run()
+            .unwrap();
+    assert_eq!(report.outcome, VmOutcome::Completed);
+    assert_eq!(report.rollbacks.len(), 1, "{:?}", report.rollbacks);
+    assert!(digest_ok(&vm));
+}
+
+#[test]
+fn protected_writing_workloads_keep_their_digest_on_two_vcpus() {
+    if !kvm_available() {
+        return;
+    }
+    let kvm = nl_vmm::open_kvm().unwrap();
+    for mode in [Mode::CowB, Mode::CowP, Mode::DirtyLog] {
+        let p =
+            nl_abi::WorkloadParams { ws_bytes: 2 << 20, ..params(nl_abi::WORKLOAD_MEMWRITE, 600) };
+        let vm = Vm::create(&kvm, 0, config(p, 2)).unwrap();
+        let cfg = CheckpointConfig { block_pages: 16, ..ckpt(mode, vec![]) };
+        let report = Supervisor::start(&vm, cfg).unwrap().run().unwrap();
+        assert_eq!(report.outcome, VmOutcome::Completed, "{mode:?}");
+        assert!(report.rollbacks.is_empty(), "{mode:?}: {:?}", report.rollbacks);
+        assert!(report.checkpoint_pages_avg > 0.0, "{mode:?}: a writing workload must dirty pages");
+        assert!(digest_ok(&vm), "{mode:?}");
+    }
+}
+
+#[test]
+fn checkpoint_cli_reports_json_and_refuses_bad_intervals() {
+    if !kvm_available() {
+        return;
+    }
+    let o = run_cli(&[
+        "checkpoint",
+        "--mode",
+        "cow-b",
+        "--interval",
+        "50",
+        "--duration",
+        "0.4",
+        "--ws",
+        "4M",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let j = last_json(&o);
+    for k in [
+        "faults_per_interval",
+        "checkpoint_pages_avg",
+        "checkpoint_pct_of_memory",
+        "recovered",
+        "rollbacks",
+    ] {
+        assert!(j.get(k).is_some(), "missing {k} in {j}");
+    }
+    assert_eq!(j["digest_ok"], true);
+    assert_eq!(j["mode"], "cow-b");
+
+    assert_clean_error(&run_cli(&["checkpoint", "--interval", "2"]), "out of range");
+    assert_clean_error(
+        &run_cli(&["checkpoint", "--interval", "50", "--latency-bound", "80"]),
+        "not below the interval",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let bad = write_file(dir.path(), "lat", b"10\nabc\n");
+    assert_clean_error(&run_cli(&["checkpoint", "--latency-file", &bad]), "not a latency");
+    let good = write_file(dir.path(), "lat2", b"# ms\n10\n20\n300\n");
+    assert_clean_error(
+        &run_cli(&["checkpoint", "--latency-file", &good, "--interval", "100"]),
+        "T_B = 300.0",
+    );
+}
