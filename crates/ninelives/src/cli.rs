@@ -27,6 +27,8 @@ pub enum Command {
     Api(ApiArgs),
     /// Run a VM under VM-μCheckpoint (in-memory checkpoints, rollback on error).
     Checkpoint(CheckpointArgs),
+    /// Restore a VM from a disk checkpoint file and run it to completion.
+    Restore(RestoreArgs),
 }
 
 impl Default for Command {
@@ -259,6 +261,24 @@ pub struct CheckpointArgs {
     /// Seconds without a heartbeat that count as a detected error.
     #[arg(long, default_value_t = 1.0)]
     pub hang_timeout: f64,
+    /// Write the committed checkpoint to --disk-path every N checkpoints.
+    #[arg(long, default_value_t = 0)]
+    pub disk_every: u32,
+    /// File for --disk-every (replaced atomically each time).
+    #[arg(long, default_value = "ninelives.ckpt")]
+    pub disk_path: PathBuf,
+    /// Append the guest's console output to this file.
+    #[arg(long)]
+    pub console: Option<PathBuf>,
+    /// Print one JSON object as the last line of stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct RestoreArgs {
+    /// A file written by `checkpoint --disk-every`.
+    pub file: PathBuf,
     /// Append the guest's console output to this file.
     #[arg(long)]
     pub console: Option<PathBuf>,

@@ -17,6 +17,7 @@ fn main() -> ExitCode {
         cli::Command::Host(a) => cmd::host::host(a),
         cli::Command::Api(a) => cmd::host::api_client(a),
         cli::Command::Checkpoint(a) => cmd::checkpoint::checkpoint(a),
+        cli::Command::Restore(a) => cmd::checkpoint::restore(a),
     };
     match result {
         Ok(code) => code,

@@ -35,6 +35,8 @@ fn ckpt(mode: Mode, script: Vec<(Duration, GuestFault)>) -> CheckpointConfig {
         hang_timeout: Duration::from_secs(20),
         max_rollbacks: 5,
         time_limit: Duration::from_secs(60),
+        disk_every: 0,
+        disk_path: None,
     }
 }
 
@@ -174,4 +176,45 @@ fn checkpoint_cli_reports_json_and_refuses_bad_intervals() {
         &run_cli(&["checkpoint", "--latency-file", &good, "--interval", "100"]),
         "T_B = 300.0",
     );
+}
+
+#[test]
+fn disk_checkpoint_restores_and_bad_files_are_refused() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("vm.ckpt");
+    let ck_s = ck.to_str().unwrap();
+    let o = run_cli(&[
+        "checkpoint",
+        "--duration",
+        "1",
+        "--ws",
+        "4M",
+        "--interval",
+        "50",
+        "--disk-every",
+        "4",
+        "--disk-path",
+        ck_s,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("disk checkpoints"), "{}", stdout(&o));
+    // The committed checkpoint, taken mid-run, runs to the end with the right digest.
+    let o = run_cli(&["restore", ck_s, "--json"]);
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    assert_eq!(last_json(&o)["digest_ok"], true);
+
+    let bytes = std::fs::read(&ck).unwrap();
+    let truncated = write_file(dir.path(), "trunc", &bytes[..bytes.len() / 2]);
+    assert_clean_error(&run_cli(&["restore", &truncated]), "corrupt or truncated");
+    let mut flipped = bytes.clone();
+    let mid = flipped.len() / 3;
+    flipped[mid] ^= 0x10;
+    let flipped = write_file(dir.path(), "flip", &flipped);
+    assert_clean_error(&run_cli(&["restore", &flipped]), "checksum mismatch");
+    let other = write_file(dir.path(), "other", b"hello, not a checkpoint");
+    assert_clean_error(&run_cli(&["restore", &other]), "not a ninelives checkpoint");
+    assert_clean_error(&run_cli(&["restore", "/nonexistent/ckpt"]), "No such file");
 }

@@ -113,6 +113,17 @@ impl Engine {
         }
     }
 
+    /// The content page `gpa` had at the committed (older) checkpoint, if it
+    /// differs from memory at the newest one: memory at the committed
+    /// checkpoint is current memory (at a checkpoint) overlaid with these.
+    pub fn committed_page(&self, gpa: u64) -> Option<[u8; PAGE]> {
+        let page = match self {
+            Engine::Cow(e) => e.prev.as_ref()?.get(gpa)?,
+            Engine::DirtyLog(e) => e.undo.get(gpa)?,
+        };
+        Some(*page)
+    }
+
     /// Pages held right now for the running interval.
     pub fn current_pages(&self) -> usize {
         match self {

@@ -13,6 +13,7 @@
 //!   error detection, rollback, statistics.
 //! * [`inject`]: guest fault injection (bit flips in memory or registers).
 
+pub mod disk;
 pub mod engine;
 pub mod inject;
 pub mod pages;

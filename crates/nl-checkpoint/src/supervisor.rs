@@ -34,6 +34,10 @@ pub struct CheckpointConfig {
     pub max_rollbacks: u32,
     /// Stop the run after this long, whatever the guest does.
     pub time_limit: Duration,
+    /// Write the committed checkpoint to `disk_path` every this many
+    /// checkpoints (0: never).
+    pub disk_every: u32,
+    pub disk_path: Option<std::path::PathBuf>,
 }
 
 /// One rollback.
@@ -76,6 +80,12 @@ pub struct RunReport {
     pub pause_ms_max: f64,
     pub rollbacks: Vec<RollbackRecord>,
     pub injections: Vec<InjectionRecord>,
+    /// Disk checkpoints written; skipped because the previous write was
+    /// still going; the longest pause a capture added; the last file's size.
+    pub disk_writes: u64,
+    pub disk_skipped: u64,
+    pub disk_capture_ms_max: f64,
+    pub disk_bytes_last: u64,
     pub outcome: VmOutcome,
 }
 
@@ -95,6 +105,11 @@ pub struct Supervisor<'a> {
     pauses: Vec<f64>,
     /// Consecutive checkpoints that took longer than the interval.
     overruns: u32,
+    disk_writes: u64,
+    disk_skipped: u64,
+    disk_capture_ms_max: f64,
+    disk_bytes_last: u64,
+    disk_writer: Option<std::thread::JoinHandle<Result<u64, CheckpointError>>>,
     rollbacks: Vec<RollbackRecord>,
     injections: Vec<(Instant, InjectionRecord)>,
 }
@@ -137,6 +152,11 @@ impl<'a> Supervisor<'a> {
             presaved_sum: 0,
             pauses: Vec::new(),
             overruns: 0,
+            disk_writes: 0,
+            disk_skipped: 0,
+            disk_capture_ms_max: 0.0,
+            disk_bytes_last: 0,
+            disk_writer: None,
             rollbacks: Vec::new(),
             injections: Vec::new(),
         })
@@ -153,6 +173,7 @@ impl<'a> Supervisor<'a> {
         let r = (|| {
             let state = self.vm.save_state()?;
             let stats = self.engine.checkpoint(self.vm)?;
+            self.maybe_write_disk()?;
             Ok::<_, CheckpointError>((state, stats))
         })();
         self.vm.resume();
@@ -184,6 +205,62 @@ impl<'a> Supervisor<'a> {
             self.states.pop_front();
         }
         Ok(())
+    }
+
+    /// Every `disk_every` checkpoints, with the VM paused right after a
+    /// checkpoint: captures the committed (older) checkpoint and hands it to
+    /// a background thread that writes it to disk. A capture is skipped while
+    /// the previous write is still going.
+    fn maybe_write_disk(&mut self) -> Result<(), CheckpointError> {
+        let Some(path) = self.cfg.disk_path.clone() else { return Ok(()) };
+        let every = u64::from(self.cfg.disk_every.max(1));
+        // `intervals` counts checkpoints before this one; the committed
+        // state is the newest in `states` until this checkpoint is pushed.
+        if !(self.intervals + 1).is_multiple_of(every) || self.states.is_empty() {
+            return Ok(());
+        }
+        self.reap_disk_writer()?;
+        if self.disk_writer.is_some() {
+            self.disk_skipped += 1;
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let cfg = self.vm.config();
+        let header = crate::disk::DiskHeader {
+            version: crate::disk::DISK_VERSION,
+            mem_bytes: cfg.mem_bytes,
+            vcpus: cfg.vcpus,
+            timer_hz: cfg.timer_hz,
+            workload: cfg.workload,
+            pages: 0,
+        };
+        let (state, _) = self.states.back().expect("checked");
+        let engine = &self.engine;
+        let image =
+            crate::disk::capture(&header, state, self.vm.memory(), &|g| engine.committed_page(g))?;
+        self.disk_capture_ms_max = self.disk_capture_ms_max.max(t0.elapsed().as_secs_f64() * 1e3);
+        let writer = std::thread::Builder::new()
+            .name("ckpt-disk".into())
+            .spawn(move || image.write(&path))
+            .map_err(|e| CheckpointError::Config(format!("cannot start the disk writer: {e}")))?;
+        self.disk_writer = Some(writer);
+        Ok(())
+    }
+
+    /// Collects a finished background disk write (or, with `wait`, waits for it).
+    fn reap_disk_writer_inner(&mut self, wait: bool) -> Result<(), CheckpointError> {
+        if self.disk_writer.as_ref().is_some_and(|w| wait || w.is_finished()) {
+            let w = self.disk_writer.take().expect("checked");
+            let n =
+                w.join().map_err(|_| CheckpointError::Config("disk writer panicked".into()))??;
+            self.disk_writes += 1;
+            self.disk_bytes_last = n;
+        }
+        Ok(())
+    }
+
+    fn reap_disk_writer(&mut self) -> Result<(), CheckpointError> {
+        self.reap_disk_writer_inner(false)
     }
 
     /// Halts the vCPUs, restores memory and state to the committed
@@ -299,14 +376,15 @@ impl<'a> Supervisor<'a> {
                 next.saturating_duration_since(Instant::now()).min(Duration::from_millis(2)),
             );
         };
-        Ok(self.report(outcome))
+        self.report(outcome)
     }
 
-    fn report(self, outcome: VmOutcome) -> RunReport {
+    fn report(mut self, outcome: VmOutcome) -> Result<RunReport, CheckpointError> {
+        self.reap_disk_writer_inner(true)?;
         let n = self.intervals.max(1) as f64;
         let mem_pages = (self.vm.memory().size() / crate::PAGE as u64) as f64;
         let pages_avg = self.pages_sum as f64 / n;
-        RunReport {
+        Ok(RunReport {
             mode: self.cfg.mode.name(),
             block_pages: self.cfg.block_pages,
             interval_ms: self.cfg.interval.as_secs_f64() * 1e3,
@@ -321,7 +399,11 @@ impl<'a> Supervisor<'a> {
             pause_ms_max: self.pauses.iter().copied().fold(0.0, f64::max),
             rollbacks: self.rollbacks,
             injections: self.injections.into_iter().map(|(_, r)| r).collect(),
+            disk_writes: self.disk_writes,
+            disk_skipped: self.disk_skipped,
+            disk_capture_ms_max: self.disk_capture_ms_max,
+            disk_bytes_last: self.disk_bytes_last,
             outcome,
-        }
+        })
     }
 }

@@ -138,6 +138,23 @@ impl GuestMemory {
         self.mmap.iter().map(|r| r.as_ptr() as u64).collect()
     }
 
+    /// Guest address ranges whose pages have ever been allocated (touched);
+    /// everything else reads as zero and need not be copied.
+    pub fn allocated_ranges(&self) -> Result<Vec<(u64, u64)>, MemoryError> {
+        let data = memfd::data_ranges(&self.fd, self.mem_bytes).map_err(MemoryError::Truncate)?;
+        let mut out = Vec::new();
+        for (s, e) in data {
+            for r in &self.regions {
+                let (rs, re) = (r.fd_offset, r.fd_offset + r.size);
+                let (a, b) = (s.max(rs), e.min(re));
+                if a < b {
+                    out.push((r.gpa + (a - rs), r.gpa + (b - rs)));
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// A view of `[gpa, gpa + size)` as its own guest memory object, backed by
     /// the same memfd. Accesses outside the window fail, which makes it a safe
     /// target for loading untrusted images into a fixed range.
@@ -200,6 +217,17 @@ mod tests {
         assert_eq!(v, 0xdead_beef);
         assert_eq!(other.mem().read_obj::<u64>(GuestAddress(0x3000)).unwrap(), 0x1234);
         assert_eq!(m.mem().num_regions(), 2);
+    }
+
+    #[test]
+    fn allocated_ranges_skip_holes() {
+        let m = GuestMemory::new("t", 64 << 20).unwrap();
+        assert!(m.allocated_ranges().unwrap().is_empty());
+        m.mem().write_obj(1u64, GuestAddress(0x10_0008)).unwrap();
+        let r = m.allocated_ranges().unwrap();
+        assert!(r.iter().any(|&(s, e)| s <= 0x10_0008 && 0x10_0010 <= e), "{r:x?}");
+        let total: u64 = r.iter().map(|(s, e)| e - s).sum();
+        assert!(total < 4 << 20, "only the touched pages are data: {total}");
     }
 
     #[test]

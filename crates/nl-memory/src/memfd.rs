@@ -17,3 +17,34 @@ pub fn create(name: &str) -> io::Result<File> {
     // SAFETY: fd was just returned by memfd_create and is owned by nobody else.
     Ok(unsafe { File::from_raw_fd(fd) })
 }
+
+/// The byte ranges of `file` that hold data (SEEK_DATA / SEEK_HOLE): pages
+/// never written are holes and need not be read.
+pub fn data_ranges(file: &File, len: u64) -> io::Result<Vec<(u64, u64)>> {
+    use std::os::fd::AsRawFd;
+    let fd = file.as_raw_fd();
+    let mut out = Vec::new();
+    let mut at: u64 = 0;
+    while at < len {
+        // SAFETY: lseek on a valid fd; no memory is passed.
+        let start = unsafe { libc::lseek(fd, at as libc::off_t, libc::SEEK_DATA) };
+        if start < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENXIO) {
+                break; // no data after `at`
+            }
+            return Err(e);
+        }
+        // SAFETY: as above.
+        let end = unsafe { libc::lseek(fd, start, libc::SEEK_HOLE) };
+        if end < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let (s, e) = (start as u64, (end as u64).min(len));
+        if e > s {
+            out.push((s, e));
+        }
+        at = e.max(s + 1);
+    }
+    Ok(out)
+}

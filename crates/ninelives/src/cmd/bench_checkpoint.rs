@@ -78,6 +78,8 @@ fn ckpt_args(
         // Overhead runs: a very slow CoW-B run must not be mistaken for a
         // hang. Injection runs: a hang is a detected error, found quickly.
         hang_timeout: if inject > 0 { 1.0 } else { 30.0 },
+        disk_every: 0,
+        disk_path: "unused".into(),
         console: None,
         json: true,
     }
