@@ -63,7 +63,6 @@ pub fn capture(
     overlay: &dyn Fn(u64) -> Option<[u8; PAGE]>,
 ) -> Result<DiskImage, CheckpointError> {
     let mut pages = Vec::new();
-    let mut seen = std::collections::BTreeSet::new();
     let mut buf = [0u8; PAGE];
     for (start, end) in mem.allocated_ranges()? {
         for gpa in (start & !(PAGE as u64 - 1)..end).step_by(PAGE) {
@@ -76,7 +75,6 @@ pub fn capture(
                     buf
                 }
             };
-            seen.insert(gpa);
             if page.iter().any(|&b| b != 0) {
                 pages.push((gpa, Box::new(page)));
             }
