@@ -47,6 +47,9 @@ pub enum WorkloadName {
     Exits,
     /// Halts until the timer wakes it.
     Idle,
+    /// Creates, copies, reads, overwrites and removes 1 MiB files on the
+    /// virtio-blk disk (a tiny extent-based file store), verifying every read.
+    Blkbench,
 }
 
 #[derive(
@@ -119,11 +122,26 @@ pub struct MachineArgs {
     /// Declare a VM hung after this many seconds without a heartbeat.
     #[arg(long, default_value_t = 10.0)]
     pub heartbeat_timeout: f64,
+    /// A raw disk image for a virtio-blk device (created sparse, 256 MiB, if
+    /// missing). blkbench without --disk uses a temporary image per VM.
+    #[arg(long)]
+    pub disk: Option<PathBuf>,
+    /// Offer the disk read-only (guest writes fail with the virtio error status).
+    #[arg(long)]
+    pub disk_readonly: bool,
 }
 
 impl Default for MachineArgs {
     fn default() -> Self {
-        Self { mem: 256 << 20, vcpus: 1, kernel: None, timer_hz: 100, heartbeat_timeout: 10.0 }
+        Self {
+            mem: 256 << 20,
+            vcpus: 1,
+            kernel: None,
+            timer_hz: 100,
+            heartbeat_timeout: 10.0,
+            disk: None,
+            disk_readonly: false,
+        }
     }
 }
 

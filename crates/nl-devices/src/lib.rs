@@ -13,3 +13,4 @@ pub mod echo;
 pub mod serial;
 
 pub use bus::{Bus, BusError, Device, DeviceState};
+pub mod virtio;

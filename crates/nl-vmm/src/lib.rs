@@ -25,7 +25,7 @@ pub mod state;
 pub mod vcpu;
 pub mod vm;
 
-pub use config::VmConfig;
+pub use config::{DiskConfig, VmConfig};
 pub use error::VmmError;
 pub use vm::{Vm, VmOutcome};
 

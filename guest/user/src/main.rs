@@ -17,13 +17,16 @@ use core::fmt::{self, Write};
 use core::ptr::{read_volatile, write_volatile};
 
 use nl_abi::{
-    control_reg, reg, BootInfo, BOOT_MAGIC, BOOT_VERSION, ERR_BAD_BOOT_INFO, ERR_USER_PANIC,
-    EXITS_PORT, HEARTBEAT_MS, PHASE_DONE, PHASE_MEASURE_START, PHASE_WORKLOAD_START, SYS_EXIT,
-    SYS_HALT, SYS_OUTL, USER_STACKS_GPA, USER_STACK_SIZE, WORKLOAD_MEMWRITE,
+    control_reg, reg, BootInfo, BOOT_MAGIC, BOOT_VERSION, DEVERR_BLK_INIT, DEVERR_BLK_IO,
+    DEVERR_BLK_SMALL, DEVERR_NO_BLK, DMA_BLK_QUEUE, ERR_BAD_BOOT_INFO, ERR_DEVICE, ERR_SELF_CHECK,
+    ERR_USER_PANIC, EXITS_PORT, HEARTBEAT_MS, PHASE_DONE, PHASE_MEASURE_START,
+    PHASE_WORKLOAD_START, SYS_EXIT, SYS_HALT, SYS_OUTL, USER_STACKS_GPA, USER_STACK_SIZE,
+    VIRTIO_BLK_MMIO_GPA, WORKLOAD_BLKBENCH, WORKLOAD_MEMWRITE,
 };
 use nl_workloads::{Platform, Workload};
 
 mod mem;
+mod virtio;
 
 // The stack top is 16-byte aligned; `call` gives `main` the ABI's alignment.
 global_asm!(
@@ -122,6 +125,8 @@ struct Guest {
     /// Ring 3 runs with IOPL 3 and may use `in`/`out` itself (BootInfo asked
     /// for it and RFLAGS shows it).
     iopl: bool,
+    /// The virtio-blk driver (blkbench only).
+    blk: Option<virtio::Blk>,
 }
 
 impl Platform for Guest {
@@ -159,6 +164,46 @@ impl Platform for Guest {
     fn halt(&mut self) {
         syscall2(SYS_HALT, 0, 0);
     }
+
+    fn blk_read(&mut self, sector: u64, buf: &mut [u64]) -> bool {
+        self.blk.as_mut().is_some_and(|b| b.read(sector, buf))
+    }
+
+    fn blk_write(&mut self, sector: u64, buf: &[u64]) -> bool {
+        self.blk.as_mut().is_some_and(|b| b.write(sector, buf))
+    }
+}
+
+/// Sets up the virtio-blk driver for blkbench (vCPU 0's DMA area).
+fn blk_setup(cpu: u64, boot: &BootInfo) -> virtio::Blk {
+    if boot.has_blk == 0 {
+        fail(cpu, ERR_DEVICE, DEVERR_NO_BLK << 32);
+    }
+    let dma = boot.dma_start + DMA_BLK_QUEUE;
+    if dma < boot.heap_end || dma + 0x4000 > boot.dma_end {
+        fail(cpu, ERR_BAD_BOOT_INFO, dma);
+    }
+    let blk = match virtio::Blk::init(VIRTIO_BLK_MMIO_GPA, dma) {
+        Ok(b) => b,
+        Err(virtio::InitError(step)) => fail(cpu, ERR_DEVICE, (DEVERR_BLK_INIT << 32) | step),
+    };
+    if blk.sectors * 512 < nl_workloads::blk::BLKBENCH_DISK_BYTES {
+        fail(cpu, ERR_DEVICE, (DEVERR_BLK_SMALL << 32) | (blk.sectors >> 11));
+    }
+    blk
+}
+
+/// blkbench: stops the run at the first failed request or bad read.
+fn blk_check(cpu: u64, w: &Workload) {
+    let (mismatches, io_errors) = w.blk_errors();
+    if io_errors > 0 {
+        print(cpu, format_args!("blkbench: {io_errors} virtio-blk requests failed\n"));
+        fail(cpu, ERR_DEVICE, (DEVERR_BLK_IO << 32) | io_errors.min(0xffff_ffff));
+    }
+    if mismatches > 0 {
+        print(cpu, format_args!("blkbench: {mismatches} words read back wrong\n"));
+        fail(cpu, ERR_SELF_CHECK, w.rounds_done());
+    }
 }
 
 extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
@@ -172,8 +217,10 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
     }
     let params = boot.workload;
 
-    // The working set: only memwrite uses it, the other kinds get none.
-    let ws: &mut [u64] = if params.kind == WORKLOAD_MEMWRITE {
+    // The working set: memwrite's memory, blkbench's I/O buffers; the
+    // other kinds get none.
+    let blkbench = params.kind == WORKLOAD_BLKBENCH;
+    let ws: &mut [u64] = if params.kind == WORKLOAD_MEMWRITE || blkbench {
         let base = boot.ws_base(cpu);
         let end = base.checked_add(params.ws_bytes);
         if end.is_none_or(|end| base < boot.heap_start || end > boot.heap_end) {
@@ -192,11 +239,15 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
             fail(cpu, ERR_BAD_BOOT_INFO, params.kind)
         }
     };
+    let blk = if blkbench { Some(blk_setup(cpu, boot)) } else { None };
     let mut platform =
-        Guest { cpu, iopl: boot.user_iopl != 0 && rflags() & RFLAGS_IOPL3 == RFLAGS_IOPL3 };
+        Guest { cpu, iopl: boot.user_iopl != 0 && rflags() & RFLAGS_IOPL3 == RFLAGS_IOPL3, blk };
 
     // Warm-up round (maps the working set).
     let warmup = w.round(&mut platform);
+    if blkbench {
+        blk_check(cpu, &w);
+    }
     ctl_write(cpu, reg::WARMUP_OPS, warmup);
 
     // Measured period.
@@ -210,6 +261,9 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
     let mut ops = 0u64;
     while now.wrapping_sub(start) < duration {
         ops = ops.wrapping_add(w.round(&mut platform));
+        if blkbench {
+            blk_check(cpu, &w);
+        }
         now = rdtsc();
         if now.wrapping_sub(last_beat) >= heartbeat {
             ctl_write(cpu, reg::HEARTBEAT, ops);
