@@ -5,7 +5,20 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use nl_abi::WorkloadParams;
-use nl_vmm::{DiskConfig, VmConfig};
+use nl_vmm::{DiskConfig, NetConfig, VmConfig};
+
+/// Parses "A.B.C.D/N".
+pub fn parse_cidr(s: &str) -> Result<([u8; 4], u8)> {
+    let (ip, prefix) = s.split_once('/').unwrap_or((s, "24"));
+    let ip: std::net::Ipv4Addr =
+        ip.parse().map_err(|_| anyhow::anyhow!("--net-ip {s}: not an IPv4 address"))?;
+    let prefix: u8 = prefix
+        .parse()
+        .ok()
+        .filter(|p| (1..=32).contains(p))
+        .ok_or_else(|| anyhow::anyhow!("--net-ip {s}: prefix must be 1..=32"))?;
+    Ok((ip.octets(), prefix))
+}
 
 /// Size of a disk image `--disk` creates when the file is missing.
 pub const DEFAULT_DISK_BYTES: u64 = 256 << 20;
@@ -55,6 +68,7 @@ impl WorkloadName {
             WorkloadName::Exits => nl_abi::WORKLOAD_EXITS,
             WorkloadName::Idle => nl_abi::WORKLOAD_IDLE,
             WorkloadName::Blkbench => nl_abi::WORKLOAD_BLKBENCH,
+            WorkloadName::Netbench => nl_abi::WORKLOAD_NETBENCH,
         }
     }
 
@@ -65,6 +79,7 @@ impl WorkloadName {
             WorkloadName::Exits => "exits",
             WorkloadName::Idle => "idle",
             WorkloadName::Blkbench => "blkbench",
+            WorkloadName::Netbench => "netbench",
         }
     }
 
@@ -132,6 +147,14 @@ pub fn vm_config(
     if !(m.heartbeat_timeout.is_finite() && m.heartbeat_timeout > 0.0) {
         bail!("--heartbeat-timeout must be a positive number of seconds");
     }
+    if workload.kind == nl_abi::WORKLOAD_NETBENCH {
+        if m.vcpus != 1 {
+            bail!("netbench runs on one vCPU (got --vcpus {})", m.vcpus);
+        }
+        if m.net_tap.is_none() {
+            bail!("netbench needs a network device (--net-tap NAME)");
+        }
+    }
     if workload.kind == nl_abi::WORKLOAD_BLKBENCH {
         if m.vcpus != 1 {
             bail!("blkbench runs on one vCPU (got --vcpus {})", m.vcpus);
@@ -152,7 +175,15 @@ pub fn vm_config(
             );
         }
     }
+    let net = match &m.net_tap {
+        Some(tap) => {
+            let (ipv4, prefix) = parse_cidr(&m.net_ip)?;
+            Some(NetConfig { tap: tap.clone(), ipv4, prefix })
+        }
+        None => None,
+    };
     let c = VmConfig {
+        net,
         mem_bytes: m.mem,
         vcpus: m.vcpus,
         workload,

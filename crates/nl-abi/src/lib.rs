@@ -223,6 +223,9 @@ pub const DEVERR_BLK_INIT: u64 = 2;
 pub const DEVERR_BLK_SMALL: u64 = 3;
 /// Detail: the number of failed requests.
 pub const DEVERR_BLK_IO: u64 = 4;
+pub const DEVERR_NO_NET: u64 = 5;
+/// Detail: the step of the virtio initialization that failed.
+pub const DEVERR_NET_INIT: u64 = 6;
 
 /// Heartbeat period the guest keeps while a workload runs.
 pub const HEARTBEAT_MS: u64 = 10;
@@ -247,6 +250,11 @@ pub const WORKLOAD_EXITS: u64 = 3;
 pub const WORKLOAD_IDLE: u64 = 4;
 /// File operations on the virtio-blk disk (needs one vCPU and a disk).
 pub const WORKLOAD_BLKBENCH: u64 = 5;
+/// Answers UDP packets on [`NETBENCH_UDP_PORT`] with their payload
+/// (needs one vCPU and a network device).
+pub const WORKLOAD_NETBENCH: u64 = 6;
+/// UDP port netbench echoes on.
+pub const NETBENCH_UDP_PORT: u16 = 7;
 
 /// Access patterns of `memwrite` (`WorkloadParams::pattern`).
 pub const PATTERN_SEQUENTIAL: u64 = 0;
@@ -316,6 +324,10 @@ pub struct BootInfo {
     pub has_blk: u64,
     /// Nonzero when a virtio-net device is at [`VIRTIO_NET_MMIO_GPA`].
     pub has_net: u64,
+    /// The guest's IPv4 address (network byte order in the low 32 bits, as
+    /// `u32::from_be_bytes(octets)`) and prefix length, when it has a network device.
+    pub net_ipv4: u64,
+    pub net_prefix: u64,
 }
 
 impl BootInfo {

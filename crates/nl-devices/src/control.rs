@@ -202,6 +202,8 @@ fn device_error(info: u64) -> String {
             format!("the virtio-blk disk is too small ({detail} MiB)")
         }
         nl_abi::DEVERR_BLK_IO => format!("{detail} virtio-blk requests failed"),
+        nl_abi::DEVERR_NO_NET => "the workload needs a network device, the VM has none".into(),
+        nl_abi::DEVERR_NET_INIT => format!("virtio-net set-up failed (step {detail})"),
         _ => format!("code {info:#x}"),
     }
 }

@@ -24,6 +24,18 @@ pub struct VmConfig {
     pub heartbeat_timeout: Duration,
     /// A virtio-blk disk backed by this raw image file.
     pub disk: Option<DiskConfig>,
+    /// A virtio-net device on this host TAP interface.
+    pub net: Option<NetConfig>,
+}
+
+/// A virtio-net device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NetConfig {
+    /// TAP interface (attached, or created if missing, in the VMM's network namespace).
+    pub tap: String,
+    /// The guest's address and prefix length.
+    pub ipv4: [u8; 4],
+    pub prefix: u8,
 }
 
 /// A virtio-blk disk.

@@ -12,6 +12,7 @@ use nl_devices::control::{describe_error, ControlDevice, ControlState, VcpuRegsS
 use nl_devices::echo::EchoPort;
 use nl_devices::serial::{Console, SerialDevice};
 use nl_devices::virtio::blk::{BlkStats, Block};
+use nl_devices::virtio::net::{Net, NetStats};
 use nl_devices::virtio::MmioTransport;
 use nl_devices::Bus;
 use nl_memory::GuestMemory;
@@ -104,6 +105,7 @@ pub struct Vm {
     control: Arc<ControlState>,
     console: Console,
     blk: Option<Arc<Mutex<MmioTransport<Block>>>>,
+    net: Option<Arc<Mutex<MmioTransport<Net>>>>,
     vm_fd: VmFd,
     memory: GuestMemory,
 }
@@ -231,6 +233,17 @@ impl Vm {
             }
             None => None,
         };
+        let net = match &config.net {
+            Some(n) => {
+                let tap = nl_devices::tap::Tap::open(&n.tap).map_err(VmmError::Config)?;
+                let mac = [0x52, 0x54, 0x00, 0x4e, 0x4c, id as u8];
+                let dev = Net::new(tap, mac);
+                let t = Arc::new(Mutex::new(MmioTransport::new(dev, memory.mem().clone())));
+                mmio_bus.insert(VIRTIO_NET_MMIO_GPA, VIRTIO_MMIO_SIZE, t.clone())?;
+                Some(t)
+            }
+            None => None,
+        };
 
         let mut vcpus = Vec::with_capacity(n);
         for cpu in 0..n {
@@ -254,6 +267,7 @@ impl Vm {
             control,
             console,
             blk,
+            net,
             vm_fd,
             memory,
         })
@@ -311,7 +325,9 @@ impl Vm {
             dma_start: heap_end,
             dma_end,
             has_blk: u64::from(self.blk.is_some()),
-            has_net: 0,
+            has_net: u64::from(self.net.is_some()),
+            net_ipv4: self.config.net.as_ref().map_or(0, |n| u64::from(u32::from_be_bytes(n.ipv4))),
+            net_prefix: self.config.net.as_ref().map_or(0, |n| u64::from(n.prefix)),
         };
         nl_arch::write_boot_info(self.memory.mem(), &info)?;
         Ok(kernel.entry)
@@ -530,6 +546,14 @@ impl Vm {
     /// The virtio-blk device's counters and its last reason to need a reset.
     pub fn blk_stats(&self) -> Option<(BlkStats, u32, Option<String>)> {
         self.blk.as_ref().map(|b| {
+            let b = b.lock().unwrap_or_else(|p| p.into_inner());
+            (b.device().stats(), b.status(), b.last_error().map(str::to_string))
+        })
+    }
+
+    /// The virtio-net device's counters, device status and last reason to need a reset.
+    pub fn net_stats(&self) -> Option<(NetStats, u32, Option<String>)> {
+        self.net.as_ref().map(|b| {
             let b = b.lock().unwrap_or_else(|p| p.into_inner());
             (b.device().stats(), b.status(), b.last_error().map(str::to_string))
         })

@@ -29,6 +29,10 @@
 //!   per round plus one `halt` every [`EXITS_HALT_EVERY`]th round; the digest
 //!   folds the values the platform returns.
 //! * `idle`: op = one `halt` per round.
+//! * `netbench`: op = one poll of the network (one round); answers UDP
+//!   packets to port 7 with their payload. The digest only covers the
+//!   rounds: what arrives depends on the outside world, which the external
+//!   sender (`ninelives ping`) checks.
 //! * `blkbench`: op = one byte moved to or from the block device; one file
 //!   operation (create, copy, read, overwrite, remove of a 1 MiB file in the
 //!   [`blk`] file store) per round, every read checked. The working set is
@@ -55,7 +59,7 @@ mod tests;
 use nl_abi::{
     WorkloadParams, MAX_MEM_BYTES, PATTERN_HOTCOLD, PATTERN_RANDOM, PATTERN_SEQUENTIAL,
     PATTERN_STRIDED, WORKLOAD_BLKBENCH, WORKLOAD_COMPUTE, WORKLOAD_EXITS, WORKLOAD_IDLE,
-    WORKLOAD_MEMWRITE,
+    WORKLOAD_MEMWRITE, WORKLOAD_NETBENCH,
 };
 
 /// What a workload needs from the machine it runs on.
@@ -81,6 +85,11 @@ pub trait Platform {
     fn blk_write(&mut self, sector: u64, buf: &[u64]) -> bool {
         let _ = (sector, buf);
         false
+    }
+    /// Services the network once (netbench): receives what arrived and
+    /// answers it. Returns the packets answered.
+    fn net_poll(&mut self) -> u64 {
+        0
     }
 }
 
@@ -115,7 +124,7 @@ pub const EXITS_HALT_EVERY: u64 = 8;
 pub fn validate(params: &WorkloadParams) -> Result<(), &'static str> {
     match params.kind {
         WORKLOAD_MEMWRITE => validate_memwrite(params),
-        WORKLOAD_COMPUTE | WORKLOAD_EXITS | WORKLOAD_IDLE => Ok(()),
+        WORKLOAD_COMPUTE | WORKLOAD_EXITS | WORKLOAD_IDLE | WORKLOAD_NETBENCH => Ok(()),
         WORKLOAD_BLKBENCH if params.ws_bytes == blk::BLKBENCH_WS_BYTES => Ok(()),
         WORKLOAD_BLKBENCH => Err("blkbench: ws_bytes must be blk::BLKBENCH_WS_BYTES"),
         _ => Err("unknown workload kind"),
@@ -166,6 +175,7 @@ enum Kind {
     Exits,
     Idle,
     Blkbench,
+    Netbench,
 }
 
 /// One vCPU's workload: its state between rounds.
@@ -199,6 +209,8 @@ pub struct Workload<'m> {
     mismatches: u64,
     // blkbench
     store: blk::FileStore,
+    // netbench
+    net_answered: u64,
 }
 
 impl<'m> Workload<'m> {
@@ -220,6 +232,7 @@ impl<'m> Workload<'m> {
             WORKLOAD_COMPUTE => Kind::Compute,
             WORKLOAD_EXITS => Kind::Exits,
             WORKLOAD_BLKBENCH => Kind::Blkbench,
+            WORKLOAD_NETBENCH => Kind::Netbench,
             _ => Kind::Idle,
         };
         let seed = nl_abi::seed_for_cpu(params.seed, cpu);
@@ -271,6 +284,7 @@ impl<'m> Workload<'m> {
             lanes,
             mismatches: 0,
             store: blk::FileStore::new(),
+            net_answered: 0,
         })
     }
 
@@ -283,6 +297,10 @@ impl<'m> Workload<'m> {
             Kind::Exits => self.exits_round(p),
             Kind::Idle => {
                 p.halt();
+                1
+            }
+            Kind::Netbench => {
+                self.net_answered += p.net_poll();
                 1
             }
             Kind::Blkbench if self.rounds == 0 => {
@@ -315,6 +333,12 @@ impl<'m> Workload<'m> {
         (self.store.mismatches, self.store.io_errors)
     }
 
+    /// netbench: packets answered so far (not part of the digest: it
+    /// depends on what the network brought).
+    pub fn net_answered(&self) -> u64 {
+        self.net_answered
+    }
+
     /// blkbench: file operations done so far by kind (create, copy, read,
     /// overwrite, remove).
     pub fn blk_counts(&self) -> [u64; 5] {
@@ -335,7 +359,7 @@ impl<'m> Workload<'m> {
                 }
             }
             Kind::Blkbench => h = fold(h, self.store.state_digest()),
-            Kind::Exits | Kind::Idle => {}
+            Kind::Exits | Kind::Idle | Kind::Netbench => {}
         }
         mix64(h)
     }

@@ -23,9 +23,14 @@ use nl_abi::{
     PHASE_WORKLOAD_START, SYS_EXIT, SYS_HALT, SYS_OUTL, USER_STACKS_GPA, USER_STACK_SIZE,
     VIRTIO_BLK_MMIO_GPA, WORKLOAD_BLKBENCH, WORKLOAD_MEMWRITE,
 };
+use nl_abi::{
+    DEVERR_NET_INIT, DEVERR_NO_NET, DMA_NET_BUFS, DMA_NET_RXQ, DMA_NET_TXQ, VIRTIO_NET_MMIO_GPA,
+    WORKLOAD_NETBENCH,
+};
 use nl_workloads::{Platform, Workload};
 
 mod mem;
+mod net;
 mod virtio;
 
 // The stack top is 16-byte aligned; `call` gives `main` the ABI's alignment.
@@ -120,8 +125,11 @@ fn fail(cpu: u64, error: u64, info: u64) -> ! {
 }
 
 /// The machine as the workload engine sees it from guest ring 3.
-struct Guest {
+struct Guest<'s> {
     cpu: u64,
+    /// netbench's network stack.
+    net: Option<net::Stack<'s>>,
+    tsc_khz: u64,
     /// Ring 3 runs with IOPL 3 and may use `in`/`out` itself (BootInfo asked
     /// for it and RFLAGS shows it).
     iopl: bool,
@@ -129,7 +137,7 @@ struct Guest {
     blk: Option<virtio::Blk>,
 }
 
-impl Platform for Guest {
+impl Platform for Guest<'_> {
     #[inline(always)]
     fn port_echo(&mut self, v: u32) -> u32 {
         if self.iopl {
@@ -171,6 +179,11 @@ impl Platform for Guest {
 
     fn blk_write(&mut self, sector: u64, buf: &[u64]) -> bool {
         self.blk.as_mut().is_some_and(|b| b.write(sector, buf))
+    }
+
+    fn net_poll(&mut self) -> u64 {
+        let now = smoltcp::time::Instant::from_millis((rdtsc() / self.tsc_khz.max(1)) as i64);
+        self.net.as_mut().map_or(0, |n| n.poll(now))
     }
 }
 
@@ -240,8 +253,49 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
         }
     };
     let blk = if blkbench { Some(blk_setup(cpu, boot)) } else { None };
-    let mut platform =
-        Guest { cpu, iopl: boot.user_iopl != 0 && rflags() & RFLAGS_IOPL3 == RFLAGS_IOPL3, blk };
+    // netbench: the network stack's storage lives in this frame (main never returns).
+    let mut sockets = [smoltcp::iface::SocketStorage::EMPTY; 2];
+    let mut rx_meta = [smoltcp::socket::udp::PacketMetadata::EMPTY; 16];
+    let mut tx_meta = [smoltcp::socket::udp::PacketMetadata::EMPTY; 16];
+    let mut rx_buf = [0u8; 16384];
+    let mut tx_buf = [0u8; 16384];
+    let net = if params.kind == WORKLOAD_NETBENCH {
+        if boot.has_net == 0 {
+            fail(cpu, ERR_DEVICE, DEVERR_NO_NET << 32);
+        }
+        let d = boot.dma_start;
+        if d < boot.heap_end || d + DMA_NET_BUFS + 0x1_0000 > boot.dma_end {
+            fail(cpu, ERR_BAD_BOOT_INFO, d);
+        }
+        let dev = match net::NetDev::init(
+            VIRTIO_NET_MMIO_GPA,
+            d + DMA_NET_RXQ,
+            d + DMA_NET_TXQ,
+            d + DMA_NET_BUFS,
+        ) {
+            Ok(dev) => dev,
+            Err(virtio::InitError(step)) => fail(cpu, ERR_DEVICE, (DEVERR_NET_INIT << 32) | step),
+        };
+        let now = smoltcp::time::Instant::from_millis((rdtsc() / boot.tsc_khz.max(1)) as i64);
+        Some(net::Stack::new(
+            dev,
+            ((boot.net_ipv4 as u32).to_be_bytes(), boot.net_prefix as u8),
+            params.seed ^ rdtsc(),
+            now,
+            &mut sockets,
+            (&mut rx_meta, &mut rx_buf),
+            (&mut tx_meta, &mut tx_buf),
+        ))
+    } else {
+        None
+    };
+    let mut platform = Guest {
+        cpu,
+        net,
+        tsc_khz: boot.tsc_khz,
+        iopl: boot.user_iopl != 0 && rflags() & RFLAGS_IOPL3 == RFLAGS_IOPL3,
+        blk,
+    };
 
     // Warm-up round (maps the working set).
     let warmup = w.round(&mut platform);
@@ -272,6 +326,9 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
     }
     let cycles = now.wrapping_sub(start);
 
+    if params.kind == WORKLOAD_NETBENCH {
+        print(cpu, format_args!("netbench: answered {} packets\n", w.net_answered()));
+    }
     let digest = w.finish();
     ctl_write(cpu, reg::OPS, ops);
     ctl_write(cpu, reg::CYCLES, cycles);

@@ -36,14 +36,14 @@ const S_DRIVER_OK: u32 = 4;
 const S_FEATURES_OK: u32 = 8;
 const S_NEEDS_RESET: u32 = 0x40;
 
-const F_NEXT: u16 = 1;
-const F_WRITE: u16 = 2;
+pub const F_NEXT: u16 = 1;
+pub const F_WRITE: u16 = 2;
 
 const T_IN: u32 = 0;
 const T_OUT: u32 = 1;
 
 /// Queue entries used (one request of three descriptors at a time).
-const QSIZE: u16 = 16;
+pub const QSIZE: u16 = 16;
 
 /// Why the device could not be set up (the step, reported to the VMM).
 #[derive(Clone, Copy, Debug)]
@@ -74,52 +74,52 @@ fn w32(addr: u64, v: u32) {
 }
 
 #[inline(always)]
-fn put<T>(addr: u64, v: T) {
+pub fn put<T>(addr: u64, v: T) {
     // SAFETY: the address is in this vCPU's DMA area (user memory set aside by the VMM).
     unsafe { write_volatile(addr as *mut T, v) }
 }
 
 #[inline(always)]
-fn get<T>(addr: u64) -> T {
+pub fn get<T>(addr: u64) -> T {
     // SAFETY: as in `put`.
     unsafe { read_volatile(addr as *const T) }
 }
 
-impl Blk {
-    /// Sets the device at `base` up with its queue at `dma` (16 KiB:
-    /// descriptors, avail ring, used ring, request header and status).
-    pub fn init(base: u64, dma: u64) -> Result<Blk, InitError> {
-        if r32(base + R_MAGIC) != MAGIC || r32(base + R_VERSION) != 2 {
-            return Err(InitError(1));
-        }
-        if r32(base + R_DEVICE_ID) != 2 {
-            return Err(InitError(2));
-        }
-        w32(base + R_STATUS, 0);
-        w32(base + R_STATUS, S_ACK);
-        w32(base + R_STATUS, S_ACK | S_DRIVER);
-        w32(base + R_DEVICE_FEATURES_SEL, 1);
-        if r32(base + R_DEVICE_FEATURES) & 1 == 0 {
-            return Err(InitError(3)); // no VIRTIO_F_VERSION_1
-        }
-        w32(base + R_DRIVER_FEATURES_SEL, 0);
-        w32(base + R_DRIVER_FEATURES, 0);
-        w32(base + R_DRIVER_FEATURES_SEL, 1);
-        w32(base + R_DRIVER_FEATURES, 1);
-        w32(base + R_STATUS, S_ACK | S_DRIVER | S_FEATURES_OK);
-        if r32(base + R_STATUS) & S_FEATURES_OK == 0 {
-            return Err(InitError(4));
-        }
-        w32(base + R_QUEUE_SEL, 0);
-        let max = r32(base + R_QUEUE_NUM_MAX);
-        if max < u32::from(QSIZE) {
+/// Resets and sets up the virtio-mmio device at `base` (device ID `id`)
+/// with only VIRTIO_F_VERSION_1, queue i of [`QSIZE`] entries at `queues[i]`
+/// (descriptors, then avail ring at +4 KiB and used ring at +8 KiB, all
+/// zeroed here), and sets DRIVER_OK.
+pub fn init_device(base: u64, id: u32, queues: &[u64]) -> Result<(), InitError> {
+    if r32(base + R_MAGIC) != MAGIC || r32(base + R_VERSION) != 2 {
+        return Err(InitError(1));
+    }
+    if r32(base + R_DEVICE_ID) != id {
+        return Err(InitError(2));
+    }
+    w32(base + R_STATUS, 0);
+    w32(base + R_STATUS, S_ACK);
+    w32(base + R_STATUS, S_ACK | S_DRIVER);
+    w32(base + R_DEVICE_FEATURES_SEL, 1);
+    if r32(base + R_DEVICE_FEATURES) & 1 == 0 {
+        return Err(InitError(3)); // no VIRTIO_F_VERSION_1
+    }
+    w32(base + R_DRIVER_FEATURES_SEL, 0);
+    w32(base + R_DRIVER_FEATURES, 0);
+    w32(base + R_DRIVER_FEATURES_SEL, 1);
+    w32(base + R_DRIVER_FEATURES, 1);
+    w32(base + R_STATUS, S_ACK | S_DRIVER | S_FEATURES_OK);
+    if r32(base + R_STATUS) & S_FEATURES_OK == 0 {
+        return Err(InitError(4));
+    }
+    for (i, &q) in queues.iter().enumerate() {
+        w32(base + R_QUEUE_SEL, i as u32);
+        if r32(base + R_QUEUE_NUM_MAX) < u32::from(QSIZE) {
             return Err(InitError(5));
         }
-        let (desc, avail, used) = (dma, dma + 0x1000, dma + 0x2000);
-        // Zero the rings.
-        for a in (dma..dma + 0x3000).step_by(8) {
+        for a in (q..q + 0x3000).step_by(8) {
             put(a, 0u64);
         }
+        let (desc, avail, used) = (q, q + 0x1000, q + 0x2000);
         w32(base + R_QUEUE_NUM, u32::from(QSIZE));
         w32(base + R_QUEUE_DESC_LOW, desc as u32);
         w32(base + R_QUEUE_DESC_HIGH, (desc >> 32) as u32);
@@ -128,10 +128,26 @@ impl Blk {
         w32(base + R_QUEUE_USED_LOW, used as u32);
         w32(base + R_QUEUE_USED_HIGH, (used >> 32) as u32);
         w32(base + R_QUEUE_READY, 1);
-        w32(base + R_STATUS, S_ACK | S_DRIVER | S_FEATURES_OK | S_DRIVER_OK);
-        if r32(base + R_STATUS) & S_NEEDS_RESET != 0 {
-            return Err(InitError(6));
-        }
+    }
+    w32(base + R_STATUS, S_ACK | S_DRIVER | S_FEATURES_OK | S_DRIVER_OK);
+    if r32(base + R_STATUS) & S_NEEDS_RESET != 0 {
+        return Err(InitError(6));
+    }
+    Ok(())
+}
+
+/// Notifies queue `q` of the device at `base` (an exit: the VMM serves it
+/// before the write completes).
+pub fn notify(base: u64, q: u32) {
+    w32(base + R_QUEUE_NOTIFY, q);
+}
+
+impl Blk {
+    /// Sets the device at `base` up with its queue at `dma` (16 KiB:
+    /// descriptors, avail ring, used ring, request header and status).
+    pub fn init(base: u64, dma: u64) -> Result<Blk, InitError> {
+        init_device(base, 2, &[dma])?;
+        let (desc, avail, used) = (dma, dma + 0x1000, dma + 0x2000);
         let sectors = u64::from(r32(base + R_CONFIG)) | (u64::from(r32(base + R_CONFIG + 4)) << 32);
         Ok(Blk {
             base,

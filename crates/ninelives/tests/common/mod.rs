@@ -87,6 +87,7 @@ pub fn config(workload: WorkloadParams, vcpus: u32) -> VmConfig {
         timer_hz: 100,
         heartbeat_timeout: Duration::from_secs(20),
         disk: None,
+        net: None,
     }
 }
 

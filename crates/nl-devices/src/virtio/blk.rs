@@ -190,26 +190,7 @@ impl Block {
         mem: &GuestMem,
         chain: DescriptorChain<&GuestMem>,
     ) -> Result<(u16, u32), QueueError> {
-        let head = chain.head_index();
-        let mut descs = Vec::with_capacity(4);
-        let mut last_has_next = false;
-        for d in chain {
-            if descs.len() == MAX_CHAIN {
-                return Err(QueueError(format!(
-                    "descriptor chain at {head} is longer than {MAX_CHAIN}"
-                )));
-            }
-            last_has_next = d.has_next();
-            descs.push(d);
-        }
-        // The chain iterator stops after queue-size descriptors or at an
-        // unreadable descriptor: a chain that still says "next" loops or
-        // points outside the table or guest memory.
-        if last_has_next {
-            return Err(QueueError(format!(
-                "descriptor chain at {head} loops or leaves guest memory"
-            )));
-        }
+        let (head, mut descs) = super::collect_chain(chain, MAX_CHAIN)?;
         let Some(status) = descs.pop() else {
             return Err(QueueError(format!("descriptor chain at {head} is empty or unreadable")));
         };

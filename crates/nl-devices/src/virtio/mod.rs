@@ -19,6 +19,7 @@
 //! fail that request with the device's error status.
 
 pub mod blk;
+pub mod net;
 
 use serde::{Deserialize, Serialize};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
@@ -480,4 +481,30 @@ pub(crate) fn for_each_chain(
         used = true;
     }
     Ok(used)
+}
+
+/// The descriptors of one chain, at most `max`. A chain that is longer, or
+/// that the iterator cut short while it still said "next" (a loop, a next
+/// index outside the table, a table outside guest memory), is a queue error.
+pub(crate) fn collect_chain(
+    chain: virtio_queue::DescriptorChain<&GuestMem>,
+    max: usize,
+) -> Result<(u16, Vec<virtio_queue::desc::split::Descriptor>), QueueError> {
+    let head = chain.head_index();
+    let mut descs = Vec::with_capacity(4);
+    let mut last_has_next = false;
+    for d in chain {
+        if descs.len() == max {
+            return Err(QueueError(format!("descriptor chain at {head} is longer than {max}")));
+        }
+        last_has_next = d.has_next();
+        descs.push(d);
+    }
+    if last_has_next {
+        return Err(QueueError(format!("descriptor chain at {head} loops or leaves guest memory")));
+    }
+    if descs.is_empty() {
+        return Err(QueueError(format!("descriptor chain at {head} is empty or unreadable")));
+    }
+    Ok((head, descs))
 }
