@@ -29,6 +29,43 @@ pub enum Command {
     Checkpoint(CheckpointArgs),
     /// Restore a VM from a disk checkpoint file and run it to completion.
     Restore(RestoreArgs),
+    /// UDP ping at a fixed interval: sent, received, longest gap between
+    /// replies, and every 1-second window whose reception dropped below 90%.
+    Ping(PingArgs),
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct PingArgs {
+    /// Target ADDR or ADDR:PORT (port 7 by default).
+    #[arg(long)]
+    pub target: String,
+    /// Time between pings, e.g. 1ms, 500us, 0.01s.
+    #[arg(long, default_value = "1ms", value_parser = parse_duration)]
+    pub interval: std::time::Duration,
+    /// Seconds to send for.
+    #[arg(long, default_value_t = 5.0)]
+    pub duration: f64,
+    /// Print one JSON object as the last line of stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Parses durations such as 1ms, 500us, 2s, 0.5s.
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("'{s}' is not a duration (e.g. 1ms)"))?;
+    let secs = match unit {
+        "s" | "" => n,
+        "ms" => n / 1e3,
+        "us" => n / 1e6,
+        _ => return Err(format!("'{s}': unknown unit '{unit}' (use s, ms or us)")),
+    };
+    if !(secs.is_finite() && secs > 0.0 && secs <= 3600.0) {
+        return Err(format!("'{s}' is out of range"));
+    }
+    Ok(std::time::Duration::from_secs_f64(secs))
 }
 
 impl Default for Command {
@@ -51,6 +88,11 @@ pub enum WorkloadName {
     Exits,
     /// Halts until the timer wakes it.
     Idle,
+    /// Creates, copies, reads, overwrites and removes 1 MiB files on the
+    /// virtio-blk disk (a tiny extent-based file store), verifying every read.
+    Blkbench,
+    /// Answers UDP packets to port 7 (needs --net-tap and --net-ip).
+    Netbench,
 }
 
 #[derive(
@@ -123,11 +165,35 @@ pub struct MachineArgs {
     /// Declare a VM hung after this many seconds without a heartbeat.
     #[arg(long, default_value_t = 10.0)]
     pub heartbeat_timeout: f64,
+    /// A raw disk image for a virtio-blk device (created sparse, 256 MiB, if
+    /// missing). blkbench without --disk uses a temporary image per VM.
+    #[arg(long)]
+    pub disk: Option<PathBuf>,
+    /// Offer the disk read-only (guest writes fail with the virtio error status).
+    #[arg(long)]
+    pub disk_readonly: bool,
+    /// Give the VM a virtio-net device on this host TAP interface (attached,
+    /// or created, in the VMM's network namespace).
+    #[arg(long)]
+    pub net_tap: Option<String>,
+    /// The guest's IPv4 address and prefix, e.g. 10.0.0.2/24.
+    #[arg(long, default_value = "10.0.0.2/24")]
+    pub net_ip: String,
 }
 
 impl Default for MachineArgs {
     fn default() -> Self {
-        Self { mem: 256 << 20, vcpus: 1, kernel: None, timer_hz: 100, heartbeat_timeout: 10.0 }
+        Self {
+            mem: 256 << 20,
+            vcpus: 1,
+            kernel: None,
+            timer_hz: 100,
+            heartbeat_timeout: 10.0,
+            disk: None,
+            disk_readonly: false,
+            net_tap: None,
+            net_ip: "10.0.0.2/24".into(),
+        }
     }
 }
 

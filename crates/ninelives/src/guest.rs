@@ -5,7 +5,58 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use nl_abi::WorkloadParams;
-use nl_vmm::VmConfig;
+use nl_vmm::{DiskConfig, NetConfig, VmConfig};
+
+/// Parses "A.B.C.D/N".
+pub fn parse_cidr(s: &str) -> Result<([u8; 4], u8)> {
+    let (ip, prefix) = s.split_once('/').unwrap_or((s, "24"));
+    let ip: std::net::Ipv4Addr =
+        ip.parse().map_err(|_| anyhow::anyhow!("--net-ip {s}: not an IPv4 address"))?;
+    let prefix: u8 = prefix
+        .parse()
+        .ok()
+        .filter(|p| (1..=32).contains(p))
+        .ok_or_else(|| anyhow::anyhow!("--net-ip {s}: prefix must be 1..=32"))?;
+    Ok((ip.octets(), prefix))
+}
+
+/// Size of a disk image `--disk` creates when the file is missing.
+pub const DEFAULT_DISK_BYTES: u64 = 256 << 20;
+
+/// Creates `path` as a sparse image of `bytes` if it does not exist.
+pub fn ensure_disk(path: &std::path::Path, bytes: u64) -> Result<()> {
+    if path.exists() {
+        return Ok(());
+    }
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .with_context(|| format!("cannot create disk image {}", path.display()))?;
+    f.set_len(bytes).with_context(|| format!("cannot size disk image {}", path.display()))?;
+    Ok(())
+}
+
+/// A temporary sparse disk image, removed when dropped.
+pub struct TempDisk(pub std::path::PathBuf);
+
+impl TempDisk {
+    pub fn new(tag: &str) -> Result<Self> {
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p =
+            std::env::temp_dir().join(format!("ninelives-{tag}-{}-{n}.img", std::process::id()));
+        let _ = std::fs::remove_file(&p);
+        ensure_disk(&p, DEFAULT_DISK_BYTES)?;
+        Ok(TempDisk(p))
+    }
+}
+
+impl Drop for TempDisk {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
 
 use crate::cli::{MachineArgs, PatternName, WorkloadArgs, WorkloadName};
 
@@ -16,6 +67,8 @@ impl WorkloadName {
             WorkloadName::Compute => nl_abi::WORKLOAD_COMPUTE,
             WorkloadName::Exits => nl_abi::WORKLOAD_EXITS,
             WorkloadName::Idle => nl_abi::WORKLOAD_IDLE,
+            WorkloadName::Blkbench => nl_abi::WORKLOAD_BLKBENCH,
+            WorkloadName::Netbench => nl_abi::WORKLOAD_NETBENCH,
         }
     }
 
@@ -25,11 +78,18 @@ impl WorkloadName {
             WorkloadName::Compute => "compute",
             WorkloadName::Exits => "exits",
             WorkloadName::Idle => "idle",
+            WorkloadName::Blkbench => "blkbench",
+            WorkloadName::Netbench => "netbench",
         }
     }
 
-    pub const ALL: [WorkloadName; 4] =
-        [WorkloadName::Memwrite, WorkloadName::Compute, WorkloadName::Exits, WorkloadName::Idle];
+    pub const ALL: [WorkloadName; 5] = [
+        WorkloadName::Memwrite,
+        WorkloadName::Compute,
+        WorkloadName::Exits,
+        WorkloadName::Idle,
+        WorkloadName::Blkbench,
+    ];
 }
 
 impl PatternName {
@@ -48,11 +108,15 @@ pub fn workload_params(w: &WorkloadArgs, duration_secs: f64) -> Result<WorkloadP
     if !(duration_secs.is_finite() && duration_secs > 0.0 && duration_secs <= 86_400.0) {
         bail!("--duration {duration_secs} must be between 0 and 86400 seconds");
     }
-    let memwrite = w.workload == WorkloadName::Memwrite;
+    let ws_bytes = match w.workload {
+        WorkloadName::Memwrite => w.ws,
+        WorkloadName::Blkbench => nl_workloads::blk::BLKBENCH_WS_BYTES,
+        _ => 0,
+    };
     let p = WorkloadParams {
         kind: w.workload.abi(),
         seed: w.seed,
-        ws_bytes: if memwrite { w.ws } else { 0 },
+        ws_bytes,
         write_pct: w.write_pct,
         pattern: w.pattern.abi(),
         stride: w.stride,
@@ -83,7 +147,43 @@ pub fn vm_config(
     if !(m.heartbeat_timeout.is_finite() && m.heartbeat_timeout > 0.0) {
         bail!("--heartbeat-timeout must be a positive number of seconds");
     }
+    if workload.kind == nl_abi::WORKLOAD_NETBENCH {
+        if m.vcpus != 1 {
+            bail!("netbench runs on one vCPU (got --vcpus {})", m.vcpus);
+        }
+        if m.net_tap.is_none() {
+            bail!("netbench needs a network device (--net-tap NAME)");
+        }
+    }
+    if workload.kind == nl_abi::WORKLOAD_BLKBENCH {
+        if m.vcpus != 1 {
+            bail!("blkbench runs on one vCPU (got --vcpus {})", m.vcpus);
+        }
+        let Some(disk) = &m.disk else {
+            bail!("blkbench needs a disk (--disk FILE)");
+        };
+        let len = std::fs::metadata(disk)
+            .with_context(|| format!("cannot use --disk {}", disk.display()))?
+            .len();
+        let need = nl_workloads::blk::BLKBENCH_DISK_BYTES;
+        if len < need {
+            bail!(
+                "--disk {} holds {} MiB; blkbench needs at least {} MiB",
+                disk.display(),
+                len >> 20,
+                need >> 20
+            );
+        }
+    }
+    let net = match &m.net_tap {
+        Some(tap) => {
+            let (ipv4, prefix) = parse_cidr(&m.net_ip)?;
+            Some(NetConfig { tap: tap.clone(), ipv4, prefix })
+        }
+        None => None,
+    };
     let c = VmConfig {
+        net,
         mem_bytes: m.mem,
         vcpus: m.vcpus,
         workload,
@@ -92,6 +192,7 @@ pub fn vm_config(
         console_path: console,
         timer_hz: m.timer_hz,
         heartbeat_timeout: Duration::from_secs_f64(m.heartbeat_timeout),
+        disk: m.disk.as_ref().map(|p| DiskConfig { path: p.clone(), readonly: m.disk_readonly }),
     };
     c.validate().map_err(anyhow::Error::msg)?;
     Ok(c)

@@ -18,6 +18,7 @@ fn main() -> ExitCode {
         cli::Command::Api(a) => cmd::host::api_client(a),
         cli::Command::Checkpoint(a) => cmd::checkpoint::checkpoint(a),
         cli::Command::Restore(a) => cmd::checkpoint::restore(a),
+        cli::Command::Ping(a) => cmd::ping::run(a),
     };
     match result {
         Ok(code) => code,

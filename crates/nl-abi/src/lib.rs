@@ -48,8 +48,9 @@ pub const USER_STACKS_GPA: u64 = 0x100_0000;
 pub const USER_STACK_SIZE: u64 = 0x4_0000;
 /// Start of the user heap: the workloads' working sets are carved from here.
 pub const USER_HEAP_GPA: u64 = 0x200_0000;
-/// Smallest guest memory the layout needs (heap of at least 1 MiB).
-pub const MIN_MEM_BYTES: u64 = USER_HEAP_GPA + 0x10_0000;
+/// Smallest guest memory the layout needs (heap of at least 1 MiB plus the
+/// device DMA area).
+pub const MIN_MEM_BYTES: u64 = USER_HEAP_GPA + 0x20_0000;
 /// RAM above this address is placed at [`HIGH_RAM_GPA`] and up.
 pub const MMIO_HOLE_START: u64 = 0xC000_0000;
 pub const HIGH_RAM_GPA: u64 = 0x1_0000_0000;
@@ -162,6 +163,34 @@ pub mod reg {
     pub const WARMUP_OPS: u64 = 0x58;
 }
 
+// ---------------------------------------------------------------------------
+// virtio-mmio devices (virtio 1.x "modern" MMIO transport, version 2)
+// ---------------------------------------------------------------------------
+//
+// They live in the same user-accessible 2 MiB device page as the control
+// device, so the ring-3 driver reaches their registers directly. A queue
+// notify (a write to QueueNotify) is processed synchronously by the VMM
+// before the guest's write instruction completes, so a driver that notifies
+// and then reads the used ring sees the completion without interrupts.
+
+/// virtio-blk MMIO window (4 KiB, present when the VM has a disk).
+pub const VIRTIO_BLK_MMIO_GPA: u64 = 0xD000_4000;
+/// virtio-net MMIO window (4 KiB, present when the VM has a network device).
+pub const VIRTIO_NET_MMIO_GPA: u64 = 0xD000_5000;
+pub const VIRTIO_MMIO_SIZE: u64 = 0x1000;
+
+/// Bytes at the top of the user heap reserved for device rings and request
+/// headers ([`BootInfo::dma_start`]..[`BootInfo::dma_end`]).
+pub const DMA_BYTES: u64 = 0x10_0000;
+/// Offsets inside the DMA area: virtio-blk queue 0 (descriptor table, avail
+/// ring, used ring, each 4 KiB aligned) and its request header/status block.
+pub const DMA_BLK_QUEUE: u64 = 0;
+pub const DMA_BLK_REQ: u64 = 0x3000;
+/// virtio-net: receive queue, transmit queue, then packet buffers.
+pub const DMA_NET_RXQ: u64 = 0x1_0000;
+pub const DMA_NET_TXQ: u64 = 0x1_3000;
+pub const DMA_NET_BUFS: u64 = 0x2_0000;
+
 /// Value of [`reg::MAGIC`]: "NINELIVE" in little-endian bytes.
 pub const CONTROL_MAGIC: u64 = u64::from_le_bytes(*b"NINELIVE");
 
@@ -184,6 +213,19 @@ pub const ERR_BAD_BOOT_INFO: u64 = 0x201;
 pub const ERR_KERNEL_PANIC: u64 = 0x202;
 /// The user program panicked.
 pub const ERR_USER_PANIC: u64 = 0x203;
+/// A device the workload needs is missing or failed (ERROR_INFO = detail).
+pub const ERR_DEVICE: u64 = 0x204;
+/// ERR_DEVICE details (ERROR_INFO = DEVERR_* << 32 | detail).
+pub const DEVERR_NO_BLK: u64 = 1;
+/// Detail: the step of the virtio initialization that failed.
+pub const DEVERR_BLK_INIT: u64 = 2;
+/// Detail: the disk's size in MiB.
+pub const DEVERR_BLK_SMALL: u64 = 3;
+/// Detail: the number of failed requests.
+pub const DEVERR_BLK_IO: u64 = 4;
+pub const DEVERR_NO_NET: u64 = 5;
+/// Detail: the step of the virtio initialization that failed.
+pub const DEVERR_NET_INIT: u64 = 6;
 
 /// Heartbeat period the guest keeps while a workload runs.
 pub const HEARTBEAT_MS: u64 = 10;
@@ -199,13 +241,20 @@ pub const SERIAL_PORT: u16 = 0x3f8;
 // ---------------------------------------------------------------------------
 
 pub const BOOT_MAGIC: u64 = u64::from_le_bytes(*b"9LIVBOOT");
-pub const BOOT_VERSION: u64 = 1;
+pub const BOOT_VERSION: u64 = 2;
 
 /// Workload kinds (`WorkloadParams::kind`).
 pub const WORKLOAD_MEMWRITE: u64 = 1;
 pub const WORKLOAD_COMPUTE: u64 = 2;
 pub const WORKLOAD_EXITS: u64 = 3;
 pub const WORKLOAD_IDLE: u64 = 4;
+/// File operations on the virtio-blk disk (needs one vCPU and a disk).
+pub const WORKLOAD_BLKBENCH: u64 = 5;
+/// Answers UDP packets on [`NETBENCH_UDP_PORT`] with their payload
+/// (needs one vCPU and a network device).
+pub const WORKLOAD_NETBENCH: u64 = 6;
+/// UDP port netbench echoes on.
+pub const NETBENCH_UDP_PORT: u16 = 7;
 
 /// Access patterns of `memwrite` (`WorkloadParams::pattern`).
 pub const PATTERN_SEQUENTIAL: u64 = 0;
@@ -267,6 +316,18 @@ pub struct BootInfo {
     /// zero: port I/O goes through SYS_OUTL.
     pub user_iopl: u64,
     pub workload: WorkloadParams,
+    /// Device DMA area [dma_start, dma_end) ([`DMA_BYTES`], above the heap):
+    /// virtio rings and request headers, user-accessible.
+    pub dma_start: u64,
+    pub dma_end: u64,
+    /// Nonzero when a virtio-blk device is at [`VIRTIO_BLK_MMIO_GPA`].
+    pub has_blk: u64,
+    /// Nonzero when a virtio-net device is at [`VIRTIO_NET_MMIO_GPA`].
+    pub has_net: u64,
+    /// The guest's IPv4 address (network byte order in the low 32 bits, as
+    /// `u32::from_be_bytes(octets)`) and prefix length, when it has a network device.
+    pub net_ipv4: u64,
+    pub net_prefix: u64,
 }
 
 impl BootInfo {
@@ -304,4 +365,7 @@ const _: () = {
     assert!(core::mem::size_of::<BootInfo>() <= 4096);
     assert!(core::mem::size_of::<PerCpu>() <= (CPU_AREA_SIZE - CPU_AREA_PERCPU_OFFSET) as usize);
     assert!(CONTROL_MMIO_SIZE <= 0x2000);
+    assert!(CONTROL_MMIO_GPA + CONTROL_MMIO_SIZE <= VIRTIO_BLK_MMIO_GPA);
+    assert!(VIRTIO_BLK_MMIO_GPA + VIRTIO_MMIO_SIZE <= VIRTIO_NET_MMIO_GPA);
+    assert!(MIN_MEM_BYTES >= USER_HEAP_GPA + DMA_BYTES);
 };

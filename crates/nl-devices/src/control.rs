@@ -186,7 +186,25 @@ pub fn describe_error(code: u64, info: u64) -> String {
         nl_abi::ERR_BAD_BOOT_INFO => "guest rejected its boot information".to_string(),
         nl_abi::ERR_KERNEL_PANIC => format!("guest kernel panic (info {info:#x})"),
         nl_abi::ERR_USER_PANIC => format!("guest user program panic (info {info:#x})"),
+        nl_abi::ERR_DEVICE => format!("guest device error: {}", device_error(info)),
         c => format!("guest error {c:#x} (info {info:#x})"),
+    }
+}
+
+/// Meaning of ERR_DEVICE's info: `DEVERR_*` in the high 32 bits, a count
+/// or detail in the low 32.
+fn device_error(info: u64) -> String {
+    let detail = info & 0xffff_ffff;
+    match info >> 32 {
+        nl_abi::DEVERR_NO_BLK => "the workload needs a virtio-blk disk, the VM has none".into(),
+        nl_abi::DEVERR_BLK_INIT => format!("virtio-blk set-up failed (step {detail})"),
+        nl_abi::DEVERR_BLK_SMALL => {
+            format!("the virtio-blk disk is too small ({detail} MiB)")
+        }
+        nl_abi::DEVERR_BLK_IO => format!("{detail} virtio-blk requests failed"),
+        nl_abi::DEVERR_NO_NET => "the workload needs a network device, the VM has none".into(),
+        nl_abi::DEVERR_NET_INIT => format!("virtio-net set-up failed (step {detail})"),
+        _ => format!("code {info:#x}"),
     }
 }
 

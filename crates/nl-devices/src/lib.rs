@@ -11,5 +11,7 @@ pub mod bus;
 pub mod control;
 pub mod echo;
 pub mod serial;
+pub mod tap;
 
 pub use bus::{Bus, BusError, Device, DeviceState};
+pub mod virtio;

@@ -22,6 +22,27 @@ pub struct VmConfig {
     /// The VM is declared hung when the guest shows no control-device
     /// activity for this long while running.
     pub heartbeat_timeout: Duration,
+    /// A virtio-blk disk backed by this raw image file.
+    pub disk: Option<DiskConfig>,
+    /// A virtio-net device on this host TAP interface.
+    pub net: Option<NetConfig>,
+}
+
+/// A virtio-net device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NetConfig {
+    /// TAP interface (attached, or created if missing, in the VMM's network namespace).
+    pub tap: String,
+    /// The guest's address and prefix length.
+    pub ipv4: [u8; 4],
+    pub prefix: u8,
+}
+
+/// A virtio-blk disk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskConfig {
+    pub path: std::path::PathBuf,
+    pub readonly: bool,
 }
 
 impl VmConfig {
@@ -37,7 +58,8 @@ impl VmConfig {
         if !(10..=10_000).contains(&self.timer_hz) {
             return Err(format!("timer frequency {} Hz is out of range 10..=10000", self.timer_hz));
         }
-        let heap = self.mem_bytes.min(nl_abi::MMIO_HOLE_START) - nl_abi::USER_HEAP_GPA;
+        let heap =
+            self.mem_bytes.min(nl_abi::MMIO_HOLE_START) - nl_abi::USER_HEAP_GPA - nl_abi::DMA_BYTES;
         let need = self.workload.ws_bytes.saturating_mul(u64::from(self.vcpus));
         if need > heap {
             return Err(format!(

@@ -25,7 +25,7 @@ pub mod state;
 pub mod vcpu;
 pub mod vm;
 
-pub use config::VmConfig;
+pub use config::{DiskConfig, NetConfig, VmConfig};
 pub use error::VmmError;
 pub use vm::{Vm, VmOutcome};
 

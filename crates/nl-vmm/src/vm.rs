@@ -11,6 +11,9 @@ use nl_abi::*;
 use nl_devices::control::{describe_error, ControlDevice, ControlState, VcpuRegsSnapshot};
 use nl_devices::echo::EchoPort;
 use nl_devices::serial::{Console, SerialDevice};
+use nl_devices::virtio::blk::{BlkStats, Block};
+use nl_devices::virtio::net::{Net, NetStats};
+use nl_devices::virtio::MmioTransport;
 use nl_devices::Bus;
 use nl_memory::GuestMemory;
 use serde::Serialize;
@@ -101,6 +104,8 @@ pub struct Vm {
     mmio_bus: Arc<Bus>,
     control: Arc<ControlState>,
     console: Console,
+    blk: Option<Arc<Mutex<MmioTransport<Block>>>>,
+    net: Option<Arc<Mutex<MmioTransport<Net>>>>,
     vm_fd: VmFd,
     memory: GuestMemory,
 }
@@ -219,6 +224,26 @@ impl Vm {
             ControlDevice::mmio_len(n),
             Arc::new(Mutex::new(ControlDevice::new(control.clone(), console.clone()))),
         )?;
+        let blk = match &config.disk {
+            Some(d) => {
+                let dev = Block::open(&d.path, d.readonly).map_err(VmmError::Config)?;
+                let t = Arc::new(Mutex::new(MmioTransport::new(dev, memory.mem().clone())));
+                mmio_bus.insert(VIRTIO_BLK_MMIO_GPA, VIRTIO_MMIO_SIZE, t.clone())?;
+                Some(t)
+            }
+            None => None,
+        };
+        let net = match &config.net {
+            Some(n) => {
+                let tap = nl_devices::tap::Tap::open(&n.tap).map_err(VmmError::Config)?;
+                let mac = [0x52, 0x54, 0x00, 0x4e, 0x4c, id as u8];
+                let dev = Net::new(tap, mac);
+                let t = Arc::new(Mutex::new(MmioTransport::new(dev, memory.mem().clone())));
+                mmio_bus.insert(VIRTIO_NET_MMIO_GPA, VIRTIO_MMIO_SIZE, t.clone())?;
+                Some(t)
+            }
+            None => None,
+        };
 
         let mut vcpus = Vec::with_capacity(n);
         for cpu in 0..n {
@@ -241,6 +266,8 @@ impl Vm {
             mmio_bus: Arc::new(mmio_bus),
             control,
             console,
+            blk,
+            net,
             vm_fd,
             memory,
         })
@@ -280,7 +307,8 @@ impl Vm {
             let fd = slots[0].fd.lock().unwrap_or_else(|p| p.into_inner());
             fd.get_tsc_khz().map_err(kvm_err("KVM_GET_TSC_KHZ"))?
         };
-        let heap_end = self.memory.size().min(MMIO_HOLE_START);
+        let dma_end = self.memory.size().min(MMIO_HOLE_START);
+        let heap_end = dma_end - DMA_BYTES;
         let info = BootInfo {
             magic: BOOT_MAGIC,
             version: BOOT_VERSION,
@@ -294,6 +322,12 @@ impl Vm {
             heap_end,
             user_iopl: 1,
             workload: self.config.workload,
+            dma_start: heap_end,
+            dma_end,
+            has_blk: u64::from(self.blk.is_some()),
+            has_net: u64::from(self.net.is_some()),
+            net_ipv4: self.config.net.as_ref().map_or(0, |n| u64::from(u32::from_be_bytes(n.ipv4))),
+            net_prefix: self.config.net.as_ref().map_or(0, |n| u64::from(n.prefix)),
         };
         nl_arch::write_boot_info(self.memory.mem(), &info)?;
         Ok(kernel.entry)
@@ -581,6 +615,22 @@ impl Vm {
 
     pub fn console(&self) -> &Console {
         &self.console
+    }
+
+    /// The virtio-blk device's counters and its last reason to need a reset.
+    pub fn blk_stats(&self) -> Option<(BlkStats, u32, Option<String>)> {
+        self.blk.as_ref().map(|b| {
+            let b = b.lock().unwrap_or_else(|p| p.into_inner());
+            (b.device().stats(), b.status(), b.last_error().map(str::to_string))
+        })
+    }
+
+    /// The virtio-net device's counters, device status and last reason to need a reset.
+    pub fn net_stats(&self) -> Option<(NetStats, u32, Option<String>)> {
+        self.net.as_ref().map(|b| {
+            let b = b.lock().unwrap_or_else(|p| p.into_inner());
+            (b.device().stats(), b.status(), b.last_error().map(str::to_string))
+        })
     }
 
     /// A snapshot of the VM for reports.

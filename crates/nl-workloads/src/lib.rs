@@ -29,6 +29,15 @@
 //!   per round plus one `halt` every [`EXITS_HALT_EVERY`]th round; the digest
 //!   folds the values the platform returns.
 //! * `idle`: op = one `halt` per round.
+//! * `netbench`: op = one poll of the network (one round); answers UDP
+//!   packets to port 7 with their payload. The digest only covers the
+//!   rounds: what arrives depends on the outside world, which the external
+//!   sender (`ninelives ping`) checks.
+//! * `blkbench`: op = one byte moved to or from the block device; one file
+//!   operation (create, copy, read, overwrite, remove of a 1 MiB file in the
+//!   [`blk`] file store) per round, every read checked. The working set is
+//!   the I/O buffer ([`blk::BLKBENCH_WS_BYTES`]); the warm-up round formats
+//!   the store.
 //!
 //! The crate is `no_std` and allocation-free; the hot loops avoid indirect
 //! calls ([`Platform`] is a generic parameter) and bounds checks where the
@@ -42,12 +51,15 @@ extern crate std;
 #[cfg(feature = "std")]
 pub mod native;
 
+pub mod blk;
+
 #[cfg(test)]
 mod tests;
 
 use nl_abi::{
     WorkloadParams, MAX_MEM_BYTES, PATTERN_HOTCOLD, PATTERN_RANDOM, PATTERN_SEQUENTIAL,
-    PATTERN_STRIDED, WORKLOAD_COMPUTE, WORKLOAD_EXITS, WORKLOAD_IDLE, WORKLOAD_MEMWRITE,
+    PATTERN_STRIDED, WORKLOAD_BLKBENCH, WORKLOAD_COMPUTE, WORKLOAD_EXITS, WORKLOAD_IDLE,
+    WORKLOAD_MEMWRITE, WORKLOAD_NETBENCH,
 };
 
 /// What a workload needs from the machine it runs on.
@@ -63,6 +75,22 @@ pub trait Platform {
     fn mmio_echo(&mut self, v: u64) -> u64;
     /// Waits for the next timer tick (`sti; hlt` in the guest).
     fn halt(&mut self);
+    /// Reads `buf.len() * 8` bytes (a multiple of 512) from the block device
+    /// starting at 512-byte sector `sector`. False if the device failed.
+    fn blk_read(&mut self, sector: u64, buf: &mut [u64]) -> bool {
+        let _ = (sector, buf);
+        false
+    }
+    /// Writes `buf` to the block device at `sector`. False if the device failed.
+    fn blk_write(&mut self, sector: u64, buf: &[u64]) -> bool {
+        let _ = (sector, buf);
+        false
+    }
+    /// Services the network once (netbench): receives what arrived and
+    /// answers it. Returns the packets answered.
+    fn net_poll(&mut self) -> u64 {
+        0
+    }
 }
 
 /// Bytes in a page: the granularity of the VMM's dirty tracking.
@@ -96,7 +124,9 @@ pub const EXITS_HALT_EVERY: u64 = 8;
 pub fn validate(params: &WorkloadParams) -> Result<(), &'static str> {
     match params.kind {
         WORKLOAD_MEMWRITE => validate_memwrite(params),
-        WORKLOAD_COMPUTE | WORKLOAD_EXITS | WORKLOAD_IDLE => Ok(()),
+        WORKLOAD_COMPUTE | WORKLOAD_EXITS | WORKLOAD_IDLE | WORKLOAD_NETBENCH => Ok(()),
+        WORKLOAD_BLKBENCH if params.ws_bytes == blk::BLKBENCH_WS_BYTES => Ok(()),
+        WORKLOAD_BLKBENCH => Err("blkbench: ws_bytes must be blk::BLKBENCH_WS_BYTES"),
         _ => Err("unknown workload kind"),
     }
 }
@@ -144,6 +174,8 @@ enum Kind {
     Compute,
     Exits,
     Idle,
+    Blkbench,
+    Netbench,
 }
 
 /// One vCPU's workload: its state between rounds.
@@ -175,6 +207,10 @@ pub struct Workload<'m> {
     lanes: [u64; 4],
     // exits
     mismatches: u64,
+    // blkbench
+    store: blk::FileStore,
+    // netbench
+    net_answered: u64,
 }
 
 impl<'m> Workload<'m> {
@@ -195,12 +231,17 @@ impl<'m> Workload<'m> {
             WORKLOAD_MEMWRITE => Kind::Memwrite,
             WORKLOAD_COMPUTE => Kind::Compute,
             WORKLOAD_EXITS => Kind::Exits,
+            WORKLOAD_BLKBENCH => Kind::Blkbench,
+            WORKLOAD_NETBENCH => Kind::Netbench,
             _ => Kind::Idle,
         };
         let seed = nl_abi::seed_for_cpu(params.seed, cpu);
         let mut stride = 1;
         let mut hot_words = 0;
         let mut ops_per_round = 0;
+        if kind == Kind::Blkbench && (mem.len() as u64).checked_mul(8) != Some(params.ws_bytes) {
+            return Err("blkbench: the memory slice must be exactly ws_bytes long");
+        }
         if kind == Kind::Memwrite {
             if (mem.len() as u64).checked_mul(8) != Some(params.ws_bytes) {
                 return Err("memwrite: the memory slice must be exactly ws_bytes long");
@@ -242,6 +283,8 @@ impl<'m> Workload<'m> {
             ops_per_round,
             lanes,
             mismatches: 0,
+            store: blk::FileStore::new(),
+            net_answered: 0,
         })
     }
 
@@ -255,6 +298,17 @@ impl<'m> Workload<'m> {
             Kind::Idle => {
                 p.halt();
                 1
+            }
+            Kind::Netbench => {
+                self.net_answered += p.net_poll();
+                1
+            }
+            Kind::Blkbench if self.rounds == 0 => {
+                let meta = &mut self.mem[(blk::FILE_BYTES / 8) as usize..];
+                self.store.format(p, meta, &mut self.digest)
+            }
+            Kind::Blkbench => {
+                self.store.op(p, self.mem, self.seed, &mut self.rng, &mut self.digest)
             }
         };
         self.rounds += 1;
@@ -281,6 +335,24 @@ impl<'m> Workload<'m> {
         self.mismatches
     }
 
+    /// blkbench: words read back that differed from what was written, and
+    /// requests the device failed, so far (both should stay 0).
+    pub fn blk_errors(&self) -> (u64, u64) {
+        (self.store.mismatches, self.store.io_errors)
+    }
+
+    /// netbench: packets answered so far (not part of the digest: it
+    /// depends on what the network brought).
+    pub fn net_answered(&self) -> u64 {
+        self.net_answered
+    }
+
+    /// blkbench: file operations done so far by kind (create, copy, read,
+    /// overwrite, remove).
+    pub fn blk_counts(&self) -> [u64; 5] {
+        self.store.counts
+    }
+
     /// Final digest (folds a sweep over the working set for memwrite).
     ///
     /// Does not change the state: calling it twice gives the same value.
@@ -294,7 +366,8 @@ impl<'m> Workload<'m> {
                     h = fold(h, l);
                 }
             }
-            Kind::Exits | Kind::Idle => {}
+            Kind::Blkbench => h = fold(h, self.store.state_digest()),
+            Kind::Exits | Kind::Idle | Kind::Netbench => {}
         }
         mix64(h)
     }

@@ -4,17 +4,19 @@
 use std::time::{Duration, Instant};
 use std::vec::Vec;
 
-use nl_abi::{WorkloadParams, WORKLOAD_MEMWRITE};
+use nl_abi::{WorkloadParams, WORKLOAD_BLKBENCH, WORKLOAD_MEMWRITE};
 
 use crate::{validate, Platform, Workload};
 
 /// The native stand-in for the VM's devices: correct echoes, each with one
 /// cheap real syscall (`getppid`) as the analog of a VM exit; `halt()` sleeps
 /// one timer tick.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct NativePlatform {
     /// Sleep of one `halt()`; `None` (timer_hz 0) returns at once.
     tick: Option<Duration>,
+    /// The block device: an in-memory disk (empty unless blkbench).
+    disk: Vec<u64>,
 }
 
 impl NativePlatform {
@@ -22,8 +24,21 @@ impl NativePlatform {
     /// seconds. 0 makes `halt()` return at once.
     pub fn new(timer_hz: u64) -> Self {
         let tick = (timer_hz > 0).then(|| Duration::from_nanos(1_000_000_000 / timer_hz));
-        NativePlatform { tick }
+        NativePlatform { tick, disk: Vec::new() }
     }
+
+    /// With an all-zero in-memory disk of `bytes` (lazily allocated).
+    pub fn with_disk(timer_hz: u64, bytes: u64) -> Self {
+        NativePlatform { disk: std::vec![0u64; (bytes / 8) as usize], ..Self::new(timer_hz) }
+    }
+}
+
+/// The word range of a request of `words` words at `sector` on a disk of
+/// `disk_words` words, if inside it.
+fn disk_range(sector: u64, words: usize, disk_words: usize) -> Option<core::ops::Range<usize>> {
+    let start = usize::try_from(sector.checked_mul(64)?).ok()?;
+    let end = start.checked_add(words)?;
+    (end <= disk_words).then_some(start..end)
 }
 
 #[allow(unsafe_code)]
@@ -50,6 +65,74 @@ impl Platform for NativePlatform {
         if let Some(tick) = self.tick {
             std::thread::sleep(tick);
         }
+    }
+
+    fn blk_read(&mut self, sector: u64, buf: &mut [u64]) -> bool {
+        match disk_range(sector, buf.len(), self.disk.len()) {
+            Some(r) => {
+                buf.copy_from_slice(&self.disk[r]);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn blk_write(&mut self, sector: u64, buf: &[u64]) -> bool {
+        match disk_range(sector, buf.len(), self.disk.len()) {
+            Some(r) => {
+                self.disk[r].copy_from_slice(buf);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// The host-side baseline of blkbench: the same block requests as
+/// `pread`/`pwrite` on a host file (what the VMM does for the guest, minus
+/// the VM).
+#[derive(Debug)]
+pub struct FileDiskPlatform {
+    file: std::fs::File,
+}
+
+impl FileDiskPlatform {
+    pub fn new(file: std::fs::File) -> Self {
+        FileDiskPlatform { file }
+    }
+}
+
+#[allow(unsafe_code)]
+fn as_bytes(buf: &[u64]) -> &[u8] {
+    // SAFETY: u64 has no padding and any byte pattern is valid; same memory, 8x the length.
+    unsafe { core::slice::from_raw_parts(buf.as_ptr().cast(), buf.len() * 8) }
+}
+
+#[allow(unsafe_code)]
+fn as_bytes_mut(buf: &mut [u64]) -> &mut [u8] {
+    // SAFETY: as in `as_bytes`; every byte pattern is a valid u64.
+    unsafe { core::slice::from_raw_parts_mut(buf.as_mut_ptr().cast(), buf.len() * 8) }
+}
+
+impl Platform for FileDiskPlatform {
+    fn port_echo(&mut self, v: u32) -> u32 {
+        !v
+    }
+    fn mmio_echo(&mut self, v: u64) -> u64 {
+        v
+    }
+    fn halt(&mut self) {}
+    fn blk_read(&mut self, sector: u64, buf: &mut [u64]) -> bool {
+        use std::os::unix::fs::FileExt;
+        sector
+            .checked_mul(512)
+            .is_some_and(|off| self.file.read_exact_at(as_bytes_mut(buf), off).is_ok())
+    }
+    fn blk_write(&mut self, sector: u64, buf: &[u64]) -> bool {
+        use std::os::unix::fs::FileExt;
+        sector
+            .checked_mul(512)
+            .is_some_and(|off| self.file.write_all_at(as_bytes(buf), off).is_ok())
     }
 }
 
@@ -83,7 +166,7 @@ impl Replay {
 /// allocation maps pages lazily, so the warm-up round faults them in just as
 /// in the guest.
 fn working_set(params: &WorkloadParams) -> Vec<u64> {
-    if params.kind == WORKLOAD_MEMWRITE {
+    if params.kind == WORKLOAD_MEMWRITE || params.kind == WORKLOAD_BLKBENCH {
         std::vec![0u64; (params.ws_bytes / 8) as usize]
     } else {
         Vec::new()
@@ -99,7 +182,16 @@ pub fn replay(
     rounds: u64,
     timer_hz: u64,
 ) -> Result<Replay, &'static str> {
-    run(params, cpu, timer_hz, |_, done| done < rounds)
+    run(params, cpu, default_platform(params, timer_hz), |_, done| done < rounds)
+}
+
+/// The platform of a native run: blkbench gets an in-memory disk.
+fn default_platform(params: &WorkloadParams, timer_hz: u64) -> NativePlatform {
+    if params.kind == WORKLOAD_BLKBENCH {
+        NativePlatform::with_disk(timer_hz, crate::blk::BLKBENCH_DISK_BYTES)
+    } else {
+        NativePlatform::new(timer_hz)
+    }
 }
 
 /// Runs the warm-up round, then measured rounds until `duration` has
@@ -110,21 +202,32 @@ pub fn run_for(
     duration: Duration,
     timer_hz: u64,
 ) -> Result<Replay, &'static str> {
-    run(params, cpu, timer_hz, |elapsed, done| done < 2 || elapsed < duration)
+    run(params, cpu, default_platform(params, timer_hz), |elapsed, done| {
+        done < 2 || elapsed < duration
+    })
+}
+
+/// As [`run_for`] on a given platform (e.g. [`FileDiskPlatform`]).
+pub fn run_for_on<P: Platform>(
+    params: &WorkloadParams,
+    cpu: u64,
+    duration: Duration,
+    plat: P,
+) -> Result<Replay, &'static str> {
+    run(params, cpu, plat, |elapsed, done| done < 2 || elapsed < duration)
 }
 
 /// Runs rounds while `more(time since the measured period started, rounds
 /// done)` says so.
-fn run(
+fn run<P: Platform>(
     params: &WorkloadParams,
     cpu: u64,
-    timer_hz: u64,
+    mut plat: P,
     mut more: impl FnMut(Duration, u64) -> bool,
 ) -> Result<Replay, &'static str> {
     validate(params)?;
     let mut mem = working_set(params);
     let mut wl = Workload::new(params, cpu, &mut mem)?;
-    let mut plat = NativePlatform::new(timer_hz);
     let mut warmup_ops = 0;
     if more(Duration::ZERO, 0) {
         warmup_ops = wl.round(&mut plat);

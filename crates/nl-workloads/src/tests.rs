@@ -488,3 +488,63 @@ fn a_flipped_bit_in_a_written_word_fails_the_self_check_when_read() {
         assert!(wl.self_check_failures() > 0, "flip of bit {bit} not detected");
     }
 }
+
+mod blkbench {
+    use super::*;
+    use crate::blk::{BLKBENCH_DISK_BYTES, BLKBENCH_WS_BYTES};
+    use crate::native::{replay, NativePlatform};
+    use nl_abi::WORKLOAD_BLKBENCH;
+
+    fn params(seed: u64) -> WorkloadParams {
+        WorkloadParams {
+            kind: WORKLOAD_BLKBENCH,
+            seed,
+            ws_bytes: BLKBENCH_WS_BYTES,
+            ..WorkloadParams::default()
+        }
+    }
+
+    /// Runs `rounds` rounds on `plat`; returns the workload's digest, errors and op counts.
+    fn run(
+        p: &WorkloadParams,
+        plat: &mut NativePlatform,
+        rounds: u64,
+    ) -> (u64, (u64, u64), [u64; 5]) {
+        let mut mem = vec![0u64; (p.ws_bytes / 8) as usize];
+        let mut wl = Workload::new(p, 0, &mut mem).unwrap();
+        for _ in 0..rounds {
+            wl.round(plat);
+        }
+        (wl.finish(), wl.blk_errors(), wl.blk_counts())
+    }
+
+    #[test]
+    fn every_op_runs_and_every_read_verifies() {
+        let p = params(3);
+        let mut plat = NativePlatform::with_disk(0, BLKBENCH_DISK_BYTES);
+        let (d, errors, counts) = run(&p, &mut plat, 400);
+        assert_eq!(errors, (0, 0));
+        assert!(counts.iter().all(|&c| c > 10), "{counts:?}");
+        assert_eq!(replay(&p, 0, 400, 0).unwrap().digest, d);
+        assert_ne!(replay(&params(4), 0, 400, 0).unwrap().digest, d);
+    }
+
+    #[test]
+    fn a_corrupted_disk_is_detected() {
+        let p = params(5);
+        let mut plat = NativePlatform::with_disk(0, BLKBENCH_DISK_BYTES);
+        let (clean, _, _) = run(&p, &mut plat, 30);
+        // A disk that fails every request: every request counts as an I/O error.
+        let mut broken = NativePlatform::new(0);
+        let (d, (_, io), _) = run(&p, &mut broken, 30);
+        assert!(io > 0);
+        assert_ne!(d, clean);
+    }
+
+    #[test]
+    fn wrong_working_set_is_rejected() {
+        assert!(validate(&WorkloadParams { ws_bytes: 4096, ..params(1) }).is_err());
+        let mut mem = vec![0u64; 16];
+        assert!(Workload::new(&params(1), 0, &mut mem).is_err());
+    }
+}

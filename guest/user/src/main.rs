@@ -17,14 +17,21 @@ use core::fmt::{self, Write};
 use core::ptr::{read_volatile, write_volatile};
 
 use nl_abi::{
-    control_reg, reg, BootInfo, BOOT_MAGIC, BOOT_VERSION, ERR_BAD_BOOT_INFO, ERR_SELF_CHECK,
-    ERR_USER_PANIC,
-    EXITS_PORT, HEARTBEAT_MS, PHASE_DONE, PHASE_MEASURE_START, PHASE_WORKLOAD_START, SYS_EXIT,
-    SYS_HALT, SYS_OUTL, USER_STACKS_GPA, USER_STACK_SIZE, WORKLOAD_MEMWRITE,
+    control_reg, reg, BootInfo, BOOT_MAGIC, BOOT_VERSION, DEVERR_BLK_INIT, DEVERR_BLK_IO,
+    DEVERR_BLK_SMALL, DEVERR_NO_BLK, DMA_BLK_QUEUE, ERR_BAD_BOOT_INFO, ERR_DEVICE, ERR_SELF_CHECK,
+    ERR_USER_PANIC, EXITS_PORT, HEARTBEAT_MS, PHASE_DONE, PHASE_MEASURE_START,
+    PHASE_WORKLOAD_START, SYS_EXIT, SYS_HALT, SYS_OUTL, USER_STACKS_GPA, USER_STACK_SIZE,
+    VIRTIO_BLK_MMIO_GPA, WORKLOAD_BLKBENCH, WORKLOAD_MEMWRITE,
+};
+use nl_abi::{
+    DEVERR_NET_INIT, DEVERR_NO_NET, DMA_NET_BUFS, DMA_NET_RXQ, DMA_NET_TXQ, VIRTIO_NET_MMIO_GPA,
+    WORKLOAD_NETBENCH,
 };
 use nl_workloads::{Platform, Workload};
 
 mod mem;
+mod net;
+mod virtio;
 
 // The stack top is 16-byte aligned; `call` gives `main` the ABI's alignment.
 global_asm!(
@@ -118,14 +125,19 @@ fn fail(cpu: u64, error: u64, info: u64) -> ! {
 }
 
 /// The machine as the workload engine sees it from guest ring 3.
-struct Guest {
+struct Guest<'s> {
     cpu: u64,
+    /// netbench's network stack.
+    net: Option<net::Stack<'s>>,
+    tsc_khz: u64,
     /// Ring 3 runs with IOPL 3 and may use `in`/`out` itself (BootInfo asked
     /// for it and RFLAGS shows it).
     iopl: bool,
+    /// The virtio-blk driver (blkbench only).
+    blk: Option<virtio::Blk>,
 }
 
-impl Platform for Guest {
+impl Platform for Guest<'_> {
     #[inline(always)]
     fn port_echo(&mut self, v: u32) -> u32 {
         if self.iopl {
@@ -160,6 +172,51 @@ impl Platform for Guest {
     fn halt(&mut self) {
         syscall2(SYS_HALT, 0, 0);
     }
+
+    fn blk_read(&mut self, sector: u64, buf: &mut [u64]) -> bool {
+        self.blk.as_mut().is_some_and(|b| b.read(sector, buf))
+    }
+
+    fn blk_write(&mut self, sector: u64, buf: &[u64]) -> bool {
+        self.blk.as_mut().is_some_and(|b| b.write(sector, buf))
+    }
+
+    fn net_poll(&mut self) -> u64 {
+        let now = smoltcp::time::Instant::from_millis((rdtsc() / self.tsc_khz.max(1)) as i64);
+        self.net.as_mut().map_or(0, |n| n.poll(now))
+    }
+}
+
+/// Sets up the virtio-blk driver for blkbench (vCPU 0's DMA area).
+fn blk_setup(cpu: u64, boot: &BootInfo) -> virtio::Blk {
+    if boot.has_blk == 0 {
+        fail(cpu, ERR_DEVICE, DEVERR_NO_BLK << 32);
+    }
+    let dma = boot.dma_start + DMA_BLK_QUEUE;
+    if dma < boot.heap_end || dma + 0x4000 > boot.dma_end {
+        fail(cpu, ERR_BAD_BOOT_INFO, dma);
+    }
+    let blk = match virtio::Blk::init(VIRTIO_BLK_MMIO_GPA, dma) {
+        Ok(b) => b,
+        Err(virtio::InitError(step)) => fail(cpu, ERR_DEVICE, (DEVERR_BLK_INIT << 32) | step),
+    };
+    if blk.sectors * 512 < nl_workloads::blk::BLKBENCH_DISK_BYTES {
+        fail(cpu, ERR_DEVICE, (DEVERR_BLK_SMALL << 32) | (blk.sectors >> 11));
+    }
+    blk
+}
+
+/// blkbench: stops the run at the first failed request or bad read.
+fn blk_check(cpu: u64, w: &Workload) {
+    let (mismatches, io_errors) = w.blk_errors();
+    if io_errors > 0 {
+        print(cpu, format_args!("blkbench: {io_errors} virtio-blk requests failed\n"));
+        fail(cpu, ERR_DEVICE, (DEVERR_BLK_IO << 32) | io_errors.min(0xffff_ffff));
+    }
+    if mismatches > 0 {
+        print(cpu, format_args!("blkbench: {mismatches} words read back wrong\n"));
+        fail(cpu, ERR_SELF_CHECK, w.rounds_done());
+    }
 }
 
 extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
@@ -173,8 +230,10 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
     }
     let params = boot.workload;
 
-    // The working set: only memwrite uses it, the other kinds get none.
-    let ws: &mut [u64] = if params.kind == WORKLOAD_MEMWRITE {
+    // The working set: memwrite's memory, blkbench's I/O buffers; the
+    // other kinds get none.
+    let blkbench = params.kind == WORKLOAD_BLKBENCH;
+    let ws: &mut [u64] = if params.kind == WORKLOAD_MEMWRITE || blkbench {
         let base = boot.ws_base(cpu);
         let end = base.checked_add(params.ws_bytes);
         if end.is_none_or(|end| base < boot.heap_start || end > boot.heap_end) {
@@ -193,11 +252,56 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
             fail(cpu, ERR_BAD_BOOT_INFO, params.kind)
         }
     };
-    let mut platform =
-        Guest { cpu, iopl: boot.user_iopl != 0 && rflags() & RFLAGS_IOPL3 == RFLAGS_IOPL3 };
+    let blk = if blkbench { Some(blk_setup(cpu, boot)) } else { None };
+    // netbench: the network stack's storage lives in this frame (main never returns).
+    let mut sockets = [smoltcp::iface::SocketStorage::EMPTY; 2];
+    let mut rx_meta = [smoltcp::socket::udp::PacketMetadata::EMPTY; 16];
+    let mut tx_meta = [smoltcp::socket::udp::PacketMetadata::EMPTY; 16];
+    let mut rx_buf = [0u8; 16384];
+    let mut tx_buf = [0u8; 16384];
+    let net = if params.kind == WORKLOAD_NETBENCH {
+        if boot.has_net == 0 {
+            fail(cpu, ERR_DEVICE, DEVERR_NO_NET << 32);
+        }
+        let d = boot.dma_start;
+        if d < boot.heap_end || d + DMA_NET_BUFS + 0x1_0000 > boot.dma_end {
+            fail(cpu, ERR_BAD_BOOT_INFO, d);
+        }
+        let dev = match net::NetDev::init(
+            VIRTIO_NET_MMIO_GPA,
+            d + DMA_NET_RXQ,
+            d + DMA_NET_TXQ,
+            d + DMA_NET_BUFS,
+        ) {
+            Ok(dev) => dev,
+            Err(virtio::InitError(step)) => fail(cpu, ERR_DEVICE, (DEVERR_NET_INIT << 32) | step),
+        };
+        let now = smoltcp::time::Instant::from_millis((rdtsc() / boot.tsc_khz.max(1)) as i64);
+        Some(net::Stack::new(
+            dev,
+            ((boot.net_ipv4 as u32).to_be_bytes(), boot.net_prefix as u8),
+            params.seed ^ rdtsc(),
+            now,
+            &mut sockets,
+            (&mut rx_meta, &mut rx_buf),
+            (&mut tx_meta, &mut tx_buf),
+        ))
+    } else {
+        None
+    };
+    let mut platform = Guest {
+        cpu,
+        net,
+        tsc_khz: boot.tsc_khz,
+        iopl: boot.user_iopl != 0 && rflags() & RFLAGS_IOPL3 == RFLAGS_IOPL3,
+        blk,
+    };
 
     // Warm-up round (maps the working set).
     let warmup = w.round(&mut platform);
+    if blkbench {
+        blk_check(cpu, &w);
+    }
     ctl_write(cpu, reg::WARMUP_OPS, warmup);
 
     // Measured period.
@@ -214,6 +318,9 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
         if w.self_check_failures() != 0 {
             fail(cpu, ERR_SELF_CHECK, w.rounds_done());
         }
+        if blkbench {
+            blk_check(cpu, &w);
+        }
         now = rdtsc();
         if now.wrapping_sub(last_beat) >= heartbeat {
             ctl_write(cpu, reg::HEARTBEAT, ops);
@@ -222,6 +329,9 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
     }
     let cycles = now.wrapping_sub(start);
 
+    if params.kind == WORKLOAD_NETBENCH {
+        print(cpu, format_args!("netbench: answered {} packets\n", w.net_answered()));
+    }
     let digest = w.finish();
     ctl_write(cpu, reg::OPS, ops);
     ctl_write(cpu, reg::CYCLES, cycles);

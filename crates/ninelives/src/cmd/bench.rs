@@ -14,6 +14,9 @@ use crate::guest;
 #[derive(Serialize)]
 struct Entry {
     workload: &'static str,
+    /// What an op is (blkbench: a byte moved to or from the disk).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    unit: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pattern: Option<&'static str>,
     guest_ops_per_sec: f64,
@@ -37,10 +40,25 @@ fn measure(
     m: &MachineArgs,
 ) -> Result<Entry> {
     let params = guest::workload_params(w, duration)?;
-    let native =
-        nl_workloads::native::run_for(&params, 0, Duration::from_secs_f64(duration), m.timer_hz)
-            .map_err(anyhow::Error::msg)?;
-    let config = guest::vm_config(m, params, guest::kernel_image(m)?, None)?;
+    let d = Duration::from_secs_f64(duration);
+    let mut m = m.clone();
+    let mut _guest_disk = None;
+    let native = if w.workload == WorkloadName::Blkbench {
+        // Baseline: the same file operations as pread/pwrite on a host image
+        // file like the guest's; the guest gets its own image.
+        let host_disk = guest::TempDisk::new("bench-host")?;
+        let file = std::fs::OpenOptions::new().read(true).write(true).open(&host_disk.0)?;
+        let plat = nl_workloads::native::FileDiskPlatform::new(file);
+        let r = nl_workloads::native::run_for_on(&params, 0, d, plat);
+        let t = guest::TempDisk::new("bench-guest")?;
+        m.disk = Some(t.0.clone());
+        _guest_disk = Some(t);
+        r
+    } else {
+        nl_workloads::native::run_for(&params, 0, d, m.timer_hz)
+    }
+    .map_err(anyhow::Error::msg)?;
+    let config = guest::vm_config(&m, params, guest::kernel_image(&m)?, None)?;
     let r = run_vms(&[config], w.workload.name(), true)?.remove(0);
     if let Some(e) = &r.error {
         bail!("{} in the guest failed: {e}", w.workload.name());
@@ -48,6 +66,7 @@ fn measure(
     let native_ops = native.ops_per_sec();
     Ok(Entry {
         workload: w.workload.name(),
+        unit: (w.workload == WorkloadName::Blkbench).then_some("bytes"),
         pattern,
         guest_ops_per_sec: r.ops_per_sec,
         native_ops_per_sec: native_ops,

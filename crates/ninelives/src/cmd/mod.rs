@@ -4,4 +4,5 @@ pub mod bench;
 pub mod bench_checkpoint;
 pub mod checkpoint;
 pub mod host;
+pub mod ping;
 pub mod run;

@@ -9,7 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use nl_vmm::{Vm, VmConfig, VmOutcome};
 use serde::Serialize;
 
-use crate::cli::RunArgs;
+use crate::cli::{RunArgs, WorkloadName};
 use crate::guest;
 use crate::verify::verify_vcpus;
 
@@ -115,8 +115,24 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     }
     let params = guest::workload_params(&a.workload, a.duration)?;
     let kernel = guest::kernel_image(&a.machine)?;
-    let config = guest::vm_config(&a.machine, params, kernel, a.console.clone())?;
-    let configs = vec![config; a.vms as usize];
+    if let Some(d) = &a.machine.disk {
+        if a.vms > 1 && !a.machine.disk_readonly {
+            anyhow::bail!("--disk with --vms {}: VMs cannot share a writable disk image", a.vms);
+        }
+        guest::ensure_disk(d, guest::DEFAULT_DISK_BYTES)?;
+    }
+    // blkbench without --disk: a temporary image per VM, removed at the end.
+    let mut temp_disks = Vec::new();
+    let mut configs = Vec::new();
+    for _ in 0..a.vms {
+        let mut m = a.machine.clone();
+        if a.workload.workload == WorkloadName::Blkbench && m.disk.is_none() {
+            let t = guest::TempDisk::new("blkbench")?;
+            m.disk = Some(t.0.clone());
+            temp_disks.push(t);
+        }
+        configs.push(guest::vm_config(&m, params, kernel.clone(), a.console.clone())?);
+    }
     let results = run_vms(&configs, a.workload.workload.name(), a.json)?;
     let host_ms = t0.elapsed().as_secs_f64() * 1e3;
     let all_ok = results.iter().all(|r| r.ok);

@@ -62,7 +62,11 @@ pub fn params(kind: u64, duration_ms: u64) -> WorkloadParams {
     WorkloadParams {
         kind,
         seed: 7,
-        ws_bytes: if kind == nl_abi::WORKLOAD_MEMWRITE { 16 << 20 } else { 0 },
+        ws_bytes: match kind {
+            nl_abi::WORKLOAD_MEMWRITE => 16 << 20,
+            nl_abi::WORKLOAD_BLKBENCH => nl_workloads::blk::BLKBENCH_WS_BYTES,
+            _ => 0,
+        },
         write_pct: 50,
         pattern: nl_abi::PATTERN_RANDOM,
         stride: 4096,
@@ -82,6 +86,8 @@ pub fn config(workload: WorkloadParams, vcpus: u32) -> VmConfig {
         console_path: None,
         timer_hz: 100,
         heartbeat_timeout: Duration::from_secs(20),
+        disk: None,
+        net: None,
     }
 }
 

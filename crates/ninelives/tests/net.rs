@@ -1,0 +1,126 @@
+//! virtio-net and netbench, end to end, inside a network namespace of the
+//! test's own with a TAP in it: only addresses inside it are ever used.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// A network namespace with TAP `nltap0` at 10.0.0.1/24, deleted on drop.
+struct Netns(String);
+
+impl Netns {
+    fn new() -> Option<Netns> {
+        let name = format!("nl-test-{}", std::process::id());
+        let ok = |args: &[&str]| {
+            Command::new("ip")
+                .args(args)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if !ok(&["netns", "add", &name]) {
+            eprintln!(
+                "\n*** SKIPPED: cannot create a network namespace (needs root and iproute2) ***\n"
+            );
+            return None;
+        }
+        let ns = Netns(name);
+        for args in [
+            &["tuntap", "add", "dev", "nltap0", "mode", "tap"][..],
+            &["addr", "add", "10.0.0.1/24", "dev", "nltap0"],
+            &["link", "set", "nltap0", "up"],
+            &["link", "set", "lo", "up"],
+        ] {
+            let mut full = vec!["netns", "exec", &ns.0, "ip"];
+            full.extend_from_slice(args);
+            assert!(ok(&full), "ip {args:?} failed");
+        }
+        Some(ns)
+    }
+
+    fn ninelives(&self, args: &[&str]) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.0, env!("CARGO_BIN_EXE_ninelives")]).args(args);
+        c
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+#[test]
+fn netbench_answers_a_1ms_ping() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(ns) = Netns::new() else { return };
+    let vm = ns
+        .ninelives(&[
+            "run",
+            "--workload",
+            "netbench",
+            "--net-tap",
+            "nltap0",
+            "--net-ip",
+            "10.0.0.2/24",
+            "--duration",
+            "3",
+            "--json",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait (bounded) until the guest answers at all, then measure.
+    let t = Instant::now();
+    loop {
+        let o = ns
+            .ninelives(&["ping", "--target", "10.0.0.2", "--interval", "10ms", "--duration", "0.1"])
+            .output()
+            .unwrap();
+        if stdout(&o).contains("received") && !stdout(&o).contains("received 0,") {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "the guest never answered: {}", stdout(&o));
+    }
+    let o = ns
+        .ninelives(&[
+            "ping",
+            "--target",
+            "10.0.0.2",
+            "--interval",
+            "1ms",
+            "--duration",
+            "1",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let j = last_json(&o);
+    assert_eq!(j["sent"], 1000);
+    assert!(j["received"].as_u64().unwrap() >= 900, "{j}");
+    assert_eq!(j["bad_windows"].as_array().unwrap().len(), 0, "{j}");
+    let out = vm.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j = last_json(&out);
+    assert_eq!(j["vms"][0]["digest_ok"], true);
+}
+
+#[test]
+fn net_bad_setups_are_clear_errors() {
+    let o = run_cli(&["run", "--workload", "netbench"]);
+    assert_clean_error(&o, "needs a network device");
+    let o = run_cli(&["run", "--workload", "netbench", "--net-tap", "x", "--net-ip", "300.1.1.1"]);
+    assert_clean_error(&o, "not an IPv4 address");
+    let o = run_cli(&["ping", "--target", "not an address", "--duration", "0.1"]);
+    assert_clean_error(&o, "not an address");
+    let o = run_cli(&["ping", "--target", "127.0.0.1", "--interval", "1h"]);
+    assert_clean_error(&o, "unknown unit");
+}

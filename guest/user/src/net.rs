@@ -1,0 +1,230 @@
+//! netbench's network: a ring-3 virtio-net driver (polling, like the block
+//! driver) under smoltcp, answering UDP packets to port 7 with their payload.
+
+use core::sync::atomic::{fence, Ordering};
+
+use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet, SocketStorage};
+use smoltcp::phy::{self, DeviceCapabilities, Medium};
+use smoltcp::socket::udp;
+use smoltcp::time::Instant;
+use smoltcp::wire::{EthernetAddress, HardwareAddress, IpCidr, Ipv4Address};
+
+use crate::virtio::{get, init_device, notify, put, InitError, F_WRITE, QSIZE};
+
+const HDR: usize = 12;
+const BUF: u64 = 2048;
+const RXQ: u32 = 0;
+const TXQ: u32 = 1;
+
+/// The virtio-net device: receive buffers 0..QSIZE, one transmit buffer.
+pub struct NetDev {
+    base: u64,
+    rxq: u64,
+    txq: u64,
+    bufs: u64,
+    rx_avail: u16,
+    rx_used: u16,
+    tx_avail: u16,
+    pub mac: [u8; 6],
+}
+
+fn desc(q: u64, i: u64, addr: u64, len: u32, flags: u16) {
+    let d = q + i * 16;
+    put(d, addr);
+    put(d + 8, len);
+    put(d + 12, flags);
+    put(d + 14, 0u16);
+}
+
+impl NetDev {
+    pub fn init(base: u64, rxq: u64, txq: u64, bufs: u64) -> Result<NetDev, InitError> {
+        init_device(base, 1, &[rxq, txq])?;
+        let mut mac = [0u8; 6];
+        for (i, m) in mac.iter_mut().enumerate() {
+            // SAFETY: the device's config space is in the user-mapped device page.
+            *m = unsafe { core::ptr::read_volatile((base + 0x100 + i as u64) as *const u8) };
+        }
+        let mut d = NetDev { base, rxq, txq, bufs, rx_avail: 0, rx_used: 0, tx_avail: 0, mac };
+        for i in 0..u64::from(QSIZE) {
+            desc(rxq, i, bufs + i * BUF, BUF as u32, F_WRITE);
+            d.post_rx(i as u16);
+        }
+        Ok(d)
+    }
+
+    fn post_rx(&mut self, id: u16) {
+        put(self.rxq + 0x1000 + 4 + 2 * u64::from(self.rx_avail % QSIZE), id);
+        self.rx_avail = self.rx_avail.wrapping_add(1);
+        fence(Ordering::SeqCst);
+        put(self.rxq + 0x1000 + 2, self.rx_avail);
+    }
+
+    /// The next received frame: (buffer id, frame length), if any.
+    fn next_rx(&mut self, ask: bool) -> Option<(u16, usize)> {
+        fence(Ordering::SeqCst);
+        if get::<u16>(self.rxq + 0x2000 + 2) == self.rx_used && ask {
+            notify(self.base, RXQ);
+            fence(Ordering::SeqCst);
+        }
+        if get::<u16>(self.rxq + 0x2000 + 2) == self.rx_used {
+            return None;
+        }
+        let e = self.rxq + 0x2000 + 4 + 8 * u64::from(self.rx_used % QSIZE);
+        let id = get::<u32>(e) as u16 % QSIZE;
+        let len = get::<u32>(e + 4) as usize;
+        self.rx_used = self.rx_used.wrapping_add(1);
+        Some((id, len.saturating_sub(HDR).min(BUF as usize - HDR)))
+    }
+
+    fn send(&mut self, len: usize) {
+        let buf = self.bufs + u64::from(QSIZE) * BUF;
+        desc(self.txq, 0, buf, (HDR + len) as u32, 0);
+        put(self.txq + 0x1000 + 4 + 2 * u64::from(self.tx_avail % QSIZE), 0u16);
+        self.tx_avail = self.tx_avail.wrapping_add(1);
+        fence(Ordering::SeqCst);
+        put(self.txq + 0x1000 + 2, self.tx_avail);
+        fence(Ordering::SeqCst);
+        notify(self.base, TXQ);
+    }
+
+    fn tx_buf(&mut self) -> &'static mut [u8] {
+        let buf = self.bufs + u64::from(QSIZE) * BUF;
+        // SAFETY: the transmit buffer is in the DMA area, used by this driver only,
+        // and the device is done with it (transmits complete during the notify).
+        unsafe { core::slice::from_raw_parts_mut(buf as *mut u8, BUF as usize) }
+    }
+
+    fn rx_buf(&self, id: u16) -> &'static [u8] {
+        // SAFETY: receive buffer `id` is in the DMA area and the device has
+        // handed it back (it is in the used ring) until it is posted again.
+        unsafe {
+            core::slice::from_raw_parts(
+                (self.bufs + u64::from(id) * BUF) as *const u8,
+                BUF as usize,
+            )
+        }
+    }
+}
+
+pub struct RxTok<'a> {
+    dev: &'a mut NetDev,
+    id: u16,
+    len: usize,
+}
+pub struct TxTok<'a> {
+    dev: &'a mut NetDev,
+}
+
+impl phy::RxToken for RxTok<'_> {
+    fn consume<R, F: FnOnce(&[u8]) -> R>(self, f: F) -> R {
+        let b = self.dev.rx_buf(self.id);
+        let r = f(&b[HDR..HDR + self.len]);
+        self.dev.post_rx(self.id);
+        r
+    }
+}
+
+impl phy::TxToken for TxTok<'_> {
+    fn consume<R, F: FnOnce(&mut [u8]) -> R>(self, len: usize, f: F) -> R {
+        let len = len.min(BUF as usize - HDR);
+        let b = self.dev.tx_buf();
+        b[..HDR].fill(0);
+        let r = f(&mut b[HDR..HDR + len]);
+        self.dev.send(len);
+        r
+    }
+}
+
+/// The device as smoltcp sees it; `ask` says whether to ask the VMM for
+/// new frames (an exit) when the used ring has none.
+pub struct Phy<'a> {
+    pub dev: &'a mut NetDev,
+    pub ask: bool,
+}
+
+impl phy::Device for Phy<'_> {
+    type RxToken<'a>
+        = RxTok<'a>
+    where
+        Self: 'a;
+    type TxToken<'a>
+        = TxTok<'a>
+    where
+        Self: 'a;
+
+    fn receive(&mut self, _t: Instant) -> Option<(RxTok<'_>, TxTok<'_>)> {
+        let (id, len) = self.dev.next_rx(self.ask)?;
+        self.ask = false;
+        // Two tokens borrowing the one device: split through a raw pointer.
+        let p: *mut NetDev = self.dev;
+        // SAFETY: smoltcp consumes at most one token at a time and each
+        // only touches its own buffer (rx buffer `id`, or the tx buffer).
+        unsafe { Some((RxTok { dev: &mut *p, id, len }, TxTok { dev: &mut *p })) }
+    }
+
+    fn transmit(&mut self, _t: Instant) -> Option<TxTok<'_>> {
+        Some(TxTok { dev: self.dev })
+    }
+
+    fn capabilities(&self) -> DeviceCapabilities {
+        let mut c = DeviceCapabilities::default();
+        c.medium = Medium::Ethernet;
+        c.max_transmission_unit = 1514;
+        c.max_burst_size = Some(1);
+        c
+    }
+}
+
+/// The UDP echo service.
+pub struct Stack<'s> {
+    pub dev: NetDev,
+    iface: Interface,
+    sockets: SocketSet<'s>,
+    udp: SocketHandle,
+    buf: [u8; 1500],
+}
+
+impl<'s> Stack<'s> {
+    pub fn new(
+        mut dev: NetDev,
+        (ip, prefix): ([u8; 4], u8),
+        seed: u64,
+        now: Instant,
+        storage: &'s mut [SocketStorage<'s>],
+        rx: (&'s mut [udp::PacketMetadata], &'s mut [u8]),
+        tx: (&'s mut [udp::PacketMetadata], &'s mut [u8]),
+    ) -> Stack<'s> {
+        let mut config = Config::new(HardwareAddress::Ethernet(EthernetAddress(dev.mac)));
+        config.random_seed = seed;
+        let mut iface = Interface::new(config, &mut Phy { dev: &mut dev, ask: false }, now);
+        iface.update_ip_addrs(|a| {
+            let _ = a.push(IpCidr::new(Ipv4Address::from_octets(ip).into(), prefix));
+        });
+        let mut sockets = SocketSet::new(storage);
+        let mut s = udp::Socket::new(
+            udp::PacketBuffer::new(rx.0, rx.1),
+            udp::PacketBuffer::new(tx.0, tx.1),
+        );
+        let _ = s.bind(nl_abi::NETBENCH_UDP_PORT);
+        let udp = sockets.add(s);
+        Stack { dev, iface, sockets, udp, buf: [0; 1500] }
+    }
+
+    /// One service pass; returns the packets answered.
+    pub fn poll(&mut self, now: Instant) -> u64 {
+        let mut phy = Phy { dev: &mut self.dev, ask: true };
+        self.iface.poll(now, &mut phy, &mut self.sockets);
+        let s = self.sockets.get_mut::<udp::Socket>(self.udp);
+        let mut n = 0;
+        while let Ok((len, meta)) = s.recv_slice(&mut self.buf) {
+            if s.send_slice(&self.buf[..len], meta.endpoint).is_ok() {
+                n += 1;
+            }
+        }
+        if n > 0 {
+            let mut phy = Phy { dev: &mut self.dev, ask: false };
+            self.iface.poll(now, &mut phy, &mut self.sockets);
+        }
+        n
+    }
+}
