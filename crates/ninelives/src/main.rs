@@ -10,6 +10,10 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
+    // Behave like other command-line tools when stdout is a closed pipe
+    // (`ninelives bench | head -1`): end quietly instead of panicking in println.
+    // SAFETY: restoring the default disposition of one signal before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = cli::Cli::parse();
     let result = match cli.command.unwrap_or_default() {
         cli::Command::Run(a) => cmd::run::run(a),
