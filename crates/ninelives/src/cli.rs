@@ -25,6 +25,8 @@ pub enum Command {
     Host(HostArgs),
     /// Send one request to a running host's API and print the reply.
     Api(ApiArgs),
+    /// Replace a running host's VMM process (same or new binary) while its VMs survive.
+    Rejuvenate(crate::cmd::rejuvenate::RejuvenateArgs),
 }
 
 impl Default for Command {
@@ -181,6 +183,12 @@ pub struct HostArgs {
     /// Unix socket to serve the API on.
     #[arg(long)]
     pub api: PathBuf,
+    /// Internal (rejuvenation): take VMs over from the handover record in this fd.
+    #[arg(long, hide = true, requires = "handover_ctl")]
+    pub handover_fd: Option<i32>,
+    /// Internal (rejuvenation): control socket to the previous VMM process.
+    #[arg(long, hide = true, requires = "handover_fd")]
+    pub handover_ctl: Option<i32>,
 }
 
 #[derive(Args, Clone, Debug)]

@@ -16,6 +16,7 @@ fn main() -> ExitCode {
         cli::Command::Bench(a) => cmd::bench::bench(a),
         cli::Command::Host(a) => cmd::host::host(a),
         cli::Command::Api(a) => cmd::host::api_client(a),
+        cli::Command::Rejuvenate(a) => cmd::rejuvenate::rejuvenate(a),
     };
     match result {
         Ok(code) => code,

@@ -2,4 +2,5 @@
 
 pub mod bench;
 pub mod host;
+pub mod rejuvenate;
 pub mod run;
