@@ -164,6 +164,9 @@ impl Default for RunArgs {
 
 #[derive(Args, Clone, Debug)]
 pub struct BenchArgs {
+    /// A benchmark suite of its own (default: the guest/native ratios).
+    #[command(subcommand)]
+    pub suite: Option<BenchSuite>,
     /// Seconds each measurement runs (guest and native alike).
     #[arg(long, default_value_t = 2.0)]
     pub duration: f64,
@@ -176,6 +179,12 @@ pub struct BenchArgs {
     /// Print one JSON object as the last line of stdout.
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(Subcommand, Clone, Debug)]
+pub enum BenchSuite {
+    /// Downtime of warm, cold and save-restore rejuvenation, and the paper's downtime model.
+    Rejuvenate(crate::cmd::bench_rejuvenate::BenchRejuvenateArgs),
 }
 
 #[derive(Args, Clone, Debug)]

@@ -13,6 +13,9 @@ fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     let result = match cli.command.unwrap_or_default() {
         cli::Command::Run(a) => cmd::run::run(a),
+        cli::Command::Bench(cli::BenchArgs {
+            suite: Some(cli::BenchSuite::Rejuvenate(r)), ..
+        }) => cmd::bench_rejuvenate::bench(r),
         cli::Command::Bench(a) => cmd::bench::bench(a),
         cli::Command::Host(a) => cmd::host::host(a),
         cli::Command::Api(a) => cmd::host::api_client(a),
