@@ -145,9 +145,9 @@ impl GuestMemory {
     /// Writes all of guest RAM, region by region, to `out` (a save-to-disk image).
     pub fn dump_to(&self, out: &mut File) -> Result<(), MemoryError> {
         use vm_memory::Bytes;
-        for r in &self.regions {
+        for (gpa, len) in self.chunks() {
             self.mmap
-                .write_all_volatile_to(GuestAddress(r.gpa), out, r.size as usize)
+                .write_all_volatile_to(GuestAddress(gpa), out, len)
                 .map_err(|e| MemoryError::Image(format!("cannot write guest memory image: {e}")))?;
         }
         Ok(())
@@ -163,12 +163,28 @@ impl GuestMemory {
                 self.mem_bytes
             )));
         }
-        for r in &self.regions {
+        for (gpa, len) in self.chunks() {
             self.mmap
-                .read_exact_volatile_from(GuestAddress(r.gpa), src, r.size as usize)
+                .read_exact_volatile_from(GuestAddress(gpa), src, len)
                 .map_err(|e| MemoryError::Image(format!("cannot read guest memory image: {e}")))?;
         }
         Ok(())
+    }
+
+    /// RAM in pieces of at most 64 MiB (one read or write system call moves
+    /// less than 2 GiB).
+    fn chunks(&self) -> Vec<(u64, usize)> {
+        const CHUNK: u64 = 64 << 20;
+        let mut v = Vec::new();
+        for r in &self.regions {
+            let mut off = 0;
+            while off < r.size {
+                let len = CHUNK.min(r.size - off);
+                v.push((r.gpa + off, len as usize));
+                off += len;
+            }
+        }
+        v
     }
 
     /// A view of `[gpa, gpa + size)` as its own guest memory object, backed by
@@ -237,15 +253,17 @@ mod tests {
 
     #[test]
     fn images_round_trip() {
-        let m = GuestMemory::new("t", 64 << 20).unwrap();
+        let m = GuestMemory::new("t", 200 << 20).unwrap();
         m.mem().write_obj(0x5a5a_u64, GuestAddress(0x10_0000)).unwrap();
+        m.mem().write_obj(0x6b6b_u64, GuestAddress((200 << 20) - 8)).unwrap();
         let mut f = tempfile_in_tmp();
         m.dump_to(&mut f).unwrap();
         use std::io::Seek;
         f.rewind().unwrap();
-        let n = GuestMemory::new("t2", 64 << 20).unwrap();
+        let n = GuestMemory::new("t2", 200 << 20).unwrap();
         n.load_from(&mut f).unwrap();
         assert_eq!(n.mem().read_obj::<u64>(GuestAddress(0x10_0000)).unwrap(), 0x5a5a);
+        assert_eq!(n.mem().read_obj::<u64>(GuestAddress((200 << 20) - 8)).unwrap(), 0x6b6b);
         let small = GuestMemory::new("t3", 48 << 20).unwrap();
         f.rewind().unwrap();
         assert!(small.load_from(&mut f).is_err());
