@@ -32,6 +32,8 @@ pub enum Command {
     /// UDP ping at a fixed interval: sent, received, longest gap between
     /// replies, and every 1-second window whose reception dropped below 90%.
     Ping(PingArgs),
+    /// Replace a running host's VMM process (same or new binary) while its VMs survive.
+    Rejuvenate(crate::cmd::rejuvenate::RejuvenateArgs),
 }
 
 #[derive(Args, Clone, Debug)]
@@ -234,6 +236,8 @@ impl Default for RunArgs {
 pub enum BenchMechanism {
     /// VM-μCheckpoint: overhead matrix, write faults, checkpoint size, rollback.
     Checkpoint(BenchCheckpointArgs),
+    /// Downtime of warm, cold and save-restore rejuvenation, and the paper's downtime model.
+    Rejuvenate(crate::cmd::bench_rejuvenate::BenchRejuvenateArgs),
 }
 
 #[derive(Args, Clone, Debug)]
@@ -275,6 +279,12 @@ pub struct HostArgs {
     /// Unix socket to serve the API on.
     #[arg(long)]
     pub api: PathBuf,
+    /// Internal (rejuvenation): take VMs over from the handover record in this fd.
+    #[arg(long, hide = true, requires = "handover_ctl")]
+    pub handover_fd: Option<i32>,
+    /// Internal (rejuvenation): control socket to the previous VMM process.
+    #[arg(long, hide = true, requires = "handover_fd")]
+    pub handover_ctl: Option<i32>,
 }
 
 #[derive(Args, Clone, Debug)]

@@ -23,6 +23,7 @@ fn main() -> ExitCode {
         cli::Command::Checkpoint(a) => cmd::checkpoint::checkpoint(a),
         cli::Command::Restore(a) => cmd::checkpoint::restore(a),
         cli::Command::Ping(a) => cmd::ping::run(a),
+        cli::Command::Rejuvenate(a) => cmd::rejuvenate::rejuvenate(a),
     };
     match result {
         Ok(code) => code,

@@ -11,21 +11,33 @@
 //! {"op":"stats","id":0}                  -> {"ok":true,"stats":{...}}
 //! {"op":"destroy","id":0}                -> {"ok":true}
 //! {"op":"shutdown"}                      -> {"ok":true}   (stops the host)
+//! {"op":"info"}                          -> {"ok":true,"pid":N,"version":"...","generation":N}
+//! {"op":"rejuvenate","mode":"warm"|"cold"|"save-restore",
+//!  "binary":"/path" (optional), "image_dir":"/dir" (optional)}
+//!                                        -> {"ok":true,"report":{...}}
 //! ```
+//!
+//! After a successful `rejuvenate` the reply comes from the old process,
+//! which then exits; the new process keeps serving on the same listening
+//! socket (it never disappears). Connections opened before the handover are
+//! closed and must reconnect.
 //!
 //! Every failure is `{"ok":false,"error":"..."}`; a bad request never
 //! affects the other VMs or other connections.
 
 use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
 
+use crate::handover::Mode;
 use crate::host::Host;
+use crate::rejuvenate;
 use crate::{VmConfig, VmmError};
 
 /// Longest request line accepted.
@@ -45,26 +57,64 @@ pub fn serve(host: Arc<Host>, path: &Path, build: Arc<ConfigBuilder>) -> Result<
     }
     let listener = UnixListener::bind(path)
         .map_err(|e| VmmError::Config(format!("cannot listen on {}: {e}", path.display())))?;
-    let done = Arc::new(AtomicBool::new(false));
+    serve_listener(host, listener, path, build)
+}
+
+/// State of one serving process shared by its connections.
+pub struct ServeCtx {
+    path: PathBuf,
+    listener_fd: i32,
+    /// Stop serving (after `shutdown`, or after a handover).
+    done: AtomicBool,
+    /// A rejuvenation is in progress: accept nothing, change nothing.
+    hold: AtomicBool,
+    /// The VMs now belong to a new process: exit without touching them or
+    /// the socket file.
+    handed_over: AtomicBool,
+}
+
+/// Serves the API on an already listening socket (one inherited from the
+/// previous VMM process after a handover) until `shutdown` or a handover.
+pub fn serve_listener(
+    host: Arc<Host>,
+    listener: UnixListener,
+    path: &Path,
+    build: Arc<ConfigBuilder>,
+) -> Result<(), VmmError> {
+    let ctx = Arc::new(ServeCtx {
+        path: path.to_path_buf(),
+        listener_fd: listener.as_raw_fd(),
+        done: AtomicBool::new(false),
+        hold: AtomicBool::new(false),
+        handed_over: AtomicBool::new(false),
+    });
     listener.set_nonblocking(true)?;
-    while !done.load(Relaxed) {
+    while !ctx.done.load(Relaxed) {
+        if ctx.hold.load(Relaxed) {
+            // Connections wait in the backlog for whichever process serves next.
+            std::thread::sleep(Duration::from_millis(1));
+            continue;
+        }
         match listener.accept() {
             Ok((stream, _)) => {
-                let (host, build, done) = (host.clone(), build.clone(), done.clone());
-                std::thread::spawn(move || serve_connection(stream, &host, &*build, &done));
+                let (host, build, ctx) = (host.clone(), build.clone(), ctx.clone());
+                std::thread::spawn(move || serve_connection(stream, &host, &*build, &ctx));
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(20));
+                std::thread::sleep(Duration::from_millis(2));
             }
             Err(e) => return Err(e.into()),
         }
+    }
+    if ctx.handed_over.load(Relaxed) {
+        return Ok(());
     }
     host.shutdown();
     let _ = std::fs::remove_file(path);
     Ok(())
 }
 
-fn serve_connection(stream: UnixStream, host: &Host, build: &ConfigBuilder, done: &AtomicBool) {
+fn serve_connection(stream: UnixStream, host: &Host, build: &ConfigBuilder, ctx: &ServeCtx) {
     let _ = stream.set_nonblocking(false);
     let Ok(mut out) = stream.try_clone() else { return };
     let mut reader = BufReader::new(stream);
@@ -81,11 +131,17 @@ fn serve_connection(stream: UnixStream, host: &Host, build: &ConfigBuilder, done
             json!({"ok": false, "error": format!("request longer than {MAX_REQUEST} bytes")})
         } else {
             match serde_json::from_slice::<Value>(&line) {
-                Ok(req) => handle(host, build, &req, done),
+                Ok(req) => handle_in(host, build, &req, ctx),
                 Err(e) => json!({"ok": false, "error": format!("malformed request: {e}")}),
             }
         };
-        if writeln!(out, "{reply}").is_err() {
+        let written = writeln!(out, "{reply}").is_ok();
+        if ctx.handed_over.load(Relaxed) {
+            // The reply to `rejuvenate` is out: this process is done.
+            ctx.done.store(true, Relaxed);
+            return;
+        }
+        if !written {
             return;
         }
     }
@@ -98,12 +154,76 @@ fn id_of(req: &Value) -> Result<u32, String> {
         .ok_or_else(|| "this request needs a numeric \"id\"".to_string())
 }
 
-/// Handles one request.
+/// Handles one request outside of a serving loop (no rejuvenation).
 pub fn handle(host: &Host, build: &ConfigBuilder, req: &Value, done: &AtomicBool) -> Value {
+    let ctx = ServeCtx {
+        path: PathBuf::new(),
+        listener_fd: -1,
+        done: AtomicBool::new(false),
+        hold: AtomicBool::new(false),
+        handed_over: AtomicBool::new(false),
+    };
+    let r = handle_in(host, build, req, &ctx);
+    if ctx.done.load(Relaxed) {
+        done.store(true, Relaxed);
+    }
+    r
+}
+
+fn rejuvenate_op(host: &Host, req: &Value, ctx: &ServeCtx) -> Result<Value, String> {
+    let mode = Mode::parse(
+        req.get("mode")
+            .and_then(Value::as_str)
+            .ok_or("rejuvenate needs a \"mode\": warm, cold or save-restore")?,
+    )?;
+    let binary = match req.get("binary") {
+        None | Some(Value::Null) => rejuvenate::current_binary().map_err(|e| e.to_string())?,
+        Some(Value::String(p)) => PathBuf::from(p),
+        Some(_) => return Err("\"binary\" must be a path string".into()),
+    };
+    let image_dir = match req.get("image_dir") {
+        None | Some(Value::Null) => rejuvenate::default_image_dir(),
+        Some(Value::String(p)) => PathBuf::from(p),
+        Some(_) => return Err("\"image_dir\" must be a path string".into()),
+    };
+    let timeout = match req.get("timeout_secs") {
+        None | Some(Value::Null) => Duration::from_secs(60),
+        Some(v) => v
+            .as_f64()
+            .filter(|t| t.is_finite() && *t > 0.0 && *t <= 3600.0)
+            .map(Duration::from_secs_f64)
+            .ok_or("\"timeout_secs\" must be a number of seconds in (0, 3600]")?,
+    };
+    if ctx.listener_fd < 0 {
+        return Err("rejuvenate needs a host serving on a socket".into());
+    }
+    if ctx.hold.swap(true, Relaxed) {
+        return Err("a rejuvenation is already in progress".into());
+    }
+    let opts = rejuvenate::Options { mode, binary, api_path: ctx.path.clone(), image_dir, timeout };
+    let report = rejuvenate::rejuvenate(host, Some(ctx.listener_fd), &opts);
+    if report.ok {
+        ctx.handed_over.store(true, Relaxed);
+    } else {
+        ctx.hold.store(false, Relaxed);
+    }
+    Ok(json!({ "report": report, "handed_over": report.ok }))
+}
+
+fn handle_in(host: &Host, build: &ConfigBuilder, req: &Value, ctx: &ServeCtx) -> Value {
     let r = (|| -> Result<Value, String> {
         let op = req.get("op").and_then(Value::as_str).ok_or("request needs an \"op\" string")?;
         let e = |e: VmmError| e.to_string();
+        if ctx.hold.load(Relaxed) && matches!(op, "create" | "pause" | "resume" | "destroy") {
+            return Err(format!("cannot {op} now: the host is being rejuvenated"));
+        }
         Ok(match op {
+            "rejuvenate" => rejuvenate_op(host, req, ctx)?,
+            "info" => json!({
+                "pid": std::process::id(),
+                "version": env!("CARGO_PKG_VERSION"),
+                "generation": host.generation(),
+            }),
             "create" => json!({"id": host.create(build(req)?).map_err(e)?}),
             "list" => json!({"vms": host.list()}),
             "pause" => {
@@ -120,13 +240,14 @@ pub fn handle(host: &Host, build: &ConfigBuilder, req: &Value, done: &AtomicBool
                 json!({})
             }
             "shutdown" => {
-                done.store(true, Relaxed);
+                ctx.done.store(true, Relaxed);
                 json!({})
             }
             other => {
                 return Err(format!(
-                "unknown op \"{other}\" (create, list, pause, resume, stats, destroy, shutdown)"
-            ))
+                    "unknown op \"{other}\" (create, list, pause, resume, stats, destroy, \
+                     info, rejuvenate, shutdown)"
+                ))
             }
         })
     })();
@@ -141,9 +262,14 @@ pub fn handle(host: &Host, build: &ConfigBuilder, req: &Value, done: &AtomicBool
 
 /// Sends one request to a host and returns its reply.
 pub fn request(path: &Path, req: &Value) -> Result<Value, VmmError> {
+    request_timeout(path, req, Duration::from_secs(60))
+}
+
+/// [`request`] with a reply timeout of its own (rejuvenation can take long).
+pub fn request_timeout(path: &Path, req: &Value, timeout: Duration) -> Result<Value, VmmError> {
     let mut s = UnixStream::connect(path)
         .map_err(|e| VmmError::Config(format!("cannot connect to {}: {e}", path.display())))?;
-    s.set_read_timeout(Some(Duration::from_secs(60)))?;
+    s.set_read_timeout(Some(timeout))?;
     writeln!(s, "{req}")?;
     let mut line = String::new();
     BufReader::new(s).read_line(&mut line)?;

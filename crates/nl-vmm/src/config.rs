@@ -29,7 +29,7 @@ pub struct VmConfig {
 }
 
 /// A virtio-net device.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NetConfig {
     /// TAP interface (attached, or created if missing, in the VMM's network namespace).
     pub tap: String,
@@ -39,7 +39,7 @@ pub struct NetConfig {
 }
 
 /// A virtio-blk disk.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DiskConfig {
     pub path: std::path::PathBuf,
     pub readonly: bool,

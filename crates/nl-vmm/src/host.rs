@@ -1,7 +1,7 @@
 //! Several VMs in one VMM process, addressed by id.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -17,6 +17,8 @@ pub struct HostedVm {
     pub vm: Arc<Vm>,
     pub outcome: Arc<Mutex<Option<VmOutcome>>>,
     monitor: Mutex<Option<JoinHandle<()>>>,
+    /// Paused through the API (as opposed to paused by a mechanism).
+    pub user_paused: std::sync::atomic::AtomicBool,
 }
 
 /// One line of `list`.
@@ -34,6 +36,11 @@ pub struct VmSummary {
 pub struct VmStats {
     pub state: String,
     pub outcome: Option<VmOutcome>,
+    /// Inode of the guest-memory memfd: the same before and after a warm
+    /// handover (the memory was not copied).
+    pub memfd_ino: u64,
+    /// The workload's parameters (to replay and verify it on the host).
+    pub workload: nl_abi::WorkloadParams,
     #[serde(flatten)]
     pub report: VmReport,
 }
@@ -42,6 +49,8 @@ pub struct Host {
     kvm: Kvm,
     vms: Mutex<BTreeMap<u32, Arc<HostedVm>>>,
     next_id: AtomicU32,
+    /// Handovers in this host's lineage (0 for a freshly started host).
+    generation: AtomicU64,
 }
 
 fn state_of(h: &HostedVm) -> String {
@@ -60,6 +69,7 @@ impl Host {
             kvm: crate::open_kvm()?,
             vms: Mutex::default(),
             next_id: AtomicU32::new(0),
+            generation: AtomicU64::new(0),
         }))
     }
 
@@ -74,8 +84,24 @@ impl Host {
     /// Creates and starts a VM; a monitor thread records how it ends.
     pub fn create(&self, config: VmConfig) -> Result<u32, VmmError> {
         let id = self.next_id.fetch_add(1, Relaxed);
-        let vm = Arc::new(Vm::create(&self.kvm, id, config)?);
-        vm.start()?;
+        let vm = Vm::create(&self.kvm, id, config)?;
+        self.adopt(vm, false)?;
+        Ok(id)
+    }
+
+    /// Starts a VM built elsewhere (restored by a handover) and hosts it
+    /// under its own id. A VM adopted `paused` stays paused.
+    pub fn adopt(&self, vm: Vm, paused: bool) -> Result<Arc<Vm>, VmmError> {
+        let id = vm.id();
+        if self.vms().contains_key(&id) {
+            return Err(VmmError::Vm(id, "a VM with this id exists already".into()));
+        }
+        self.next_id.fetch_max(id + 1, Relaxed);
+        let vm = Arc::new(vm);
+        if paused {
+            // Raised before any vCPU thread exists: they park at once.
+            vm.pause();
+        }
         let outcome = Arc::new(Mutex::new(None));
         let (v, o) = (vm.clone(), outcome.clone());
         let monitor =
@@ -83,9 +109,59 @@ impl Host {
                 let r = v.wait(Duration::from_secs(u64::from(u32::MAX)));
                 *o.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
             })?;
-        let h = Arc::new(HostedVm { vm, outcome, monitor: Mutex::new(Some(monitor)) });
+        let h = Arc::new(HostedVm {
+            vm: vm.clone(),
+            outcome,
+            monitor: Mutex::new(Some(monitor)),
+            user_paused: paused.into(),
+        });
         self.vms().insert(id, h);
-        Ok(id)
+        // Started last, so a VM's downtime ends as close to this return as possible.
+        if let Err(e) = vm.start() {
+            self.vms().remove(&id);
+            vm.stop();
+            return Err(e);
+        }
+        Ok(vm)
+    }
+
+    /// The KVM system fd.
+    pub fn kvm(&self) -> &Kvm {
+        &self.kvm
+    }
+
+    /// The id the next created VM gets.
+    pub fn next_id(&self) -> u32 {
+        self.next_id.load(Relaxed)
+    }
+
+    /// Makes sure ids below `next` are never handed out again.
+    pub fn reserve_ids(&self, next: u32) {
+        self.next_id.fetch_max(next, Relaxed);
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Relaxed)
+    }
+
+    pub fn set_generation(&self, g: u64) {
+        self.generation.store(g, Relaxed);
+    }
+
+    /// Every hosted VM, running or finished.
+    pub fn hosted(&self) -> Vec<Arc<HostedVm>> {
+        self.vms().values().cloned().collect()
+    }
+
+    /// Stops a VM *without* letting it run again and forgets it: after a
+    /// paused VM is released its memory and state are exactly as saved.
+    pub fn release(&self, id: u32) -> Result<(), VmmError> {
+        let h = self.vms().remove(&id).ok_or_else(|| VmmError::Vm(id, "no such VM".into()))?;
+        h.vm.stop();
+        // The monitor notices on its own; joining it here would only add
+        // its polling delay to the handover's downtime.
+        drop(h.monitor.lock().unwrap_or_else(|p| p.into_inner()).take());
+        Ok(())
     }
 
     pub fn list(&self) -> Vec<VmSummary> {
@@ -102,19 +178,30 @@ impl Host {
     }
 
     pub fn pause(&self, id: u32) -> Result<(), VmmError> {
-        self.get(id)?.vm.pause();
+        let h = self.get(id)?;
+        h.user_paused.store(true, Relaxed);
+        h.vm.pause();
         Ok(())
     }
 
     pub fn resume(&self, id: u32) -> Result<(), VmmError> {
-        self.get(id)?.vm.resume();
+        let h = self.get(id)?;
+        h.user_paused.store(false, Relaxed);
+        h.vm.resume();
         Ok(())
     }
 
     pub fn stats(&self, id: u32) -> Result<VmStats, VmmError> {
         let h = self.get(id)?;
         let outcome = h.outcome.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        Ok(VmStats { state: state_of(&h), outcome, report: h.vm.report() })
+        let memfd_ino = std::os::unix::fs::MetadataExt::ino(&h.vm.memory().fd().metadata()?);
+        Ok(VmStats {
+            state: state_of(&h),
+            outcome,
+            memfd_ino,
+            workload: h.vm.config().workload,
+            report: h.vm.report(),
+        })
     }
 
     /// The VM itself, for mechanisms that act on a hosted VM.

@@ -8,6 +8,9 @@
 //! * [`kick`]: interrupting a vCPU thread out of KVM_RUN with a signal.
 //! * [`host`]: several VMs in one VMM process, addressed by id.
 //! * [`api`]: the Unix-socket API of `ninelives host`.
+//! * [`handover`]: handing running VMs (memfds, state, the API socket) to a
+//!   new VMM process; [`rejuvenate`]: warm, cold and save-restore restarts
+//!   of a host over it.
 //!
 //! The mechanisms (checkpointing, replication, recovery, rejuvenation,
 //! sandboxes, fault injection) build on these hooks: [`vm::Vm::pause`],
@@ -17,10 +20,12 @@
 pub mod api;
 pub mod config;
 pub mod error;
+pub mod handover;
 pub mod host;
 
 pub mod kick;
 mod memslots;
+pub mod rejuvenate;
 pub mod state;
 pub mod vcpu;
 pub mod vm;

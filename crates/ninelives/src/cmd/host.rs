@@ -82,6 +82,28 @@ fn build_config(req: &Value) -> Result<nl_vmm::VmConfig, String> {
 }
 
 pub fn host(a: HostArgs) -> Result<ExitCode> {
+    let main_ns = nl_vmm::handover::mono_ns();
+    if let (Some(record), Some(ctl)) = (a.handover_fd, a.handover_ctl) {
+        // A successor after a handover: take the VMs and the socket over.
+        let images = nl_vmm::handover::Images {
+            kernel: Arc::new(nl_guest::KERNEL_ELF.to_vec()),
+            user: Arc::new(nl_guest::USER_ELF.to_vec()),
+        };
+        let t = nl_vmm::handover::take_over(record, ctl, &images, main_ns)
+            .context("cannot take over from the previous VMM")?;
+        let n = t.host.list().len();
+        eprintln!(
+            "ninelives host (pid {}): took over {n} VMs, serving the API on {}",
+            std::process::id(),
+            a.api.display()
+        );
+        match t.listener {
+            Some(l) => nl_vmm::api::serve_listener(t.host, l, &a.api, Arc::new(build_config)),
+            None => nl_vmm::api::serve(t.host, &a.api, Arc::new(build_config)),
+        }
+        .with_context(|| format!("host on {}", a.api.display()))?;
+        return Ok(ExitCode::SUCCESS);
+    }
     let host = nl_vmm::host::Host::new()?;
     eprintln!("ninelives host: serving the API on {}", a.api.display());
     nl_vmm::api::serve(host, &a.api, Arc::new(build_config))

@@ -2,7 +2,9 @@
 
 pub mod bench;
 pub mod bench_checkpoint;
+pub mod bench_rejuvenate;
 pub mod checkpoint;
 pub mod host;
 pub mod ping;
+pub mod rejuvenate;
 pub mod run;

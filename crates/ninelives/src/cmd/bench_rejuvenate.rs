@@ -1,0 +1,288 @@
+//! `ninelives bench rejuvenate`: downtime of warm, cold and save-restore
+//! rejuvenation of a host running memwrite VMs, for several VM counts and
+//! memory sizes, and the paper's section 5.6 downtime model fitted to
+//! measured terms for n = 1..N.
+//!
+//! Not measured here: the external ping gap (needs the netbench workload of
+//! another issue) and `filecache` throughput after the reboot (needs block
+//! I/O). The per-VM pause, downtime and guest heartbeat gap are reported
+//! instead.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde_json::{json, Value};
+
+use crate::cli::parse_size;
+
+#[derive(Args, Clone, Debug)]
+pub struct BenchRejuvenateArgs {
+    /// VM counts to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8")]
+    pub vms: Vec<u32>,
+    /// Guest memory sizes to measure (memwrite touches all but 64 MiB of each).
+    #[arg(long, value_delimiter = ',', default_value = "256M,2G", value_parser = parse_size)]
+    pub mem: Vec<u64>,
+    /// Largest n for the downtime model (256 MiB VMs, n = 1..N).
+    #[arg(long, default_value_t = 6)]
+    pub model_max: u32,
+    /// Directory for save-restore images.
+    #[arg(long)]
+    pub image_dir: Option<PathBuf>,
+    /// Print one JSON object as the last line of stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+struct HostProc {
+    child: Child,
+    sock: PathBuf,
+}
+
+impl HostProc {
+    fn start(sock: &Path) -> Result<Self> {
+        let exe = std::env::current_exe().context("cannot find the ninelives binary")?;
+        let child = std::process::Command::new(exe)
+            .args(["host", "--api"])
+            .arg(sock)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("cannot start a host")?;
+        let t = Instant::now();
+        while UnixStream::connect(sock).is_err() {
+            if t.elapsed() > Duration::from_secs(20) {
+                bail!("the host did not start listening");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(Self { child, sock: sock.to_path_buf() })
+    }
+
+    fn req(&self, v: Value) -> Result<Value> {
+        let mut s = UnixStream::connect(&self.sock).context("cannot reach the host")?;
+        s.set_read_timeout(Some(Duration::from_secs(3600)))?;
+        writeln!(s, "{v}")?;
+        let mut line = String::new();
+        BufReader::new(s).read_line(&mut line)?;
+        let r: Value = serde_json::from_str(&line).context("bad reply from the host")?;
+        if r["ok"] != true {
+            bail!("host: {}", r["error"]);
+        }
+        Ok(r)
+    }
+}
+
+impl Drop for HostProc {
+    fn drop(&mut self) {
+        let _ = self.req(json!({"op":"shutdown"}));
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Waits until every vCPU of every VM heartbeats after its warm-up round
+/// (which touches the whole working set).
+fn wait_running(h: &HostProc, ids: &[u64]) -> Result<()> {
+    let t = Instant::now();
+    for &id in ids {
+        loop {
+            let s = &h.req(json!({"op":"stats","id":id}))?["stats"];
+            if s["state"] != "running" {
+                bail!("VM {id} is {}", s["state"]);
+            }
+            let v = s["vcpus"].as_array().cloned().unwrap_or_default();
+            if !v.is_empty() && v.iter().all(|c| c["regs"]["beats"].as_u64().unwrap_or(0) > 0) {
+                break;
+            }
+            if t.elapsed() > Duration::from_secs(900) {
+                bail!("VM {id} did not reach its measured phase");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    Ok(())
+}
+
+fn create_vms(h: &HostProc, n: u32, mem: u64) -> Result<Vec<u64>> {
+    let ws = mem.saturating_sub(64 << 20).max(1 << 20);
+    (0..n)
+        .map(|i| {
+            let r = h.req(json!({"op":"create","workload":"memwrite","mem":mem,"ws":ws,
+                "duration":86_000,"seed":i + 1,"pattern":"sequential"}))?;
+            Ok(r["id"].as_u64().unwrap_or(0))
+        })
+        .collect()
+}
+
+fn rejuvenate(h: &HostProc, mode: &str, image_dir: &Option<PathBuf>) -> Result<Value> {
+    let mut req = json!({"op":"rejuvenate","mode":mode,"timeout_secs":600});
+    if let Some(d) = image_dir {
+        req["image_dir"] = json!(d);
+    }
+    let r = h.req(req)?;
+    let rep = r["report"].clone();
+    if rep["ok"] != true {
+        bail!("{mode} rejuvenation failed: {}", rep["error"]);
+    }
+    Ok(rep)
+}
+
+fn f(v: &Value) -> f64 {
+    v.as_f64().unwrap_or(f64::NAN)
+}
+
+fn max_of(rep: &Value, key: &str) -> f64 {
+    rep["vms"].as_array().into_iter().flatten().map(|v| f(&v[key])).fold(f64::NAN, f64::max)
+}
+
+/// Least-squares line y = a·n + b and its r².
+fn fit(points: &[(f64, f64)]) -> Value {
+    let n = points.len() as f64;
+    let (sx, sy) = points.iter().fold((0.0, 0.0), |(a, b), (x, y)| (a + x, b + y));
+    let (mx, my) = (sx / n, sy / n);
+    let sxx: f64 = points.iter().map(|(x, _)| (x - mx).powi(2)).sum();
+    let sxy: f64 = points.iter().map(|(x, y)| (x - mx) * (y - my)).sum();
+    let syy: f64 = points.iter().map(|(_, y)| (y - my).powi(2)).sum();
+    let a = if sxx > 0.0 { sxy / sxx } else { 0.0 };
+    let b = my - a * mx;
+    let r2 = if sxx > 0.0 && syy > 0.0 { sxy * sxy / (sxx * syy) } else { 1.0 };
+    json!({"per_vm_ms": a, "constant_ms": b, "r2": r2,
+        "points": points.iter().map(|(x, y)| json!([x, y])).collect::<Vec<_>>()})
+}
+
+pub fn bench(a: BenchRejuvenateArgs) -> Result<ExitCode> {
+    if a.vms.iter().any(|&n| n == 0 || n > 64) || a.model_max == 0 || a.model_max > 64 {
+        bail!("VM counts must be between 1 and 64");
+    }
+    let dir = tempfile_dir()?;
+    let sock = dir.join("api.sock");
+    let h = HostProc::start(&sock)?;
+    let mut runs = Vec::new();
+    for &mem in &a.mem {
+        for &n in &a.vms {
+            let ids = create_vms(&h, n, mem)?;
+            wait_running(&h, &ids)?;
+            for mode in ["warm", "save-restore", "cold"] {
+                let rep = rejuvenate(&h, mode, &a.image_dir)?;
+                let row = json!({
+                    "mode": mode, "vms": n, "mem_bytes": mem,
+                    "total_downtime_ms": rep["total_downtime_ms"],
+                    "max_pause_ms": max_of(&rep, "pause_ms"),
+                    "max_vm_downtime_ms": max_of(&rep, "downtime_ms"),
+                    "max_heartbeat_gap_ms": rep["max_heartbeat_gap_ms"],
+                    "max_boot_done_ms": max_of(&rep, "boot_done_ms"),
+                    "per_vm": rep["vms"], "phases": rep["phases"],
+                });
+                if !a.json {
+                    println!(
+                        "{mode:<12} {n} x {:>5} MiB: total downtime {:>9.2} ms, per-VM pause max {:>6.2} ms, per-VM downtime max {:>9.2} ms, heartbeat gap max {:>9.2} ms",
+                        mem >> 20,
+                        f(&row["total_downtime_ms"]),
+                        f(&row["max_pause_ms"]),
+                        f(&row["max_vm_downtime_ms"]),
+                        f(&row["max_heartbeat_gap_ms"]),
+                    );
+                }
+                runs.push(row);
+                wait_running(&h, &ids)?;
+            }
+            for id in ids {
+                h.req(json!({"op":"destroy","id":id}))?;
+            }
+        }
+    }
+    let model = model(&h, a.model_max, &a.image_dir, a.json)?;
+    drop(h);
+    let _ = std::fs::remove_dir_all(&dir);
+    if a.json {
+        println!(
+            "{}",
+            json!({
+                "runs": runs, "model": model,
+                "not_measured": [
+                    "external ping gap: needs the netbench workload (another issue); per-VM pause, downtime and guest heartbeat gap reported instead",
+                    "filecache throughput after reboot: needs block I/O (another issue)"
+                ]
+            })
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The section 5.6 model on our VMM, from warm and cold rejuvenations of
+/// n = 1..N 256 MiB VMs:
+/// D_warm(n) = suspend(n) + reboot_vmm(n) + resume(n),
+/// D_cold(n) = shutdown_os(n) + reset_hw + reboot_vmm(n) + boot(n),
+/// with reset_hw = 0 (a process restart resets no hardware) and
+/// r(n) = D_cold(n) − D_warm(n).
+fn model(h: &HostProc, max: u32, image_dir: &Option<PathBuf>, quiet: bool) -> Result<Value> {
+    let mut t: std::collections::BTreeMap<&str, Vec<(f64, f64)>> = Default::default();
+    for n in 1..=max {
+        let ids = create_vms(h, n, 256 << 20)?;
+        wait_running(h, &ids)?;
+        let x = f64::from(n);
+        let w = rejuvenate(h, "warm", image_dir)?;
+        let p = &w["phases"];
+        t.entry("suspend").or_default().push((x, f(&p["suspend_ms"])));
+        t.entry("reboot_vmm").or_default().push((x, f(&p["exec_ms"])));
+        let resume = f(&p["restore_ms"]) + f(&p["release_ms"]) + f(&p["start_ms"]);
+        t.entry("resume").or_default().push((x, resume));
+        let dw = f(&w["total_downtime_ms"]);
+        t.entry("d_warm").or_default().push((x, dw));
+        wait_running(h, &ids)?;
+        let c = rejuvenate(h, "cold", image_dir)?;
+        let p = &c["phases"];
+        t.entry("shutdown_os").or_default().push((x, f(&p["shutdown_ms"])));
+        t.entry("reboot_vmm_cold").or_default().push((x, f(&p["exec_ms"])));
+        // Boot: create the VMs, start them, until the last guest reached its workload.
+        let boot_done = max_of(&c, "boot_done_ms");
+        let started = max_of(&c, "downtime_ms");
+        let boot = f(&p["restore_ms"]) + f(&p["start_ms"]) + (boot_done - started);
+        t.entry("boot").or_default().push((x, boot));
+        let dc = boot_done;
+        t.entry("d_cold").or_default().push((x, dc));
+        t.entry("r").or_default().push((x, dc - dw));
+        if !quiet {
+            println!("model n={n}: D_warm {dw:.2} ms, D_cold {dc:.2} ms, r(n) {:.2} ms", dc - dw);
+        }
+        wait_running(h, &ids)?;
+        for id in ids {
+            h.req(json!({"op":"destroy","id":id}))?;
+        }
+    }
+    let fits: serde_json::Map<String, Value> =
+        t.iter().map(|(k, v)| (k.to_string(), fit(v))).collect();
+    if !quiet {
+        for (k, v) in &fits {
+            println!(
+                "  {k}(n) = {:.3} n + {:.3} ms (r2 {:.3})",
+                f(&v["per_vm_ms"]),
+                f(&v["constant_ms"]),
+                f(&v["r2"])
+            );
+        }
+    }
+    Ok(json!({
+        "vm_mem_bytes": 256u64 << 20,
+        "reset_hw_ms": 0.0,
+        "definitions": {
+            "d_warm": "suspend + reboot_vmm + resume: first pause to last VM running again",
+            "d_cold": "shutdown_os + reset_hw + reboot_vmm + boot: first pause to last rebooted guest back in its workload",
+            "reset_hw": "0: a VMM process restart resets no hardware",
+            "r": "d_cold - d_warm, the downtime warm-VM reboot saves"
+        },
+        "fits": fits,
+    }))
+}
+
+fn tempfile_dir() -> Result<PathBuf> {
+    let d = std::env::temp_dir().join(format!("ninelives-bench-rejuvenate-{}", std::process::id()));
+    std::fs::create_dir_all(&d).with_context(|| format!("cannot create {}", d.display()))?;
+    Ok(d)
+}

@@ -1,0 +1,309 @@
+//! `ninelives rejuvenate`: a running host's VMM process is replaced while its
+//! VMs survive. Warm keeps the very same guest memory (same memfd inode) and
+//! the workloads finish with verified digests; a broken or refusing new
+//! binary leaves the VMs running in the old process; the API socket never
+//! goes away.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+/// A host started by the test; after handovers its pid changes, so the
+/// current pid is asked for and killed on drop.
+struct Host {
+    child: Child,
+    sock: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Host {
+    fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("api.sock");
+        let child = ninelives()
+            .args(["host", "--api", sock.to_str().unwrap()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let h = Host { child, sock, _dir: dir };
+        let t = Instant::now();
+        while UnixStream::connect(&h.sock).is_err() {
+            assert!(t.elapsed() < Duration::from_secs(20), "host did not start listening");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        h
+    }
+
+    fn req(&self, v: Value) -> Value {
+        let mut s = UnixStream::connect(&self.sock).expect("the API socket is always there");
+        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        writeln!(s, "{v}").unwrap();
+        let mut line = String::new();
+        BufReader::new(s).read_line(&mut line).unwrap();
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("reply is not JSON ({e}): {line}"))
+    }
+
+    fn pid(&self) -> u64 {
+        self.req(json!({"op":"info"}))["pid"].as_u64().unwrap()
+    }
+
+    fn stats(&self, id: u64) -> Value {
+        let r = self.req(json!({"op":"stats","id":id}));
+        assert_eq!(r["ok"], true, "{r}");
+        r["stats"].clone()
+    }
+
+    fn rejuvenate(&self, args: &[&str]) -> (std::process::Output, Value) {
+        let mut a = vec!["rejuvenate", "--api", self.sock.to_str().unwrap(), "--json"];
+        a.extend_from_slice(args);
+        let o = run_cli(&a);
+        let v = last_json(&o);
+        (o, v)
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        if let Ok(mut s) = UnixStream::connect(&self.sock) {
+            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+            let _ = writeln!(s, "{}", json!({"op":"info"}));
+            let mut line = String::new();
+            let _ = BufReader::new(s).read_line(&mut line);
+            if let Some(pid) =
+                serde_json::from_str::<Value>(&line).ok().and_then(|v| v["pid"].as_u64())
+            {
+                if pid != u64::from(self.child.id()) {
+                    let _ = std::process::Command::new("kill").arg(pid.to_string()).status();
+                }
+            }
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn create(h: &Host, vcpus: u32, secs: f64) -> u64 {
+    let r = h.req(json!({"op":"create","workload":"memwrite","ws":"8M","mem":"64M",
+        "vcpus":vcpus,"duration":secs,"seed":vcpus}));
+    assert_eq!(r["ok"], true, "{r}");
+    r["id"].as_u64().unwrap()
+}
+
+/// Waits until every vCPU of a VM heartbeats in its measured phase.
+fn wait_running(h: &Host, id: u64) {
+    let t = Instant::now();
+    loop {
+        let s = h.stats(id);
+        let vcpus = s["vcpus"].as_array().unwrap();
+        if vcpus.iter().all(|v| v["regs"]["beats"].as_u64().unwrap() > 0) {
+            return;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "VM {id} never ran: {s}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits for a VM to complete, then replays its workload on the host and
+/// checks every vCPU's digest and op count.
+fn assert_completes_verified(h: &Host, id: u64) {
+    let t = Instant::now();
+    let s = loop {
+        let s = h.stats(id);
+        if s["state"] != "running" {
+            break s;
+        }
+        assert!(t.elapsed() < Duration::from_secs(120), "VM {id} did not finish");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(s["state"], "completed", "{s}");
+    let params: nl_abi::WorkloadParams = serde_json::from_value(s["workload"].clone()).unwrap();
+    for (cpu, v) in s["vcpus"].as_array().unwrap().iter().enumerate() {
+        let r = &v["regs"];
+        let rounds = r["rounds"].as_u64().unwrap();
+        let rep = nl_workloads::native::replay(&params, cpu as u64, rounds, 0).unwrap();
+        assert_eq!(rep.digest, r["digest"].as_u64().unwrap(), "VM {id} vCPU {cpu} digest");
+        assert_eq!(rep.ops, r["ops"].as_u64().unwrap(), "VM {id} vCPU {cpu} ops");
+    }
+}
+
+fn script(dir: &Path, name: &str, body: &str) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    p.to_string_lossy().into_owned()
+}
+
+#[test]
+fn warm_rejuvenation_keeps_guest_memory_and_the_socket() {
+    if !kvm_available() {
+        return;
+    }
+    let h = Host::start();
+    let a = create(&h, 1, 2.0);
+    let b = create(&h, 2, 2.5);
+    wait_running(&h, a);
+    wait_running(&h, b);
+    let old_pid = h.pid();
+    let ino = |id| h.stats(id)["memfd_ino"].as_u64().unwrap();
+    let (ino_a, ino_b) = (ino(a), ino(b));
+    let rounds_before = h.stats(b)["vcpus"][0]["regs"]["heartbeat"].as_u64().unwrap();
+
+    // A client hammering the socket throughout: every connect succeeds.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (sock, stop2) = (h.sock.clone(), stop.clone());
+    let hammer = std::thread::spawn(move || {
+        let mut answered = 0;
+        while !stop2.load(Relaxed) {
+            let mut s = UnixStream::connect(&sock).expect("socket vanished during handover");
+            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            writeln!(s, "{}", json!({"op":"list"})).unwrap();
+            let mut line = String::new();
+            // EOF is allowed for a connection the old process accepted just before it exited.
+            if BufReader::new(s).read_line(&mut line).unwrap_or(0) > 0 {
+                answered += 1;
+            }
+        }
+        answered
+    });
+    let (o, r) = h.rejuvenate(&["--mode", "warm"]);
+    stop.store(true, Relaxed);
+    assert!(o.status.success(), "{r} {}", stderr(&o));
+    assert!(hammer.join().unwrap() > 0);
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(r["rolled_back"], false);
+    assert_eq!(r["old_pid"].as_u64(), Some(old_pid));
+    let new_pid = h.pid();
+    assert_ne!(new_pid, old_pid, "a new process serves the socket");
+    assert_eq!(r["new_pid"].as_u64(), Some(new_pid));
+    assert_eq!(r["vms"].as_array().unwrap().len(), 2);
+    for v in r["vms"].as_array().unwrap() {
+        assert_eq!(v["image_bytes"], 0, "warm writes no memory image: {v}");
+        assert!(v["downtime_ms"].is_number(), "{v}");
+    }
+    // The new process maps the same memfds: nothing was copied.
+    assert_eq!(ino(a), ino_a);
+    assert_eq!(ino(b), ino_b);
+    // The guests kept their in-memory progress (counters did not restart).
+    let after = h.stats(b)["vcpus"][0]["regs"]["heartbeat"].as_u64().unwrap();
+    assert!(after >= rounds_before, "progress lost: {after} < {rounds_before}");
+    assert_eq!(h.req(json!({"op":"info"}))["generation"], 1);
+
+    // A second warm rejuvenation of the successor works the same way.
+    let (o, r) = h.rejuvenate(&["--mode", "warm"]);
+    assert!(o.status.success(), "{r}");
+    assert_eq!(h.req(json!({"op":"info"}))["generation"], 2);
+    assert_eq!(ino(b), ino_b);
+
+    assert_completes_verified(&h, a);
+    assert_completes_verified(&h, b);
+    // The new host still creates VMs, with fresh ids.
+    let c = create(&h, 1, 0.2);
+    assert!(c > b);
+    assert_completes_verified(&h, c);
+}
+
+#[test]
+fn a_broken_or_refusing_new_binary_leaves_the_vms_running_in_the_old_process() {
+    if !kvm_available() {
+        return;
+    }
+    let h = Host::start();
+    let a = create(&h, 2, 4.0);
+    wait_running(&h, a);
+    let pid = h.pid();
+    let dir = tempfile::tempdir().unwrap();
+    let real = env!("CARGO_BIN_EXE_ninelives");
+    let cases = [
+        (script(dir.path(), "exit1", "exit 1"), "exited", vec![]),
+        // Args are: host --api S --handover-fd R --handover-ctl C
+        (
+            script(
+                dir.path(),
+                "newer",
+                &format!(
+                    "printf '{{\"magic\":\"ninelives-handover\",\"version\":99,\"binary_version\":\"9.9\"}}' > /proc/self/fd/$5\nexec {real} \"$@\""
+                ),
+            ),
+            "record version 99",
+            vec![],
+        ),
+        (
+            script(
+                dir.path(),
+                "corrupt",
+                &format!("printf 'garbage' > /proc/self/fd/$5\nexec {real} \"$@\""),
+            ),
+            "not a ninelives handover record",
+            vec![],
+        ),
+        (script(dir.path(), "hang", "exec sleep 60"), "did not become ready", vec!["--timeout", "1"]),
+    ];
+    for (bin, why, extra) in &cases {
+        let mut args = vec!["--mode", "warm", "--binary", bin.as_str()];
+        args.extend(extra.iter().copied());
+        let (o, r) = h.rejuvenate(&args);
+        assert!(!o.status.success(), "{bin}: must fail: {r}");
+        assert_eq!(r["ok"], false, "{r}");
+        assert_eq!(r["rolled_back"], true, "{r}");
+        assert!(r["error"].as_str().unwrap().contains(why), "{bin}: expected '{why}' in {r}");
+        assert_eq!(h.pid(), pid, "the old process still serves");
+        let st = h.stats(a)["state"].clone();
+        assert!(st == "running" || st == "completed", "{st}");
+    }
+    // Bad requests are refused with a clear error, nothing changes.
+    let r = h.req(json!({"op":"rejuvenate","mode":"lukewarm"}));
+    assert_eq!(r["ok"], false);
+    assert!(r["error"].as_str().unwrap().contains("warm, cold, save-restore"), "{r}");
+    let o = run_cli(&["rejuvenate", "--api", "/nonexistent/sock", "--mode", "warm"]);
+    assert_clean_error(&o, "cannot connect");
+    // The VM still runs, and its workload verifies.
+    let beats = h.stats(a)["vcpus"][0]["regs"]["beats"].as_u64().unwrap();
+    let t = Instant::now();
+    while h.stats(a)["state"] == "running"
+        && h.stats(a)["vcpus"][0]["regs"]["beats"].as_u64().unwrap() == beats
+    {
+        assert!(t.elapsed() < Duration::from_secs(30), "VM does not run after the rollback");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_completes_verified(&h, a);
+}
+
+#[test]
+fn save_restore_and_cold_rejuvenation() {
+    if !kvm_available() {
+        return;
+    }
+    let h = Host::start();
+    let a = create(&h, 1, 2.0);
+    wait_running(&h, a);
+    let ino = h.stats(a)["memfd_ino"].as_u64().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (o, r) =
+        h.rejuvenate(&["--mode", "save-restore", "--image-dir", dir.path().to_str().unwrap()]);
+    assert!(o.status.success(), "{r}");
+    assert_eq!(r["vms"][0]["image_bytes"], 64 << 20, "{r}");
+    assert_ne!(h.stats(a)["memfd_ino"].as_u64().unwrap(), ino, "restored into new memory");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "images are removed");
+    assert_completes_verified(&h, a);
+
+    // Cold: the guest boots again from scratch (its progress is lost) and
+    // still runs its workload to a verified end.
+    let b = create(&h, 1, 1.0);
+    wait_running(&h, b);
+    let (o, r) = h.rejuvenate(&["--mode", "cold"]);
+    assert!(o.status.success(), "{r}");
+    assert_eq!(r["not_carried"], json!([a]), "finished VMs are not carried over");
+    assert!(r["vms"][0]["boot_done_ms"].is_number(), "{r}");
+    assert_completes_verified(&h, b);
+}

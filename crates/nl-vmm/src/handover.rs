@@ -1,0 +1,569 @@
+//! Handing running VMs to a new VMM process.
+//!
+//! One mechanism, used by warm reboot (rejuvenation, upgrade) and by
+//! microreboot: the old process pauses its VMs at a consistent point, saves
+//! their small vCPU and device state, and writes a versioned
+//! [`HandoverRecord`] into a memfd. It then starts the new binary with that
+//! memfd, the guest-memory memfds, the API listening socket and one end of a
+//! control socket inherited across exec (FD_CLOEXEC is cleared only in the
+//! child, between fork and exec). The new process maps the same memory
+//! ([`GuestMemory::from_fd`], nothing is copied), re-creates each VM with
+//! [`Vm::restore`], and drives a small two-phase protocol over the control
+//! socket (see [`take_over`]). Guest memory never leaves its memfd in warm
+//! mode.
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Seek, Write};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvm_ioctls::Kvm;
+use nl_abi::WorkloadParams;
+use nl_memory::GuestMemory;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::host::Host;
+use crate::state::VmState;
+use crate::{Vm, VmConfig, VmmError};
+
+/// First field of every record.
+pub const HANDOVER_MAGIC: &str = "ninelives-handover";
+/// The record version this binary writes.
+pub const HANDOVER_VERSION: u32 = 1;
+/// The oldest record version this binary still reads.
+pub const OLDEST_HANDOVER_VERSION: u32 = 1;
+/// Largest record accepted (it holds only small vCPU and device state).
+pub const MAX_RECORD: u64 = 64 << 20;
+
+/// How the VMs get to the new process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    /// On-memory suspend, quick reload, on-memory resume: memfds are handed over.
+    Warm,
+    /// Shut the VMs down, start the new VMM, boot them again from scratch.
+    Cold,
+    /// Suspend each VM's full memory to a file, start the new VMM, restore from disk.
+    SaveRestore,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Warm => "warm",
+            Mode::Cold => "cold",
+            Mode::SaveRestore => "save-restore",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "warm" => Ok(Mode::Warm),
+            "cold" => Ok(Mode::Cold),
+            "save-restore" => Ok(Mode::SaveRestore),
+            o => Err(format!("unknown rejuvenation mode \"{o}\" (warm, cold, save-restore)")),
+        }
+    }
+}
+
+/// Where a VM's memory comes from in the new process.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum MemorySource {
+    /// An inherited memfd, mapped as it is (warm). `ino` guards against a
+    /// record naming the wrong descriptor.
+    Memfd { fd: i32, ino: u64 },
+    /// A memory image on disk, loaded into fresh memory (save-restore).
+    Image { path: PathBuf },
+    /// Fresh memory: the VM boots from scratch (cold).
+    Fresh,
+}
+
+/// One VM in a handover record.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct VmRecord {
+    pub id: u32,
+    pub mem_bytes: u64,
+    pub vcpus: u32,
+    pub workload: WorkloadParams,
+    pub timer_hz: u64,
+    pub heartbeat_timeout_ms: u64,
+    pub console_path: Option<PathBuf>,
+    /// Paused by the API user before the handover: stays paused after it.
+    pub paused: bool,
+    pub memory: MemorySource,
+    /// The VM's [`VmState`] bytes (versioned on their own); none when cold.
+    pub state: Option<String>,
+    /// CLOCK_MONOTONIC when the VM's pause began (downtime accounting).
+    pub paused_at_ns: u64,
+    /// The VM's virtio-blk disk and virtio-net TAP, re-opened by the new process.
+    #[serde(default)]
+    pub disk: Option<crate::config::DiskConfig>,
+    #[serde(default)]
+    pub net: Option<crate::config::NetConfig>,
+}
+
+impl VmRecord {
+    /// The essentials of a VM's configuration, without memory or state.
+    pub fn describe(id: u32, c: &VmConfig, paused: bool) -> Self {
+        Self {
+            id,
+            mem_bytes: c.mem_bytes,
+            vcpus: c.vcpus,
+            workload: c.workload,
+            timer_hz: c.timer_hz,
+            heartbeat_timeout_ms: c.heartbeat_timeout.as_millis() as u64,
+            console_path: c.console_path.clone(),
+            paused,
+            memory: MemorySource::Fresh,
+            state: None,
+            paused_at_ns: 0,
+            disk: c.disk.clone(),
+            net: c.net.clone(),
+        }
+    }
+
+    /// The VM configuration, with guest images supplied by the binary.
+    pub fn config(&self, images: &Images) -> VmConfig {
+        VmConfig {
+            mem_bytes: self.mem_bytes,
+            vcpus: self.vcpus,
+            workload: self.workload,
+            kernel: images.kernel.clone(),
+            user: images.user.clone(),
+            console_path: self.console_path.clone(),
+            timer_hz: self.timer_hz,
+            heartbeat_timeout: Duration::from_millis(self.heartbeat_timeout_ms),
+            disk: self.disk.clone(),
+            net: self.net.clone(),
+        }
+    }
+}
+
+/// Everything the new process needs to take over.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct HandoverRecord {
+    pub magic: String,
+    pub version: u32,
+    /// `CARGO_PKG_VERSION` of the binary that wrote the record.
+    pub binary_version: String,
+    pub mode: Mode,
+    /// Handovers so far in this host's lineage (1 for the first successor).
+    pub generation: u64,
+    /// The API listening socket, kept open across the handover.
+    pub listener_fd: Option<i32>,
+    pub next_id: u32,
+    pub vms: Vec<VmRecord>,
+}
+
+impl HandoverRecord {
+    pub fn new(mode: Mode, generation: u64, listener_fd: Option<i32>, next_id: u32) -> Self {
+        Self {
+            magic: HANDOVER_MAGIC.into(),
+            version: HANDOVER_VERSION,
+            binary_version: env!("CARGO_PKG_VERSION").into(),
+            mode,
+            generation,
+            listener_fd,
+            next_id,
+            vms: Vec::new(),
+        }
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("handover record serializes")
+    }
+
+    /// Parses a record, accepting every version from
+    /// [`OLDEST_HANDOVER_VERSION`] to [`HANDOVER_VERSION`] and refusing
+    /// others with a message that names both binaries' versions.
+    pub fn from_bytes(b: &[u8]) -> Result<Self, VmmError> {
+        #[derive(Deserialize)]
+        struct Head {
+            magic: String,
+            version: u32,
+            #[serde(default)]
+            binary_version: String,
+        }
+        let bad = |m: String| VmmError::State(format!("handover refused: {m}"));
+        let head: Head = serde_json::from_slice(b)
+            .map_err(|e| bad(format!("not a ninelives handover record ({e})")))?;
+        if head.magic != HANDOVER_MAGIC {
+            return Err(bad(format!("not a ninelives handover record (magic {:?})", head.magic)));
+        }
+        let mine = env!("CARGO_PKG_VERSION");
+        if head.version > HANDOVER_VERSION || head.version < OLDEST_HANDOVER_VERSION {
+            return Err(bad(format!(
+                "record version {} (written by ninelives {}) is not supported by ninelives \
+                 {mine}, which reads versions {OLDEST_HANDOVER_VERSION}..={HANDOVER_VERSION}",
+                head.version, head.binary_version
+            )));
+        }
+        // Version 1 is the only layout so far; an older layout would be
+        // parsed into its own struct here and converted.
+        let r: Self = serde_json::from_slice(b)
+            .map_err(|e| bad(format!("corrupt version {} record ({e})", head.version)))?;
+        let mut ids = BTreeSet::new();
+        let mut fds = BTreeSet::new();
+        fds.extend(r.listener_fd);
+        for v in &r.vms {
+            if !ids.insert(v.id) {
+                return Err(bad(format!("corrupt record: VM {} listed twice", v.id)));
+            }
+            if let MemorySource::Memfd { fd, .. } = v.memory {
+                if !fds.insert(fd) {
+                    return Err(bad(format!("corrupt record: descriptor {fd} used twice")));
+                }
+            }
+            if v.id >= r.next_id {
+                return Err(bad(format!(
+                    "corrupt record: VM id {} >= next id {}",
+                    v.id, r.next_id
+                )));
+            }
+        }
+        Ok(r)
+    }
+}
+
+/// The guest images the taking-over binary boots fresh VMs with (cold).
+#[derive(Clone)]
+pub struct Images {
+    pub kernel: Arc<Vec<u8>>,
+    pub user: Arc<Vec<u8>>,
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: comparable between the old and the new
+/// process (an `Instant` is not transferable).
+pub fn mono_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: ts is a valid timespec to write into; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Milliseconds between two [`mono_ns`] readings.
+pub fn ms_between(from_ns: u64, to_ns: u64) -> f64 {
+    to_ns.saturating_sub(from_ns) as f64 / 1e6
+}
+
+fn set_cloexec(fd: RawFd, on: bool) -> std::io::Result<()> {
+    // SAFETY: F_GETFD/F_SETFD only read and write the descriptor flags of fd.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+    if flags < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let new = if on { flags | libc::FD_CLOEXEC } else { flags & !libc::FD_CLOEXEC };
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(fd, libc::F_SETFD, new) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Writes a record into a new memfd (close-on-exec until handed over).
+pub fn record_memfd(record: &HandoverRecord) -> Result<File, VmmError> {
+    let mut f = nl_memory::create_memfd("handover")?;
+    f.write_all(&record.to_bytes())?;
+    Ok(f)
+}
+
+/// Starts `binary args` with `inherit` open in the child under the same
+/// numbers. FD_CLOEXEC is cleared in the child only, between fork and exec,
+/// so no other process this one starts can inherit them by accident.
+pub fn spawn_with_fds(
+    binary: &Path,
+    args: &[String],
+    inherit: Vec<RawFd>,
+) -> std::io::Result<Child> {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(binary);
+    cmd.args(args).stdin(Stdio::null());
+    // SAFETY: the hook runs between fork and exec and only calls fcntl (async-signal-safe) on fds it does not allocate.
+    unsafe {
+        cmd.pre_exec(move || {
+            for &fd in &inherit {
+                set_cloexec(fd, false)?;
+            }
+            Ok(())
+        });
+    }
+    cmd.spawn()
+}
+
+/// Takes ownership of an inherited descriptor named in a record or argument.
+fn take_fd(fd: i32, taken: &mut BTreeSet<i32>, what: &str) -> Result<File, VmmError> {
+    if fd < 3 || !taken.insert(fd) {
+        return Err(VmmError::State(format!(
+            "handover refused: {what} descriptor {fd} is invalid or named twice"
+        )));
+    }
+    set_cloexec(fd, true).map_err(|e| {
+        VmmError::State(format!("handover refused: {what} descriptor {fd} is not open ({e})"))
+    })?;
+    // SAFETY: fd is open (F_SETFD succeeded), was inherited for exactly this purpose, and is taken at most once (checked above).
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+/// Reads a record from an inherited memfd.
+fn read_record(file: &mut File) -> Result<HandoverRecord, VmmError> {
+    file.rewind()?;
+    let mut b = Vec::new();
+    file.take(MAX_RECORD + 1).read_to_end(&mut b)?;
+    if b.len() as u64 > MAX_RECORD {
+        return Err(VmmError::State(format!(
+            "handover refused: record larger than {MAX_RECORD} bytes"
+        )));
+    }
+    HandoverRecord::from_bytes(&b)
+}
+
+/// Builds one VM of a record over the given memory (not started). With no
+/// saved state the VM is created from scratch (cold).
+pub fn build_vm(
+    kvm: &Kvm,
+    rec: &VmRecord,
+    images: &Images,
+    memory: Option<GuestMemory>,
+) -> Result<Vm, VmmError> {
+    let config = rec.config(images);
+    match (&rec.state, memory) {
+        (Some(s), Some(mem)) => {
+            let state = VmState::from_bytes(s.as_bytes())?;
+            Vm::restore(kvm, rec.id, config, mem, &state)
+        }
+        (None, _) => Vm::create(kvm, rec.id, config),
+        (Some(_), None) => Err(VmmError::State(format!("VM {}: state without memory", rec.id))),
+    }
+}
+
+/// Loads a save-restore memory image into fresh memory.
+pub fn load_image(rec: &VmRecord, path: &Path) -> Result<GuestMemory, VmmError> {
+    let mem = GuestMemory::new(&format!("vm{}", rec.id), rec.mem_bytes)?;
+    let mut f = File::open(path).map_err(|e| {
+        VmmError::State(format!("VM {}: cannot open memory image {}: {e}", rec.id, path.display()))
+    })?;
+    mem.load_from(&mut f)?;
+    Ok(mem)
+}
+
+/// The new process's side of a handover, after the VMs are running here.
+pub struct TakenOver {
+    pub host: Arc<Host>,
+    pub listener: Option<UnixListener>,
+}
+
+/// Lines of the control protocol (new → old unless noted):
+/// `ready {...}` (all VMs re-created, not running), old → new `go` or
+/// `abort`, `starting` (the commit point: sent before any vCPU runs here),
+/// `started {...}` (per-VM start and first-heartbeat times), or
+/// `error MESSAGE` at any point before `starting`.
+pub fn take_over(
+    record_fd: i32,
+    ctl_fd: i32,
+    images: &Images,
+    main_ns: u64,
+) -> Result<TakenOver, VmmError> {
+    let mut taken = BTreeSet::new();
+    let ctl = take_fd(ctl_fd, &mut taken, "control")?;
+    let ctl = UnixStream::from(std::os::fd::OwnedFd::from(ctl));
+    ctl.local_addr().map_err(|e| {
+        VmmError::State(format!("handover refused: control descriptor is not a socket ({e})"))
+    })?;
+    let mut out = ctl.try_clone()?;
+    let r = prepare(record_fd, &mut taken, images);
+    let (host, listener, vms, generation) = match r {
+        Ok(v) => v,
+        Err(e) => {
+            let _ = writeln!(out, "error {}", e.to_string().replace('\n', " "));
+            return Err(e);
+        }
+    };
+    let ready_ns = mono_ns();
+    writeln!(out, "ready {}", json!({"main_ns": main_ns, "ready_ns": ready_ns}))?;
+    let mut reader = BufReader::new(ctl);
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    if line.trim() != "go" {
+        return Err(VmmError::State("the old VMM kept its VMs (handover aborted)".into()));
+    }
+    let go_ns = mono_ns();
+    writeln!(out, "starting")?;
+    let mut starts = Vec::new();
+    for (rec, vm) in vms {
+        let id = vm.id();
+        let vm = host.adopt(vm, rec.paused).map_err(|e| VmmError::Vm(id, e.to_string()))?;
+        starts.push((rec, vm, mono_ns()));
+    }
+    host.set_generation(generation);
+    // Report per-VM start and first-heartbeat times without holding up the API.
+    std::thread::Builder::new().name("handover-report".into()).spawn(move || {
+        let mut vms = Vec::new();
+        for (rec, vm, start_ns) in &starts {
+            let (beat_ns, workload_ns) = if rec.paused {
+                (None, None)
+            } else {
+                wait_first_beat(vm, rec.state.is_none(), Duration::from_secs(20))
+            };
+            vms.push(json!({
+                "id": rec.id, "paused_at_ns": rec.paused_at_ns, "start_ns": start_ns,
+                "first_beat_ns": beat_ns, "workload_start_ns": workload_ns,
+            }));
+        }
+        let _ = writeln!(out, "started {}", json!({"go_ns": go_ns, "vms": vms}));
+    })?;
+    Ok(TakenOver { host, listener })
+}
+
+type Prepared = (Arc<Host>, Option<UnixListener>, Vec<(VmRecord, Vm)>, u64);
+
+fn prepare(
+    record_fd: i32,
+    taken: &mut BTreeSet<i32>,
+    images: &Images,
+) -> Result<Prepared, VmmError> {
+    let mut rf = take_fd(record_fd, taken, "record")?;
+    let record = read_record(&mut rf)?;
+    let listener = match record.listener_fd {
+        Some(fd) => {
+            let f = take_fd(fd, taken, "listener")?;
+            let l = UnixListener::from(std::os::fd::OwnedFd::from(f));
+            l.local_addr().map_err(|e| {
+                VmmError::State(format!("handover refused: descriptor {fd} is not a socket ({e})"))
+            })?;
+            Some(l)
+        }
+        None => None,
+    };
+    let host = Host::new()?;
+    host.reserve_ids(record.next_id);
+    let mut vms = Vec::new();
+    for rec in &record.vms {
+        let memory = match &rec.memory {
+            MemorySource::Memfd { fd, ino } => {
+                let f = take_fd(*fd, taken, "memory")?;
+                let got = f.metadata()?.ino();
+                if got != *ino {
+                    return Err(VmmError::State(format!(
+                        "handover refused: VM {}: descriptor {fd} is inode {got}, the record says {ino}",
+                        rec.id
+                    )));
+                }
+                Some(GuestMemory::from_fd(Arc::new(f), rec.mem_bytes)?)
+            }
+            MemorySource::Image { path } => Some(load_image(rec, path)?),
+            MemorySource::Fresh => None,
+        };
+        let vm = build_vm(host.kvm(), rec, images, memory)
+            .map_err(|e| VmmError::State(format!("VM {}: {e}", rec.id)))?;
+        vms.push((rec.clone(), vm));
+    }
+    Ok((host, listener, vms, record.generation))
+}
+
+/// Polls until a VM's guest heartbeats (or finishes) after a start. Returns
+/// the first-heartbeat time and, if the guest (re)entered its workload, when.
+fn wait_first_beat(vm: &Vm, fresh: bool, limit: Duration) -> (Option<u64>, Option<u64>) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = vm.control();
+    // A freshly booted VM starts from zero; a restored one from its saved registers.
+    let beats0 = if fresh { 0 } else { c.total_beats() };
+    let phase0: Vec<u64> =
+        c.vcpus.iter().map(|r| if fresh { 0 } else { r.phase.load(Relaxed) }).collect();
+    let t0 = mono_ns();
+    let mut workload = None;
+    while ms_between(t0, mono_ns()) < limit.as_secs_f64() * 1e3 {
+        let now = mono_ns();
+        if workload.is_none()
+            && c.vcpus.iter().zip(&phase0).any(|(r, p)| {
+                let ph = r.phase.load(Relaxed);
+                ph >= nl_abi::PHASE_WORKLOAD_START && *p < nl_abi::PHASE_WORKLOAD_START
+            })
+        {
+            workload = Some(now);
+        }
+        if c.total_beats() != beats0
+            || c.vcpus.iter().all(|r| r.phase.load(Relaxed) == nl_abi::PHASE_DONE)
+        {
+            return (Some(now), workload);
+        }
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    (None, workload)
+}
+
+/// The raw descriptor of a memory's memfd and its inode.
+pub fn memfd_of(mem: &GuestMemory) -> Result<(RawFd, u64), VmmError> {
+    let f = mem.fd();
+    Ok((f.as_raw_fd(), f.metadata()?.ino()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> HandoverRecord {
+        let mut r = HandoverRecord::new(Mode::Warm, 1, Some(5), 3);
+        let c = VmConfig {
+            mem_bytes: 64 << 20,
+            vcpus: 1,
+            workload: WorkloadParams::default(),
+            kernel: Arc::default(),
+            user: Arc::default(),
+            console_path: None,
+            timer_hz: 100,
+            heartbeat_timeout: Duration::from_secs(10),
+            disk: Some(crate::config::DiskConfig { path: "/tmp/d.img".into(), readonly: true }),
+            net: None,
+        };
+        let mut v = VmRecord::describe(2, &c, false);
+        v.memory = MemorySource::Memfd { fd: 7, ino: 99 };
+        v.state = Some("{}".into());
+        r.vms.push(v);
+        r
+    }
+
+    #[test]
+    fn records_round_trip() {
+        let r = HandoverRecord::from_bytes(&sample().to_bytes()).unwrap();
+        assert_eq!(r.vms.len(), 1);
+        assert_eq!(r.vms[0].id, 2);
+        assert_eq!(r.mode, Mode::Warm);
+    }
+
+    #[test]
+    fn other_versions_and_corruption_are_refused_clearly() {
+        let mut v = serde_json::to_value(sample()).unwrap();
+        v["version"] = json!(HANDOVER_VERSION + 1);
+        let e = HandoverRecord::from_bytes(v.to_string().as_bytes()).unwrap_err().to_string();
+        assert!(e.contains("record version 2") && e.contains("reads versions 1..=1"), "{e}");
+        v["version"] = json!(0);
+        assert!(HandoverRecord::from_bytes(v.to_string().as_bytes()).is_err());
+        let b = sample().to_bytes();
+        let e = HandoverRecord::from_bytes(&b[..b.len() / 2]).unwrap_err().to_string();
+        assert!(e.contains("not a ninelives handover record"), "{e}");
+        let e = HandoverRecord::from_bytes(b"{\"magic\":\"x\",\"version\":1}").unwrap_err();
+        assert!(e.to_string().contains("magic"), "{e}");
+        let mut v = serde_json::to_value(sample()).unwrap();
+        v["vms"][0]["memory"]["fd"] = json!(5);
+        let e = HandoverRecord::from_bytes(v.to_string().as_bytes()).unwrap_err();
+        assert!(e.to_string().contains("used twice"), "{e}");
+        let mut v = serde_json::to_value(sample()).unwrap();
+        v["vms"][0]["mem_bytes"] = json!("lots");
+        let e = HandoverRecord::from_bytes(v.to_string().as_bytes()).unwrap_err();
+        assert!(e.to_string().contains("corrupt version 1 record"), "{e}");
+    }
+
+    #[test]
+    fn modes_parse() {
+        assert_eq!(Mode::parse("save-restore"), Ok(Mode::SaveRestore));
+        assert!(Mode::parse("tepid").unwrap_err().contains("warm, cold, save-restore"));
+    }
+}

@@ -1,0 +1,479 @@
+//! Rejuvenating a running host: replace the VMM process (same binary, or an
+//! upgrade) while its VMs survive, in one of three [`Mode`]s, over the
+//! [`handover`](crate::handover) mechanism.
+//!
+//! The old process gives its VMs up only after the new one confirmed:
+//!
+//! 1. suspend: pause every VM, save its vCPU and device state (save-restore:
+//!    also write its memory to a file; cold and save-restore then shut the
+//!    VMs down here, as an ordinary restart would);
+//! 2. start the new binary as a child holding the fds, wait for `ready`
+//!    (every VM re-created there, none running);
+//! 3. warm: stop the paused VMs here (they never run again in this
+//!    process), then send `go`; the child answers `starting` and only then
+//!    runs any vCPU.
+//!
+//! If the child fails to start, rejects the record, dies or times out before
+//! `starting`, the VMs come back here: resumed where they were paused (or,
+//! once released, restored again from the saved state over the same memfd,
+//! from the image file, or booted afresh for cold). After `starting` the new
+//! process owns the VMs and this one exits.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use nl_memory::GuestMemory;
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::handover::{
+    self, mono_ns, ms_between, HandoverRecord, Images, MemorySource, Mode, VmRecord,
+};
+use crate::host::Host;
+use crate::state::VmState;
+use crate::VmmError;
+
+/// What to do.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub mode: Mode,
+    /// The binary to start (the running one for plain rejuvenation).
+    pub binary: PathBuf,
+    /// The API socket path (passed to the new process for messages and cleanup).
+    pub api_path: PathBuf,
+    /// Where save-restore writes memory images.
+    pub image_dir: PathBuf,
+    /// How long the new process may take to become ready.
+    pub timeout: Duration,
+}
+
+/// Downtime of one VM. All times are from the moment its pause began.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct VmDowntime {
+    pub id: u32,
+    /// Time to stop all its vCPUs at a consistent point.
+    pub pause_ms: f64,
+    /// Time to save its state (save-restore: and write its memory image).
+    pub save_ms: f64,
+    /// Bytes written to disk for it (0 unless save-restore).
+    pub image_bytes: u64,
+    /// Until its vCPUs run again in the new process: the VM's downtime.
+    pub downtime_ms: Option<f64>,
+    /// Until the guest's first heartbeat after the handover: the
+    /// guest-visible gap (heartbeats come every 10 ms of guest work, so this
+    /// exceeds the downtime by up to one heartbeat period; for cold it
+    /// includes the guest's boot and warm-up round).
+    pub heartbeat_gap_ms: Option<f64>,
+    /// Cold: until the rebooted guest reached its workload again.
+    pub boot_done_ms: Option<f64>,
+}
+
+/// Host-wide phases (the terms of the paper's downtime model).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Phases {
+    /// Pause and save all VMs (save-restore: and write the images).
+    pub suspend_ms: f64,
+    /// Shut the VMs down here before the restart (cold, save-restore).
+    pub shutdown_ms: f64,
+    /// From starting the new binary to its `main` (the "VMM reboot").
+    pub exec_ms: f64,
+    /// From its `main` to every VM re-created (restore; cold: create).
+    pub restore_ms: f64,
+    /// Stop the paused VMs here after `ready` (warm).
+    pub release_ms: f64,
+    /// From `go` to the last VM's vCPUs running in the new process.
+    pub start_ms: f64,
+}
+
+/// The answer to a `rejuvenate` request.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Report {
+    pub mode: &'static str,
+    pub ok: bool,
+    pub rolled_back: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    pub old_pid: u32,
+    pub new_pid: Option<u32>,
+    pub binary: String,
+    pub generation: u64,
+    pub vms: Vec<VmDowntime>,
+    /// Finished VMs (completed, failed, stopped) are not carried over.
+    pub not_carried: Vec<u32>,
+    /// From the first pause to the last VM running again.
+    pub total_downtime_ms: Option<f64>,
+    /// From the first pause to the last first-heartbeat.
+    pub max_heartbeat_gap_ms: Option<f64>,
+    pub phases: Phases,
+}
+
+/// One VM as suspended here, kept until the new process has committed.
+struct Suspended {
+    rec: VmRecord,
+    images: Images,
+    memory: Option<GuestMemory>,
+    state: Option<VmState>,
+    image: Option<PathBuf>,
+}
+
+fn images_of(c: &crate::VmConfig) -> Images {
+    Images { kernel: c.kernel.clone(), user: c.user.clone() }
+}
+
+/// Runs a rejuvenation. `Ok` with `ok: true` means the new process owns the
+/// VMs and the caller must stop serving (and exit) without touching the
+/// socket file; `ok: false` means the VMs are back in this process.
+pub fn rejuvenate(host: &Host, listener_fd: Option<i32>, opts: &Options) -> Report {
+    let mut report = Report {
+        mode: opts.mode.name(),
+        old_pid: std::process::id(),
+        binary: opts.binary.display().to_string(),
+        generation: host.generation() + 1,
+        ..Report::default()
+    };
+    let t0 = mono_ns();
+    // 1. Suspend.
+    let mut suspended = Vec::new();
+    for h in host.hosted() {
+        let id = h.vm.id();
+        if h.outcome.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+            report.not_carried.push(id);
+            continue;
+        }
+        let user_paused = h.user_paused.load(std::sync::atomic::Ordering::Relaxed);
+        let mut rec = VmRecord::describe(id, h.vm.config(), user_paused);
+        rec.paused_at_ns = mono_ns();
+        h.vm.pause();
+        let paused_ns = mono_ns();
+        let mut d = VmDowntime {
+            id,
+            pause_ms: ms_between(rec.paused_at_ns, paused_ns),
+            ..Default::default()
+        };
+        let r = suspend_one(&h.vm, &mut rec, opts, &mut d);
+        d.save_ms = ms_between(paused_ns, mono_ns());
+        report.vms.push(d);
+        let (state, image) = match r {
+            Ok(v) => v,
+            Err(e) => {
+                report.error = Some(format!("cannot suspend VM {id}: {e}"));
+                suspended.push(Suspended {
+                    rec,
+                    images: images_of(h.vm.config()),
+                    memory: None,
+                    state: None,
+                    image: None,
+                });
+                resume_all(host, &suspended);
+                report.rolled_back = true;
+                return report;
+            }
+        };
+        suspended.push(Suspended {
+            rec,
+            images: images_of(h.vm.config()),
+            memory: Some(h.vm.memory().clone()),
+            state: Some(state),
+            image,
+        });
+    }
+    report.phases.suspend_ms = ms_between(t0, mono_ns());
+    // Cold and save-restore shut the VMs down before the restart.
+    let mut released = false;
+    if opts.mode != Mode::Warm {
+        let t = mono_ns();
+        for s in &mut suspended {
+            let _ = host.release(s.rec.id);
+            s.memory = None;
+        }
+        released = true;
+        report.phases.shutdown_ms = ms_between(t, mono_ns());
+    }
+
+    // 2. Start the new process and wait for `ready`.
+    let outcome = hand_over(host, listener_fd, opts, &suspended, &mut report, &mut released);
+    match outcome {
+        Ok(()) => {
+            report.ok = true;
+            if let Some(g) = report.vms.iter().map(|v| v.downtime_ms).collect::<Option<Vec<_>>>() {
+                report.total_downtime_ms = g.into_iter().reduce(f64::max);
+            }
+            report.max_heartbeat_gap_ms =
+                report.vms.iter().filter_map(|v| v.heartbeat_gap_ms).reduce(f64::max);
+            for s in &suspended {
+                if let Some(p) = &s.image {
+                    let _ = std::fs::remove_file(p);
+                }
+            }
+        }
+        Err(HandoverFailure::Recoverable(e)) => {
+            report.error = Some(e);
+            report.rolled_back = true;
+            if released {
+                if let Err(e) = recover_here(host, &suspended) {
+                    report.error = Some(format!(
+                        "{}; and recovering here failed: {e}",
+                        report.error.take().unwrap_or_default()
+                    ));
+                }
+            } else {
+                resume_all(host, &suspended);
+            }
+            for s in &suspended {
+                if let Some(p) = &s.image {
+                    let _ = std::fs::remove_file(p);
+                }
+            }
+        }
+        Err(HandoverFailure::Lost(e)) => {
+            report.error = Some(e);
+        }
+    }
+    report
+}
+
+fn suspend_one(
+    vm: &crate::Vm,
+    rec: &mut VmRecord,
+    opts: &Options,
+    d: &mut VmDowntime,
+) -> Result<(VmState, Option<PathBuf>), VmmError> {
+    let state = vm.save_state()?;
+    let mut image = None;
+    match opts.mode {
+        Mode::Warm => {
+            let (fd, ino) = handover::memfd_of(vm.memory())?;
+            rec.memory = MemorySource::Memfd { fd, ino };
+            rec.state = Some(String::from_utf8(state.to_bytes()).expect("JSON is UTF-8"));
+        }
+        Mode::SaveRestore => {
+            std::fs::create_dir_all(&opts.image_dir)?;
+            let path =
+                opts.image_dir.join(format!("ninelives-{}-vm{}.mem", std::process::id(), rec.id));
+            let mut f = File::create(&path).map_err(|e| {
+                VmmError::Config(format!("cannot create memory image {}: {e}", path.display()))
+            })?;
+            vm.memory().dump_to(&mut f)?;
+            // The image must be on disk, as for a host reboot.
+            f.sync_data()?;
+            d.image_bytes = vm.memory().size();
+            rec.memory = MemorySource::Image { path: path.clone() };
+            rec.state = Some(String::from_utf8(state.to_bytes()).expect("JSON is UTF-8"));
+            image = Some(path);
+        }
+        Mode::Cold => {}
+    }
+    Ok((state, image))
+}
+
+enum HandoverFailure {
+    /// The new process never ran a vCPU: the VMs come back here.
+    Recoverable(String),
+    /// The new process committed and then failed: nothing safe to do here.
+    Lost(String),
+}
+
+fn read_line(r: &mut BufReader<UnixStream>) -> Option<String> {
+    let mut line = String::new();
+    match r.read_line(&mut line) {
+        Ok(n) if n > 0 => Some(line.trim_end().to_string()),
+        _ => None,
+    }
+}
+
+/// The exit status of a child that closed its end, waiting briefly for the
+/// kernel to finish its exit (its fds close before it becomes a zombie).
+fn exit_status(child: &mut std::process::Child) -> Option<std::process::ExitStatus> {
+    for _ in 0..200 {
+        if let Ok(Some(s)) = child.try_wait() {
+            return Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    None
+}
+
+fn hand_over(
+    host: &Host,
+    listener_fd: Option<i32>,
+    opts: &Options,
+    suspended: &[Suspended],
+    report: &mut Report,
+    released: &mut bool,
+) -> Result<(), HandoverFailure> {
+    use HandoverFailure::*;
+    let mut record =
+        HandoverRecord::new(opts.mode, host.generation() + 1, listener_fd, host.next_id());
+    record.vms = suspended.iter().map(|s| s.rec.clone()).collect();
+    let rec_file = handover::record_memfd(&record).map_err(|e| Recoverable(e.to_string()))?;
+    let (mine, theirs) = UnixStream::pair().map_err(|e| Recoverable(e.to_string()))?;
+    let mut inherit = vec![rec_file.as_raw_fd(), theirs.as_raw_fd()];
+    inherit.extend(listener_fd);
+    inherit.extend(record.vms.iter().filter_map(|v| match v.memory {
+        MemorySource::Memfd { fd, .. } => Some(fd),
+        _ => None,
+    }));
+    let args: Vec<String> = vec![
+        "host".into(),
+        "--api".into(),
+        opts.api_path.display().to_string(),
+        "--handover-fd".into(),
+        rec_file.as_raw_fd().to_string(),
+        "--handover-ctl".into(),
+        theirs.as_raw_fd().to_string(),
+    ];
+    let spawn_ns = mono_ns();
+    let mut child = handover::spawn_with_fds(&opts.binary, &args, inherit)
+        .map_err(|e| Recoverable(format!("cannot start {}: {e}", opts.binary.display())))?;
+    drop(theirs);
+    drop(rec_file);
+    let fail = |child: &mut std::process::Child, m: String| {
+        let _ = child.kill();
+        let _ = child.wait();
+        Recoverable(m)
+    };
+    let _ = mine.set_read_timeout(Some(opts.timeout));
+    let mut out = match mine.try_clone() {
+        Ok(o) => o,
+        Err(e) => return Err(fail(&mut child, e.to_string())),
+    };
+    let mut reader = BufReader::new(mine);
+    let line = read_line(&mut reader);
+    let ready: Value = match line.as_deref() {
+        Some(l) if l.starts_with("ready ") => serde_json::from_str(&l[6..]).unwrap_or(Value::Null),
+        Some(l) if l.starts_with("error ") => {
+            return Err(fail(&mut child, format!("the new VMM refused the handover: {}", &l[6..])))
+        }
+        Some(l) => {
+            return Err(fail(&mut child, format!("the new VMM said {l:?} instead of ready")))
+        }
+        None => {
+            let waited = spawn_ns.saturating_add(opts.timeout.as_nanos() as u64) <= mono_ns();
+            let why = match (waited, exit_status(&mut child)) {
+                (false, Some(s)) => format!(
+                    "the new VMM ({}) exited ({s}) before it was ready",
+                    opts.binary.display()
+                ),
+                (false, None) => {
+                    "the new VMM closed the control channel before it was ready".into()
+                }
+                (true, _) => format!("the new VMM did not become ready within {:?}", opts.timeout),
+            };
+            return Err(fail(&mut child, why));
+        }
+    };
+    let num = |k: &str| ready.get(k).and_then(Value::as_u64).unwrap_or(0);
+    report.phases.exec_ms = ms_between(spawn_ns, num("main_ns"));
+    report.phases.restore_ms = ms_between(num("main_ns"), num("ready_ns"));
+    report.new_pid = Some(child.id());
+
+    // 3. Release the VMs here (warm), then commit.
+    if !*released {
+        let t = mono_ns();
+        for s in suspended {
+            let _ = host.release(s.rec.id);
+        }
+        *released = true;
+        report.phases.release_ms = ms_between(t, mono_ns());
+    }
+    if writeln!(out, "go").is_err() {
+        return Err(fail(&mut child, "the new VMM went away before go".into()));
+    }
+    match read_line(&mut reader).as_deref() {
+        Some("starting") => {}
+        other => {
+            return Err(fail(
+                &mut child,
+                format!("the new VMM did not start the VMs (said {other:?})"),
+            ))
+        }
+    }
+    // Committed: from here on the VMs belong to the new process.
+    let started: Value = match read_line(&mut reader) {
+        Some(l) if l.starts_with("started ") => {
+            serde_json::from_str(&l[8..]).unwrap_or(Value::Null)
+        }
+        _ => {
+            if exit_status(&mut child).is_some() {
+                return Err(Lost("the new VMM died after taking the VMs over".into()));
+            }
+            Value::Null
+        }
+    };
+    let go_ns = started.get("go_ns").and_then(Value::as_u64).unwrap_or(0);
+    let mut last_start = go_ns;
+    for v in started.get("vms").and_then(Value::as_array).into_iter().flatten() {
+        let id = v.get("id").and_then(Value::as_u64).unwrap_or(u64::MAX);
+        let t = |k: &str| v.get(k).and_then(Value::as_u64);
+        let Some(d) = report.vms.iter_mut().find(|d| u64::from(d.id) == id) else { continue };
+        let paused = t("paused_at_ns").unwrap_or(0);
+        if let Some(s) = t("start_ns") {
+            d.downtime_ms = Some(ms_between(paused, s));
+            last_start = last_start.max(s);
+        }
+        d.heartbeat_gap_ms = t("first_beat_ns").map(|b| ms_between(paused, b));
+        d.boot_done_ms = t("workload_start_ns").map(|b| ms_between(paused, b));
+    }
+    report.phases.start_ms = ms_between(go_ns, last_start);
+    // The child is reparented when this process exits; it is not waited for.
+    std::mem::forget(child);
+    Ok(())
+}
+
+/// Resumes VMs that are still here, paused by the suspend step.
+fn resume_all(host: &Host, suspended: &[Suspended]) {
+    for s in suspended {
+        if !s.rec.paused {
+            let _ = host.resume(s.rec.id);
+        }
+    }
+}
+
+/// Brings released VMs back in this process: over the same memfd (warm),
+/// from the image (save-restore), or booted afresh (cold).
+fn recover_here(host: &Host, suspended: &[Suspended]) -> Result<(), VmmError> {
+    let mut first_err = None;
+    for s in suspended {
+        let r = (|| -> Result<(), VmmError> {
+            let mut rec = s.rec.clone();
+            let memory = match (&s.image, s.state.as_ref()) {
+                (Some(p), Some(_)) if s.memory.is_none() => Some(handover::load_image(&rec, p)?),
+                _ => s.memory.clone(),
+            };
+            match (&memory, &s.state) {
+                (Some(_), Some(st)) => {
+                    rec.state = Some(String::from_utf8(st.to_bytes()).expect("JSON is UTF-8"))
+                }
+                _ => rec.state = None,
+            }
+            let vm = handover::build_vm(host.kvm(), &rec, &s.images, memory)?;
+            host.adopt(vm, rec.paused)?;
+            Ok(())
+        })();
+        if let Err(e) = r {
+            first_err.get_or_insert(VmmError::Vm(s.rec.id, e.to_string()));
+        }
+    }
+    first_err.map_or(Ok(()), Err)
+}
+
+/// Where save-restore images go by default.
+pub fn default_image_dir() -> PathBuf {
+    std::env::var_os("NINELIVES_IMAGE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new("/var/tmp").to_path_buf())
+}
+
+/// The running binary (plain rejuvenation restarts it): `/proc/self/exe`,
+/// which is the very same file even if its path was since replaced or deleted.
+pub fn current_binary() -> Result<PathBuf, VmmError> {
+    let p = PathBuf::from("/proc/self/exe");
+    if !p.exists() {
+        return Err(VmmError::Config("cannot find the running binary (/proc/self/exe)".into()));
+    }
+    Ok(p)
+}
