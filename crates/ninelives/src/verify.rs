@@ -71,3 +71,44 @@ fn verify_one(
         Err(e) => VcpuVerdict { digest_ok: false, ops_per_sec, problem: Some(format!("cannot replay: {e}")) },
     }
 }
+
+/// The verdict on a whole VM whose run ended with `outcome`.
+#[derive(Clone, Debug)]
+pub struct VmVerdict {
+    pub digest_ok: bool,
+    /// Measured ops of all vCPUs (warm-up excluded).
+    pub ops: u64,
+    pub ops_per_sec: f64,
+    /// Why the VM does not count as verified.
+    pub error: Option<String>,
+}
+
+/// Verifies every vCPU of a VM that has stopped running: a VM that did not
+/// complete, or any vCPU whose digest the host replay does not reproduce,
+/// is not verified.
+pub fn verify_vm(vm: &nl_vmm::Vm, outcome: &nl_vmm::VmOutcome) -> anyhow::Result<VmVerdict> {
+    let regs: Vec<_> = vm.control().vcpus.iter().map(|r| r.snapshot()).collect();
+    let ops = regs.iter().map(|r| r.ops).sum();
+    if *outcome != nl_vmm::VmOutcome::Completed {
+        return Ok(VmVerdict {
+            digest_ok: false,
+            ops,
+            ops_per_sec: 0.0,
+            error: Some(outcome.message()),
+        });
+    }
+    let tsc_khz = nl_arch::read_boot_info(vm.memory().mem())?.tsc_khz;
+    let verdicts = verify_vcpus(&vm.config().workload, &regs, tsc_khz);
+    let digest_ok = verdicts.iter().all(|v| v.digest_ok);
+    let error = verdicts
+        .iter()
+        .enumerate()
+        .find_map(|(i, v)| v.problem.as_ref().map(|p| format!("vCPU {i}: {p}")))
+        .or_else(|| (!digest_ok).then(|| "digest mismatch".to_string()));
+    Ok(VmVerdict {
+        digest_ok,
+        ops,
+        ops_per_sec: verdicts.iter().map(|v| v.ops_per_sec).sum(),
+        error,
+    })
+}

@@ -5,7 +5,7 @@ mod common;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
-use std::process::{Child, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -19,18 +19,6 @@ impl Drop for HostProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-    }
-}
-
-fn connect(path: &std::path::Path) -> UnixStream {
-    let t = Instant::now();
-    loop {
-        if let Ok(s) = UnixStream::connect(path) {
-            s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-            return s;
-        }
-        assert!(t.elapsed() < Duration::from_secs(20), "host did not start listening");
-        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -53,14 +41,8 @@ fn host_serves_several_vms_and_survives_bad_requests() {
     }
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("api.sock");
-    let child = ninelives()
-        .args(["host", "--api", sock.to_str().unwrap()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let (child, mut s) = spawn_host(&sock);
     let mut host = HostProcess { child };
-    let mut s = connect(&sock);
 
     let a = send(&mut s, json!({"op":"create","workload":"idle","duration":600}));
     assert_eq!(a["ok"], true, "{a}");
@@ -94,7 +76,7 @@ fn host_serves_several_vms_and_survives_bad_requests() {
 
     // A second connection dropped mid-request does not disturb the host.
     {
-        let mut s2 = connect(&sock);
+        let mut s2 = UnixStream::connect(&sock).unwrap();
         s2.write_all(b"{\"op\":\"li").unwrap();
     }
 

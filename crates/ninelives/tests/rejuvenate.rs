@@ -10,7 +10,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::Child;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,19 +30,8 @@ impl Host {
     fn start() -> Self {
         let dir = tempfile::tempdir().unwrap();
         let sock = dir.path().join("api.sock");
-        let child = ninelives()
-            .args(["host", "--api", sock.to_str().unwrap()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let h = Host { child, sock, _dir: dir };
-        let t = Instant::now();
-        while UnixStream::connect(&h.sock).is_err() {
-            assert!(t.elapsed() < Duration::from_secs(20), "host did not start listening");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        h
+        let (child, _) = spawn_host(&sock);
+        Host { child, sock, _dir: dir }
     }
 
     fn req(&self, v: Value) -> Value {

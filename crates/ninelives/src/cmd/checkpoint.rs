@@ -7,12 +7,12 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use nl_checkpoint::{CheckpointConfig, Mode, RunReport, Supervisor};
-use nl_vmm::{Vm, VmOutcome};
+use nl_vmm::Vm;
 use serde::Serialize;
 
 use crate::cli::{CheckpointArgs, CkptMode};
 use crate::guest;
-use crate::verify::verify_vcpus;
+use crate::verify::verify_vm;
 
 impl CkptMode {
     pub fn mode(self) -> Mode {
@@ -125,15 +125,8 @@ pub fn protected_run(a: &CheckpointArgs, quiet: bool) -> Result<ProtectedRun> {
         );
     }
     let report = Supervisor::start(&vm, cfg)?.run()?;
-    let regs: Vec<_> = vm.control().vcpus.iter().map(|r| r.snapshot()).collect();
-    let tsc_khz = nl_arch::read_boot_info(vm.memory().mem())?.tsc_khz;
-    let (digest_ok, ops_per_sec, error) = if report.outcome == VmOutcome::Completed {
-        let v = verify_vcpus(&vm.config().workload, &regs, tsc_khz);
-        let problem = v.iter().find_map(|v| v.problem.clone());
-        (v.iter().all(|v| v.digest_ok), v.iter().map(|v| v.ops_per_sec).sum(), problem)
-    } else {
-        (false, 0.0, Some(report.outcome.message()))
-    };
+    let v = verify_vm(&vm, &report.outcome)?;
+    let (digest_ok, ops_per_sec, error) = (v.digest_ok, v.ops_per_sec, v.error);
     let rollback_ms = (!report.rollbacks.is_empty()).then(|| {
         report.rollbacks.iter().map(|r| r.rollback_ms).sum::<f64>() / report.rollbacks.len() as f64
     });
@@ -217,19 +210,8 @@ pub fn restore(a: crate::cli::RestoreArgs) -> Result<ExitCode> {
     let vm = Vm::restore(&kvm, 0, config, memory, &ck.state).context("cannot restore the VM")?;
     vm.start()?;
     let outcome = vm.wait(Duration::from_millis(h.workload.duration_ms * 4 + 120_000));
-    let regs: Vec<_> = vm.control().vcpus.iter().map(|r| r.snapshot()).collect();
-    let tsc_khz = nl_arch::read_boot_info(vm.memory().mem())?.tsc_khz;
-    let verdicts = if outcome == VmOutcome::Completed {
-        verify_vcpus(&vm.config().workload, &regs, tsc_khz)
-    } else {
-        Vec::new()
-    };
-    let digest_ok = !verdicts.is_empty() && verdicts.iter().all(|v| v.digest_ok);
-    let error = if outcome != VmOutcome::Completed {
-        Some(outcome.message())
-    } else {
-        verdicts.iter().find_map(|v| v.problem.clone())
-    };
+    let v = verify_vm(&vm, &outcome)?;
+    let (digest_ok, error) = (v.digest_ok, v.error);
     println!(
         "restored {} pages from {} and ran to the end: digest {}{}",
         ck.pages.len(),

@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use crate::cli::{RunArgs, WorkloadName};
 use crate::guest;
-use crate::verify::verify_vcpus;
+use crate::verify::verify_vm;
 
 /// The result of one VM's run, as printed.
 #[derive(Clone, Debug, Serialize)]
@@ -56,26 +56,8 @@ pub fn run_vms(configs: &[VmConfig], workload: &'static str, quiet: bool) -> Res
     let mut results = Vec::new();
     for (vm, outcome) in vms.iter().zip(outcomes) {
         let report = vm.report();
-        let regs: Vec<_> = report.vcpus.iter().map(|v| v.regs).collect();
-        let tsc_khz = nl_arch::read_boot_info(vm.memory().mem())?.tsc_khz;
-        let ops = regs.iter().map(|r| r.ops).sum();
-        let (digest_ok, ops_per_sec, mut error) = if outcome == VmOutcome::Completed {
-            let verdicts = verify_vcpus(&vm.config().workload, &regs, tsc_khz);
-            let bad = verdicts
-                .iter()
-                .enumerate()
-                .find_map(|(i, v)| v.problem.as_ref().map(|p| format!("vCPU {i}: {p}")));
-            (
-                verdicts.iter().all(|v| v.digest_ok),
-                verdicts.iter().map(|v| v.ops_per_sec).sum(),
-                bad,
-            )
-        } else {
-            (false, 0.0, Some(outcome.message()))
-        };
-        if error.is_none() && !digest_ok {
-            error = Some("digest mismatch".into());
-        }
+        let v = verify_vm(vm, &outcome)?;
+        let (digest_ok, ops, ops_per_sec, error) = (v.digest_ok, v.ops, v.ops_per_sec, v.error);
         let mut tail = vm.console().tail();
         if error.is_some() && !tail.trim().is_empty() {
             tail.truncate(2000);

@@ -125,3 +125,27 @@ pub fn write_file(dir: &Path, name: &str, bytes: &[u8]) -> String {
     std::fs::write(&p, bytes).expect("write temp file");
     p.to_string_lossy().into_owned()
 }
+
+/// Starts `ninelives host --api SOCK` (output discarded) and returns once it
+/// accepts connections, with a connected stream. Panics after 20 s.
+pub fn spawn_host(sock: &Path) -> (std::process::Child, std::os::unix::net::UnixStream) {
+    let mut child = ninelives()
+        .args(["host", "--api", sock.to_str().expect("utf-8 path")])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("the ninelives binary starts");
+    let t = std::time::Instant::now();
+    loop {
+        if let Ok(s) = std::os::unix::net::UnixStream::connect(sock) {
+            s.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout set");
+            return (child, s);
+        }
+        if t.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("host did not start listening");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
