@@ -128,6 +128,8 @@ pub fn write_file(dir: &Path, name: &str, bytes: &[u8]) -> String {
 
 /// Starts `ninelives host --api SOCK` (output discarded) and returns once it
 /// accepts connections, with a connected stream. Panics after 20 s.
+/// The caller owns the child and must kill and wait for it.
+#[allow(clippy::zombie_processes)] // the child is returned to the caller, who reaps it
 pub fn spawn_host(sock: &Path) -> (std::process::Child, std::os::unix::net::UnixStream) {
     let mut child = ninelives()
         .args(["host", "--api", sock.to_str().expect("utf-8 path")])
