@@ -32,6 +32,9 @@ pub enum Command {
     /// UDP ping at a fixed interval: sent, received, longest gap between
     /// replies, and every 1-second window whose reception dropped below 90%.
     Ping(PingArgs),
+    /// Primary/backup replication (HBFT): run a VM protected by a backup VMM, or be that backup.
+    #[command(subcommand)]
+    Replicate(crate::cmd::replicate::ReplicateCmd),
 }
 
 #[derive(Args, Clone, Debug)]
@@ -234,6 +237,8 @@ impl Default for RunArgs {
 pub enum BenchMechanism {
     /// VM-μCheckpoint: overhead matrix, write faults, checkpoint size, rollback.
     Checkpoint(BenchCheckpointArgs),
+    /// memwrite under replication against the unreplicated VM, per optimization and epoch length.
+    Replicate(crate::cmd::bench_replicate::BenchReplicateArgs),
 }
 
 #[derive(Args, Clone, Debug)]

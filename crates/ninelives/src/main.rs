@@ -19,6 +19,7 @@ fn main() -> ExitCode {
         cli::Command::Checkpoint(a) => cmd::checkpoint::checkpoint(a),
         cli::Command::Restore(a) => cmd::checkpoint::restore(a),
         cli::Command::Ping(a) => cmd::ping::run(a),
+        cli::Command::Replicate(c) => cmd::replicate::replicate(c),
     };
     match result {
         Ok(code) => code,

@@ -16,6 +16,7 @@
 
 pub mod api;
 pub mod config;
+mod dirty;
 pub mod error;
 pub mod host;
 

@@ -96,6 +96,7 @@ fn boot_times(n: u32, m: &MachineArgs) -> Result<BootStats> {
 pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     match a.mechanism {
         Some(BenchMechanism::Checkpoint(c)) => return crate::cmd::bench_checkpoint::bench(c),
+        Some(BenchMechanism::Replicate(c)) => return crate::cmd::bench_replicate::bench(c),
         None => {}
     }
     if !(a.duration.is_finite() && a.duration > 0.0) {

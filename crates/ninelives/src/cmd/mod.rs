@@ -2,7 +2,9 @@
 
 pub mod bench;
 pub mod bench_checkpoint;
+pub mod bench_replicate;
 pub mod checkpoint;
 pub mod host;
 pub mod ping;
+pub mod replicate;
 pub mod run;
