@@ -34,6 +34,9 @@ pub enum Command {
     Ping(PingArgs),
     /// Replace a running host's VMM process (same or new binary) while its VMs survive.
     Rejuvenate(crate::cmd::rejuvenate::RejuvenateArgs),
+    /// Primary/backup replication (HBFT): run a VM protected by a backup VMM, or be that backup.
+    #[command(subcommand)]
+    Replicate(crate::cmd::replicate::ReplicateCmd),
 }
 
 #[derive(Args, Clone, Debug)]
@@ -238,6 +241,8 @@ pub enum BenchMechanism {
     Checkpoint(BenchCheckpointArgs),
     /// Downtime of warm, cold and save-restore rejuvenation, and the paper's downtime model.
     Rejuvenate(crate::cmd::bench_rejuvenate::BenchRejuvenateArgs),
+    /// memwrite under replication against the unreplicated VM, per optimization and epoch length.
+    Replicate(crate::cmd::bench_replicate::BenchReplicateArgs),
 }
 
 #[derive(Args, Clone, Debug)]

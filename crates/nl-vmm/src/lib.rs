@@ -19,6 +19,7 @@
 
 pub mod api;
 pub mod config;
+mod dirty;
 pub mod error;
 pub mod handover;
 pub mod host;

@@ -590,6 +590,69 @@ impl Vm {
             .collect()
     }
 
+    /// Switches the VM to manual dirty-log protection: from now on
+    /// [`Vm::dirty_bitmaps`] only reports, and [`Vm::clear_dirty_bitmaps`]
+    /// re-protects the pages chosen.
+    pub fn enable_manual_dirty_protect(&self) -> Result<(), VmmError> {
+        crate::dirty::enable_manual_protect(&self.vm_fd)
+    }
+
+    /// Clears and write-protects again the pages set in `bitmaps` (one per
+    /// RAM region, as [`Vm::dirty_bitmaps`] returns them). Manual protection only.
+    pub fn clear_dirty_bitmaps(&self, bitmaps: &[Vec<u64>]) -> Result<(), VmmError> {
+        for (slot, (r, b)) in self.memory.regions().iter().zip(bitmaps).enumerate() {
+            let pages = u32::try_from(r.size / 4096)
+                .map_err(|_| VmmError::State("RAM region too large for one clear".into()))?;
+            crate::dirty::clear_dirty_log(&self.vm_fd, slot as u32, pages, b)?;
+        }
+        Ok(())
+    }
+
+    /// Starts or stops recording the guest memory the VMM's own devices write
+    /// (virtio DMA), which KVM's dirty log does not see.
+    pub fn track_vmm_writes(&self, on: bool) {
+        if let Some(n) = &self.net {
+            n.lock().unwrap_or_else(|p| p.into_inner()).track_writes(on);
+        }
+        if let Some(b) = &self.blk {
+            b.lock().unwrap_or_else(|p| p.into_inner()).track_writes(on);
+        }
+    }
+
+    /// Guest ranges `(gpa, len)` the devices wrote since the last call.
+    pub fn take_vmm_writes(&self) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        if let Some(n) = &self.net {
+            out.extend(n.lock().unwrap_or_else(|p| p.into_inner()).take_writes());
+        }
+        if let Some(b) = &self.blk {
+            out.extend(b.lock().unwrap_or_else(|p| p.into_inner()).take_writes());
+        }
+        out
+    }
+
+    /// Output commit: holds the frames the guest transmits (`true`) or sends
+    /// them straight out again (`false`; returns frames still held).
+    pub fn hold_net_output(&self, on: bool) -> Vec<Vec<u8>> {
+        self.net.as_ref().map_or_else(Vec::new, |n| {
+            n.lock().unwrap_or_else(|p| p.into_inner()).device_mut().hold_output(on)
+        })
+    }
+
+    /// The frames held since the last call.
+    pub fn take_net_output(&self) -> Vec<Vec<u8>> {
+        self.net.as_ref().map_or_else(Vec::new, |n| {
+            n.lock().unwrap_or_else(|p| p.into_inner()).device_mut().take_held()
+        })
+    }
+
+    /// Sends held frames to the TAP.
+    pub fn release_net_output(&self, frames: &[Vec<u8>]) {
+        if let Some(n) = &self.net {
+            n.lock().unwrap_or_else(|p| p.into_inner()).device_mut().release(frames);
+        }
+    }
+
     pub fn id(&self) -> u32 {
         self.id
     }

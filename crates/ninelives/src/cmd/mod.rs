@@ -3,8 +3,10 @@
 pub mod bench;
 pub mod bench_checkpoint;
 pub mod bench_rejuvenate;
+pub mod bench_replicate;
 pub mod checkpoint;
 pub mod host;
 pub mod ping;
 pub mod rejuvenate;
+pub mod replicate;
 pub mod run;

@@ -108,6 +108,10 @@ pub trait VirtioDevice: Send {
     fn stats(&self) -> serde_json::Value {
         serde_json::Value::Null
     }
+    /// Moves the guest ranges `(gpa, len)` the device wrote since the last
+    /// call into `out` (replication must copy pages the VMM itself wrote:
+    /// KVM's dirty log sees only the guest's writes).
+    fn take_written(&mut self, _out: &mut Vec<(u64, u64)>) {}
 }
 
 /// Saved state of one queue (the untrusted `QueueState` of virtio-queue).
@@ -154,6 +158,8 @@ pub struct MmioTransport<D: VirtioDevice> {
     config_generation: u32,
     /// The last reason the device needed a reset (for reports and tests).
     last_error: Option<String>,
+    /// Guest ranges the device wrote, kept while tracking is on.
+    written: Option<Vec<(u64, u64)>>,
 }
 
 fn new_queues(sizes: &[u16]) -> Vec<Queue> {
@@ -180,7 +186,23 @@ impl<D: VirtioDevice> MmioTransport<D> {
             interrupt_status: 0,
             config_generation: 0,
             last_error: None,
+            written: None,
         }
+    }
+
+    /// Starts or stops recording the guest memory this device writes.
+    pub fn track_writes(&mut self, on: bool) {
+        self.written = on.then(Vec::new);
+    }
+
+    /// The guest ranges `(gpa, len)` written since the last call (tracking on).
+    pub fn take_writes(&mut self) -> Vec<(u64, u64)> {
+        self.written.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// The device model itself (output commit holds frames in virtio-net).
+    pub fn device_mut(&mut self) -> &mut D {
+        &mut self.dev
     }
 
     pub fn device(&self) -> &D {
@@ -262,7 +284,15 @@ impl<D: VirtioDevice> MmioTransport<D> {
             self.needs_reset(format!("queue {idx}: rings outside guest memory or queue not ready"));
             return;
         }
-        match self.dev.process(idx as usize, q, &self.mem) {
+        let r = self.dev.process(idx as usize, q, &self.mem);
+        let mut dev_writes = Vec::new();
+        self.dev.take_written(&mut dev_writes);
+        if let Some(w) = self.written.as_mut() {
+            // The used ring: flags, idx, size elements of 8 bytes, avail_event.
+            w.push((q.used_ring(), 6 + 8 * u64::from(q.size())));
+            w.extend(dev_writes);
+        }
+        match r {
             Ok(true) => self.interrupt_status |= INT_USED_RING,
             Ok(false) => {}
             Err(QueueError(why)) => self.needs_reset(format!("queue {idx}: {why}")),

@@ -35,11 +35,45 @@ pub struct Net {
     pending: Option<Vec<u8>>,
     buf: Vec<u8>,
     stats: NetStats,
+    /// Guest ranges written by receive since the last `take_written`.
+    written: Vec<(u64, u64)>,
+    /// Output commit: while set, transmitted frames wait here instead of
+    /// going to the TAP, until the VMM releases them.
+    held: Option<Vec<Vec<u8>>>,
 }
 
 impl Net {
     pub fn new(tap: Tap, mac: [u8; 6]) -> Self {
-        Net { tap, mac, pending: None, buf: vec![0; 65536], stats: NetStats::default() }
+        Net {
+            tap,
+            mac,
+            pending: None,
+            buf: vec![0; 65536],
+            stats: NetStats::default(),
+            written: Vec::new(),
+            held: None,
+        }
+    }
+
+    /// Holds transmitted frames (output commit) or, with `false`, sends them
+    /// straight to the TAP again (frames already held are returned).
+    pub fn hold_output(&mut self, on: bool) -> Vec<Vec<u8>> {
+        let old = if on { self.held.replace(Vec::new()) } else { self.held.take() };
+        old.unwrap_or_default()
+    }
+
+    /// Takes the frames held since the last call (the epoch that just ended).
+    pub fn take_held(&mut self) -> Vec<Vec<u8>> {
+        self.held.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Sends frames (held earlier) to the TAP.
+    pub fn release(&mut self, frames: &[Vec<u8>]) {
+        for f in frames {
+            if !self.tap.send(f) {
+                self.stats.dropped += 1;
+            }
+        }
     }
 
     pub fn stats(&self) -> NetStats {
@@ -64,7 +98,13 @@ impl Net {
                 return;
             }
         }
-        if frame.len() <= NET_HDR_BYTES || !self.tap.send(&frame[NET_HDR_BYTES..]) {
+        if frame.len() <= NET_HDR_BYTES {
+            self.stats.dropped += 1;
+            return;
+        }
+        if let Some(held) = self.held.as_mut() {
+            held.push(frame[NET_HDR_BYTES..].to_vec());
+        } else if !self.tap.send(&frame[NET_HDR_BYTES..]) {
             self.stats.dropped += 1;
             return;
         }
@@ -111,6 +151,7 @@ impl Net {
                 let chunk: Vec<u8> = data.by_ref().take(n).collect();
                 mem.write_slice(&chunk, d.addr())
                     .map_err(|e| QueueError(format!("cannot write a receive buffer: {e}")))?;
+                self.written.push((d.addr().0, chunk.len() as u64));
                 written += n;
             }
             if written < total {
@@ -167,6 +208,10 @@ impl VirtioDevice for Net {
             }),
             _ => self.receive(queue, mem),
         }
+    }
+
+    fn take_written(&mut self, out: &mut Vec<(u64, u64)>) {
+        out.append(&mut self.written);
     }
 
     fn stats(&self) -> serde_json::Value {

@@ -1,0 +1,271 @@
+//! `ninelives replicate primary|backup`: primary/backup replication.
+
+use std::net::{IpAddr, SocketAddr};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use nl_replicate::backup::{serve, BackupConfig, BackupEnd};
+use nl_replicate::primary::{Options, Primary, PrimaryConfig, PrimaryReport};
+use nl_vmm::{Vm, VmOutcome};
+use serde::Serialize;
+
+use crate::cli::{parse_size, MachineArgs, WorkloadArgs};
+use crate::guest;
+use crate::verify::verify_vcpus;
+
+#[derive(Subcommand, Debug, Clone)]
+pub enum ReplicateCmd {
+    /// Run a VM whose every epoch is acknowledged by a backup before its output leaves.
+    Primary(PrimaryArgs),
+    /// Receive a primary's epochs and take over its VM when the primary is gone.
+    Backup(BackupArgs),
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct PrimaryArgs {
+    /// The backup's address.
+    #[arg(long)]
+    pub backup: SocketAddr,
+    /// Epoch length in milliseconds.
+    #[arg(long, default_value_t = 20)]
+    pub epoch: u64,
+    /// Without a frame from the backup for this long, the primary fences itself.
+    #[arg(long, default_value_t = 1000)]
+    pub lease_ms: u64,
+    /// Shared secret the backup checks.
+    #[arg(long, default_value = "ninelives")]
+    pub secret: String,
+    /// Selective re-protection (KVM_CLEAR_DIRTY_LOG with manual protect).
+    #[arg(long)]
+    pub selective: bool,
+    /// Transfer path: send coalesced runs straight from guest memory during the pause.
+    #[arg(long)]
+    pub direct: bool,
+    /// After losing the backup, attach a new one at the same address when it appears.
+    #[arg(long)]
+    pub reattach: bool,
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
+    #[command(flatten)]
+    pub machine: MachineArgs,
+    /// Workload duration in seconds.
+    #[arg(long, default_value_t = 3.0)]
+    pub duration: f64,
+    #[arg(long)]
+    pub console: Option<std::path::PathBuf>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct BackupArgs {
+    /// Address to listen on for the primary.
+    #[arg(long)]
+    pub listen: SocketAddr,
+    /// Accept only this primary address.
+    #[arg(long)]
+    pub allow_primary: Option<IpAddr>,
+    #[arg(long, default_value = "ninelives")]
+    pub secret: String,
+    /// Guest memory the primary's VM must have.
+    #[arg(long, default_value = "256M", value_parser = parse_size)]
+    pub mem: u64,
+    #[arg(long, default_value_t = 1)]
+    pub vcpus: u32,
+    /// The primary is declared gone after this long without a frame.
+    #[arg(long, default_value_t = 1000)]
+    pub lease_ms: u64,
+    /// The TAP to bring up for the guest on takeover (in this namespace).
+    #[arg(long)]
+    pub net_tap: Option<String>,
+    #[arg(long, default_value = "10.0.0.2/24")]
+    pub net_ip: String,
+    #[arg(long)]
+    pub console: Option<std::path::PathBuf>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn replicate(c: ReplicateCmd) -> Result<ExitCode> {
+    match c {
+        ReplicateCmd::Primary(a) => primary(a),
+        ReplicateCmd::Backup(a) => backup(a),
+    }
+}
+
+#[derive(Serialize)]
+pub struct PrimaryRun {
+    pub ok: bool,
+    pub digest_ok: bool,
+    pub ops_per_sec: f64,
+    #[serde(flatten)]
+    pub report: PrimaryReport,
+    pub error: Option<String>,
+}
+
+/// Runs one replicated VM to its end and verifies its digest.
+pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
+    if !(5..=10_000).contains(&a.epoch) {
+        bail!("--epoch {} ms is out of range 5..=10000", a.epoch);
+    }
+    if a.lease_ms < 2 * a.epoch.max(100) {
+        bail!("--lease-ms {} must be at least twice the epoch and 200 ms", a.lease_ms);
+    }
+    if a.machine.disk.is_some() {
+        bail!("replication does not cover virtio-blk yet: run without --disk");
+    }
+    let params = guest::workload_params(&a.workload, a.duration)?;
+    let config =
+        guest::vm_config(&a.machine, params, guest::kernel_image(&a.machine)?, a.console.clone())?;
+    let kvm = nl_vmm::open_kvm()?;
+    let vm = Vm::create(&kvm, 0, config).context("cannot create the VM")?;
+    let cfg = PrimaryConfig {
+        backup: a.backup,
+        epoch: Duration::from_millis(a.epoch),
+        lease: Duration::from_millis(a.lease_ms),
+        secret: a.secret.clone(),
+        opts: Options { selective: a.selective, direct: a.direct },
+        time_limit: Duration::from_secs_f64(a.duration * 4.0 + 60.0),
+        reattach: a.reattach,
+    };
+    let mut log = |m: String| {
+        if !quiet || m.contains("WARNING") || m.contains("FENCED") {
+            eprintln!("ninelives: {m}");
+        }
+    };
+    let report = Primary::new(&vm, cfg, &mut log).run().map_err(anyhow::Error::msg)?;
+    let (digest_ok, ops_per_sec, error) = match &report.outcome {
+        Some(VmOutcome::Completed) => verdict(&vm)?,
+        Some(o) => (false, 0.0, Some(o.message())),
+        None => (false, 0.0, Some("fenced: the VM was stopped".into())),
+    };
+    Ok(PrimaryRun { ok: digest_ok, digest_ok, ops_per_sec, report, error })
+}
+
+fn verdict(vm: &Vm) -> Result<(bool, f64, Option<String>)> {
+    let regs: Vec<_> = vm.control().vcpus.iter().map(|r| r.snapshot()).collect();
+    let tsc_khz = nl_arch::read_boot_info(vm.memory().mem())?.tsc_khz;
+    let v = verify_vcpus(&vm.config().workload, &regs, tsc_khz);
+    let ok = !v.is_empty() && v.iter().all(|v| v.digest_ok);
+    Ok((ok, v.iter().map(|v| v.ops_per_sec).sum(), v.iter().find_map(|v| v.problem.clone())))
+}
+
+fn primary(a: PrimaryArgs) -> Result<ExitCode> {
+    let r = run_primary(&a, a.json)?;
+    let p = &r.report;
+    println!(
+        "replicated {} epochs of {} ms: {:.1} pages and {:.1} write faults per epoch, pause {:.2} ms avg / {:.2} max \
+         (collect {:.2}, copy {:.2}, send in pause {:.2}), send after resume {:.2} ms, ack wait {:.2} ms; \
+         full copy {} pages in {:.1} ms; {} frames released after acks",
+        p.epochs, p.epoch_ms, p.pages_per_epoch, p.write_faults_per_epoch, p.pause_ms_avg, p.pause_ms_max,
+        p.collect_ms_avg, p.copy_ms_avg, p.send_in_pause_ms_avg, p.send_after_ms_avg, p.ack_wait_ms_avg,
+        p.full_copy_pages, p.full_copy_ms, p.frames_released
+    );
+    if p.fenced {
+        println!("FENCED: {}", p.backup_lost.as_deref().unwrap_or("backup silent"));
+    } else if p.unprotected {
+        println!("ran UNPROTECTED after: {}", p.backup_lost.as_deref().unwrap_or("?"));
+    }
+    println!(
+        "digest {}{}, {:.3e} ops/s",
+        if r.digest_ok { "verified" } else { "NOT verified" },
+        r.error.as_ref().map_or(String::new(), |e| format!(" ({e})")),
+        r.ops_per_sec
+    );
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    }
+    Ok(if r.ok {
+        ExitCode::SUCCESS
+    } else if p.fenced {
+        ExitCode::from(4)
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn backup(a: BackupArgs) -> Result<ExitCode> {
+    let cfg = BackupConfig {
+        listen: a.listen,
+        allow: a.allow_primary,
+        secret: a.secret.clone(),
+        mem_bytes: a.mem,
+        vcpus: a.vcpus,
+        lease: Duration::from_millis(a.lease_ms.max(50)),
+        heartbeat: Duration::from_millis((a.lease_ms / 10).clamp(10, 100)),
+    };
+    nl_memory::GuestMemory::check_size(a.mem)?;
+    let mut log = |m: String| eprintln!("ninelives: {m}");
+    let end = serve(&cfg, &mut log).map_err(anyhow::Error::msg)?;
+    let (epoch, memory, state, reason, detected, last_heard) = match end {
+        BackupEnd::PrimaryFinished { message } => {
+            println!("primary finished ({message}); backup stands down");
+            if a.json {
+                println!("{}", serde_json::json!({"activated": false, "primary_finished": true}));
+            }
+            return Ok(ExitCode::SUCCESS);
+        }
+        BackupEnd::Rejected { reason, kept_epoch } => {
+            println!(
+                "{reason}; keeping epoch {}; standing down (the primary runs unprotected)",
+                kept_epoch.map_or("none".into(), |e| e.to_string())
+            );
+            if a.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"activated": false, "rejected": reason, "kept_epoch": kept_epoch})
+                );
+            }
+            return Ok(ExitCode::from(3));
+        }
+        BackupEnd::NothingToActivate { reason } => {
+            bail!("the primary went away before the first complete epoch ({reason})")
+        }
+        BackupEnd::Activate { epoch, memory, state, reason, detected, last_heard } => {
+            (epoch, memory, state, reason, detected, last_heard)
+        }
+    };
+    eprintln!("ninelives: primary gone ({reason}); taking over from epoch {epoch}");
+    let m = MachineArgs {
+        mem: state.mem_bytes,
+        vcpus: state.num_vcpus,
+        timer_hz: state.timer_hz,
+        net_tap: a.net_tap.clone(),
+        net_ip: a.net_ip.clone(),
+        ..Default::default()
+    };
+    let config = guest::vm_config(&m, state.workload, guest::kernel_image(&m)?, a.console.clone())?;
+    let kvm = nl_vmm::open_kvm()?;
+    let vm = Vm::restore(&kvm, 0, config, memory, &state).context("cannot activate the VM")?;
+    vm.start()?;
+    let takeover_ms = detected.elapsed().as_secs_f64() * 1e3;
+    let since_last_frame_ms = last_heard.elapsed().as_secs_f64() * 1e3;
+    eprintln!(
+        "ninelives: VM running on the backup {takeover_ms:.1} ms after detection \
+         ({since_last_frame_ms:.1} ms after the last frame from the primary)"
+    );
+    let started = Instant::now();
+    let outcome = vm.wait(Duration::from_millis(state.workload.duration_ms * 4 + 120_000));
+    let (digest_ok, ops_per_sec, error) = if outcome == VmOutcome::Completed {
+        verdict(&vm)?
+    } else {
+        (false, 0.0, Some(outcome.message()))
+    };
+    println!(
+        "took over from epoch {epoch}; ran to the end in {:.0} ms: digest {}{}",
+        started.elapsed().as_secs_f64() * 1e3,
+        if digest_ok { "verified" } else { "NOT verified" },
+        error.as_ref().map_or(String::new(), |e| format!(" ({e})"))
+    );
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({"activated": true, "epoch": epoch, "reason": reason, "ok": digest_ok,
+                "digest_ok": digest_ok, "ops_per_sec": ops_per_sec, "takeover_ms": takeover_ms,
+                "since_last_frame_ms": since_last_frame_ms, "error": error})
+        );
+    }
+    Ok(if digest_ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}

@@ -1,0 +1,159 @@
+//! Primary/backup replication end to end, in two network namespaces of the
+//! test's own joined by a veth pair (primary 10.9.0.1, backup 10.9.0.2):
+//! a killed primary, a partitioned link, refused connections.
+
+mod common;
+
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// Two namespaces joined by veth, deleted on drop.
+struct Pair {
+    p: String,
+    b: String,
+}
+
+fn ip_ok(args: &[&str]) -> bool {
+    Command::new("ip")
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+impl Pair {
+    fn new(tag: &str) -> Option<Pair> {
+        let id = std::process::id();
+        let (p, b) = (format!("nlr-p{tag}-{id}"), format!("nlr-b{tag}-{id}"));
+        if !ip_ok(&["netns", "add", &p]) {
+            eprintln!(
+                "\n*** SKIPPED: cannot create a network namespace (needs root and iproute2) ***\n"
+            );
+            return None;
+        }
+        assert!(ip_ok(&["netns", "add", &b]));
+        let pair = Pair { p, b };
+        let (p, b) = (pair.p.as_str(), pair.b.as_str());
+        for args in [
+            &["-n", p, "link", "add", "nlrv0", "type", "veth", "peer", "name", "nlrv1", "netns", b]
+                [..],
+            &["-n", p, "addr", "add", "10.9.0.1/24", "dev", "nlrv0"],
+            &["-n", b, "addr", "add", "10.9.0.2/24", "dev", "nlrv1"],
+            &["-n", p, "link", "set", "nlrv0", "up"],
+            &["-n", b, "link", "set", "nlrv1", "up"],
+            &["-n", p, "link", "set", "lo", "up"],
+            &["-n", b, "link", "set", "lo", "up"],
+        ] {
+            assert!(ip_ok(args), "ip {args:?} failed");
+        }
+        Some(pair)
+    }
+
+    fn spawn(ns: &str, args: &[&str]) -> Child {
+        Command::new("ip")
+            .args(["netns", "exec", ns, env!("CARGO_BIN_EXE_ninelives")])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("ip netns exec runs")
+    }
+
+    fn backup(&self, extra: &[&str]) -> Child {
+        let mut a = vec!["replicate", "backup", "--listen", "10.9.0.2:7070", "--json"];
+        a.extend_from_slice(extra);
+        let c = Self::spawn(&self.b, &a);
+        std::thread::sleep(Duration::from_millis(300));
+        c
+    }
+
+    fn primary(&self, extra: &[&str]) -> Child {
+        let mut a = vec!["replicate", "primary", "--backup", "10.9.0.2:7070", "--json"];
+        a.extend_from_slice(extra);
+        Self::spawn(&self.p, &a)
+    }
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.p]).status();
+        let _ = Command::new("ip").args(["netns", "del", &self.b]).status();
+    }
+}
+
+/// Waits for `c` up to `secs` (then kills it) and returns its output.
+fn finish(mut c: Child, secs: u64) -> Output {
+    let end = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < end {
+        if c.try_wait().expect("wait").is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = c.kill();
+    c.wait_with_output().expect("output")
+}
+
+#[test]
+fn primary_killed_mid_run_backup_takes_over_and_the_digest_verifies() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(n) = Pair::new("k") else { return };
+    let backup = n.backup(&["--allow-primary", "10.9.0.1"]);
+    let mut primary = n.primary(&["--epoch", "20", "--duration", "2", "--selective", "--direct"]);
+    std::thread::sleep(Duration::from_millis(1300));
+    primary.kill().expect("kill the primary");
+    let _ = primary.wait();
+    let o = finish(backup, 40);
+    let j = last_json(&o);
+    assert_eq!(j["activated"], true, "{}", stderr(&o));
+    assert_eq!(j["digest_ok"], true, "{}{}", stdout(&o), stderr(&o));
+    assert!(j["epoch"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn partition_fences_the_primary_and_the_backup_takes_over() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(n) = Pair::new("x") else { return };
+    let backup = n.backup(&["--lease-ms", "500"]);
+    let primary = n.primary(&["--epoch", "20", "--duration", "3", "--lease-ms", "500"]);
+    std::thread::sleep(Duration::from_millis(1200));
+    assert!(ip_ok(&["-n", &n.p, "link", "set", "nlrv0", "down"]), "cut the link");
+    let po = finish(primary, 30);
+    let bo = finish(backup, 40);
+    // The primary fenced itself (exit 4) and never went on unprotected.
+    assert_eq!(po.status.code(), Some(4), "{}{}", stdout(&po), stderr(&po));
+    assert!(stdout(&po).contains("FENCED"), "{}", stdout(&po));
+    assert!(!stdout(&po).contains("UNPROTECTED"));
+    let j = last_json(&bo);
+    assert_eq!(j["activated"], true, "{}", stderr(&bo));
+    assert_eq!(j["digest_ok"], true, "{}{}", stdout(&bo), stderr(&bo));
+}
+
+#[test]
+fn mismatched_or_unknown_primaries_are_refused_at_connect() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(n) = Pair::new("r") else { return };
+    let b = n.backup(&["--mem", "128M"]);
+    let o = finish(n.primary(&["--duration", "1"]), 30);
+    assert_clean_error(&o, "this backup is set up for 128 MiB");
+    let _ = finish(b, 0);
+
+    let b = n.backup(&["--allow-primary", "10.9.0.77"]);
+    let o = finish(n.primary(&["--duration", "1"]), 30);
+    assert_clean_error(&o, "not the configured primary");
+    let _ = finish(b, 0);
+
+    let b = n.backup(&["--secret", "other"]);
+    let o = finish(n.primary(&["--duration", "1"]), 30);
+    assert_clean_error(&o, "wrong shared secret");
+    let _ = finish(b, 0);
+}

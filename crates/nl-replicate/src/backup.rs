@@ -1,0 +1,504 @@
+//! The backup: receives epochs, stages each one, applies it only when it is
+//! complete and verified, acknowledges it, and decides when to take over.
+
+use std::io::Write;
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use nl_memory::GuestMemory;
+use nl_vmm::state::{VmState, STATE_VERSION};
+use vm_memory::{Bytes, GuestAddress};
+
+use crate::protocol::*;
+
+/// The backup's copy of the VM: memory and state as of the last complete,
+/// verified epoch, plus the epoch being received.
+pub struct Receiver {
+    memory: GuestMemory,
+    vcpus: u32,
+    committed: Option<(u64, Vec<u8>)>,
+    staging: Staging,
+}
+
+#[derive(Default)]
+struct Staging {
+    frames: u32,
+    pages: u64,
+    bytes: u64,
+    crc: crc32fast::Hasher,
+    runs: Vec<(u64, Vec<u8>)>,
+}
+
+impl Receiver {
+    pub fn new(mem_bytes: u64, vcpus: u32) -> Result<Self, String> {
+        let memory = GuestMemory::new("backup", mem_bytes).map_err(|e| e.to_string())?;
+        Ok(Self { memory, vcpus, committed: None, staging: Staging::default() })
+    }
+
+    /// The epoch the next frames must belong to.
+    pub fn expected_epoch(&self) -> u64 {
+        self.committed.as_ref().map_or(0, |(e, _)| e + 1)
+    }
+
+    /// The last complete epoch and its state bytes.
+    pub fn committed(&self) -> Option<(u64, &[u8])> {
+        self.committed.as_ref().map(|(e, s)| (*e, s.as_slice()))
+    }
+
+    pub fn memory(&self) -> &GuestMemory {
+        &self.memory
+    }
+
+    /// Hands over memory and state of the last complete epoch.
+    pub fn into_committed(self) -> Option<(u64, GuestMemory, VmState)> {
+        let (epoch, bytes) = self.committed?;
+        let state = VmState::from_bytes(&bytes).ok()?;
+        Some((epoch, self.memory, state))
+    }
+
+    /// Drops a partly received epoch (the last complete one stays).
+    pub fn discard_staging(&mut self) {
+        self.staging = Staging::default();
+    }
+
+    /// Takes one epoch frame. Returns the epoch number when the frame
+    /// completed and applied an epoch. An error rejects the epoch being
+    /// received (it is discarded; the last complete epoch stays).
+    pub fn on_frame(&mut self, f: &Frame) -> Result<Option<u64>, ProtoError> {
+        let r = self.take(f);
+        if r.is_err() {
+            self.discard_staging();
+        }
+        r
+    }
+
+    fn take(&mut self, f: &Frame) -> Result<Option<u64>, ProtoError> {
+        let want = self.expected_epoch();
+        if f.epoch != want {
+            return Err(ProtoError::Bad(format!(
+                "{:?} frame for epoch {} while receiving epoch {want} (reordered or replayed)",
+                f.kind, f.epoch
+            )));
+        }
+        match f.kind {
+            Kind::Pages => {
+                if f.seq != self.staging.frames {
+                    return Err(ProtoError::Bad(format!(
+                        "frame {} of epoch {want} arrived where frame {} was due (reordered)",
+                        f.seq, self.staging.frames
+                    )));
+                }
+                let runs = parse_runs(&f.payload)?;
+                for (gpa, data) in &runs {
+                    self.check_range(*gpa, data.len() as u64)?;
+                }
+                self.staging.bytes += f.payload.len() as u64;
+                if self.staging.bytes > self.memory.size() * 2 {
+                    return Err(ProtoError::Bad(format!(
+                        "epoch {want} carries more data than twice the guest memory"
+                    )));
+                }
+                self.staging.crc.update(&f.payload);
+                self.staging.frames += 1;
+                for (gpa, data) in runs {
+                    self.staging.pages += (data.len() / PAGE) as u64;
+                    self.staging.runs.push((gpa, data.to_vec()));
+                }
+                Ok(None)
+            }
+            Kind::EpochEnd => {
+                let end = EpochEnd::decode(&f.payload)?;
+                let st = std::mem::take(&mut self.staging);
+                if end.frames != st.frames || end.pages != st.pages {
+                    return Err(ProtoError::Bad(format!(
+                        "epoch {want} is incomplete: {} frames / {} pages received, {} / {} sent",
+                        st.frames, st.pages, end.frames, end.pages
+                    )));
+                }
+                if st.crc.finalize() != end.data_crc {
+                    return Err(ProtoError::Bad(format!(
+                        "epoch {want}: page data checksum mismatch"
+                    )));
+                }
+                let state = VmState::from_bytes(&end.state)
+                    .map_err(|e| ProtoError::Bad(format!("epoch {want}: {e}")))?;
+                if state.mem_bytes != self.memory.size() || state.num_vcpus != self.vcpus {
+                    return Err(ProtoError::Bad(format!(
+                        "epoch {want}: state is for {} bytes / {} vCPUs, not {} / {}",
+                        state.mem_bytes,
+                        state.num_vcpus,
+                        self.memory.size(),
+                        self.vcpus
+                    )));
+                }
+                // Verified: apply.
+                for (gpa, data) in &st.runs {
+                    self.memory.mem().write_slice(data, GuestAddress(*gpa)).map_err(|e| {
+                        ProtoError::Bad(format!("applying a page at {gpa:#x}: {e}"))
+                    })?;
+                }
+                self.committed = Some((want, end.state));
+                Ok(Some(want))
+            }
+            other => Err(ProtoError::Bad(format!("unexpected {other:?} frame inside an epoch"))),
+        }
+    }
+
+    fn check_range(&self, gpa: u64, len: u64) -> Result<(), ProtoError> {
+        let ok = self
+            .memory
+            .regions()
+            .iter()
+            .any(|r| gpa >= r.gpa && gpa.checked_add(len).is_some_and(|e| e <= r.gpa + r.size));
+        if ok {
+            Ok(())
+        } else {
+            Err(ProtoError::Bad(format!("page run {gpa:#x}+{len:#x} is outside guest RAM")))
+        }
+    }
+}
+
+/// How the backup is set up.
+#[derive(Clone, Debug)]
+pub struct BackupConfig {
+    pub listen: SocketAddr,
+    /// Only this address may be the primary (None: any).
+    pub allow: Option<IpAddr>,
+    pub secret: String,
+    pub mem_bytes: u64,
+    pub vcpus: u32,
+    /// The primary is declared gone after this long without a frame.
+    pub lease: Duration,
+    /// How often the backup sends a heartbeat.
+    pub heartbeat: Duration,
+}
+
+/// Why the backup stopped receiving.
+pub enum BackupEnd {
+    /// The primary is gone: take over from this epoch.
+    Activate {
+        epoch: u64,
+        memory: GuestMemory,
+        state: Box<VmState>,
+        reason: String,
+        /// When the failure was detected (for the failover time).
+        detected: Instant,
+        /// The last frame from the primary before that.
+        last_heard: Instant,
+    },
+    /// The primary's VM finished: nothing to take over.
+    PrimaryFinished { message: String },
+    /// The stream was bad (corrupt, reordered): the backup stands down and
+    /// keeps its last good epoch, the primary runs unprotected.
+    Rejected { reason: String, kept_epoch: Option<u64> },
+    /// The primary went away before the first complete epoch.
+    NothingToActivate { reason: String },
+}
+
+fn refuse(s: &mut TcpStream, why: &str) {
+    let _ = write_frame(s, Kind::Refuse, 0, 0, &[why.as_bytes()]);
+    let _ = s.flush();
+}
+
+/// Checks a primary's hello against the backup's configuration.
+pub fn check_hello(cfg: &BackupConfig, f: &Frame) -> Result<Hello, String> {
+    if f.kind != Kind::Hello {
+        return Err(format!("expected a hello, got {:?}", f.kind));
+    }
+    let h: Hello =
+        serde_json::from_slice(&f.payload).map_err(|e| format!("malformed hello: {e}"))?;
+    if h.protocol != PROTOCOL_VERSION {
+        return Err(format!(
+            "protocol version {} does not match the backup's {PROTOCOL_VERSION}",
+            h.protocol
+        ));
+    }
+    if h.state_version != STATE_VERSION {
+        return Err(format!(
+            "VM state version {} does not match the backup's {STATE_VERSION}",
+            h.state_version
+        ));
+    }
+    if h.mem_bytes != cfg.mem_bytes || h.vcpus != cfg.vcpus {
+        return Err(format!(
+            "the primary's VM has {} MiB and {} vCPUs, this backup is set up for {} MiB and {} vCPUs",
+            h.mem_bytes >> 20,
+            h.vcpus,
+            cfg.mem_bytes >> 20,
+            cfg.vcpus
+        ));
+    }
+    if !constant_time_eq(h.secret.as_bytes(), cfg.secret.as_bytes()) {
+        return Err("wrong shared secret".into());
+    }
+    Ok(h)
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+/// Waits for the configured primary, then receives epochs until the primary
+/// is gone, finishes, or sends a bad stream. `log` gets one line per event.
+pub fn serve(cfg: &BackupConfig, log: &mut dyn FnMut(String)) -> Result<BackupEnd, String> {
+    let listener = TcpListener::bind(cfg.listen)
+        .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
+    log(format!("backup listening on {}", cfg.listen));
+    loop {
+        let (mut s, peer) = listener.accept().map_err(|e| format!("accept: {e}"))?;
+        if cfg.allow.is_some_and(|a| a != peer.ip()) {
+            log(format!("refused a connection from {peer}: not the configured primary"));
+            refuse(&mut s, "not the configured primary");
+            continue;
+        }
+        let _ = s.set_read_timeout(Some(cfg.lease));
+        let hello = match read_frame(&mut s) {
+            Ok(f) => check_hello(cfg, &f),
+            Err(e) => Err(format!("no valid hello: {e}")),
+        };
+        match hello {
+            Err(why) => {
+                log(format!("refused the primary at {peer}: {why}"));
+                refuse(&mut s, &why);
+                continue;
+            }
+            Ok(_) => {
+                write_frame(&mut s, Kind::Welcome, 0, 0, &[])
+                    .map_err(|e| format!("cannot answer the primary: {e}"))?;
+                log(format!("primary {peer} attached"));
+            }
+        }
+        let _ = s.set_read_timeout(None);
+        let _ = s.set_nodelay(true);
+        return receive(cfg, s, log);
+    }
+}
+
+fn receive(
+    cfg: &BackupConfig,
+    mut s: TcpStream,
+    log: &mut dyn FnMut(String),
+) -> Result<BackupEnd, String> {
+    let mut rx = Receiver::new(cfg.mem_bytes, cfg.vcpus)?;
+    let mut reader = s.try_clone().map_err(|e| format!("socket: {e}"))?;
+    let (tx, frames) = mpsc::sync_channel::<Result<Frame, ProtoError>>(64);
+    std::thread::Builder::new()
+        .name("repl-rx".into())
+        .spawn(move || loop {
+            let r = read_frame(&mut reader);
+            let end = r.is_err();
+            if tx.send(r).is_err() || end {
+                break;
+            }
+        })
+        .map_err(|e| format!("cannot start the receive thread: {e}"))?;
+    let mut last_heard = Instant::now();
+    let mut last_beat = Instant::now();
+    loop {
+        let got = frames.recv_timeout(cfg.heartbeat);
+        if last_beat.elapsed() >= cfg.heartbeat {
+            // Best effort: a failed heartbeat shows up as a read error too.
+            let _ = write_frame(&mut s, Kind::Heartbeat, 0, 0, &[]);
+            last_beat = Instant::now();
+        }
+        let gone = |reason: String, rx: Receiver, last_heard: Instant| {
+            let detected = Instant::now();
+            match rx.into_committed() {
+                Some((epoch, memory, state)) => BackupEnd::Activate {
+                    epoch,
+                    memory,
+                    state: Box::new(state),
+                    reason,
+                    detected,
+                    last_heard,
+                },
+                None => BackupEnd::NothingToActivate { reason },
+            }
+        };
+        match got {
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if last_heard.elapsed() > cfg.lease {
+                    let why = format!(
+                        "no frame from the primary for {} ms (lease {} ms)",
+                        last_heard.elapsed().as_millis(),
+                        cfg.lease.as_millis()
+                    );
+                    // Stop acknowledging before anything else: the primary
+                    // can release no more output. If the primary can still
+                    // hear us, it learns that we take over and fences itself.
+                    let _ = write_frame(&mut s, Kind::Takeover, 0, 0, &[]);
+                    let _ = s.shutdown(std::net::Shutdown::Both);
+                    return Ok(gone(why, rx, last_heard));
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                return Ok(gone("receive thread ended".into(), rx, last_heard));
+            }
+            Ok(Err(e @ (ProtoError::Closed | ProtoError::Truncated | ProtoError::Io(_)))) => {
+                rx.discard_staging();
+                let _ = s.shutdown(std::net::Shutdown::Both);
+                return Ok(gone(format!("primary connection lost: {e}"), rx, last_heard));
+            }
+            Ok(Err(ProtoError::Timeout)) => {}
+            Ok(Err(e)) => {
+                let kept = rx.committed().map(|(e, _)| e);
+                let reason = format!("rejected epoch {}: {e}", rx.expected_epoch());
+                refuse(&mut s, &reason);
+                let _ = s.shutdown(std::net::Shutdown::Both);
+                return Ok(BackupEnd::Rejected { reason, kept_epoch: kept });
+            }
+            Ok(Ok(f)) => {
+                last_heard = Instant::now();
+                match f.kind {
+                    Kind::Heartbeat => {}
+                    Kind::Done => {
+                        let _ = s.shutdown(std::net::Shutdown::Both);
+                        return Ok(BackupEnd::PrimaryFinished {
+                            message: String::from_utf8_lossy(&f.payload).into_owned(),
+                        });
+                    }
+                    _ => match rx.on_frame(&f) {
+                        Ok(Some(epoch)) => {
+                            if let Err(e) = write_frame(&mut s, Kind::Ack, epoch, 0, &[]) {
+                                log(format!("cannot acknowledge epoch {epoch}: {e}"));
+                            }
+                        }
+                        Ok(None) => {}
+                        Err(e) => {
+                            let kept = rx.committed().map(|(e, _)| e);
+                            let reason = format!("rejected epoch {}: {e}", f.epoch);
+                            refuse(&mut s, &reason);
+                            let _ = s.shutdown(std::net::Shutdown::Both);
+                            return Ok(BackupEnd::Rejected { reason, kept_epoch: kept });
+                        }
+                    },
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nl_vmm::state::{IrqchipState, VcpuState};
+
+    const MEM: u64 = 64 << 20;
+
+    fn state() -> Vec<u8> {
+        VmState {
+            version: STATE_VERSION,
+            mem_bytes: MEM,
+            num_vcpus: 1,
+            timer_hz: 100,
+            workload: Default::default(),
+            vcpus: vec![VcpuState {
+                regs: Default::default(),
+                sregs: Default::default(),
+                xsave: Default::default(),
+                xcrs: Default::default(),
+                msrs: Vec::new(),
+                lapic: Default::default(),
+                mp_state: Default::default(),
+                events: Default::default(),
+            }],
+            irqchip: IrqchipState { chips: Vec::new(), clock: None },
+            io_devices: Vec::new(),
+            mmio_devices: Vec::new(),
+        }
+        .to_bytes()
+    }
+
+    /// The frames of one epoch writing `byte` into page `gpa`.
+    fn epoch(e: u64, gpa: u64, byte: u8) -> Vec<Frame> {
+        let mut payload = run_header(gpa, 1).to_vec();
+        payload.extend([byte; PAGE]);
+        let end = EpochEnd {
+            frames: 1,
+            pages: 1,
+            data_crc: crc32fast::hash(&payload),
+            state: Vec::new(),
+        };
+        let mut endp = end.encode_head().to_vec();
+        endp.extend(state());
+        vec![
+            Frame { kind: Kind::Pages, epoch: e, seq: 0, payload },
+            Frame { kind: Kind::EpochEnd, epoch: e, seq: 0, payload: endp },
+        ]
+    }
+
+    fn page(rx: &Receiver, gpa: u64) -> u8 {
+        rx.memory().mem().read_obj::<u8>(GuestAddress(gpa)).unwrap()
+    }
+
+    #[test]
+    fn bad_epochs_are_rejected_and_the_last_good_one_kept() {
+        let mut rx = Receiver::new(MEM, 1).unwrap();
+        for (i, f) in epoch(0, 0x1000, 1).iter().enumerate() {
+            assert_eq!(rx.on_frame(f).unwrap(), (i == 1).then_some(0));
+        }
+        for (i, f) in epoch(1, 0x1000, 2).iter().enumerate() {
+            assert_eq!(rx.on_frame(f).unwrap(), (i == 1).then_some(1));
+        }
+        assert_eq!(page(&rx, 0x1000), 2);
+        // Truncated: the end arrives without its pages.
+        let e2 = epoch(2, 0x1000, 3);
+        assert!(rx.on_frame(&e2[1]).is_err());
+        // Corrupted page data (frame checksums pass, the epoch's does not).
+        let mut bad = epoch(2, 0x1000, 3);
+        bad[0].payload[100] ^= 1;
+        assert!(rx.on_frame(&bad[0]).is_ok());
+        assert!(rx.on_frame(&bad[1]).unwrap_err().to_string().contains("checksum"));
+        // Reordered / replayed: an old epoch, a frame out of sequence.
+        assert!(rx.on_frame(&epoch(1, 0x1000, 9)[0]).is_err());
+        let mut skip = epoch(2, 0x1000, 3);
+        skip[0].seq = 1;
+        assert!(rx.on_frame(&skip[0]).is_err());
+        // Outside RAM.
+        assert!(rx.on_frame(&epoch(2, MEM, 3)[0]).is_err());
+        // Through all of it the last good epoch stayed, untouched.
+        assert_eq!(rx.committed().unwrap().0, 1);
+        assert_eq!(page(&rx, 0x1000), 2);
+        // And a good epoch 2 still applies.
+        for f in epoch(2, 0x2000, 7) {
+            rx.on_frame(&f).unwrap();
+        }
+        assert_eq!((rx.committed().unwrap().0, page(&rx, 0x2000)), (2, 7));
+    }
+
+    #[test]
+    fn hellos_are_checked() {
+        let cfg = BackupConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            allow: None,
+            secret: "s".into(),
+            mem_bytes: MEM,
+            vcpus: 1,
+            lease: Duration::from_secs(1),
+            heartbeat: Duration::from_millis(100),
+        };
+        let hello = |h: Hello| Frame {
+            kind: Kind::Hello,
+            epoch: 0,
+            seq: 0,
+            payload: serde_json::to_vec(&h).unwrap(),
+        };
+        let good = Hello {
+            protocol: PROTOCOL_VERSION,
+            state_version: STATE_VERSION,
+            mem_bytes: MEM,
+            vcpus: 1,
+            secret: "s".into(),
+        };
+        assert!(check_hello(&cfg, &hello(good.clone())).is_ok());
+        let e = check_hello(&cfg, &hello(Hello { mem_bytes: 2 * MEM, ..good.clone() }));
+        assert!(e.unwrap_err().contains("set up for 64 MiB"));
+        let e = check_hello(&cfg, &hello(Hello { state_version: 99, ..good.clone() }));
+        assert!(e.unwrap_err().contains("state version 99"));
+        let e = check_hello(&cfg, &hello(Hello { secret: "x".into(), ..good.clone() }));
+        assert!(e.unwrap_err().contains("secret"));
+        let junk = Frame { kind: Kind::Hello, epoch: 0, seq: 0, payload: b"{".to_vec() };
+        assert!(check_hello(&cfg, &junk).unwrap_err().contains("malformed"));
+    }
+}

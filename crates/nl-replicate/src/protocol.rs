@@ -1,0 +1,294 @@
+//! The replication wire protocol: framed, versioned, checksummed messages.
+//!
+//! Every frame is a 28-byte header followed by its payload:
+//!
+//! | bytes | field |
+//! | --- | --- |
+//! | 0..4 | magic `NLRP` |
+//! | 4..6 | protocol version |
+//! | 6 | kind |
+//! | 7 | reserved (0) |
+//! | 8..16 | epoch |
+//! | 16..20 | sequence number of the frame within its epoch |
+//! | 20..24 | payload length |
+//! | 24..28 | CRC-32 of bytes 0..24 and the payload |
+//!
+//! An epoch is `Pages` frames (seq 0, 1, ...) closed by one `EpochEnd`
+//! holding the frame count, page count, a CRC over all page payloads and the
+//! VM state. Epoch 0 is the full copy.
+
+use std::io::{Read, Write};
+
+use serde::{Deserialize, Serialize};
+
+pub const MAGIC: [u8; 4] = *b"NLRP";
+pub const PROTOCOL_VERSION: u16 = 1;
+pub const HEADER_BYTES: usize = 28;
+/// Largest payload accepted (a `Pages` frame is kept far below this).
+pub const MAX_PAYLOAD: usize = 16 << 20;
+/// Pages per `Pages` frame at most.
+pub const PAGES_PER_FRAME: usize = 1024;
+pub const PAGE: usize = 4096;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    Hello = 1,
+    Welcome = 2,
+    Refuse = 3,
+    Pages = 4,
+    EpochEnd = 5,
+    Ack = 6,
+    Heartbeat = 7,
+    /// The primary's VM finished; the backup stands down.
+    Done = 8,
+    /// The backup stopped acknowledging and takes the VM over.
+    Takeover = 9,
+}
+
+impl Kind {
+    fn from_u8(b: u8) -> Option<Kind> {
+        Some(match b {
+            1 => Kind::Hello,
+            2 => Kind::Welcome,
+            3 => Kind::Refuse,
+            4 => Kind::Pages,
+            5 => Kind::EpochEnd,
+            6 => Kind::Ack,
+            7 => Kind::Heartbeat,
+            8 => Kind::Done,
+            9 => Kind::Takeover,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProtoError {
+    #[error("the peer closed the connection")]
+    Closed,
+    #[error("no message from the peer in time")]
+    Timeout,
+    #[error("connection error: {0}")]
+    Io(std::io::Error),
+    #[error("bad frame: {0}")]
+    Bad(String),
+    #[error("truncated frame: the connection closed mid-frame")]
+    Truncated,
+    #[error("protocol version {got} is not supported (this side speaks {PROTOCOL_VERSION})")]
+    Version { got: u16 },
+}
+
+impl From<std::io::Error> for ProtoError {
+    fn from(e: std::io::Error) -> Self {
+        match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => ProtoError::Closed,
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => ProtoError::Timeout,
+            _ => ProtoError::Io(e),
+        }
+    }
+}
+
+/// One received frame.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Frame {
+    pub kind: Kind,
+    pub epoch: u64,
+    pub seq: u32,
+    pub payload: Vec<u8>,
+}
+
+fn header(kind: Kind, epoch: u64, seq: u32, len: usize) -> [u8; HEADER_BYTES] {
+    let mut h = [0u8; HEADER_BYTES];
+    h[0..4].copy_from_slice(&MAGIC);
+    h[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    h[6] = kind as u8;
+    h[8..16].copy_from_slice(&epoch.to_le_bytes());
+    h[16..20].copy_from_slice(&seq.to_le_bytes());
+    h[20..24].copy_from_slice(&(len as u32).to_le_bytes());
+    h
+}
+
+/// Writes one frame whose payload is the concatenation of `parts` (sent
+/// without joining them: page data goes out from where it lies).
+pub fn write_frame(
+    w: &mut impl Write,
+    kind: Kind,
+    epoch: u64,
+    seq: u32,
+    parts: &[&[u8]],
+) -> Result<(), ProtoError> {
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    if len > MAX_PAYLOAD {
+        return Err(ProtoError::Bad(format!("payload of {len} bytes is too large")));
+    }
+    let mut h = header(kind, epoch, seq, len);
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&h[..24]);
+    for p in parts {
+        crc.update(p);
+    }
+    h[24..28].copy_from_slice(&crc.finalize().to_le_bytes());
+    w.write_all(&h)?;
+    for p in parts {
+        w.write_all(p)?;
+    }
+    Ok(())
+}
+
+/// Reads one frame, checking magic, version, kind, length and checksum.
+pub fn read_frame(r: &mut impl Read) -> Result<Frame, ProtoError> {
+    let mut h = [0u8; HEADER_BYTES];
+    r.read_exact(&mut h)?;
+    if h[0..4] != MAGIC {
+        return Err(ProtoError::Bad("not a ninelives replication stream (bad magic)".into()));
+    }
+    let version = u16::from_le_bytes([h[4], h[5]]);
+    if version != PROTOCOL_VERSION {
+        return Err(ProtoError::Version { got: version });
+    }
+    let kind =
+        Kind::from_u8(h[6]).ok_or_else(|| ProtoError::Bad(format!("unknown kind {}", h[6])))?;
+    let epoch = u64::from_le_bytes(h[8..16].try_into().expect("8 bytes"));
+    let seq = u32::from_le_bytes(h[16..20].try_into().expect("4 bytes"));
+    let len = u32::from_le_bytes(h[20..24].try_into().expect("4 bytes")) as usize;
+    let want = u32::from_le_bytes(h[24..28].try_into().expect("4 bytes"));
+    if len > MAX_PAYLOAD {
+        return Err(ProtoError::Bad(format!("payload of {len} bytes is too large")));
+    }
+    let mut payload = vec![0u8; len];
+    r.read_exact(&mut payload).map_err(|e| match ProtoError::from(e) {
+        // The header arrived but the payload did not: a truncated frame.
+        ProtoError::Closed => ProtoError::Truncated,
+        other => other,
+    })?;
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&h[..24]);
+    crc.update(&payload);
+    if crc.finalize() != want {
+        return Err(ProtoError::Bad(format!(
+            "checksum mismatch in a {kind:?} frame of epoch {epoch}"
+        )));
+    }
+    Ok(Frame { kind, epoch, seq, payload })
+}
+
+/// What the primary announces at connect.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Hello {
+    pub protocol: u16,
+    pub state_version: u32,
+    pub mem_bytes: u64,
+    pub vcpus: u32,
+    /// The shared secret (compared by the backup; sent in clear: use a
+    /// private replication link).
+    pub secret: String,
+}
+
+/// The close of an epoch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EpochEnd {
+    pub frames: u32,
+    pub pages: u64,
+    /// CRC-32 over all `Pages` payloads of the epoch, in order.
+    pub data_crc: u32,
+    /// The VM's state (nl_vmm::state::VmState bytes).
+    pub state: Vec<u8>,
+}
+
+impl EpochEnd {
+    pub fn encode_head(&self) -> [u8; 16] {
+        let mut b = [0u8; 16];
+        b[0..4].copy_from_slice(&self.frames.to_le_bytes());
+        b[4..12].copy_from_slice(&self.pages.to_le_bytes());
+        b[12..16].copy_from_slice(&self.data_crc.to_le_bytes());
+        b
+    }
+
+    pub fn decode(p: &[u8]) -> Result<Self, ProtoError> {
+        if p.len() < 16 {
+            return Err(ProtoError::Bad("epoch end shorter than its header".into()));
+        }
+        Ok(EpochEnd {
+            frames: u32::from_le_bytes(p[0..4].try_into().expect("4 bytes")),
+            pages: u64::from_le_bytes(p[4..12].try_into().expect("8 bytes")),
+            data_crc: u32::from_le_bytes(p[12..16].try_into().expect("4 bytes")),
+            state: p[16..].to_vec(),
+        })
+    }
+}
+
+/// One run of contiguous pages in a `Pages` payload: gpa (8 bytes), page
+/// count (4 bytes), reserved (4 bytes), then the data.
+pub const RUN_HEADER: usize = 16;
+
+pub fn run_header(gpa: u64, pages: u32) -> [u8; RUN_HEADER] {
+    let mut b = [0u8; RUN_HEADER];
+    b[0..8].copy_from_slice(&gpa.to_le_bytes());
+    b[8..12].copy_from_slice(&pages.to_le_bytes());
+    b
+}
+
+/// Splits a `Pages` payload into its runs `(gpa, data)`, checking bounds.
+pub fn parse_runs(p: &[u8]) -> Result<Vec<(u64, &[u8])>, ProtoError> {
+    let mut out = Vec::new();
+    let mut at = 0usize;
+    while at < p.len() {
+        if p.len() - at < RUN_HEADER {
+            return Err(ProtoError::Bad("page run header cut short".into()));
+        }
+        let gpa = u64::from_le_bytes(p[at..at + 8].try_into().expect("8 bytes"));
+        let pages = u32::from_le_bytes(p[at + 8..at + 12].try_into().expect("4 bytes")) as usize;
+        at += RUN_HEADER;
+        let len = pages
+            .checked_mul(PAGE)
+            .filter(|&l| l > 0 && l <= p.len() - at)
+            .ok_or_else(|| ProtoError::Bad(format!("page run at {gpa:#x} has a bad length")))?;
+        if gpa % PAGE as u64 != 0 {
+            return Err(ProtoError::Bad(format!("page run at {gpa:#x} is not page aligned")));
+        }
+        out.push((gpa, &p[at..at + len]));
+        at += len;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_and_corruption_is_caught() {
+        let mut buf = Vec::new();
+        write_frame(&mut buf, Kind::Ack, 7, 0, &[b"ab", b"cd"]).unwrap();
+        let f = read_frame(&mut &buf[..]).unwrap();
+        assert_eq!((f.kind, f.epoch, f.payload.as_slice()), (Kind::Ack, 7, &b"abcd"[..]));
+        for i in 0..buf.len() {
+            let mut bad = buf.clone();
+            bad[i] ^= 0x40;
+            assert!(read_frame(&mut &bad[..]).is_err(), "flip at byte {i} not caught");
+        }
+        for cut in 0..buf.len() {
+            assert!(read_frame(&mut &buf[..cut]).is_err());
+        }
+        let mut v2 = buf.clone();
+        v2[4] = 9;
+        assert!(matches!(read_frame(&mut &v2[..]), Err(ProtoError::Version { got: 9 })));
+    }
+
+    #[test]
+    fn runs_are_bounds_checked() {
+        let mut p = run_header(0x2000, 1).to_vec();
+        p.extend([5u8; PAGE]);
+        let r = parse_runs(&p).unwrap();
+        assert_eq!((r[0].0, r[0].1.len()), (0x2000, PAGE));
+        let mut huge = run_header(0, u32::MAX).to_vec();
+        huge.extend([0u8; 8]);
+        assert!(parse_runs(&huge).is_err());
+        assert!(parse_runs(&p[..p.len() - 1]).is_err());
+        assert!(parse_runs(&run_header(0x10, 1)).is_err());
+        let mut unaligned = run_header(0x10, 1).to_vec();
+        unaligned.extend([0u8; PAGE]);
+        assert!(parse_runs(&unaligned).is_err());
+    }
+}
