@@ -32,7 +32,7 @@ fn cases() -> Vec<Case> {
         // Good locality: a 4 MiB working set swept in order, re-dirtied every interval.
         Case {
             name: "memwrite-locality",
-            args: WorkloadArgs { pattern: PatternName::Sequential, ws: 4 << 20, ..d.clone() },
+            args: WorkloadArgs { pattern: PatternName::Sequential, ws: 1 << 20, ..d.clone() },
         },
         // Worst case: uniform random writes over 64 MiB.
         Case {
