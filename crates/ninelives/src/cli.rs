@@ -32,6 +32,8 @@ pub enum Command {
     /// UDP ping at a fixed interval: sent, received, longest gap between
     /// replies, and every 1-second window whose reception dropped below 90%.
     Ping(PingArgs),
+    /// Fault-injection campaign against `ninelives host` processes (ptrace).
+    Inject(crate::cmd::inject::InjectArgs),
 }
 
 #[derive(Args, Clone, Debug)]
@@ -275,6 +277,29 @@ pub struct HostArgs {
     /// Unix socket to serve the API on.
     #[arg(long)]
     pub api: PathBuf,
+    /// What to do when a detector (fatal signal, panic, hang) fires.
+    #[arg(long, value_enum, default_value_t = RecoveryName::None)]
+    pub recovery: RecoveryName,
+}
+
+/// Recovery policies after a detected VMM error (the recovery issue adds more).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Default)]
+pub enum RecoveryName {
+    /// End the VMM and its VMs (exit status 86): the baseline.
+    #[default]
+    None,
+}
+
+impl RecoveryName {
+    pub fn policy(self) -> nl_vmm::detect::Recovery {
+        match self {
+            RecoveryName::None => nl_vmm::detect::Recovery::None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        self.policy().name()
+    }
 }
 
 #[derive(Args, Clone, Debug)]

@@ -3,6 +3,7 @@
 mod cli;
 mod cmd;
 mod guest;
+mod injector;
 mod verify;
 
 use std::process::ExitCode;
@@ -19,6 +20,7 @@ fn main() -> ExitCode {
         cli::Command::Checkpoint(a) => cmd::checkpoint::checkpoint(a),
         cli::Command::Restore(a) => cmd::checkpoint::restore(a),
         cli::Command::Ping(a) => cmd::ping::run(a),
+        cli::Command::Inject(a) => cmd::inject::inject(a),
     };
     match result {
         Ok(code) => code,

@@ -47,11 +47,15 @@ pub fn serve(host: Arc<Host>, path: &Path, build: Arc<ConfigBuilder>) -> Result<
         .map_err(|e| VmmError::Config(format!("cannot listen on {}: {e}", path.display())))?;
     let done = Arc::new(AtomicBool::new(false));
     listener.set_nonblocking(true)?;
+    let progress = crate::detect::track();
     while !done.load(Relaxed) {
+        progress.beat();
         match listener.accept() {
             Ok((stream, _)) => {
                 let (host, build, done) = (host.clone(), build.clone(), done.clone());
-                std::thread::spawn(move || serve_connection(stream, &host, &*build, &done));
+                let _ = std::thread::Builder::new()
+                    .name("api-conn".into())
+                    .spawn(move || serve_connection(stream, &host, &*build, &done));
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(20));
@@ -59,6 +63,7 @@ pub fn serve(host: Arc<Host>, path: &Path, build: Arc<ConfigBuilder>) -> Result<
             Err(e) => return Err(e.into()),
         }
     }
+    progress.wait();
     host.shutdown();
     let _ = std::fs::remove_file(path);
     Ok(())
@@ -68,9 +73,13 @@ fn serve_connection(stream: UnixStream, host: &Host, build: &ConfigBuilder, done
     let _ = stream.set_nonblocking(false);
     let Ok(mut out) = stream.try_clone() else { return };
     let mut reader = BufReader::new(stream);
+    let progress = crate::detect::track();
     loop {
         let mut line = Vec::new();
-        match (&mut reader).take(MAX_REQUEST as u64 + 1).read_until(b'\n', &mut line) {
+        progress.wait();
+        let got = (&mut reader).take(MAX_REQUEST as u64 + 1).read_until(b'\n', &mut line);
+        progress.resume();
+        match got {
             Ok(0) | Err(_) => return,
             Ok(_) => {}
         }
@@ -81,7 +90,13 @@ fn serve_connection(stream: UnixStream, host: &Host, build: &ConfigBuilder, done
             json!({"ok": false, "error": format!("request longer than {MAX_REQUEST} bytes")})
         } else {
             match serde_json::from_slice::<Value>(&line) {
-                Ok(req) => handle(host, build, &req, done),
+                Ok(req) => {
+                    // Pause and destroy wait on vCPU threads, which are checked themselves.
+                    if matches!(req.get("op").and_then(Value::as_str), Some("pause" | "destroy")) {
+                        progress.wait();
+                    }
+                    handle(host, build, &req, done)
+                }
                 Err(e) => json!({"ok": false, "error": format!("malformed request: {e}")}),
             }
         };
