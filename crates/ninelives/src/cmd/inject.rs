@@ -197,10 +197,10 @@ fn print_table(s: &Value) {
     );
     println!("  {:<16} {:>6} {:>7}", "outcome", "runs", "share");
     for k in ["non_manifested", "sdc", "detected"] {
-        println!("  {k:<16} {:>6} {:>6.1}%", o[k], pct(k));
+        println!("  {k:<16} {:>6} {:>6.1}%", o[k].as_u64().unwrap_or(0), pct(k));
     }
     for k in ["recovered", "no_vm_failure", "failed"] {
-        println!("    {k:<14} {:>6}", o[k]);
+        println!("    {k:<14} {:>6}", o[k].as_u64().unwrap_or(0));
     }
     println!(
         "  success rate (recovered/detected) {:.3}, 95% CI [{:.3}, {:.3}]",
