@@ -273,7 +273,7 @@ fn report(v: &serde_json::Value) {
 
 fn watchdog() {
     // Per tracked thread: the beats seen at the last check and the misses since.
-    let mut seen: Vec<(Weak<Progress>, u64, u32)> = Vec::new();
+    let mut seen: Vec<(Weak<Progress>, u64, u32, u64)> = Vec::new();
     let mut last = Instant::now();
     loop {
         std::thread::sleep(WATCHDOG_PERIOD);
@@ -287,13 +287,13 @@ fn watchdog() {
             .iter()
             .filter_map(Weak::upgrade)
             .collect();
-        seen.retain(|(w, _, _)| w.strong_count() > 0);
+        seen.retain(|(w, _, _, _)| w.strong_count() > 0);
         for p in live {
             let beats = p.beats.load(Relaxed);
-            let idx = match seen.iter().position(|(w, _, _)| std::ptr::eq(w.as_ptr(), &*p)) {
+            let idx = match seen.iter().position(|(w, _, _, _)| std::ptr::eq(w.as_ptr(), &*p)) {
                 Some(i) => i,
                 None => {
-                    seen.push((Arc::downgrade(&p), beats, 0));
+                    seen.push((Arc::downgrade(&p), beats, 0, 0));
                     continue;
                 }
             };
@@ -301,7 +301,7 @@ fn watchdog() {
             if p.waiting.load(Relaxed) || beats != entry.1 {
                 entry.1 = beats;
                 entry.2 = 0;
-            } else if on_time {
+            } else if on_time && !excused(p.tid, &mut entry.3) {
                 entry.2 += 1;
                 if entry.2 >= HANG_MISSES {
                     report(&serde_json::json!({
@@ -312,6 +312,29 @@ fn watchdog() {
                 }
             }
         }
+    }
+}
+
+/// Whether thread `tid`, busy and silent since the last check, is not to
+/// be blamed for it: a thread stopped by a tracer or debugger, or runnable
+/// but given little CPU (a loaded host, or a single-stepping injector), is
+/// excused. Like the paper's watchdog, which counts 100 ms of unhalted
+/// cycles, a miss needs the thread to have spun (half a period of CPU) or to
+/// sleep while busy (stuck on a lock or a syscall).
+fn excused(tid: i32, last_ns: &mut u64) -> bool {
+    let state = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(") ").and_then(|(_, r)| r.chars().next()));
+    let ran_ns = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()))
+        .unwrap_or(0);
+    let ran = ran_ns.saturating_sub(*last_ns);
+    *last_ns = ran_ns;
+    match state {
+        Some('S' | 'D') => false,
+        Some('R') => ran < (WATCHDOG_PERIOD / 2).as_nanos() as u64,
+        _ => true,
     }
 }
 
