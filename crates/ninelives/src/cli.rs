@@ -37,6 +37,8 @@ pub enum Command {
     /// Primary/backup replication (HBFT): run a VM protected by a backup VMM, or be that backup.
     #[command(subcommand)]
     Replicate(crate::cmd::replicate::ReplicateCmd),
+    /// Fault-injection campaign against `ninelives host` processes (ptrace).
+    Inject(crate::cmd::inject::InjectArgs),
 }
 
 #[derive(Args, Clone, Debug)]
@@ -290,6 +292,29 @@ pub struct HostArgs {
     /// Internal (rejuvenation): control socket to the previous VMM process.
     #[arg(long, hide = true, requires = "handover_fd")]
     pub handover_ctl: Option<i32>,
+    /// What to do when a detector (fatal signal, panic, hang) fires.
+    #[arg(long, value_enum, default_value_t = RecoveryName::None)]
+    pub recovery: RecoveryName,
+}
+
+/// Recovery policies after a detected VMM error (the recovery issue adds more).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Default)]
+pub enum RecoveryName {
+    /// End the VMM and its VMs (exit status 86): the baseline.
+    #[default]
+    None,
+}
+
+impl RecoveryName {
+    pub fn policy(self) -> nl_vmm::detect::Recovery {
+        match self {
+            RecoveryName::None => nl_vmm::detect::Recovery::None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        self.policy().name()
+    }
 }
 
 #[derive(Args, Clone, Debug)]

@@ -3,6 +3,7 @@
 mod cli;
 mod cmd;
 mod guest;
+mod injector;
 mod verify;
 
 use std::process::ExitCode;
@@ -25,6 +26,7 @@ fn main() -> ExitCode {
         cli::Command::Ping(a) => cmd::ping::run(a),
         cli::Command::Rejuvenate(a) => cmd::rejuvenate::rejuvenate(a),
         cli::Command::Replicate(c) => cmd::replicate::replicate(c),
+        cli::Command::Inject(a) => cmd::inject::inject(a),
     };
     match result {
         Ok(code) => code,

@@ -89,7 +89,9 @@ pub fn serve_listener(
         handed_over: AtomicBool::new(false),
     });
     listener.set_nonblocking(true)?;
+    let progress = crate::detect::track();
     while !ctx.done.load(Relaxed) {
+        progress.beat();
         if ctx.hold.load(Relaxed) {
             // Connections wait in the backlog for whichever process serves next.
             std::thread::sleep(Duration::from_millis(1));
@@ -98,7 +100,9 @@ pub fn serve_listener(
         match listener.accept() {
             Ok((stream, _)) => {
                 let (host, build, ctx) = (host.clone(), build.clone(), ctx.clone());
-                std::thread::spawn(move || serve_connection(stream, &host, &*build, &ctx));
+                let _ = std::thread::Builder::new()
+                    .name("api-conn".into())
+                    .spawn(move || serve_connection(stream, &host, &*build, &ctx));
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(2));
@@ -106,6 +110,7 @@ pub fn serve_listener(
             Err(e) => return Err(e.into()),
         }
     }
+    progress.wait();
     if ctx.handed_over.load(Relaxed) {
         return Ok(());
     }
@@ -118,9 +123,13 @@ fn serve_connection(stream: UnixStream, host: &Host, build: &ConfigBuilder, ctx:
     let _ = stream.set_nonblocking(false);
     let Ok(mut out) = stream.try_clone() else { return };
     let mut reader = BufReader::new(stream);
+    let progress = crate::detect::track();
     loop {
         let mut line = Vec::new();
-        match (&mut reader).take(MAX_REQUEST as u64 + 1).read_until(b'\n', &mut line) {
+        progress.wait();
+        let got = (&mut reader).take(MAX_REQUEST as u64 + 1).read_until(b'\n', &mut line);
+        progress.resume();
+        match got {
             Ok(0) | Err(_) => return,
             Ok(_) => {}
         }
@@ -131,7 +140,17 @@ fn serve_connection(stream: UnixStream, host: &Host, build: &ConfigBuilder, ctx:
             json!({"ok": false, "error": format!("request longer than {MAX_REQUEST} bytes")})
         } else {
             match serde_json::from_slice::<Value>(&line) {
-                Ok(req) => handle_in(host, build, &req, ctx),
+                Ok(req) => {
+                    // These wait on other threads (vCPUs, a successor VMM), which are
+                    // checked themselves.
+                    if matches!(
+                        req.get("op").and_then(Value::as_str),
+                        Some("pause" | "destroy" | "rejuvenate")
+                    ) {
+                        progress.wait();
+                    }
+                    handle_in(host, build, &req, ctx)
+                }
                 Err(e) => json!({"ok": false, "error": format!("malformed request: {e}")}),
             }
         };

@@ -5,6 +5,7 @@
 //! * [`vcpu`]: the per-vCPU thread and its exit loop, with the pause protocol
 //!   that stops every vCPU at a consistent point (no exit half-handled).
 //! * [`state`]: vCPU, device and VM state as versioned, serializable data.
+//! * [`detect`]: error detectors (fatal signals, panics, hang watchdog).
 //! * [`kick`]: interrupting a vCPU thread out of KVM_RUN with a signal.
 //! * [`host`]: several VMs in one VMM process, addressed by id.
 //! * [`api`]: the Unix-socket API of `ninelives host`.
@@ -24,6 +25,7 @@ pub mod error;
 pub mod handover;
 pub mod host;
 
+pub mod detect;
 pub mod kick;
 mod memslots;
 pub mod rejuvenate;

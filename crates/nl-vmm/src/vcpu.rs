@@ -190,8 +190,11 @@ fn lock(fd: &Mutex<VcpuFd>) -> MutexGuard<'_, VcpuFd> {
 
 fn vcpu_loop(cpu: usize, fd: &Mutex<VcpuFd>, ctx: &VcpuContext, stats: &VcpuStats) -> VcpuStop {
     let regs = &ctx.control.vcpus[cpu];
+    // Hang watchdog: busy while handling an exit, waiting inside KVM_RUN or parked.
+    let progress = crate::detect::track();
     let mut vcpu = lock(fd);
     loop {
+        progress.beat();
         if ctx.run.stop.load(Relaxed) {
             return VcpuStop::Stopped;
         }
@@ -201,11 +204,16 @@ fn vcpu_loop(cpu: usize, fd: &Mutex<VcpuFd>, ctx: &VcpuContext, stats: &VcpuStat
             let _ = vcpu.run();
             vcpu.set_kvm_immediate_exit(0);
             drop(vcpu);
+            progress.wait();
             ctx.run.park();
             vcpu = lock(fd);
+            progress.resume();
             continue;
         }
-        match vcpu.run() {
+        progress.wait();
+        let exit = vcpu.run();
+        progress.resume();
+        match exit {
             Ok(VcpuExit::IoOut(port, data)) => {
                 stats.io.fetch_add(1, Relaxed);
                 ctx.io_bus.write(cpu, u64::from(port), data);

@@ -526,7 +526,9 @@ impl Vm {
         let mut gen = self.control.generation();
         let mut activity = (self.control.total_beats(), gen);
         let mut last_alive = Instant::now();
+        let progress = crate::detect::track();
         let outcome = loop {
+            progress.beat();
             if let Some(o) = self.poll_outcome() {
                 break o;
             }
@@ -542,6 +544,8 @@ impl Vm {
             }
             gen = self.control.wait_event(gen, Duration::from_millis(50));
         };
+        // Stopping waits on the vCPU threads (which are checked themselves).
+        progress.wait();
         if outcome != VmOutcome::Completed {
             self.stop();
         }

@@ -50,6 +50,9 @@ struct CreateRequest {
     hot_pct: Option<u64>,
     timer_hz: Option<u64>,
     console: Option<std::path::PathBuf>,
+    net_tap: Option<String>,
+    net_ip: Option<String>,
+    disk: Option<std::path::PathBuf>,
 }
 
 fn default_duration() -> f64 {
@@ -74,6 +77,9 @@ fn build_config(req: &Value) -> Result<nl_vmm::VmConfig, String> {
         mem: r.mem.map(|s| s.bytes()).transpose()?.unwrap_or(dm.mem),
         vcpus: r.vcpus.unwrap_or(dm.vcpus),
         timer_hz: r.timer_hz.unwrap_or(dm.timer_hz),
+        net_ip: r.net_ip.unwrap_or(dm.net_ip.clone()),
+        net_tap: r.net_tap,
+        disk: r.disk,
         ..dm
     };
     let params = guest::workload_params(&w, r.duration).map_err(|e| e.to_string())?;
@@ -82,6 +88,9 @@ fn build_config(req: &Value) -> Result<nl_vmm::VmConfig, String> {
 }
 
 pub fn host(a: HostArgs) -> Result<ExitCode> {
+    // Fatal signals, panics and hangs anywhere in this VMM are detected and
+    // reported; the recovery policy decides what follows.
+    nl_vmm::detect::install(a.recovery.policy());
     let main_ns = nl_vmm::handover::mono_ns();
     if let (Some(record), Some(ctl)) = (a.handover_fd, a.handover_ctl) {
         // A successor after a handover: take the VMs and the socket over.
@@ -105,10 +114,34 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let host = nl_vmm::host::Host::new()?;
+    selftest();
     eprintln!("ninelives host: serving the API on {}", a.api.display());
     nl_vmm::api::serve(host, &a.api, Arc::new(build_config))
         .with_context(|| format!("host on {}", a.api.display()))?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// `NINELIVES_DETECT_SELFTEST=segv|panic|hang` makes a thread of the host
+/// fail that way, so tests can check each detector end to end.
+fn selftest() {
+    let Ok(what) = std::env::var("NINELIVES_DETECT_SELFTEST") else { return };
+    let _ = std::thread::Builder::new().name("selftest".into()).spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        match what.as_str() {
+            // SAFETY: raising a signal on the calling thread has no memory effects.
+            "segv" => unsafe {
+                libc::raise(libc::SIGSEGV);
+            },
+            "panic" => panic!("detector self-test"),
+            "hang" => {
+                let _p = nl_vmm::detect::track();
+                loop {
+                    std::hint::spin_loop();
+                }
+            }
+            _ => {}
+        }
+    });
 }
 
 pub fn api_client(a: ApiArgs) -> Result<ExitCode> {

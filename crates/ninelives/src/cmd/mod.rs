@@ -6,6 +6,7 @@ pub mod bench_rejuvenate;
 pub mod bench_replicate;
 pub mod checkpoint;
 pub mod host;
+pub mod inject;
 pub mod ping;
 pub mod rejuvenate;
 pub mod replicate;

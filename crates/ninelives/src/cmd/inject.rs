@@ -1,0 +1,867 @@
+//! `ninelives inject`: fault-injection campaigns against `ninelives host`
+//! processes, and `ninelives inject merge` of their JSON results.
+//!
+//! Each run is an independent `ninelives host` process with the detectors
+//! on. The setup's VMs are created over its API, the injector
+//! ([`crate::injector`]) puts one fault into one of its threads, and the run
+//! is classified as in the NiLiHype paper: non-manifested, SDC (no detector
+//! fired but a digest is wrong, a VM failed, or the ping lost more than 10%
+//! in a 1-second window) or detected; a detected run is recovered (at most
+//! one VM affected and the VMM still creates and runs a new VM; for `1vm`,
+//! no VM affected), and among those no-VM-failure, or failed with a reason.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand, ValueEnum};
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use crate::cli::{RecoveryName, WorkloadArgs, WorkloadName};
+use crate::injector::{self, Fault, Injection, Plan, Target};
+
+#[derive(Args, Clone, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct InjectArgs {
+    #[command(subcommand)]
+    pub sub: Option<InjectSub>,
+    /// The fault to inject (`none`: control runs without a fault).
+    #[arg(long, value_enum)]
+    pub fault: Option<Fault>,
+    /// 1vm: one VM (exits); 3vm: exits + netbench with a 1 ms ping, then a new blkbench VM.
+    #[arg(long, value_enum, default_value_t = Setup::OneVm)]
+    pub setup: Setup,
+    /// What the VMM does after a detected error.
+    #[arg(long, value_enum, default_value_t = RecoveryName::None)]
+    pub recovery: RecoveryName,
+    /// Number of runs.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub runs: u32,
+    /// Seed of the first run; run i uses seed S+i (replay a run with --runs 1 --seed its seed).
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Runs in parallel.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub jobs: u32,
+    /// Which VMM threads may be targeted.
+    #[arg(long, value_enum, default_value_t = Target::Vcpu)]
+    pub target: Target,
+    /// Seconds the initial VMs run (default: 2 for 1vm, 6 for 3vm).
+    #[arg(long)]
+    pub duration: Option<f64>,
+    /// Stop starting runs after this many seconds (runs under way finish).
+    #[arg(long)]
+    pub time_limit: Option<f64>,
+    /// Append one JSON line per run (the replayable injection log) to this file.
+    #[arg(long)]
+    pub log: Option<PathBuf>,
+    /// Print one JSON line per run, and the summary as the last line of stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Subcommand, Clone, Debug)]
+pub enum InjectSub {
+    /// Merge the summaries (last JSON line) of campaign outputs of the same
+    /// fault, setup and recovery into one.
+    Merge {
+        /// Files holding `ninelives inject --json` output.
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// Print the merged summary as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Setup {
+    #[value(name = "1vm")]
+    OneVm,
+    #[value(name = "3vm")]
+    ThreeVm,
+}
+
+impl Setup {
+    fn name(self) -> &'static str {
+        match self {
+            Setup::OneVm => "1vm",
+            Setup::ThreeVm => "3vm",
+        }
+    }
+}
+
+/// Set by SIGINT/SIGTERM: stop stepping, detach, clean up, report.
+static CANCEL: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_cancel(_: libc::c_int) {
+    CANCEL.store(true, Relaxed);
+}
+
+fn install_cancel_handler() {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        unsafe { libc::signal(sig, on_cancel as *const () as libc::sighandler_t) };
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct Outcomes {
+    pub non_manifested: u64,
+    pub sdc: u64,
+    pub detected: u64,
+    /// Detected and recovered (includes no_vm_failure).
+    pub recovered: u64,
+    /// Detected, recovered, and no VM failed at all.
+    pub no_vm_failure: u64,
+    /// Detected and not recovered.
+    pub failed: u64,
+}
+
+/// The class of one run.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunRecord {
+    pub run: u32,
+    pub seed: u64,
+    pub fault: &'static str,
+    pub setup: &'static str,
+    pub recovery: &'static str,
+    pub plan: Plan,
+    pub injection: Option<Injection>,
+    /// non_manifested, sdc, detected, or skipped (the fault did not go in).
+    pub outcome: &'static str,
+    /// For detected runs: recovered, no_vm_failure or failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub result: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detector: Option<Value>,
+    pub reason: String,
+    pub elapsed_ms: u64,
+}
+
+/// Wilson score interval (95%) for k successes out of n.
+pub fn wilson(k: u64, n: u64) -> (f64, f64) {
+    if n == 0 {
+        return (0.0, 1.0);
+    }
+    let (n, p, z) = (n as f64, k as f64 / n as f64, 1.959_964f64);
+    let denom = 1.0 + z * z / n;
+    let centre = (p + z * z / (2.0 * n)) / denom;
+    let half = z * ((p * (1.0 - p) / n + z * z / (4.0 * n * n)).sqrt()) / denom;
+    ((centre - half).max(0.0), (centre + half).min(1.0))
+}
+
+fn round4(x: f64) -> f64 {
+    (x * 1e4).round() / 1e4
+}
+
+fn summary(
+    fault: &str,
+    setup: &str,
+    recovery: &str,
+    o: &Outcomes,
+    skipped: u64,
+    elapsed_s: f64,
+    seed: u64,
+) -> Value {
+    let runs = o.non_manifested + o.sdc + o.detected;
+    let rate = if o.detected > 0 { o.recovered as f64 / o.detected as f64 } else { 0.0 };
+    let (lo, hi) = wilson(o.recovered, o.detected);
+    json!({
+        "runs": runs, "fault": fault, "setup": setup, "recovery": recovery,
+        "outcomes": o,
+        "success_rate": round4(rate), "success_ci95": [round4(lo), round4(hi)],
+        "runs_per_min": round4(if elapsed_s > 0.0 { (runs + skipped) as f64 * 60.0 / elapsed_s } else { 0.0 }),
+        "skipped": skipped, "elapsed_s": round4(elapsed_s), "seed": seed,
+    })
+}
+
+fn print_table(s: &Value) {
+    let o = &s["outcomes"];
+    let runs = s["runs"].as_u64().unwrap_or(0).max(1) as f64;
+    let pct = |k: &str| 100.0 * o[k].as_u64().unwrap_or(0) as f64 / runs;
+    println!(
+        "campaign: fault {} setup {} recovery {}: {} runs ({} skipped), {:.1} runs/min",
+        s["fault"].as_str().unwrap_or("?"),
+        s["setup"].as_str().unwrap_or("?"),
+        s["recovery"].as_str().unwrap_or("?"),
+        s["runs"],
+        s["skipped"],
+        s["runs_per_min"].as_f64().unwrap_or(0.0)
+    );
+    println!("  {:<16} {:>6} {:>7}", "outcome", "runs", "share");
+    for k in ["non_manifested", "sdc", "detected"] {
+        println!("  {k:<16} {:>6} {:>6.1}%", o[k].as_u64().unwrap_or(0), pct(k));
+    }
+    for k in ["recovered", "no_vm_failure", "failed"] {
+        println!("    {k:<14} {:>6}", o[k].as_u64().unwrap_or(0));
+    }
+    println!(
+        "  success rate (recovered/detected) {:.3}, 95% CI [{:.3}, {:.3}]",
+        s["success_rate"].as_f64().unwrap_or(0.0),
+        s["success_ci95"][0].as_f64().unwrap_or(0.0),
+        s["success_ci95"][1].as_f64().unwrap_or(0.0)
+    );
+}
+
+pub fn inject(a: InjectArgs) -> Result<ExitCode> {
+    if let Some(InjectSub::Merge { files, json }) = a.sub {
+        return merge(&files, json);
+    }
+    let Some(fault) = a.fault else {
+        bail!("inject needs --fault failstop|register|code|none (or the merge subcommand)");
+    };
+    let duration = a.duration.unwrap_or(match a.setup {
+        Setup::OneVm => 2.0,
+        Setup::ThreeVm => 6.0,
+    });
+    if !(duration.is_finite() && (0.5..=600.0).contains(&duration)) {
+        bail!("--duration {duration} must be between 0.5 and 600 seconds");
+    }
+    if let Some(t) = a.time_limit {
+        if !(t.is_finite() && t > 0.0) {
+            bail!("--time-limit must be a positive number of seconds");
+        }
+    }
+    if a.seed.checked_add(u64::from(a.runs)).is_none() {
+        bail!("--seed {} is too large for {} runs", a.seed, a.runs);
+    }
+    if a.setup == Setup::ThreeVm && !netns_available() {
+        bail!("the 3vm setup needs root and iproute2 (ip netns) for its network namespace");
+    }
+    nl_vmm::open_kvm()?;
+    let mut log = match &a.log {
+        Some(p) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .with_context(|| format!("cannot open --log {}", p.display()))?,
+        ),
+        None => None,
+    };
+    install_cancel_handler();
+    let cfg = Arc::new(Campaign {
+        fault,
+        setup: a.setup,
+        recovery: a.recovery,
+        target: a.target,
+        duration,
+        exe: std::env::current_exe().context("cannot find the ninelives binary")?,
+    });
+    let start = Instant::now();
+    let limit = a.time_limit.map(Duration::from_secs_f64);
+    let pb = if a.json {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(u64::from(a.runs))
+    };
+    pb.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} runs  {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let next = Arc::new(AtomicU32::new(0));
+    let (tx, rx) = std::sync::mpsc::channel::<RunRecord>();
+    let mut workers = Vec::new();
+    for slot in 0..a.jobs.min(a.runs) {
+        let (cfg, next, tx) = (cfg.clone(), next.clone(), tx.clone());
+        let (runs, seed0) = (a.runs, a.seed);
+        workers.push(std::thread::spawn(move || -> Result<()> {
+            let ns = match cfg.setup {
+                Setup::ThreeVm => Some(Netns::new(slot)?),
+                Setup::OneVm => None,
+            };
+            loop {
+                let i = next.fetch_add(1, Relaxed);
+                if i >= runs || CANCEL.load(Relaxed) || limit.is_some_and(|l| start.elapsed() > l) {
+                    return Ok(());
+                }
+                let rec = run_one(&cfg, i, seed0 + u64::from(i), slot, ns.as_ref());
+                if CANCEL.load(Relaxed) {
+                    return Ok(()); // an interrupted run is not classified
+                }
+                let _ = tx.send(rec);
+            }
+        }));
+    }
+    drop(tx);
+    let mut o = Outcomes::default();
+    let mut skipped = 0;
+    for rec in rx {
+        match (rec.outcome, rec.result) {
+            ("non_manifested", _) => o.non_manifested += 1,
+            ("sdc", _) => o.sdc += 1,
+            ("detected", r) => {
+                o.detected += 1;
+                match r {
+                    Some("no_vm_failure") => {
+                        o.recovered += 1;
+                        o.no_vm_failure += 1
+                    }
+                    Some("recovered") => o.recovered += 1,
+                    _ => o.failed += 1,
+                }
+            }
+            _ => skipped += 1,
+        }
+        let line = serde_json::to_string(&rec).unwrap_or_default();
+        if let Some(f) = log.as_mut() {
+            let _ = writeln!(f, "{line}");
+        }
+        if a.json {
+            println!("{line}");
+        }
+        pb.inc(1);
+        pb.set_message(format!(
+            "nm {} sdc {} det {} skip {}",
+            o.non_manifested, o.sdc, o.detected, skipped
+        ));
+    }
+    let mut errors = Vec::new();
+    for w in workers {
+        match w.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => errors.push(format!("{e:#}")),
+            Err(_) => errors.push("a campaign worker panicked".into()),
+        }
+    }
+    pb.finish_and_clear();
+    let elapsed = start.elapsed().as_secs_f64();
+    let s = summary(fault.name(), a.setup.name(), a.recovery.name(), &o, skipped, elapsed, a.seed);
+    let interrupted = CANCEL.load(Relaxed);
+    if a.json {
+        let mut s = s;
+        if interrupted {
+            s["interrupted"] = json!(true);
+        }
+        println!("{s}");
+    } else {
+        print_table(&s);
+        if interrupted {
+            println!("  interrupted: runs under way were detached, killed and not counted");
+        }
+    }
+    if let Some(e) = errors.first() {
+        bail!("{e}");
+    }
+    Ok(if interrupted { ExitCode::from(130) } else { ExitCode::SUCCESS })
+}
+
+fn merge(files: &[PathBuf], json_out: bool) -> Result<ExitCode> {
+    let mut total = Outcomes::default();
+    let (mut skipped, mut elapsed) = (0u64, 0f64);
+    let mut key: Option<(String, String, String)> = None;
+    let mut seed = u64::MAX;
+    for f in files {
+        let text =
+            std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))?;
+        let s: Value = text
+            .lines()
+            .rev()
+            .find_map(|l| {
+                serde_json::from_str::<Value>(l).ok().filter(|v| v.get("outcomes").is_some())
+            })
+            .with_context(|| format!("{}: no campaign summary line in it", f.display()))?;
+        let get = |k: &str| s[k].as_str().unwrap_or("").to_string();
+        let k = (get("fault"), get("setup"), get("recovery"));
+        match &key {
+            None => key = Some(k),
+            Some(k0) if *k0 != k => bail!(
+                "{}: fault/setup/recovery {:?} differ from {:?} of the first file",
+                f.display(),
+                k,
+                k0
+            ),
+            _ => {}
+        }
+        let o: Outcomes = serde_json::from_value(s["outcomes"].clone())
+            .with_context(|| format!("{}: malformed outcomes", f.display()))?;
+        total.non_manifested += o.non_manifested;
+        total.sdc += o.sdc;
+        total.detected += o.detected;
+        total.recovered += o.recovered;
+        total.no_vm_failure += o.no_vm_failure;
+        total.failed += o.failed;
+        skipped += s["skipped"].as_u64().unwrap_or(0);
+        elapsed += s["elapsed_s"].as_f64().unwrap_or(0.0);
+        seed = seed.min(s["seed"].as_u64().unwrap_or(0));
+    }
+    let (f, su, r) = key.unwrap_or_default();
+    // runs_per_min of a merge: runs per minute of machine time, summed over the files.
+    let s = summary(&f, &su, &r, &total, skipped, elapsed, seed);
+    if json_out {
+        println!("{s}");
+    } else {
+        print_table(&s);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+struct Campaign {
+    fault: Fault,
+    setup: Setup,
+    recovery: RecoveryName,
+    target: Target,
+    duration: f64,
+    exe: PathBuf,
+}
+
+fn netns_available() -> bool {
+    // SAFETY: geteuid has no arguments and cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    root && Command::new("ip").arg("-V").output().is_ok_and(|o| o.status.success())
+}
+
+/// A network namespace with TAP `nltap0` at 10.0.0.1/24, deleted on drop.
+struct Netns(String);
+
+impl Netns {
+    fn new(slot: u32) -> Result<Netns> {
+        let name = format!("nl-inj-{}-{slot}", std::process::id());
+        let ip = |args: &[&str]| {
+            Command::new("ip")
+                .args(args)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if !ip(&["netns", "add", &name]) {
+            bail!("cannot create network namespace {name}");
+        }
+        let ns = Netns(name);
+        for args in [
+            &["tuntap", "add", "dev", "nltap0", "mode", "tap"][..],
+            &["addr", "add", "10.0.0.1/24", "dev", "nltap0"],
+            &["link", "set", "nltap0", "up"],
+            &["link", "set", "lo", "up"],
+        ] {
+            let mut full = vec!["netns", "exec", &ns.0, "ip"];
+            full.extend_from_slice(args);
+            if !ip(&full) {
+                bail!("ip {} failed in namespace {}", args.join(" "), ns.0);
+            }
+        }
+        Ok(ns)
+    }
+
+    fn command(&self, exe: &Path) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.0]).arg(exe);
+        c
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+/// A child process in its own process group (a terminal's Ctrl-C does not
+/// reach it), killed and reaped on drop.
+struct Proc {
+    child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+    reader: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Proc {
+    fn spawn(mut cmd: Command, capture_stdout: bool) -> Result<Proc> {
+        cmd.process_group(0).stdin(Stdio::null()).stderr(Stdio::piped());
+        cmd.stdout(if capture_stdout { Stdio::piped() } else { Stdio::null() });
+        let mut child = cmd.spawn().context("cannot start a child process")?;
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let err = child.stderr.take();
+        let l = lines.clone();
+        let reader = std::thread::spawn(move || {
+            if let Some(e) = err {
+                for line in BufReader::new(e).lines().map_while(Result::ok) {
+                    l.lock().unwrap_or_else(|p| p.into_inner()).push(line);
+                }
+            }
+        });
+        Ok(Proc { child, lines, reader: Some(reader) })
+    }
+
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    /// Waits up to `limit` for the process to end.
+    fn wait_for(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let t = Instant::now();
+        loop {
+            if let Some(s) = self.exited() {
+                if let Some(r) = self.reader.take() {
+                    let _ = r.join();
+                }
+                return Some(s);
+            }
+            if t.elapsed() > limit {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn detection(&self) -> Option<Value> {
+        let lines = self.lines.lock().unwrap_or_else(|p| p.into_inner());
+        lines.iter().find_map(|l| {
+            l.strip_prefix(nl_vmm::detect::REPORT_PREFIX).and_then(|j| serde_json::from_str(j).ok())
+        })
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if self.exited().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+    }
+}
+
+struct RunDir(PathBuf);
+
+impl Drop for RunDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn api(sock: &Path, req: Value) -> Result<Value> {
+    let r = nl_vmm::api::request(sock, &req)?;
+    if r.get("ok") != Some(&Value::Bool(true)) {
+        bail!("host refused {req}: {}", r["error"]);
+    }
+    Ok(r)
+}
+
+/// A VM the run created and how to verify it.
+struct RunVm {
+    id: u32,
+    workload: WorkloadName,
+    duration: f64,
+}
+
+/// The verdict on one VM: None if fine, else why it failed.
+fn vm_problem(sock: &Path, vm: &RunVm) -> Option<String> {
+    let r = match api(sock, json!({"op":"stats","id":vm.id})) {
+        Ok(r) => r,
+        Err(e) => return Some(format!("vm{}: no stats: {e:#}", vm.id)),
+    };
+    let st = &r["stats"];
+    let state = st["state"].as_str().unwrap_or("?");
+    if state != "completed" {
+        return Some(format!("vm{} ({}): {state}", vm.id, vm.workload.name()));
+    }
+    let regs: Vec<nl_devices::control::VcpuRegsSnapshot> = st["vcpus"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|v| serde_json::from_value(v["regs"].clone()).ok()).collect())
+        .unwrap_or_default();
+    let w = WorkloadArgs { workload: vm.workload, ..WorkloadArgs::default() };
+    let params = match crate::guest::workload_params(&w, vm.duration) {
+        Ok(p) => p,
+        Err(e) => return Some(format!("vm{}: {e:#}", vm.id)),
+    };
+    if vm.workload == WorkloadName::Netbench {
+        // netbench's digest covers only its poll rounds; what it answered is checked by the ping.
+        return None;
+    }
+    crate::verify::verify_vcpus(&params, &regs, 0)
+        .into_iter()
+        .find_map(|v| v.problem)
+        .map(|p| format!("vm{} ({}): {p}", vm.id, vm.workload.name()))
+}
+
+fn create_vm(sock: &Path, w: WorkloadName, extra: Value, dur: f64) -> Result<RunVm> {
+    let mut req = json!({"op":"create","workload":w.name(),"duration":dur,"mem":"64M"});
+    if let (Some(o), Some(e)) = (req.as_object_mut(), extra.as_object()) {
+        o.extend(e.clone());
+    }
+    let id = api(sock, req)?["id"].as_u64().context("no VM id")? as u32;
+    Ok(RunVm { id, workload: w, duration: dur })
+}
+
+/// Waits until none of `vms` is running (or the host ended, or `limit`).
+fn wait_vms(host: &mut Proc, sock: &Path, vms: &[RunVm], limit: Duration) {
+    let t = Instant::now();
+    while t.elapsed() < limit && host.exited().is_none() && !CANCEL.load(Relaxed) {
+        let Ok(r) = api(sock, json!({"op":"list"})) else { return };
+        let running = r["vms"].as_array().is_some_and(|a| {
+            a.iter().any(|v| {
+                vms.iter().any(|m| v["id"] == m.id)
+                    && matches!(v["state"].as_str(), Some("running" | "paused"))
+            })
+        });
+        if !running {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn run_one(cfg: &Campaign, run: u32, seed: u64, slot: u32, ns: Option<&Netns>) -> RunRecord {
+    let t0 = Instant::now();
+    let d = cfg.duration;
+    let window = match cfg.setup {
+        // The paper: after the first 10% and before the last 10% of the run.
+        Setup::OneVm => ((d * 100.0) as u64, (d * 900.0) as u64),
+        // The paper: 0.5 s to 6 s of 24 s; here the first half of the run.
+        Setup::ThreeVm => (500, (d * 500.0) as u64),
+    };
+    let plan = Plan::from_seed(seed, cfg.fault, window);
+    let mut rec = RunRecord {
+        run,
+        seed,
+        fault: cfg.fault.name(),
+        setup: cfg.setup.name(),
+        recovery: cfg.recovery.name(),
+        plan: plan.clone(),
+        injection: None,
+        outcome: "skipped",
+        result: None,
+        detector: None,
+        reason: String::new(),
+        elapsed_ms: 0,
+    };
+    if let Err(e) = run_body(cfg, &plan, slot, ns, &mut rec) {
+        rec.outcome = "skipped";
+        rec.reason = format!("run error: {e:#}");
+    }
+    rec.elapsed_ms = t0.elapsed().as_millis() as u64;
+    rec
+}
+
+fn run_body(
+    cfg: &Campaign,
+    plan: &Plan,
+    slot: u32,
+    ns: Option<&Netns>,
+    rec: &mut RunRecord,
+) -> Result<()> {
+    let dir = RunDir(std::env::temp_dir().join(format!(
+        "ninelives-inject-{}-{slot}-{}",
+        std::process::id(),
+        plan.seed
+    )));
+    let _ = std::fs::remove_dir_all(&dir.0);
+    std::fs::create_dir_all(&dir.0)?;
+    let sock = dir.0.join("api.sock");
+    let mut cmd = match ns {
+        Some(ns) => ns.command(&cfg.exe),
+        None => Command::new(&cfg.exe),
+    };
+    cmd.arg("host").arg("--api").arg(&sock).args(["--recovery", cfg.recovery.name()]);
+    let mut host = Proc::spawn(cmd, false)?;
+    let t = Instant::now();
+    while api(&sock, json!({"op":"list"})).is_err() {
+        if host.exited().is_some() || t.elapsed() > Duration::from_secs(10) {
+            bail!("the host did not come up");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let d = cfg.duration;
+    let mut vms = Vec::new();
+    vms.push(create_vm(&sock, WorkloadName::Exits, json!({}), d)?);
+    let window_start = Instant::now();
+    let mut ping = None;
+    if let Some(ns) = ns {
+        let extra = json!({"net_tap":"nltap0","net_ip":"10.0.0.2/24"});
+        vms.push(create_vm(&sock, WorkloadName::Netbench, extra, d)?);
+        // Wait (bounded) until the guest answers, then ping for the rest of its run.
+        let t = Instant::now();
+        loop {
+            let mut c = ns.command(&cfg.exe);
+            c.args(["ping", "--target", "10.0.0.2", "--interval", "10ms", "--duration", "0.05"]);
+            let o = c.stderr(Stdio::null()).output()?;
+            if o.status.success() {
+                break;
+            }
+            if t.elapsed() > Duration::from_secs(10) {
+                bail!("the netbench guest never answered");
+            }
+        }
+        let left = d - window_start.elapsed().as_secs_f64() - 0.5;
+        if left < 1.0 {
+            bail!("--duration {d} leaves no time to ping");
+        }
+        let mut c = ns.command(&cfg.exe);
+        c.args(["ping", "--target", "10.0.0.2", "--interval", "1ms", "--json", "--duration"])
+            .arg(format!("{left:.2}"));
+        ping = Some(Proc::spawn(c, true)?);
+    }
+    // First-level trigger.
+    let at = window_start + Duration::from_millis(plan.trigger_ms);
+    while Instant::now() < at {
+        if CANCEL.load(Relaxed) {
+            return Ok(());
+        }
+        std::thread::sleep(
+            Duration::from_millis(5).min(at.saturating_duration_since(Instant::now())),
+        );
+    }
+    let threads = injector::candidate_threads(host.pid(), cfg.target);
+    let injection = if threads.is_empty() {
+        None
+    } else {
+        let (name, tid) = &threads[(plan.thread_pick % threads.len() as u64) as usize];
+        let deadline = Instant::now() + Duration::from_secs(20);
+        Some(injector::inject_thread(plan, name, *tid, &CANCEL, deadline))
+    };
+    let skipped = match &injection {
+        None => Some("no target thread".to_string()),
+        Some(i) if cfg.fault != Fault::None => i.skipped.clone(),
+        Some(_) => None,
+    };
+    rec.injection = injection.clone();
+    if CANCEL.load(Relaxed) {
+        return Ok(());
+    }
+    if let Some(s) = skipped {
+        rec.reason = s;
+        return Ok(());
+    }
+    // Let the run play out: the VMs finish, fail, or the VMM ends.
+    wait_vms(&mut host, &sock, &vms, Duration::from_secs_f64(d + 20.0));
+    if api(&sock, json!({"op":"list"})).is_err() || host.detection().is_some() {
+        // A host that stopped answering or reported an error may be ending: let it.
+        host.wait_for(Duration::from_secs(2));
+    }
+    if let Some(inj) = &injection {
+        if inj.repair_addr.is_some() && (host.detection().is_some() || host.exited().is_none()) {
+            // Code faults act as transient: repaired once detected or at the run's end.
+            injector::repair(host.pid(), inj);
+        }
+    }
+    let mut problems: Vec<String> = Vec::new();
+    let mut affected = 0;
+    let alive = host.exited().is_none();
+    if alive {
+        for vm in &vms {
+            if let Some(p) = vm_problem(&sock, vm) {
+                problems.push(p);
+                affected += 1;
+            }
+        }
+    }
+    if let Some(mut p) = ping.take() {
+        p.wait_for(Duration::from_secs_f64(d + 5.0));
+        let mut out = String::new();
+        if let Some(o) = p.child.stdout.as_mut() {
+            let _ = std::io::Read::read_to_string(o, &mut out);
+        }
+        let j: Value =
+            out.lines().last().and_then(|l| serde_json::from_str(l).ok()).unwrap_or(Value::Null);
+        let bad = j["bad_windows"].as_array().is_none_or(|a| !a.is_empty());
+        if j["received"].as_u64().unwrap_or(0) == 0 || bad {
+            problems.push(format!(
+                "ping: {} of {} received, {} window(s) below 90%",
+                j["received"],
+                j["sent"],
+                j["bad_windows"].as_array().map_or(0, Vec::len)
+            ));
+            // The netbench VM counts once, whether its digest or its ping failed.
+            if alive && !vms.iter().skip(1).any(|v| vm_problem(&sock, v).is_some()) {
+                affected += 1;
+            }
+        }
+    }
+    // 3vm: the VMM must still create and run a new VM to completion.
+    let mut new_vm_ok = true;
+    if cfg.setup == Setup::ThreeVm && host.exited().is_none() {
+        let disk = dir.0.join("blk.img");
+        crate::guest::ensure_disk(&disk, crate::guest::DEFAULT_DISK_BYTES)?;
+        match create_vm(&sock, WorkloadName::Blkbench, json!({"disk": disk}), 1.0) {
+            Err(e) => {
+                problems.push(format!("new VM: {e:#}"));
+                new_vm_ok = false;
+            }
+            Ok(new) => {
+                let new = [new];
+                wait_vms(&mut host, &sock, &new, Duration::from_secs(30));
+                if let Some(p) = vm_problem(&sock, &new[0]) {
+                    problems.push(format!("new VM: {p}"));
+                    new_vm_ok = false;
+                }
+            }
+        }
+    }
+    let detection = host.detection();
+    // End the host: a clean shutdown if it is still there.
+    if host.exited().is_none() {
+        let _ = nl_vmm::api::request(&sock, &json!({"op":"shutdown"}));
+        host.wait_for(Duration::from_secs(10));
+    }
+    let status = host.wait_for(Duration::from_millis(100));
+    let detection = detection.or_else(|| host.detection());
+    if let Some(det) = detection {
+        rec.outcome = "detected";
+        rec.detector = Some(det.clone());
+        let what = format!(
+            "{} on {}",
+            det["detector"].as_str().unwrap_or("?"),
+            det["thread"].as_str().unwrap_or("?")
+        );
+        if !alive {
+            rec.result = Some("failed");
+            rec.reason =
+                format!("{what}: the VMM ended with its VMs (recovery {})", cfg.recovery.name());
+        } else {
+            let ok = match cfg.setup {
+                Setup::OneVm => affected == 0,
+                Setup::ThreeVm => affected <= 1 && new_vm_ok,
+            };
+            rec.result = Some(match (ok, affected) {
+                (true, 0) => "no_vm_failure",
+                (true, _) => "recovered",
+                _ => "failed",
+            });
+            rec.reason = format!("{what}; {}", problems.join("; "));
+        }
+    } else if !alive {
+        // The VMM died without a report (e.g. a signal that cannot be caught):
+        // the campaign agent sees it end, as the outside hypervisor would.
+        rec.outcome = "detected";
+        rec.result = Some("failed");
+        rec.detector = Some(json!({"detector":"vmm_exit","status": format!("{status:?}")}));
+        rec.reason = format!("the VMM ended without a report: {status:?}");
+    } else if problems.is_empty() {
+        rec.outcome = "non_manifested";
+    } else {
+        rec.outcome = "sdc";
+        rec.reason = problems.join("; ");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wilson_interval() {
+        let (lo, hi) = wilson(0, 0);
+        assert_eq!((lo, hi), (0.0, 1.0));
+        let (lo, hi) = wilson(50, 100);
+        assert!((lo - 0.4038).abs() < 1e-3 && (hi - 0.5962).abs() < 1e-3, "{lo} {hi}");
+        let (lo, hi) = wilson(100, 100);
+        assert!(lo > 0.96 && hi == 1.0);
+    }
+}

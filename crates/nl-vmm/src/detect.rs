@@ -1,0 +1,367 @@
+//! Error detectors of the VMM process: fatal signals on any thread, Rust
+//! panics (assertion failures included), and a hang watchdog.
+//!
+//! Every detection is reported on stderr as one machine-readable line,
+//! [`REPORT_PREFIX`] followed by a JSON object naming the detector, the
+//! thread and what it saw, e.g.
+//!
+//! ```text
+//! NINELIVES-DETECTED {"detector":"signal","signal":"SIGSEGV","thread":"vm0-vcpu0","tid":4242,"addr":"0x0","rip":"0x0"}
+//! NINELIVES-DETECTED {"detector":"panic","thread":"vm0-monitor","message":"...","location":"src/x.rs:1:2"}
+//! NINELIVES-DETECTED {"detector":"hang","thread":"vm0-vcpu0","tid":4242,"missed_checks":3}
+//! ```
+//!
+//! What happens next is the [`Recovery`] policy. `None` (the baseline) ends
+//! the VMM process, and with it all its VMs, with exit status
+//! [`DETECTED_EXIT`]. Recovery mechanisms plug in as further variants.
+//!
+//! Hang detection: each tracked thread owns a [`Progress`] with a beat
+//! counter and a "waiting" flag. A thread marks itself waiting while it is
+//! legitimately blocked (a vCPU inside KVM_RUN while the guest runs, a
+//! paused vCPU, a connection thread waiting for a request) and beats when it
+//! makes progress. Every 100 ms the watchdog checks each busy thread; three
+//! checks in a row without a beat are a hang. A check only counts when the
+//! watchdog itself woke on time, so a stalled host does not look like a hung
+//! VMM.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, Once, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+/// Exit status of a VMM ended by a detected error (recovery `none`).
+pub const DETECTED_EXIT: i32 = 86;
+
+/// Start of every detection line on stderr.
+pub const REPORT_PREFIX: &str = "NINELIVES-DETECTED ";
+
+/// Watchdog period and the number of silent periods that make a hang.
+pub const WATCHDOG_PERIOD: Duration = Duration::from_millis(100);
+pub const HANG_MISSES: u32 = 3;
+
+/// What the VMM does once an error is detected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Recovery {
+    /// End the VMM process (and its VMs) with [`DETECTED_EXIT`].
+    #[default]
+    None,
+}
+
+impl Recovery {
+    pub fn name(self) -> &'static str {
+        match self {
+            Recovery::None => "none",
+        }
+    }
+
+    /// Acts on a detected error. Must be async-signal-safe for `None`
+    /// (it is called from the fatal-signal handler).
+    fn act(self) -> ! {
+        match self {
+            // SAFETY: _exit is async-signal-safe and ends the process at once.
+            Recovery::None => unsafe { libc::_exit(DETECTED_EXIT) },
+        }
+    }
+}
+
+/// Progress of one tracked thread.
+pub struct Progress {
+    name: String,
+    tid: i32,
+    beats: AtomicU64,
+    waiting: AtomicBool,
+}
+
+impl Progress {
+    /// The thread made progress.
+    #[inline]
+    pub fn beat(&self) {
+        self.beats.fetch_add(1, Relaxed);
+    }
+
+    /// The thread is about to block legitimately (not checked until it
+    /// calls [`Progress::resume`]).
+    #[inline]
+    pub fn wait(&self) {
+        self.waiting.store(true, Relaxed);
+    }
+
+    /// The thread is running VMM code again.
+    #[inline]
+    pub fn resume(&self) {
+        self.beats.fetch_add(1, Relaxed);
+        self.waiting.store(false, Relaxed);
+    }
+}
+
+fn registry() -> &'static Mutex<Vec<Weak<Progress>>> {
+    static R: OnceLock<Mutex<Vec<Weak<Progress>>>> = OnceLock::new();
+    R.get_or_init(Mutex::default)
+}
+
+/// Registers the calling thread with the hang watchdog. The thread is
+/// checked while the returned handle lives and it is not waiting.
+pub fn track() -> Arc<Progress> {
+    let p = Arc::new(Progress {
+        name: std::thread::current().name().unwrap_or("unnamed").to_string(),
+        tid: gettid(),
+        beats: AtomicU64::new(0),
+        waiting: AtomicBool::new(false),
+    });
+    let mut r = registry().lock().unwrap_or_else(|e| e.into_inner());
+    r.retain(|w| w.strong_count() > 0);
+    r.push(Arc::downgrade(&p));
+    p
+}
+
+fn gettid() -> i32 {
+    // SAFETY: gettid has no arguments and cannot fail.
+    unsafe { libc::gettid() }
+}
+
+static RECOVERY: Mutex<Recovery> = Mutex::new(Recovery::None);
+
+/// The fatal signals the detector catches.
+pub const FATAL_SIGNALS: [(libc::c_int, &str); 6] = [
+    (libc::SIGSEGV, "SIGSEGV"),
+    (libc::SIGBUS, "SIGBUS"),
+    (libc::SIGILL, "SIGILL"),
+    (libc::SIGFPE, "SIGFPE"),
+    (libc::SIGTRAP, "SIGTRAP"),
+    (libc::SIGABRT, "SIGABRT"),
+];
+
+/// Installs all detectors once per process: the fatal-signal handler, the
+/// panic hook and the hang watchdog thread.
+pub fn install(recovery: Recovery) {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        *RECOVERY.lock().unwrap_or_else(|e| e.into_inner()) = recovery;
+        install_signal_handlers();
+        install_panic_hook();
+        let _ = std::thread::Builder::new().name("watchdog".into()).spawn(watchdog);
+    });
+}
+
+fn recovery() -> Recovery {
+    *RECOVERY.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn install_signal_handlers() {
+    for (sig, _) in FATAL_SIGNALS {
+        // SAFETY: a zeroed sigaction is a valid starting value; the handler is
+        // async-signal-safe and runs on the thread's alternate stack (std sets
+        // one up for every thread it spawns), so a corrupted RSP still reports.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_fatal_signal as *const () as usize;
+            sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(sig, &sa, std::ptr::null_mut());
+        }
+    }
+}
+
+/// A fixed buffer for building the report line without allocating.
+struct Line {
+    buf: [u8; 384],
+    len: usize,
+}
+
+impl Line {
+    fn push(&mut self, s: &[u8]) {
+        for &b in s {
+            if self.len < self.buf.len() - 1 {
+                self.buf[self.len] = b;
+                self.len += 1;
+            }
+        }
+    }
+
+    fn hex(&mut self, v: u64) {
+        self.push(b"0x");
+        let mut started = false;
+        for i in (0..16).rev() {
+            let d = ((v >> (i * 4)) & 0xf) as u8;
+            if d != 0 || started || i == 0 {
+                started = true;
+                self.push(&[b"0123456789abcdef"[d as usize]]);
+            }
+        }
+    }
+
+    fn dec(&mut self, v: u64) {
+        let mut digits = [0u8; 20];
+        let mut n = 0;
+        let mut v = v;
+        loop {
+            digits[n] = b'0' + (v % 10) as u8;
+            n += 1;
+            v /= 10;
+            if v == 0 {
+                break;
+            }
+        }
+        for i in (0..n).rev() {
+            self.push(&[digits[i]]);
+        }
+    }
+
+    fn write_stderr(&mut self) {
+        self.push(b"\n");
+        // SAFETY: write(2) is async-signal-safe; the buffer is valid for len bytes.
+        unsafe { libc::write(2, self.buf.as_ptr().cast(), self.len) };
+    }
+}
+
+extern "C" fn on_fatal_signal(
+    sig: libc::c_int,
+    info: *mut libc::siginfo_t,
+    ctx: *mut libc::c_void,
+) {
+    let mut name = [0u8; 17];
+    // SAFETY: PR_GET_NAME writes at most 16 bytes into the 17-byte buffer.
+    unsafe { libc::prctl(libc::PR_GET_NAME, name.as_mut_ptr()) };
+    // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler.
+    let addr = unsafe { (*info).si_addr() } as u64;
+    // SAFETY: the kernel passes a valid ucontext_t for an SA_SIGINFO handler.
+    let rip =
+        unsafe { (*(ctx as *const libc::ucontext_t)).uc_mcontext.gregs[libc::REG_RIP as usize] };
+    let signame = FATAL_SIGNALS.iter().find(|(s, _)| *s == sig).map_or("?", |(_, n)| n);
+    let mut l = Line { buf: [0; 384], len: 0 };
+    l.push(REPORT_PREFIX.as_bytes());
+    l.push(b"{\"detector\":\"signal\",\"signal\":\"");
+    l.push(signame.as_bytes());
+    l.push(b"\",\"thread\":\"");
+    for &b in name.iter().take_while(|&&b| b != 0) {
+        l.push(&[if b.is_ascii_graphic() && b != b'"' && b != b'\\' { b } else { b'?' }]);
+    }
+    l.push(b"\",\"tid\":");
+    l.dec(gettid() as u64);
+    l.push(b",\"addr\":\"");
+    l.hex(addr);
+    l.push(b"\",\"rip\":\"");
+    l.hex(rip as u64);
+    l.push(b"\"}");
+    l.write_stderr();
+    // Only `None` exists; a recovery policy that resumes must not return into
+    // the faulting instruction, and must stay async-signal-safe here.
+    Recovery::None.act();
+}
+
+fn install_panic_hook() {
+    std::panic::set_hook(Box::new(|info| {
+        let thread = std::thread::current().name().unwrap_or("unnamed").to_string();
+        let message = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "panic".into());
+        let location = info.location().map(|l| l.to_string()).unwrap_or_default();
+        report(&serde_json::json!({
+            "detector": "panic", "thread": thread, "tid": gettid(),
+            "message": message, "location": location,
+        }));
+        recovery().act();
+    }));
+}
+
+fn report(v: &serde_json::Value) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{REPORT_PREFIX}{v}");
+}
+
+fn watchdog() {
+    // Per tracked thread: the beats seen at the last check and the misses since.
+    let mut seen: Vec<(Weak<Progress>, u64, u32, u64)> = Vec::new();
+    let mut last = Instant::now();
+    loop {
+        std::thread::sleep(WATCHDOG_PERIOD);
+        let now = Instant::now();
+        // A late wake-up means the host was stalled: skip this check.
+        let on_time = now.duration_since(last) < WATCHDOG_PERIOD * 3 / 2;
+        last = now;
+        let live: Vec<Arc<Progress>> = registry()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        seen.retain(|(w, _, _, _)| w.strong_count() > 0);
+        for p in live {
+            let beats = p.beats.load(Relaxed);
+            let idx = match seen.iter().position(|(w, _, _, _)| std::ptr::eq(w.as_ptr(), &*p)) {
+                Some(i) => i,
+                None => {
+                    seen.push((Arc::downgrade(&p), beats, 0, 0));
+                    continue;
+                }
+            };
+            let entry = &mut seen[idx];
+            if p.waiting.load(Relaxed) || beats != entry.1 {
+                entry.1 = beats;
+                entry.2 = 0;
+            } else if on_time && !excused(p.tid, &mut entry.3) {
+                entry.2 += 1;
+                if entry.2 >= HANG_MISSES {
+                    report(&serde_json::json!({
+                        "detector": "hang", "thread": p.name, "tid": p.tid,
+                        "missed_checks": entry.2,
+                    }));
+                    recovery().act();
+                }
+            }
+        }
+    }
+}
+
+/// Whether thread `tid`, busy and silent since the last check, is not to
+/// be blamed for it: a thread stopped by a tracer or debugger, or runnable
+/// but given little CPU (a loaded host, or a single-stepping injector), is
+/// excused. Like the paper's watchdog, which counts 100 ms of unhalted
+/// cycles, a miss needs the thread to have spun (half a period of CPU) or to
+/// sleep while busy (stuck on a lock or a syscall).
+fn excused(tid: i32, last_ns: &mut u64) -> bool {
+    let state = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(") ").and_then(|(_, r)| r.chars().next()));
+    let ran_ns = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()))
+        .unwrap_or(0);
+    let ran = ran_ns.saturating_sub(*last_ns);
+    *last_ns = ran_ns;
+    match state {
+        Some('S' | 'D') => false,
+        Some('R') => ran < (WATCHDOG_PERIOD / 2).as_nanos() as u64,
+        _ => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn line_formats_numbers() {
+        let mut l = Line { buf: [0; 384], len: 0 };
+        l.hex(0);
+        l.push(b" ");
+        l.hex(0xdead_beef);
+        l.push(b" ");
+        l.dec(0);
+        l.push(b" ");
+        l.dec(1234567);
+        assert_eq!(&l.buf[..l.len], b"0x0 0xdeadbeef 0 1234567");
+    }
+
+    #[test]
+    fn progress_beats() {
+        let p = track();
+        p.wait();
+        assert!(p.waiting.load(Relaxed));
+        p.resume();
+        assert!(!p.waiting.load(Relaxed));
+        assert_eq!(p.beats.load(Relaxed), 1);
+    }
+}
