@@ -34,6 +34,9 @@ pub enum Command {
     Ping(PingArgs),
     /// Replace a running host's VMM process (same or new binary) while its VMs survive.
     Rejuvenate(crate::cmd::rejuvenate::RejuvenateArgs),
+    /// Load and check a kv server: ops/s, latency percentiles, and every
+    /// read checked against the last acknowledged write.
+    Kvload(crate::cmd::kvload::KvloadArgs),
 }
 
 #[derive(Args, Clone, Debug)]
@@ -95,6 +98,9 @@ pub enum WorkloadName {
     Blkbench,
     /// Answers UDP packets to port 7 (needs --net-tap and --net-ip).
     Netbench,
+    /// A key-value server on TCP port 7000 (needs --net-tap and --net-ip;
+    /// `ninelives kvload` drives and checks it).
+    Kv,
 }
 
 #[derive(

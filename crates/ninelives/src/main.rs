@@ -24,6 +24,7 @@ fn main() -> ExitCode {
         cli::Command::Restore(a) => cmd::checkpoint::restore(a),
         cli::Command::Ping(a) => cmd::ping::run(a),
         cli::Command::Rejuvenate(a) => cmd::rejuvenate::rejuvenate(a),
+        cli::Command::Kvload(a) => cmd::kvload::run(a),
     };
     match result {
         Ok(code) => code,

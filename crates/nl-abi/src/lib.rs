@@ -255,6 +255,11 @@ pub const WORKLOAD_BLKBENCH: u64 = 5;
 pub const WORKLOAD_NETBENCH: u64 = 6;
 /// UDP port netbench echoes on.
 pub const NETBENCH_UDP_PORT: u16 = 7;
+/// A key-value server over TCP on [`KV_TCP_PORT`] (needs one vCPU and a
+/// network device); its table lives in the working set.
+pub const WORKLOAD_KV: u64 = 7;
+/// TCP port the kv workload listens on.
+pub const KV_TCP_PORT: u16 = 7000;
 
 /// Access patterns of `memwrite` (`WorkloadParams::pattern`).
 pub const PATTERN_SEQUENTIAL: u64 = 0;

@@ -5,6 +5,7 @@ pub mod bench_checkpoint;
 pub mod bench_rejuvenate;
 pub mod checkpoint;
 pub mod host;
+pub mod kvload;
 pub mod ping;
 pub mod rejuvenate;
 pub mod run;
