@@ -37,6 +37,9 @@ pub enum Command {
     /// Load and check a kv server: ops/s, latency percentiles, and every
     /// read checked against the last acknowledged write.
     Kvload(crate::cmd::kvload::KvloadArgs),
+    /// Internal (bench): a host UDP echo responder, the netbench baseline.
+    #[command(hide = true)]
+    EchoServer(crate::cmd::echo_server::EchoServerArgs),
 }
 
 #[derive(Args, Clone, Debug)]

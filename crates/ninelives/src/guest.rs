@@ -85,12 +85,14 @@ impl WorkloadName {
         }
     }
 
-    pub const ALL: [WorkloadName; 5] = [
+    /// What `ninelives bench` measures by default.
+    pub const ALL: [WorkloadName; 6] = [
         WorkloadName::Memwrite,
         WorkloadName::Compute,
         WorkloadName::Exits,
         WorkloadName::Idle,
         WorkloadName::Blkbench,
+        WorkloadName::Netbench,
     ];
 }
 

@@ -25,6 +25,7 @@ fn main() -> ExitCode {
         cli::Command::Ping(a) => cmd::ping::run(a),
         cli::Command::Rejuvenate(a) => cmd::rejuvenate::rejuvenate(a),
         cli::Command::Kvload(a) => cmd::kvload::run(a),
+        cli::Command::EchoServer(a) => cmd::echo_server::run(a),
     };
     match result {
         Ok(code) => code,

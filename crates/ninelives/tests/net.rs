@@ -204,3 +204,24 @@ fn net_bad_setups_are_clear_errors() {
     let o = run_cli(&["ping", "--target", "127.0.0.1", "--interval", "1h"]);
     assert_clean_error(&o, "unknown unit");
 }
+
+#[test]
+fn bench_reports_netbench_next_to_a_host_baseline() {
+    if !kvm_available() {
+        return;
+    }
+    let o =
+        run_cli(&["bench", "--workloads", "netbench", "--duration", "1", "--boots", "1", "--json"]);
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    let j = last_json(&o);
+    if let Some(s) = j["skipped"].as_array().filter(|s| !s.is_empty()) {
+        eprintln!("\n*** SKIPPED: bench netbench entry: {} ***\n", s[0]["reason"]);
+        return;
+    }
+    let e = &j["results"][0];
+    assert_eq!(e["workload"], "netbench", "{j}");
+    assert_eq!(e["digest_ok"], true, "{j}");
+    assert!(e["guest"]["received"].as_u64().unwrap() > 0, "{j}");
+    assert!(e["host_baseline"]["received"].as_u64().unwrap() > 0, "{j}");
+    assert!(e["guest"]["median_ms"].as_f64().unwrap() > 0.0, "{j}");
+}

@@ -2,8 +2,10 @@
 
 pub mod bench;
 pub mod bench_checkpoint;
+pub mod bench_net;
 pub mod bench_rejuvenate;
 pub mod checkpoint;
+pub mod echo_server;
 pub mod host;
 pub mod kvload;
 pub mod ping;
