@@ -101,6 +101,10 @@ fn readonly_disk_fails_the_guest_not_the_vmm_or_other_vms() {
     assert_digest(&rw);
     let (stats, _, err) = rw.blk_stats().unwrap();
     assert!(stats.errors == 0 && stats.reads > 0 && stats.writes > 0, "{stats:?} {err:?}");
+    // Every completed request signalled the device's irqfd (registered with KVM).
+    let (blk_irqs, net_irqs) = rw.virtio_interrupts();
+    assert!(blk_irqs.unwrap() >= stats.reads + stats.writes, "{blk_irqs:?} {stats:?}");
+    assert_eq!(net_irqs, None);
 }
 
 /// Pause in the middle of blkbench, save and restore the whole VM state

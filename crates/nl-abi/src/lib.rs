@@ -177,6 +177,13 @@ pub mod reg {
 pub const VIRTIO_BLK_MMIO_GPA: u64 = 0xD000_4000;
 /// virtio-net MMIO window (4 KiB, present when the VM has a network device).
 pub const VIRTIO_NET_MMIO_GPA: u64 = 0xD000_5000;
+/// The virtio devices' interrupts: GSIs their irqfds are registered on.
+/// KVM's default routing sends GSIs 16..=23 to IOAPIC pins 16..=23 only
+/// (0..=15 also reach the 8259 PIC, whose reset state would deliver them
+/// to a guest that never programmed it); the pins stay masked until the
+/// guest programs their redirection entries.
+pub const VIRTIO_BLK_GSI: u32 = 16;
+pub const VIRTIO_NET_GSI: u32 = 17;
 pub const VIRTIO_MMIO_SIZE: u64 = 0x1000;
 
 /// Bytes at the top of the user heap reserved for device rings and request

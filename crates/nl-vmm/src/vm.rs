@@ -114,6 +114,14 @@ fn supported_cpuid(kvm: &Kvm) -> Result<CpuId, VmmError> {
     kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm_err("KVM_GET_SUPPORTED_CPUID"))
 }
 
+/// An eventfd registered with KVM as the irqfd of `gsi` (in-kernel IOAPIC).
+fn irqfd(vm_fd: &VmFd, gsi: u32) -> Result<vmm_sys_util::eventfd::EventFd, VmmError> {
+    let e = vmm_sys_util::eventfd::EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
+        .map_err(|e| VmmError::Config(format!("cannot create an eventfd: {e}")))?;
+    vm_fd.register_irqfd(&e, gsi).map_err(kvm_err("KVM_IRQFD"))?;
+    Ok(e)
+}
+
 fn kvm_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmmError {
     kvm(what)
 }
@@ -227,7 +235,9 @@ impl Vm {
         let blk = match &config.disk {
             Some(d) => {
                 let dev = Block::open(&d.path, d.readonly).map_err(VmmError::Config)?;
-                let t = Arc::new(Mutex::new(MmioTransport::new(dev, memory.mem().clone())));
+                let mut t = MmioTransport::new(dev, memory.mem().clone());
+                t.set_irq(irqfd(&vm_fd, nl_abi::VIRTIO_BLK_GSI)?);
+                let t = Arc::new(Mutex::new(t));
                 mmio_bus.insert(VIRTIO_BLK_MMIO_GPA, VIRTIO_MMIO_SIZE, t.clone())?;
                 Some(t)
             }
@@ -238,7 +248,9 @@ impl Vm {
                 let tap = nl_devices::tap::Tap::open(&n.tap).map_err(VmmError::Config)?;
                 let mac = [0x52, 0x54, 0x00, 0x4e, 0x4c, id as u8];
                 let dev = Net::new(tap, mac);
-                let t = Arc::new(Mutex::new(MmioTransport::new(dev, memory.mem().clone())));
+                let mut t = MmioTransport::new(dev, memory.mem().clone());
+                t.set_irq(irqfd(&vm_fd, nl_abi::VIRTIO_NET_GSI)?);
+                let t = Arc::new(Mutex::new(t));
                 mmio_bus.insert(VIRTIO_NET_MMIO_GPA, VIRTIO_MMIO_SIZE, t.clone())?;
                 Some(t)
             }
@@ -631,6 +643,14 @@ impl Vm {
             let b = b.lock().unwrap_or_else(|p| p.into_inner());
             (b.device().stats(), b.status(), b.last_error().map(str::to_string))
         })
+    }
+
+    /// Times the virtio-blk and virtio-net devices signalled their irqfds.
+    pub fn virtio_interrupts(&self) -> (Option<u64>, Option<u64>) {
+        (
+            self.blk.as_ref().map(|t| t.lock().unwrap_or_else(|p| p.into_inner()).interrupts()),
+            self.net.as_ref().map(|t| t.lock().unwrap_or_else(|p| p.into_inner()).interrupts()),
+        )
     }
 
     /// A snapshot of the VM for reports.
