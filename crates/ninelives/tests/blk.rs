@@ -133,3 +133,28 @@ fn blkbench_survives_save_restore_of_device_state() {
     assert_eq!(vm.wait(Duration::from_secs(60)), VmOutcome::Completed);
     assert_digest(&vm);
 }
+
+/// Guest-driven bad input: the guest (test-only mode) submits a buffer
+/// outside its memory, a buffer of the wrong direction, a descriptor loop
+/// and a bogus avail index, and checks each gets its virtio error (IOERR or
+/// DEVICE_NEEDS_RESET); after resets it runs blkbench, which still verifies.
+#[test]
+fn guest_driven_malformed_requests_get_virtio_errors() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let kvm = nl_vmm::open_kvm().unwrap();
+    let mut c = blk_config(disk(dir.path(), "m.img"), false, 200);
+    c.workload.pattern = nl_abi::BLK_TEST_MALFORMED;
+    let vm = Vm::create(&kvm, 0, c).unwrap();
+    vm.start().unwrap();
+    let outcome = vm.wait(Duration::from_secs(60));
+    let console = vm.console().tail();
+    assert_eq!(outcome, VmOutcome::Completed, "{console}");
+    assert!(console.contains("malformed-request checks passed"), "{console}");
+    assert_digest(&vm);
+    let (stats, status, _) = vm.blk_stats().unwrap();
+    assert!(stats.errors >= 2, "{stats:?}");
+    assert_eq!(status & 0x40, 0, "the driver reset the device after each NEEDS_RESET");
+}

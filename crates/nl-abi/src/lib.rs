@@ -273,6 +273,10 @@ pub const PATTERN_SEQUENTIAL: u64 = 0;
 pub const PATTERN_STRIDED: u64 = 1;
 pub const PATTERN_RANDOM: u64 = 2;
 pub const PATTERN_HOTCOLD: u64 = 3;
+/// blkbench with this `pattern` (which blkbench otherwise ignores): the
+/// guest first drives the virtio-blk device with malformed requests and
+/// checks the error status of each (test-only).
+pub const BLK_TEST_MALFORMED: u64 = 0x6d616c66;
 
 /// What a vCPU's workload does. Identical on the host (native run and
 /// digest verification) and in the guest.

@@ -24,8 +24,8 @@ use nl_abi::{
     VIRTIO_BLK_MMIO_GPA, WORKLOAD_BLKBENCH, WORKLOAD_MEMWRITE,
 };
 use nl_abi::{
-    DEVERR_NET_INIT, DEVERR_NO_NET, DMA_NET_BUFS, DMA_NET_RXQ, DMA_NET_TXQ, VIRTIO_NET_MMIO_GPA,
-    WORKLOAD_KV, WORKLOAD_NETBENCH,
+    BLK_TEST_MALFORMED, DEVERR_NET_INIT, DEVERR_NO_NET, DMA_NET_BUFS, DMA_NET_RXQ, DMA_NET_TXQ,
+    VIRTIO_NET_MMIO_GPA, WORKLOAD_KV, WORKLOAD_NETBENCH,
 };
 use nl_workloads::{Platform, Workload};
 
@@ -201,6 +201,17 @@ fn blk_setup(cpu: u64, boot: &BootInfo) -> virtio::Blk {
     let dma = boot.dma_start + DMA_BLK_QUEUE;
     if dma < boot.heap_end || dma + 0x4000 > boot.dma_end {
         fail(cpu, ERR_BAD_BOOT_INFO, dma);
+    }
+    if boot.workload.pattern == BLK_TEST_MALFORMED {
+        // Test-only mode: malformed requests first; blkbench then runs as usual.
+        let scratch = boot.ws_base(cpu);
+        match virtio::Blk::malformed_checks(VIRTIO_BLK_MMIO_GPA, dma, scratch) {
+            Ok(_) => print(cpu, format_args!("virtio-blk: malformed-request checks passed\n")),
+            Err(step) => {
+                print(cpu, format_args!("virtio-blk: malformed-request check {step} failed\n"));
+                fail(cpu, ERR_SELF_CHECK, step)
+            }
+        }
     }
     let blk = match virtio::Blk::init(VIRTIO_BLK_MMIO_GPA, dma) {
         Ok(b) => b,
