@@ -524,9 +524,20 @@ mod tests {
     use std::os::unix::net::UnixStream;
     use std::sync::{Arc, Mutex};
 
+    /// What the fake server does wrong.
+    #[derive(Clone, Copy)]
+    enum Fault {
+        None,
+        /// Acknowledges every n-th PUT without storing it (a lost write).
+        LoseEvery(u64),
+        /// Stores every n-th PUT, then closes the connection before the ack
+        /// (a failover: the outcome is unknown to the client, not wrong).
+        CrashAfterStoreEvery(u64),
+    }
+
     /// A server over a Unix socket pair (no network) around the real table
-    /// and protocol; `drop_every` acknowledges every n-th PUT without storing it.
-    fn fake(table: Arc<Mutex<Vec<u64>>>, drop_every: u64) -> io::Result<Box<dyn Link>> {
+    /// and protocol, with `fault`.
+    fn fake(table: Arc<Mutex<Vec<u64>>>, fault: Fault) -> io::Result<Box<dyn Link>> {
         let (a, b) = UnixStream::pair()?;
         std::thread::spawn(move || {
             let mut r = BufReader::new(b);
@@ -537,17 +548,22 @@ mod tests {
                 let l = line.strip_suffix(b"\n").unwrap_or(&line).to_vec();
                 line.clear();
                 let mut out = [0u8; MAX_RESPONSE];
-                let n = if l.starts_with(b"PUT") && drop_every > 0 && {
-                    puts += 1;
-                    puts.is_multiple_of(drop_every)
-                } {
-                    out[..3].copy_from_slice(b"OK\n");
-                    3
-                } else {
-                    let mut mem = table.lock().unwrap();
-                    let mut t = nl_workloads::kv::Table::new(&mut mem).unwrap();
-                    nl_workloads::kv::serve(&mut t, &l, &mut out).0
+                puts += u64::from(l.starts_with(b"PUT"));
+                let nth = |n: u64| l.starts_with(b"PUT") && puts.is_multiple_of(n);
+                let n = match fault {
+                    Fault::LoseEvery(n) if nth(n) => {
+                        out[..3].copy_from_slice(b"OK\n");
+                        3
+                    }
+                    _ => {
+                        let mut mem = table.lock().unwrap();
+                        let mut t = nl_workloads::kv::Table::new(&mut mem).unwrap();
+                        nl_workloads::kv::serve(&mut t, &l, &mut out).0
+                    }
                 };
+                if matches!(fault, Fault::CrashAfterStoreEvery(n) if nth(n)) {
+                    break;
+                }
                 if r.get_mut().write_all(&out[..n]).is_err() {
                     break;
                 }
@@ -571,7 +587,7 @@ mod tests {
     #[test]
     fn a_correct_server_passes() {
         let table = Arc::new(Mutex::new(vec![0u64; 1024 * 16]));
-        let r = load(&cfg(), &|| fake(table.clone(), 0));
+        let r = load(&cfg(), &|| fake(table.clone(), Fault::None));
         assert!(r.ok, "{r:?}");
         assert!(r.ops > 0 && r.puts > 0 && r.gets > 0);
         assert_eq!(r.readback_checked, 50);
@@ -581,10 +597,20 @@ mod tests {
     #[test]
     fn a_lost_acknowledged_write_is_caught() {
         let table = Arc::new(Mutex::new(vec![0u64; 1024 * 16]));
-        let r = load(&cfg(), &|| fake(table.clone(), 5));
+        let r = load(&cfg(), &|| fake(table.clone(), Fault::LoseEvery(5)));
         assert!(!r.ok, "{r:?}");
         assert!(r.mismatches + r.readback_mismatches > 0, "{r:?}");
         assert!(!r.examples.is_empty());
+    }
+
+    #[test]
+    fn writes_cut_off_before_their_ack_are_not_false_alarms() {
+        let table = Arc::new(Mutex::new(vec![0u64; 1024 * 16]));
+        let r = load(&cfg(), &|| fake(table.clone(), Fault::CrashAfterStoreEvery(7)));
+        assert!(r.ok, "{r:?}");
+        assert!(r.unacked_puts > 0 && r.errors > 0 && r.connects > 3, "{r:?}");
+        assert_eq!(r.readback_checked, 50);
+        assert_eq!(r.digest_ok, Some(true), "resolved by the read-back: {r:?}");
     }
 
     #[test]
