@@ -190,6 +190,10 @@ pub struct MachineArgs {
     /// The guest's IPv4 address and prefix, e.g. 10.0.0.2/24.
     #[arg(long, default_value = "10.0.0.2/24")]
     pub net_ip: String,
+    /// Experimental: a VMM thread delivers received frames and raises the
+    /// net interrupt; the reference guest halts when idle instead of spinning.
+    #[arg(long)]
+    pub net_rx_irq: bool,
 }
 
 impl Default for MachineArgs {
@@ -204,6 +208,7 @@ impl Default for MachineArgs {
             disk_readonly: false,
             net_tap: None,
             net_ip: "10.0.0.2/24".into(),
+            net_rx_irq: false,
         }
     }
 }

@@ -184,7 +184,7 @@ pub fn vm_config(
     let net = match &m.net_tap {
         Some(tap) => {
             let (ipv4, prefix) = parse_cidr(&m.net_ip)?;
-            Some(NetConfig { tap: tap.clone(), ipv4, prefix })
+            Some(NetConfig { tap: tap.clone(), ipv4, prefix, rx_irq: m.net_rx_irq })
         }
         None => None,
     };

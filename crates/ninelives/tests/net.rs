@@ -57,27 +57,35 @@ impl Drop for Netns {
 
 #[test]
 fn netbench_answers_a_1ms_ping() {
+    netbench_ping("ping", &[]);
+}
+
+/// The same with the VMM's receive thread and the net interrupt: the guest
+/// halts whenever it is idle and is woken by the interrupt of each frame.
+#[test]
+fn netbench_with_rx_interrupts_answers_a_1ms_ping() {
+    netbench_ping("irq", &["--net-rx-irq"]);
+}
+
+fn netbench_ping(tag: &str, extra: &[&str]) {
     if !kvm_available() {
         return;
     }
-    let Some(ns) = Netns::new("ping") else { return };
-    let vm = ns
-        .ninelives(&[
-            "run",
-            "--workload",
-            "netbench",
-            "--net-tap",
-            "nltap0",
-            "--net-ip",
-            "10.0.0.2/24",
-            "--duration",
-            "3",
-            "--json",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let Some(ns) = Netns::new(tag) else { return };
+    let mut args = vec![
+        "run",
+        "--workload",
+        "netbench",
+        "--net-tap",
+        "nltap0",
+        "--net-ip",
+        "10.0.0.2/24",
+        "--duration",
+        "3",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let vm = ns.ninelives(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     // Wait (bounded) until the guest answers at all, then measure.
     let t = Instant::now();
     loop {
@@ -223,5 +231,6 @@ fn bench_reports_netbench_next_to_a_host_baseline() {
     assert_eq!(e["digest_ok"], true, "{j}");
     assert!(e["guest"]["received"].as_u64().unwrap() > 0, "{j}");
     assert!(e["host_baseline"]["received"].as_u64().unwrap() > 0, "{j}");
+    assert!(e["guest_rx_irq"]["received"].as_u64().unwrap() > 0, "{j}");
     assert!(e["guest"]["median_ms"].as_f64().unwrap() > 0.0, "{j}");
 }

@@ -184,6 +184,13 @@ pub const VIRTIO_NET_MMIO_GPA: u64 = 0xD000_5000;
 /// guest programs their redirection entries.
 pub const VIRTIO_BLK_GSI: u32 = 16;
 pub const VIRTIO_NET_GSI: u32 = 17;
+/// The vector the VMM routes the virtio-net interrupt to when it delivers
+/// received frames itself (`BootInfo::has_net` = [`NET_RX_IRQ`]).
+pub const NET_VECTOR: u8 = 0x21;
+/// `BootInfo::has_net` value: a virtio-net device whose received frames
+/// arrive without a notify and raise [`NET_VECTOR`]; the guest may halt
+/// when idle.
+pub const NET_RX_IRQ: u64 = 2;
 pub const VIRTIO_MMIO_SIZE: u64 = 0x1000;
 
 /// Bytes at the top of the user heap reserved for device rings and request

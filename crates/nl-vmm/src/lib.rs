@@ -25,6 +25,7 @@ pub mod host;
 
 pub mod kick;
 mod memslots;
+mod netrx;
 pub mod rejuvenate;
 pub mod state;
 pub mod vcpu;

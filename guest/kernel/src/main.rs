@@ -32,7 +32,7 @@ use core::ptr::{addr_of, read_volatile, write_volatile};
 use nl_abi::{
     control_reg, reg, user_stack_top, BootInfo, PerCpu, BOOT_INFO_GPA, BOOT_MAGIC, BOOT_VERSION,
     CONTROL_BLOCK_SIZE, CONTROL_MMIO_GPA, ERR_BAD_BOOT_INFO, ERR_EXCEPTION_BASE, ERR_KERNEL_PANIC,
-    IDT_GPA, KERNEL_STACKS_GPA, KERNEL_STACK_SIZE, PHASE_KERNEL_UP, SEL_KERNEL_CODE,
+    IDT_GPA, KERNEL_STACKS_GPA, KERNEL_STACK_SIZE, NET_VECTOR, PHASE_KERNEL_UP, SEL_KERNEL_CODE,
     SEL_SYSRET_BASE, SEL_USER_CODE, SEL_USER_DATA, SPURIOUS_VECTOR, SYS_ENOSYS, SYS_EXIT, SYS_HALT,
     SYS_OUTL, SYS_TICKS, TIMER_VECTOR,
 };
@@ -215,6 +215,22 @@ nl_timer_entry:
     swapgs
 2:  iretq
 
+    // Device interrupt (NET_VECTOR): it only wakes a halted vCPU; EOI, return.
+    .balign 16
+    .global nl_device_entry
+nl_device_entry:
+    push rax
+    push rcx
+    push rdx
+    mov ecx, {eoi}
+    xor eax, eax
+    xor edx, edx
+    wrmsr
+    pop rdx
+    pop rcx
+    pop rax
+    iretq
+
     // Spurious interrupt (SPURIOUS_VECTOR): no EOI.
     .balign 16
     .global nl_spurious_entry
@@ -342,6 +358,7 @@ extern "C" {
     static nl_exc_stubs: [u8; 512];
     fn nl_timer_entry();
     fn nl_spurious_entry();
+    fn nl_device_entry();
     fn nl_syscall_entry();
     fn nl_int3_entry();
 }
@@ -405,6 +422,10 @@ extern "C" fn kmain(cpu: u64, boot: *const BootInfo) -> ! {
         write_volatile(
             idt.add(2 * TIMER_VECTOR as usize),
             gate_low(nl_timer_entry as *const () as u64),
+        );
+        write_volatile(
+            idt.add(2 * NET_VECTOR as usize),
+            gate_low(nl_device_entry as *const () as u64),
         );
         write_volatile(
             idt.add(2 * SPURIOUS_VECTOR as usize),

@@ -25,7 +25,7 @@ use nl_abi::{
 };
 use nl_abi::{
     BLK_TEST_MALFORMED, DEVERR_NET_INIT, DEVERR_NO_NET, DMA_NET_BUFS, DMA_NET_RXQ, DMA_NET_TXQ,
-    VIRTIO_NET_MMIO_GPA, WORKLOAD_KV, WORKLOAD_NETBENCH,
+    NET_RX_IRQ, VIRTIO_NET_MMIO_GPA, WORKLOAD_KV, WORKLOAD_NETBENCH,
 };
 use nl_workloads::{Platform, Workload};
 
@@ -132,6 +132,9 @@ struct Guest<'s> {
     net: Option<net::Stack<'s>>,
     /// The kv workload's TCP server.
     kv: Option<kv::Server<'s>>,
+    /// Received frames arrive without a notify and raise an interrupt:
+    /// halt when a poll found nothing to do.
+    rx_irq: bool,
     tsc_khz: u64,
     /// Ring 3 runs with IOPL 3 and may use `in`/`out` itself (BootInfo asked
     /// for it and RFLAGS shows it).
@@ -186,10 +189,20 @@ impl Platform for Guest<'_> {
 
     fn net_poll(&mut self) -> u64 {
         let now = smoltcp::time::Instant::from_millis((rdtsc() / self.tsc_khz.max(1)) as i64);
-        if let Some(k) = self.kv.as_mut() {
-            return k.poll(now);
+        let (served, idle) = if let Some(k) = self.kv.as_mut() {
+            let n = k.poll(now);
+            (n, n == 0 && k.dev.rx_empty())
+        } else if let Some(s) = self.net.as_mut() {
+            let n = s.poll(now);
+            (n, n == 0 && s.dev.rx_empty())
+        } else {
+            (0, false)
+        };
+        if idle && self.rx_irq {
+            // Woken by the next frame's interrupt or the next timer tick.
+            self.halt();
         }
-        self.net.as_mut().map_or(0, |n| n.poll(now))
+        served
     }
 }
 
@@ -350,6 +363,7 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
         cpu,
         net,
         kv,
+        rx_irq: boot.has_net == NET_RX_IRQ,
         tsc_khz: boot.tsc_khz,
         iopl: boot.user_iopl != 0 && rflags() & RFLAGS_IOPL3 == RFLAGS_IOPL3,
         blk,

@@ -77,6 +77,12 @@ impl NetDev {
         Some((id, len.saturating_sub(HDR).min(BUF as usize - HDR)))
     }
 
+    /// No received frame waits in the used ring.
+    pub fn rx_empty(&self) -> bool {
+        fence(Ordering::SeqCst);
+        get::<u16>(self.rxq + 0x2000 + 2) == self.rx_used
+    }
+
     fn send(&mut self, len: usize) {
         let buf = self.bufs + u64::from(QSIZE) * BUF;
         desc(self.txq, 0, buf, (HDR + len) as u32, 0);

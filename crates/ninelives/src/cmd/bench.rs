@@ -119,10 +119,13 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
                 Ok(e) => {
                     if !a.json {
                         println!(
-                            "netbench  1 ms ping rtt  guest median {:.3} ms p99 {:.3} ms gap {:.1} ms  host baseline median {:.3} ms p99 {:.3} ms  ratio {:.2}",
+                            "netbench  1 ms ping rtt  guest median {:.3} ms p99 {:.3} ms gap {:.1} ms  (rx-irq: median {:.3} ms p99 {:.3} ms gap {:.1} ms)  host baseline median {:.3} ms p99 {:.3} ms  ratio {:.2}",
                             e.guest.median_ms,
                             e.guest.p99_ms,
                             e.guest.longest_gap_ms,
+                            e.guest_rx_irq.median_ms,
+                            e.guest_rx_irq.p99_ms,
+                            e.guest_rx_irq.longest_gap_ms,
                             e.host_baseline.median_ms,
                             e.host_baseline.p99_ms,
                             e.ratio

@@ -34,7 +34,10 @@ pub struct NetEntry {
     pub unit: &'static str,
     pub interval_ms: f64,
     pub duration_s: f64,
+    /// The reference guest polling (spinning) for frames.
     pub guest: Rtt,
+    /// The guest halting when idle, woken by the net interrupt (`--net-rx-irq`).
+    pub guest_rx_irq: Rtt,
     pub host_baseline: Rtt,
     /// Guest median RTT over the baseline's.
     pub ratio: f64,
@@ -182,36 +185,11 @@ pub fn measure(secs: f64) -> Result<Result<NetEntry, String>> {
         let _ = c.kill();
         let _ = c.wait();
     }
-    // The guest: netbench on the TAP in A.
-    let mut vm = Reap(Some(
-        Netns::exe(
-            &ns.a,
-            &[
-                "run",
-                "--workload",
-                "netbench",
-                "--net-tap",
-                "nlbtap0",
-                "--net-ip",
-                "10.0.0.2/24",
-                "--duration",
-                &life,
-                "--json",
-            ],
-        )?
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("cannot start the netbench VM")?,
-    ));
-    wait_for_echo(&ns, "10.0.0.2:7")?;
-    let guest = ping(&ns, "10.0.0.2:7", secs)?;
-    let out = vm.0.take().context("the VM process is gone")?.wait_with_output()?;
-    let digest_ok = out.status.success()
-        && last_json(&out).is_some_and(|j| j["vms"][0]["digest_ok"] == serde_json::json!(true));
-    if !digest_ok {
-        bail!("the netbench VM failed: {}", String::from_utf8_lossy(&out.stderr).trim());
-    }
+    // The guest: netbench on the TAP in A, polling, then interrupt-driven.
+    let guest = guest_run(&ns, &life, secs, &[])?;
+    let guest_rx_irq = guest_run(&ns, &life, secs, &["--net-rx-irq"])?;
+    // Both runs verified (guest_run fails otherwise).
+    let digest_ok = true;
     let ratio = if host.median_ms > 0.0 { guest.median_ms / host.median_ms } else { 0.0 };
     Ok(Ok(NetEntry {
         workload: "netbench",
@@ -219,8 +197,43 @@ pub fn measure(secs: f64) -> Result<Result<NetEntry, String>> {
         interval_ms: 1.0,
         duration_s: secs,
         guest,
+        guest_rx_irq,
         host_baseline: host,
         ratio,
         digest_ok,
     }))
+}
+
+/// Boots a netbench VM in A (with `extra` machine flags), pings it, and
+/// checks that it verified.
+fn guest_run(ns: &Netns, life: &str, secs: f64, extra: &[&str]) -> Result<Rtt> {
+    let mut args = vec![
+        "run",
+        "--workload",
+        "netbench",
+        "--net-tap",
+        "nlbtap0",
+        "--net-ip",
+        "10.0.0.2/24",
+        "--duration",
+        life,
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let mut vm = Reap(Some(
+        Netns::exe(&ns.a, &args)?
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("cannot start the netbench VM")?,
+    ));
+    wait_for_echo(ns, "10.0.0.2:7")?;
+    let rtt = ping(ns, "10.0.0.2:7", secs)?;
+    let out = vm.0.take().context("the VM process is gone")?.wait_with_output()?;
+    let ok = out.status.success()
+        && last_json(&out).is_some_and(|j| j["vms"][0]["digest_ok"] == serde_json::json!(true));
+    if !ok {
+        bail!("the netbench VM failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(rtt)
 }

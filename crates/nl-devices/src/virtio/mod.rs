@@ -200,6 +200,12 @@ impl<D: VirtioDevice> MmioTransport<D> {
         self.irq = Some(irq);
     }
 
+    /// Processes queue `idx` as if the driver had notified it (a device
+    /// thread delivering received frames without a notify).
+    pub fn service(&mut self, idx: u32) {
+        self.notify(idx);
+    }
+
     /// Times the interrupt eventfd was signalled.
     pub fn interrupts(&self) -> u64 {
         self.irqs
