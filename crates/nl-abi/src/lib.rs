@@ -121,6 +121,10 @@ pub const SYS_EXIT: u64 = 1;
 pub const SYS_OUTL: u64 = 2;
 /// Timer ticks seen by this vCPU so far.
 pub const SYS_TICKS: u64 = 3;
+/// SYS_HALT unless the u16 at RDI (user memory, e.g. a used-ring index)
+/// differs from SI: checked with interrupts off, so an interrupt that
+/// changed it just before cannot be missed (a lost wake-up).
+pub const SYS_HALT_IF: u64 = 4;
 /// Unknown syscall numbers return this.
 pub const SYS_ENOSYS: u64 = u64::MAX;
 

@@ -34,7 +34,7 @@ use nl_abi::{
     CONTROL_BLOCK_SIZE, CONTROL_MMIO_GPA, ERR_BAD_BOOT_INFO, ERR_EXCEPTION_BASE, ERR_KERNEL_PANIC,
     IDT_GPA, KERNEL_STACKS_GPA, KERNEL_STACK_SIZE, NET_VECTOR, PHASE_KERNEL_UP, SEL_KERNEL_CODE,
     SEL_SYSRET_BASE, SEL_USER_CODE, SEL_USER_DATA, SPURIOUS_VECTOR, SYS_ENOSYS, SYS_EXIT, SYS_HALT,
-    SYS_OUTL, SYS_TICKS, TIMER_VECTOR,
+    SYS_HALT_IF, SYS_OUTL, SYS_TICKS, TIMER_VECTOR,
 };
 
 // MSRs.
@@ -282,6 +282,8 @@ nl_int3_entry:
     je 4f
     cmp rax, {sys_exit}
     je 6f
+    cmp rax, {sys_halt_if}
+    je 9f
     mov rax, {enosys}
     iretq
     // SYS_HALT (already on the kernel stack).
@@ -307,6 +309,12 @@ nl_int3_entry:
 6:  cli
     hlt
     jmp 6b
+    // SYS_HALT_IF: halt (as SYS_HALT) only while the u16 at RDI equals SI.
+9:  movzx eax, word ptr [rdi]
+    cmp ax, si
+    je 3b
+    xor eax, eax
+    iretq
 8:  push 0
     push 3
     jmp nl_exc_common
@@ -347,6 +355,7 @@ nl_syscall_entry:
     "#,
     sys_outl = const SYS_OUTL,
     sys_ticks = const SYS_TICKS,
+    sys_halt_if = const SYS_HALT_IF,
     sys_exit = const SYS_EXIT,
     enosys = const SYS_ENOSYS as i64,
     user_rsp = const PERCPU_USER_RSP,

@@ -25,7 +25,7 @@ use nl_abi::{
 };
 use nl_abi::{
     BLK_TEST_MALFORMED, DEVERR_NET_INIT, DEVERR_NO_NET, DMA_NET_BUFS, DMA_NET_RXQ, DMA_NET_TXQ,
-    NET_RX_IRQ, VIRTIO_NET_MMIO_GPA, WORKLOAD_KV, WORKLOAD_NETBENCH,
+    NET_RX_IRQ, SYS_HALT_IF, VIRTIO_NET_MMIO_GPA, WORKLOAD_KV, WORKLOAD_NETBENCH,
 };
 use nl_workloads::{Platform, Workload};
 
@@ -189,18 +189,19 @@ impl Platform for Guest<'_> {
 
     fn net_poll(&mut self) -> u64 {
         let now = smoltcp::time::Instant::from_millis((rdtsc() / self.tsc_khz.max(1)) as i64);
-        let (served, idle) = if let Some(k) = self.kv.as_mut() {
+        let (served, watch) = if let Some(k) = self.kv.as_mut() {
             let n = k.poll(now);
-            (n, n == 0 && k.dev.rx_empty())
+            (n, (n == 0 && k.dev.rx_empty()).then(|| k.dev.rx_watch()))
         } else if let Some(s) = self.net.as_mut() {
             let n = s.poll(now);
-            (n, n == 0 && s.dev.rx_empty())
+            (n, (n == 0 && s.dev.rx_empty()).then(|| s.dev.rx_watch()))
         } else {
-            (0, false)
+            (0, None)
         };
-        if idle && self.rx_irq {
-            // Woken by the next frame's interrupt or the next timer tick.
-            self.halt();
+        if let (true, Some((addr, used))) = (self.rx_irq, watch) {
+            // Halt until the next frame's interrupt or timer tick, unless a
+            // frame arrived since the check (its interrupt may be gone).
+            syscall2(SYS_HALT_IF, addr, u64::from(used));
         }
         served
     }

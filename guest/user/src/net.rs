@@ -83,6 +83,12 @@ impl NetDev {
         get::<u16>(self.rxq + 0x2000 + 2) == self.rx_used
     }
 
+    /// The used ring's index and the value it has while no frame waits
+    /// (for SYS_HALT_IF).
+    pub fn rx_watch(&self) -> (u64, u16) {
+        (self.rxq + 0x2000 + 2, self.rx_used)
+    }
+
     fn send(&mut self, len: usize) {
         let buf = self.bufs + u64::from(QSIZE) * BUF;
         desc(self.txq, 0, buf, (HDR + len) as u32, 0);
