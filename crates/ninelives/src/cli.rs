@@ -39,6 +39,12 @@ pub enum Command {
     Replicate(crate::cmd::replicate::ReplicateCmd),
     /// Fault-injection campaign against `ninelives host` processes (ptrace).
     Inject(crate::cmd::inject::InjectArgs),
+    /// Load and check a kv server: ops/s, latency percentiles, and every
+    /// read checked against the last acknowledged write.
+    Kvload(crate::cmd::kvload::KvloadArgs),
+    /// Internal (bench): a host UDP echo responder, the netbench baseline.
+    #[command(hide = true)]
+    EchoServer(crate::cmd::echo_server::EchoServerArgs),
 }
 
 #[derive(Args, Clone, Debug)]
@@ -100,6 +106,9 @@ pub enum WorkloadName {
     Blkbench,
     /// Answers UDP packets to port 7 (needs --net-tap and --net-ip).
     Netbench,
+    /// A key-value server on TCP port 7000 (needs --net-tap and --net-ip;
+    /// `ninelives kvload` drives and checks it).
+    Kv,
 }
 
 #[derive(
@@ -186,6 +195,10 @@ pub struct MachineArgs {
     /// The guest's IPv4 address and prefix, e.g. 10.0.0.2/24.
     #[arg(long, default_value = "10.0.0.2/24")]
     pub net_ip: String,
+    /// Experimental: a VMM thread delivers received frames and raises the
+    /// net interrupt; the reference guest halts when idle instead of spinning.
+    #[arg(long)]
+    pub net_rx_irq: bool,
 }
 
 impl Default for MachineArgs {
@@ -200,6 +213,7 @@ impl Default for MachineArgs {
             disk_readonly: false,
             net_tap: None,
             net_ip: "10.0.0.2/24".into(),
+            net_rx_irq: false,
         }
     }
 }

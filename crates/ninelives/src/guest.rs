@@ -69,6 +69,7 @@ impl WorkloadName {
             WorkloadName::Idle => nl_abi::WORKLOAD_IDLE,
             WorkloadName::Blkbench => nl_abi::WORKLOAD_BLKBENCH,
             WorkloadName::Netbench => nl_abi::WORKLOAD_NETBENCH,
+            WorkloadName::Kv => nl_abi::WORKLOAD_KV,
         }
     }
 
@@ -80,15 +81,18 @@ impl WorkloadName {
             WorkloadName::Idle => "idle",
             WorkloadName::Blkbench => "blkbench",
             WorkloadName::Netbench => "netbench",
+            WorkloadName::Kv => "kv",
         }
     }
 
-    pub const ALL: [WorkloadName; 5] = [
+    /// What `ninelives bench` measures by default.
+    pub const ALL: [WorkloadName; 6] = [
         WorkloadName::Memwrite,
         WorkloadName::Compute,
         WorkloadName::Exits,
         WorkloadName::Idle,
         WorkloadName::Blkbench,
+        WorkloadName::Netbench,
     ];
 }
 
@@ -111,6 +115,7 @@ pub fn workload_params(w: &WorkloadArgs, duration_secs: f64) -> Result<WorkloadP
     let ws_bytes = match w.workload {
         WorkloadName::Memwrite => w.ws,
         WorkloadName::Blkbench => nl_workloads::blk::BLKBENCH_WS_BYTES,
+        WorkloadName::Kv => nl_workloads::kv::KV_WS_BYTES,
         _ => 0,
     };
     let p = WorkloadParams {
@@ -147,12 +152,13 @@ pub fn vm_config(
     if !(m.heartbeat_timeout.is_finite() && m.heartbeat_timeout > 0.0) {
         bail!("--heartbeat-timeout must be a positive number of seconds");
     }
-    if workload.kind == nl_abi::WORKLOAD_NETBENCH {
+    if workload.kind == nl_abi::WORKLOAD_NETBENCH || workload.kind == nl_abi::WORKLOAD_KV {
+        let name = if workload.kind == nl_abi::WORKLOAD_KV { "kv" } else { "netbench" };
         if m.vcpus != 1 {
-            bail!("netbench runs on one vCPU (got --vcpus {})", m.vcpus);
+            bail!("{name} runs on one vCPU (got --vcpus {})", m.vcpus);
         }
         if m.net_tap.is_none() {
-            bail!("netbench needs a network device (--net-tap NAME)");
+            bail!("{name} needs a network device (--net-tap NAME)");
         }
     }
     if workload.kind == nl_abi::WORKLOAD_BLKBENCH {
@@ -178,7 +184,7 @@ pub fn vm_config(
     let net = match &m.net_tap {
         Some(tap) => {
             let (ipv4, prefix) = parse_cidr(&m.net_ip)?;
-            Some(NetConfig { tap: tap.clone(), ipv4, prefix })
+            Some(NetConfig { tap: tap.clone(), ipv4, prefix, rx_irq: m.net_rx_irq })
         }
         None => None,
     };

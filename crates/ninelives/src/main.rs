@@ -27,6 +27,8 @@ fn main() -> ExitCode {
         cli::Command::Rejuvenate(a) => cmd::rejuvenate::rejuvenate(a),
         cli::Command::Replicate(c) => cmd::replicate::replicate(c),
         cli::Command::Inject(a) => cmd::inject::inject(a),
+        cli::Command::Kvload(a) => cmd::kvload::run(a),
+        cli::Command::EchoServer(a) => cmd::echo_server::run(a),
     };
     match result {
         Ok(code) => code,

@@ -101,6 +101,10 @@ fn readonly_disk_fails_the_guest_not_the_vmm_or_other_vms() {
     assert_digest(&rw);
     let (stats, _, err) = rw.blk_stats().unwrap();
     assert!(stats.errors == 0 && stats.reads > 0 && stats.writes > 0, "{stats:?} {err:?}");
+    // Every completed request signalled the device's irqfd (registered with KVM).
+    let (blk_irqs, net_irqs) = rw.virtio_interrupts();
+    assert!(blk_irqs.unwrap() >= stats.reads + stats.writes, "{blk_irqs:?} {stats:?}");
+    assert_eq!(net_irqs, None);
 }
 
 /// Pause in the middle of blkbench, save and restore the whole VM state
@@ -128,4 +132,29 @@ fn blkbench_survives_save_restore_of_device_state() {
     vm.resume();
     assert_eq!(vm.wait(Duration::from_secs(60)), VmOutcome::Completed);
     assert_digest(&vm);
+}
+
+/// Guest-driven bad input: the guest (test-only mode) submits a buffer
+/// outside its memory, a buffer of the wrong direction, a descriptor loop
+/// and a bogus avail index, and checks each gets its virtio error (IOERR or
+/// DEVICE_NEEDS_RESET); after resets it runs blkbench, which still verifies.
+#[test]
+fn guest_driven_malformed_requests_get_virtio_errors() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let kvm = nl_vmm::open_kvm().unwrap();
+    let mut c = blk_config(disk(dir.path(), "m.img"), false, 200);
+    c.workload.pattern = nl_abi::BLK_TEST_MALFORMED;
+    let vm = Vm::create(&kvm, 0, c).unwrap();
+    vm.start().unwrap();
+    let outcome = vm.wait(Duration::from_secs(60));
+    let console = vm.console().tail();
+    assert_eq!(outcome, VmOutcome::Completed, "{console}");
+    assert!(console.contains("malformed-request checks passed"), "{console}");
+    assert_digest(&vm);
+    let (stats, status, _) = vm.blk_stats().unwrap();
+    assert!(stats.errors >= 2, "{stats:?}");
+    assert_eq!(status & 0x40, 0, "the driver reset the device after each NEEDS_RESET");
 }

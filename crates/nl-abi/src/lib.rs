@@ -121,6 +121,10 @@ pub const SYS_EXIT: u64 = 1;
 pub const SYS_OUTL: u64 = 2;
 /// Timer ticks seen by this vCPU so far.
 pub const SYS_TICKS: u64 = 3;
+/// SYS_HALT unless the u16 at RDI (user memory, e.g. a used-ring index)
+/// differs from SI: checked with interrupts off, so an interrupt that
+/// changed it just before cannot be missed (a lost wake-up).
+pub const SYS_HALT_IF: u64 = 4;
 /// Unknown syscall numbers return this.
 pub const SYS_ENOSYS: u64 = u64::MAX;
 
@@ -177,6 +181,20 @@ pub mod reg {
 pub const VIRTIO_BLK_MMIO_GPA: u64 = 0xD000_4000;
 /// virtio-net MMIO window (4 KiB, present when the VM has a network device).
 pub const VIRTIO_NET_MMIO_GPA: u64 = 0xD000_5000;
+/// The virtio devices' interrupts: GSIs their irqfds are registered on.
+/// KVM's default routing sends GSIs 16..=23 to IOAPIC pins 16..=23 only
+/// (0..=15 also reach the 8259 PIC, whose reset state would deliver them
+/// to a guest that never programmed it); the pins stay masked until the
+/// guest programs their redirection entries.
+pub const VIRTIO_BLK_GSI: u32 = 16;
+pub const VIRTIO_NET_GSI: u32 = 17;
+/// The vector the VMM routes the virtio-net interrupt to when it delivers
+/// received frames itself (`BootInfo::has_net` = [`NET_RX_IRQ`]).
+pub const NET_VECTOR: u8 = 0x21;
+/// `BootInfo::has_net` value: a virtio-net device whose received frames
+/// arrive without a notify and raise [`NET_VECTOR`]; the guest may halt
+/// when idle.
+pub const NET_RX_IRQ: u64 = 2;
 pub const VIRTIO_MMIO_SIZE: u64 = 0x1000;
 
 /// Bytes at the top of the user heap reserved for device rings and request
@@ -255,12 +273,21 @@ pub const WORKLOAD_BLKBENCH: u64 = 5;
 pub const WORKLOAD_NETBENCH: u64 = 6;
 /// UDP port netbench echoes on.
 pub const NETBENCH_UDP_PORT: u16 = 7;
+/// A key-value server over TCP on [`KV_TCP_PORT`] (needs one vCPU and a
+/// network device); its table lives in the working set.
+pub const WORKLOAD_KV: u64 = 7;
+/// TCP port the kv workload listens on.
+pub const KV_TCP_PORT: u16 = 7000;
 
 /// Access patterns of `memwrite` (`WorkloadParams::pattern`).
 pub const PATTERN_SEQUENTIAL: u64 = 0;
 pub const PATTERN_STRIDED: u64 = 1;
 pub const PATTERN_RANDOM: u64 = 2;
 pub const PATTERN_HOTCOLD: u64 = 3;
+/// blkbench with this `pattern` (which blkbench otherwise ignores): the
+/// guest first drives the virtio-blk device with malformed requests and
+/// checks the error status of each (test-only).
+pub const BLK_TEST_MALFORMED: u64 = 0x6d616c66;
 
 /// What a vCPU's workload does. Identical on the host (native run and
 /// digest verification) and in the guest.

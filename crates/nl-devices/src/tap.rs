@@ -48,6 +48,10 @@ impl Tap {
         Ok(Tap { file, name: name.to_string() })
     }
 
+    pub fn raw_fd(&self) -> std::os::fd::RawFd {
+        self.file.as_raw_fd()
+    }
+
     pub fn name(&self) -> &str {
         &self.name
     }

@@ -36,6 +36,12 @@ pub struct NetConfig {
     /// The guest's address and prefix length.
     pub ipv4: [u8; 4],
     pub prefix: u8,
+    /// A VMM thread moves frames from the TAP into posted receive buffers
+    /// as they arrive and raises the device's interrupt (IOAPIC pin
+    /// [`nl_abi::VIRTIO_NET_GSI`] routed to [`nl_abi::NET_VECTOR`]), so the
+    /// guest may halt when idle instead of polling (experimental).
+    #[serde(default)]
+    pub rx_irq: bool,
 }
 
 /// A virtio-blk disk.

@@ -28,6 +28,7 @@ pub mod host;
 pub mod detect;
 pub mod kick;
 mod memslots;
+mod netrx;
 pub mod rejuvenate;
 pub mod state;
 pub mod vcpu;

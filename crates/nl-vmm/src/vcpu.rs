@@ -157,6 +157,11 @@ impl RunControl {
     pub(crate) fn paused(&self) -> bool {
         self.pause.load(Relaxed)
     }
+
+    /// A stop was requested (and not yet cleared by a relaunch).
+    pub(crate) fn stopping(&self) -> bool {
+        self.stop.load(Relaxed)
+    }
 }
 
 /// What a vCPU thread needs besides its fd.

@@ -106,12 +106,22 @@ pub struct Vm {
     console: Console,
     blk: Option<Arc<Mutex<MmioTransport<Block>>>>,
     net: Option<Arc<Mutex<MmioTransport<Net>>>>,
+    /// The virtio-net receive thread (`NetConfig::rx_irq`).
+    rx: Mutex<Option<crate::netrx::RxThread>>,
     vm_fd: VmFd,
     memory: GuestMemory,
 }
 
 fn supported_cpuid(kvm: &Kvm) -> Result<CpuId, VmmError> {
     kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm_err("KVM_GET_SUPPORTED_CPUID"))
+}
+
+/// An eventfd registered with KVM as the irqfd of `gsi` (in-kernel IOAPIC).
+fn irqfd(vm_fd: &VmFd, gsi: u32) -> Result<vmm_sys_util::eventfd::EventFd, VmmError> {
+    let e = vmm_sys_util::eventfd::EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
+        .map_err(|e| VmmError::Config(format!("cannot create an eventfd: {e}")))?;
+    vm_fd.register_irqfd(&e, gsi).map_err(kvm_err("KVM_IRQFD"))?;
+    Ok(e)
 }
 
 fn kvm_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmmError {
@@ -126,6 +136,9 @@ impl Vm {
         let memory = GuestMemory::new(&format!("vm{id}"), config.mem_bytes)?;
         let vm = Self::assemble(kvm, id, config, memory, created_at)?;
         vm.write_boot_structures()?;
+        if vm.rx_irq() {
+            vm.route_net_interrupt()?;
+        }
         let cpuid = supported_cpuid(kvm)?;
         let entry = vm.load_images()?;
         for (cpu, slot) in vm.slots().iter().enumerate() {
@@ -227,7 +240,9 @@ impl Vm {
         let blk = match &config.disk {
             Some(d) => {
                 let dev = Block::open(&d.path, d.readonly).map_err(VmmError::Config)?;
-                let t = Arc::new(Mutex::new(MmioTransport::new(dev, memory.mem().clone())));
+                let mut t = MmioTransport::new(dev, memory.mem().clone());
+                t.set_irq(irqfd(&vm_fd, nl_abi::VIRTIO_BLK_GSI)?);
+                let t = Arc::new(Mutex::new(t));
                 mmio_bus.insert(VIRTIO_BLK_MMIO_GPA, VIRTIO_MMIO_SIZE, t.clone())?;
                 Some(t)
             }
@@ -238,7 +253,9 @@ impl Vm {
                 let tap = nl_devices::tap::Tap::open(&n.tap).map_err(VmmError::Config)?;
                 let mac = [0x52, 0x54, 0x00, 0x4e, 0x4c, id as u8];
                 let dev = Net::new(tap, mac);
-                let t = Arc::new(Mutex::new(MmioTransport::new(dev, memory.mem().clone())));
+                let mut t = MmioTransport::new(dev, memory.mem().clone());
+                t.set_irq(irqfd(&vm_fd, nl_abi::VIRTIO_NET_GSI)?);
+                let t = Arc::new(Mutex::new(t));
                 mmio_bus.insert(VIRTIO_NET_MMIO_GPA, VIRTIO_MMIO_SIZE, t.clone())?;
                 Some(t)
             }
@@ -268,6 +285,7 @@ impl Vm {
             console,
             blk,
             net,
+            rx: Mutex::new(None),
             vm_fd,
             memory,
         })
@@ -325,7 +343,7 @@ impl Vm {
             dma_start: heap_end,
             dma_end,
             has_blk: u64::from(self.blk.is_some()),
-            has_net: u64::from(self.net.is_some()),
+            has_net: if self.rx_irq() { NET_RX_IRQ } else { u64::from(self.net.is_some()) },
             net_ipv4: self.config.net.as_ref().map_or(0, |n| u64::from(u32::from_be_bytes(n.ipv4))),
             net_prefix: self.config.net.as_ref().map_or(0, |n| u64::from(n.prefix)),
         };
@@ -333,12 +351,46 @@ impl Vm {
         Ok(kernel.entry)
     }
 
-    /// Starts the vCPU threads.
+    /// Starts the vCPU threads (and the net receive thread, if configured).
     pub fn start(&self) -> Result<(), VmmError> {
         if self.started.swap(true, Relaxed) {
             return Err(VmmError::Vm(self.id, "already started".into()));
         }
+        if let (true, Some(net)) = (self.rx_irq(), &self.net) {
+            let t = crate::netrx::spawn(self.id, net.clone(), self.run.clone()).map_err(|e| {
+                VmmError::Vm(self.id, format!("cannot start the net receive thread: {e}"))
+            })?;
+            *self.rx.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+        }
         self.spawn_threads()
+    }
+
+    fn rx_irq(&self) -> bool {
+        self.config.net.as_ref().is_some_and(|n| n.rx_irq)
+    }
+
+    /// Routes the net device's IOAPIC pin to NET_VECTOR on vCPU 0 (edge,
+    /// unmasked), as firmware would for the reference guest.
+    fn route_net_interrupt(&self) -> Result<(), VmmError> {
+        let mut c = kvm_bindings::kvm_irqchip {
+            chip_id: kvm_bindings::KVM_IRQCHIP_IOAPIC,
+            ..Default::default()
+        };
+        self.vm_fd.get_irqchip(&mut c).map_err(kvm_err("KVM_GET_IRQCHIP"))?;
+        // SAFETY: chip_id is KVM_IRQCHIP_IOAPIC, so `ioapic` is the member KVM filled in;
+        // `bits` covers the whole redirection entry.
+        unsafe {
+            c.chip.ioapic.redirtbl[VIRTIO_NET_GSI as usize].bits = u64::from(NET_VECTOR);
+        }
+        self.vm_fd.set_irqchip(&c).map_err(kvm_err("KVM_SET_IRQCHIP"))
+    }
+
+    /// Waits until the net receive thread is done with the device (after a
+    /// pause or stop flag was raised).
+    fn rx_barrier(&self) {
+        if let (true, Some(net)) = (self.rx_irq(), &self.net) {
+            crate::netrx::barrier(net);
+        }
     }
 
     /// Starts fresh vCPU threads after [`Vm::halt_vcpus`] (e.g. after a
@@ -393,6 +445,7 @@ impl Vm {
     /// Stops every vCPU at a consistent point. Returns once all are parked.
     pub fn pause(&self) {
         self.run.pause(|| self.kick_all());
+        self.rx_barrier();
     }
 
     /// Lets paused vCPUs run again.
@@ -416,6 +469,7 @@ impl Vm {
             self.kick_all();
             std::thread::sleep(Duration::from_millis(1));
         }
+        self.rx_barrier();
         self.reap();
     }
 
@@ -700,6 +754,14 @@ impl Vm {
         })
     }
 
+    /// Times the virtio-blk and virtio-net devices signalled their irqfds.
+    pub fn virtio_interrupts(&self) -> (Option<u64>, Option<u64>) {
+        (
+            self.blk.as_ref().map(|t| t.lock().unwrap_or_else(|p| p.into_inner()).interrupts()),
+            self.net.as_ref().map(|t| t.lock().unwrap_or_else(|p| p.into_inner()).interrupts()),
+        )
+    }
+
     /// A snapshot of the VM for reports.
     pub fn report(&self) -> VmReport {
         self.reap();
@@ -762,6 +824,8 @@ fn check_compatible(config: &VmConfig, state: &VmState) -> Result<(), VmmError> 
 
 impl Drop for Vm {
     fn drop(&mut self) {
+        // End the receive thread first: it holds the device and writes guest memory.
+        drop(self.rx.lock().unwrap_or_else(|p| p.into_inner()).take());
         self.stop();
     }
 }

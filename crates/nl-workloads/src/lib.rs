@@ -33,6 +33,11 @@
 //!   packets to port 7 with their payload. The digest only covers the
 //!   rounds: what arrives depends on the outside world, which the external
 //!   sender (`ninelives ping`) checks.
+//! * `kv`: op = one poll of the network (one round), like netbench; the
+//!   guest serves a key-value protocol over TCP ([`kv`]) from a table in
+//!   its working set ([`kv::KV_WS_BYTES`]). The digest only covers the
+//!   rounds; what was stored is checked by the client (`ninelives kvload`),
+//!   which reads every key back and compares the table's digest.
 //! * `blkbench`: op = one byte moved to or from the block device; one file
 //!   operation (create, copy, read, overwrite, remove of a 1 MiB file in the
 //!   [`blk`] file store) per round, every read checked. The working set is
@@ -52,6 +57,7 @@ extern crate std;
 pub mod native;
 
 pub mod blk;
+pub mod kv;
 
 #[cfg(test)]
 mod tests;
@@ -59,7 +65,7 @@ mod tests;
 use nl_abi::{
     WorkloadParams, MAX_MEM_BYTES, PATTERN_HOTCOLD, PATTERN_RANDOM, PATTERN_SEQUENTIAL,
     PATTERN_STRIDED, WORKLOAD_BLKBENCH, WORKLOAD_COMPUTE, WORKLOAD_EXITS, WORKLOAD_IDLE,
-    WORKLOAD_MEMWRITE, WORKLOAD_NETBENCH,
+    WORKLOAD_KV, WORKLOAD_MEMWRITE, WORKLOAD_NETBENCH,
 };
 
 /// What a workload needs from the machine it runs on.
@@ -127,6 +133,8 @@ pub fn validate(params: &WorkloadParams) -> Result<(), &'static str> {
         WORKLOAD_COMPUTE | WORKLOAD_EXITS | WORKLOAD_IDLE | WORKLOAD_NETBENCH => Ok(()),
         WORKLOAD_BLKBENCH if params.ws_bytes == blk::BLKBENCH_WS_BYTES => Ok(()),
         WORKLOAD_BLKBENCH => Err("blkbench: ws_bytes must be blk::BLKBENCH_WS_BYTES"),
+        WORKLOAD_KV if params.ws_bytes == kv::KV_WS_BYTES => Ok(()),
+        WORKLOAD_KV => Err("kv: ws_bytes must be kv::KV_WS_BYTES"),
         _ => Err("unknown workload kind"),
     }
 }
@@ -176,6 +184,7 @@ enum Kind {
     Idle,
     Blkbench,
     Netbench,
+    Kv,
 }
 
 /// One vCPU's workload: its state between rounds.
@@ -233,6 +242,7 @@ impl<'m> Workload<'m> {
             WORKLOAD_EXITS => Kind::Exits,
             WORKLOAD_BLKBENCH => Kind::Blkbench,
             WORKLOAD_NETBENCH => Kind::Netbench,
+            WORKLOAD_KV => Kind::Kv,
             _ => Kind::Idle,
         };
         let seed = nl_abi::seed_for_cpu(params.seed, cpu);
@@ -299,7 +309,7 @@ impl<'m> Workload<'m> {
                 p.halt();
                 1
             }
-            Kind::Netbench => {
+            Kind::Netbench | Kind::Kv => {
                 self.net_answered += p.net_poll();
                 1
             }
@@ -367,7 +377,7 @@ impl<'m> Workload<'m> {
                 }
             }
             Kind::Blkbench => h = fold(h, self.store.state_digest()),
-            Kind::Exits | Kind::Idle | Kind::Netbench => {}
+            Kind::Exits | Kind::Idle | Kind::Netbench | Kind::Kv => {}
         }
         mix64(h)
     }

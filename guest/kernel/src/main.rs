@@ -32,9 +32,9 @@ use core::ptr::{addr_of, read_volatile, write_volatile};
 use nl_abi::{
     control_reg, reg, user_stack_top, BootInfo, PerCpu, BOOT_INFO_GPA, BOOT_MAGIC, BOOT_VERSION,
     CONTROL_BLOCK_SIZE, CONTROL_MMIO_GPA, ERR_BAD_BOOT_INFO, ERR_EXCEPTION_BASE, ERR_KERNEL_PANIC,
-    IDT_GPA, KERNEL_STACKS_GPA, KERNEL_STACK_SIZE, PHASE_KERNEL_UP, SEL_KERNEL_CODE,
+    IDT_GPA, KERNEL_STACKS_GPA, KERNEL_STACK_SIZE, NET_VECTOR, PHASE_KERNEL_UP, SEL_KERNEL_CODE,
     SEL_SYSRET_BASE, SEL_USER_CODE, SEL_USER_DATA, SPURIOUS_VECTOR, SYS_ENOSYS, SYS_EXIT, SYS_HALT,
-    SYS_OUTL, SYS_TICKS, TIMER_VECTOR,
+    SYS_HALT_IF, SYS_OUTL, SYS_TICKS, TIMER_VECTOR,
 };
 
 // MSRs.
@@ -215,6 +215,22 @@ nl_timer_entry:
     swapgs
 2:  iretq
 
+    // Device interrupt (NET_VECTOR): it only wakes a halted vCPU; EOI, return.
+    .balign 16
+    .global nl_device_entry
+nl_device_entry:
+    push rax
+    push rcx
+    push rdx
+    mov ecx, {eoi}
+    xor eax, eax
+    xor edx, edx
+    wrmsr
+    pop rdx
+    pop rcx
+    pop rax
+    iretq
+
     // Spurious interrupt (SPURIOUS_VECTOR): no EOI.
     .balign 16
     .global nl_spurious_entry
@@ -266,6 +282,8 @@ nl_int3_entry:
     je 4f
     cmp rax, {sys_exit}
     je 6f
+    cmp rax, {sys_halt_if}
+    je 9f
     mov rax, {enosys}
     iretq
     // SYS_HALT (already on the kernel stack).
@@ -291,6 +309,12 @@ nl_int3_entry:
 6:  cli
     hlt
     jmp 6b
+    // SYS_HALT_IF: halt (as SYS_HALT) only while the u16 at RDI equals SI.
+9:  movzx eax, word ptr [rdi]
+    cmp ax, si
+    je 3b
+    xor eax, eax
+    iretq
 8:  push 0
     push 3
     jmp nl_exc_common
@@ -331,6 +355,7 @@ nl_syscall_entry:
     "#,
     sys_outl = const SYS_OUTL,
     sys_ticks = const SYS_TICKS,
+    sys_halt_if = const SYS_HALT_IF,
     sys_exit = const SYS_EXIT,
     enosys = const SYS_ENOSYS as i64,
     user_rsp = const PERCPU_USER_RSP,
@@ -342,6 +367,7 @@ extern "C" {
     static nl_exc_stubs: [u8; 512];
     fn nl_timer_entry();
     fn nl_spurious_entry();
+    fn nl_device_entry();
     fn nl_syscall_entry();
     fn nl_int3_entry();
 }
@@ -405,6 +431,10 @@ extern "C" fn kmain(cpu: u64, boot: *const BootInfo) -> ! {
         write_volatile(
             idt.add(2 * TIMER_VECTOR as usize),
             gate_low(nl_timer_entry as *const () as u64),
+        );
+        write_volatile(
+            idt.add(2 * NET_VECTOR as usize),
+            gate_low(nl_device_entry as *const () as u64),
         );
         write_volatile(
             idt.add(2 * SPURIOUS_VECTOR as usize),

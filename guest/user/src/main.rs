@@ -24,11 +24,12 @@ use nl_abi::{
     VIRTIO_BLK_MMIO_GPA, WORKLOAD_BLKBENCH, WORKLOAD_MEMWRITE,
 };
 use nl_abi::{
-    DEVERR_NET_INIT, DEVERR_NO_NET, DMA_NET_BUFS, DMA_NET_RXQ, DMA_NET_TXQ, VIRTIO_NET_MMIO_GPA,
-    WORKLOAD_NETBENCH,
+    BLK_TEST_MALFORMED, DEVERR_NET_INIT, DEVERR_NO_NET, DMA_NET_BUFS, DMA_NET_RXQ, DMA_NET_TXQ,
+    NET_RX_IRQ, SYS_HALT_IF, VIRTIO_NET_MMIO_GPA, WORKLOAD_KV, WORKLOAD_NETBENCH,
 };
 use nl_workloads::{Platform, Workload};
 
+mod kv;
 mod mem;
 mod net;
 mod virtio;
@@ -129,6 +130,11 @@ struct Guest<'s> {
     cpu: u64,
     /// netbench's network stack.
     net: Option<net::Stack<'s>>,
+    /// The kv workload's TCP server.
+    kv: Option<kv::Server<'s>>,
+    /// Received frames arrive without a notify and raise an interrupt:
+    /// halt when a poll found nothing to do.
+    rx_irq: bool,
     tsc_khz: u64,
     /// Ring 3 runs with IOPL 3 and may use `in`/`out` itself (BootInfo asked
     /// for it and RFLAGS shows it).
@@ -183,7 +189,21 @@ impl Platform for Guest<'_> {
 
     fn net_poll(&mut self) -> u64 {
         let now = smoltcp::time::Instant::from_millis((rdtsc() / self.tsc_khz.max(1)) as i64);
-        self.net.as_mut().map_or(0, |n| n.poll(now))
+        let (served, watch) = if let Some(k) = self.kv.as_mut() {
+            let n = k.poll(now);
+            (n, (n == 0 && k.dev.rx_empty()).then(|| k.dev.rx_watch()))
+        } else if let Some(s) = self.net.as_mut() {
+            let n = s.poll(now);
+            (n, (n == 0 && s.dev.rx_empty()).then(|| s.dev.rx_watch()))
+        } else {
+            (0, None)
+        };
+        if let (true, Some((addr, used))) = (self.rx_irq, watch) {
+            // Halt until the next frame's interrupt or timer tick, unless a
+            // frame arrived since the check (its interrupt may be gone).
+            syscall2(SYS_HALT_IF, addr, u64::from(used));
+        }
+        served
     }
 }
 
@@ -196,6 +216,17 @@ fn blk_setup(cpu: u64, boot: &BootInfo) -> virtio::Blk {
     if dma < boot.heap_end || dma + 0x4000 > boot.dma_end {
         fail(cpu, ERR_BAD_BOOT_INFO, dma);
     }
+    if boot.workload.pattern == BLK_TEST_MALFORMED {
+        // Test-only mode: malformed requests first; blkbench then runs as usual.
+        let scratch = boot.ws_base(cpu);
+        match virtio::Blk::malformed_checks(VIRTIO_BLK_MMIO_GPA, dma, scratch) {
+            Ok(_) => print(cpu, format_args!("virtio-blk: malformed-request checks passed\n")),
+            Err(step) => {
+                print(cpu, format_args!("virtio-blk: malformed-request check {step} failed\n"));
+                fail(cpu, ERR_SELF_CHECK, step)
+            }
+        }
+    }
     let blk = match virtio::Blk::init(VIRTIO_BLK_MMIO_GPA, dma) {
         Ok(b) => b,
         Err(virtio::InitError(step)) => fail(cpu, ERR_DEVICE, (DEVERR_BLK_INIT << 32) | step),
@@ -204,6 +235,45 @@ fn blk_setup(cpu: u64, boot: &BootInfo) -> virtio::Blk {
         fail(cpu, ERR_DEVICE, (DEVERR_BLK_SMALL << 32) | (blk.sectors >> 11));
     }
     blk
+}
+
+/// Sets up the virtio-net driver (netbench, kv) in vCPU 0's DMA area.
+fn net_setup(cpu: u64, boot: &BootInfo) -> net::NetDev {
+    if boot.has_net == 0 {
+        fail(cpu, ERR_DEVICE, DEVERR_NO_NET << 32);
+    }
+    let d = boot.dma_start;
+    if d < boot.heap_end || d + DMA_NET_BUFS + 0x1_0000 > boot.dma_end {
+        fail(cpu, ERR_BAD_BOOT_INFO, d);
+    }
+    match net::NetDev::init(VIRTIO_NET_MMIO_GPA, d + DMA_NET_RXQ, d + DMA_NET_TXQ, d + DMA_NET_BUFS)
+    {
+        Ok(dev) => dev,
+        Err(virtio::InitError(step)) => fail(cpu, ERR_DEVICE, (DEVERR_NET_INIT << 32) | step),
+    }
+}
+
+/// kv: the working set split into the table's words and the socket buffers.
+fn kv_memory(cpu: u64, boot: &BootInfo) -> (&'static mut [u64], &'static mut [u8]) {
+    use nl_workloads::kv::{KV_BUF_BYTES, KV_TABLE_BYTES, KV_WS_BYTES};
+    let base = boot.ws_base(cpu);
+    let end = base.checked_add(KV_WS_BYTES);
+    if boot.workload.ws_bytes != KV_WS_BYTES
+        || end.is_none_or(|end| base < boot.heap_start || end > boot.heap_end)
+    {
+        fail(cpu, ERR_BAD_BOOT_INFO, base);
+    }
+    // SAFETY: [base, base + KV_WS_BYTES) is inside the user heap, mapped
+    // user-writable and vCPU `cpu`'s alone; the two slices do not overlap.
+    unsafe {
+        (
+            core::slice::from_raw_parts_mut(base as *mut u64, (KV_TABLE_BYTES / 8) as usize),
+            core::slice::from_raw_parts_mut(
+                (base + KV_TABLE_BYTES) as *mut u8,
+                KV_BUF_BYTES as usize,
+            ),
+        )
+    }
 }
 
 /// blkbench: stops the run at the first failed request or bad read.
@@ -259,27 +329,13 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
     let mut tx_meta = [smoltcp::socket::udp::PacketMetadata::EMPTY; 16];
     let mut rx_buf = [0u8; 16384];
     let mut tx_buf = [0u8; 16384];
+    let now = smoltcp::time::Instant::from_millis((rdtsc() / boot.tsc_khz.max(1)) as i64);
+    let addr = ((boot.net_ipv4 as u32).to_be_bytes(), boot.net_prefix as u8);
     let net = if params.kind == WORKLOAD_NETBENCH {
-        if boot.has_net == 0 {
-            fail(cpu, ERR_DEVICE, DEVERR_NO_NET << 32);
-        }
-        let d = boot.dma_start;
-        if d < boot.heap_end || d + DMA_NET_BUFS + 0x1_0000 > boot.dma_end {
-            fail(cpu, ERR_BAD_BOOT_INFO, d);
-        }
-        let dev = match net::NetDev::init(
-            VIRTIO_NET_MMIO_GPA,
-            d + DMA_NET_RXQ,
-            d + DMA_NET_TXQ,
-            d + DMA_NET_BUFS,
-        ) {
-            Ok(dev) => dev,
-            Err(virtio::InitError(step)) => fail(cpu, ERR_DEVICE, (DEVERR_NET_INIT << 32) | step),
-        };
-        let now = smoltcp::time::Instant::from_millis((rdtsc() / boot.tsc_khz.max(1)) as i64);
+        let dev = net_setup(cpu, boot);
         Some(net::Stack::new(
             dev,
-            ((boot.net_ipv4 as u32).to_be_bytes(), boot.net_prefix as u8),
+            addr,
             params.seed ^ rdtsc(),
             now,
             &mut sockets,
@@ -289,9 +345,26 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
     } else {
         None
     };
+    // kv: the table and the socket buffers are in the working set.
+    let mut kv_sockets = [const { smoltcp::iface::SocketStorage::EMPTY }; kv::CONNS];
+    let kv = if params.kind == WORKLOAD_KV {
+        let dev = net_setup(cpu, boot);
+        let (table, bufs) = kv_memory(cpu, boot);
+        let Some(table) = nl_workloads::kv::Table::new(table) else {
+            fail(cpu, ERR_BAD_BOOT_INFO, params.ws_bytes)
+        };
+        match kv::Server::new(dev, addr, params.seed ^ rdtsc(), now, &mut kv_sockets, bufs, table) {
+            Some(s) => Some(s),
+            None => fail(cpu, ERR_BAD_BOOT_INFO, params.ws_bytes),
+        }
+    } else {
+        None
+    };
     let mut platform = Guest {
         cpu,
         net,
+        kv,
+        rx_irq: boot.has_net == NET_RX_IRQ,
         tsc_khz: boot.tsc_khz,
         iopl: boot.user_iopl != 0 && rflags() & RFLAGS_IOPL3 == RFLAGS_IOPL3,
         blk,
@@ -331,6 +404,17 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
 
     if params.kind == WORKLOAD_NETBENCH {
         print(cpu, format_args!("netbench: answered {} packets\n", w.net_answered()));
+    }
+    if let Some(k) = &platform.kv {
+        let c = k.counts;
+        let (keys, sum) = k.table.digest(b"");
+        print(
+            cpu,
+            format_args!(
+                "kv: {} connections, {} PUT, {} GET, {} other, {} errors; table {keys} keys, digest {sum:016x}\n",
+                c.connections, c.puts, c.gets, c.other, c.errors
+            ),
+        );
     }
     let digest = w.finish();
     ctl_write(cpu, reg::OPS, ops);

@@ -1,5 +1,6 @@
 //! netbench's network: a ring-3 virtio-net driver (polling, like the block
 //! driver) under smoltcp, answering UDP packets to port 7 with their payload.
+//! The kv workload's TCP server (`kv.rs`) uses the same driver.
 
 use core::sync::atomic::{fence, Ordering};
 
@@ -74,6 +75,18 @@ impl NetDev {
         let len = get::<u32>(e + 4) as usize;
         self.rx_used = self.rx_used.wrapping_add(1);
         Some((id, len.saturating_sub(HDR).min(BUF as usize - HDR)))
+    }
+
+    /// No received frame waits in the used ring.
+    pub fn rx_empty(&self) -> bool {
+        fence(Ordering::SeqCst);
+        get::<u16>(self.rxq + 0x2000 + 2) == self.rx_used
+    }
+
+    /// The used ring's index and the value it has while no frame waits
+    /// (for SYS_HALT_IF).
+    pub fn rx_watch(&self) -> (u64, u16) {
+        (self.rxq + 0x2000 + 2, self.rx_used)
     }
 
     fn send(&mut self, len: usize) {
@@ -175,6 +188,22 @@ impl phy::Device for Phy<'_> {
     }
 }
 
+/// The smoltcp interface over `dev` with address `ip/prefix`.
+pub fn interface(
+    dev: &mut NetDev,
+    (ip, prefix): ([u8; 4], u8),
+    seed: u64,
+    now: Instant,
+) -> Interface {
+    let mut config = Config::new(HardwareAddress::Ethernet(EthernetAddress(dev.mac)));
+    config.random_seed = seed;
+    let mut iface = Interface::new(config, &mut Phy { dev, ask: false }, now);
+    iface.update_ip_addrs(|a| {
+        let _ = a.push(IpCidr::new(Ipv4Address::from_octets(ip).into(), prefix));
+    });
+    iface
+}
+
 /// The UDP echo service.
 pub struct Stack<'s> {
     pub dev: NetDev,
@@ -194,12 +223,7 @@ impl<'s> Stack<'s> {
         rx: (&'s mut [udp::PacketMetadata], &'s mut [u8]),
         tx: (&'s mut [udp::PacketMetadata], &'s mut [u8]),
     ) -> Stack<'s> {
-        let mut config = Config::new(HardwareAddress::Ethernet(EthernetAddress(dev.mac)));
-        config.random_seed = seed;
-        let mut iface = Interface::new(config, &mut Phy { dev: &mut dev, ask: false }, now);
-        iface.update_ip_addrs(|a| {
-            let _ = a.push(IpCidr::new(Ipv4Address::from_octets(ip).into(), prefix));
-        });
+        let iface = interface(&mut dev, (ip, prefix), seed, now);
         let mut sockets = SocketSet::new(storage);
         let mut s = udp::Socket::new(
             udp::PacketBuffer::new(rx.0, rx.1),

@@ -201,6 +201,76 @@ impl Blk {
         false
     }
 
+    /// Submits the chain at descriptor 0 (already written); `bump` extra
+    /// avail-index increments make the index bogus. Returns the status byte
+    /// if the request was used, or None (with the device needing a reset, or not).
+    fn submit_raw(&mut self, bump: u16) -> (Option<u8>, bool) {
+        put(self.status, 0xffu8);
+        let slot = u64::from(self.avail_idx % QSIZE);
+        put(self.avail + 4 + 2 * slot, 0u16);
+        self.avail_idx = self.avail_idx.wrapping_add(1).wrapping_add(bump);
+        fence(Ordering::SeqCst);
+        put(self.avail + 2, self.avail_idx);
+        fence(Ordering::SeqCst);
+        w32(self.base + R_QUEUE_NOTIFY, 0);
+        fence(Ordering::SeqCst);
+        let reset = r32(self.base + R_STATUS) & S_NEEDS_RESET != 0;
+        let used = get::<u16>(self.used + 2) == self.avail_idx;
+        (used.then(|| get::<u8>(self.status)), reset)
+    }
+
+    /// Test-only: drives the device with malformed requests and checks each
+    /// gets the virtio error it must: IOERR for a buffer outside guest memory
+    /// and for a buffer of the wrong direction, DEVICE_NEEDS_RESET for a
+    /// descriptor loop and for a bogus avail index; after a reset the device
+    /// works again. Returns the number of the first check that failed.
+    pub fn malformed_checks(base: u64, dma: u64, scratch: u64) -> Result<Blk, u64> {
+        const IOERR: Option<u8> = Some(1);
+        let mut b = Blk::init(base, dma).map_err(|e| 100 + e.0)?;
+        // 1: data buffer far outside guest memory.
+        b.set_desc(0, b.hdr, 16, F_NEXT, 1);
+        b.set_desc(1, 1 << 46, 512, F_NEXT | F_WRITE, 2);
+        b.set_desc(2, b.status, 1, F_WRITE, 0);
+        put(b.hdr, T_IN);
+        put(b.hdr + 8, 0u64);
+        if b.submit_raw(0) != (IOERR, false) {
+            return Err(1);
+        }
+        // 2: a read into a device-readable (not writable) buffer.
+        b.set_desc(1, scratch, 512, F_NEXT, 2);
+        if b.submit_raw(0) != (IOERR, false) {
+            return Err(2);
+        }
+        // 3: the device still serves a good request.
+        let mut buf = [0u64; 64];
+        if !b.read(0, &mut buf) {
+            return Err(3);
+        }
+        // 4: a descriptor loop (0 -> 1 -> 0).
+        b.set_desc(0, b.hdr, 16, F_NEXT, 1);
+        b.set_desc(1, scratch, 512, F_NEXT | F_WRITE, 0);
+        if !b.submit_raw(0).1 {
+            return Err(4);
+        }
+        // 5: after a reset the device works again.
+        let mut b = Blk::init(base, dma).map_err(|_| 5u64)?;
+        if !b.read(0, &mut buf) {
+            return Err(5);
+        }
+        // 6: an avail index more than a queue ahead of the device's.
+        b.set_desc(0, b.hdr, 16, F_NEXT, 1);
+        b.set_desc(1, scratch, 512, F_NEXT | F_WRITE, 2);
+        b.set_desc(2, b.status, 1, F_WRITE, 0);
+        if !b.submit_raw(QSIZE * 4).1 {
+            return Err(6);
+        }
+        let mut b = Blk::init(base, dma).map_err(|_| 7u64)?;
+        if !b.read(0, &mut buf) {
+            return Err(7);
+        }
+        Ok(b)
+    }
+
     pub fn read(&mut self, sector: u64, buf: &mut [u64]) -> bool {
         match u32::try_from(buf.len() * 8) {
             Ok(len) => self.request(T_IN, sector, buf.as_mut_ptr() as u64, len),

@@ -357,6 +357,35 @@ mod tests {
     const IOERR: Option<u8> = Some(VIRTIO_BLK_S_IOERR as u8);
 
     #[test]
+    fn used_buffers_and_resets_signal_the_irqfd() {
+        use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+        let mut r = rig(false, 16);
+        let irq = EventFd::new(EFD_NONBLOCK).unwrap();
+        r.t.set_irq(irq.try_clone().unwrap());
+        assert!(irq.read().is_err(), "nothing signalled yet");
+        assert_eq!(r.request(VIRTIO_BLK_T_IN, 0, BUF, 512), OK);
+        assert_eq!(r.request(VIRTIO_BLK_T_IN, 1, BUF, 512), OK);
+        assert_eq!(irq.read().unwrap(), 2, "one signal per used buffer");
+        assert_eq!(r32(&mut r.t, regs::INTERRUPT_STATUS) & 1, 1);
+        w32(&mut r.t, regs::INTERRUPT_ACK, 1);
+        assert_eq!(r32(&mut r.t, regs::INTERRUPT_STATUS), 0);
+        // VIRTQ_AVAIL_F_NO_INTERRUPT: the driver polls, no signal.
+        r.mem.write_obj(1u16, GuestAddress(AVAIL)).unwrap();
+        assert_eq!(r.request(VIRTIO_BLK_T_IN, 2, BUF, 512), OK);
+        assert!(irq.read().is_err(), "suppressed by the driver");
+        assert_eq!(r32(&mut r.t, regs::INTERRUPT_STATUS) & 1, 1, "the status still shows it");
+        // A device that needs a reset raises a configuration interrupt.
+        r.mem.write_obj(0u16, GuestAddress(AVAIL)).unwrap();
+        r.desc(0, HDR, 16, F_NEXT, 0);
+        r.desc(0, HDR, 16, F_NEXT, 0);
+        let _ = r.submit(0, 16);
+        assert!(r.needs_reset());
+        assert_eq!(r32(&mut r.t, regs::INTERRUPT_STATUS) & 2, 2);
+        assert_eq!(irq.read().unwrap(), 1);
+        assert_eq!(r.t.interrupts(), 3);
+    }
+
+    #[test]
     fn write_then_read_round_trips() {
         let mut r = rig(false, 16);
         let data: Vec<u8> = (0..8192u32).map(|i| (i * 7) as u8).collect();

@@ -8,8 +8,13 @@
 //! Queue notifications are handled synchronously: a guest write to
 //! QueueNotify exits to the VMM, which processes every available chain
 //! before the write completes, so a polling driver sees the used ring
-//! updated right after its notify. InterruptStatus is kept up to date; no
-//! interrupt is injected (the reference guest polls from ring 3).
+//! updated right after its notify. InterruptStatus is kept up to date and,
+//! when the VMM gave the transport an interrupt eventfd ([`MmioTransport::set_irq`],
+//! registered with KVM as an irqfd on the device's GSI of the in-kernel
+//! IOAPIC), every new used buffer (unless the driver set
+//! VIRTQ_AVAIL_F_NO_INTERRUPT) and every configuration change (NEEDS_RESET)
+//! signals it. The reference guest keeps polling from ring 3 and leaves the
+//! IOAPIC pin masked.
 //!
 //! A guest that hands the device garbage (rings outside its memory, a
 //! malformed avail index, a chain that loops or has no status byte) makes
@@ -24,6 +29,7 @@ pub mod net;
 use serde::{Deserialize, Serialize};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
 
 use crate::bus::{le_value, put_le_value, BusError, Device};
 
@@ -160,6 +166,10 @@ pub struct MmioTransport<D: VirtioDevice> {
     last_error: Option<String>,
     /// Guest ranges the device wrote, kept while tracking is on.
     written: Option<Vec<(u64, u64)>>,
+    /// Signalled to raise the device's interrupt (a KVM irqfd).
+    irq: Option<EventFd>,
+    /// Times `irq` was signalled.
+    irqs: u64,
 }
 
 fn new_queues(sizes: &[u16]) -> Vec<Queue> {
@@ -187,6 +197,34 @@ impl<D: VirtioDevice> MmioTransport<D> {
             config_generation: 0,
             last_error: None,
             written: None,
+            irq: None,
+            irqs: 0,
+        }
+    }
+
+    /// Raises the device's interrupt through `irq` from now on.
+    pub fn set_irq(&mut self, irq: EventFd) {
+        self.irq = Some(irq);
+    }
+
+    /// Processes queue `idx` as if the driver had notified it (a device
+    /// thread delivering received frames without a notify).
+    pub fn service(&mut self, idx: u32) {
+        self.notify(idx);
+    }
+
+    /// Times the interrupt eventfd was signalled.
+    pub fn interrupts(&self) -> u64 {
+        self.irqs
+    }
+
+    /// Sets `bit` in InterruptStatus and signals the interrupt.
+    fn raise(&mut self, bit: u32) {
+        self.interrupt_status |= bit;
+        // A full eventfd counter (2^64 - 2 pending) cannot happen while KVM
+        // drains it; a failed write only loses a signal the status still shows.
+        if self.irq.as_ref().is_some_and(|e| e.write(1).is_ok()) {
+            self.irqs += 1;
         }
     }
 
@@ -244,8 +282,8 @@ impl<D: VirtioDevice> MmioTransport<D> {
 
     fn needs_reset(&mut self, why: String) {
         self.status |= STATUS_NEEDS_RESET;
-        self.interrupt_status |= INT_CONFIG;
         self.last_error = Some(why);
+        self.raise(INT_CONFIG);
     }
 
     fn set_status(&mut self, v: u32) {
@@ -284,6 +322,7 @@ impl<D: VirtioDevice> MmioTransport<D> {
             self.needs_reset(format!("queue {idx}: rings outside guest memory or queue not ready"));
             return;
         }
+        let avail = q.avail_ring();
         let r = self.dev.process(idx as usize, q, &self.mem);
         let mut dev_writes = Vec::new();
         self.dev.take_written(&mut dev_writes);
@@ -293,7 +332,18 @@ impl<D: VirtioDevice> MmioTransport<D> {
             w.extend(dev_writes);
         }
         match r {
-            Ok(true) => self.interrupt_status |= INT_USED_RING,
+            Ok(true) => {
+                // The driver may have asked for no interrupts (it polls):
+                // VIRTQ_AVAIL_F_NO_INTERRUPT in the avail ring's flags.
+                let flags: u16 =
+                    vm_memory::Bytes::read_obj(&self.mem, vm_memory::GuestAddress(avail))
+                        .unwrap_or(0);
+                if flags & 1 == 0 {
+                    self.raise(INT_USED_RING);
+                } else {
+                    self.interrupt_status |= INT_USED_RING;
+                }
+            }
             Ok(false) => {}
             Err(QueueError(why)) => self.needs_reset(format!("queue {idx}: {why}")),
         }

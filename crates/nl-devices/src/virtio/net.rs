@@ -80,6 +80,16 @@ impl Net {
         self.stats
     }
 
+    /// The TAP's file descriptor (to wait for frames on).
+    pub fn tap_fd(&self) -> std::os::fd::RawFd {
+        self.tap.raw_fd()
+    }
+
+    /// Whether a frame read from the TAP still waits for a receive buffer.
+    pub fn rx_pending(&self) -> bool {
+        self.pending.is_some()
+    }
+
     fn transmit(&mut self, mem: &GuestMem, descs: &[Descriptor]) {
         let mut frame = Vec::with_capacity(MAX_FRAME + NET_HDR_BYTES);
         for d in descs {

@@ -1,0 +1,82 @@
+//! The virtio-net receive thread (`NetConfig::rx_irq`, experimental): waits
+//! on the TAP and moves arriving frames into the guest's posted receive
+//! buffers without a guest notify, which raises the device's interrupt
+//! (its irqfd), so the guest can halt while idle.
+//!
+//! Consistency with pauses and stops: the thread only touches the device
+//! (and guest memory) with the transport locked and after checking, under
+//! that lock, that the VM is neither paused nor stopping. `Vm::pause` and
+//! `Vm::stop` raise their flag first and then take and release the lock
+//! once ([`barrier`]), so once they return the thread is done with the
+//! device until the VM runs again.
+
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use nl_devices::virtio::net::Net;
+use nl_devices::virtio::MmioTransport;
+
+use crate::vcpu::RunControl;
+
+pub(crate) type NetTransport = Arc<Mutex<MmioTransport<Net>>>;
+
+/// The running thread; ended and joined on drop.
+pub(crate) struct RxThread {
+    quit: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for RxThread {
+    fn drop(&mut self) {
+        self.quit.store(true, Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Waits up to `ms` for the TAP to become readable.
+fn wait_readable(fd: std::os::fd::RawFd, ms: i32) -> bool {
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: polls one valid pollfd that lives across the call.
+    let n = unsafe { libc::poll(&mut p, 1, ms) };
+    n > 0 && p.revents & libc::POLLIN != 0
+}
+
+pub(crate) fn spawn(vm: u32, net: NetTransport, run: Arc<RunControl>) -> std::io::Result<RxThread> {
+    let quit = Arc::new(AtomicBool::new(false));
+    let q = quit.clone();
+    let fd = net.lock().unwrap_or_else(|p| p.into_inner()).device().tap_fd();
+    let thread = std::thread::Builder::new().name(format!("vm{vm}-netrx")).spawn(move || {
+        while !q.load(Relaxed) {
+            // Bounded waits, so `quit` is seen within 10 ms.
+            if !wait_readable(fd, 10) {
+                continue;
+            }
+            let pending = {
+                let mut t = net.lock().unwrap_or_else(|p| p.into_inner());
+                if run.paused() || run.stopping() {
+                    None
+                } else {
+                    t.service(0);
+                    Some(t.device().rx_pending())
+                }
+            };
+            match pending {
+                // Paused or stopping, or no receive buffer free: the frame
+                // waits; do not spin on a readable TAP.
+                None | Some(true) => std::thread::sleep(Duration::from_micros(200)),
+                Some(false) => {}
+            }
+        }
+    })?;
+    Ok(RxThread { quit, thread: Some(thread) })
+}
+
+/// Takes and releases the transport lock: any device work the thread began
+/// before the caller raised its pause or stop flag is finished.
+pub(crate) fn barrier(net: &NetTransport) {
+    drop(net.lock().unwrap_or_else(|p| p.into_inner()));
+}
