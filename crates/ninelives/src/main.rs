@@ -4,6 +4,7 @@ mod cli;
 mod cmd;
 mod guest;
 mod injector;
+mod netns;
 mod verify;
 
 use std::process::ExitCode;

@@ -15,14 +15,7 @@ struct Pair {
     b: String,
 }
 
-fn ip_ok(args: &[&str]) -> bool {
-    Command::new("ip")
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
+use common::ip as ip_ok;
 
 impl Pair {
     fn new(tag: &str) -> Option<Pair> {

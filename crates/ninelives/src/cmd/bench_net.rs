@@ -50,14 +50,7 @@ struct Netns {
     b: String,
 }
 
-fn ip(args: &[&str]) -> bool {
-    Command::new("ip")
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
+use crate::netns::ip;
 
 impl Netns {
     /// None (with the reason) when namespaces cannot be made here.

@@ -426,14 +426,7 @@ struct Netns(String);
 impl Netns {
     fn new(slot: u32) -> Result<Netns> {
         let name = format!("nl-inj-{}-{slot}", std::process::id());
-        let ip = |args: &[&str]| {
-            Command::new("ip")
-                .args(args)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success())
-        };
+        let ip = crate::netns::ip;
         if !ip(&["netns", "add", &name]) {
             bail!("cannot create network namespace {name}");
         }

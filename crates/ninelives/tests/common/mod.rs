@@ -151,3 +151,13 @@ pub fn spawn_host(sock: &Path) -> (std::process::Child, std::os::unix::net::Unix
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Runs `ip ARGS...` quietly (test network namespaces); true on success.
+pub fn ip(args: &[&str]) -> bool {
+    Command::new("ip")
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
