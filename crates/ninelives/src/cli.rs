@@ -272,6 +272,9 @@ pub struct BenchCheckpointArgs {
     /// Injected-fault runs for the recovery share and rollback latency.
     #[arg(long, default_value_t = 100)]
     pub faults: u32,
+    /// Also draw the paper's Figure 3 (normalized time per interval) as SVG files here.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
     /// Print one JSON object as the last line of stdout.
     #[arg(long)]
     pub json: bool,

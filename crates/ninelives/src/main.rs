@@ -2,6 +2,7 @@
 
 mod cli;
 mod cmd;
+mod figures;
 mod guest;
 mod injector;
 mod netns;

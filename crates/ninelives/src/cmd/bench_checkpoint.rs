@@ -247,6 +247,34 @@ pub fn bench(a: BenchCheckpointArgs) -> Result<ExitCode> {
         "failures": failures,
     });
 
+    if let Some(dir) = &a.plot {
+        for case in &cases {
+            let series: Vec<crate::figures::Series> = variants
+                .iter()
+                .map(|&(m, b)| crate::figures::Series {
+                    label: format!("{} (block {b})", m.mode().name()),
+                    points: cells
+                        .iter()
+                        .filter(|c| {
+                            c.workload == case.name
+                                && c.mode == m.mode().name()
+                                && c.block_pages == b
+                        })
+                        .map(|c| (c.interval_ms, c.normalized_time))
+                        .collect(),
+                })
+                .collect();
+            let path = crate::figures::line_chart(
+                dir,
+                &format!("figure3-{}", case.name),
+                &format!("{}: normalized execution time under VM-uCheckpoint", case.name),
+                "checkpoint interval (ms)",
+                "protected / unprotected time (log)",
+                &series,
+            )?;
+            eprintln!("wrote {}", path.display());
+        }
+    }
     if !a.json {
         println!(
             "{:<18} {:<9} {:>5} {:>8} {:>10} {:>9} {:>10} {:>10} {:>8}",
