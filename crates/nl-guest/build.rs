@@ -43,7 +43,7 @@ fn main() {
 
     let mut cmd = Command::new(&cargo);
     cmd.current_dir(&guest)
-        .args(["build", "--release", "--offline", "--target-dir"])
+        .args(["build", "--release", "--locked", "--target-dir"])
         .arg(&target_dir)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
