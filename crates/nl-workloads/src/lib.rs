@@ -212,6 +212,8 @@ pub struct Workload<'m> {
     hot_words: usize,
     /// Accesses per measured round.
     ops_per_round: u64,
+    /// memwrite: pages of round 0 done so far by [`Workload::warm_up_step`].
+    warm_pos: usize,
     // compute
     lanes: [u64; 4],
     // exits
@@ -291,6 +293,7 @@ impl<'m> Workload<'m> {
             col: 0,
             hot_words,
             ops_per_round,
+            warm_pos: 0,
             lanes,
             mismatches: 0,
             store: blk::FileStore::new(),
@@ -385,13 +388,40 @@ impl<'m> Workload<'m> {
     /// Round 0 of memwrite: one store in every page, so the whole working
     /// set is mapped before the measured period. Ops = pages.
     fn warm_up(&mut self) -> u64 {
-        let mut pages: u64 = 0;
-        for page in self.mem.chunks_exact_mut(PAGE_WORDS) {
-            let h = mix64(self.seed ^ pages.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let pages = self.mem.len() / PAGE_WORDS;
+        self.warm_pages(0, pages);
+        pages as u64
+    }
+
+    /// The warm-up's stores for pages `[from, to)`; each page's store depends
+    /// only on the seed and the page's index, so the warm-up can be done in
+    /// any number of pieces with the same result.
+    fn warm_pages(&mut self, from: usize, to: usize) {
+        for (i, page) in self.mem.chunks_exact_mut(PAGE_WORDS).enumerate().take(to).skip(from) {
+            let h = mix64(self.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
             page[(h >> 40) as usize & (PAGE_WORDS - 1)] = seal(h);
-            pages += 1;
         }
-        pages
+    }
+
+    /// Round 0 in pieces of at most `max_pages` pages, so the guest can keep
+    /// heartbeating while a large working set is first mapped (about 8 µs a
+    /// page on PVM: a 2 GiB working set takes seconds). Returns the round's
+    /// ops once round 0 is complete, with exactly the effect of [`Self::round`]
+    /// for round 0; `None` while pages remain. Other workloads run their
+    /// round 0 whole.
+    pub fn warm_up_step<P: Platform>(&mut self, p: &mut P, max_pages: usize) -> Option<u64> {
+        if self.kind != Kind::Memwrite || self.rounds != 0 {
+            return Some(self.round(p));
+        }
+        let pages = self.mem.len() / PAGE_WORDS;
+        let to = self.warm_pos.saturating_add(max_pages.max(1)).min(pages);
+        self.warm_pages(self.warm_pos, to);
+        self.warm_pos = to;
+        if to < pages {
+            return None;
+        }
+        self.rounds = 1;
+        Some(pages as u64)
     }
 
     fn memwrite_round(&mut self) -> u64 {

@@ -548,3 +548,34 @@ mod blkbench {
         assert!(Workload::new(&params(1), 0, &mut mem).is_err());
     }
 }
+
+#[test]
+fn a_warm_up_in_pieces_equals_round_zero() {
+    for pat in PATTERNS {
+        let p = memwrite(pat, 64 * KIB, 50);
+        let mut whole = zeroed(&p);
+        let mut pieces = zeroed(&p);
+        let (d1, d2) = {
+            let mut a = Workload::new(&p, 3, &mut whole).unwrap();
+            let mut b = Workload::new(&p, 3, &mut pieces).unwrap();
+            let mut plat = TestPlatform::default();
+            let ops_a = a.round(&mut plat);
+            let mut steps = 0;
+            let ops_b = loop {
+                steps += 1;
+                if let Some(ops) = b.warm_up_step(&mut plat, 3) {
+                    break ops;
+                }
+            };
+            assert!(steps > 1, "the warm-up must really come in pieces");
+            assert_eq!(ops_a, ops_b);
+            assert_eq!(b.rounds_done(), 1);
+            for _ in 0..3 {
+                assert_eq!(a.round(&mut plat), b.round(&mut plat));
+            }
+            (a.finish(), b.finish())
+        };
+        assert_eq!(d1, d2, "pattern {pat}");
+        assert_eq!(whole, pieces);
+    }
+}
