@@ -73,6 +73,23 @@ fn segment(selector: u16, code: bool) -> kvm_segment {
     }
 }
 
+/// The CPUID vCPU `cpu` sees: what KVM supports, with its initial APIC id
+/// in leaf 1 EBX[31:24] and leaves 0xb/0x1f, and x2APIC advertised.
+pub fn vcpu_cpuid(supported: &CpuId, cpu: u64) -> CpuId {
+    let mut cpuid = supported.clone();
+    for e in cpuid.as_mut_slice() {
+        match e.function {
+            1 => {
+                e.ebx = (e.ebx & 0x00ff_ffff) | ((cpu as u32) << 24);
+                e.ecx |= 1 << 21;
+            }
+            0xb | 0x1f => e.edx = cpu as u32,
+            _ => {}
+        }
+    }
+    cpuid
+}
+
 /// Sets sregs, regs, MSRs and CPUID so vCPU `cpu` starts at `entry` in ring 0.
 pub fn setup_vcpu(
     vcpu: &VcpuFd,
@@ -82,19 +99,7 @@ pub fn setup_vcpu(
 ) -> Result<(), ArchError> {
     let fail = |what| move |err| ArchError::VcpuSetup { what, err };
 
-    let mut cpuid = supported_cpuid.clone();
-    for e in cpuid.as_mut_slice() {
-        match e.function {
-            // Initial APIC id in EBX[31:24]; advertise x2APIC.
-            1 => {
-                e.ebx = (e.ebx & 0x00ff_ffff) | ((cpu as u32) << 24);
-                e.ecx |= 1 << 21;
-            }
-            0xb | 0x1f => e.edx = cpu as u32,
-            _ => {}
-        }
-    }
-    vcpu.set_cpuid2(&cpuid).map_err(fail("CPUID"))?;
+    vcpu.set_cpuid2(&vcpu_cpuid(supported_cpuid, cpu)).map_err(fail("CPUID"))?;
 
     let mut s = vcpu.get_sregs().map_err(fail("get sregs"))?;
     s.cr0 = CR0;

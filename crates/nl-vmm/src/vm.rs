@@ -176,16 +176,7 @@ impl Vm {
         let cpuid = supported_cpuid(kvm)?;
         for (cpu, slot) in vm.slots().iter().enumerate() {
             let fd = slot.fd.lock().unwrap_or_else(|p| p.into_inner());
-            let mut c = cpuid.clone();
-            for e in c.as_mut_slice() {
-                if e.function == 1 {
-                    e.ebx = (e.ebx & 0x00ff_ffff) | ((cpu as u32) << 24);
-                    e.ecx |= 1 << 21;
-                }
-                if e.function == 0xb || e.function == 0x1f {
-                    e.edx = cpu as u32;
-                }
-            }
+            let c = nl_arch::regs::vcpu_cpuid(&cpuid, cpu as u64);
             fd.set_cpuid2(&c).map_err(kvm_err("KVM_SET_CPUID2"))?;
         }
         vm.load_state(state)?;
