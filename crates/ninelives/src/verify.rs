@@ -112,3 +112,13 @@ pub fn verify_vm(vm: &nl_vmm::Vm, outcome: &nl_vmm::VmOutcome) -> anyhow::Result
         error,
     })
 }
+
+/// The one-line digest verdict the protecting commands print.
+pub fn digest_line(digest_ok: bool, error: Option<&str>, ops_per_sec: f64) -> String {
+    format!(
+        "digest {}{}, {:.3e} ops/s",
+        if digest_ok { "verified" } else { "NOT verified" },
+        error.map_or(String::new(), |e| format!(" ({e})")),
+        ops_per_sec
+    )
+}

@@ -180,12 +180,7 @@ pub fn checkpoint(a: CheckpointArgs) -> Result<ExitCode> {
             }
         );
     }
-    println!(
-        "digest {}{}, {:.3e} ops/s",
-        if r.digest_ok { "verified" } else { "NOT verified" },
-        r.error.as_ref().map_or(String::new(), |e| format!(" ({e})")),
-        r.ops_per_sec
-    );
+    println!("{}", crate::verify::digest_line(r.digest_ok, r.error.as_deref(), r.ops_per_sec));
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
     }

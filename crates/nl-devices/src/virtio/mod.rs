@@ -536,6 +536,16 @@ impl<D: VirtioDevice> Device for MmioTransport<D> {
 
 /// Pops every available chain of `queue`, calling `f` with each; an avail
 /// ring the queue cannot read is a queue error.
+/// The next descriptor chain the driver made available, if any.
+pub(crate) fn next_chain<'m>(
+    queue: &mut Queue,
+    mem: &'m GuestMem,
+) -> Result<Option<virtio_queue::DescriptorChain<&'m GuestMem>>, QueueError> {
+    let mut it =
+        queue.iter(mem).map_err(|e| QueueError(format!("cannot read the avail ring: {e}")))?;
+    Ok(it.next())
+}
+
 pub(crate) fn for_each_chain(
     queue: &mut Queue,
     mem: &GuestMem,
@@ -545,15 +555,7 @@ pub(crate) fn for_each_chain(
     // At most one queue's worth per notify, whatever the guest does to the
     // avail index meanwhile (another vCPU may keep adding chains).
     for _ in 0..queue.size() {
-        let chain = {
-            let mut it = queue
-                .iter(mem)
-                .map_err(|e| QueueError(format!("cannot read the avail ring: {e}")))?;
-            match it.next() {
-                Some(c) => c,
-                None => break,
-            }
-        };
+        let Some(chain) = next_chain(queue, mem)? else { break };
         let (head, len) = f(chain)?;
         queue
             .add_used(mem, head, len)

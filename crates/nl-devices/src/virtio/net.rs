@@ -8,7 +8,7 @@
 //! that finds no buffer waits in the device for the next notify.
 
 use virtio_bindings::virtio_net::VIRTIO_NET_F_MAC;
-use virtio_queue::{desc::split::Descriptor, Queue, QueueOwnedT, QueueT};
+use virtio_queue::{desc::split::Descriptor, Queue, QueueT};
 use vm_memory::{Bytes, GuestMemory, Permissions};
 
 use super::{collect_chain, for_each_chain, GuestMem, QueueError, VirtioDevice};
@@ -132,15 +132,7 @@ impl Net {
                     Err(_) => break,
                 }
             }
-            let chain = {
-                let mut it = queue
-                    .iter(mem)
-                    .map_err(|e| QueueError(format!("cannot read the avail ring: {e}")))?;
-                match it.next() {
-                    Some(c) => c,
-                    None => break,
-                }
-            };
+            let Some(chain) = super::next_chain(queue, mem)? else { break };
             let (head, descs) = collect_chain(chain, MAX_CHAIN)?;
             let frame = self.pending.take().unwrap_or_default();
             let mut hdr = [0u8; NET_HDR_BYTES];
