@@ -312,25 +312,49 @@ pub struct HostArgs {
     /// What to do when a detector (fatal signal, panic, hang) fires.
     #[arg(long, value_enum, default_value_t = RecoveryName::None)]
     pub recovery: RecoveryName,
+    /// The repairs a microreset makes: all, none, or a comma-separated list
+    /// of counters, locks, retry, metadata, timers, memory.
+    #[arg(long, default_value = "all", value_parser = parse_repairs)]
+    pub repairs: nl_vmm::recovery::Repairs,
+    /// Internal (microreboot): the recovery record in this fd.
+    #[arg(long, hide = true, requires = "reboot_checksum")]
+    pub reboot_record: Option<i32>,
+    /// Internal (microreboot): the record's checksum (hex).
+    #[arg(long, hide = true, value_parser = parse_hex)]
+    pub reboot_checksum: Option<u64>,
 }
 
-/// Recovery policies after a detected VMM error (the recovery issue adds more).
+pub fn parse_repairs(s: &str) -> Result<nl_vmm::recovery::Repairs, String> {
+    nl_vmm::recovery::Repairs::parse(s)
+}
+
+fn parse_hex(s: &str) -> Result<u64, String> {
+    u64::from_str_radix(s, 16).map_err(|e| format!("not a hex number: {e}"))
+}
+
+/// Recovery policies after a detected VMM error.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Default)]
 pub enum RecoveryName {
     /// End the VMM and its VMs (exit status 86): the baseline.
     #[default]
     None,
+    /// NiLiHype: discard the VMM's threads, repair its state, resume in place.
+    Microreset,
+    /// ReHype: exec a fresh VMM process that takes the VMs over.
+    Microreboot,
 }
 
 impl RecoveryName {
-    pub fn policy(self) -> nl_vmm::detect::Recovery {
+    pub fn policy(self, repairs: nl_vmm::recovery::Repairs) -> nl_vmm::recovery::Policy {
         match self {
-            RecoveryName::None => nl_vmm::detect::Recovery::None,
+            RecoveryName::None => nl_vmm::recovery::Policy::None,
+            RecoveryName::Microreset => nl_vmm::recovery::Policy::Microreset(repairs),
+            RecoveryName::Microreboot => nl_vmm::recovery::Policy::Microreboot,
         }
     }
 
     pub fn name(self) -> &'static str {
-        self.policy().name()
+        self.policy(nl_vmm::recovery::Repairs::ALL).name()
     }
 }
 

@@ -1,7 +1,10 @@
 //! Routing of guest accesses to devices by address range.
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use nl_sync::{Guard, Lock};
 
 use serde::{Deserialize, Serialize};
 
@@ -28,7 +31,7 @@ pub trait Device: Send {
     fn restore(&mut self, state: &serde_json::Value) -> Result<(), BusError>;
 }
 
-pub type SharedDevice = Arc<Mutex<dyn Device>>;
+pub type SharedDevice = Arc<Lock<dyn Device>>;
 
 struct Entry {
     len: u64,
@@ -51,22 +54,84 @@ pub struct UnclaimedStats {
     pub last_addr: u64,
 }
 
-/// A port-I/O or MMIO bus.
-#[derive(Default)]
-pub struct Bus {
-    entries: BTreeMap<u64, Entry>,
-    unclaimed: Mutex<UnclaimedStats>,
+impl Default for Bus {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
-fn lock(dev: &SharedDevice) -> std::sync::MutexGuard<'_, dyn Device + 'static> {
-    // A device whose lock was poisoned by a panicking vCPU thread is still
-    // consistent at the register level; keep serving the other vCPUs.
-    dev.lock().unwrap_or_else(|p| p.into_inner())
+/// A port-I/O or MMIO bus.
+pub struct Bus {
+    entries: BTreeMap<u64, Entry>,
+    unclaimed: Option<Arc<Lock<UnclaimedStats>>>,
+}
+
+fn lock(dev: &SharedDevice) -> Guard<'_, dyn Device + 'static> {
+    dev.lock()
+}
+
+thread_local! {
+    /// Device accesses the calling thread is inside (the VMM's "IRQ count").
+    static ACCESS_DEPTH: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Device accesses the calling thread is inside now: 0 outside device
+/// emulation, 1 inside it. An access never nests, and the bus asserts so.
+pub fn access_depth() -> u32 {
+    ACCESS_DEPTH.with(Cell::get)
+}
+
+/// Sets the calling thread's access depth to 0 (a microreset repair: a
+/// thread whose stack was discarded inside a device never left it).
+pub fn reset_access_depth() {
+    ACCESS_DEPTH.with(|d| d.set(0));
+}
+
+/// A self-test fault: after this many more device accesses, the access
+/// in progress runs [`FAULT_HOOK`] with the device's lock held.
+static FAULT_COUNTDOWN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static FAULT_HOOK: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
+
+/// Arms the self-test fault (tests of VMM recovery): the `after`-th device
+/// access from now runs `hook` inside the device, holding its lock.
+pub fn arm_fault_hook(after: u64, hook: fn()) {
+    let _ = FAULT_HOOK.set(hook);
+    FAULT_COUNTDOWN.store(after.max(1), std::sync::atomic::Ordering::SeqCst);
+}
+
+#[inline]
+fn fault_point() {
+    use std::sync::atomic::Ordering::Relaxed;
+    if FAULT_COUNTDOWN.load(Relaxed) != 0 && FAULT_COUNTDOWN.fetch_sub(1, Relaxed) == 1 {
+        if let Some(h) = FAULT_HOOK.get() {
+            h();
+        }
+    }
+}
+
+/// Marks one device access on this thread for the duration of `f`.
+fn access<R>(f: impl FnOnce() -> R) -> R {
+    let depth = ACCESS_DEPTH.with(|d| {
+        let v = d.get();
+        d.set(v + 1);
+        v
+    });
+    assert!(depth == 0, "device access nested {depth} deep on one thread");
+    let r = f();
+    ACCESS_DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
+    r
 }
 
 impl Bus {
     pub fn new() -> Self {
-        Self::default()
+        Self {
+            entries: BTreeMap::new(),
+            unclaimed: Some(Lock::new("bus.unclaimed", UnclaimedStats::default())),
+        }
+    }
+
+    fn unclaimed_stats(&self) -> Option<Guard<'_, UnclaimedStats>> {
+        self.unclaimed.as_ref().map(|u| u.lock())
     }
 
     /// Places `dev` at `[base, base + len)`.
@@ -97,14 +162,19 @@ impl Bus {
     pub fn read(&self, cpu: usize, addr: u64, data: &mut [u8]) -> bool {
         match self.find(addr, data.len()) {
             Some((off, e)) => {
-                lock(&e.dev).read(cpu, off, data);
+                access(|| {
+                    let mut d = lock(&e.dev);
+                    fault_point();
+                    d.read(cpu, off, data)
+                });
                 true
             }
             None => {
                 data.fill(0xff);
-                let mut u = self.unclaimed.lock().unwrap_or_else(|p| p.into_inner());
-                u.reads += 1;
-                u.last_addr = addr;
+                if let Some(mut u) = self.unclaimed_stats() {
+                    u.reads += 1;
+                    u.last_addr = addr;
+                }
                 false
             }
         }
@@ -114,13 +184,18 @@ impl Bus {
     pub fn write(&self, cpu: usize, addr: u64, data: &[u8]) -> bool {
         match self.find(addr, data.len()) {
             Some((off, e)) => {
-                lock(&e.dev).write(cpu, off, data);
+                access(|| {
+                    let mut d = lock(&e.dev);
+                    fault_point();
+                    d.write(cpu, off, data)
+                });
                 true
             }
             None => {
-                let mut u = self.unclaimed.lock().unwrap_or_else(|p| p.into_inner());
-                u.writes += 1;
-                u.last_addr = addr;
+                if let Some(mut u) = self.unclaimed_stats() {
+                    u.writes += 1;
+                    u.last_addr = addr;
+                }
                 false
             }
         }
@@ -128,7 +203,7 @@ impl Bus {
 
     /// Accesses no device claimed (wild port I/O or MMIO from the guest).
     pub fn unclaimed(&self) -> UnclaimedStats {
-        *self.unclaimed.lock().unwrap_or_else(|p| p.into_inner())
+        self.unclaimed_stats().map(|u| *u).unwrap_or_default()
     }
 
     /// Saves every device's state.
@@ -215,7 +290,7 @@ mod tests {
     }
 
     fn reg(name: &'static str) -> SharedDevice {
-        Arc::new(Mutex::new(Reg { name, v: 0 }))
+        Lock::new("test.reg", Reg { name, v: 0 })
     }
 
     #[test]

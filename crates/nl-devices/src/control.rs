@@ -5,7 +5,9 @@
 //! stopping the guest through [`ControlState`], shared with the monitor.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
+
+use nl_sync::{Condvar, Lock};
 use std::time::Instant;
 
 use nl_abi::{reg, CONTROL_BLOCK_SIZE, CONTROL_MAGIC, MAX_VCPUS};
@@ -83,9 +85,9 @@ impl VcpuRegs {
 pub struct ControlState {
     pub vcpus: Vec<VcpuRegs>,
     /// Host time at which each vCPU first wrote PHASE_WORKLOAD_START.
-    pub workload_start: Mutex<Vec<Option<Instant>>>,
+    pub workload_start: Arc<Lock<Vec<Option<Instant>>>>,
     /// Bumped and notified on every phase change and error.
-    events: Mutex<u64>,
+    events: Arc<Lock<u64>>,
     cond: Condvar,
 }
 
@@ -93,14 +95,14 @@ impl ControlState {
     pub fn new(num_vcpus: usize) -> Arc<Self> {
         Arc::new(Self {
             vcpus: (0..num_vcpus).map(|_| VcpuRegs::default()).collect(),
-            workload_start: Mutex::new(vec![None; num_vcpus]),
-            events: Mutex::new(0),
+            workload_start: Lock::new("control.workload_start", vec![None; num_vcpus]),
+            events: Lock::new("control.events", 0),
             cond: Condvar::new(),
         })
     }
 
     fn notify(&self) {
-        let mut g = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = self.events.lock();
         *g += 1;
         self.cond.notify_all();
     }
@@ -113,16 +115,20 @@ impl ControlState {
 
     /// Current event generation.
     pub fn generation(&self) -> u64 {
-        *self.events.lock().unwrap_or_else(|p| p.into_inner())
+        *self.events.lock()
     }
 
     /// Blocks until the event generation differs from `seen` or `timeout` passes.
     pub fn wait_event(&self, seen: u64, timeout: std::time::Duration) -> u64 {
-        let g = self.events.lock().unwrap_or_else(|p| p.into_inner());
-        let (g, _) = self
-            .cond
-            .wait_timeout_while(g, timeout, |g| *g == seen)
-            .unwrap_or_else(|p| p.into_inner());
+        let deadline = std::time::Instant::now() + timeout;
+        let mut g = self.events.lock();
+        while *g == seen {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            g.wait_for(&self.cond, left);
+        }
         *g
     }
 
@@ -257,7 +263,7 @@ impl Device for ControlDevice {
             }
             reg::PHASE => {
                 if v == nl_abi::PHASE_WORKLOAD_START {
-                    let mut s = self.state.workload_start.lock().unwrap_or_else(|p| p.into_inner());
+                    let mut s = self.state.workload_start.lock();
                     s[block].get_or_insert_with(Instant::now);
                 }
                 r.phase.store(v, Relaxed);
@@ -319,7 +325,7 @@ mod tests {
         let g = st.generation();
         dev.write(1, CONTROL_BLOCK_SIZE + reg::PHASE, &nl_abi::PHASE_WORKLOAD_START.to_le_bytes());
         assert_ne!(st.generation(), g);
-        assert!(st.workload_start.lock().unwrap()[1].is_some());
+        assert!(st.workload_start.lock()[1].is_some());
         dev.write(0, reg::SCRATCH, &0x55u64.to_le_bytes());
         dev.read(0, reg::SCRATCH, &mut d);
         assert_eq!(u64::from_le_bytes(d), 0x55);

@@ -4,7 +4,9 @@
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{self, Write};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use nl_sync::Lock;
 
 use serde::{Deserialize, Serialize};
 use vm_superio::serial::{NoEvents, SerialState};
@@ -18,37 +20,69 @@ const TAIL_BYTES: usize = 64 * 1024;
 struct ConsoleInner {
     file: Option<File>,
     tail: VecDeque<u8>,
+    /// Bytes written since the console was created.
+    written: u64,
 }
 
 /// Where a VM's console output goes. Cloning shares the sink.
 #[derive(Clone)]
-pub struct Console(Arc<Mutex<ConsoleInner>>);
+pub struct Console(Arc<Lock<ConsoleInner>>);
 
 impl Console {
     /// Keeps only the last 64 KiB in memory.
     pub fn buffer() -> Self {
-        Self(Arc::new(Mutex::new(ConsoleInner { file: None, tail: VecDeque::new() })))
+        Self(Lock::new("console", ConsoleInner { file: None, tail: VecDeque::new(), written: 0 }))
     }
 
     /// Also appends everything to `file`.
     pub fn to_file(file: File) -> Self {
-        Self(Arc::new(Mutex::new(ConsoleInner { file: Some(file), tail: VecDeque::new() })))
+        Self(Lock::new(
+            "console",
+            ConsoleInner { file: Some(file), tail: VecDeque::new(), written: 0 },
+        ))
     }
 
     pub fn write_bytes(&self, b: &[u8]) {
-        let mut c = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = self.0.lock();
         if let Some(f) = c.file.as_mut() {
             // Console output is best effort: a full disk must not stop the guest.
             let _ = f.write_all(b);
         }
         c.tail.extend(b);
+        c.written += b.len() as u64;
         let excess = c.tail.len().saturating_sub(TAIL_BYTES);
         c.tail.drain(..excess);
     }
 
+    /// Bytes written so far: a mark to undo a partial write back to.
+    pub fn mark(&self) -> u64 {
+        self.0.lock().written
+    }
+
+    /// Undoes everything written after `mark` (the undo log of a device
+    /// access that was abandoned and is about to be re-executed). Returns
+    /// the bytes removed.
+    pub fn undo_to(&self, mark: u64) -> u64 {
+        let mut c = self.0.lock();
+        let extra = c.written.saturating_sub(mark);
+        if extra == 0 {
+            return 0;
+        }
+        let keep = c.tail.len().saturating_sub(extra as usize);
+        c.tail.truncate(keep);
+        if let Some(f) = c.file.as_mut() {
+            if let Ok(len) = f.metadata().map(|m| m.len()) {
+                let _ = f.set_len(len.saturating_sub(extra));
+                let _ = std::io::Seek::seek(f, std::io::SeekFrom::End(0));
+            }
+        }
+        c.written = mark;
+        extra
+    }
+
     /// The last bytes written, lossily decoded.
     pub fn tail(&self) -> String {
-        let c = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let c = self.0.lock();
         let (a, b) = c.tail.as_slices();
         let mut v = a.to_vec();
         v.extend_from_slice(b);

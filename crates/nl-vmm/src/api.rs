@@ -89,25 +89,37 @@ pub fn serve_listener(
         handed_over: AtomicBool::new(false),
     });
     listener.set_nonblocking(true)?;
+    crate::recovery::set_api(listener.as_raw_fd(), path);
+    let _reg = crate::recovery::enter(false);
     let progress = crate::detect::track();
     while !ctx.done.load(Relaxed) {
-        progress.beat();
-        if ctx.hold.load(Relaxed) {
-            // Connections wait in the backlog for whichever process serves next.
-            std::thread::sleep(Duration::from_millis(1));
-            continue;
-        }
-        match listener.accept() {
-            Ok((stream, _)) => {
-                let (host, build, ctx) = (host.clone(), build.clone(), ctx.clone());
-                let _ = std::thread::Builder::new()
-                    .name("api-conn".into())
-                    .spawn(move || serve_connection(stream, &host, &*build, &ctx));
+        // A discarded accept loop starts over (a connection accepted but not
+        // yet served is dropped; its client sees the connection close).
+        let r = crate::recovery::protected(|| -> Result<(), VmmError> {
+            while !ctx.done.load(Relaxed) {
+                progress.beat();
+                if ctx.hold.load(Relaxed) {
+                    // Connections wait in the backlog for whichever process serves next.
+                    crate::recovery::safe(|| std::thread::sleep(Duration::from_millis(1)));
+                    continue;
+                }
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        let (host, build, ctx) = (host.clone(), build.clone(), ctx.clone());
+                        let _ = std::thread::Builder::new()
+                            .name("api-conn".into())
+                            .spawn(move || serve_connection(stream, &host, &*build, &ctx));
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        crate::recovery::safe(|| std::thread::sleep(Duration::from_millis(2)));
+                    }
+                    Err(e) => return Err(e.into()),
+                }
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            Err(e) => return Err(e.into()),
+            Ok(())
+        });
+        if let crate::recovery::Outcome::Done(r) = r {
+            r?;
         }
     }
     progress.wait();
@@ -123,11 +135,14 @@ fn serve_connection(stream: UnixStream, host: &Host, build: &ConfigBuilder, ctx:
     let _ = stream.set_nonblocking(false);
     let Ok(mut out) = stream.try_clone() else { return };
     let mut reader = BufReader::new(stream);
+    let _reg = crate::recovery::enter(false);
     let progress = crate::detect::track();
     loop {
         let mut line = Vec::new();
         progress.wait();
-        let got = (&mut reader).take(MAX_REQUEST as u64 + 1).read_until(b'\n', &mut line);
+        let got = crate::recovery::safe(|| {
+            (&mut reader).take(MAX_REQUEST as u64 + 1).read_until(b'\n', &mut line)
+        });
         progress.resume();
         match got {
             Ok(0) | Err(_) => return,
@@ -149,7 +164,15 @@ fn serve_connection(stream: UnixStream, host: &Host, build: &ConfigBuilder, ctx:
                     ) {
                         progress.wait();
                     }
-                    handle_in(host, build, &req, ctx)
+                    // A request discarded by a microreset is answered as such:
+                    // the client may retry it.
+                    match crate::recovery::protected(|| handle_in(host, build, &req, ctx)) {
+                        crate::recovery::Outcome::Done(v) => v,
+                        crate::recovery::Outcome::Recovered { .. } => json!({
+                            "ok": false, "interrupted": true,
+                            "error": "the request was interrupted by a VMM recovery; retry it",
+                        }),
+                    }
                 }
                 Err(e) => json!({"ok": false, "error": format!("malformed request: {e}")}),
             }
@@ -253,7 +276,7 @@ fn handle_in(host: &Host, build: &ConfigBuilder, req: &Value, ctx: &ServeCtx) ->
                 host.resume(id_of(req)?).map_err(e)?;
                 json!({})
             }
-            "stats" => json!({"stats": host.stats(id_of(req)?).map_err(e)?}),
+            "stats" => json!({"stats": host.stats_value(id_of(req)?).map_err(e)?}),
             "destroy" => {
                 host.destroy(id_of(req)?).map_err(e)?;
                 json!({})

@@ -13,7 +13,8 @@
 //!
 //! What happens next is the [`Recovery`] policy. `None` (the baseline) ends
 //! the VMM process, and with it all its VMs, with exit status
-//! [`DETECTED_EXIT`]. Recovery mechanisms plug in as further variants.
+//! [`DETECTED_EXIT`]; `Microreset` and `Microreboot` recover the VMM
+//! ([`crate::recovery`]).
 //!
 //! Hang detection: each tracked thread owns a [`Progress`] with a beat
 //! counter and a "waiting" flag. A thread marks itself waiting while it is
@@ -25,7 +26,11 @@
 //! VMM.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, Once, OnceLock, Weak};
+use std::sync::{Arc, Once, OnceLock, Weak};
+
+use nl_sync::Lock;
+
+pub use crate::recovery::Policy as Recovery;
 use std::time::{Duration, Instant};
 
 /// Exit status of a VMM ended by a detected error (recovery `none`).
@@ -38,29 +43,10 @@ pub const REPORT_PREFIX: &str = "NINELIVES-DETECTED ";
 pub const WATCHDOG_PERIOD: Duration = Duration::from_millis(100);
 pub const HANG_MISSES: u32 = 3;
 
-/// What the VMM does once an error is detected.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Recovery {
-    /// End the VMM process (and its VMs) with [`DETECTED_EXIT`].
-    #[default]
-    None,
-}
-
-impl Recovery {
-    pub fn name(self) -> &'static str {
-        match self {
-            Recovery::None => "none",
-        }
-    }
-
-    /// Acts on a detected error. Must be async-signal-safe for `None`
-    /// (it is called from the fatal-signal handler).
-    fn act(self) -> ! {
-        match self {
-            // SAFETY: _exit is async-signal-safe and ends the process at once.
-            Recovery::None => unsafe { libc::_exit(DETECTED_EXIT) },
-        }
-    }
+/// Ends the process after an error nothing recovers from.
+fn end() -> ! {
+    // SAFETY: _exit is async-signal-safe and ends the process at once.
+    unsafe { libc::_exit(DETECTED_EXIT) }
 }
 
 /// Progress of one tracked thread.
@@ -93,9 +79,9 @@ impl Progress {
     }
 }
 
-fn registry() -> &'static Mutex<Vec<Weak<Progress>>> {
-    static R: OnceLock<Mutex<Vec<Weak<Progress>>>> = OnceLock::new();
-    R.get_or_init(Mutex::default)
+fn registry() -> &'static Lock<Vec<Weak<Progress>>> {
+    static R: OnceLock<Arc<Lock<Vec<Weak<Progress>>>>> = OnceLock::new();
+    R.get_or_init(|| Lock::new("detect.progress", Vec::new()))
 }
 
 /// Registers the calling thread with the hang watchdog. The thread is
@@ -107,7 +93,7 @@ pub fn track() -> Arc<Progress> {
         beats: AtomicU64::new(0),
         waiting: AtomicBool::new(false),
     });
-    let mut r = registry().lock().unwrap_or_else(|e| e.into_inner());
+    let mut r = registry().lock();
     r.retain(|w| w.strong_count() > 0);
     r.push(Arc::downgrade(&p));
     p
@@ -117,8 +103,6 @@ fn gettid() -> i32 {
     // SAFETY: gettid has no arguments and cannot fail.
     unsafe { libc::gettid() }
 }
-
-static RECOVERY: Mutex<Recovery> = Mutex::new(Recovery::None);
 
 /// The fatal signals the detector catches.
 pub const FATAL_SIGNALS: [(libc::c_int, &str); 6] = [
@@ -135,15 +119,12 @@ pub const FATAL_SIGNALS: [(libc::c_int, &str); 6] = [
 pub fn install(recovery: Recovery) {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
-        *RECOVERY.lock().unwrap_or_else(|e| e.into_inner()) = recovery;
+        crate::recovery::set_policy(recovery);
+        crate::recovery::install();
         install_signal_handlers();
         install_panic_hook();
         let _ = std::thread::Builder::new().name("watchdog".into()).spawn(watchdog);
     });
-}
-
-fn recovery() -> Recovery {
-    *RECOVERY.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn install_signal_handlers() {
@@ -243,9 +224,10 @@ extern "C" fn on_fatal_signal(
     l.hex(rip as u64);
     l.push(b"\"}");
     l.write_stderr();
-    // Only `None` exists; a recovery policy that resumes must not return into
-    // the faulting instruction, and must stay async-signal-safe here.
-    Recovery::None.act();
+    // A recovery policy discards this thread's execution (it does not return
+    // into the faulting instruction); without one, or if it cannot, the end.
+    crate::recovery::on_fatal_signal(sig);
+    end();
 }
 
 fn install_panic_hook() {
@@ -262,8 +244,15 @@ fn install_panic_hook() {
             "detector": "panic", "thread": thread, "tid": gettid(),
             "message": message, "location": location,
         }));
-        recovery().act();
+        // Unwinding to the thread's recovery point starts the recovery there.
+        if !crate::recovery::panic_recoverable() {
+            end();
+        }
     }));
+}
+
+pub(crate) fn report_line(v: &serde_json::Value) {
+    report(v)
 }
 
 fn report(v: &serde_json::Value) {
@@ -272,21 +261,33 @@ fn report(v: &serde_json::Value) {
 }
 
 fn watchdog() {
+    let _reg = crate::recovery::enter(false);
     // Per tracked thread: the beats seen at the last check and the misses since.
     let mut seen: Vec<(Weak<Progress>, u64, u32, u64)> = Vec::new();
     let mut last = Instant::now();
     loop {
-        std::thread::sleep(WATCHDOG_PERIOD);
+        if let crate::recovery::Outcome::Recovered { .. } =
+            crate::recovery::protected(|| watch(&mut seen, &mut last))
+        {
+            // Counts from before a recovery mean nothing after it.
+            seen.clear();
+            last = Instant::now();
+        }
+    }
+}
+
+fn watch(seen: &mut Vec<(Weak<Progress>, u64, u32, u64)>, last: &mut Instant) {
+    loop {
+        let recoveries = crate::recovery::threads::COMPLETED.load(Relaxed);
+        crate::recovery::safe(|| std::thread::sleep(WATCHDOG_PERIOD));
+        if crate::recovery::threads::COMPLETED.load(Relaxed) != recoveries {
+            seen.clear();
+        }
         let now = Instant::now();
         // A late wake-up means the host was stalled: skip this check.
-        let on_time = now.duration_since(last) < WATCHDOG_PERIOD * 3 / 2;
-        last = now;
-        let live: Vec<Arc<Progress>> = registry()
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .filter_map(Weak::upgrade)
-            .collect();
+        let on_time = now.duration_since(*last) < WATCHDOG_PERIOD * 3 / 2;
+        *last = now;
+        let live: Vec<Arc<Progress>> = registry().lock().iter().filter_map(Weak::upgrade).collect();
         seen.retain(|(w, _, _, _)| w.strong_count() > 0);
         for p in live {
             let beats = p.beats.load(Relaxed);
@@ -308,7 +309,13 @@ fn watchdog() {
                         "detector": "hang", "thread": p.name, "tid": p.tid,
                         "missed_checks": entry.2,
                     }));
-                    recovery().act();
+                    if crate::recovery::policy() == Recovery::None {
+                        end();
+                    }
+                    crate::recovery::recover_from_watchdog(&format!("hang of thread {}", p.name));
+                    seen.clear();
+                    *last = Instant::now();
+                    break;
                 }
             }
         }

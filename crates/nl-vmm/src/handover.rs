@@ -161,6 +161,12 @@ pub struct HandoverRecord {
     pub listener_fd: Option<i32>,
     pub next_id: u32,
     pub vms: Vec<VmRecord>,
+    /// VMs that had ended before a microreboot: their last `stats`.
+    #[serde(default)]
+    pub finished: Vec<serde_json::Value>,
+    /// A microreboot's cause, start time and steps in the old process.
+    #[serde(default)]
+    pub reboot: Option<serde_json::Value>,
 }
 
 impl HandoverRecord {
@@ -174,6 +180,8 @@ impl HandoverRecord {
             listener_fd,
             next_id,
             vms: Vec::new(),
+            finished: Vec::new(),
+            reboot: None,
         }
     }
 
@@ -254,7 +262,7 @@ pub fn ms_between(from_ns: u64, to_ns: u64) -> f64 {
     to_ns.saturating_sub(from_ns) as f64 / 1e6
 }
 
-fn set_cloexec(fd: RawFd, on: bool) -> std::io::Result<()> {
+pub(crate) fn set_cloexec(fd: RawFd, on: bool) -> std::io::Result<()> {
     // SAFETY: F_GETFD/F_SETFD only read and write the descriptor flags of fd.
     let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
     if flags < 0 {
@@ -424,6 +432,73 @@ pub fn take_over(
 
 type Prepared = (Arc<Host>, Option<UnixListener>, Vec<(VmRecord, Vm)>, u64);
 
+/// FNV-1a of a record's bytes: a microreboot passes it beside the record,
+/// so a record corrupted in memory is refused.
+pub fn record_checksum(b: &[u8]) -> u64 {
+    b.iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &x| (h ^ u64::from(x)).wrapping_mul(0x100_0000_01b3))
+}
+
+/// The fresh process of a microreboot: the old process exec'd this one in
+/// place (same pid) with the record in `record_fd`. Re-creates and starts
+/// every VM over its inherited memfd, and reports the steps.
+pub fn take_over_in_place(
+    record_fd: i32,
+    checksum: u64,
+    images: &Images,
+    main_ns: u64,
+) -> Result<TakenOver, VmmError> {
+    let mut taken = BTreeSet::new();
+    {
+        let mut f = take_fd(record_fd, &mut BTreeSet::new(), "record")?;
+        f.rewind()?;
+        let mut b = Vec::new();
+        (&mut f).take(MAX_RECORD + 1).read_to_end(&mut b)?;
+        let got = record_checksum(&b);
+        if got != checksum {
+            return Err(VmmError::State(format!(
+                "microreboot refused: the recovery record is corrupt (checksum {got:#x}, expected {checksum:#x})"
+            )));
+        }
+        // `prepare` takes the descriptor again.
+        std::mem::forget(f);
+    }
+    let prep_ns = mono_ns();
+    let mut rf = take_fd(record_fd, &mut taken, "record")?;
+    let record = read_record(&mut rf)?;
+    drop(rf);
+    let (host, listener, vms, generation) = prepare_record(&record, &mut taken, images)?;
+    let built_ns = mono_ns();
+    for f in &record.finished {
+        if let Some(id) = f["summary"]["id"].as_u64().and_then(|i| u32::try_from(i).ok()) {
+            host.adopt_finished(id, f.clone());
+        }
+    }
+    for (rec, vm) in vms {
+        let id = vm.id();
+        host.adopt(vm, rec.paused).map_err(|e| VmmError::Vm(id, e.to_string()))?;
+    }
+    host.set_generation(generation);
+    let started_ns = mono_ns();
+    let old = record.reboot.clone().unwrap_or(serde_json::Value::Null);
+    let begin_ns = old["started_ns"].as_u64().unwrap_or(main_ns);
+    let exec_ns = old["exec_ns"].as_u64().unwrap_or(main_ns);
+    let line = json!({
+        "policy": "microreboot", "cause": old["cause"], "recovery": generation,
+        "total_us": (started_ns.saturating_sub(begin_ns)) as f64 / 1e3,
+        "steps": old["steps"],
+        "new_process_steps": [
+            {"step": "exec_to_main", "us": main_ns.saturating_sub(exec_ns) as f64 / 1e3},
+            {"step": "runtime_and_args", "us": prep_ns.saturating_sub(main_ns) as f64 / 1e3},
+            {"step": "recreate_vms", "us": built_ns.saturating_sub(prep_ns) as f64 / 1e3,
+             "detail": record.vms.len()},
+            {"step": "start_vms", "us": started_ns.saturating_sub(built_ns) as f64 / 1e3},
+        ],
+    });
+    eprintln!("{}{line}", crate::recovery::RECOVERED_PREFIX);
+    Ok(TakenOver { host, listener })
+}
+
 fn prepare(
     record_fd: i32,
     taken: &mut BTreeSet<i32>,
@@ -431,6 +506,14 @@ fn prepare(
 ) -> Result<Prepared, VmmError> {
     let mut rf = take_fd(record_fd, taken, "record")?;
     let record = read_record(&mut rf)?;
+    prepare_record(&record, taken, images)
+}
+
+fn prepare_record(
+    record: &HandoverRecord,
+    taken: &mut BTreeSet<i32>,
+    images: &Images,
+) -> Result<Prepared, VmmError> {
     let listener = match record.listener_fd {
         Some(fd) => {
             let f = take_fd(fd, taken, "listener")?;

@@ -2,27 +2,33 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
+use std::sync::Arc;
+
+use nl_sync::{Guard, Lock};
 use std::time::Duration;
+
+/// How often a hosted VM's supervision event runs.
+const SUPERVISE_PERIOD: Duration = Duration::from_millis(20);
 
 use kvm_ioctls::Kvm;
 use serde::Serialize;
 
-use crate::vm::{Vm, VmOutcome, VmReport};
+use crate::events::Events;
+use crate::vm::{Supervision, Vm, VmOutcome, VmReport};
 use crate::{VmConfig, VmmError};
 
 /// A VM owned by the host, with the monitor that waits for its outcome.
 pub struct HostedVm {
     pub vm: Arc<Vm>,
-    pub outcome: Arc<Mutex<Option<VmOutcome>>>,
-    monitor: Mutex<Option<JoinHandle<()>>>,
+    pub outcome: Arc<Lock<Option<VmOutcome>>>,
+    /// The recurring event that supervises the VM until it ends.
+    supervisor: u64,
     /// Paused through the API (as opposed to paused by a mechanism).
     pub user_paused: std::sync::atomic::AtomicBool,
 }
 
 /// One line of `list`.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct VmSummary {
     pub id: u32,
     pub state: String,
@@ -47,14 +53,19 @@ pub struct VmStats {
 
 pub struct Host {
     kvm: Kvm,
-    vms: Mutex<BTreeMap<u32, Arc<HostedVm>>>,
+    vms: Arc<Lock<BTreeMap<u32, Arc<HostedVm>>>>,
     next_id: AtomicU32,
     /// Handovers in this host's lineage (0 for a freshly started host).
     generation: AtomicU64,
+    /// Recurring events (VM supervision).
+    events: Arc<Events>,
+    /// VMs that had ended before a microreboot: their last `stats`, as the
+    /// previous process reported them.
+    finished: Arc<Lock<BTreeMap<u32, serde_json::Value>>>,
 }
 
 fn state_of(h: &HostedVm) -> String {
-    match &*h.outcome.lock().unwrap_or_else(|p| p.into_inner()) {
+    match &*h.outcome.lock() {
         Some(VmOutcome::Completed) => "completed".into(),
         Some(VmOutcome::Stopped) => "stopped".into(),
         Some(o) => format!("failed: {}", o.message()),
@@ -65,16 +76,20 @@ fn state_of(h: &HostedVm) -> String {
 
 impl Host {
     pub fn new() -> Result<Arc<Self>, VmmError> {
-        Ok(Arc::new(Self {
+        let h = Arc::new(Self {
             kvm: crate::open_kvm()?,
-            vms: Mutex::default(),
+            vms: Lock::new("host.vms", BTreeMap::new()),
             next_id: AtomicU32::new(0),
             generation: AtomicU64::new(0),
-        }))
+            events: Events::start()?,
+            finished: Lock::new("host.finished", BTreeMap::new()),
+        });
+        crate::recovery::register_host(&h);
+        Ok(h)
     }
 
-    fn vms(&self) -> MutexGuard<'_, BTreeMap<u32, Arc<HostedVm>>> {
-        self.vms.lock().unwrap_or_else(|p| p.into_inner())
+    fn vms(&self) -> Guard<'_, BTreeMap<u32, Arc<HostedVm>>> {
+        self.vms.lock()
     }
 
     fn get(&self, id: u32) -> Result<Arc<HostedVm>, VmmError> {
@@ -102,19 +117,35 @@ impl Host {
             // Raised before any vCPU thread exists: they park at once.
             vm.pause();
         }
-        let outcome = Arc::new(Mutex::new(None));
+        let outcome = Lock::new("vm.outcome", None);
         let (v, o) = (vm.clone(), outcome.clone());
-        let monitor =
-            std::thread::Builder::new().name(format!("vm{id}-monitor")).spawn(move || {
-                let r = v.wait(Duration::from_secs(u64::from(u32::MAX)));
-                *o.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
-            })?;
-        let h = Arc::new(HostedVm {
-            vm: vm.clone(),
-            outcome,
-            monitor: Mutex::new(Some(monitor)),
-            user_paused: paused.into(),
-        });
+        let sup = Lock::new(
+            "vm.supervision",
+            Supervision::new(&vm, Duration::from_secs(u64::from(u32::MAX))),
+        );
+        // Supervision is a recurring event: it records how the VM ends.
+        let supervisor = self.events.add(
+            format!("vm{id}-supervise"),
+            SUPERVISE_PERIOD,
+            Arc::new(move || {
+                if o.lock().is_some() {
+                    return false;
+                }
+                let r = v.supervise(&mut sup.lock());
+                match r {
+                    Some(r) => {
+                        if r != VmOutcome::Completed {
+                            v.stop();
+                        }
+                        *o.lock() = Some(r);
+                        false
+                    }
+                    None => true,
+                }
+            }),
+        );
+        let h =
+            Arc::new(HostedVm { vm: vm.clone(), outcome, supervisor, user_paused: paused.into() });
         self.vms().insert(id, h);
         // Started last, so a VM's downtime ends as close to this return as possible.
         if let Err(e) = vm.start() {
@@ -123,6 +154,30 @@ impl Host {
             return Err(e);
         }
         Ok(vm)
+    }
+
+    /// The host's recurring events.
+    pub fn events(&self) -> &Events {
+        &self.events
+    }
+
+    /// Records a VM that had ended before a microreboot (its last `stats`).
+    pub fn adopt_finished(&self, id: u32, stats: serde_json::Value) {
+        self.next_id.fetch_max(id + 1, Relaxed);
+        self.finished.lock().insert(id, stats);
+    }
+
+    /// VMs that ended before a microreboot, with their last `stats`.
+    pub fn finished(&self) -> Vec<(u32, serde_json::Value)> {
+        self.finished.lock().iter().map(|(k, v)| (*k, v.clone())).collect()
+    }
+
+    /// `stats` of a VM as JSON, including VMs that ended before a microreboot.
+    pub fn stats_value(&self, id: u32) -> Result<serde_json::Value, VmmError> {
+        if let Some(v) = self.finished.lock().get(&id) {
+            return Ok(v.clone());
+        }
+        serde_json::to_value(self.stats(id)?).map_err(|e| VmmError::State(e.to_string()))
     }
 
     /// The KVM system fd.
@@ -158,14 +213,19 @@ impl Host {
     pub fn release(&self, id: u32) -> Result<(), VmmError> {
         let h = self.vms().remove(&id).ok_or_else(|| VmmError::Vm(id, "no such VM".into()))?;
         h.vm.stop();
-        // The monitor notices on its own; joining it here would only add
-        // its polling delay to the handover's downtime.
-        drop(h.monitor.lock().unwrap_or_else(|p| p.into_inner()).take());
+        self.events.remove(h.supervisor);
         Ok(())
     }
 
     pub fn list(&self) -> Vec<VmSummary> {
-        self.vms()
+        let finished: Vec<VmSummary> = self
+            .finished
+            .lock()
+            .values()
+            .filter_map(|v| serde_json::from_value(v["summary"].clone()).ok())
+            .collect();
+        let mut live: Vec<VmSummary> = self
+            .vms()
             .values()
             .map(|h| VmSummary {
                 id: h.vm.id(),
@@ -174,7 +234,10 @@ impl Host {
                 vcpus: h.vm.config().vcpus,
                 mem_bytes: h.vm.config().mem_bytes,
             })
-            .collect()
+            .collect();
+        live.extend(finished);
+        live.sort_by_key(|v| v.id);
+        live
     }
 
     pub fn pause(&self, id: u32) -> Result<(), VmmError> {
@@ -193,7 +256,7 @@ impl Host {
 
     pub fn stats(&self, id: u32) -> Result<VmStats, VmmError> {
         let h = self.get(id)?;
-        let outcome = h.outcome.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let outcome = h.outcome.lock().clone();
         let memfd_ino = std::os::unix::fs::MetadataExt::ino(&h.vm.memory().fd().metadata()?);
         Ok(VmStats {
             state: state_of(&h),
@@ -214,8 +277,10 @@ impl Host {
         let h = self.vms().remove(&id).ok_or_else(|| VmmError::Vm(id, "no such VM".into()))?;
         h.vm.resume();
         h.vm.stop();
-        if let Some(m) = h.monitor.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            let _ = m.join();
+        self.events.remove(h.supervisor);
+        let mut o = h.outcome.lock();
+        if o.is_none() {
+            *o = Some(h.vm.poll_outcome().unwrap_or(VmOutcome::Stopped));
         }
         Ok(())
     }

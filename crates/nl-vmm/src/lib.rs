@@ -6,6 +6,8 @@
 //!   that stops every vCPU at a consistent point (no exit half-handled).
 //! * [`state`]: vCPU, device and VM state as versioned, serializable data.
 //! * [`detect`]: error detectors (fatal signals, panics, hang watchdog).
+//! * [`recovery`]: microreset and microreboot of the VMM after a detected error.
+//! * [`events`]: the host's recurring events (VM supervision).
 //! * [`kick`]: interrupting a vCPU thread out of KVM_RUN with a signal.
 //! * [`host`]: several VMs in one VMM process, addressed by id.
 //! * [`api`]: the Unix-socket API of `ninelives host`.
@@ -26,9 +28,11 @@ pub mod handover;
 pub mod host;
 
 pub mod detect;
+pub mod events;
 pub mod kick;
 mod memslots;
 mod netrx;
+pub mod recovery;
 pub mod rejuvenate;
 pub mod state;
 pub mod vcpu;

@@ -11,7 +11,9 @@
 //! device until the VM runs again.
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use nl_sync::Lock;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -20,7 +22,7 @@ use nl_devices::virtio::MmioTransport;
 
 use crate::vcpu::RunControl;
 
-pub(crate) type NetTransport = Arc<Mutex<MmioTransport<Net>>>;
+pub(crate) type NetTransport = Arc<Lock<MmioTransport<Net>>>;
 
 /// The running thread; ended and joined on drop.
 pub(crate) struct RxThread {
@@ -48,28 +50,37 @@ fn wait_readable(fd: std::os::fd::RawFd, ms: i32) -> bool {
 pub(crate) fn spawn(vm: u32, net: NetTransport, run: Arc<RunControl>) -> std::io::Result<RxThread> {
     let quit = Arc::new(AtomicBool::new(false));
     let q = quit.clone();
-    let fd = net.lock().unwrap_or_else(|p| p.into_inner()).device().tap_fd();
+    let fd = net.lock().device().tap_fd();
     let thread = std::thread::Builder::new().name(format!("vm{vm}-netrx")).spawn(move || {
+        let _reg = crate::recovery::enter(false);
+        // A frame half delivered when a microreset discards this thread is
+        // lost, as on a real link; the loop starts over.
         while !q.load(Relaxed) {
-            // Bounded waits, so `quit` is seen within 10 ms.
-            if !wait_readable(fd, 10) {
-                continue;
-            }
-            let pending = {
-                let mut t = net.lock().unwrap_or_else(|p| p.into_inner());
-                if run.paused() || run.stopping() {
-                    None
-                } else {
-                    t.service(0);
-                    Some(t.device().rx_pending())
+            let _ = crate::recovery::protected(|| {
+                while !q.load(Relaxed) {
+                    // Bounded waits, so `quit` is seen within 10 ms.
+                    if !crate::recovery::safe(|| wait_readable(fd, 10)) {
+                        continue;
+                    }
+                    let pending = {
+                        let mut t = net.lock();
+                        if run.paused() || run.stopping() {
+                            None
+                        } else {
+                            t.service(0);
+                            Some(t.device().rx_pending())
+                        }
+                    };
+                    match pending {
+                        // Paused or stopping, or no receive buffer free: the frame
+                        // waits; do not spin on a readable TAP.
+                        None | Some(true) => {
+                            crate::recovery::safe(|| std::thread::sleep(Duration::from_micros(200)))
+                        }
+                        Some(false) => {}
+                    }
                 }
-            };
-            match pending {
-                // Paused or stopping, or no receive buffer free: the frame
-                // waits; do not spin on a readable TAP.
-                None | Some(true) => std::thread::sleep(Duration::from_micros(200)),
-                Some(false) => {}
-            }
+            });
         }
     })?;
     Ok(RxThread { quit, thread: Some(thread) })
@@ -78,5 +89,5 @@ pub(crate) fn spawn(vm: u32, net: NetTransport, run: Arc<RunControl>) -> std::io
 /// Takes and releases the transport lock: any device work the thread began
 /// before the caller raised its pause or stop flag is finished.
 pub(crate) fn barrier(net: &NetTransport) {
-    drop(net.lock().unwrap_or_else(|p| p.into_inner()));
+    drop(net.lock());
 }

@@ -140,7 +140,7 @@ pub fn rejuvenate(host: &Host, listener_fd: Option<i32>, opts: &Options) -> Repo
     let mut suspended = Vec::new();
     for h in host.hosted() {
         let id = h.vm.id();
-        if h.outcome.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+        if h.outcome.lock().is_some() {
             report.not_carried.push(id);
             continue;
         }

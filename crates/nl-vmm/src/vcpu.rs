@@ -7,8 +7,10 @@
 //! the guest, and only then parks. A parked vCPU's state is therefore exactly
 //! the guest's architectural state, and its `VcpuFd` is free for state calls.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::Arc;
+
+use nl_sync::{Condvar, Guard, Lock};
 use std::time::Duration;
 
 use kvm_ioctls::{VcpuExit, VcpuFd};
@@ -80,17 +82,27 @@ struct Counts {
 }
 
 /// Run control shared by the VM and all its vCPU threads.
-#[derive(Default)]
 pub struct RunControl {
     pause: AtomicBool,
     stop: AtomicBool,
-    counts: Mutex<Counts>,
+    counts: Arc<Lock<Counts>>,
     cond: Condvar,
 }
 
+impl Default for RunControl {
+    fn default() -> Self {
+        Self {
+            pause: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            counts: Lock::new("vm.run_counts", Counts::default()),
+            cond: Condvar::new(),
+        }
+    }
+}
+
 impl RunControl {
-    fn counts(&self) -> MutexGuard<'_, Counts> {
-        self.counts.lock().unwrap_or_else(|p| p.into_inner())
+    fn counts(&self) -> Guard<'_, Counts> {
+        self.counts.lock()
     }
 
     pub(crate) fn thread_started(&self) {
@@ -107,7 +119,7 @@ impl RunControl {
         c.parked += 1;
         self.cond.notify_all();
         while self.pause.load(Relaxed) && !self.stop.load(Relaxed) {
-            c = self.cond.wait(c).unwrap_or_else(|p| p.into_inner());
+            c.wait(&self.cond);
         }
         c.parked -= 1;
         self.cond.notify_all();
@@ -124,8 +136,8 @@ impl RunControl {
             }
             drop(c);
             kick();
-            let c = self.counts();
-            let _ = self.cond.wait_timeout(c, Duration::from_millis(1));
+            let mut c = self.counts();
+            c.wait_for(&self.cond, Duration::from_millis(1));
         }
     }
 
@@ -139,6 +151,22 @@ impl RunControl {
         let _c = self.counts();
         self.stop.store(true, Relaxed);
         self.cond.notify_all();
+    }
+
+    /// Makes the run counts consistent with the `live` vCPU threads (a
+    /// microreset repair: a thread discarded inside `park` left `parked`
+    /// counted). An unpaused VM has no parked thread. Returns what changed.
+    pub(crate) fn repair_counts(&self, live: u32) -> Option<String> {
+        let mut c = self.counts.try_lock_for(Duration::from_millis(20))?;
+        let parked = if self.pause.load(Relaxed) { c.parked.min(live) } else { 0 };
+        if c.active == live && c.parked == parked {
+            return None;
+        }
+        let m = format!("run counts active {} parked {} -> {live} {parked}", c.active, c.parked);
+        c.active = live;
+        c.parked = parked;
+        self.cond.notify_all();
+        Some(m)
     }
 
     /// Clears pause and stop requests before new threads start.
@@ -170,6 +198,67 @@ pub struct VcpuContext {
     pub mmio_bus: Arc<Bus>,
     pub control: Arc<ControlState>,
     pub run: Arc<RunControl>,
+    /// The VM's console (its output is undone when an exit is re-executed).
+    pub console: nl_devices::serial::Console,
+}
+
+/// The undo log of the exit a vCPU thread is handling: whether one is in
+/// flight, and the console mark to undo its output back to, so that a
+/// microreset re-executes it exactly once.
+#[derive(Default)]
+struct ExitLog {
+    in_flight: AtomicBool,
+    console_mark: AtomicU64,
+}
+
+/// Dispatches again the port or MMIO exit that `vcpu`'s run structure
+/// still describes (KVM completes it on the next KVM_RUN).
+fn retry_exit(vcpu: &mut VcpuFd, cpu: usize, ctx: &VcpuContext) -> Option<VcpuStop> {
+    let run = vcpu.get_kvm_run();
+    match run.exit_reason {
+        kvm_bindings::KVM_EXIT_IO => {
+            // SAFETY: exit_reason is KVM_EXIT_IO, so `io` is the live member.
+            let io = unsafe { run.__bindgen_anon_1.io };
+            let len = usize::from(io.size) * io.count as usize;
+            let off = io.data_offset as usize;
+            // The data lies in the run mapping's second page (KVM_PIO_PAGE_OFFSET).
+            if len == 0 || off < std::mem::size_of::<kvm_bindings::kvm_run>() || off + len > 8192 {
+                return None;
+            }
+            // SAFETY: the range was checked to lie inside the vCPU's run mapping,
+            // which lives as long as `vcpu` and is not aliased while we hold it.
+            let data = unsafe {
+                std::slice::from_raw_parts_mut(
+                    (run as *mut kvm_bindings::kvm_run).cast::<u8>().add(off),
+                    len,
+                )
+            };
+            if io.direction == kvm_bindings::KVM_EXIT_IO_OUT as u8 {
+                ctx.io_bus.write(cpu, u64::from(io.port), data);
+            } else {
+                ctx.io_bus.read(cpu, u64::from(io.port), data);
+            }
+        }
+        kvm_bindings::KVM_EXIT_MMIO => {
+            // SAFETY: exit_reason is KVM_EXIT_MMIO, so `mmio` is the live member.
+            let m = unsafe { &mut run.__bindgen_anon_1.mmio };
+            let len = (m.len as usize).min(8);
+            if m.is_write != 0 {
+                ctx.mmio_bus.write(cpu, m.phys_addr, &m.data[..len]);
+            } else {
+                ctx.mmio_bus.read(cpu, m.phys_addr, &mut m.data[..len]);
+            }
+        }
+        _ => return None,
+    }
+    let regs = &ctx.control.vcpus[cpu];
+    if regs.error.load(Relaxed) != 0 {
+        return Some(VcpuStop::GuestError);
+    }
+    if regs.phase.load(Relaxed) == nl_abi::PHASE_DONE {
+        return Some(VcpuStop::Done);
+    }
+    None
 }
 
 fn rip(fd: &VcpuFd) -> u64 {
@@ -179,26 +268,58 @@ fn rip(fd: &VcpuFd) -> u64 {
 /// Body of vCPU thread `cpu`. Returns why it ended.
 pub fn run_vcpu(
     cpu: usize,
-    fd: Arc<Mutex<VcpuFd>>,
+    fd: Arc<Lock<VcpuFd>>,
     ctx: Arc<VcpuContext>,
     stats: Arc<VcpuStats>,
 ) -> VcpuStop {
-    let stop = vcpu_loop(cpu, &fd, &ctx, &stats);
+    let _reg = crate::recovery::enter(true);
+    // Hang watchdog: busy while handling an exit, waiting inside KVM_RUN or parked.
+    let progress = crate::detect::track();
+    let log = ExitLog::default();
+    let mut retry = false;
+    let stop = loop {
+        let r = crate::recovery::protected(|| {
+            vcpu_loop(cpu, &fd, &ctx, &stats, &progress, &log, std::mem::take(&mut retry))
+        });
+        match r {
+            crate::recovery::Outcome::Done(stop) => break stop,
+            crate::recovery::Outcome::Recovered { retry: r } => {
+                retry = r && log.in_flight.load(SeqCst);
+            }
+        }
+    };
     ctx.run.thread_ended();
     ctx.control.poke();
     stop
 }
 
-fn lock(fd: &Mutex<VcpuFd>) -> MutexGuard<'_, VcpuFd> {
-    fd.lock().unwrap_or_else(|p| p.into_inner())
+fn lock(fd: &Lock<VcpuFd>) -> Guard<'_, VcpuFd> {
+    fd.lock()
 }
 
-fn vcpu_loop(cpu: usize, fd: &Mutex<VcpuFd>, ctx: &VcpuContext, stats: &VcpuStats) -> VcpuStop {
+fn vcpu_loop(
+    cpu: usize,
+    fd: &Lock<VcpuFd>,
+    ctx: &VcpuContext,
+    stats: &VcpuStats,
+    progress: &crate::detect::Progress,
+    log: &ExitLog,
+    retry: bool,
+) -> VcpuStop {
     let regs = &ctx.control.vcpus[cpu];
-    // Hang watchdog: busy while handling an exit, waiting inside KVM_RUN or parked.
-    let progress = crate::detect::track();
+    let undo_logging = crate::recovery::undo_logging();
     let mut vcpu = lock(fd);
+    progress.resume();
+    if retry {
+        // Re-execute the exit this thread was discarded in, after undoing
+        // its logged partial effects.
+        ctx.console.undo_to(log.console_mark.load(SeqCst));
+        if let Some(stop) = retry_exit(&mut vcpu, cpu, ctx) {
+            return stop;
+        }
+    }
     loop {
+        log.in_flight.store(false, SeqCst);
         progress.beat();
         if ctx.run.stop.load(Relaxed) {
             return VcpuStop::Stopped;
@@ -210,14 +331,26 @@ fn vcpu_loop(cpu: usize, fd: &Mutex<VcpuFd>, ctx: &VcpuContext, stats: &VcpuStat
             vcpu.set_kvm_immediate_exit(0);
             drop(vcpu);
             progress.wait();
-            ctx.run.park();
+            crate::recovery::safe(|| ctx.run.park());
             vcpu = lock(fd);
             progress.resume();
             continue;
         }
         progress.wait();
-        let exit = vcpu.run();
+        let exit = crate::recovery::in_guest(|| vcpu.run());
         progress.resume();
+        if matches!(
+            exit,
+            Ok(VcpuExit::IoOut(..)
+                | VcpuExit::IoIn(..)
+                | VcpuExit::MmioRead(..)
+                | VcpuExit::MmioWrite(..))
+        ) {
+            if undo_logging {
+                log.console_mark.store(ctx.console.mark(), SeqCst);
+            }
+            log.in_flight.store(true, SeqCst);
+        }
         match exit {
             Ok(VcpuExit::IoOut(port, data)) => {
                 stats.io.fetch_add(1, Relaxed);

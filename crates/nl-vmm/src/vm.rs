@@ -1,7 +1,9 @@
 //! One VM: guest memory, in-kernel irqchip, devices and vCPUs.
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use nl_sync::Lock;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -83,7 +85,7 @@ pub struct VmReport {
 }
 
 struct VcpuSlot {
-    fd: Arc<Mutex<VcpuFd>>,
+    fd: Arc<Lock<VcpuFd>>,
     stats: Arc<VcpuStats>,
     thread: Option<JoinHandle<VcpuStop>>,
     stop: Option<VcpuStop>,
@@ -97,17 +99,17 @@ pub struct Vm {
     created_at: Instant,
     // Field order matters for drop: vCPUs, then the VM fd, then the memory
     // that its memory slots point into.
-    vcpus: Mutex<Vec<VcpuSlot>>,
+    vcpus: Arc<Lock<Vec<VcpuSlot>>>,
     run: Arc<RunControl>,
     started: AtomicBool,
     io_bus: Arc<Bus>,
     mmio_bus: Arc<Bus>,
     control: Arc<ControlState>,
     console: Console,
-    blk: Option<Arc<Mutex<MmioTransport<Block>>>>,
-    net: Option<Arc<Mutex<MmioTransport<Net>>>>,
+    blk: Option<Arc<Lock<MmioTransport<Block>>>>,
+    net: Option<Arc<Lock<MmioTransport<Net>>>>,
     /// The virtio-net receive thread (`NetConfig::rx_irq`).
-    rx: Mutex<Option<crate::netrx::RxThread>>,
+    rx: Arc<Lock<Option<crate::netrx::RxThread>>>,
     vm_fd: VmFd,
     memory: GuestMemory,
 }
@@ -142,7 +144,7 @@ impl Vm {
         let cpuid = supported_cpuid(kvm)?;
         let entry = vm.load_images()?;
         for (cpu, slot) in vm.slots().iter().enumerate() {
-            let fd = slot.fd.lock().unwrap_or_else(|p| p.into_inner());
+            let fd = slot.fd.lock();
             nl_arch::regs::setup_vcpu(&fd, cpu as u64, entry, &cpuid)?;
             if cpu > 0 {
                 // Application processors start runnable: no INIT/SIPI dance.
@@ -175,7 +177,7 @@ impl Vm {
         let vm = Self::assemble(kvm, id, config, memory, created_at)?;
         let cpuid = supported_cpuid(kvm)?;
         for (cpu, slot) in vm.slots().iter().enumerate() {
-            let fd = slot.fd.lock().unwrap_or_else(|p| p.into_inner());
+            let fd = slot.fd.lock();
             let c = nl_arch::regs::vcpu_cpuid(&cpuid, cpu as u64);
             fd.set_cpuid2(&c).map_err(kvm_err("KVM_SET_CPUID2"))?;
         }
@@ -219,21 +221,21 @@ impl Vm {
         io_bus.insert(
             u64::from(SERIAL_PORT),
             8,
-            Arc::new(Mutex::new(SerialDevice::new(console.clone())?)),
+            Lock::new("dev.serial", SerialDevice::new(console.clone())?),
         )?;
-        io_bus.insert(u64::from(EXITS_PORT), 4, Arc::new(Mutex::new(EchoPort::new(n))))?;
+        io_bus.insert(u64::from(EXITS_PORT), 4, Lock::new("dev.echo", EchoPort::new(n)))?;
         let mut mmio_bus = Bus::new();
         mmio_bus.insert(
             CONTROL_MMIO_GPA,
             ControlDevice::mmio_len(n),
-            Arc::new(Mutex::new(ControlDevice::new(control.clone(), console.clone()))),
+            Lock::new("dev.control", ControlDevice::new(control.clone(), console.clone())),
         )?;
         let blk = match &config.disk {
             Some(d) => {
                 let dev = Block::open(&d.path, d.readonly).map_err(VmmError::Config)?;
                 let mut t = MmioTransport::new(dev, memory.mem().clone());
                 t.set_irq(irqfd(&vm_fd, nl_abi::VIRTIO_BLK_GSI)?);
-                let t = Arc::new(Mutex::new(t));
+                let t = Lock::new("dev.virtio-blk", t);
                 mmio_bus.insert(VIRTIO_BLK_MMIO_GPA, VIRTIO_MMIO_SIZE, t.clone())?;
                 Some(t)
             }
@@ -246,7 +248,7 @@ impl Vm {
                 let dev = Net::new(tap, mac);
                 let mut t = MmioTransport::new(dev, memory.mem().clone());
                 t.set_irq(irqfd(&vm_fd, nl_abi::VIRTIO_NET_GSI)?);
-                let t = Arc::new(Mutex::new(t));
+                let t = Lock::new("dev.virtio-net", t);
                 mmio_bus.insert(VIRTIO_NET_MMIO_GPA, VIRTIO_MMIO_SIZE, t.clone())?;
                 Some(t)
             }
@@ -257,7 +259,7 @@ impl Vm {
         for cpu in 0..n {
             let fd = vm_fd.create_vcpu(cpu as u64).map_err(kvm_err("KVM_CREATE_VCPU"))?;
             vcpus.push(VcpuSlot {
-                fd: Arc::new(Mutex::new(fd)),
+                fd: Lock::new("vcpu.fd", fd),
                 stats: Arc::default(),
                 thread: None,
                 stop: None,
@@ -267,7 +269,7 @@ impl Vm {
             id,
             config,
             created_at,
-            vcpus: Mutex::new(vcpus),
+            vcpus: Lock::new("vm.vcpus", vcpus),
             run: Arc::default(),
             started: AtomicBool::new(false),
             io_bus: Arc::new(io_bus),
@@ -276,14 +278,14 @@ impl Vm {
             console,
             blk,
             net,
-            rx: Mutex::new(None),
+            rx: Lock::new("vm.rx", None),
             vm_fd,
             memory,
         })
     }
 
     fn slots(&self) -> MutexGuard<'_> {
-        self.vcpus.lock().unwrap_or_else(|p| p.into_inner())
+        self.vcpus.lock()
     }
 
     fn write_boot_structures(&self) -> Result<(), VmmError> {
@@ -313,7 +315,7 @@ impl Vm {
         )?;
         let tsc_khz = {
             let slots = self.slots();
-            let fd = slots[0].fd.lock().unwrap_or_else(|p| p.into_inner());
+            let fd = slots[0].fd.lock();
             fd.get_tsc_khz().map_err(kvm_err("KVM_GET_TSC_KHZ"))?
         };
         let dma_end = self.memory.size().min(MMIO_HOLE_START);
@@ -351,7 +353,7 @@ impl Vm {
             let t = crate::netrx::spawn(self.id, net.clone(), self.run.clone()).map_err(|e| {
                 VmmError::Vm(self.id, format!("cannot start the net receive thread: {e}"))
             })?;
-            *self.rx.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+            *self.rx.lock() = Some(t);
         }
         self.spawn_threads()
     }
@@ -406,6 +408,7 @@ impl Vm {
                 mmio_bus: self.mmio_bus.clone(),
                 control: self.control.clone(),
                 run: self.run.clone(),
+                console: self.console.clone(),
             });
             let (fd, stats) = (slot.fd.clone(), slot.stats.clone());
             self.run.thread_started();
@@ -479,10 +482,16 @@ impl Vm {
     /// Saves the VM's non-memory state. The VM must be paused (or not started).
     pub fn save_state(&self) -> Result<VmState, VmmError> {
         self.require_stopped_vcpus()?;
+        self.save_state_held()
+    }
+
+    /// Saves the state of a VM whose vCPU threads a recovery holds outside
+    /// KVM_RUN (not paused by the pause protocol).
+    pub(crate) fn save_state_held(&self) -> Result<VmState, VmmError> {
         let vcpus = self
             .slots()
             .iter()
-            .map(|s| VcpuState::save(&s.fd.lock().unwrap_or_else(|p| p.into_inner())))
+            .map(|s| VcpuState::save(&s.fd.lock()))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(VmState {
             version: crate::state::STATE_VERSION,
@@ -511,7 +520,7 @@ impl Vm {
         self.mmio_bus.restore(&state.mmio_devices)?;
         state.irqchip.restore(&self.vm_fd)?;
         for (s, v) in self.slots().iter().zip(&state.vcpus) {
-            v.restore(&s.fd.lock().unwrap_or_else(|p| p.into_inner()))?;
+            v.restore(&s.fd.lock())?;
         }
         Ok(())
     }
@@ -564,6 +573,95 @@ impl Vm {
         None
     }
 
+    /// One non-blocking step of supervision: how the VM's run has ended,
+    /// including a guest that stopped beating (hung) or ran out of time.
+    pub fn supervise(&self, s: &mut Supervision) -> Option<VmOutcome> {
+        if let Some(o) = self.poll_outcome() {
+            return Some(o);
+        }
+        let now_activity = (self.control.total_beats(), self.control.generation());
+        if now_activity != s.activity || self.run.paused() {
+            s.activity = now_activity;
+            s.last_alive = Instant::now();
+        } else if s.last_alive.elapsed() > self.config.heartbeat_timeout {
+            return Some(VmOutcome::Hung { silent_ms: s.last_alive.elapsed().as_millis() as u64 });
+        }
+        if s.start.elapsed() > s.limit {
+            return Some(VmOutcome::TimedOut { limit_ms: s.limit.as_millis() as u64 });
+        }
+        None
+    }
+
+    /// Makes redundant metadata consistent from its most reliable copy (a
+    /// microreset repair): each virtio queue's indices from the used ring
+    /// the guest sees, and the vCPU run counts from the vCPU threads.
+    /// Returns what it changed.
+    pub(crate) fn repair_metadata(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let limit = Duration::from_millis(20);
+        if let Some(b) = &self.blk {
+            match b.try_lock_for(limit) {
+                Some(mut t) => out.extend(
+                    t.resync_queues().into_iter().map(|m| format!("vm{} blk {m}", self.id)),
+                ),
+                None => out.push(format!("vm{} blk: lock held, not repaired", self.id)),
+            }
+        }
+        if let Some(n) = &self.net {
+            match n.try_lock_for(limit) {
+                Some(mut t) => out.extend(
+                    t.resync_queues().into_iter().map(|m| format!("vm{} net {m}", self.id)),
+                ),
+                None => out.push(format!("vm{} net: lock held, not repaired", self.id)),
+            }
+        }
+        let live = match self.vcpus.try_lock_for(limit) {
+            Some(s) => {
+                s.iter().filter(|s| s.thread.as_ref().is_some_and(|t| !t.is_finished())).count()
+                    as u32
+            }
+            None => return out,
+        };
+        if let Some(m) = self.run.repair_counts(live) {
+            out.push(format!("vm{} {m}", self.id));
+        }
+        out
+    }
+
+    /// Checks the memory-tracking metadata of the VM (a microreset repair,
+    /// the paper's page-frame check): every region's mapping against its
+    /// memfd, and every allocated range of the memfd against the regions.
+    /// Returns the pages checked and the problems found.
+    pub(crate) fn check_memory(&self) -> (u64, Vec<String>) {
+        let mut problems = Vec::new();
+        let size = self.memory.size();
+        match self.memory.fd().metadata() {
+            Ok(m) if m.len() < size => problems.push(format!(
+                "vm{}: memfd holds {} bytes, the VM has {size}",
+                self.id,
+                m.len()
+            )),
+            Ok(_) => {}
+            Err(e) => problems.push(format!("vm{}: memfd: {e}", self.id)),
+        }
+        let mut pages = 0;
+        match self.memory.allocated_ranges() {
+            Ok(ranges) => {
+                for (off, len) in ranges {
+                    pages += len.div_ceil(4096);
+                    if off.saturating_add(len) > size.next_multiple_of(4096) {
+                        problems.push(format!(
+                            "vm{}: allocated range {off:#x}+{len:#x} beyond memory",
+                            self.id
+                        ));
+                    }
+                }
+            }
+            Err(e) => problems.push(format!("vm{}: {e}", self.id)),
+        }
+        (pages, problems)
+    }
+
     /// Waits until the VM completes, fails, hangs, or `limit` passes.
     /// Stops the vCPUs of a VM that did not complete.
     pub fn wait(&self, limit: Duration) -> VmOutcome {
@@ -602,7 +700,7 @@ impl Vm {
         self.require_stopped_vcpus()?;
         let slots = self.slots();
         let slot = slots.get(cpu).ok_or_else(|| VmmError::Vm(self.id, format!("no vCPU {cpu}")))?;
-        let fd = slot.fd.lock().unwrap_or_else(|p| p.into_inner());
+        let fd = slot.fd.lock();
         Ok(f(&fd))
     }
 
@@ -661,10 +759,10 @@ impl Vm {
     /// (virtio DMA), which KVM's dirty log does not see.
     pub fn track_vmm_writes(&self, on: bool) {
         if let Some(n) = &self.net {
-            n.lock().unwrap_or_else(|p| p.into_inner()).track_writes(on);
+            n.lock().track_writes(on);
         }
         if let Some(b) = &self.blk {
-            b.lock().unwrap_or_else(|p| p.into_inner()).track_writes(on);
+            b.lock().track_writes(on);
         }
     }
 
@@ -672,10 +770,10 @@ impl Vm {
     pub fn take_vmm_writes(&self) -> Vec<(u64, u64)> {
         let mut out = Vec::new();
         if let Some(n) = &self.net {
-            out.extend(n.lock().unwrap_or_else(|p| p.into_inner()).take_writes());
+            out.extend(n.lock().take_writes());
         }
         if let Some(b) = &self.blk {
-            out.extend(b.lock().unwrap_or_else(|p| p.into_inner()).take_writes());
+            out.extend(b.lock().take_writes());
         }
         out
     }
@@ -683,22 +781,18 @@ impl Vm {
     /// Output commit: holds the frames the guest transmits (`true`) or sends
     /// them straight out again (`false`; returns frames still held).
     pub fn hold_net_output(&self, on: bool) -> Vec<Vec<u8>> {
-        self.net.as_ref().map_or_else(Vec::new, |n| {
-            n.lock().unwrap_or_else(|p| p.into_inner()).device_mut().hold_output(on)
-        })
+        self.net.as_ref().map_or_else(Vec::new, |n| n.lock().device_mut().hold_output(on))
     }
 
     /// The frames held since the last call.
     pub fn take_net_output(&self) -> Vec<Vec<u8>> {
-        self.net.as_ref().map_or_else(Vec::new, |n| {
-            n.lock().unwrap_or_else(|p| p.into_inner()).device_mut().take_held()
-        })
+        self.net.as_ref().map_or_else(Vec::new, |n| n.lock().device_mut().take_held())
     }
 
     /// Sends held frames to the TAP.
     pub fn release_net_output(&self, frames: &[Vec<u8>]) {
         if let Some(n) = &self.net {
-            n.lock().unwrap_or_else(|p| p.into_inner()).device_mut().release(frames);
+            n.lock().device_mut().release(frames);
         }
     }
 
@@ -732,7 +826,7 @@ impl Vm {
     /// The virtio-blk device's counters and its last reason to need a reset.
     pub fn blk_stats(&self) -> Option<(BlkStats, u32, Option<String>)> {
         self.blk.as_ref().map(|b| {
-            let b = b.lock().unwrap_or_else(|p| p.into_inner());
+            let b = b.lock();
             (b.device().stats(), b.status(), b.last_error().map(str::to_string))
         })
     }
@@ -740,7 +834,7 @@ impl Vm {
     /// The virtio-net device's counters, device status and last reason to need a reset.
     pub fn net_stats(&self) -> Option<(NetStats, u32, Option<String>)> {
         self.net.as_ref().map(|b| {
-            let b = b.lock().unwrap_or_else(|p| p.into_inner());
+            let b = b.lock();
             (b.device().stats(), b.status(), b.last_error().map(str::to_string))
         })
     }
@@ -748,15 +842,15 @@ impl Vm {
     /// Times the virtio-blk and virtio-net devices signalled their irqfds.
     pub fn virtio_interrupts(&self) -> (Option<u64>, Option<u64>) {
         (
-            self.blk.as_ref().map(|t| t.lock().unwrap_or_else(|p| p.into_inner()).interrupts()),
-            self.net.as_ref().map(|t| t.lock().unwrap_or_else(|p| p.into_inner()).interrupts()),
+            self.blk.as_ref().map(|t| t.lock().interrupts()),
+            self.net.as_ref().map(|t| t.lock().interrupts()),
         )
     }
 
     /// A snapshot of the VM for reports.
     pub fn report(&self) -> VmReport {
         self.reap();
-        let boot_ms = self.control.workload_start.lock().unwrap_or_else(|p| p.into_inner())[0]
+        let boot_ms = self.control.workload_start.lock()[0]
             .map(|t| t.duration_since(self.created_at).as_secs_f64() * 1e3);
         VmReport {
             id: self.id,
@@ -786,7 +880,26 @@ impl Vm {
     }
 }
 
-type MutexGuard<'a> = std::sync::MutexGuard<'a, Vec<VcpuSlot>>;
+/// Supervision state of one VM (see [`Vm::supervise`]).
+pub struct Supervision {
+    start: Instant,
+    activity: (u64, u64),
+    last_alive: Instant,
+    limit: Duration,
+}
+
+impl Supervision {
+    pub fn new(vm: &Vm, limit: Duration) -> Self {
+        Self {
+            start: Instant::now(),
+            activity: (vm.control.total_beats(), vm.control.generation()),
+            last_alive: Instant::now(),
+            limit,
+        }
+    }
+}
+
+type MutexGuard<'a> = nl_sync::Guard<'a, Vec<VcpuSlot>>;
 
 fn describe_stop(s: &VcpuStop) -> String {
     match s {
@@ -816,7 +929,7 @@ fn check_compatible(config: &VmConfig, state: &VmState) -> Result<(), VmmError> 
 impl Drop for Vm {
     fn drop(&mut self) {
         // End the receive thread first: it holds the device and writes guest memory.
-        drop(self.rx.lock().unwrap_or_else(|p| p.into_inner()).take());
+        drop(self.rx.lock().take());
         self.stop();
     }
 }

@@ -90,8 +90,34 @@ fn build_config(req: &Value) -> Result<nl_vmm::VmConfig, String> {
 pub fn host(a: HostArgs) -> Result<ExitCode> {
     // Fatal signals, panics and hangs anywhere in this VMM are detected and
     // reported; the recovery policy decides what follows.
-    nl_vmm::detect::install(a.recovery.policy());
+    nl_vmm::detect::install(a.recovery.policy(a.repairs));
     let main_ns = nl_vmm::handover::mono_ns();
+    if let (Some(record), Some(sum)) = (a.reboot_record, a.reboot_checksum) {
+        // The fresh process of a microreboot: same pid, the VMs' memory and
+        // state inherited from the process it replaced.
+        let images = nl_vmm::handover::Images {
+            kernel: Arc::new(nl_guest::KERNEL_ELF.to_vec()),
+            user: Arc::new(nl_guest::USER_ELF.to_vec()),
+        };
+        let t = match nl_vmm::handover::take_over_in_place(record, sum, &images, main_ns) {
+            Ok(t) => t,
+            Err(e) => {
+                // Nothing to recover the VMs with: a clean, reported failure.
+                eprintln!(
+                    "{}{}",
+                    nl_vmm::detect::REPORT_PREFIX,
+                    serde_json::json!({"detector":"recovery_failed","policy":"microreboot","message": e.to_string()})
+                );
+                std::process::exit(nl_vmm::detect::DETECTED_EXIT);
+            }
+        };
+        match t.listener {
+            Some(l) => nl_vmm::api::serve_listener(t.host, l, &a.api, Arc::new(build_config)),
+            None => nl_vmm::api::serve(t.host, &a.api, Arc::new(build_config)),
+        }
+        .with_context(|| format!("host on {}", a.api.display()))?;
+        return Ok(ExitCode::SUCCESS);
+    }
     if let (Some(record), Some(ctl)) = (a.handover_fd, a.handover_ctl) {
         // A successor after a handover: take the VMs and the socket over.
         let images = nl_vmm::handover::Images {
@@ -115,10 +141,32 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
     }
     let host = nl_vmm::host::Host::new()?;
     selftest();
+    device_fault_selftest();
     eprintln!("ninelives host: serving the API on {}", a.api.display());
     nl_vmm::api::serve(host, &a.api, Arc::new(build_config))
         .with_context(|| format!("host on {}", a.api.display()))?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// `NINELIVES_DEVICE_FAULT=segv|panic|hang:N` makes the N-th device access
+/// of the host (counted from its start) fail that way inside the device,
+/// with the device's lock held: tests of microreset and microreboot.
+fn device_fault_selftest() {
+    let Ok(v) = std::env::var("NINELIVES_DEVICE_FAULT") else { return };
+    let (kind, n) = v.split_once(':').unwrap_or((v.as_str(), "1000"));
+    let n: u64 = n.parse().unwrap_or(1000);
+    let hook: fn() = match kind {
+        // SAFETY: raising a signal on the calling thread has no memory effects.
+        "segv" => || unsafe {
+            libc::raise(libc::SIGSEGV);
+        },
+        "panic" => || panic!("device fault self-test"),
+        "hang" => || loop {
+            std::hint::spin_loop();
+        },
+        _ => return,
+    };
+    nl_devices::bus::arm_fault_hook(n, hook);
 }
 
 /// `NINELIVES_DETECT_SELFTEST=segv|panic|hang` makes a thread of the host

@@ -213,6 +213,34 @@ impl<D: VirtioDevice> MmioTransport<D> {
         self.notify(idx);
     }
 
+    /// Makes each ready queue's indices consistent with the used ring in
+    /// guest memory, the copy the driver acts on (a microreset repair). This
+    /// device completes every chain it takes within one notify, so chains
+    /// taken but not published as used were abandoned halfway: `next_avail`
+    /// goes back to the published used index and they are processed again.
+    /// Returns a line per queue it changed.
+    pub fn resync_queues(&mut self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (i, q) in self.queues.iter_mut().enumerate() {
+            if !q.ready() || !q.is_valid(&self.mem) {
+                continue;
+            }
+            let Ok(used) = q.used_idx(&self.mem, std::sync::atomic::Ordering::Acquire) else {
+                continue;
+            };
+            let (avail, next_used) = (q.next_avail(), q.next_used());
+            if avail != used.0 || next_used != used.0 {
+                q.set_next_used(used.0);
+                q.set_next_avail(used.0);
+                out.push(format!(
+                    "queue {i}: next_avail {avail} next_used {next_used} -> {} (used ring)",
+                    used.0
+                ));
+            }
+        }
+        out
+    }
+
     /// Times the interrupt eventfd was signalled.
     pub fn interrupts(&self) -> u64 {
         self.irqs

@@ -1,0 +1,143 @@
+//! Microreboot: a fresh VMM process takes over in place.
+//!
+//! With every thread held, the old process saves each VM's vCPU and device
+//! state (guest memory stays in its memfd), writes a handover record (the
+//! same versioned record as warm reboot) into a memfd, and execs its own
+//! binary with the record, the memfds and the API socket inherited. exec
+//! discards every thread and the whole heap at once; the new process
+//! re-creates the VMs ([`crate::handover::take_over_in_place`]).
+
+use std::ffi::CString;
+use std::os::fd::AsRawFd;
+use std::time::Instant;
+
+use serde_json::json;
+
+use crate::handover::{self, HandoverRecord, MemorySource, Mode, VmRecord};
+
+use super::Step;
+
+/// The API socket to hand over: (listening fd, path).
+static API: std::sync::Mutex<Option<(i32, std::path::PathBuf)>> = std::sync::Mutex::new(None);
+
+pub(crate) fn set_api(fd: i32, path: &std::path::Path) {
+    if let Ok(mut a) = API.try_lock() {
+        *a = Some((fd, path.to_path_buf()));
+    }
+}
+
+/// Starts the second half of a microreboot on a thread of its own (the
+/// thread that detected the error may be a vCPU thread, which must finish
+/// its exit and park): pause every VM, save, exec. The recovery deadline
+/// stays armed until the exec.
+pub(crate) fn start(what: String, t0: Instant, mut steps: Vec<Step>) {
+    let r = std::thread::Builder::new().name("microreboot".into()).spawn(move || {
+        let e = match build_and_exec(&what, t0, &mut steps) {
+            Ok(never) => match never {},
+            Err(e) => e,
+        };
+        super::fail(&format!("{what}: microreboot failed: {e}"));
+    });
+    if let Err(e) = r {
+        super::fail(&format!("microreboot: cannot start its thread: {e}"));
+    }
+}
+
+enum Never {}
+
+fn build_and_exec(what: &str, t0: Instant, steps: &mut Vec<Step>) -> Result<Never, String> {
+    let mut t = Instant::now();
+    let step = |steps: &mut Vec<Step>,
+                name: &'static str,
+                t: &mut Instant,
+                d: serde_json::Value| {
+        let now = Instant::now();
+        steps.push(Step { step: name, us: now.duration_since(*t).as_secs_f64() * 1e6, detail: d });
+        *t = now;
+    };
+    let (listener_fd, path) = API
+        .try_lock()
+        .ok()
+        .and_then(|a| a.clone())
+        .ok_or("no API socket to hand over (microreboot needs `ninelives host`)")?;
+    let hosts = super::live_hosts();
+    let host = hosts.first().ok_or("no host")?;
+    let mut record =
+        HandoverRecord::new(Mode::Warm, host.generation() + 1, Some(listener_fd), host.next_id());
+    let mut inherit = vec![listener_fd];
+    for (_, stats) in host.finished() {
+        record.finished.push(stats);
+    }
+    let paused_at_ns = handover::mono_ns();
+    for h in host.hosted() {
+        if h.outcome.lock().is_none() {
+            h.vm.pause();
+        }
+    }
+    step(steps, "pause_vms", &mut t, json!(host.hosted().len()));
+    for h in host.hosted() {
+        let id = h.vm.id();
+        let ended = h.outcome.lock().is_some();
+        if ended {
+            let mut stats = host.stats_value(id).map_err(|e| e.to_string())?;
+            let summary = host.list().into_iter().find(|s| s.id == id);
+            stats["summary"] = json!(summary);
+            record.finished.push(stats);
+            continue;
+        }
+        let state = h.vm.save_state().map_err(|e| format!("VM {id}: {e}"))?;
+        let paused = h.user_paused.load(std::sync::atomic::Ordering::Relaxed);
+        let mut rec = VmRecord::describe(id, h.vm.config(), paused);
+        let (fd, ino) = handover::memfd_of(h.vm.memory()).map_err(|e| e.to_string())?;
+        rec.memory = MemorySource::Memfd { fd, ino };
+        rec.state = Some(String::from_utf8(state.to_bytes()).map_err(|e| e.to_string())?);
+        rec.paused_at_ns = paused_at_ns;
+        record.vms.push(rec);
+        inherit.push(fd);
+    }
+    step(steps, "save_vm_state", &mut t, json!(record.vms.len()));
+    let exec_ns = handover::mono_ns();
+    let started_ns = exec_ns.saturating_sub(t0.elapsed().as_nanos() as u64);
+    record.reboot = Some(json!({
+        "cause": what, "started_ns": started_ns, "exec_ns": exec_ns, "steps": steps,
+    }));
+    let bytes = record.to_bytes();
+    let checksum = handover::record_checksum(&bytes);
+    let f = {
+        use std::io::Write;
+        let mut f = nl_memory::create_memfd("microreboot").map_err(|e| e.to_string())?;
+        f.write_all(&bytes).map_err(|e| e.to_string())?;
+        f
+    };
+    inherit.push(f.as_raw_fd());
+    for &fd in &inherit {
+        handover::set_cloexec(fd, false).map_err(|e| format!("descriptor {fd}: {e}"))?;
+    }
+    let exe = CString::new("/proc/self/exe").expect("no NUL");
+    let args: Vec<String> = vec![
+        "ninelives".into(),
+        "host".into(),
+        "--api".into(),
+        path.display().to_string(),
+        "--recovery".into(),
+        "microreboot".into(),
+        "--reboot-record".into(),
+        f.as_raw_fd().to_string(),
+        "--reboot-checksum".into(),
+        format!("{checksum:x}"),
+    ];
+    let cargs: Vec<CString> = args
+        .iter()
+        .map(|a| CString::new(a.as_str()).map_err(|e| e.to_string()))
+        .collect::<Result<_, _>>()?;
+    let mut argv: Vec<*const libc::c_char> = cargs.iter().map(|c| c.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    // Keep the record open across exec.
+    std::mem::forget(f);
+    // Interval timers survive exec: the new process must not inherit this one.
+    super::disarm_deadline();
+    // SAFETY: argv is a NULL-terminated array of valid C strings that live
+    // until execv returns (it only returns on failure); environ is inherited.
+    unsafe { libc::execv(exe.as_ptr(), argv.as_ptr()) };
+    Err(format!("exec failed: {}", std::io::Error::last_os_error()))
+}
