@@ -1,0 +1,202 @@
+//! VMM recovery (`--recovery microreset|microreboot`): a fault injected
+//! inside a device, with its lock held, while a guest runs. Microreset
+//! discards the faulting thread, repairs and resumes in place; microreboot
+//! execs a fresh VMM in the same process. Either way the guest finishes
+//! with a verified digest. Without the repairs, or with a corrupt recovery
+//! record, the VMM ends with a clean, reported failure (exit 86).
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+struct Host {
+    child: Child,
+    sock: PathBuf,
+    err: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Host {
+    /// A host whose `after`-th device access fails as `fault` (segv, panic, hang).
+    fn start(recovery: &[&str], fault: &str, after: u64) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("api.sock");
+        let err = dir.path().join("stderr");
+        let child = ninelives()
+            .args(["host", "--api", sock.to_str().unwrap()])
+            .args(recovery)
+            .env("NINELIVES_DEVICE_FAULT", format!("{fault}:{after}"))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&err).unwrap())
+            .spawn()
+            .unwrap();
+        let h = Host { child, sock, err, _dir: dir };
+        let t = Instant::now();
+        while UnixStream::connect(&h.sock).is_err() {
+            assert!(t.elapsed() < Duration::from_secs(20), "the host did not start");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        h
+    }
+
+    fn req(&self, v: Value) -> Option<Value> {
+        let mut s = UnixStream::connect(&self.sock).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        writeln!(s, "{v}").ok()?;
+        let mut line = String::new();
+        BufReader::new(s).read_line(&mut line).ok()?;
+        serde_json::from_str(&line).ok()
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.err).unwrap_or_default()
+    }
+
+    fn lines(&self, prefix: &str) -> Vec<Value> {
+        self.stderr()
+            .lines()
+            .filter_map(|l| l.strip_prefix(prefix))
+            .filter_map(|j| serde_json::from_str(j).ok())
+            .collect()
+    }
+
+    /// Waits (bounded) for the host to end; its exit code.
+    fn wait_exit(&mut self, limit: Duration) -> Option<i32> {
+        let t = Instant::now();
+        while t.elapsed() < limit {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s.code();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn create(h: &Host, workload: &str, secs: f64) -> u64 {
+    let r = h
+        .req(json!({"op":"create","workload":workload,"mem":"64M","duration":secs}))
+        .expect("create answered");
+    assert_eq!(r["ok"], true, "{r}");
+    r["id"].as_u64().unwrap()
+}
+
+/// Waits for a VM to complete, then replays its workload natively and
+/// checks every vCPU's digest and op count.
+fn assert_completes_verified(h: &Host, id: u64) {
+    let t = Instant::now();
+    let s = loop {
+        let r = h.req(json!({"op":"stats","id":id})).unwrap_or(Value::Null);
+        let s = r["stats"].clone();
+        if s["state"] != "running" && s["state"] != Value::Null {
+            break s;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "VM {id} did not finish: {}", h.stderr());
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(s["state"], "completed", "{s}\n{}", h.stderr());
+    let params: nl_abi::WorkloadParams = serde_json::from_value(s["workload"].clone()).unwrap();
+    for (cpu, v) in s["vcpus"].as_array().unwrap().iter().enumerate() {
+        let r = &v["regs"];
+        let rounds = r["rounds"].as_u64().unwrap();
+        let rep = nl_workloads::native::replay(&params, cpu as u64, rounds, 0).unwrap();
+        assert_eq!(rep.digest, r["digest"].as_u64().unwrap(), "VM {id} vCPU {cpu} digest");
+        assert_eq!(rep.ops, r["ops"].as_u64().unwrap(), "VM {id} vCPU {cpu} ops");
+    }
+}
+
+#[test]
+fn microreset_recovers_from_a_crash_a_panic_and_a_hang_inside_a_device() {
+    if !kvm_available() {
+        return;
+    }
+    for fault in ["segv", "panic", "hang"] {
+        let h = Host::start(&["--recovery", "microreset"], fault, 2000);
+        let pid = h.req(json!({"op":"info"})).unwrap()["pid"].as_u64();
+        let id = create(&h, "exits", 1.5);
+        assert_completes_verified(&h, id);
+        let rec = h.lines("NINELIVES-RECOVERED ");
+        assert_eq!(rec.len(), 1, "{fault}: one recovery expected:\n{}", h.stderr());
+        assert_eq!(rec[0]["policy"], "microreset");
+        // A crashed or hung vCPU was discarded holding the device's lock and
+        // its own fd lock; a panic unwound and dropped its guards itself.
+        let steps = rec[0]["steps"].as_array().unwrap();
+        let released = steps.iter().find(|s| s["step"] == "release_locks").unwrap();
+        let held_fd = released["detail"].as_array().unwrap().iter().any(|n| n == "vcpu.fd");
+        assert_eq!(held_fd, fault != "panic", "{fault}: {released}");
+        // Same process, and it still creates and runs VMs.
+        assert_eq!(h.req(json!({"op":"info"})).unwrap()["pid"].as_u64(), pid);
+        let id2 = create(&h, "compute", 0.5);
+        assert_completes_verified(&h, id2);
+    }
+}
+
+#[test]
+fn microreset_without_its_repairs_ends_in_a_clean_reported_failure() {
+    if !kvm_available() {
+        return;
+    }
+    // Without releasing the abandoned locks the vCPU deadlocks on its own fd
+    // lock: the error recurs after every recovery until the storm limit.
+    let mut h = Host::start(&["--recovery", "microreset", "--repairs", "none"], "segv", 2000);
+    let _ = create(&h, "exits", 3.0);
+    assert_eq!(h.wait_exit(Duration::from_secs(30)), Some(86), "{}", h.stderr());
+    let failed = h.lines("NINELIVES-DETECTED ");
+    assert!(failed.iter().any(|d| d["detector"] == "recovery_failed"), "{}", h.stderr());
+}
+
+#[test]
+fn microreboot_execs_a_fresh_vmm_in_place_and_the_guest_finishes() {
+    if !kvm_available() {
+        return;
+    }
+    let h = Host::start(&["--recovery", "microreboot"], "segv", 2000);
+    let pid = h.req(json!({"op":"info"})).unwrap()["pid"].as_u64();
+    let done = create(&h, "compute", 0.2);
+    assert_completes_verified(&h, done);
+    let id = create(&h, "exits", 1.5);
+    assert_completes_verified(&h, id);
+    let rec = h.lines("NINELIVES-RECOVERED ");
+    assert_eq!(rec.len(), 1, "{}", h.stderr());
+    assert_eq!(rec[0]["policy"], "microreboot");
+    assert!(rec[0]["new_process_steps"].as_array().is_some_and(|s| !s.is_empty()));
+    let info = h.req(json!({"op":"info"})).unwrap();
+    assert_eq!(info["pid"].as_u64(), pid, "exec in place keeps the pid");
+    assert_eq!(info["generation"], 1, "{info}");
+    // A VM that had finished before the microreboot is still reported.
+    assert_completes_verified(&h, done);
+    let id2 = create(&h, "compute", 0.5);
+    assert_completes_verified(&h, id2);
+}
+
+#[test]
+fn a_corrupt_microreboot_record_is_refused_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    let rec = dir.path().join("record");
+    std::fs::write(&rec, br#"{"magic":"ninelives-handover","version":1,"vms":[]}"#).unwrap();
+    let cmd = format!(
+        "exec 7<'{}'; exec '{}' host --api '{}' --recovery microreboot --reboot-record 7 --reboot-checksum 1234",
+        rec.display(),
+        env!("CARGO_BIN_EXE_ninelives"),
+        sock.display()
+    );
+    let o = std::process::Command::new("bash").args(["-c", &cmd]).output().unwrap();
+    assert_eq!(o.status.code(), Some(86), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("recovery_failed") && err.contains("corrupt"), "{err}");
+}
