@@ -259,6 +259,8 @@ pub enum BenchMechanism {
     Rejuvenate(crate::cmd::bench_rejuvenate::BenchRejuvenateArgs),
     /// memwrite under replication against the unreplicated VM, per optimization and epoch length.
     Replicate(crate::cmd::bench_replicate::BenchReplicateArgs),
+    /// VMM recovery: ping-gap latency of microreset and microreboot, VMM CPU overhead.
+    Recovery(crate::cmd::bench_recovery::BenchRecoveryArgs),
 }
 
 #[derive(Args, Clone, Debug)]

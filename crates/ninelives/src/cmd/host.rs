@@ -150,12 +150,11 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
 
 /// `NINELIVES_DEVICE_FAULT=segv|panic|hang:N` makes the N-th device access
 /// of the host (counted from its start) fail that way inside the device,
-/// with the device's lock held: tests of microreset and microreboot.
+/// with the device's lock held; `KIND@MS` makes the first access after MS
+/// milliseconds fail. For tests and `bench recovery`.
 fn device_fault_selftest() {
     let Ok(v) = std::env::var("NINELIVES_DEVICE_FAULT") else { return };
-    let (kind, n) = v.split_once(':').unwrap_or((v.as_str(), "1000"));
-    let n: u64 = n.parse().unwrap_or(1000);
-    let hook: fn() = match kind {
+    let hook: fn() = match v.split([':', '@']).next().unwrap_or("") {
         // SAFETY: raising a signal on the calling thread has no memory effects.
         "segv" => || unsafe {
             libc::raise(libc::SIGSEGV);
@@ -166,7 +165,16 @@ fn device_fault_selftest() {
         },
         _ => return,
     };
-    nl_devices::bus::arm_fault_hook(n, hook);
+    if let Some((_, ms)) = v.split_once('@') {
+        let ms = ms.parse::<u64>().unwrap_or(1000);
+        let _ = std::thread::Builder::new().name("fault-timer".into()).spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+            nl_devices::bus::arm_fault_hook(1, hook);
+        });
+    } else {
+        let n = v.split_once(':').and_then(|(_, n)| n.parse().ok()).unwrap_or(1000);
+        nl_devices::bus::arm_fault_hook(n, hook);
+    }
 }
 
 /// `NINELIVES_DETECT_SELFTEST=segv|panic|hang` makes a thread of the host

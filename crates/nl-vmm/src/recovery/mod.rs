@@ -345,6 +345,12 @@ pub struct Step {
     pub detail: serde_json::Value,
 }
 
+/// Set by a fault injector to a path it creates once it has repaired an
+/// injected code fault: a recovery waits for it (at most
+/// [`INJECTOR_REPAIR_WAIT`]) before it lets the VMM run again.
+pub const INJECTOR_REPAIR_ENV: &str = "NINELIVES_INJECTOR_REPAIR_FLAG";
+pub const INJECTOR_REPAIR_WAIT: Duration = Duration::from_millis(500);
+
 /// Times of recent recoveries, to refuse a storm (an error that recurs
 /// right after every recovery).
 static RECENT: [AtomicU64; 4] =
@@ -439,6 +445,18 @@ fn coordinate(what: &str) {
         &mut t,
         serde_json::json!({"abandoned": held.abandoned_names}),
     );
+    if let Some(flag) = std::env::var_os(INJECTOR_REPAIR_ENV) {
+        // Under a fault injector: wait (bounded) until it has repaired an
+        // injected code fault, as Gigan does at detection, so the recovered
+        // threads do not run the corrupted instruction again.
+        let flag = std::path::PathBuf::from(flag);
+        let w = Instant::now();
+        while !flag.exists() && w.elapsed() < INJECTOR_REPAIR_WAIT {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        let _ = std::fs::remove_file(&flag);
+        push(&mut steps, "await_injector_repair", &mut t, serde_json::json!(null));
+    }
     let mut abandoned = held.abandoned.clone();
     abandoned.push(me);
     let result = match policy {

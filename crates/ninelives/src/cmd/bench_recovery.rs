@@ -1,0 +1,339 @@
+//! `ninelives bench recovery`: VMM recovery latency and normal-operation
+//! overhead (the NiLiHype paper's section VII-B and C).
+//!
+//! * Latency: a netbench VM pinged every 1 ms from inside a network
+//!   namespace of the bench's own (TAP 10.0.0.1/24, guest 10.0.0.2); a
+//!   crash is injected inside a device of the VMM mid-run
+//!   (`NINELIVES_DEVICE_FAULT=segv@MS`). The service interruption is the
+//!   ping's longest gap; the VMM's own per-step times come from its
+//!   `NINELIVES-RECOVERED` line. A run without a fault gives the gap the
+//!   ping sees anyway on this machine.
+//! * Overhead: VMM CPU time (user + system of the VMM process, minus the
+//!   time its vCPUs spent in the guest) per workload, with recovery support
+//!   on (microreset with and without the exit undo log, microreboot) over
+//!   the same with `--recovery none`, measured in the same run.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde_json::{json, Value};
+
+use crate::netns::ip;
+
+#[derive(Args, Clone, Debug)]
+pub struct BenchRecoveryArgs {
+    /// Latency runs per mechanism.
+    #[arg(long, default_value_t = 5)]
+    pub runs: u32,
+    /// Overhead rounds per workload and configuration.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
+    /// Guest run time of each overhead measurement (seconds).
+    #[arg(long, default_value_t = 2.0)]
+    pub duration: f64,
+    /// Skip the latency part (it needs root, iproute2 and a TAP).
+    #[arg(long)]
+    pub no_latency: bool,
+    /// Print the results as one JSON line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn exe() -> Result<PathBuf> {
+    std::env::current_exe().context("cannot find this binary")
+}
+
+/// A host process, killed on drop.
+struct HostProc {
+    child: Child,
+    sock: PathBuf,
+    err: PathBuf,
+}
+
+impl Drop for HostProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl HostProc {
+    fn start(dir: &Path, ns: Option<&str>, recovery: &[&str], fault: Option<&str>) -> Result<Self> {
+        let sock = dir.join(format!("h{}.sock", rand_tag()));
+        let err = dir.join(format!("h{}.err", rand_tag()));
+        let mut c = match ns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(exe()?);
+                c
+            }
+            None => Command::new(exe()?),
+        };
+        c.arg("host").arg("--api").arg(&sock).args(recovery);
+        if let Some(f) = fault {
+            c.env("NINELIVES_DEVICE_FAULT", f);
+        }
+        let child = c.stdout(Stdio::null()).stderr(std::fs::File::create(&err)?).spawn()?;
+        let h = HostProc { child, sock, err };
+        let t = Instant::now();
+        while h.api(json!({"op":"list"})).is_err() {
+            if t.elapsed() > Duration::from_secs(10) {
+                bail!("the host did not come up");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(h)
+    }
+
+    fn api(&self, req: Value) -> Result<Value> {
+        Ok(nl_vmm::api::request(&self.sock, &req)?)
+    }
+
+    fn pid(&self) -> Result<i32> {
+        let r = self.api(json!({"op":"info"}))?;
+        r["pid"].as_i64().map(|p| p as i32).context("no pid")
+    }
+
+    fn recovered(&self) -> Vec<Value> {
+        std::fs::read_to_string(&self.err)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.strip_prefix(nl_vmm::recovery::RECOVERED_PREFIX))
+            .filter_map(|j| serde_json::from_str(j).ok())
+            .collect()
+    }
+
+    fn wait_done(&self, id: u64, limit: Duration) -> Result<Value> {
+        let t = Instant::now();
+        loop {
+            let r = self.api(json!({"op":"stats","id":id}))?;
+            if r["stats"]["state"] != "running" {
+                return Ok(r["stats"].clone());
+            }
+            if t.elapsed() > limit {
+                bail!("VM {id} did not finish");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn rand_tag() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Relaxed)
+}
+
+/// user+system ticks minus guest ticks of process `pid` (clock ticks).
+fn vmm_ticks(pid: i32) -> Result<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let rest = s.rsplit_once(") ").map(|(_, r)| r).context("bad /proc stat")?;
+    let f: Vec<u64> = rest.split_whitespace().map(|v| v.parse().unwrap_or(0)).collect();
+    // Fields from 3 (state) on: utime 14, stime 15, guest_time 43.
+    let get = |n: usize| f.get(n - 3).copied().unwrap_or(0);
+    Ok((get(14) + get(15)).saturating_sub(get(43)))
+}
+
+fn ticks_per_sec() -> f64 {
+    // SAFETY: sysconf has no memory effects.
+    (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).max(1) as f64
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+const CONFIGS: [(&str, &[&str]); 4] = [
+    ("none", &["--recovery", "none"]),
+    ("microreset", &["--recovery", "microreset"]),
+    (
+        "microreset_no_undo_log",
+        &["--recovery", "microreset", "--repairs", "counters,locks,metadata,timers,memory"],
+    ),
+    ("microreboot", &["--recovery", "microreboot"]),
+];
+
+fn overhead(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
+    let mut rows = Vec::new();
+    for w in ["exits", "memwrite", "compute"] {
+        // ms of VMM CPU per configuration, rounds interleaved.
+        let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); CONFIGS.len()];
+        for _ in 0..a.rounds {
+            for (i, (_, args)) in CONFIGS.iter().enumerate() {
+                let h = HostProc::start(dir, None, args, None)?;
+                let pid = h.pid()?;
+                let r = h.api(json!({"op":"create","workload":w,"mem":"64M","ws":"8M","duration":a.duration}))?;
+                let id = r["id"].as_u64().with_context(|| format!("create failed: {r}"))?;
+                let t0 = vmm_ticks(pid)?;
+                let st = h.wait_done(id, Duration::from_secs_f64(a.duration + 30.0))?;
+                let t1 = vmm_ticks(pid)?;
+                if st["state"] != "completed" {
+                    bail!("{w} did not complete: {st}");
+                }
+                cpu[i].push((t1 - t0) as f64 / ticks_per_sec() * 1e3);
+            }
+        }
+        let base = median(&mut cpu[0].clone());
+        let mut row = json!({"workload": w, "vmm_cpu_ms": {}, "ratio": {}});
+        for (i, (name, _)) in CONFIGS.iter().enumerate() {
+            let m = median(&mut cpu[i]);
+            row["vmm_cpu_ms"][*name] = json!(m);
+            row["ratio"][*name] = json!(if base > 0.0 { m / base } else { f64::NAN });
+        }
+        rows.push(row);
+    }
+    Ok(json!(rows))
+}
+
+/// One network namespace with a TAP, deleted on drop.
+struct Ns(String);
+
+impl Drop for Ns {
+    fn drop(&mut self) {
+        let _ = ip(&["netns", "del", &self.0]);
+    }
+}
+
+fn latency(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
+    let ns = Ns(format!("nlrec-{}", std::process::id()));
+    if !ip(&["netns", "add", &ns.0]) {
+        bail!("cannot create a network namespace (needs root and iproute2)");
+    }
+    for s in [
+        &["-n", &ns.0, "tuntap", "add", "dev", "nlrtap0", "mode", "tap"][..],
+        &["-n", &ns.0, "addr", "add", "10.0.0.1/24", "dev", "nlrtap0"],
+        &["-n", &ns.0, "link", "set", "nlrtap0", "up"],
+        &["-n", &ns.0, "link", "set", "lo", "up"],
+    ] {
+        if !ip(s) {
+            bail!("ip {} failed", s.join(" "));
+        }
+    }
+    let mut out = json!({});
+    let fault_ms = 2500;
+    for (name, args, fault) in [
+        ("no_fault", &["--recovery", "none"][..], None),
+        ("microreset", &["--recovery", "microreset"][..], Some(format!("segv@{fault_ms}"))),
+        ("microreboot", &["--recovery", "microreboot"][..], Some(format!("segv@{fault_ms}"))),
+    ] {
+        let (mut gaps, mut internal, mut runs) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..a.runs {
+            let h = HostProc::start(dir, Some(&ns.0), args, fault.as_deref())?;
+            let r = h.api(json!({"op":"create","workload":"netbench","mem":"64M","duration":5.0,
+                "net_tap":"nlrtap0","net_ip":"10.0.0.2/24"}))?;
+            r["id"].as_u64().with_context(|| format!("create failed: {r}"))?;
+            let t = Instant::now();
+            loop {
+                let o = Command::new("ip")
+                    .args(["netns", "exec", &ns.0])
+                    .arg(exe()?)
+                    .args(["ping", "--target", "10.0.0.2", "--interval", "10ms", "--duration", "0.05"])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .status()?;
+                if o.success() {
+                    break;
+                }
+                if t.elapsed() > Duration::from_secs(10) {
+                    bail!("the netbench guest never answered");
+                }
+            }
+            let o = Command::new("ip")
+                .args(["netns", "exec", &ns.0])
+                .arg(exe()?)
+                .args(["ping", "--target", "10.0.0.2", "--interval", "1ms", "--duration", "3", "--json"])
+                .stderr(Stdio::null())
+                .output()?;
+            let j: Value = String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .rev()
+                .find_map(|l| serde_json::from_str(l).ok())
+                .unwrap_or(Value::Null);
+            let gap = j["longest_gap_ms"].as_f64().unwrap_or(f64::NAN);
+            let rec = h.recovered();
+            let total_ms = rec.first().and_then(|r| r["total_us"].as_f64()).map(|u| u / 1e3);
+            if fault.is_some() && rec.is_empty() {
+                runs.push(json!({"gap_ms": gap, "recovered": false}));
+                continue;
+            }
+            gaps.push(gap);
+            if let Some(t) = total_ms {
+                internal.push(t);
+            }
+            runs.push(json!({"gap_ms": gap, "received": j["received"], "sent": j["sent"],
+                "vmm_recovery_ms": total_ms, "record": rec.first()}));
+        }
+        out[name] = json!({
+            "runs": runs, "recovered_runs": gaps.len(),
+            "median_gap_ms": median(&mut gaps.clone()),
+            "median_vmm_recovery_ms": median(&mut internal.clone()),
+        });
+    }
+    let r = out["microreboot"]["median_gap_ms"].as_f64().unwrap_or(f64::NAN)
+        / out["microreset"]["median_gap_ms"].as_f64().unwrap_or(f64::NAN);
+    let ri = out["microreboot"]["median_vmm_recovery_ms"].as_f64().unwrap_or(f64::NAN)
+        / out["microreset"]["median_vmm_recovery_ms"].as_f64().unwrap_or(f64::NAN);
+    out["factor_gap_microreboot_over_microreset"] = json!(r);
+    out["factor_internal_microreboot_over_microreset"] = json!(ri);
+    Ok(out)
+}
+
+pub fn bench_recovery(a: BenchRecoveryArgs) -> Result<ExitCode> {
+    struct Dir(PathBuf);
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let dir = Dir(std::env::temp_dir().join(format!("ninelives-bench-recovery-{}", std::process::id())));
+    std::fs::create_dir_all(&dir.0)?;
+    let pb = indicatif::ProgressBar::new_spinner();
+    pb.set_message("recovery: normal-operation overhead");
+    pb.enable_steady_tick(Duration::from_millis(200));
+    let over = overhead(&a, &dir.0)?;
+    let lat = if a.no_latency {
+        json!({"skipped": "--no-latency"})
+    } else {
+        pb.set_message("recovery: latency (1 ms ping to a netbench VM)");
+        latency(&a, &dir.0).unwrap_or_else(|e| json!({"skipped": format!("{e:#}")}))
+    };
+    pb.finish_and_clear();
+    let v = json!({"bench": "recovery", "overhead": over, "latency": lat});
+    if a.json {
+        println!("{v}");
+    } else {
+        println!("VMM CPU time with recovery support, relative to --recovery none:");
+        for r in over.as_array().into_iter().flatten() {
+            println!(
+                "  {:9} microreset {:.3}  (no undo log {:.3})  microreboot {:.3}   [none: {:.1} ms]",
+                r["workload"].as_str().unwrap_or("?"),
+                r["ratio"]["microreset"].as_f64().unwrap_or(f64::NAN),
+                r["ratio"]["microreset_no_undo_log"].as_f64().unwrap_or(f64::NAN),
+                r["ratio"]["microreboot"].as_f64().unwrap_or(f64::NAN),
+                r["vmm_cpu_ms"]["none"].as_f64().unwrap_or(f64::NAN),
+            );
+        }
+        for m in ["no_fault", "microreset", "microreboot"] {
+            let l = &lat[m];
+            println!(
+                "{m:12} longest ping gap {:.2} ms (median of {} runs), VMM recovery {:.3} ms",
+                l["median_gap_ms"].as_f64().unwrap_or(f64::NAN),
+                l["recovered_runs"],
+                l["median_vmm_recovery_ms"].as_f64().unwrap_or(f64::NAN)
+            );
+        }
+        println!(
+            "microreboot / microreset: {:.1}x (ping gap), {:.1}x (VMM time)",
+            lat["factor_gap_microreboot_over_microreset"].as_f64().unwrap_or(f64::NAN),
+            lat["factor_internal_microreboot_over_microreset"].as_f64().unwrap_or(f64::NAN)
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
