@@ -97,7 +97,7 @@ fn primary_killed_mid_run_backup_takes_over_and_the_digest_verifies() {
     }
     let Some(n) = Pair::new("k") else { return };
     let backup = n.backup(&["--allow-primary", "10.9.0.1"]);
-    let mut primary = n.primary(&["--epoch", "20", "--duration", "2", "--selective", "--direct"]);
+    let mut primary = n.primary(&["--epoch", "20", "--duration", "2", "--selective"]);
     std::thread::sleep(Duration::from_millis(1300));
     primary.kill().expect("kill the primary");
     let _ = primary.wait();

@@ -103,6 +103,7 @@ fn replicated(
         secret: "bench".into(),
         selective,
         direct,
+        pipeline: 0,
         reattach: false,
         workload: w.clone(),
         machine: m,

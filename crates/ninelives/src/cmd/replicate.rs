@@ -43,6 +43,11 @@ pub struct PrimaryArgs {
     /// Transfer path: send coalesced runs straight from guest memory during the pause.
     #[arg(long)]
     pub direct: bool,
+    /// Pipelined epochs: the VM resumes right after copying the dirty pages into a
+    /// staging buffer and a sender thread ships the epoch while the next one runs;
+    /// at most this many epochs unacknowledged (0: send and wait in the epoch loop).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(0..=4))]
+    pub pipeline: u32,
     /// After losing the backup, attach a new one at the same address when it appears.
     #[arg(long)]
     pub reattach: bool,
@@ -113,6 +118,9 @@ pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
     if a.lease_ms < 2 * a.epoch.max(100) {
         bail!("--lease-ms {} must be at least twice the epoch and 200 ms", a.lease_ms);
     }
+    if a.direct && a.pipeline > 0 {
+        bail!("--direct sends during the pause: it needs --pipeline 0");
+    }
     if a.machine.disk.is_some() {
         bail!("replication does not cover virtio-blk yet: run without --disk");
     }
@@ -126,7 +134,7 @@ pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
         epoch: Duration::from_millis(a.epoch),
         lease: Duration::from_millis(a.lease_ms),
         secret: a.secret.clone(),
-        opts: Options { selective: a.selective, direct: a.direct },
+        opts: Options { selective: a.selective, direct: a.direct, pipeline: a.pipeline },
         time_limit: Duration::from_secs_f64(a.duration * 4.0 + 60.0),
         reattach: a.reattach,
     };
@@ -156,11 +164,13 @@ fn primary(a: PrimaryArgs) -> Result<ExitCode> {
     let r = run_primary(&a, a.json)?;
     let p = &r.report;
     println!(
-        "replicated {} epochs of {} ms: {:.1} pages and {:.1} write faults per epoch, pause {:.2} ms avg / {:.2} max \
-         (collect {:.2}, copy {:.2}, send in pause {:.2}), send after resume {:.2} ms, ack wait {:.2} ms; \
+        "replicated {} epochs of {} ms (every {:.1} ms, pipeline {}): {:.1} pages and {:.1} write faults per epoch, \
+         pause {:.2} ms avg / {:.2} max (collect {:.2}, copy {:.2}, state {:.2}, send in pause {:.2}); \
+         send {:.2} ms, ack wait {:.2} ms, boundary stalled {:.2} ms, output held {:.1} ms avg / {:.1} max; \
          full copy {} pages in {:.1} ms; {} frames released after acks",
-        p.epochs, p.epoch_ms, p.pages_per_epoch, p.write_faults_per_epoch, p.pause_ms_avg, p.pause_ms_max,
-        p.collect_ms_avg, p.copy_ms_avg, p.send_in_pause_ms_avg, p.send_after_ms_avg, p.ack_wait_ms_avg,
+        p.epochs, p.epoch_ms, p.interval_ms_avg, p.options.pipeline, p.pages_per_epoch, p.write_faults_per_epoch,
+        p.pause_ms_avg, p.pause_ms_max, p.collect_ms_avg, p.copy_ms_avg, p.state_ms_avg, p.send_in_pause_ms_avg,
+        p.send_after_ms_avg, p.ack_wait_ms_avg, p.stall_ms_avg, p.commit_ms_avg, p.commit_ms_max,
         p.full_copy_pages, p.full_copy_ms, p.frames_released
     );
     if p.fenced {
