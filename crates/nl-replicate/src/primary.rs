@@ -52,6 +52,10 @@ pub struct PrimaryConfig {
     pub time_limit: Duration,
     /// After the backup is gone, keep trying to attach a new one there.
     pub reattach: bool,
+    /// Test hook (kill campaigns): the first epoch shipped this long after
+    /// the start is cut off half-way through its bytes by a SIGKILL of this
+    /// process, i.e. the primary dies mid-send.
+    pub die_mid_send_after: Option<Duration>,
 }
 
 /// What a replicated run measured.
@@ -412,11 +416,48 @@ struct Shipped {
 /// Hands an acknowledged epoch's held frames to the network.
 type Release<'r> = &'r (dyn Fn(&[Vec<u8>]) + Sync);
 
+/// A writer that passes `left` bytes on and then kills this process with
+/// SIGKILL (the mid-send kill of the kill campaigns).
+struct DieAfter<'w, W: Write> {
+    w: &'w mut W,
+    left: usize,
+}
+
+impl<W: Write> Write for DieAfter<'_, W> {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if b.len() >= self.left {
+            self.w.write_all(&b[..self.left])?;
+            self.w.flush()?;
+            // SAFETY: raise() has no memory-safety preconditions; SIGKILL ends the process here.
+            unsafe { libc::raise(libc::SIGKILL) };
+        }
+        let n = self.w.write(b)?;
+        self.left -= n;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.w.flush()
+    }
+}
+
 /// Sends a staged epoch, waits for its ack, then releases its output.
-fn ship(release: Release, c: &mut Conn, st: &Staged, lease: Duration) -> Result<Shipped, Lost> {
+/// With `die` past, the process kills itself half-way through the send.
+fn ship(
+    release: Release,
+    c: &mut Conn,
+    st: &Staged,
+    lease: Duration,
+    die: Option<Instant>,
+) -> Result<Shipped, Lost> {
     let t = Instant::now();
-    let bytes = send_staged(&mut c.s, st)
-        .map_err(|e| Lost::Definitive(format!("sending epoch {}: {e}", st.epoch)))?;
+    let sent = if die.is_some_and(|d| Instant::now() >= d) {
+        let half = (st.buf.len() + st.state.len()) / 2 + HEADER_BYTES;
+        send_staged(&mut DieAfter { w: &mut c.s, left: half }, st)
+    } else {
+        send_staged(&mut c.s, st)
+    };
+    let bytes = sent.map_err(|e| Lost::Definitive(format!("sending epoch {}: {e}", st.epoch)))?;
     let send = t.elapsed();
     let t = Instant::now();
     wait_ack(c, st.epoch, lease)?;
@@ -453,6 +494,7 @@ fn sender(
     epochs: mpsc::Receiver<Staged>,
     to_main: mpsc::Sender<FromSender>,
     lease: Duration,
+    die: Option<Instant>,
 ) -> Option<Conn> {
     let mut failed = false;
     for st in epochs {
@@ -460,7 +502,7 @@ fn sender(
             let _ = to_main.send(FromSender::Unsent(st.out));
             continue;
         }
-        match ship(release, &mut c, &st, lease) {
+        match ship(release, &mut c, &st, lease, die) {
             Ok(s) => {
                 let _ = to_main.send(FromSender::Acked(s, st.buf));
             }
@@ -528,6 +570,8 @@ pub struct Primary<'a> {
     sums: Sums,
     /// Staging buffers, kept across epochs (no page faults on reuse).
     pool: Vec<Vec<u8>>,
+    /// When the mid-send test kill is due.
+    die: Option<Instant>,
 }
 
 impl<'a> Primary<'a> {
@@ -543,6 +587,7 @@ impl<'a> Primary<'a> {
             log,
             sums: Sums::default(),
             pool: Vec::new(),
+            die: None,
         }
     }
 
@@ -558,6 +603,7 @@ impl<'a> Primary<'a> {
         vm.track_vmm_writes(true);
         vm.hold_net_output(true);
         vm.start().map_err(|e| e.to_string())?;
+        self.die = self.cfg.die_mid_send_after.map(|d| Instant::now() + d);
         let outcome = std::thread::scope(|sc| self.run_in(sc, conn))?;
         Ok(self.finish(outcome))
     }
@@ -651,10 +697,11 @@ impl<'a> Primary<'a> {
         }
         let (tx, epochs) = mpsc::sync_channel(depth);
         let (to_main, rx) = mpsc::channel();
-        let (vm, lease) = (self.vm, self.cfg.lease);
+        let (vm, lease, die) = (self.vm, self.cfg.lease, self.die);
         let handle =
             std::thread::Builder::new().name("repl-send".into()).spawn_scoped(sc, move || {
-                sender(&|f: &[Vec<u8>]| vm.release_net_output(f), conn, epochs, to_main, lease)
+                let release = |f: &[Vec<u8>]| vm.release_net_output(f);
+                sender(&release, conn, epochs, to_main, lease, die)
             });
         match handle {
             Ok(handle) => Link::Piped(Pipe { tx, rx, handle, in_flight: 0 }),
@@ -959,15 +1006,17 @@ impl<'a> Primary<'a> {
         }
         match link {
             Link::Down => unreachable!("no boundary without a link"),
-            Link::Sync(c) => match ship(&|f| vm.release_net_output(f), c, &st, self.cfg.lease) {
-                Ok(s) => {
-                    self.count_shipped(&s);
-                    self.pool.push(st.buf);
+            Link::Sync(c) => {
+                match ship(&|f| vm.release_net_output(f), c, &st, self.cfg.lease, self.die) {
+                    Ok(s) => {
+                        self.count_shipped(&s);
+                        self.pool.push(st.buf);
+                    }
+                    Err(l) => {
+                        result = Err(classify(c, l, self.cfg.lease));
+                    }
                 }
-                Err(l) => {
-                    result = Err(classify(c, l, self.cfg.lease));
-                }
-            },
+            }
             Link::Piped(p) => {
                 // Never blocks: at most `pipeline` epochs are in flight.
                 match p.tx.send(st) {
@@ -1056,7 +1105,8 @@ mod tests {
         let (tx, epochs) = mpsc::sync_channel(2);
         let (to_main, rx) = mpsc::channel();
         std::thread::scope(|sc| {
-            let h = sc.spawn(|| sender(&release, c, epochs, to_main, Duration::from_secs(10)));
+            let h =
+                sc.spawn(|| sender(&release, c, epochs, to_main, Duration::from_secs(10), None));
             tx.send(staged(1, 1)).unwrap();
             tx.send(staged(2, 2)).unwrap();
             assert!(rx.recv_timeout(Duration::from_millis(200)).is_err(), "nothing acked yet");

@@ -51,6 +51,10 @@ pub struct PrimaryArgs {
     /// After losing the backup, attach a new one at the same address when it appears.
     #[arg(long)]
     pub reattach: bool,
+    /// Test hook for kill campaigns: SIGKILL this primary half-way through
+    /// sending the first epoch shipped this many milliseconds after the start.
+    #[arg(long, hide = true)]
+    pub test_die_mid_send_ms: Option<u64>,
     #[command(flatten)]
     pub workload: WorkloadArgs,
     #[command(flatten)]
@@ -137,6 +141,7 @@ pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
         opts: Options { selective: a.selective, direct: a.direct, pipeline: a.pipeline },
         time_limit: Duration::from_secs_f64(a.duration * 4.0 + 60.0),
         reattach: a.reattach,
+        die_mid_send_after: a.test_die_mid_send_ms.map(Duration::from_millis),
     };
     let mut log = |m: String| {
         if !quiet || m.contains("WARNING") || m.contains("FENCED") {
