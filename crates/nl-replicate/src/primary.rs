@@ -37,6 +37,18 @@ pub struct Options {
     /// and waits for each ack itself). Implies the copy into a staging
     /// buffer (not `direct`).
     pub pipeline: u32,
+    /// Output-triggered epochs: when the guest has sent frames (held for
+    /// output commit), end the epoch early, once it has run this many
+    /// milliseconds (0: epochs always last their full length). Cuts the
+    /// time a reply waits for its epoch to end.
+    pub output_epoch_ms: u64,
+    /// Write-fault prediction (needs `selective`): pages the guest really
+    /// changed in an epoch are not re-protected, so they take no write fault
+    /// in the next epoch; at each boundary they are copied as dirty and
+    /// compared with what the backup has, and those whose content did not
+    /// change are dropped as fake dirty and re-protected (at the next
+    /// boundary, with the VM paused, after they were copied once more).
+    pub predict: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -95,6 +107,14 @@ pub struct PrimaryReport {
     pub interval_ms_avg: f64,
     pub bytes_sent: u64,
     pub frames_released: u64,
+    /// Write-fault prediction: pages left writable (predicted) per epoch,
+    /// the share of them really written (precision), the share of the
+    /// really written pages that were predicted (recall), and fake-dirty
+    /// pages dropped per epoch.
+    pub predicted_per_epoch: f64,
+    pub precision: Option<f64>,
+    pub recall: Option<f64>,
+    pub fake_dirty_per_epoch: f64,
     /// Set when the backup was lost: why, and whether the primary went on
     /// unprotected or fenced itself.
     pub backup_lost: Option<String>,
@@ -196,6 +216,35 @@ impl RamView {
             .ok_or_else(|| format!("{gpa:#x}+{len:#x} is not guest RAM"))?;
         // SAFETY: the range lies inside a live MAP_SHARED mapping owned by the VM (checked above); vCPUs are paused.
         Ok(unsafe { std::slice::from_raw_parts((host + gpa - rg) as *const u8, len) })
+    }
+
+    /// Offset of `gpa` in all RAM regions laid end to end.
+    fn flat(&self, gpa: u64) -> Option<usize> {
+        let mut base = 0u64;
+        for &(g, sz, _) in &self.regions {
+            if gpa >= g && gpa < g + sz {
+                return Some((base + gpa - g) as usize);
+            }
+            base += sz;
+        }
+        None
+    }
+
+    fn total(&self) -> usize {
+        self.regions.iter().map(|r| r.1 as usize).sum()
+    }
+
+    /// Per-region bitmaps (as KVM takes them) with the bits of `pages` set.
+    fn bitmaps(&self, pages: &[u64]) -> Vec<Vec<u64>> {
+        let mut b: Vec<Vec<u64>> =
+            self.regions.iter().map(|r| vec![0u64; (r.1 as usize / PAGE).div_ceil(64)]).collect();
+        for &g in pages {
+            if let Some(i) = self.regions.iter().position(|&(rg, sz, _)| g >= rg && g < rg + sz) {
+                let pg = ((g - self.regions[i].0) / PAGE as u64) as usize;
+                b[i][pg / 64] |= 1 << (pg % 64);
+            }
+        }
+        b
     }
 
     fn contains(&self, gpa: u64) -> bool {
@@ -304,9 +353,9 @@ fn wait_ack(c: &mut Conn, epoch: u64, lease: Duration) -> Result<(), Lost> {
 
 /// Pages to ship at an epoch boundary (the VM paused): the KVM dirty log,
 /// re-protected selectively when asked, plus pages the VMM wrote.
-fn collect(vm: &Vm, opts: Options, view: &RamView) -> Result<(Vec<u64>, u64, u64), String> {
+fn collect(vm: &Vm, clear: bool, view: &RamView) -> Result<(Vec<u64>, Vec<u64>, u64), String> {
     let bitmaps = vm.dirty_bitmaps().map_err(|e| e.to_string())?;
-    if opts.selective {
+    if clear {
         vm.clear_dirty_bitmaps(&bitmaps).map_err(|e| e.to_string())?;
     }
     let mut pages = Vec::new();
@@ -320,7 +369,7 @@ fn collect(vm: &Vm, opts: Options, view: &RamView) -> Result<(Vec<u64>, u64, u64
             }
         }
     }
-    let faults = pages.len() as u64;
+    let logged = pages.clone();
     let mut vmm = 0u64;
     for (gpa, len) in vm.take_vmm_writes() {
         let first = gpa & !(PAGE as u64 - 1);
@@ -335,7 +384,123 @@ fn collect(vm: &Vm, opts: Options, view: &RamView) -> Result<(Vec<u64>, u64, u64
     }
     pages.sort_unstable();
     pages.dedup();
-    Ok((pages, faults, vmm))
+    Ok((pages, logged, vmm))
+}
+
+/// A writable page found unchanged this many epochs in a row is
+/// re-protected (a page the guest wrote comes back only after a sweep of
+/// its working set, which under write faults takes several epochs).
+const IDLE_EPOCHS: u8 = 8;
+
+/// Write-fault prediction state (see [`Options::predict`]).
+#[derive(Default)]
+struct Predictor {
+    /// What the backup holds of each page in `known` (flat RAM offsets).
+    shadow: Vec<u8>,
+    known: Vec<bool>,
+    /// Pages left writable (not re-protected) at the last boundary.
+    writable: Vec<bool>,
+    /// Pages found unchanged: re-protect at the next boundary.
+    to_clear: Vec<u64>,
+    /// Consecutive epochs each writable page was found unchanged.
+    idle: Vec<u8>,
+    predicted: u64,
+    hits: u64,
+    written: u64,
+    fake: u64,
+}
+
+impl Predictor {
+    fn new(view: &RamView) -> Self {
+        let n = view.total();
+        Predictor {
+            // Zeroed allocation: only pages ever shipped get memory.
+            shadow: vec![0u8; n],
+            known: vec![false; n / PAGE],
+            writable: vec![false; n / PAGE],
+            idle: vec![0; n / PAGE],
+            ..Default::default()
+        }
+    }
+
+    /// After a full copy (every log cleared): nothing known, nothing writable.
+    fn reset(&mut self) {
+        self.known.iter_mut().for_each(|k| *k = false);
+        self.writable.iter_mut().for_each(|k| *k = false);
+        self.to_clear.clear();
+    }
+
+    /// Drops the pages of a staged epoch whose content the backup already
+    /// has (compacting `buf`), records what is shipped, and decides which
+    /// pages stay writable. `logged`: the pages KVM reported; `cleared`:
+    /// the pages re-protected at this boundary.
+    fn filter(
+        &mut self,
+        view: &RamView,
+        runs: &[(u64, u32)],
+        buf: &mut Vec<u8>,
+        logged: &[u64],
+        cleared: &[u64],
+    ) -> Vec<(u64, u32)> {
+        let idx = |g: u64| view.flat(g).map(|o| o / PAGE);
+        let mut in_log = vec![false; self.known.len()];
+        let mut was_cleared = vec![false; self.known.len()];
+        for &g in logged {
+            if let Some(i) = idx(g) {
+                in_log[i] = true;
+            }
+        }
+        for &g in cleared {
+            if let Some(i) = idx(g) {
+                was_cleared[i] = true;
+            }
+        }
+        let mut kept = Vec::new();
+        let (mut at, mut w) = (0usize, 0usize);
+        for &(g0, n) in runs {
+            for k in 0..n as u64 {
+                let g = g0 + k * PAGE as u64;
+                let Some(i) = idx(g) else { continue };
+                let page = at..at + PAGE;
+                at += PAGE;
+                let off = i * PAGE;
+                let changed = !self.known[i] || buf[page.clone()] != self.shadow[off..off + PAGE];
+                // Writable through the epoch: predicted (left writable at the
+                // last boundary, or cleared only now, after the copy).
+                let predicted = self.writable[i];
+                if in_log[i] {
+                    self.predicted += u64::from(predicted);
+                    self.hits += u64::from(predicted && changed);
+                    self.written += u64::from(changed || !predicted);
+                }
+                if changed {
+                    self.shadow[off..off + PAGE].copy_from_slice(&buf[page.clone()]);
+                    self.known[i] = true;
+                    buf.copy_within(page, w);
+                    w += PAGE;
+                    kept.push(g);
+                    // Really written: left writable for the next epoch.
+                    self.writable[i] = in_log[i] && !was_cleared[i];
+                    self.idle[i] = 0;
+                } else {
+                    self.fake += 1;
+                    self.writable[i] = in_log[i] && !was_cleared[i];
+                    self.idle[i] = self.idle[i].saturating_add(1);
+                    if self.writable[i] && self.idle[i] >= IDLE_EPOCHS {
+                        // Fake dirty for long enough: re-protected at the
+                        // next boundary.
+                        self.to_clear.push(g);
+                    }
+                }
+            }
+        }
+        buf.truncate(w);
+        runs_of(&kept)
+    }
+}
+
+fn runs_of(pages: &[u64]) -> Vec<(u64, u32)> {
+    runs(pages, PAGES_PER_FRAME as u32)
 }
 
 fn ms(d: Duration) -> f64 {
@@ -572,6 +737,10 @@ pub struct Primary<'a> {
     pool: Vec<Vec<u8>>,
     /// When the mid-send test kill is due.
     die: Option<Instant>,
+    pred: Option<Predictor>,
+    /// Frames taken from the device before the epoch's boundary (output-
+    /// triggered epochs): they belong to the epoch about to end.
+    early_out: Vec<Vec<u8>>,
 }
 
 impl<'a> Primary<'a> {
@@ -588,6 +757,8 @@ impl<'a> Primary<'a> {
             sums: Sums::default(),
             pool: Vec::new(),
             die: None,
+            early_out: Vec::new(),
+            pred: None,
         }
     }
 
@@ -604,6 +775,12 @@ impl<'a> Primary<'a> {
         vm.hold_net_output(true);
         vm.start().map_err(|e| e.to_string())?;
         self.die = self.cfg.die_mid_send_after.map(|d| Instant::now() + d);
+        if self.cfg.opts.predict {
+            if !self.cfg.opts.selective {
+                return Err("write-fault prediction needs selective re-protection".into());
+            }
+            self.pred = Some(Predictor::new(&self.view));
+        }
         let outcome = std::thread::scope(|sc| self.run_in(sc, conn))?;
         Ok(self.finish(outcome))
     }
@@ -632,16 +809,34 @@ impl<'a> Primary<'a> {
         };
         let start = Instant::now();
         let mut next = Instant::now() + self.cfg.epoch;
+        let mut last = Instant::now();
+        let early = Duration::from_millis(self.cfg.opts.output_epoch_ms);
         loop {
-            let now = Instant::now();
-            if next > now {
-                std::thread::sleep(next - now);
+            loop {
+                let now = Instant::now();
+                if now >= next {
+                    break;
+                }
+                if early.is_zero() || matches!(link, Link::Down) {
+                    std::thread::sleep(next - now);
+                    break;
+                }
+                // Frames produced so far belong to this epoch whenever its
+                // boundary comes: taking them now changes nothing to when
+                // they leave (after this epoch's ack), but says the epoch
+                // may end early.
+                self.early_out.extend(vm.take_net_output());
+                if !self.early_out.is_empty() && now >= last + early {
+                    break;
+                }
+                std::thread::sleep((next - now).min(Duration::from_micros(500)));
             }
             // A free pipeline slot first: the boundary waits for the backup.
             if self.drain(&mut link, true) {
                 return Ok(None);
             }
             next = Instant::now() + self.cfg.epoch;
+            last = Instant::now();
             if matches!(link, Link::Down) && self.cfg.reattach && !self.rep.fenced {
                 link = self.try_reattach(sc);
             }
@@ -837,6 +1032,12 @@ impl<'a> Primary<'a> {
         r.commit_ms_max = m.commit_max;
         r.pages_per_epoch = m.pages / n;
         r.write_faults_per_epoch = m.faults as f64 / n;
+        if let Some(p) = &self.pred {
+            r.predicted_per_epoch = p.predicted as f64 / n;
+            r.fake_dirty_per_epoch = p.fake as f64 / n;
+            r.precision = (p.predicted > 0).then(|| p.hits as f64 / p.predicted as f64);
+            r.recall = (p.written > 0).then(|| p.hits as f64 / p.written as f64);
+        }
         if let (Some(a), Some(b)) = (m.first_boundary, m.last_boundary) {
             if m.pauses.len() > 1 {
                 r.interval_ms_avg = ms(b - a) / (m.pauses.len() - 1) as f64;
@@ -862,7 +1063,8 @@ impl<'a> Primary<'a> {
                 // anyone; the oldest held frames go first.
                 self.rep.frames_released += f.held.len() as u64;
                 self.vm.release_net_output(&f.held);
-                let held = self.vm.hold_net_output(false);
+                let mut held = std::mem::take(&mut self.early_out);
+                held.extend(self.vm.hold_net_output(false));
                 self.rep.frames_released += held.len() as u64;
                 self.vm.release_net_output(&held);
                 false
@@ -875,7 +1077,9 @@ impl<'a> Primary<'a> {
                 self.rep.backup_lost = Some(why);
                 self.rep.fenced = true;
                 self.vm.stop();
-                let _ = self.vm.hold_net_output(true); // held output is dropped
+                // Held output is dropped.
+                self.early_out.clear();
+                let _ = self.vm.hold_net_output(true);
                 true
             }
         }
@@ -909,7 +1113,10 @@ impl<'a> Primary<'a> {
         let t = Instant::now();
         let vm = self.vm;
         // Reset the logs: tracking starts at this copy.
-        collect(vm, self.cfg.opts, &self.view).map_err(Lost::Definitive)?;
+        collect(vm, self.cfg.opts.selective, &self.view).map_err(Lost::Definitive)?;
+        if let Some(p) = self.pred.as_mut() {
+            p.reset();
+        }
         let ranges = vm.memory().allocated_ranges().map_err(|e| Lost::Definitive(e.to_string()))?;
         let mut pages = Vec::new();
         for (s, e) in ranges {
@@ -942,12 +1149,21 @@ impl<'a> Primary<'a> {
         m.first_boundary.get_or_insert(t0);
         m.last_boundary = Some(t0);
         let fail = |why: String| Failure { lost: Lost::Definitive(why), held: Vec::new() };
-        let (pages, faults, vmm) = match collect(vm, self.cfg.opts, &self.view) {
+        let clear = self.cfg.opts.selective && self.pred.is_none();
+        let (pages, logged, vmm) = match collect(vm, clear, &self.view) {
             Ok(x) => x,
             Err(e) => {
                 vm.resume();
                 return Err(fail(format!("collecting the epoch: {e}")));
             }
+        };
+        // Each logged page took a write fault, except those left writable.
+        let faults = match &self.pred {
+            Some(p) => logged
+                .iter()
+                .filter(|&&g| self.view.flat(g).is_some_and(|o| !p.writable[o / PAGE]))
+                .count() as u64,
+            None => logged.len() as u64,
         };
         let t_collect = t0.elapsed();
         let t = Instant::now();
@@ -958,7 +1174,8 @@ impl<'a> Primary<'a> {
                 return Err(fail(format!("saving the VM state: {e}")));
             }
         };
-        let out = vm.take_net_output();
+        let mut out = std::mem::take(&mut self.early_out);
+        out.extend(vm.take_net_output());
         let t_state = t.elapsed();
         let epoch = self.epoch;
         self.epoch += 1;
@@ -993,10 +1210,33 @@ impl<'a> Primary<'a> {
         // Copy the dirty runs into a staging buffer, then resume.
         let t = Instant::now();
         let mut buf = self.pool.pop().unwrap_or_default();
-        let copied = stage_copy(&self.view, &rr, &mut buf);
+        let mut copied = stage_copy(&self.view, &rr, &mut buf);
         copy = t.elapsed();
+        // Prediction: re-protect the pages found fake dirty last time, now
+        // that this epoch's copy of them is taken and the VM is still paused.
+        let cleared = match self.pred.as_mut() {
+            Some(p) => std::mem::take(&mut p.to_clear),
+            None => Vec::new(),
+        };
+        if !cleared.is_empty() {
+            if let Err(e) = vm.clear_dirty_bitmaps(&self.view.bitmaps(&cleared)) {
+                copied = Err(e.to_string());
+            }
+        }
         vm.resume();
-        self.account(t_collect, copy, t_state, send_in, pages.len(), faults, vmm);
+        let shipped_pages;
+        let rr = match self.pred.as_mut() {
+            Some(p) if copied.is_ok() => {
+                let r = p.filter(&self.view, &rr, &mut buf, &logged, &cleared);
+                shipped_pages = r.iter().map(|r| r.1 as usize).sum();
+                r
+            }
+            _ => {
+                shipped_pages = pages.len();
+                rr
+            }
+        };
+        self.account(t_collect, copy, t_state, send_in, shipped_pages, faults, vmm);
         let st = Staged { epoch, runs: rr, buf, state, out, boundary: t0 };
         if let Err(e) = copied {
             return Err(Failure {

@@ -92,6 +92,10 @@ struct Row {
     stall_ms_avg: f64,
     commit_ms_avg: f64,
     commit_ms_max: f64,
+    predicted_per_epoch: f64,
+    fake_dirty_per_epoch: f64,
+    precision: Option<f64>,
+    recall: Option<f64>,
 }
 
 /// A row from a primary's report (as JSON: the kv primaries are processes).
@@ -132,6 +136,10 @@ fn row(
         stall_ms_avg: f("stall_ms_avg"),
         commit_ms_avg: f("commit_ms_avg"),
         commit_ms_max: f("commit_ms_max"),
+        predicted_per_epoch: f("predicted_per_epoch"),
+        fake_dirty_per_epoch: f("fake_dirty_per_epoch"),
+        precision: p["precision"].as_f64(),
+        recall: p["recall"].as_f64(),
     }
 }
 
@@ -139,21 +147,57 @@ fn print_row(r: &Row) {
     eprintln!(
         "{} {} @{} ms (pipeline {}): {:.3} of unreplicated ({:.3e} / {:.3e} ops/s), epoch every {:.1} ms, \
          {:.0} pages and {:.0} faults/epoch, pause {:.2} ms (copy {:.2} = {:.0}%, send {:.2} = {:.0}%), \
-         send {:.2}, ack wait {:.2}, stall {:.2}, output held {:.1} ms{}",
+         send {:.2}, ack wait {:.2}, stall {:.2}, output held {:.1} ms{}{}",
         r.workload, r.config, r.epoch_ms, r.pipeline, r.ratio, r.ops_per_sec,
         r.unreplicated_ops_per_sec, r.interval_ms_avg, r.pages_per_epoch,
         r.write_faults_per_epoch, r.pause_ms_avg, r.copy_ms_avg, 100.0 * r.copy_share_of_pause,
         r.send_in_pause_ms_avg, 100.0 * r.send_share_of_pause, r.send_after_ms_avg,
         r.ack_wait_ms_avg, r.stall_ms_avg, r.commit_ms_avg,
+        match (r.precision, r.recall) {
+            (Some(p), Some(rc)) => format!(
+                ", predicted {:.0}/epoch, precision {p:.2}, recall {rc:.2}, fake dirty {:.0}/epoch",
+                r.predicted_per_epoch, r.fake_dirty_per_epoch
+            ),
+            _ => String::new(),
+        },
         if r.ok { "" } else { " NOT VERIFIED" }
     );
 }
 
-/// (name, epoch ms, selective, direct, pipeline) of every row of a workload.
-fn cases(a: &BenchReplicateArgs) -> Vec<(&'static str, u64, bool, bool, u32)> {
-    let mut v = vec![("none", 20, false, false, 0), ("+selective", 20, true, false, 0)];
+/// One replicated configuration.
+#[derive(Clone, Copy)]
+struct Case {
+    name: &'static str,
+    epoch: u64,
+    selective: bool,
+    pipeline: u32,
+    /// Output-triggered epochs (ms; 0: off).
+    output: u64,
+    predict: bool,
+}
+
+/// Every row of a workload: the optimizations one by one at 20 ms, then the
+/// epoch sweep with them; kv also with output-triggered epochs.
+fn cases(a: &BenchReplicateArgs, kv: bool) -> Vec<Case> {
+    let c = |name, epoch, selective, pipeline, output, predict| Case {
+        name,
+        epoch,
+        selective,
+        pipeline,
+        output,
+        predict,
+    };
+    let mut v = vec![c("none", 20, false, 0, 0, false), c("+selective", 20, true, 0, 0, false)];
     for &e in &a.epochs {
-        v.push(("+selective+pipeline", e, true, false, a.pipeline));
+        v.push(c("+selective+pipeline", e, true, a.pipeline, 0, false));
+    }
+    for &e in &a.epochs {
+        v.push(c("+selective+pipeline+predict", e, true, a.pipeline, 0, true));
+    }
+    if kv {
+        for &e in &a.epochs {
+            v.push(c("+selective+pipeline+output2ms", e, true, a.pipeline, 2, false));
+        }
     }
     v
 }
@@ -179,20 +223,17 @@ fn unreplicated(w: &WorkloadArgs, duration: f64) -> Result<f64> {
     Ok(verify_vcpus(&vm.config().workload, &regs, tsc).iter().map(|v| v.ops_per_sec).sum())
 }
 
-fn primary_args(
-    backup: SocketAddr,
-    w: &WorkloadArgs,
-    duration: f64,
-    c: (&'static str, u64, bool, bool, u32),
-) -> PrimaryArgs {
+fn primary_args(backup: SocketAddr, w: &WorkloadArgs, duration: f64, c: Case) -> PrimaryArgs {
     PrimaryArgs {
         backup,
-        epoch: c.1,
+        epoch: c.epoch,
         lease_ms: 2000,
         secret: "bench".into(),
-        selective: c.2,
-        direct: c.3,
-        pipeline: c.4,
+        selective: c.selective,
+        direct: false,
+        pipeline: c.pipeline,
+        output_epoch_ms: c.output,
+        predict: c.predict,
         reattach: false,
         test_die_mid_send_ms: None,
         workload: w.clone(),
@@ -204,11 +245,7 @@ fn primary_args(
 }
 
 /// memwrite replicated on loopback, the backup a thread of this process.
-fn replicated(
-    w: &WorkloadArgs,
-    duration: f64,
-    c: (&'static str, u64, bool, bool, u32),
-) -> Result<PrimaryRun> {
+fn replicated(w: &WorkloadArgs, duration: f64, c: Case) -> Result<PrimaryRun> {
     let addr = free_port()?;
     let m = MachineArgs::default();
     let cfg = BackupConfig {
@@ -402,23 +439,27 @@ fn kv_rows(a: &BenchReplicateArgs, t: &Topo, rows: &mut Vec<Row>) -> Result<bool
     let base = j["ops_per_sec"].as_f64().unwrap_or(0.0);
     let mut ok = j["ok"].as_bool().unwrap_or(false);
     eprintln!("kv: unreplicated {base:.3e} ops/s (8 connections)");
-    for c in cases(a) {
+    for c in cases(a, true) {
         let backup = Topo::spawn(
             &t.b,
             &["replicate", "backup", "--listen", "10.9.0.2:7070", "--lease-ms", "2000", "--json"],
         )?;
         std::thread::sleep(Duration::from_millis(300));
-        let (e, pl) = (c.1.to_string(), c.4.to_string());
+        // The read-back after the load takes a commit per request: long
+        // epochs need a longer-lived VM.
+        let life = format!("{}", load + 4.0 + 100.0 * c.epoch as f64 / 1000.0);
+        let (e, pl, out) = (c.epoch.to_string(), c.pipeline.to_string(), c.output.to_string());
         let mut args = vec!["replicate", "primary", "--backup", "10.9.0.2:7070", "--json"];
         args.extend(["--epoch", &e, "--pipeline", &pl, "--duration", &life, "--lease-ms", "2000"]);
-        if c.2 {
+        args.extend(["--output-epoch-ms", &out]);
+        if c.selective {
             args.push("--selective");
         }
         args.extend(KV_NET);
         let primary = Topo::spawn(&t.p, &args)?;
         std::thread::sleep(Duration::from_millis(800));
-        let ko = kvload(t, load, 8, "5s")?.finish(load + 60.0);
-        let po = primary.finish(load + 90.0);
+        let ko = kvload(t, load, 8, "5s")?.finish(load + 90.0);
+        let po = primary.finish(load + 120.0);
         let _ = backup.finish(10.0);
         let kj = last_json(&ko).context("kvload printed no report")?;
         let pj = last_json(&po).with_context(|| {
@@ -426,7 +467,8 @@ fn kv_rows(a: &BenchReplicateArgs, t: &Topo, rows: &mut Vec<Row>) -> Result<bool
         })?;
         let kv_ok = kj["ok"].as_bool().unwrap_or(false);
         ok &= kv_ok;
-        let r = row("kv", c.0, c.1, kv_ok, kj["ops_per_sec"].as_f64().unwrap_or(0.0), base, &pj);
+        let ops = kj["ops_per_sec"].as_f64().unwrap_or(0.0);
+        let r = row("kv", c.name, c.epoch, kv_ok, ops, base, &pj);
         print_row(&r);
         rows.push(r);
     }
@@ -493,7 +535,7 @@ fn kill_once(t: &Topo, i: u32, load: f64, seed: &mut u64) -> Result<Kill> {
     let at = (load * 1000.0 * 0.2) as u64 + rnd(seed) % ((load * 1000.0 * 0.6) as u64).max(1);
     let die = (startup + at).to_string();
     let mut args = vec!["replicate", "primary", "--backup", "10.9.0.2:7070", "--json"];
-    args.extend(["--epoch", "20", "--selective", "--duration", &life]);
+    args.extend(["--epoch", "20", "--selective", "--output-epoch-ms", "2", "--duration", &life]);
     if mid_send {
         args.extend(["--test-die-mid-send-ms", &die]);
     }
@@ -558,11 +600,11 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
             let w = WorkloadArgs { pattern, ..Default::default() };
             let base = unreplicated(&w, a.duration)?;
             eprintln!("{name}: unreplicated {base:.3e} ops/s");
-            for c in cases(&a) {
+            for c in cases(&a, false) {
                 let r = replicated(&w, a.duration, c)?;
                 all_ok &= r.ok;
                 let rep = serde_json::to_value(&r.report)?;
-                let row = row(name, c.0, c.1, r.ok, r.ops_per_sec, base, &rep);
+                let row = row(name, c.name, c.epoch, r.ok, r.ops_per_sec, base, &rep);
                 print_row(&row);
                 rows.push(row);
             }
@@ -622,7 +664,6 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
             "client_gap_ms_max": gaps.iter().copied().fold(0.0, f64::max),
             "client_gap_ms_median": median(&gaps),
         },
-        "prediction": "not implemented",
         "ok": all_ok,
         "host_ms": t0.elapsed().as_secs_f64() * 1e3,
     });

@@ -48,6 +48,14 @@ pub struct PrimaryArgs {
     /// at most this many epochs unacknowledged (0: send and wait in the epoch loop).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(0..=4))]
     pub pipeline: u32,
+    /// Output-triggered epochs: end an epoch early once the guest has sent frames
+    /// and the epoch has run this many milliseconds (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub output_epoch_ms: u64,
+    /// Write-fault prediction (needs --selective): pages really written in an epoch stay
+    /// writable; unchanged ones are dropped as fake dirty and re-protected.
+    #[arg(long)]
+    pub predict: bool,
     /// After losing the backup, attach a new one at the same address when it appears.
     #[arg(long)]
     pub reattach: bool,
@@ -125,6 +133,9 @@ pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
     if a.direct && a.pipeline > 0 {
         bail!("--direct sends during the pause: it needs --pipeline 0");
     }
+    if a.predict && !a.selective {
+        bail!("--predict needs --selective");
+    }
     if a.machine.disk.is_some() {
         bail!("replication does not cover virtio-blk yet: run without --disk");
     }
@@ -138,7 +149,13 @@ pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
         epoch: Duration::from_millis(a.epoch),
         lease: Duration::from_millis(a.lease_ms),
         secret: a.secret.clone(),
-        opts: Options { selective: a.selective, direct: a.direct, pipeline: a.pipeline },
+        opts: Options {
+            selective: a.selective,
+            direct: a.direct,
+            pipeline: a.pipeline,
+            output_epoch_ms: a.output_epoch_ms,
+            predict: a.predict,
+        },
         time_limit: Duration::from_secs_f64(a.duration * 4.0 + 60.0),
         reattach: a.reattach,
         die_mid_send_after: a.test_die_mid_send_ms.map(Duration::from_millis),
