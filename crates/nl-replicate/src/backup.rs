@@ -19,6 +19,7 @@ pub struct Receiver {
     vcpus: u32,
     committed: Option<(u64, Vec<u8>)>,
     staging: Staging,
+    spare: Vec<Vec<u8>>,
 }
 
 #[derive(Default)]
@@ -27,13 +28,16 @@ struct Staging {
     pages: u64,
     bytes: u64,
     crc: crc32fast::Hasher,
-    runs: Vec<(u64, Vec<u8>)>,
+    /// The epoch's `Pages` payloads, kept whole (no copy per run).
+    payloads: Vec<Vec<u8>>,
+    /// (gpa, payload index, offset, length) of each run.
+    runs: Vec<(u64, usize, usize, usize)>,
 }
 
 impl Receiver {
     pub fn new(mem_bytes: u64, vcpus: u32) -> Result<Self, String> {
         let memory = GuestMemory::new("backup", mem_bytes).map_err(|e| e.to_string())?;
-        Ok(Self { memory, vcpus, committed: None, staging: Staging::default() })
+        Ok(Self { memory, vcpus, committed: None, staging: Staging::default(), spare: Vec::new() })
     }
 
     /// The epoch the next frames must belong to.
@@ -59,21 +63,46 @@ impl Receiver {
 
     /// Drops a partly received epoch (the last complete one stays).
     pub fn discard_staging(&mut self) {
-        self.staging = Staging::default();
+        let st = std::mem::take(&mut self.staging);
+        self.spare.extend(st.payloads);
+    }
+
+    /// Payload buffers no longer needed, for reading further frames into.
+    pub fn take_spare(&mut self) -> Vec<Vec<u8>> {
+        std::mem::take(&mut self.spare)
     }
 
     /// Takes one epoch frame. Returns the epoch number when the frame
     /// completed and applied an epoch. An error rejects the epoch being
     /// received (it is discarded; the last complete epoch stays).
-    pub fn on_frame(&mut self, f: &Frame) -> Result<Option<u64>, ProtoError> {
-        let r = self.take(f);
+    pub fn on_frame(&mut self, f: Frame) -> Result<Option<u64>, ProtoError> {
+        let c = crc32fast::hash(&f.payload);
+        self.on_frame_ack(f, c, &mut |_| {})
+    }
+
+    /// [`Receiver::on_frame`] with the payload's CRC already known, calling
+    /// `ack` once a complete epoch verified and before it is applied (the
+    /// apply is a copy that cannot fail: every run was bounds-checked, and
+    /// nothing else happens on this side before it is done).
+    pub fn on_frame_ack(
+        &mut self,
+        f: Frame,
+        payload_crc: u32,
+        ack: &mut dyn FnMut(u64),
+    ) -> Result<Option<u64>, ProtoError> {
+        let r = self.take(f, payload_crc, ack);
         if r.is_err() {
             self.discard_staging();
         }
         r
     }
 
-    fn take(&mut self, f: &Frame) -> Result<Option<u64>, ProtoError> {
+    fn take(
+        &mut self,
+        f: Frame,
+        payload_crc: u32,
+        ack: &mut dyn FnMut(u64),
+    ) -> Result<Option<u64>, ProtoError> {
         let want = self.expected_epoch();
         if f.epoch != want {
             return Err(ProtoError::Bad(format!(
@@ -89,9 +118,12 @@ impl Receiver {
                         f.seq, self.staging.frames
                     )));
                 }
-                let runs = parse_runs(&f.payload)?;
-                for (gpa, data) in &runs {
-                    self.check_range(*gpa, data.len() as u64)?;
+                let idx = self.staging.payloads.len();
+                let mut runs = Vec::new();
+                for (gpa, data) in parse_runs(&f.payload)? {
+                    self.check_range(gpa, data.len() as u64)?;
+                    let off = data.as_ptr() as usize - f.payload.as_ptr() as usize;
+                    runs.push((gpa, idx, off, data.len()));
                 }
                 self.staging.bytes += f.payload.len() as u64;
                 if self.staging.bytes > self.memory.size() * 2 {
@@ -99,45 +131,56 @@ impl Receiver {
                         "epoch {want} carries more data than twice the guest memory"
                     )));
                 }
-                self.staging.crc.update(&f.payload);
+                let h =
+                    crc32fast::Hasher::new_with_initial_len(payload_crc, f.payload.len() as u64);
+                self.staging.crc.combine(&h);
                 self.staging.frames += 1;
-                for (gpa, data) in runs {
-                    self.staging.pages += (data.len() / PAGE) as u64;
-                    self.staging.runs.push((gpa, data.to_vec()));
-                }
+                self.staging.pages += runs.iter().map(|r| (r.3 / PAGE) as u64).sum::<u64>();
+                self.staging.runs.extend(runs);
+                self.staging.payloads.push(f.payload);
                 Ok(None)
             }
             Kind::EpochEnd => {
                 let end = EpochEnd::decode(&f.payload)?;
                 let st = std::mem::take(&mut self.staging);
-                if end.frames != st.frames || end.pages != st.pages {
-                    return Err(ProtoError::Bad(format!(
-                        "epoch {want} is incomplete: {} frames / {} pages received, {} / {} sent",
-                        st.frames, st.pages, end.frames, end.pages
-                    )));
+                let checked = (|| {
+                    if end.frames != st.frames || end.pages != st.pages {
+                        return Err(ProtoError::Bad(format!(
+                            "epoch {want} is incomplete: {} frames / {} pages received, {} / {} sent",
+                            st.frames, st.pages, end.frames, end.pages
+                        )));
+                    }
+                    if st.crc.clone().finalize() != end.data_crc {
+                        return Err(ProtoError::Bad(format!(
+                            "epoch {want}: page data checksum mismatch"
+                        )));
+                    }
+                    let state = VmState::from_bytes(&end.state)
+                        .map_err(|e| ProtoError::Bad(format!("epoch {want}: {e}")))?;
+                    if state.mem_bytes != self.memory.size() || state.num_vcpus != self.vcpus {
+                        return Err(ProtoError::Bad(format!(
+                            "epoch {want}: state is for {} bytes / {} vCPUs, not {} / {}",
+                            state.mem_bytes,
+                            state.num_vcpus,
+                            self.memory.size(),
+                            self.vcpus
+                        )));
+                    }
+                    Ok(())
+                })();
+                if let Err(e) = checked {
+                    self.spare.extend(st.payloads);
+                    return Err(e);
                 }
-                if st.crc.finalize() != end.data_crc {
-                    return Err(ProtoError::Bad(format!(
-                        "epoch {want}: page data checksum mismatch"
-                    )));
-                }
-                let state = VmState::from_bytes(&end.state)
-                    .map_err(|e| ProtoError::Bad(format!("epoch {want}: {e}")))?;
-                if state.mem_bytes != self.memory.size() || state.num_vcpus != self.vcpus {
-                    return Err(ProtoError::Bad(format!(
-                        "epoch {want}: state is for {} bytes / {} vCPUs, not {} / {}",
-                        state.mem_bytes,
-                        state.num_vcpus,
-                        self.memory.size(),
-                        self.vcpus
-                    )));
-                }
-                // Verified: apply.
-                for (gpa, data) in &st.runs {
-                    self.memory.mem().write_slice(data, GuestAddress(*gpa)).map_err(|e| {
+                // Verified: acknowledge, then apply.
+                ack(want);
+                for &(gpa, idx, off, len) in &st.runs {
+                    let data = &st.payloads[idx][off..off + len];
+                    self.memory.mem().write_slice(data, GuestAddress(gpa)).map_err(|e| {
                         ProtoError::Bad(format!("applying a page at {gpa:#x}: {e}"))
                     })?;
                 }
+                self.spare.extend(st.payloads);
                 self.committed = Some((want, end.state));
                 Ok(Some(want))
             }
@@ -281,12 +324,19 @@ fn receive(
     log: &mut dyn FnMut(String),
 ) -> Result<BackupEnd, String> {
     let mut rx = Receiver::new(cfg.mem_bytes, cfg.vcpus)?;
-    let mut reader = s.try_clone().map_err(|e| format!("socket: {e}"))?;
-    let (tx, frames) = mpsc::sync_channel::<Result<Frame, ProtoError>>(64);
+    let reader = s.try_clone().map_err(|e| format!("socket: {e}"))?;
+    let mut reader = std::io::BufReader::with_capacity(256 << 10, reader);
+    type Got = Result<(Frame, u32), ProtoError>;
+    let (tx, frames) = mpsc::sync_channel::<Got>(64);
+    // Spent payload buffers go back to the reader (no fresh allocation, so
+    // no page faults, per frame once warm).
+    let (spare_tx, spare_rx) = mpsc::channel::<Vec<u8>>();
     std::thread::Builder::new()
         .name("repl-rx".into())
         .spawn(move || loop {
-            let r = read_frame(&mut reader);
+            let mut buf = spare_rx.try_recv().unwrap_or_default();
+            let r = read_frame_into(&mut reader, &mut buf)
+                .map(|(kind, epoch, seq, crc)| (Frame { kind, epoch, seq, payload: buf }, crc));
             let end = r.is_err();
             if tx.send(r).is_err() || end {
                 break;
@@ -348,7 +398,7 @@ fn receive(
                 let _ = s.shutdown(std::net::Shutdown::Both);
                 return Ok(BackupEnd::Rejected { reason, kept_epoch: kept });
             }
-            Ok(Ok(f)) => {
+            Ok(Ok((f, payload_crc))) => {
                 last_heard = Instant::now();
                 match f.kind {
                     Kind::Heartbeat => {}
@@ -358,16 +408,19 @@ fn receive(
                             message: String::from_utf8_lossy(&f.payload).into_owned(),
                         });
                     }
-                    _ => match rx.on_frame(&f) {
-                        Ok(Some(epoch)) => {
-                            if let Err(e) = write_frame(&mut s, Kind::Ack, epoch, 0, &[]) {
-                                log(format!("cannot acknowledge epoch {epoch}: {e}"));
+                    _ => match rx.on_frame_ack(f, payload_crc, &mut |epoch| {
+                        if let Err(e) = write_frame(&mut s, Kind::Ack, epoch, 0, &[]) {
+                            log(format!("cannot acknowledge epoch {epoch}: {e}"));
+                        }
+                    }) {
+                        Ok(_) => {
+                            for b in rx.take_spare() {
+                                let _ = spare_tx.send(b);
                             }
                         }
-                        Ok(None) => {}
                         Err(e) => {
                             let kept = rx.committed().map(|(e, _)| e);
-                            let reason = format!("rejected epoch {}: {e}", f.epoch);
+                            let reason = format!("rejected epoch {}: {e}", rx.expected_epoch());
                             refuse(&mut s, &reason);
                             let _ = s.shutdown(std::net::Shutdown::Both);
                             return Ok(BackupEnd::Rejected { reason, kept_epoch: kept });
@@ -436,33 +489,33 @@ mod tests {
     fn bad_epochs_are_rejected_and_the_last_good_one_kept() {
         let mut rx = Receiver::new(MEM, 1).unwrap();
         for (i, f) in epoch(0, 0x1000, 1).iter().enumerate() {
-            assert_eq!(rx.on_frame(f).unwrap(), (i == 1).then_some(0));
+            assert_eq!(rx.on_frame(f.clone()).unwrap(), (i == 1).then_some(0));
         }
         for (i, f) in epoch(1, 0x1000, 2).iter().enumerate() {
-            assert_eq!(rx.on_frame(f).unwrap(), (i == 1).then_some(1));
+            assert_eq!(rx.on_frame(f.clone()).unwrap(), (i == 1).then_some(1));
         }
         assert_eq!(page(&rx, 0x1000), 2);
         // Truncated: the end arrives without its pages.
         let e2 = epoch(2, 0x1000, 3);
-        assert!(rx.on_frame(&e2[1]).is_err());
+        assert!(rx.on_frame(e2[1].clone()).is_err());
         // Corrupted page data (frame checksums pass, the epoch's does not).
         let mut bad = epoch(2, 0x1000, 3);
         bad[0].payload[100] ^= 1;
-        assert!(rx.on_frame(&bad[0]).is_ok());
-        assert!(rx.on_frame(&bad[1]).unwrap_err().to_string().contains("checksum"));
+        assert!(rx.on_frame(bad[0].clone()).is_ok());
+        assert!(rx.on_frame(bad[1].clone()).unwrap_err().to_string().contains("checksum"));
         // Reordered / replayed: an old epoch, a frame out of sequence.
-        assert!(rx.on_frame(&epoch(1, 0x1000, 9)[0]).is_err());
+        assert!(rx.on_frame(epoch(1, 0x1000, 9)[0].clone()).is_err());
         let mut skip = epoch(2, 0x1000, 3);
         skip[0].seq = 1;
-        assert!(rx.on_frame(&skip[0]).is_err());
+        assert!(rx.on_frame(skip[0].clone()).is_err());
         // Outside RAM.
-        assert!(rx.on_frame(&epoch(2, MEM, 3)[0]).is_err());
+        assert!(rx.on_frame(epoch(2, MEM, 3)[0].clone()).is_err());
         // Through all of it the last good epoch stayed, untouched.
         assert_eq!(rx.committed().unwrap().0, 1);
         assert_eq!(page(&rx, 0x1000), 2);
         // And a good epoch 2 still applies.
         for f in epoch(2, 0x2000, 7) {
-            rx.on_frame(&f).unwrap();
+            rx.on_frame(f).unwrap();
         }
         assert_eq!((rx.committed().unwrap().0, page(&rx, 0x2000)), (2, 7));
     }

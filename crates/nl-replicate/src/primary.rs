@@ -1,6 +1,15 @@
 //! The primary: runs the VM in epochs and ships each epoch to the backup;
 //! the guest's network output of an epoch leaves only after the backup
 //! acknowledged that epoch (output commit).
+//!
+//! Pipelined mode (Remus): during the pause only what must be consistent is
+//! collected (the dirty log, a copy of the dirty pages into a staging buffer,
+//! coalesced into contiguous runs, the vCPU and device state, and the
+//! network frames the epoch produced); the VM resumes at once, and a sender
+//! thread ships epoch k and waits for its ack while epoch k+1 runs. The
+//! sender releases epoch k's frames only after that ack. At most
+//! `pipeline` epochs are in flight: when the backup falls behind, the next
+//! epoch boundary waits.
 
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
@@ -23,6 +32,23 @@ pub struct Options {
     /// paused (no copy); otherwise copy each dirty page into a buffer during
     /// the pause and send page by page after resuming.
     pub direct: bool,
+    /// Epochs shipped by a sender thread while the VM runs on: at most this
+    /// many epochs sent but not yet acknowledged (0: the epoch loop sends
+    /// and waits for each ack itself). Implies the copy into a staging
+    /// buffer (not `direct`).
+    pub pipeline: u32,
+    /// Output-triggered epochs: when the guest has sent frames (held for
+    /// output commit), end the epoch early, once it has run this many
+    /// milliseconds (0: epochs always last their full length). Cuts the
+    /// time a reply waits for its epoch to end.
+    pub output_epoch_ms: u64,
+    /// Write-fault prediction (needs `selective`): pages the guest really
+    /// changed in an epoch are not re-protected, so they take no write fault
+    /// in the next epoch; at each boundary they are copied as dirty and
+    /// compared with what the backup has, and those whose content did not
+    /// change are dropped as fake dirty and re-protected (at the next
+    /// boundary, with the VM paused, after they were copied once more).
+    pub predict: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -38,6 +64,10 @@ pub struct PrimaryConfig {
     pub time_limit: Duration,
     /// After the backup is gone, keep trying to attach a new one there.
     pub reattach: bool,
+    /// Test hook (kill campaigns): the first epoch shipped this long after
+    /// the start is cut off half-way through its bytes by a SIGKILL of this
+    /// process, i.e. the primary dies mid-send.
+    pub die_mid_send_after: Option<Duration>,
 }
 
 /// What a replicated run measured.
@@ -60,11 +90,31 @@ pub struct PrimaryReport {
     pub collect_ms_avg: f64,
     pub copy_ms_avg: f64,
     pub send_in_pause_ms_avg: f64,
+    /// Saving vCPU, irqchip and device state during the pause.
+    pub state_ms_avg: f64,
     /// Sending after the resume (copy mode) and waiting for the ack.
     pub send_after_ms_avg: f64,
     pub ack_wait_ms_avg: f64,
+    /// Pipelined: how long epoch boundaries waited for a free pipeline slot
+    /// (the backup behind), on average per epoch.
+    pub stall_ms_avg: f64,
+    /// Time from an epoch's boundary to its acknowledgement (how long its
+    /// output was held at least), average and max.
+    pub commit_ms_avg: f64,
+    pub commit_ms_max: f64,
+    /// Average time between epoch boundaries (longer than the epoch when
+    /// the backup is behind).
+    pub interval_ms_avg: f64,
     pub bytes_sent: u64,
     pub frames_released: u64,
+    /// Write-fault prediction: pages left writable (predicted) per epoch,
+    /// the share of them really written (precision), the share of the
+    /// really written pages that were predicted (recall), and fake-dirty
+    /// pages dropped per epoch.
+    pub predicted_per_epoch: f64,
+    pub precision: Option<f64>,
+    pub recall: Option<f64>,
+    pub fake_dirty_per_epoch: f64,
     /// Set when the backup was lost: why, and whether the primary went on
     /// unprotected or fenced itself.
     pub backup_lost: Option<String>,
@@ -117,19 +167,26 @@ fn connect(cfg: &PrimaryConfig, vm: &Vm) -> Result<Conn, String> {
     s.set_read_timeout(None).map_err(|e| e.to_string())?;
     // A send into a silent link must not block past the lease.
     s.set_write_timeout(Some(cfg.lease)).map_err(|e| e.to_string())?;
-    let mut reader = s.try_clone().map_err(|e| e.to_string())?;
-    let (tx, frames) = mpsc::sync_channel(64);
-    std::thread::Builder::new()
-        .name("repl-acks".into())
-        .spawn(move || loop {
-            let r = read_frame(&mut reader);
-            let end = r.is_err();
-            if tx.send(r).is_err() || end {
-                break;
-            }
-        })
-        .map_err(|e| format!("cannot start the ack thread: {e}"))?;
-    Ok(Conn { s, frames, last_heard: Instant::now() })
+    Conn::new(s)
+}
+
+impl Conn {
+    /// Wraps a connected stream; a thread reads the backup's frames.
+    fn new(s: TcpStream) -> Result<Conn, String> {
+        let mut reader = s.try_clone().map_err(|e| e.to_string())?;
+        let (tx, frames) = mpsc::sync_channel(64);
+        std::thread::Builder::new()
+            .name("repl-acks".into())
+            .spawn(move || loop {
+                let r = read_frame(&mut reader);
+                let end = r.is_err();
+                if tx.send(r).is_err() || end {
+                    break;
+                }
+            })
+            .map_err(|e| format!("cannot start the ack thread: {e}"))?;
+        Ok(Conn { s, frames, last_heard: Instant::now() })
+    }
 }
 
 /// Host view of guest RAM for sending pages without copying them.
@@ -161,6 +218,35 @@ impl RamView {
         Ok(unsafe { std::slice::from_raw_parts((host + gpa - rg) as *const u8, len) })
     }
 
+    /// Offset of `gpa` in all RAM regions laid end to end.
+    fn flat(&self, gpa: u64) -> Option<usize> {
+        let mut base = 0u64;
+        for &(g, sz, _) in &self.regions {
+            if gpa >= g && gpa < g + sz {
+                return Some((base + gpa - g) as usize);
+            }
+            base += sz;
+        }
+        None
+    }
+
+    fn total(&self) -> usize {
+        self.regions.iter().map(|r| r.1 as usize).sum()
+    }
+
+    /// Per-region bitmaps (as KVM takes them) with the bits of `pages` set.
+    fn bitmaps(&self, pages: &[u64]) -> Vec<Vec<u64>> {
+        let mut b: Vec<Vec<u64>> =
+            self.regions.iter().map(|r| vec![0u64; (r.1 as usize / PAGE).div_ceil(64)]).collect();
+        for &g in pages {
+            if let Some(i) = self.regions.iter().position(|&(rg, sz, _)| g >= rg && g < rg + sz) {
+                let pg = ((g - self.regions[i].0) / PAGE as u64) as usize;
+                b[i][pg / 64] |= 1 << (pg % 64);
+            }
+        }
+        b
+    }
+
     fn contains(&self, gpa: u64) -> bool {
         self.regions.iter().any(|&(g, sz, _)| gpa >= g && gpa < g + sz)
     }
@@ -179,7 +265,8 @@ fn runs(pages: &[u64], max: u32) -> Vec<(u64, u32)> {
 }
 
 /// Sends one epoch: `Pages` frames for `runs` (data from `data(gpa, len)`),
-/// then the `EpochEnd` with `state`. Returns bytes sent.
+/// then the `EpochEnd` with `state`. Returns bytes sent. Writes go through
+/// a buffer (no small segment per run header); each byte is hashed once.
 fn send_epoch<'a>(
     s: &mut impl Write,
     epoch: u64,
@@ -187,6 +274,7 @@ fn send_epoch<'a>(
     mut data: impl FnMut(u64, usize) -> Result<&'a [u8], String>,
     state: &[u8],
 ) -> Result<u64, String> {
+    let mut s = std::io::BufWriter::with_capacity(256 << 10, s);
     let mut crc = crc32fast::Hasher::new();
     let (mut seq, mut pages, mut bytes) = (0u32, 0u64, 0u64);
     let mut i = 0;
@@ -205,16 +293,18 @@ fn send_epoch<'a>(
             parts.push(&heads[k]);
             parts.push(data(r.0, r.1 as usize * PAGE)?);
         }
+        let mut pc = crc32fast::Hasher::new();
         for p in &parts {
-            crc.update(p);
+            pc.update(p);
             bytes += p.len() as u64;
         }
-        write_frame(s, Kind::Pages, epoch, seq, &parts).map_err(|e| e.to_string())?;
+        crc.combine(&pc);
+        write_frame_crc(&mut s, Kind::Pages, epoch, seq, &parts, &pc).map_err(|e| e.to_string())?;
         seq += 1;
         pages += n as u64;
     }
     let end = EpochEnd { frames: seq, pages, data_crc: crc.finalize(), state: Vec::new() };
-    write_frame(s, Kind::EpochEnd, epoch, 0, &[&end.encode_head(), state])
+    write_frame(&mut s, Kind::EpochEnd, epoch, 0, &[&end.encode_head(), state])
         .map_err(|e| e.to_string())?;
     s.flush().map_err(|e| e.to_string())?;
     Ok(bytes + state.len() as u64)
@@ -263,9 +353,9 @@ fn wait_ack(c: &mut Conn, epoch: u64, lease: Duration) -> Result<(), Lost> {
 
 /// Pages to ship at an epoch boundary (the VM paused): the KVM dirty log,
 /// re-protected selectively when asked, plus pages the VMM wrote.
-fn collect(vm: &Vm, opts: Options, view: &RamView) -> Result<(Vec<u64>, u64, u64), String> {
+fn collect(vm: &Vm, clear: bool, view: &RamView) -> Result<(Vec<u64>, Vec<u64>, u64), String> {
     let bitmaps = vm.dirty_bitmaps().map_err(|e| e.to_string())?;
-    if opts.selective {
+    if clear {
         vm.clear_dirty_bitmaps(&bitmaps).map_err(|e| e.to_string())?;
     }
     let mut pages = Vec::new();
@@ -279,7 +369,7 @@ fn collect(vm: &Vm, opts: Options, view: &RamView) -> Result<(Vec<u64>, u64, u64
             }
         }
     }
-    let faults = pages.len() as u64;
+    let logged = pages.clone();
     let mut vmm = 0u64;
     for (gpa, len) in vm.take_vmm_writes() {
         let first = gpa & !(PAGE as u64 - 1);
@@ -294,11 +384,344 @@ fn collect(vm: &Vm, opts: Options, view: &RamView) -> Result<(Vec<u64>, u64, u64
     }
     pages.sort_unstable();
     pages.dedup();
-    Ok((pages, faults, vmm))
+    Ok((pages, logged, vmm))
+}
+
+/// A writable page found unchanged this many epochs in a row is
+/// re-protected (a page the guest wrote comes back only after a sweep of
+/// its working set, which under write faults takes several epochs).
+const IDLE_EPOCHS: u8 = 8;
+
+/// Write-fault prediction state (see [`Options::predict`]).
+#[derive(Default)]
+struct Predictor {
+    /// What the backup holds of each page in `known` (flat RAM offsets).
+    shadow: Vec<u8>,
+    known: Vec<bool>,
+    /// Pages left writable (not re-protected) at the last boundary.
+    writable: Vec<bool>,
+    /// Pages found unchanged: re-protect at the next boundary.
+    to_clear: Vec<u64>,
+    /// Consecutive epochs each writable page was found unchanged.
+    idle: Vec<u8>,
+    predicted: u64,
+    hits: u64,
+    written: u64,
+    fake: u64,
+}
+
+impl Predictor {
+    fn new(view: &RamView) -> Self {
+        let n = view.total();
+        Predictor {
+            // Zeroed allocation: only pages ever shipped get memory.
+            shadow: vec![0u8; n],
+            known: vec![false; n / PAGE],
+            writable: vec![false; n / PAGE],
+            idle: vec![0; n / PAGE],
+            ..Default::default()
+        }
+    }
+
+    /// After a full copy (every log cleared): nothing known, nothing writable.
+    fn reset(&mut self) {
+        self.known.iter_mut().for_each(|k| *k = false);
+        self.writable.iter_mut().for_each(|k| *k = false);
+        self.to_clear.clear();
+    }
+
+    /// Drops the pages of a staged epoch whose content the backup already
+    /// has (compacting `buf`), records what is shipped, and decides which
+    /// pages stay writable. `logged`: the pages KVM reported; `cleared`:
+    /// the pages re-protected at this boundary.
+    fn filter(
+        &mut self,
+        view: &RamView,
+        runs: &[(u64, u32)],
+        buf: &mut Vec<u8>,
+        logged: &[u64],
+        cleared: &[u64],
+    ) -> Vec<(u64, u32)> {
+        let idx = |g: u64| view.flat(g).map(|o| o / PAGE);
+        let mut in_log = vec![false; self.known.len()];
+        let mut was_cleared = vec![false; self.known.len()];
+        for &g in logged {
+            if let Some(i) = idx(g) {
+                in_log[i] = true;
+            }
+        }
+        for &g in cleared {
+            if let Some(i) = idx(g) {
+                was_cleared[i] = true;
+            }
+        }
+        let mut kept = Vec::new();
+        let (mut at, mut w) = (0usize, 0usize);
+        for &(g0, n) in runs {
+            for k in 0..n as u64 {
+                let g = g0 + k * PAGE as u64;
+                let Some(i) = idx(g) else { continue };
+                let page = at..at + PAGE;
+                at += PAGE;
+                let off = i * PAGE;
+                let changed = !self.known[i] || buf[page.clone()] != self.shadow[off..off + PAGE];
+                // Writable through the epoch: predicted (left writable at the
+                // last boundary, or cleared only now, after the copy).
+                let predicted = self.writable[i];
+                if in_log[i] {
+                    self.predicted += u64::from(predicted);
+                    self.hits += u64::from(predicted && changed);
+                    self.written += u64::from(changed || !predicted);
+                }
+                if changed {
+                    self.shadow[off..off + PAGE].copy_from_slice(&buf[page.clone()]);
+                    self.known[i] = true;
+                    buf.copy_within(page, w);
+                    w += PAGE;
+                    kept.push(g);
+                    // Really written: left writable for the next epoch.
+                    self.writable[i] = in_log[i] && !was_cleared[i];
+                    self.idle[i] = 0;
+                } else {
+                    self.fake += 1;
+                    self.writable[i] = in_log[i] && !was_cleared[i];
+                    self.idle[i] = self.idle[i].saturating_add(1);
+                    if self.writable[i] && self.idle[i] >= IDLE_EPOCHS {
+                        // Fake dirty for long enough: re-protected at the
+                        // next boundary.
+                        self.to_clear.push(g);
+                    }
+                }
+            }
+        }
+        buf.truncate(w);
+        runs_of(&kept)
+    }
+}
+
+fn runs_of(pages: &[u64]) -> Vec<(u64, u32)> {
+    runs(pages, PAGES_PER_FRAME as u32)
 }
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
+}
+
+/// One epoch collected during the pause: its pages as coalesced runs with
+/// their data copied into `buf` (in run order), the VM state, and the
+/// network frames the guest sent during the epoch (held until the ack).
+struct Staged {
+    epoch: u64,
+    runs: Vec<(u64, u32)>,
+    buf: Vec<u8>,
+    state: Vec<u8>,
+    out: Vec<Vec<u8>>,
+    /// When the VM was paused for this epoch's boundary.
+    boundary: Instant,
+}
+
+/// Copies the runs' pages into `buf`, one copy per run; `buf` keeps its
+/// capacity from epoch to epoch (no host page faults once it has grown).
+fn stage_copy(view: &RamView, runs: &[(u64, u32)], buf: &mut Vec<u8>) -> Result<(), String> {
+    let total: usize = runs.iter().map(|r| r.1 as usize * PAGE).sum();
+    buf.clear();
+    buf.reserve(total);
+    for &(g, n) in runs {
+        buf.extend_from_slice(view.slice(g, n as usize * PAGE)?);
+    }
+    Ok(())
+}
+
+/// Sends a staged epoch from its buffer. Returns bytes sent.
+fn send_staged(s: &mut impl Write, st: &Staged) -> Result<u64, String> {
+    let buf = &st.buf;
+    let mut at = 0usize;
+    send_epoch(
+        s,
+        st.epoch,
+        &st.runs,
+        |_, l| {
+            let d = buf.get(at..at + l).ok_or("staging buffer shorter than its runs")?;
+            at += l;
+            Ok(d)
+        },
+        &st.state,
+    )
+}
+
+/// Refines a loss with what the connection still shows: a takeover notice
+/// waiting behind the error, or more than a lease of silence, mean the
+/// backup may be active, so the primary must not go on unprotected.
+fn classify(c: &Conn, l: Lost, lease: Duration) -> Lost {
+    let silent_too_long = c.last_heard.elapsed() > lease;
+    let took_over =
+        c.frames.try_iter().any(|f| matches!(f, Ok(Frame { kind: Kind::Takeover, .. })));
+    match l {
+        Lost::Definitive(why) if took_over => {
+            Lost::Silent(format!("{why}; the backup announced that it takes over"))
+        }
+        Lost::Definitive(why) if silent_too_long => {
+            Lost::Silent(format!("{why}, after more than a lease of silence"))
+        }
+        l => l,
+    }
+}
+
+/// What shipping one epoch took.
+struct Shipped {
+    epoch: u64,
+    send: Duration,
+    ack_wait: Duration,
+    bytes: u64,
+    released: u64,
+    /// From the epoch's boundary to its ack.
+    commit: Duration,
+}
+
+/// Hands an acknowledged epoch's held frames to the network.
+type Release<'r> = &'r (dyn Fn(&[Vec<u8>]) + Sync);
+
+/// A writer that passes `left` bytes on and then kills this process with
+/// SIGKILL (the mid-send kill of the kill campaigns).
+struct DieAfter<'w, W: Write> {
+    w: &'w mut W,
+    left: usize,
+}
+
+impl<W: Write> Write for DieAfter<'_, W> {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if b.len() >= self.left {
+            self.w.write_all(&b[..self.left])?;
+            self.w.flush()?;
+            // SAFETY: raise() has no memory-safety preconditions; SIGKILL ends the process here.
+            unsafe { libc::raise(libc::SIGKILL) };
+        }
+        let n = self.w.write(b)?;
+        self.left -= n;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.w.flush()
+    }
+}
+
+/// Sends a staged epoch, waits for its ack, then releases its output.
+/// With `die` past, the process kills itself half-way through the send.
+fn ship(
+    release: Release,
+    c: &mut Conn,
+    st: &Staged,
+    lease: Duration,
+    die: Option<Instant>,
+) -> Result<Shipped, Lost> {
+    let t = Instant::now();
+    let sent = if die.is_some_and(|d| Instant::now() >= d) {
+        let half = (st.buf.len() + st.state.len()) / 2 + HEADER_BYTES;
+        send_staged(&mut DieAfter { w: &mut c.s, left: half }, st)
+    } else {
+        send_staged(&mut c.s, st)
+    };
+    let bytes = sent.map_err(|e| Lost::Definitive(format!("sending epoch {}: {e}", st.epoch)))?;
+    let send = t.elapsed();
+    let t = Instant::now();
+    wait_ack(c, st.epoch, lease)?;
+    let ack_wait = t.elapsed();
+    // Output commit: the epoch's frames leave only once the backup has it.
+    release(&st.out);
+    Ok(Shipped {
+        epoch: st.epoch,
+        send,
+        ack_wait,
+        bytes,
+        released: st.out.len() as u64,
+        commit: st.boundary.elapsed(),
+    })
+}
+
+/// Messages of the sender thread, in epoch order.
+enum FromSender {
+    /// Epoch shipped and acknowledged, its output released; the staging
+    /// buffer comes back for reuse.
+    Acked(Shipped, Vec<u8>),
+    /// The backup was lost while shipping; `held` is the output of the
+    /// failed epoch (not released).
+    Lost(Lost, Vec<Vec<u8>>),
+    /// An epoch queued after the loss: never sent, its output still held.
+    Unsent(Vec<Vec<u8>>),
+}
+
+/// The sender thread: ships staged epochs in order until the channel
+/// closes. Returns the connection when nothing failed (for the final Done).
+fn sender(
+    release: Release,
+    mut c: Conn,
+    epochs: mpsc::Receiver<Staged>,
+    to_main: mpsc::Sender<FromSender>,
+    lease: Duration,
+    die: Option<Instant>,
+) -> Option<Conn> {
+    let mut failed = false;
+    for st in epochs {
+        if failed {
+            let _ = to_main.send(FromSender::Unsent(st.out));
+            continue;
+        }
+        match ship(release, &mut c, &st, lease, die) {
+            Ok(s) => {
+                let _ = to_main.send(FromSender::Acked(s, st.buf));
+            }
+            Err(l) => {
+                failed = true;
+                let l = classify(&c, l, lease);
+                let _ = c.s.shutdown(std::net::Shutdown::Both);
+                let _ = to_main.send(FromSender::Lost(l, st.out));
+            }
+        }
+    }
+    (!failed).then_some(c)
+}
+
+/// The link to the backup.
+enum Link<'s> {
+    /// No backup (lost, or never reattached).
+    Down,
+    /// The epoch loop sends and waits for acks itself.
+    Sync(Conn),
+    /// A sender thread ships epochs while the VM runs on.
+    Piped(Pipe<'s>),
+}
+
+struct Pipe<'s> {
+    tx: mpsc::SyncSender<Staged>,
+    rx: mpsc::Receiver<FromSender>,
+    handle: std::thread::ScopedJoinHandle<'s, Option<Conn>>,
+    in_flight: usize,
+}
+
+/// A loss with the output that was held for epochs not acknowledged.
+struct Failure {
+    lost: Lost,
+    held: Vec<Vec<u8>>,
+}
+
+#[derive(Default)]
+struct Sums {
+    pauses: Vec<f64>,
+    collect: f64,
+    copy: f64,
+    state: f64,
+    send_in: f64,
+    send_after: f64,
+    ack_wait: f64,
+    stall: f64,
+    commit: f64,
+    commit_max: f64,
+    acked: u64,
+    pages: f64,
+    faults: u64,
+    first_boundary: Option<Instant>,
+    last_boundary: Option<Instant>,
 }
 
 /// The primary side of a replicated run.
@@ -306,16 +729,18 @@ pub struct Primary<'a> {
     vm: &'a Vm,
     cfg: PrimaryConfig,
     view: RamView,
-    conn: Option<Conn>,
     epoch: u64,
     rep: PrimaryReport,
     log: &'a mut dyn FnMut(String),
-    // sums for averages
-    pauses: Vec<f64>,
-    sums: [f64; 6], // collect, copy, send_in_pause, send_after, ack_wait, pages
-    faults: u64,
-    /// The copy-mode buffer, kept across epochs (no page faults on reuse).
-    buf: Vec<u8>,
+    sums: Sums,
+    /// Staging buffers, kept across epochs (no page faults on reuse).
+    pool: Vec<Vec<u8>>,
+    /// When the mid-send test kill is due.
+    die: Option<Instant>,
+    pred: Option<Predictor>,
+    /// Frames taken from the device before the epoch's boundary (output-
+    /// triggered epochs): they belong to the epoch about to end.
+    early_out: Vec<Vec<u8>>,
 }
 
 impl<'a> Primary<'a> {
@@ -326,14 +751,14 @@ impl<'a> Primary<'a> {
             view: RamView::new(vm.memory()),
             vm,
             cfg,
-            conn: None,
             epoch: 0,
             rep,
             log,
-            pauses: Vec::new(),
-            sums: [0.0; 6],
-            faults: 0,
-            buf: Vec::new(),
+            sums: Sums::default(),
+            pool: Vec::new(),
+            die: None,
+            early_out: Vec::new(),
+            pred: None,
         }
     }
 
@@ -349,42 +774,100 @@ impl<'a> Primary<'a> {
         vm.track_vmm_writes(true);
         vm.hold_net_output(true);
         vm.start().map_err(|e| e.to_string())?;
-        vm.pause();
-        self.conn = Some(conn);
-        let r = self.full_copy();
-        vm.resume();
-        if let Err(l) = r {
-            self.lost(l)?;
+        self.die = self.cfg.die_mid_send_after.map(|d| Instant::now() + d);
+        if self.cfg.opts.predict {
+            if !self.cfg.opts.selective {
+                return Err("write-fault prediction needs selective re-protection".into());
+            }
+            self.pred = Some(Predictor::new(&self.view));
         }
+        let outcome = std::thread::scope(|sc| self.run_in(sc, conn))?;
+        Ok(self.finish(outcome))
+    }
+
+    fn run_in<'s>(
+        &mut self,
+        sc: &'s std::thread::Scope<'s, '_>,
+        mut conn: Conn,
+    ) -> Result<Option<VmOutcome>, String>
+    where
+        'a: 's,
+    {
+        let vm = self.vm;
+        vm.pause();
+        let r = self.full_copy(&mut conn);
+        vm.resume();
+        let mut link = match r {
+            Ok(()) => self.link_up(sc, conn),
+            Err(l) => {
+                let lost = classify(&conn, l, self.cfg.lease);
+                if self.lost(Failure { lost, held: Vec::new() }) {
+                    return Ok(None);
+                }
+                Link::Down
+            }
+        };
         let start = Instant::now();
         let mut next = Instant::now() + self.cfg.epoch;
+        let mut last = Instant::now();
+        let early = Duration::from_millis(self.cfg.opts.output_epoch_ms);
         loop {
-            let now = Instant::now();
-            if next > now {
-                std::thread::sleep(next - now);
+            loop {
+                let now = Instant::now();
+                if now >= next {
+                    break;
+                }
+                if early.is_zero() || matches!(link, Link::Down) {
+                    std::thread::sleep(next - now);
+                    break;
+                }
+                // Frames produced so far belong to this epoch whenever its
+                // boundary comes: taking them now changes nothing to when
+                // they leave (after this epoch's ack), but says the epoch
+                // may end early.
+                self.early_out.extend(vm.take_net_output());
+                if !self.early_out.is_empty() && now >= last + early {
+                    break;
+                }
+                std::thread::sleep((next - now).min(Duration::from_micros(500)));
+            }
+            // A free pipeline slot first: the boundary waits for the backup.
+            if self.drain(&mut link, true) {
+                return Ok(None);
             }
             next = Instant::now() + self.cfg.epoch;
-            if self.conn.is_none() && self.cfg.reattach && !self.rep.fenced {
-                self.try_reattach();
+            last = Instant::now();
+            if matches!(link, Link::Down) && self.cfg.reattach && !self.rep.fenced {
+                link = self.try_reattach(sc);
             }
             vm.pause();
             let outcome = vm.poll_outcome();
             let timed_out = start.elapsed() > self.cfg.time_limit;
-            if self.conn.is_some() {
-                if let Err(l) = self.epoch_boundary() {
-                    if self.lost(l)? {
-                        return Ok(self.finish(None));
-                    }
-                }
-            } else {
+            if matches!(link, Link::Down) {
                 vm.resume();
+            } else if let Err(mut f) = self.boundary(&mut link) {
+                // Epochs still in flight are older: their frames go first.
+                let (_, more) = self.close(std::mem::replace(&mut link, Link::Down));
+                if let Some(m) = more {
+                    f.held = [m.held, f.held].concat();
+                }
+                if self.lost(f) {
+                    return Ok(None);
+                }
             }
             if outcome.is_some() || timed_out {
                 let outcome = outcome.unwrap_or_else(|| {
                     vm.stop();
                     VmOutcome::TimedOut { limit_ms: self.cfg.time_limit.as_millis() as u64 }
                 });
-                if let Some(c) = self.conn.as_mut() {
+                // Every epoch in flight is shipped and acknowledged first.
+                let (conn, failure) = self.close(link);
+                if let Some(f) = failure {
+                    if self.lost(f) {
+                        return Ok(None);
+                    }
+                }
+                if let Some(mut c) = conn {
                     let _ = write_frame(
                         &mut c.s,
                         Kind::Done,
@@ -392,53 +875,181 @@ impl<'a> Primary<'a> {
                         0,
                         &[outcome.message().as_bytes()],
                     );
+                    let _ = c.s.flush();
                 }
-                return Ok(self.finish(Some(outcome)));
+                return Ok(Some(outcome));
             }
         }
     }
 
+    fn link_up<'s>(&mut self, sc: &'s std::thread::Scope<'s, '_>, conn: Conn) -> Link<'s>
+    where
+        'a: 's,
+    {
+        let depth = self.cfg.opts.pipeline as usize;
+        if depth == 0 {
+            return Link::Sync(conn);
+        }
+        let (tx, epochs) = mpsc::sync_channel(depth);
+        let (to_main, rx) = mpsc::channel();
+        let (vm, lease, die) = (self.vm, self.cfg.lease, self.die);
+        let handle =
+            std::thread::Builder::new().name("repl-send".into()).spawn_scoped(sc, move || {
+                let release = |f: &[Vec<u8>]| vm.release_net_output(f);
+                sender(&release, conn, epochs, to_main, lease, die)
+            });
+        match handle {
+            Ok(handle) => Link::Piped(Pipe { tx, rx, handle, in_flight: 0 }),
+            Err(e) => {
+                (self.log)(format!("cannot start the sender thread ({e}): sending synchronously"));
+                // The connection moved into the failed closure; without a
+                // sender there is no link (the caller treats it as lost).
+                Link::Down
+            }
+        }
+    }
+
+    /// Takes in what the sender reported; with `block`, waits until the
+    /// pipeline has a free slot. Returns true when the primary fenced itself.
+    fn drain(&mut self, link: &mut Link<'_>, block: bool) -> bool {
+        let Link::Piped(p) = link else { return false };
+        let depth = self.cfg.opts.pipeline as usize;
+        let t = Instant::now();
+        let mut failure = None;
+        loop {
+            let must_wait = block && p.in_flight >= depth;
+            let m = if must_wait {
+                // The sender answers within a lease (its reads and writes
+                // time out); three leases of nothing is a stuck sender.
+                match p.rx.recv_timeout(self.cfg.lease * 3) {
+                    Ok(m) => m,
+                    Err(_) => {
+                        failure = Some(Failure {
+                            lost: Lost::Silent("the sender thread stopped answering".into()),
+                            held: Vec::new(),
+                        });
+                        break;
+                    }
+                }
+            } else {
+                match p.rx.try_recv() {
+                    Ok(m) => m,
+                    Err(_) => break,
+                }
+            };
+            match m {
+                FromSender::Acked(s, buf) => {
+                    p.in_flight -= 1;
+                    self.pool.push(buf);
+                    self.count_shipped(&s);
+                }
+                FromSender::Lost(lost, held) => {
+                    failure = Some(Failure { lost, held });
+                    break;
+                }
+                FromSender::Unsent(_) => {}
+            }
+        }
+        self.sums.stall += ms(t.elapsed());
+        match failure {
+            None => false,
+            Some(f) => {
+                let old = std::mem::replace(link, Link::Down);
+                let (_, more) = self.close(old);
+                let mut f = f;
+                if let Some(m) = more {
+                    f.held.extend(m.held);
+                }
+                self.lost(f)
+            }
+        }
+    }
+
+    /// Ends a link: a pipeline ships and acknowledges what it has in flight
+    /// first. Returns the connection if it is still good, or the failure
+    /// (with every frame held for epochs not acknowledged, oldest first).
+    fn close(&mut self, link: Link<'_>) -> (Option<Conn>, Option<Failure>) {
+        match link {
+            Link::Down => (None, None),
+            Link::Sync(c) => (Some(c), None),
+            Link::Piped(p) => {
+                drop(p.tx);
+                let conn = p.handle.join().unwrap_or(None);
+                let mut failure: Option<Failure> = None;
+                for m in p.rx.try_iter() {
+                    match m {
+                        FromSender::Acked(s, buf) => {
+                            self.pool.push(buf);
+                            self.count_shipped(&s);
+                        }
+                        FromSender::Lost(lost, held) => failure = Some(Failure { lost, held }),
+                        FromSender::Unsent(held) => {
+                            if let Some(f) = failure.as_mut() {
+                                f.held.extend(held);
+                            }
+                        }
+                    }
+                }
+                if conn.is_none() && failure.is_none() {
+                    failure = Some(Failure {
+                        lost: Lost::Silent("the sender thread ended".into()),
+                        held: Vec::new(),
+                    });
+                }
+                (conn, failure)
+            }
+        }
+    }
+
+    fn count_shipped(&mut self, s: &Shipped) {
+        let m = &mut self.sums;
+        m.send_after += ms(s.send);
+        m.ack_wait += ms(s.ack_wait);
+        m.commit += ms(s.commit);
+        m.commit_max = m.commit_max.max(ms(s.commit));
+        m.acked += 1;
+        self.rep.bytes_sent += s.bytes;
+        self.rep.frames_released += s.released;
+        debug_assert!(s.epoch > 0);
+    }
+
     fn finish(mut self, outcome: Option<VmOutcome>) -> PrimaryReport {
-        let n = self.pauses.len().max(1) as f64;
+        let m = &self.sums;
+        let n = m.pauses.len().max(1) as f64;
+        let acked = m.acked.max(1) as f64;
         let r = &mut self.rep;
-        r.epochs = self.pauses.len() as u64;
-        r.pause_ms_avg = self.pauses.iter().sum::<f64>() / n;
-        r.pause_ms_max = self.pauses.iter().copied().fold(0.0, f64::max);
-        r.collect_ms_avg = self.sums[0] / n;
-        r.copy_ms_avg = self.sums[1] / n;
-        r.send_in_pause_ms_avg = self.sums[2] / n;
-        r.send_after_ms_avg = self.sums[3] / n;
-        r.ack_wait_ms_avg = self.sums[4] / n;
-        r.pages_per_epoch = self.sums[5] / n;
-        r.write_faults_per_epoch = self.faults as f64 / n;
+        r.epochs = m.pauses.len() as u64;
+        r.pause_ms_avg = m.pauses.iter().sum::<f64>() / n;
+        r.pause_ms_max = m.pauses.iter().copied().fold(0.0, f64::max);
+        r.collect_ms_avg = m.collect / n;
+        r.copy_ms_avg = m.copy / n;
+        r.state_ms_avg = m.state / n;
+        r.send_in_pause_ms_avg = m.send_in / n;
+        r.send_after_ms_avg = m.send_after / acked;
+        r.ack_wait_ms_avg = m.ack_wait / acked;
+        r.stall_ms_avg = m.stall / n;
+        r.commit_ms_avg = m.commit / acked;
+        r.commit_ms_max = m.commit_max;
+        r.pages_per_epoch = m.pages / n;
+        r.write_faults_per_epoch = m.faults as f64 / n;
+        if let Some(p) = &self.pred {
+            r.predicted_per_epoch = p.predicted as f64 / n;
+            r.fake_dirty_per_epoch = p.fake as f64 / n;
+            r.precision = (p.predicted > 0).then(|| p.hits as f64 / p.predicted as f64);
+            r.recall = (p.written > 0).then(|| p.hits as f64 / p.written as f64);
+        }
+        if let (Some(a), Some(b)) = (m.first_boundary, m.last_boundary) {
+            if m.pauses.len() > 1 {
+                r.interval_ms_avg = ms(b - a) / (m.pauses.len() - 1) as f64;
+            }
+        }
         r.outcome = outcome;
         self.rep
     }
 
     /// Handles a lost backup. Returns true when the primary fenced itself.
-    fn lost(&mut self, l: Lost) -> Result<bool, String> {
-        // A closed connection after a silence longer than the lease may be
-        // a backup that already took over: never go on unprotected then.
-        let silent_too_long =
-            self.conn.as_ref().is_some_and(|c| c.last_heard.elapsed() > self.cfg.lease);
-        // A takeover notice may wait behind the error that brought us here.
-        let took_over = self.conn.as_ref().is_some_and(|c| {
-            c.frames.try_iter().any(|f| matches!(f, Ok(Frame { kind: Kind::Takeover, .. })))
-        });
-        let l = match l {
-            Lost::Definitive(why) if took_over => {
-                Lost::Silent(format!("{why}; the backup announced that it takes over"))
-            }
-            l => l,
-        };
-        let l = match l {
-            Lost::Definitive(why) if silent_too_long => {
-                Lost::Silent(format!("{why}, after more than a lease of silence"))
-            }
-            l => l,
-        };
-        self.conn = None;
-        match l {
+    fn lost(&mut self, f: Failure) -> bool {
+        match f.lost {
             Lost::Definitive(why) => {
                 (self.log)(format!(
                     "WARNING: backup lost ({why}); the VM keeps running UNPROTECTED. \
@@ -448,11 +1059,15 @@ impl<'a> Primary<'a> {
                 ));
                 self.rep.backup_lost = Some(why);
                 self.rep.unprotected = true;
-                // Output no longer waits for anyone.
-                let held = self.vm.hold_net_output(false);
+                // The backup is gone for sure: output no longer waits for
+                // anyone; the oldest held frames go first.
+                self.rep.frames_released += f.held.len() as u64;
+                self.vm.release_net_output(&f.held);
+                let mut held = std::mem::take(&mut self.early_out);
+                held.extend(self.vm.hold_net_output(false));
                 self.rep.frames_released += held.len() as u64;
                 self.vm.release_net_output(&held);
-                Ok(false)
+                false
             }
             Lost::Silent(why) => {
                 (self.log)(format!(
@@ -462,34 +1077,46 @@ impl<'a> Primary<'a> {
                 self.rep.backup_lost = Some(why);
                 self.rep.fenced = true;
                 self.vm.stop();
-                let _ = self.vm.hold_net_output(true); // held output is dropped
-                Ok(true)
+                // Held output is dropped.
+                self.early_out.clear();
+                let _ = self.vm.hold_net_output(true);
+                true
             }
         }
     }
 
-    fn try_reattach(&mut self) {
-        let Ok(c) = connect(&self.cfg, self.vm) else { return };
+    fn try_reattach<'s>(&mut self, sc: &'s std::thread::Scope<'s, '_>) -> Link<'s>
+    where
+        'a: 's,
+    {
+        let Ok(mut c) = connect(&self.cfg, self.vm) else { return Link::Down };
         (self.log)(format!("backup at {} attached again: full copy", self.cfg.backup));
-        self.conn = Some(c);
         self.epoch = 0;
         self.rep.unprotected = false;
         self.rep.reattached += 1;
         self.vm.hold_net_output(true);
         self.vm.pause();
-        let r = self.full_copy();
+        let r = self.full_copy(&mut c);
         self.vm.resume();
-        if let Err(l) = r {
-            let _ = self.lost(l);
+        match r {
+            Ok(()) => self.link_up(sc, c),
+            Err(l) => {
+                let lost = classify(&c, l, self.cfg.lease);
+                let _ = self.lost(Failure { lost, held: Vec::new() });
+                Link::Down
+            }
         }
     }
 
     /// Epoch 0: every allocated page, with the VM paused; waits for the ack.
-    fn full_copy(&mut self) -> Result<(), Lost> {
+    fn full_copy(&mut self, c: &mut Conn) -> Result<(), Lost> {
         let t = Instant::now();
         let vm = self.vm;
         // Reset the logs: tracking starts at this copy.
-        collect(vm, self.cfg.opts, &self.view).map_err(Lost::Definitive)?;
+        collect(vm, self.cfg.opts.selective, &self.view).map_err(Lost::Definitive)?;
+        if let Some(p) = self.pred.as_mut() {
+            p.reset();
+        }
         let ranges = vm.memory().allocated_ranges().map_err(|e| Lost::Definitive(e.to_string()))?;
         let mut pages = Vec::new();
         for (s, e) in ranges {
@@ -502,7 +1129,6 @@ impl<'a> Primary<'a> {
         pages.sort_unstable();
         pages.dedup();
         let state = vm.save_state().map_err(|e| Lost::Definitive(e.to_string()))?.to_bytes();
-        let c = self.conn.as_mut().expect("connected");
         let view = &self.view;
         let runs = runs(&pages, PAGES_PER_FRAME as u32);
         let bytes = send_epoch(&mut c.s, 0, &runs, |g, l| view.slice(g, l), &state)
@@ -516,106 +1142,255 @@ impl<'a> Primary<'a> {
     }
 
     /// One epoch boundary; the VM is paused on entry and running on return.
-    fn epoch_boundary(&mut self) -> Result<(), Lost> {
+    fn boundary(&mut self, link: &mut Link<'_>) -> Result<(), Failure> {
         let vm = self.vm;
         let t0 = Instant::now();
-        let r = (|| {
-            let (pages, faults, vmm) = collect(vm, self.cfg.opts, &self.view)?;
-            let state = vm.save_state().map_err(|e| e.to_string())?.to_bytes();
-            let out = vm.take_net_output();
-            Ok::<_, String>((pages, faults, vmm, state, out))
-        })();
-        let (pages, faults, vmm, state, out) = match r {
+        let m = &mut self.sums;
+        m.first_boundary.get_or_insert(t0);
+        m.last_boundary = Some(t0);
+        let fail = |why: String| Failure { lost: Lost::Definitive(why), held: Vec::new() };
+        let clear = self.cfg.opts.selective && self.pred.is_none();
+        let (pages, logged, vmm) = match collect(vm, clear, &self.view) {
             Ok(x) => x,
             Err(e) => {
                 vm.resume();
-                return Err(Lost::Definitive(format!("collecting the epoch: {e}")));
+                return Err(fail(format!("collecting the epoch: {e}")));
             }
         };
+        // Each logged page took a write fault, except those left writable.
+        let faults = match &self.pred {
+            Some(p) => logged
+                .iter()
+                .filter(|&&g| self.view.flat(g).is_some_and(|o| !p.writable[o / PAGE]))
+                .count() as u64,
+            None => logged.len() as u64,
+        };
         let t_collect = t0.elapsed();
-        let epoch = self.epoch;
-        let c = self.conn.as_mut().expect("connected");
-        let (copy, send_in, send_after, bytes);
-        let send_res;
-        if self.cfg.opts.direct {
-            let view = &self.view;
-            let rr = runs(&pages, PAGES_PER_FRAME as u32);
-            let t = Instant::now();
-            send_res = send_epoch(&mut c.s, epoch, &rr, |g, l| view.slice(g, l), &state);
-            send_in = t.elapsed();
-            copy = Duration::ZERO;
-            vm.resume();
-            send_after = Duration::ZERO;
-        } else {
-            let t = Instant::now();
-            let buf = &mut self.buf;
-            buf.clear();
-            let mut copy_err = None;
-            for &g in &pages {
-                match self.view.slice(g, PAGE) {
-                    Ok(s) => buf.extend_from_slice(s),
-                    Err(e) => copy_err = Some(e),
-                }
-            }
-            copy = t.elapsed();
-            send_in = Duration::ZERO;
-            vm.resume();
-            if let Some(e) = copy_err {
-                return Err(Lost::Definitive(format!("copying the epoch: {e}")));
-            }
-            let t = Instant::now();
-            let rr: Vec<(u64, u32)> = pages.iter().map(|&g| (g, 1)).collect();
-            let mut at = 0usize;
-            send_res = send_epoch(
-                &mut c.s,
-                epoch,
-                &rr,
-                |_, l| {
-                    let s = &buf[at..at + l];
-                    at += l;
-                    Ok(s)
-                },
-                &state,
-            );
-            send_after = t.elapsed();
-        }
-        let pause = t_collect + copy + send_in;
-        bytes = send_res.map_err(|e| Lost::Definitive(format!("sending epoch {epoch}: {e}")))?;
         let t = Instant::now();
-        let acked = wait_ack(c, epoch, self.cfg.lease);
-        let ack_wait = t.elapsed();
-        // Output commit: the epoch's frames leave only once the backup has it.
-        if acked.is_ok() {
-            self.rep.frames_released += out.len() as u64;
-            vm.release_net_output(&out);
-        }
-        self.pauses.push(ms(pause));
-        self.sums[0] += ms(t_collect);
-        self.sums[1] += ms(copy);
-        self.sums[2] += ms(send_in);
-        self.sums[3] += ms(send_after);
-        self.sums[4] += ms(ack_wait);
-        self.sums[5] += pages.len() as f64;
-        self.faults += faults;
-        self.rep.vmm_written_pages += vmm;
-        self.rep.bytes_sent += bytes;
+        let state = match vm.save_state() {
+            Ok(s) => s.to_bytes(),
+            Err(e) => {
+                vm.resume();
+                return Err(fail(format!("saving the VM state: {e}")));
+            }
+        };
+        let mut out = std::mem::take(&mut self.early_out);
+        out.extend(vm.take_net_output());
+        let t_state = t.elapsed();
+        let epoch = self.epoch;
         self.epoch += 1;
-        match acked {
-            Ok(()) => Ok(()),
-            Err(Lost::Definitive(w)) => {
-                // The backup is gone for sure: this epoch's output may go.
+        let rr = runs(&pages, PAGES_PER_FRAME as u32);
+        let (mut copy, mut send_in) = (Duration::ZERO, Duration::ZERO);
+        let direct = self.cfg.opts.direct && matches!(link, Link::Sync(_));
+        let mut result = Ok(());
+        if direct {
+            // Send straight from guest memory while the vCPUs are paused.
+            let Link::Sync(c) = link else { unreachable!("checked above") };
+            let view = &self.view;
+            let t = Instant::now();
+            let r = send_epoch(&mut c.s, epoch, &rr, |g, l| view.slice(g, l), &state);
+            send_in = t.elapsed();
+            vm.resume();
+            self.rep.bytes_sent += r.as_ref().map_or(0, |b| *b);
+            let t = Instant::now();
+            result = r
+                .map_err(|e| Lost::Definitive(format!("sending epoch {epoch}: {e}")))
+                .and_then(|_| wait_ack(c, epoch, self.cfg.lease));
+            self.sums.ack_wait += ms(t.elapsed());
+            if result.is_ok() {
+                self.sums.acked += 1;
                 self.rep.frames_released += out.len() as u64;
                 vm.release_net_output(&out);
-                Err(Lost::Definitive(w))
             }
-            Err(l) => Err(l),
+            let st = Staged { epoch, runs: Vec::new(), buf: Vec::new(), state, out, boundary: t0 };
+            result = result.map_err(|l| classify(c, l, self.cfg.lease));
+            self.account(t_collect, copy, t_state, send_in, pages.len(), faults, vmm);
+            return result.map_err(|lost| Failure { lost, held: st.out });
         }
+        // Copy the dirty runs into a staging buffer, then resume.
+        let t = Instant::now();
+        let mut buf = self.pool.pop().unwrap_or_default();
+        let mut copied = stage_copy(&self.view, &rr, &mut buf);
+        copy = t.elapsed();
+        // Prediction: re-protect the pages found fake dirty last time, now
+        // that this epoch's copy of them is taken and the VM is still paused.
+        let cleared = match self.pred.as_mut() {
+            Some(p) => std::mem::take(&mut p.to_clear),
+            None => Vec::new(),
+        };
+        if !cleared.is_empty() {
+            if let Err(e) = vm.clear_dirty_bitmaps(&self.view.bitmaps(&cleared)) {
+                copied = Err(e.to_string());
+            }
+        }
+        vm.resume();
+        let shipped_pages;
+        let rr = match self.pred.as_mut() {
+            Some(p) if copied.is_ok() => {
+                let r = p.filter(&self.view, &rr, &mut buf, &logged, &cleared);
+                shipped_pages = r.iter().map(|r| r.1 as usize).sum();
+                r
+            }
+            _ => {
+                shipped_pages = pages.len();
+                rr
+            }
+        };
+        self.account(t_collect, copy, t_state, send_in, shipped_pages, faults, vmm);
+        let st = Staged { epoch, runs: rr, buf, state, out, boundary: t0 };
+        if let Err(e) = copied {
+            return Err(Failure {
+                lost: Lost::Definitive(format!("copying epoch {epoch}: {e}")),
+                held: st.out,
+            });
+        }
+        match link {
+            Link::Down => unreachable!("no boundary without a link"),
+            Link::Sync(c) => {
+                match ship(&|f| vm.release_net_output(f), c, &st, self.cfg.lease, self.die) {
+                    Ok(s) => {
+                        self.count_shipped(&s);
+                        self.pool.push(st.buf);
+                    }
+                    Err(l) => {
+                        result = Err(classify(c, l, self.cfg.lease));
+                    }
+                }
+            }
+            Link::Piped(p) => {
+                // Never blocks: at most `pipeline` epochs are in flight.
+                match p.tx.send(st) {
+                    Ok(()) => p.in_flight += 1,
+                    Err(mpsc::SendError(st)) => {
+                        return Err(Failure {
+                            lost: Lost::Silent("the sender thread is gone".into()),
+                            held: st.out,
+                        })
+                    }
+                }
+                return Ok(());
+            }
+        }
+        result.map_err(|lost| Failure { lost, held: st.out })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn account(
+        &mut self,
+        collect: Duration,
+        copy: Duration,
+        state: Duration,
+        send_in: Duration,
+        pages: usize,
+        faults: u64,
+        vmm: u64,
+    ) {
+        let m = &mut self.sums;
+        m.pauses.push(ms(collect + copy + state + send_in));
+        m.collect += ms(collect);
+        m.copy += ms(copy);
+        m.state += ms(state);
+        m.send_in += ms(send_in);
+        m.pages += pages as f64;
+        m.faults += faults;
+        self.rep.vmm_written_pages += vmm;
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::runs;
+    use super::*;
+    use std::net::TcpListener;
+    use std::sync::Mutex;
+
+    fn staged(epoch: u64, byte: u8) -> Staged {
+        Staged {
+            epoch,
+            runs: vec![(0x1000 * epoch, 1)],
+            buf: vec![byte; PAGE],
+            state: b"state".to_vec(),
+            out: vec![vec![byte]],
+            boundary: Instant::now(),
+        }
+    }
+
+    /// The pipeline releases an epoch's frames only after the backup
+    /// acknowledged that epoch, never a later epoch's with it, and hands
+    /// back unreleased the frames of an epoch whose ack never came.
+    #[test]
+    fn pipelined_output_waits_for_its_own_ack() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let (go_tx, go_rx) = mpsc::channel::<Option<u64>>();
+        let fake_backup = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut r = s.try_clone().unwrap();
+            let mut ended = Vec::new();
+            // Acks only when told to, and only epochs fully received.
+            while let Ok(Some(e)) = go_rx.recv() {
+                while !ended.contains(&e) {
+                    let f = read_frame(&mut r).unwrap();
+                    if f.kind == Kind::EpochEnd {
+                        ended.push(f.epoch);
+                    }
+                }
+                write_frame(&mut s, Kind::Ack, e, 0, &[]).unwrap();
+            }
+            // Told to die: the connection closes with epoch 2 unacknowledged.
+        });
+        let s = TcpStream::connect(addr).unwrap();
+        let c = Conn::new(s).unwrap();
+        let released = Mutex::new(Vec::<Vec<u8>>::new());
+        let release = |f: &[Vec<u8>]| released.lock().unwrap().extend_from_slice(f);
+        let (tx, epochs) = mpsc::sync_channel(2);
+        let (to_main, rx) = mpsc::channel();
+        std::thread::scope(|sc| {
+            let h =
+                sc.spawn(|| sender(&release, c, epochs, to_main, Duration::from_secs(10), None));
+            tx.send(staged(1, 1)).unwrap();
+            tx.send(staged(2, 2)).unwrap();
+            assert!(rx.recv_timeout(Duration::from_millis(200)).is_err(), "nothing acked yet");
+            assert!(released.lock().unwrap().is_empty(), "released before any ack");
+            go_tx.send(Some(1)).unwrap();
+            match rx.recv_timeout(Duration::from_secs(10)).expect("epoch 1 acked") {
+                FromSender::Acked(s, _) => assert_eq!(s.epoch, 1),
+                _ => panic!("expected the ack of epoch 1"),
+            }
+            assert_eq!(*released.lock().unwrap(), vec![vec![1u8]]);
+            go_tx.send(None).unwrap();
+            match rx.recv_timeout(Duration::from_secs(10)).expect("loss reported") {
+                FromSender::Lost(Lost::Definitive(_), held) => assert_eq!(held, vec![vec![2u8]]),
+                _ => panic!("expected a definitive loss holding epoch 2's frames"),
+            }
+            tx.send(staged(3, 3)).unwrap();
+            drop(tx);
+            assert!(h.join().unwrap().is_none(), "no connection after a loss");
+            match rx.recv_timeout(Duration::from_secs(10)).expect("epoch 3 handed back") {
+                FromSender::Unsent(held) => assert_eq!(held, vec![vec![3u8]]),
+                _ => panic!("expected epoch 3 unsent"),
+            }
+        });
+        assert_eq!(*released.lock().unwrap(), vec![vec![1u8]], "only epoch 1 ever left");
+        fake_backup.join().unwrap();
+    }
+
+    #[test]
+    fn staging_copies_runs_in_order() {
+        let mem = nl_memory::GuestMemory::new("t", 64 << 20).unwrap();
+        use vm_memory::{Bytes, GuestAddress};
+        mem.mem().write_slice(&[7u8; PAGE], GuestAddress(0x3000)).unwrap();
+        mem.mem().write_slice(&[9u8; PAGE], GuestAddress(0x8000)).unwrap();
+        let view = RamView::new(&mem);
+        let rr = runs(&[0x2000, 0x3000, 0x8000], PAGES_PER_FRAME as u32);
+        assert_eq!(rr, vec![(0x2000, 2), (0x8000, 1)]);
+        let mut buf = Vec::new();
+        stage_copy(&view, &rr, &mut buf).unwrap();
+        assert_eq!(buf.len(), 3 * PAGE);
+        assert!(buf[..PAGE].iter().all(|&b| b == 0));
+        assert!(buf[PAGE..2 * PAGE].iter().all(|&b| b == 7));
+        assert!(buf[2 * PAGE..].iter().all(|&b| b == 9));
+        assert!(stage_copy(&view, &[(64 << 20, 1)], &mut buf).is_err());
+    }
 
     #[test]
     fn runs_coalesce_and_split() {

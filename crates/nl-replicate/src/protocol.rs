@@ -118,6 +118,24 @@ pub fn write_frame(
     seq: u32,
     parts: &[&[u8]],
 ) -> Result<(), ProtoError> {
+    let mut pc = crc32fast::Hasher::new();
+    for p in parts {
+        pc.update(p);
+    }
+    write_frame_crc(w, kind, epoch, seq, parts, &pc)
+}
+
+/// [`write_frame`] with the CRC of the payload already computed (`payload`
+/// hashed over exactly `parts`): the data is hashed once, not twice, when
+/// the caller also needs its CRC.
+pub fn write_frame_crc(
+    w: &mut impl Write,
+    kind: Kind,
+    epoch: u64,
+    seq: u32,
+    parts: &[&[u8]],
+    payload: &crc32fast::Hasher,
+) -> Result<(), ProtoError> {
     let len: usize = parts.iter().map(|p| p.len()).sum();
     if len > MAX_PAYLOAD {
         return Err(ProtoError::Bad(format!("payload of {len} bytes is too large")));
@@ -125,9 +143,7 @@ pub fn write_frame(
     let mut h = header(kind, epoch, seq, len);
     let mut crc = crc32fast::Hasher::new();
     crc.update(&h[..24]);
-    for p in parts {
-        crc.update(p);
-    }
+    crc.combine(payload);
     h[24..28].copy_from_slice(&crc.finalize().to_le_bytes());
     w.write_all(&h)?;
     for p in parts {
@@ -138,6 +154,18 @@ pub fn write_frame(
 
 /// Reads one frame, checking magic, version, kind, length and checksum.
 pub fn read_frame(r: &mut impl Read) -> Result<Frame, ProtoError> {
+    let mut payload = Vec::new();
+    let (kind, epoch, seq, _) = read_frame_into(r, &mut payload)?;
+    Ok(Frame { kind, epoch, seq, payload })
+}
+
+/// [`read_frame`] into a caller's buffer (reused: no fresh allocation, so no
+/// page faults, per frame). Returns kind, epoch, sequence number and the
+/// CRC-32 of the payload alone.
+pub fn read_frame_into(
+    r: &mut impl Read,
+    payload: &mut Vec<u8>,
+) -> Result<(Kind, u64, u32, u32), ProtoError> {
     let mut h = [0u8; HEADER_BYTES];
     r.read_exact(&mut h)?;
     if h[0..4] != MAGIC {
@@ -156,21 +184,25 @@ pub fn read_frame(r: &mut impl Read) -> Result<Frame, ProtoError> {
     if len > MAX_PAYLOAD {
         return Err(ProtoError::Bad(format!("payload of {len} bytes is too large")));
     }
-    let mut payload = vec![0u8; len];
-    r.read_exact(&mut payload).map_err(|e| match ProtoError::from(e) {
+    payload.clear();
+    payload.resize(len, 0);
+    r.read_exact(payload).map_err(|e| match ProtoError::from(e) {
         // The header arrived but the payload did not: a truncated frame.
         ProtoError::Closed => ProtoError::Truncated,
         other => other,
     })?;
+    let mut pc = crc32fast::Hasher::new();
+    pc.update(payload);
+    let payload_crc = pc.clone().finalize();
     let mut crc = crc32fast::Hasher::new();
     crc.update(&h[..24]);
-    crc.update(&payload);
+    crc.combine(&pc);
     if crc.finalize() != want {
         return Err(ProtoError::Bad(format!(
             "checksum mismatch in a {kind:?} frame of epoch {epoch}"
         )));
     }
-    Ok(Frame { kind, epoch, seq, payload })
+    Ok((kind, epoch, seq, payload_crc))
 }
 
 /// What the primary announces at connect.

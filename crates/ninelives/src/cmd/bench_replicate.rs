@@ -1,63 +1,210 @@
-//! `ninelives bench replicate`: memwrite under replication relative to the
-//! unreplicated VM measured in the same run, per optimization and epoch
-//! length, and the failover time of a killed primary.
+//! `ninelives bench replicate`: throughput under replication relative to the
+//! unreplicated VM measured in the same run (memwrite sequential and random,
+//! kv under kvload), per optimization and epoch length; and a kill campaign:
+//! primaries running kv killed mid-epoch or mid-send while kvload checks
+//! that no acknowledged write is lost.
+//!
+//! memwrite runs on loopback with the backup in this process. kv and the
+//! kill campaign need root and iproute2: three network namespaces of the
+//! bench's own. P (primary) and B (backup) are joined by a veth
+//! (10.9.0.1 - 10.9.0.2) for the replication stream; each holds a bridge
+//! with a persistent TAP for the guest and a veth to the client namespace C,
+//! whose bridge carries 10.0.0.1/24 (the guest is 10.0.0.2). Bridges flood
+//! (ageing 0), and a TAP with no VMM attached has no carrier, so frames
+//! reach whichever copy of the guest runs: the backup takes the guest's
+//! network identity over by attaching to its TAP. Only those addresses are
+//! used; the VMMs and kvload are this binary, started with `ip netns exec`.
 
 use std::net::{SocketAddr, TcpListener};
-use std::process::{Command, ExitCode, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use nl_replicate::backup::{serve, BackupConfig, BackupEnd};
 use nl_vmm::{Vm, VmOutcome};
 use serde::Serialize;
 
 use crate::cli::{MachineArgs, PatternName, WorkloadArgs};
-use crate::cmd::replicate::{run_primary, PrimaryArgs};
+use crate::cmd::replicate::{run_primary, PrimaryArgs, PrimaryRun};
 use crate::guest;
+use crate::netns::ip;
 use crate::verify::verify_vcpus;
 
 #[derive(Args, Clone, Debug)]
 pub struct BenchReplicateArgs {
-    /// Seconds per run.
+    /// Seconds per memwrite run (and per kvload run of the kv rows).
     #[arg(long, default_value_t = 1.5)]
     pub duration: f64,
     /// Epoch lengths (ms) for the sweep with all optimizations.
     #[arg(long, value_delimiter = ',', default_values_t = vec![20u64, 50, 100, 200])]
     pub epochs: Vec<u64>,
-    /// Primary kills for the failover measurement (0: skip).
-    #[arg(long, default_value_t = 3)]
+    /// Epochs in flight at most in the pipelined rows.
+    #[arg(long, default_value_t = 2)]
+    pub pipeline: u32,
+    /// Primary kills in the kill campaign (kv under kvload; 0: skip).
+    /// Even kills are SIGKILLs at a random time (mid-epoch), odd ones make the
+    /// primary kill itself half-way through sending an epoch (mid-send).
+    #[arg(long, default_value_t = 20)]
     pub kills: u32,
+    /// Seconds of kvload per kill.
+    #[arg(long, default_value_t = 3.0)]
+    pub kill_load: f64,
+    /// Skip the throughput rows (only the kill campaign).
+    #[arg(long)]
+    pub no_throughput: bool,
+    /// Skip the kv rows of the throughput part.
+    #[arg(long)]
+    pub no_kv: bool,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
     #[arg(long)]
     pub json: bool,
 }
 
 #[derive(Serialize)]
 struct Row {
-    pattern: &'static str,
+    workload: &'static str,
     config: &'static str,
     epoch_ms: u64,
+    pipeline: u32,
     ok: bool,
     ops_per_sec: f64,
+    unreplicated_ops_per_sec: f64,
     ratio: f64,
     epochs: u64,
+    /// Average time between epoch boundaries (longer than the epoch when
+    /// the backup falls behind and the boundary waits).
+    interval_ms_avg: f64,
     pages_per_epoch: f64,
     write_faults_per_epoch: f64,
     pause_ms_avg: f64,
     pause_ms_max: f64,
+    collect_ms_avg: f64,
     copy_ms_avg: f64,
+    state_ms_avg: f64,
     send_in_pause_ms_avg: f64,
+    /// Shares of the pause spent copying pages and sending.
+    copy_share_of_pause: f64,
+    send_share_of_pause: f64,
     send_after_ms_avg: f64,
     ack_wait_ms_avg: f64,
+    stall_ms_avg: f64,
+    commit_ms_avg: f64,
+    commit_ms_max: f64,
+    predicted_per_epoch: f64,
+    fake_dirty_per_epoch: f64,
+    precision: Option<f64>,
+    recall: Option<f64>,
+}
+
+/// A row from a primary's report (as JSON: the kv primaries are processes).
+fn row(
+    workload: &'static str,
+    config: &'static str,
+    epoch: u64,
+    ok: bool,
+    ops: f64,
+    base: f64,
+    p: &serde_json::Value,
+) -> Row {
+    let f = |k: &str| p[k].as_f64().unwrap_or(f64::NAN);
+    let share = |x: f64| if f("pause_ms_avg") > 0.0 { x / f("pause_ms_avg") } else { 0.0 };
+    Row {
+        workload,
+        config,
+        epoch_ms: epoch,
+        pipeline: p["options"]["pipeline"].as_u64().unwrap_or(0) as u32,
+        ok,
+        ops_per_sec: ops,
+        unreplicated_ops_per_sec: base,
+        ratio: if base > 0.0 { ops / base } else { 0.0 },
+        epochs: p["epochs"].as_u64().unwrap_or(0),
+        interval_ms_avg: f("interval_ms_avg"),
+        pages_per_epoch: f("pages_per_epoch"),
+        write_faults_per_epoch: f("write_faults_per_epoch"),
+        pause_ms_avg: f("pause_ms_avg"),
+        pause_ms_max: f("pause_ms_max"),
+        collect_ms_avg: f("collect_ms_avg"),
+        copy_ms_avg: f("copy_ms_avg"),
+        state_ms_avg: f("state_ms_avg"),
+        send_in_pause_ms_avg: f("send_in_pause_ms_avg"),
+        copy_share_of_pause: share(f("copy_ms_avg")),
+        send_share_of_pause: share(f("send_in_pause_ms_avg")),
+        send_after_ms_avg: f("send_after_ms_avg"),
+        ack_wait_ms_avg: f("ack_wait_ms_avg"),
+        stall_ms_avg: f("stall_ms_avg"),
+        commit_ms_avg: f("commit_ms_avg"),
+        commit_ms_max: f("commit_ms_max"),
+        predicted_per_epoch: f("predicted_per_epoch"),
+        fake_dirty_per_epoch: f("fake_dirty_per_epoch"),
+        precision: p["precision"].as_f64(),
+        recall: p["recall"].as_f64(),
+    }
+}
+
+fn print_row(r: &Row) {
+    eprintln!(
+        "{} {} @{} ms (pipeline {}): {:.3} of unreplicated ({:.3e} / {:.3e} ops/s), epoch every {:.1} ms, \
+         {:.0} pages and {:.0} faults/epoch, pause {:.2} ms (copy {:.2} = {:.0}%, send {:.2} = {:.0}%), \
+         send {:.2}, ack wait {:.2}, stall {:.2}, output held {:.1} ms{}{}",
+        r.workload, r.config, r.epoch_ms, r.pipeline, r.ratio, r.ops_per_sec,
+        r.unreplicated_ops_per_sec, r.interval_ms_avg, r.pages_per_epoch,
+        r.write_faults_per_epoch, r.pause_ms_avg, r.copy_ms_avg, 100.0 * r.copy_share_of_pause,
+        r.send_in_pause_ms_avg, 100.0 * r.send_share_of_pause, r.send_after_ms_avg,
+        r.ack_wait_ms_avg, r.stall_ms_avg, r.commit_ms_avg,
+        match (r.precision, r.recall) {
+            (Some(p), Some(rc)) => format!(
+                ", predicted {:.0}/epoch, precision {p:.2}, recall {rc:.2}, fake dirty {:.0}/epoch",
+                r.predicted_per_epoch, r.fake_dirty_per_epoch
+            ),
+            _ => String::new(),
+        },
+        if r.ok { "" } else { " NOT VERIFIED" }
+    );
+}
+
+/// One replicated configuration.
+#[derive(Clone, Copy)]
+struct Case {
+    name: &'static str,
+    epoch: u64,
+    selective: bool,
+    pipeline: u32,
+    /// Output-triggered epochs (ms; 0: off).
+    output: u64,
+    predict: bool,
+}
+
+/// Every row of a workload: the optimizations one by one at 20 ms, then the
+/// epoch sweep with them; kv also with output-triggered epochs.
+fn cases(a: &BenchReplicateArgs, kv: bool) -> Vec<Case> {
+    let c = |name, epoch, selective, pipeline, output, predict| Case {
+        name,
+        epoch,
+        selective,
+        pipeline,
+        output,
+        predict,
+    };
+    let mut v = vec![c("none", 20, false, 0, 0, false), c("+selective", 20, true, 0, 0, false)];
+    for &e in &a.epochs {
+        v.push(c("+selective+pipeline", e, true, a.pipeline, 0, false));
+    }
+    for &e in &a.epochs {
+        v.push(c("+selective+pipeline+predict", e, true, a.pipeline, 0, true));
+    }
+    if kv {
+        for &e in &a.epochs {
+            v.push(c("+selective+pipeline+output2ms", e, true, a.pipeline, 2, false));
+        }
+    }
+    v
 }
 
 fn free_port() -> Result<SocketAddr> {
     let l = TcpListener::bind("127.0.0.1:0")?;
     Ok(l.local_addr()?)
-}
-
-fn workload(pattern: PatternName) -> WorkloadArgs {
-    WorkloadArgs { pattern, ..Default::default() }
 }
 
 fn unreplicated(w: &WorkloadArgs, duration: f64) -> Result<f64> {
@@ -69,20 +216,36 @@ fn unreplicated(w: &WorkloadArgs, duration: f64) -> Result<f64> {
     vm.start()?;
     let o = vm.wait(Duration::from_secs_f64(duration * 4.0 + 60.0));
     if o != VmOutcome::Completed {
-        anyhow::bail!("unreplicated run: {}", o.message());
+        bail!("unreplicated run: {}", o.message());
     }
     let regs: Vec<_> = vm.control().vcpus.iter().map(|r| r.snapshot()).collect();
     let tsc = nl_arch::read_boot_info(vm.memory().mem())?.tsc_khz;
     Ok(verify_vcpus(&vm.config().workload, &regs, tsc).iter().map(|v| v.ops_per_sec).sum())
 }
 
-fn replicated(
-    w: &WorkloadArgs,
-    duration: f64,
-    epoch: u64,
-    selective: bool,
-    direct: bool,
-) -> Result<crate::cmd::replicate::PrimaryRun> {
+fn primary_args(backup: SocketAddr, w: &WorkloadArgs, duration: f64, c: Case) -> PrimaryArgs {
+    PrimaryArgs {
+        backup,
+        epoch: c.epoch,
+        lease_ms: 2000,
+        secret: "bench".into(),
+        selective: c.selective,
+        direct: false,
+        pipeline: c.pipeline,
+        output_epoch_ms: c.output,
+        predict: c.predict,
+        reattach: false,
+        test_die_mid_send_ms: None,
+        workload: w.clone(),
+        machine: MachineArgs::default(),
+        duration,
+        console: None,
+        json: true,
+    }
+}
+
+/// memwrite replicated on loopback, the backup a thread of this process.
+fn replicated(w: &WorkloadArgs, duration: f64, c: Case) -> Result<PrimaryRun> {
     let addr = free_port()?;
     let m = MachineArgs::default();
     let cfg = BackupConfig {
@@ -96,127 +259,427 @@ fn replicated(
     };
     let backup = std::thread::spawn(move || serve(&cfg, &mut |_| {}));
     std::thread::sleep(Duration::from_millis(50));
-    let a = PrimaryArgs {
-        backup: addr,
-        epoch,
-        lease_ms: 2000,
-        secret: "bench".into(),
-        selective,
-        direct,
-        reattach: false,
-        workload: w.clone(),
-        machine: m,
-        duration,
-        console: None,
-        json: true,
-    };
-    let r = run_primary(&a, true);
+    let r = run_primary(&primary_args(addr, w, duration, c), true);
     match backup.join() {
         Ok(Ok(BackupEnd::PrimaryFinished { .. })) => {}
-        Ok(Ok(_)) => anyhow::bail!("the bench backup did not end with the primary"),
-        Ok(Err(e)) => anyhow::bail!("bench backup: {e}"),
-        Err(_) => anyhow::bail!("bench backup thread panicked"),
+        Ok(Ok(_)) => bail!("the bench backup did not end with the primary"),
+        Ok(Err(e)) => bail!("bench backup: {e}"),
+        Err(_) => bail!("bench backup thread panicked"),
     }
     r
 }
 
-/// Kills a primary process mid-run and reads the backup's takeover report.
-fn failover_once(duration: f64) -> Result<serde_json::Value> {
-    let exe = std::env::current_exe()?;
-    let addr = free_port()?;
-    let backup = Command::new(&exe)
-        .args(["replicate", "backup", "--listen", &addr.to_string(), "--json"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()?;
-    std::thread::sleep(Duration::from_millis(200));
-    let mut primary = Command::new(&exe)
-        .args(["replicate", "primary", "--backup", &addr.to_string(), "--epoch", "20"])
-        .args(["--duration", &duration.to_string(), "--json"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
-    std::thread::sleep(Duration::from_secs_f64(duration / 2.0 + 0.3));
-    let _ = primary.kill();
-    let _ = primary.wait();
-    let out = backup.wait_with_output()?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let last = text.lines().last().unwrap_or("").to_string();
-    serde_json::from_str(&last).with_context(|| format!("backup printed no report: {text}"))
+/// The three namespaces (see the module documentation), deleted on drop.
+struct Topo {
+    c: String,
+    p: String,
+    b: String,
+}
+
+const TAP: &str = "nlrtap0";
+const GUEST: &str = "10.0.0.2";
+
+impl Topo {
+    fn new() -> Result<Topo, String> {
+        let id = std::process::id();
+        let t = Topo {
+            c: format!("nlrb-{id}-c"),
+            p: format!("nlrb-{id}-p"),
+            b: format!("nlrb-{id}-b"),
+        };
+        if !ip(&["netns", "add", &t.c]) {
+            return Err("cannot create a network namespace (needs root and iproute2)".into());
+        }
+        for n in [&t.p, &t.b] {
+            if !ip(&["netns", "add", n]) {
+                return Err("cannot create a second network namespace".into());
+            }
+        }
+        let (c, p, b) = (t.c.as_str(), t.p.as_str(), t.b.as_str());
+        let mut steps: Vec<Vec<&str>> = vec![
+            vec!["-n", c, "link", "add", "br0", "type", "bridge", "ageing_time", "0"],
+            vec!["-n", c, "addr", "add", "10.0.0.1/24", "dev", "br0"],
+            vec!["-n", c, "link", "set", "br0", "up"],
+            vec!["-n", c, "link", "set", "lo", "up"],
+            vec!["-n", p, "link", "add", "rep0", "type", "veth", "peer", "name", "rep1"],
+            vec!["-n", p, "link", "set", "rep1", "netns", b],
+            vec!["-n", p, "addr", "add", "10.9.0.1/24", "dev", "rep0"],
+            vec!["-n", b, "addr", "add", "10.9.0.2/24", "dev", "rep1"],
+            vec!["-n", p, "link", "set", "rep0", "up"],
+            vec!["-n", b, "link", "set", "rep1", "up"],
+        ];
+        for (n, peer) in [(p, "cp"), (b, "cb")] {
+            steps.extend([
+                vec!["-n", n, "link", "set", "lo", "up"],
+                vec!["-n", n, "link", "add", "br0", "type", "bridge", "ageing_time", "0"],
+                vec!["-n", n, "link", "set", "br0", "up"],
+                vec!["-n", n, "tuntap", "add", "dev", TAP, "mode", "tap"],
+                vec!["-n", n, "link", "set", TAP, "master", "br0"],
+                vec!["-n", n, "link", "set", TAP, "up"],
+                vec!["-n", n, "link", "add", "up0", "type", "veth", "peer", "name", peer],
+                vec!["-n", n, "link", "set", peer, "netns", c],
+                vec!["-n", n, "link", "set", "up0", "master", "br0"],
+                vec!["-n", n, "link", "set", "up0", "up"],
+                vec!["-n", c, "link", "set", peer, "master", "br0"],
+                vec!["-n", c, "link", "set", peer, "up"],
+            ]);
+        }
+        for s in &steps {
+            if !ip(s) {
+                return Err(format!("ip {} failed", s.join(" ")));
+            }
+        }
+        Ok(t)
+    }
+
+    fn exe(ns: &str, args: &[&str]) -> Result<Command> {
+        let me = std::env::current_exe().context("cannot find this binary")?;
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", ns]).arg(me).args(args);
+        Ok(c)
+    }
+
+    fn spawn(ns: &str, args: &[&str]) -> Result<Reap> {
+        let c = Self::exe(ns, args)?
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("cannot start a helper")?;
+        Ok(Reap(Some(c)))
+    }
+}
+
+impl Drop for Topo {
+    fn drop(&mut self) {
+        for n in [&self.c, &self.p, &self.b] {
+            let _ = ip(&["netns", "del", n]);
+        }
+    }
+}
+
+/// Kills a helper process still running when dropped.
+struct Reap(Option<Child>);
+
+impl Reap {
+    /// Waits up to `secs` (then kills it) and returns its output.
+    fn finish(mut self, secs: f64) -> Output {
+        let mut c = self.0.take().expect("a child");
+        let end = Instant::now() + Duration::from_secs_f64(secs);
+        while Instant::now() < end {
+            if c.try_wait().ok().flatten().is_some() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = c.kill();
+        c.wait_with_output().unwrap_or_else(|e| Output {
+            status: Default::default(),
+            stdout: Vec::new(),
+            stderr: e.to_string().into_bytes(),
+        })
+    }
+
+    fn kill(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = c.kill();
+        }
+    }
+}
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn last_json(o: &Output) -> Option<serde_json::Value> {
+    String::from_utf8_lossy(&o.stdout).lines().rev().find_map(|l| serde_json::from_str(l).ok())
+}
+
+/// kvload from C against the guest for `secs`; its JSON report.
+fn kvload(t: &Topo, secs: f64, connections: u32, timeout: &str) -> Result<Reap> {
+    let d = format!("{secs}");
+    let n = connections.to_string();
+    Topo::spawn(
+        &t.c,
+        &[
+            "kvload",
+            "--target",
+            GUEST,
+            "--duration",
+            &d,
+            "--connections",
+            &n,
+            "--keys",
+            "400",
+            "--timeout",
+            timeout,
+            "--json",
+        ],
+    )
+}
+
+const KV_NET: [&str; 6] = ["--workload", "kv", "--net-tap", TAP, "--net-ip", "10.0.0.2/24"];
+
+/// kv ops/s under kvload: unreplicated, then under each replicated case.
+fn kv_rows(a: &BenchReplicateArgs, t: &Topo, rows: &mut Vec<Row>) -> Result<bool> {
+    let load = a.duration.max(1.0);
+    // The VM outlives the load: it starts first, and the load waits for it.
+    let life = format!("{}", load + 4.0);
+    let mut args = vec!["run", "--duration", &life];
+    args.extend(KV_NET);
+    let vm = Topo::spawn(&t.p, &args)?;
+    std::thread::sleep(Duration::from_millis(800));
+    let o = kvload(t, load, 8, "5s")?.finish(load + 60.0);
+    drop(vm);
+    let j = last_json(&o).context("kvload printed no report")?;
+    let base = j["ops_per_sec"].as_f64().unwrap_or(0.0);
+    let mut ok = j["ok"].as_bool().unwrap_or(false);
+    eprintln!("kv: unreplicated {base:.3e} ops/s (8 connections)");
+    for c in cases(a, true) {
+        let backup = Topo::spawn(
+            &t.b,
+            &["replicate", "backup", "--listen", "10.9.0.2:7070", "--lease-ms", "2000", "--json"],
+        )?;
+        std::thread::sleep(Duration::from_millis(300));
+        // The read-back after the load takes a commit per request: long
+        // epochs need a longer-lived VM.
+        let life = format!("{}", load + 4.0 + 100.0 * c.epoch as f64 / 1000.0);
+        let (e, pl, out) = (c.epoch.to_string(), c.pipeline.to_string(), c.output.to_string());
+        let mut args = vec!["replicate", "primary", "--backup", "10.9.0.2:7070", "--json"];
+        args.extend(["--epoch", &e, "--pipeline", &pl, "--duration", &life, "--lease-ms", "2000"]);
+        args.extend(["--output-epoch-ms", &out]);
+        if c.selective {
+            args.push("--selective");
+        }
+        args.extend(KV_NET);
+        let primary = Topo::spawn(&t.p, &args)?;
+        std::thread::sleep(Duration::from_millis(800));
+        let ko = kvload(t, load, 8, "5s")?.finish(load + 90.0);
+        let po = primary.finish(load + 120.0);
+        let _ = backup.finish(10.0);
+        let kj = last_json(&ko).context("kvload printed no report")?;
+        let pj = last_json(&po).with_context(|| {
+            format!("the kv primary printed no report: {}", String::from_utf8_lossy(&po.stderr))
+        })?;
+        let kv_ok = kj["ok"].as_bool().unwrap_or(false);
+        ok &= kv_ok;
+        let ops = kj["ops_per_sec"].as_f64().unwrap_or(0.0);
+        let r = row("kv", c.name, c.epoch, kv_ok, ops, base, &pj);
+        print_row(&r);
+        rows.push(r);
+    }
+    Ok(ok)
+}
+
+#[derive(Serialize)]
+struct Kill {
+    kind: &'static str,
+    /// When the kill came (ms after the load started, or after the primary
+    /// started for mid-send kills).
+    at_ms: u64,
+    activated: bool,
+    /// Why the backup took over (a mid-send kill shows a truncated frame).
+    reason: Option<String>,
+    epoch: Option<u64>,
+    takeover_ms: Option<f64>,
+    since_last_frame_ms: Option<f64>,
+    /// Acknowledged writes the client did not find (GETs during the load and
+    /// the read-back after it).
+    lost_acked_writes: u64,
+    digest_ok: Option<bool>,
+    unverified: u64,
+    /// The longest request seen by the client (the failover gap).
+    client_max_latency_ms: f64,
+    client_errors: u64,
+    client_ops: u64,
+    ok: bool,
+    note: Option<String>,
+}
+
+/// splitmix64.
+fn rnd(s: &mut u64) -> u64 {
+    *s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *s;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// One kill: kv primary in P, backup in B, kvload in C.
+fn kill_once(t: &Topo, i: u32, load: f64, seed: &mut u64) -> Result<Kill> {
+    let mid_send = i % 2 == 1;
+    let life = format!("{}", load + 4.0);
+    let backup = Topo::spawn(
+        &t.b,
+        &[
+            "replicate",
+            "backup",
+            "--listen",
+            "10.9.0.2:7070",
+            "--allow-primary",
+            "10.9.0.1",
+            "--net-tap",
+            TAP,
+            "--net-ip",
+            "10.0.0.2/24",
+            "--json",
+        ],
+    )?;
+    std::thread::sleep(Duration::from_millis(300));
+    let startup = 800u64;
+    // The kill lands in the middle 60% of the load.
+    let at = (load * 1000.0 * 0.2) as u64 + rnd(seed) % ((load * 1000.0 * 0.6) as u64).max(1);
+    let die = (startup + at).to_string();
+    let mut args = vec!["replicate", "primary", "--backup", "10.9.0.2:7070", "--json"];
+    args.extend(["--epoch", "20", "--selective", "--output-epoch-ms", "2", "--duration", &life]);
+    if mid_send {
+        args.extend(["--test-die-mid-send-ms", &die]);
+    }
+    args.extend(KV_NET);
+    let mut primary = Topo::spawn(&t.p, &args)?;
+    std::thread::sleep(Duration::from_millis(startup));
+    let client = kvload(t, load, 8, "10s")?;
+    if !mid_send {
+        std::thread::sleep(Duration::from_millis(at));
+        primary.kill();
+    }
+    let po = primary.finish(load + 30.0);
+    let ko = client.finish(load + 90.0);
+    let bo = backup.finish(load + 60.0);
+    let kj = last_json(&ko).unwrap_or_default();
+    let bj = last_json(&bo).unwrap_or_default();
+    let killed = po.status.code().is_none();
+    let lost =
+        kj["mismatches"].as_u64().unwrap_or(0) + kj["readback_mismatches"].as_u64().unwrap_or(0);
+    let activated = bj["activated"].as_bool().unwrap_or(false);
+    let digest_ok = kj["digest_ok"].as_bool();
+    let unverified = kj["unverified"].as_u64().unwrap_or(0);
+    let note = if !killed {
+        Some(format!("the primary was not killed: {}", String::from_utf8_lossy(&po.stderr)))
+    } else if kj.is_null() {
+        Some(format!("kvload printed no report: {}", String::from_utf8_lossy(&ko.stderr)))
+    } else if !activated {
+        Some(format!("the backup did not take over: {}", String::from_utf8_lossy(&bo.stderr)))
+    } else {
+        None
+    };
+    let ok = note.is_none() && lost == 0 && digest_ok == Some(true) && unverified == 0;
+    Ok(Kill {
+        kind: if mid_send { "mid-send" } else { "mid-epoch" },
+        at_ms: if mid_send { startup + at } else { at },
+        activated,
+        reason: bj["reason"].as_str().map(str::to_string),
+        epoch: bj["epoch"].as_u64(),
+        takeover_ms: bj["takeover_ms"].as_f64(),
+        since_last_frame_ms: bj["since_last_frame_ms"].as_f64(),
+        lost_acked_writes: lost,
+        digest_ok,
+        unverified,
+        client_max_latency_ms: kj["latency_us"]["max"].as_f64().unwrap_or(f64::NAN) / 1e3,
+        client_errors: kj["errors"].as_u64().unwrap_or(0),
+        client_ops: kj["ops"].as_u64().unwrap_or(0),
+        ok,
+        note,
+    })
 }
 
 pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
-    let t = Instant::now();
+    let t0 = Instant::now();
     let mut rows = Vec::new();
     let mut all_ok = true;
-    for (pname, pattern) in
-        [("sequential", PatternName::Sequential), ("random", PatternName::Random)]
-    {
-        let w = workload(pattern);
-        let base = unreplicated(&w, a.duration)?;
-        eprintln!("{pname}: unreplicated {base:.3e} ops/s");
-        let mut cases: Vec<(&'static str, u64, bool, bool)> = vec![
-            ("none", 20, false, false),
-            ("+selective", 20, true, false),
-            ("+selective+transfer", 20, true, true),
-        ];
-        for &e in &a.epochs {
-            if e != 20 {
-                cases.push(("+selective+transfer", e, true, true));
+    let topo = if a.kills > 0 || (!a.no_throughput && !a.no_kv) { Some(Topo::new()) } else { None };
+    if !a.no_throughput {
+        for (name, pattern) in [
+            ("memwrite-sequential", PatternName::Sequential),
+            ("memwrite-random", PatternName::Random),
+        ] {
+            let w = WorkloadArgs { pattern, ..Default::default() };
+            let base = unreplicated(&w, a.duration)?;
+            eprintln!("{name}: unreplicated {base:.3e} ops/s");
+            for c in cases(&a, false) {
+                let r = replicated(&w, a.duration, c)?;
+                all_ok &= r.ok;
+                let rep = serde_json::to_value(&r.report)?;
+                let row = row(name, c.name, c.epoch, r.ok, r.ops_per_sec, base, &rep);
+                print_row(&row);
+                rows.push(row);
             }
         }
-        for (name, epoch, sel, direct) in cases {
-            let r = replicated(&w, a.duration, epoch, sel, direct)?;
-            let p = &r.report;
-            all_ok &= r.ok;
-            let row = Row {
-                pattern: pname,
-                config: name,
-                epoch_ms: epoch,
-                ok: r.ok,
-                ops_per_sec: r.ops_per_sec,
-                ratio: r.ops_per_sec / base,
-                epochs: p.epochs,
-                pages_per_epoch: p.pages_per_epoch,
-                write_faults_per_epoch: p.write_faults_per_epoch,
-                pause_ms_avg: p.pause_ms_avg,
-                pause_ms_max: p.pause_ms_max,
-                copy_ms_avg: p.copy_ms_avg,
-                send_in_pause_ms_avg: p.send_in_pause_ms_avg,
-                send_after_ms_avg: p.send_after_ms_avg,
-                ack_wait_ms_avg: p.ack_wait_ms_avg,
-            };
-            eprintln!(
-                "{pname} {name} @{epoch} ms: {:.2} of unreplicated, {:.0} faults/epoch, pause {:.2} ms (copy {:.2}, send in pause {:.2}), send after {:.2}, ack wait {:.2}{}",
-                row.ratio, row.write_faults_per_epoch, row.pause_ms_avg, row.copy_ms_avg,
-                row.send_in_pause_ms_avg, row.send_after_ms_avg, row.ack_wait_ms_avg,
-                if r.ok { "" } else { " DIGEST NOT VERIFIED" }
-            );
-            rows.push(row);
+    }
+    let mut kv_skipped = None;
+    if !a.no_throughput && !a.no_kv {
+        match topo.as_ref().expect("made above") {
+            Ok(t) => all_ok &= kv_rows(&a, t, &mut rows)?,
+            Err(why) => kv_skipped = Some(why.clone()),
         }
     }
-    let mut failovers = Vec::new();
-    for _ in 0..a.kills {
-        let f = failover_once(a.duration.max(2.0))?;
-        all_ok &= f["ok"].as_bool().unwrap_or(false);
+    let mut kills = Vec::new();
+    let mut kills_skipped = None;
+    if a.kills > 0 {
+        match topo.as_ref().expect("made above") {
+            Ok(t) => {
+                let mut seed = a.seed;
+                for i in 0..a.kills {
+                    let k = kill_once(t, i, a.kill_load.max(1.5), &mut seed)?;
+                    eprintln!(
+                        "kill {i} ({}, at {} ms): {}, epoch {:?}, takeover {:.1} ms after detection, \
+                         lost acknowledged writes {}, client gap (longest request) {:.0} ms, {} client errors{}",
+                        k.kind, k.at_ms, if k.activated { "backup took over" } else { "NO TAKEOVER" },
+                        k.epoch, k.takeover_ms.unwrap_or(f64::NAN), k.lost_acked_writes,
+                        k.client_max_latency_ms, k.client_errors,
+                        k.note.as_ref().map_or(String::new(), |n| format!(" ({n})"))
+                    );
+                    all_ok &= k.ok;
+                    kills.push(k);
+                }
+            }
+            Err(why) => kills_skipped = Some(why.clone()),
+        }
+    }
+    let lost: u64 = kills.iter().map(|k| k.lost_acked_writes).sum();
+    let gaps: Vec<f64> = kills.iter().map(|k| k.client_max_latency_ms).collect();
+    let takeovers = kills.iter().filter(|k| k.activated).count();
+    if !kills.is_empty() {
         eprintln!(
-            "failover: VM running {:.1} ms after detection, {:.1} ms after the last frame; digest ok: {}",
-            f["takeover_ms"].as_f64().unwrap_or(f64::NAN),
-            f["since_last_frame_ms"].as_f64().unwrap_or(f64::NAN),
-            f["ok"]
+            "kill campaign: {} kills, {} takeovers, {} lost acknowledged writes, client gap max {:.0} ms",
+            kills.len(),
+            takeovers,
+            lost,
+            gaps.iter().copied().fold(0.0, f64::max)
         );
-        failovers.push(f);
     }
     let out = serde_json::json!({
         "rows": rows,
-        "failovers": failovers,
-        "prediction": "not implemented",
-        "kv": "not measured: the kv workload and kvload client do not exist yet",
+        "kv_skipped": kv_skipped,
+        "kills": kills,
+        "kills_skipped": kills_skipped,
+        "kill_summary": {
+            "kills": kills.len(),
+            "takeovers": takeovers,
+            "lost_acked_writes": lost,
+            "client_gap_ms_max": gaps.iter().copied().fold(0.0, f64::max),
+            "client_gap_ms_median": median(&gaps),
+        },
         "ok": all_ok,
-        "host_ms": t.elapsed().as_secs_f64() * 1e3,
+        "host_ms": t0.elapsed().as_secs_f64() * 1e3,
     });
     if a.json {
         println!("{out}");
     }
     Ok(if all_ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
+
+fn median(v: &[f64]) -> f64 {
+    let mut v: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+use std::process::ExitCode;

@@ -43,9 +43,26 @@ pub struct PrimaryArgs {
     /// Transfer path: send coalesced runs straight from guest memory during the pause.
     #[arg(long)]
     pub direct: bool,
+    /// Pipelined epochs: the VM resumes right after copying the dirty pages into a
+    /// staging buffer and a sender thread ships the epoch while the next one runs;
+    /// at most this many epochs unacknowledged (0: send and wait in the epoch loop).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(0..=4))]
+    pub pipeline: u32,
+    /// Output-triggered epochs: end an epoch early once the guest has sent frames
+    /// and the epoch has run this many milliseconds (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub output_epoch_ms: u64,
+    /// Write-fault prediction (needs --selective): pages really written in an epoch stay
+    /// writable; unchanged ones are dropped as fake dirty and re-protected.
+    #[arg(long)]
+    pub predict: bool,
     /// After losing the backup, attach a new one at the same address when it appears.
     #[arg(long)]
     pub reattach: bool,
+    /// Test hook for kill campaigns: SIGKILL this primary half-way through
+    /// sending the first epoch shipped this many milliseconds after the start.
+    #[arg(long, hide = true)]
+    pub test_die_mid_send_ms: Option<u64>,
     #[command(flatten)]
     pub workload: WorkloadArgs,
     #[command(flatten)]
@@ -113,6 +130,12 @@ pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
     if a.lease_ms < 2 * a.epoch.max(100) {
         bail!("--lease-ms {} must be at least twice the epoch and 200 ms", a.lease_ms);
     }
+    if a.direct && a.pipeline > 0 {
+        bail!("--direct sends during the pause: it needs --pipeline 0");
+    }
+    if a.predict && !a.selective {
+        bail!("--predict needs --selective");
+    }
     if a.machine.disk.is_some() {
         bail!("replication does not cover virtio-blk yet: run without --disk");
     }
@@ -126,9 +149,16 @@ pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
         epoch: Duration::from_millis(a.epoch),
         lease: Duration::from_millis(a.lease_ms),
         secret: a.secret.clone(),
-        opts: Options { selective: a.selective, direct: a.direct },
+        opts: Options {
+            selective: a.selective,
+            direct: a.direct,
+            pipeline: a.pipeline,
+            output_epoch_ms: a.output_epoch_ms,
+            predict: a.predict,
+        },
         time_limit: Duration::from_secs_f64(a.duration * 4.0 + 60.0),
         reattach: a.reattach,
+        die_mid_send_after: a.test_die_mid_send_ms.map(Duration::from_millis),
     };
     let mut log = |m: String| {
         if !quiet || m.contains("WARNING") || m.contains("FENCED") {
@@ -156,11 +186,13 @@ fn primary(a: PrimaryArgs) -> Result<ExitCode> {
     let r = run_primary(&a, a.json)?;
     let p = &r.report;
     println!(
-        "replicated {} epochs of {} ms: {:.1} pages and {:.1} write faults per epoch, pause {:.2} ms avg / {:.2} max \
-         (collect {:.2}, copy {:.2}, send in pause {:.2}), send after resume {:.2} ms, ack wait {:.2} ms; \
+        "replicated {} epochs of {} ms (every {:.1} ms, pipeline {}): {:.1} pages and {:.1} write faults per epoch, \
+         pause {:.2} ms avg / {:.2} max (collect {:.2}, copy {:.2}, state {:.2}, send in pause {:.2}); \
+         send {:.2} ms, ack wait {:.2} ms, boundary stalled {:.2} ms, output held {:.1} ms avg / {:.1} max; \
          full copy {} pages in {:.1} ms; {} frames released after acks",
-        p.epochs, p.epoch_ms, p.pages_per_epoch, p.write_faults_per_epoch, p.pause_ms_avg, p.pause_ms_max,
-        p.collect_ms_avg, p.copy_ms_avg, p.send_in_pause_ms_avg, p.send_after_ms_avg, p.ack_wait_ms_avg,
+        p.epochs, p.epoch_ms, p.interval_ms_avg, p.options.pipeline, p.pages_per_epoch, p.write_faults_per_epoch,
+        p.pause_ms_avg, p.pause_ms_max, p.collect_ms_avg, p.copy_ms_avg, p.state_ms_avg, p.send_in_pause_ms_avg,
+        p.send_after_ms_avg, p.ack_wait_ms_avg, p.stall_ms_avg, p.commit_ms_avg, p.commit_ms_max,
         p.full_copy_pages, p.full_copy_ms, p.frames_released
     );
     if p.fenced {
