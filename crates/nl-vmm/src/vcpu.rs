@@ -336,21 +336,16 @@ fn vcpu_loop(
             progress.resume();
             continue;
         }
+        // From here until the next pass the run structure may hold an exit
+        // not yet handled: a thread discarded in between re-executes it (its
+        // console output after this mark undone first).
+        if undo_logging {
+            log.console_mark.store(ctx.console.mark(), SeqCst);
+        }
+        log.in_flight.store(true, SeqCst);
         progress.wait();
         let exit = crate::recovery::in_guest(|| vcpu.run());
         progress.resume();
-        if matches!(
-            exit,
-            Ok(VcpuExit::IoOut(..)
-                | VcpuExit::IoIn(..)
-                | VcpuExit::MmioRead(..)
-                | VcpuExit::MmioWrite(..))
-        ) {
-            if undo_logging {
-                log.console_mark.store(ctx.console.mark(), SeqCst);
-            }
-            log.in_flight.store(true, SeqCst);
-        }
         match exit {
             Ok(VcpuExit::IoOut(port, data)) => {
                 stats.io.fetch_add(1, Relaxed);

@@ -169,7 +169,9 @@ fn overhead(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
             for (i, (_, args)) in CONFIGS.iter().enumerate() {
                 let h = HostProc::start(dir, None, args, None)?;
                 let pid = h.pid()?;
-                let r = h.api(json!({"op":"create","workload":w,"mem":"64M","ws":"8M","duration":a.duration}))?;
+                let r = h.api(
+                    json!({"op":"create","workload":w,"mem":"64M","ws":"8M","duration":a.duration}),
+                )?;
                 let id = r["id"].as_u64().with_context(|| format!("create failed: {r}"))?;
                 let t0 = vmm_ticks(pid)?;
                 let st = h.wait_done(id, Duration::from_secs_f64(a.duration + 30.0))?;
@@ -226,7 +228,8 @@ fn latency(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
         let (mut gaps, mut internal, mut runs) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..a.runs {
             let h = HostProc::start(dir, Some(&ns.0), args, fault.as_deref())?;
-            let r = h.api(json!({"op":"create","workload":"netbench","mem":"64M","duration":5.0,
+            let r = h
+                .api(json!({"op":"create","workload":"netbench","mem":"64M","duration":5.0,
                 "net_tap":"nlrtap0","net_ip":"10.0.0.2/24"}))?;
             r["id"].as_u64().with_context(|| format!("create failed: {r}"))?;
             let t = Instant::now();
@@ -234,7 +237,15 @@ fn latency(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
                 let o = Command::new("ip")
                     .args(["netns", "exec", &ns.0])
                     .arg(exe()?)
-                    .args(["ping", "--target", "10.0.0.2", "--interval", "10ms", "--duration", "0.05"])
+                    .args([
+                        "ping",
+                        "--target",
+                        "10.0.0.2",
+                        "--interval",
+                        "10ms",
+                        "--duration",
+                        "0.05",
+                    ])
                     .stdout(Stdio::null())
                     .stderr(Stdio::null())
                     .status()?;
@@ -248,7 +259,16 @@ fn latency(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
             let o = Command::new("ip")
                 .args(["netns", "exec", &ns.0])
                 .arg(exe()?)
-                .args(["ping", "--target", "10.0.0.2", "--interval", "1ms", "--duration", "3", "--json"])
+                .args([
+                    "ping",
+                    "--target",
+                    "10.0.0.2",
+                    "--interval",
+                    "1ms",
+                    "--duration",
+                    "3",
+                    "--json",
+                ])
                 .stderr(Stdio::null())
                 .output()?;
             let j: Value = String::from_utf8_lossy(&o.stdout)
@@ -292,7 +312,8 @@ pub fn bench_recovery(a: BenchRecoveryArgs) -> Result<ExitCode> {
             let _ = std::fs::remove_dir_all(&self.0);
         }
     }
-    let dir = Dir(std::env::temp_dir().join(format!("ninelives-bench-recovery-{}", std::process::id())));
+    let dir =
+        Dir(std::env::temp_dir().join(format!("ninelives-bench-recovery-{}", std::process::id())));
     std::fs::create_dir_all(&dir.0)?;
     let pb = indicatif::ProgressBar::new_spinner();
     pb.set_message("recovery: normal-operation overhead");

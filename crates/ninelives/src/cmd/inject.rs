@@ -40,6 +40,10 @@ pub struct InjectArgs {
     /// What the VMM does after a detected error.
     #[arg(long, value_enum, default_value_t = RecoveryName::None)]
     pub recovery: RecoveryName,
+    /// The repairs of a microreset (all, none, or a list; see `host --repairs`):
+    /// switched on one after another, they reproduce the paper's Table I.
+    #[arg(long, default_value = "all", value_parser = crate::cli::parse_repairs)]
+    pub repairs: nl_vmm::recovery::Repairs,
     /// Number of runs.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub runs: u32,
@@ -251,6 +255,7 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
         fault,
         setup: a.setup,
         recovery: a.recovery,
+        repairs: a.repairs,
         target: a.target,
         duration,
         exe: std::env::current_exe().context("cannot find the ninelives binary")?,
@@ -336,6 +341,10 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
     pb.finish_and_clear();
     let elapsed = start.elapsed().as_secs_f64();
     let s = summary(fault.name(), a.setup.name(), a.recovery.name(), &o, skipped, elapsed, a.seed);
+    let mut s = s;
+    if a.recovery == RecoveryName::Microreset {
+        s["repairs"] = json!(a.repairs.describe());
+    }
     let interrupted = CANCEL.load(Relaxed);
     if a.json {
         let mut s = s;
@@ -409,6 +418,7 @@ struct Campaign {
     fault: Fault,
     setup: Setup,
     recovery: RecoveryName,
+    repairs: nl_vmm::recovery::Repairs,
     target: Target,
     duration: f64,
     exe: PathBuf,
@@ -508,6 +518,16 @@ impl Proc {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+
+    /// Every detection line the process printed.
+    fn detections(&self) -> Vec<Value> {
+        let lines = self.lines.lock().unwrap_or_else(|p| p.into_inner());
+        lines
+            .iter()
+            .filter_map(|l| l.strip_prefix(nl_vmm::detect::REPORT_PREFIX))
+            .filter_map(|j| serde_json::from_str(j).ok())
+            .collect()
     }
 
     fn detection(&self) -> Option<Value> {
@@ -662,6 +682,13 @@ fn run_body(
         None => Command::new(&cfg.exe),
     };
     cmd.arg("host").arg("--api").arg(&sock).args(["--recovery", cfg.recovery.name()]);
+    cmd.arg("--repairs").arg(cfg.repairs.describe());
+    // A code fault is repaired as soon as it is detected (it acts as a
+    // transient fault): the recovering VMM waits for this flag file.
+    let repair_flag = dir.0.join("repaired");
+    if cfg.fault == Fault::Code && cfg.recovery != RecoveryName::None {
+        cmd.env(nl_vmm::recovery::INJECTOR_REPAIR_ENV, &repair_flag);
+    }
     let mut host = Proc::spawn(cmd, false)?;
     let t = Instant::now();
     while api(&sock, json!({"op":"list"})).is_err() {
@@ -731,14 +758,50 @@ fn run_body(
         rec.reason = s;
         return Ok(());
     }
+    // Repair a code fault the moment it is detected, while the run plays out.
+    let watcher = match &injection {
+        Some(inj) if inj.repair_addr.is_some() && cfg.recovery != RecoveryName::None => {
+            let (lines, inj, pid, flag) =
+                (host.lines.clone(), inj.clone(), host.pid(), repair_flag.clone());
+            let stop = Arc::new(AtomicBool::new(false));
+            let s = stop.clone();
+            let t = std::thread::spawn(move || {
+                let detected = || {
+                    lines
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .iter()
+                        .any(|l| l.starts_with(nl_vmm::detect::REPORT_PREFIX))
+                };
+                while !s.load(Relaxed) {
+                    if detected() {
+                        let ok = injector::repair(pid, &inj);
+                        let _ = std::fs::write(&flag, if ok { "repaired" } else { "failed" });
+                        return ok;
+                    }
+                    std::thread::sleep(Duration::from_micros(500));
+                }
+                false
+            });
+            Some((stop, t))
+        }
+        _ => None,
+    };
     // Let the run play out: the VMs finish, fail, or the VMM ends.
     wait_vms(&mut host, &sock, &vms, Duration::from_secs_f64(d + 20.0));
+    let repaired_early = watcher.is_some_and(|(stop, t)| {
+        stop.store(true, Relaxed);
+        t.join().unwrap_or(false)
+    });
     if api(&sock, json!({"op":"list"})).is_err() || host.detection().is_some() {
         // A host that stopped answering or reported an error may be ending: let it.
         host.wait_for(Duration::from_secs(2));
     }
     if let Some(inj) = &injection {
-        if inj.repair_addr.is_some() && (host.detection().is_some() || host.exited().is_none()) {
+        if inj.repair_addr.is_some()
+            && !repaired_early
+            && (host.detection().is_some() || host.exited().is_none())
+        {
             // Code faults act as transient: repaired once detected or at the run's end.
             injector::repair(host.pid(), inj);
         }
@@ -816,6 +879,11 @@ fn run_body(
             rec.result = Some("failed");
             rec.reason =
                 format!("{what}: the VMM ended with its VMs (recovery {})", cfg.recovery.name());
+            if let Some(f) =
+                host.detections().into_iter().find(|d| d["detector"] == "recovery_failed")
+            {
+                rec.reason.push_str(&format!(": {}", f["message"].as_str().unwrap_or("?")));
+            }
         } else {
             let ok = match cfg.setup {
                 Setup::OneVm => affected == 0,
