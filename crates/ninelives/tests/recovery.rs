@@ -160,6 +160,39 @@ fn microreset_without_its_repairs_ends_in_a_clean_reported_failure() {
 }
 
 #[test]
+fn an_error_inside_the_recovery_ends_in_a_clean_reported_failure() {
+    if !kvm_available() {
+        return;
+    }
+    for policy in ["microreset", "microreboot"] {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("api.sock");
+        let o = ninelives()
+            .args(["host", "--api", sock.to_str().unwrap(), "--recovery", policy])
+            .env("NINELIVES_DEVICE_FAULT", "segv:200")
+            .env("NINELIVES_FAULT_IN_RECOVERY", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let t = Instant::now();
+        while UnixStream::connect(&sock).is_err() {
+            assert!(t.elapsed() < Duration::from_secs(20), "the host did not start");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let mut s = UnixStream::connect(&sock).unwrap();
+        writeln!(s, "{}", json!({"op":"create","workload":"exits","mem":"64M","duration":3}))
+            .unwrap();
+        let o = o.wait_with_output().unwrap();
+        // Exit 86, not a signal (no core dump), with both errors reported.
+        assert_eq!(o.status.code(), Some(86), "{policy}: {o:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(err.matches("NINELIVES-DETECTED").count(), 2, "{policy}: {err}");
+        assert!(!err.contains("NINELIVES-RECOVERED"), "{policy}: {err}");
+    }
+}
+
+#[test]
 fn microreboot_execs_a_fresh_vmm_in_place_and_the_guest_finishes() {
     if !kvm_available() {
         return;

@@ -351,6 +351,9 @@ pub struct Step {
 pub const INJECTOR_REPAIR_ENV: &str = "NINELIVES_INJECTOR_REPAIR_FLAG";
 pub const INJECTOR_REPAIR_WAIT: Duration = Duration::from_millis(500);
 
+/// Self-test: set, every recovery crashes while it holds the VMM.
+pub const FAULT_IN_RECOVERY_ENV: &str = "NINELIVES_FAULT_IN_RECOVERY";
+
 /// Times of recent recoveries, to refuse a storm (an error that recurs
 /// right after every recovery).
 static RECENT: [AtomicU64; 4] =
@@ -445,6 +448,11 @@ fn coordinate(what: &str) {
         &mut t,
         serde_json::json!({"abandoned": held.abandoned_names}),
     );
+    if std::env::var_os(FAULT_IN_RECOVERY_ENV).is_some() {
+        // Self-test: a second error inside the recovery itself.
+        // SAFETY: raising a signal on the calling thread has no memory effects.
+        unsafe { libc::raise(libc::SIGSEGV) };
+    }
     if let Some(flag) = std::env::var_os(INJECTOR_REPAIR_ENV) {
         // Under a fault injector: wait (bounded) until it has repaired an
         // injected code fault, as Gigan does at detection, so the recovered
@@ -497,4 +505,22 @@ fn coordinate(what: &str) {
 fn report_recovered(v: &serde_json::Value) {
     use std::io::Write;
     let _ = writeln!(std::io::stderr(), "{RECOVERED_PREFIX}{v}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn repairs_parse_and_describe() {
+        assert_eq!(Repairs::parse("all").unwrap(), Repairs::ALL);
+        assert_eq!(Repairs::parse("none").unwrap(), Repairs::NONE);
+        let r = Repairs::parse("locks, counters").unwrap();
+        assert!(r.locks && r.counters && !r.retry && !r.memory);
+        assert_eq!(r.describe(), "counters,locks");
+        assert_eq!(Repairs::ALL.describe(), Repairs::NAMES.join(","));
+        assert_eq!(Repairs::from_bits(Repairs::ALL.bits()), Repairs::ALL);
+        let e = Repairs::parse("locks,irq").unwrap_err();
+        assert!(e.contains("unknown repair \"irq\""), "{e}");
+    }
 }
