@@ -109,7 +109,8 @@ pub fn thread_kind(pid: i32, tid: i32, name: &str) -> ThreadKind {
         ThreadKind::Vcpu
     } else if vm_thread("netrx") {
         ThreadKind::Device
-    } else if vm_thread("monitor") {
+    } else if vm_thread("monitor") || name == "events" {
+        // The host's event loop runs every VM's supervision.
         ThreadKind::Monitor
     } else if name == "watchdog" {
         ThreadKind::Watchdog
@@ -709,6 +710,7 @@ mod tests {
             ("vm12-vcpu3", 11, Vcpu),
             ("vm1-netrx", 11, Device),
             ("vm2-monitor", 11, Monitor),
+            ("events", 11, Monitor),
             ("watchdog", 11, Watchdog),
             ("ninelives", 10, EventLoop),
             ("api-conn", 11, Other),

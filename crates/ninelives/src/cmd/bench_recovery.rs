@@ -37,6 +37,9 @@ pub struct BenchRecoveryArgs {
     /// Skip the latency part (it needs root, iproute2 and a TAP).
     #[arg(long)]
     pub no_latency: bool,
+    /// Skip the overhead part.
+    #[arg(long)]
+    pub no_overhead: bool,
     /// Print the results as one JSON line.
     #[arg(long)]
     pub json: bool,
@@ -325,7 +328,7 @@ pub fn bench_recovery(a: BenchRecoveryArgs) -> Result<ExitCode> {
     let pb = indicatif::ProgressBar::new_spinner();
     pb.set_message("recovery: normal-operation overhead");
     pb.enable_steady_tick(Duration::from_millis(200));
-    let over = overhead(&a, &dir.0)?;
+    let over = if a.no_overhead { json!([]) } else { overhead(&a, &dir.0)? };
     let lat = if a.no_latency {
         json!({"skipped": "--no-latency"})
     } else {
