@@ -735,6 +735,14 @@ mod tests {
     fn stepping_a_blocked_thread_is_bounded() {
         let mut child = std::process::Command::new("sleep").arg("60").spawn().expect("sleep runs");
         let pid = child.id() as i32;
+        // Wait (bounded) until it sleeps: its start-up code can be stepped.
+        for _ in 0..500 {
+            let st = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            if st.rsplit_once(") ").is_some_and(|(_, r)| r.starts_with('S')) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
         let plan = Plan {
             seed: 0,
             fault: Fault::None,
