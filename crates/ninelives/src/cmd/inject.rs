@@ -154,6 +154,9 @@ pub struct RunRecord {
     /// 3vm: the ping's report (sent, received, longest gap, bad windows).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ping: Option<Value>,
+    /// A failed run: the VMM's last lines on stderr (detections, recoveries).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub vmm_tail: Vec<String>,
     pub elapsed_ms: u64,
 }
 
@@ -661,6 +664,7 @@ fn run_one(cfg: &Campaign, run: u32, seed: u64, slot: u32, ns: Option<&Netns>) -
         detector: None,
         reason: String::new(),
         ping: None,
+        vmm_tail: Vec::new(),
         elapsed_ms: 0,
     };
     if let Err(e) = run_body(cfg, &plan, slot, ns, &mut rec) {
@@ -929,6 +933,11 @@ fn run_body(
     } else {
         rec.outcome = "sdc";
         rec.reason = problems.join("; ");
+    }
+    if rec.result == Some("failed") {
+        let lines = host.lines.lock().unwrap_or_else(|p| p.into_inner());
+        rec.vmm_tail =
+            lines.iter().rev().take(6).rev().map(|l| l.chars().take(600).collect()).collect();
     }
     Ok(())
 }
