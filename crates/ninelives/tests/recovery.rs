@@ -109,14 +109,7 @@ fn assert_completes_verified(h: &Host, id: u64) {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert_eq!(s["state"], "completed", "{s}\n{}", h.stderr());
-    let params: nl_abi::WorkloadParams = serde_json::from_value(s["workload"].clone()).unwrap();
-    for (cpu, v) in s["vcpus"].as_array().unwrap().iter().enumerate() {
-        let r = &v["regs"];
-        let rounds = r["rounds"].as_u64().unwrap();
-        let rep = nl_workloads::native::replay(&params, cpu as u64, rounds, 0).unwrap();
-        assert_eq!(rep.digest, r["digest"].as_u64().unwrap(), "VM {id} vCPU {cpu} digest");
-        assert_eq!(rep.ops, r["ops"].as_u64().unwrap(), "VM {id} vCPU {cpu} ops");
-    }
+    assert_stats_replay(id, &s);
 }
 
 #[test]

@@ -204,6 +204,14 @@ fn overhead(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
     Ok(json!(rows))
 }
 
+/// `ninelives ping` of the guest (10.0.0.2) from namespace `ns`, its JSON on stdout.
+fn ping(ns: &str, interval: &str, secs: &str) -> Result<std::process::Output> {
+    let mut c = Command::new("ip");
+    c.args(["netns", "exec", ns]).arg(exe()?);
+    c.args(["ping", "--target", "10.0.0.2", "--interval", interval, "--duration", secs, "--json"]);
+    Ok(c.stderr(Stdio::null()).output()?)
+}
+
 /// One network namespace with a TAP, deleted on drop.
 struct Ns(String);
 
@@ -243,44 +251,12 @@ fn latency(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
                 "net_tap":"nlrtap0","net_ip":"10.0.0.2/24"}))?;
             r["id"].as_u64().with_context(|| format!("create failed: {r}"))?;
             let t = Instant::now();
-            loop {
-                let o = Command::new("ip")
-                    .args(["netns", "exec", &ns.0])
-                    .arg(exe()?)
-                    .args([
-                        "ping",
-                        "--target",
-                        "10.0.0.2",
-                        "--interval",
-                        "10ms",
-                        "--duration",
-                        "0.05",
-                    ])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .status()?;
-                if o.success() {
-                    break;
-                }
+            while !ping(&ns.0, "10ms", "0.05")?.status.success() {
                 if t.elapsed() > Duration::from_secs(10) {
                     bail!("the netbench guest never answered");
                 }
             }
-            let o = Command::new("ip")
-                .args(["netns", "exec", &ns.0])
-                .arg(exe()?)
-                .args([
-                    "ping",
-                    "--target",
-                    "10.0.0.2",
-                    "--interval",
-                    "1ms",
-                    "--duration",
-                    "3",
-                    "--json",
-                ])
-                .stderr(Stdio::null())
-                .output()?;
+            let o = ping(&ns.0, "1ms", "3")?;
             let j: Value = String::from_utf8_lossy(&o.stdout)
                 .lines()
                 .rev()

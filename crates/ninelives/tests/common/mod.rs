@@ -161,3 +161,17 @@ pub fn ip(args: &[&str]) -> bool {
         .status()
         .is_ok_and(|s| s.success())
 }
+
+/// Replays a completed VM's workload natively (its `stats` from the API) and
+/// checks every vCPU's digest and op count.
+#[allow(dead_code)]
+pub fn assert_stats_replay(id: u64, s: &serde_json::Value) {
+    let params: nl_abi::WorkloadParams = serde_json::from_value(s["workload"].clone()).unwrap();
+    for (cpu, v) in s["vcpus"].as_array().unwrap().iter().enumerate() {
+        let r = &v["regs"];
+        let rounds = r["rounds"].as_u64().unwrap();
+        let rep = nl_workloads::native::replay(&params, cpu as u64, rounds, 0).unwrap();
+        assert_eq!(rep.digest, r["digest"].as_u64().unwrap(), "VM {id} vCPU {cpu} digest");
+        assert_eq!(rep.ops, r["ops"].as_u64().unwrap(), "VM {id} vCPU {cpu} ops");
+    }
+}
