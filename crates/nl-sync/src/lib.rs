@@ -226,6 +226,40 @@ pub unsafe fn force_release_owned_by(owners: &[i32]) -> Vec<Released> {
     out
 }
 
+/// Releases every registered lock that is held, except those owned by one
+/// of `keep` (threads that were not discarded and legitimately hold their
+/// own locks). A lock whose owner field is stale (its holder was discarded
+/// between acquiring it and recording itself, or between clearing the
+/// owner and unlocking) is released too. Returns what it released.
+///
+/// # Safety
+/// Every thread that is not in `keep` and could hold a registered lock must
+/// have abandoned its stack: none of them may use a guard it held again.
+pub unsafe fn force_release_all_but(keep: &[i32]) -> Vec<Released> {
+    let locks: Vec<Arc<dyn Releasable>> = {
+        let r = match registry().try_lock_for(Duration::from_millis(10)) {
+            Some(r) => r,
+            None => {
+                // SAFETY: its holder was discarded (the caller's contract).
+                unsafe { registry().force_unlock() };
+                registry().lock()
+            }
+        };
+        r.iter().filter_map(Weak::upgrade).collect()
+    };
+    let mut out = Vec::new();
+    for l in locks {
+        if let Some(owner) = l.owner() {
+            if !keep.contains(&owner) {
+                // SAFETY: its owner is not a live holder (the caller's contract).
+                unsafe { l.release() };
+                out.push(Released { name: l.name(), owner });
+            }
+        }
+    }
+    out
+}
+
 /// Registered locks that are held now, with their owners (for reports).
 pub fn held_locks() -> Vec<Released> {
     let r = registry().try_lock_for(Duration::from_millis(10));
@@ -275,6 +309,21 @@ mod tests {
         assert!(!a.is_locked() && !b.is_locked());
         reset_held_count();
         assert_eq!(*a.lock() + *b.lock(), 3);
+    }
+
+    #[test]
+    fn stale_owners_are_released_unless_kept() {
+        let a = Lock::new("test.stale", 1u32);
+        let b = Lock::new("test.keep", 2u32);
+        std::mem::forget(a.lock());
+        a.owner.store(0, Relaxed);
+        std::mem::forget(b.lock());
+        let me = tid();
+        let released = unsafe { force_release_all_but(&[me]) };
+        assert!(released.iter().any(|r| r.name == "test.stale"), "{released:?}");
+        assert!(!a.is_locked() && b.is_locked());
+        unsafe { force_release_owned_by(&[me]) };
+        reset_held_count();
     }
 
     #[test]

@@ -305,9 +305,14 @@ fn watch(seen: &mut Vec<(Weak<Progress>, u64, u32, u64)>, last: &mut Instant) {
             } else if on_time && !excused(p.tid, &mut entry.3) {
                 entry.2 += 1;
                 if entry.2 >= HANG_MISSES {
+                    let locks: Vec<String> = nl_sync::held_locks()
+                        .iter()
+                        .map(|l| format!("{}@{}", l.name, l.owner))
+                        .collect();
                     report(&serde_json::json!({
                         "detector": "hang", "thread": p.name, "tid": p.tid,
-                        "missed_checks": entry.2,
+                        "missed_checks": entry.2, "held_locks": locks,
+                        "wchan": std::fs::read_to_string(format!("/proc/self/task/{}/wchan", p.tid)).unwrap_or_default(),
                     }));
                     if crate::recovery::policy() == Recovery::None {
                         end();

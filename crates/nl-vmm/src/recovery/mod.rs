@@ -475,7 +475,7 @@ fn coordinate(what: &str) {
             let r = if policy == Policy::Microreboot { Repairs::ALL } else { repairs() };
             let mut step =
                 |n: &'static str, t: &mut Instant, d: serde_json::Value| push(&mut steps, n, t, d);
-            repair::run(r, &abandoned, &mut step, &mut t)
+            repair::run(r, &abandoned, &held.kept, &mut step, &mut t)
         }
         Policy::None => unreachable!("checked above"),
     };

@@ -14,6 +14,8 @@ pub(crate) struct Held {
     pub abandoned_names: Vec<String>,
     /// Every registered thread but the coordinator.
     pub all: Vec<i32>,
+    /// Registered threads that were not discarded (at safe points, in guest).
+    pub kept: Vec<i32>,
 }
 
 fn thread_name(tid: i32) -> String {
@@ -56,7 +58,12 @@ pub(crate) fn hold_all(me: i32) -> Result<Held, String> {
         }
         std::thread::sleep(Duration::from_micros(20));
     }
-    let mut held = Held { abandoned: Vec::new(), abandoned_names: Vec::new(), all: Vec::new() };
+    let mut held = Held {
+        abandoned: Vec::new(),
+        abandoned_names: Vec::new(),
+        all: Vec::new(),
+        kept: Vec::new(),
+    };
     for s in SLOTS.iter() {
         let tid = s.tid.load(SeqCst);
         if tid == 0 || tid == me {
@@ -66,6 +73,8 @@ pub(crate) fn hold_all(me: i32) -> Result<Held, String> {
         if s.abandoned.load(SeqCst) {
             held.abandoned.push(tid);
             held.abandoned_names.push(thread_name(tid));
+        } else {
+            held.kept.push(tid);
         }
     }
     Ok(held)
@@ -75,13 +84,15 @@ pub(crate) fn hold_all(me: i32) -> Result<Held, String> {
 pub(crate) fn run(
     r: Repairs,
     abandoned: &[i32],
+    kept: &[i32],
     step: &mut dyn FnMut(&'static str, &mut Instant, Value),
     t: &mut Instant,
 ) -> Result<(), String> {
     if r.locks {
-        // SAFETY: every thread in `abandoned` jumped back to its recovery point
-        // (or is this one, which did): none will use the guards it held.
-        let released = unsafe { nl_sync::force_release_owned_by(abandoned) };
+        // SAFETY: every registered thread not in `kept` jumped back to its
+        // recovery point (or is this one, which did, or the watchdog, which
+        // holds none): none will use the guards it held.
+        let released = unsafe { nl_sync::force_release_all_but(kept) };
         let names: Vec<&str> = released.iter().map(|l| l.name).collect();
         step("release_locks", t, json!(names));
     }
