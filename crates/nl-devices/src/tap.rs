@@ -5,6 +5,7 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd};
 
 const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+const TUNGETIFF: libc::c_ulong = 0x8004_54d2;
 const IFF_TAP: libc::c_short = 0x0002;
 const IFF_NO_PI: libc::c_short = 0x1000;
 
@@ -44,6 +45,26 @@ impl Tap {
         let r = unsafe { libc::ioctl(file.as_raw_fd(), TUNSETIFF as _, &mut req as *mut IfReq) };
         if r < 0 {
             return Err(format!("cannot attach TAP {name}: {}", std::io::Error::last_os_error()));
+        }
+        Ok(Tap { file, name: name.to_string() })
+    }
+
+    /// Takes over an already attached TAP descriptor (inherited across a
+    /// microreboot's exec, so frames queued meanwhile are not lost), after
+    /// checking that it is attached to interface `name`.
+    pub fn from_attached(file: File, name: &str) -> Result<Tap, String> {
+        let mut req = IfReq { name: [0; libc::IFNAMSIZ], flags: 0, _pad: [0; 22] };
+        // SAFETY: TUNGETIFF writes one `struct ifreq`, which `req` is (40 bytes).
+        let r = unsafe { libc::ioctl(file.as_raw_fd(), TUNGETIFF as _, &mut req as *mut IfReq) };
+        if r < 0 {
+            return Err(format!(
+                "inherited descriptor is not an attached TAP: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        let got: Vec<u8> = req.name.iter().copied().take_while(|&b| b != 0).collect();
+        if got != name.as_bytes() {
+            return Err(format!("inherited TAP is {}, not {name}", String::from_utf8_lossy(&got)));
         }
         Ok(Tap { file, name: name.to_string() })
     }

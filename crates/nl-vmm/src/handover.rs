@@ -108,6 +108,9 @@ pub struct VmRecord {
     pub disk: Option<crate::config::DiskConfig>,
     #[serde(default)]
     pub net: Option<crate::config::NetConfig>,
+    /// An attached TAP descriptor kept open across a microreboot's exec.
+    #[serde(default)]
+    pub tap_fd: Option<i32>,
 }
 
 impl VmRecord {
@@ -127,6 +130,7 @@ impl VmRecord {
             paused_at_ns: 0,
             disk: c.disk.clone(),
             net: c.net.clone(),
+            tap_fd: None,
         }
     }
 
@@ -225,7 +229,11 @@ impl HandoverRecord {
             if !ids.insert(v.id) {
                 return Err(bad(format!("corrupt record: VM {} listed twice", v.id)));
             }
-            if let MemorySource::Memfd { fd, .. } = v.memory {
+            let memfd = match v.memory {
+                MemorySource::Memfd { fd, .. } => Some(fd),
+                _ => None,
+            };
+            for fd in memfd.into_iter().chain(v.tap_fd) {
                 if !fds.insert(fd) {
                     return Err(bad(format!("corrupt record: descriptor {fd} used twice")));
                 }
@@ -432,6 +440,16 @@ pub fn take_over(
 
 type Prepared = (Arc<Host>, Option<UnixListener>, Vec<(VmRecord, Vm)>, u64);
 
+/// TAP descriptors inherited across a microreboot, by interface name; the
+/// VM that uses the interface takes its descriptor when it is re-created.
+static INHERITED_TAPS: std::sync::Mutex<Vec<(String, File)>> = std::sync::Mutex::new(Vec::new());
+
+pub(crate) fn take_inherited_tap(name: &str) -> Option<File> {
+    let mut v = INHERITED_TAPS.lock().unwrap_or_else(|p| p.into_inner());
+    let i = v.iter().position(|(n, _)| n == name)?;
+    Some(v.swap_remove(i).1)
+}
+
 /// FNV-1a of a record's bytes: a microreboot passes it beside the record,
 /// so a record corrupted in memory is refused.
 pub fn record_checksum(b: &[u8]) -> u64 {
@@ -467,6 +485,12 @@ pub fn take_over_in_place(
     let mut rf = take_fd(record_fd, &mut taken, "record")?;
     let record = read_record(&mut rf)?;
     drop(rf);
+    for rec in &record.vms {
+        if let (Some(fd), Some(net)) = (rec.tap_fd, &rec.net) {
+            let f = take_fd(fd, &mut taken, "TAP")?;
+            INHERITED_TAPS.lock().unwrap_or_else(|p| p.into_inner()).push((net.tap.clone(), f));
+        }
+    }
     let (host, listener, vms, generation) = prepare_record(&record, &mut taken, images)?;
     let built_ns = mono_ns();
     for f in &record.finished {

@@ -243,7 +243,11 @@ impl Vm {
         };
         let net = match &config.net {
             Some(n) => {
-                let tap = nl_devices::tap::Tap::open(&n.tap).map_err(VmmError::Config)?;
+                let tap = match crate::handover::take_inherited_tap(&n.tap) {
+                    Some(f) => nl_devices::tap::Tap::from_attached(f, &n.tap),
+                    None => nl_devices::tap::Tap::open(&n.tap),
+                }
+                .map_err(VmmError::Config)?;
                 let mac = [0x52, 0x54, 0x00, 0x4e, 0x4c, id as u8];
                 let dev = Net::new(tap, mac);
                 let mut t = MmioTransport::new(dev, memory.mem().clone());
@@ -702,6 +706,11 @@ impl Vm {
         let slot = slots.get(cpu).ok_or_else(|| VmmError::Vm(self.id, format!("no vCPU {cpu}")))?;
         let fd = slot.fd.lock();
         Ok(f(&fd))
+    }
+
+    /// The descriptor of the VM's TAP, if it has a network device.
+    pub(crate) fn tap_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.net.as_ref().map(|n| n.lock().device().tap_fd())
     }
 
     /// Turns KVM dirty-page logging on or off for all RAM slots.

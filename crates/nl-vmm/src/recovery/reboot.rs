@@ -92,6 +92,9 @@ fn build_and_exec(what: &str, t0: Instant, steps: &mut Vec<Step>) -> Result<Neve
         rec.memory = MemorySource::Memfd { fd, ino };
         rec.state = Some(String::from_utf8(state.to_bytes()).map_err(|e| e.to_string())?);
         rec.paused_at_ns = paused_at_ns;
+        // The TAP stays attached across exec: frames queued meanwhile survive.
+        rec.tap_fd = h.vm.tap_fd();
+        inherit.extend(rec.tap_fd);
         record.vms.push(rec);
         inherit.push(fd);
     }
