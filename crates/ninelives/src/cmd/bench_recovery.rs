@@ -336,6 +336,27 @@ pub fn bench_recovery(a: BenchRecoveryArgs) -> Result<ExitCode> {
                 l["median_vmm_recovery_ms"].as_f64().unwrap_or(f64::NAN)
             );
         }
+        for m in ["microreset", "microreboot"] {
+            let Some(rec) =
+                lat[m]["runs"].as_array().and_then(|r| r.iter().find_map(|r| r.get("record")))
+            else {
+                continue;
+            };
+            let steps: Vec<String> = rec["steps"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .chain(rec["new_process_steps"].as_array().into_iter().flatten())
+                .map(|s| {
+                    format!(
+                        "{} {:.0} us",
+                        s["step"].as_str().unwrap_or("?"),
+                        s["us"].as_f64().unwrap_or(0.0)
+                    )
+                })
+                .collect();
+            println!("  {m} steps (first run): {}", steps.join(", "));
+        }
         println!(
             "microreboot / microreset: {:.1}x (ping gap), {:.1}x (VMM time)",
             lat["factor_gap_microreboot_over_microreset"].as_f64().unwrap_or(f64::NAN),
