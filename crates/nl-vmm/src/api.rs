@@ -157,10 +157,11 @@ fn serve_connection(stream: UnixStream, host: &Host, build: &ConfigBuilder, ctx:
             match serde_json::from_slice::<Value>(&line) {
                 Ok(req) => {
                     // These wait on other threads (vCPUs, a successor VMM), which are
-                    // checked themselves.
+                    // checked themselves, or on the kernel (creating a VM's memory
+                    // slots can block in synchronize_srcu for long on a loaded host).
                     if matches!(
                         req.get("op").and_then(Value::as_str),
-                        Some("pause" | "destroy" | "rejuvenate")
+                        Some("create" | "pause" | "destroy" | "rejuvenate")
                     ) {
                         progress.wait();
                     }
