@@ -226,8 +226,30 @@ fn unblock(sig: libc::c_int) {
     }
 }
 
+fn injector_flag() -> Option<&'static std::path::Path> {
+    static F: std::sync::OnceLock<Option<std::path::PathBuf>> = std::sync::OnceLock::new();
+    F.get_or_init(|| std::env::var_os(INJECTOR_REPAIR_ENV).map(Into::into)).as_deref()
+}
+
+/// Time the last wait for the injector took (µs), reported as a step.
+static INJECTOR_WAIT_US: AtomicU64 = AtomicU64::new(0);
+
+/// Under a fault injector: waits (bounded) until it has repaired an injected
+/// code fault, as Gigan does at detection, before any more VMM code runs on
+/// this thread (the recovery itself could run the corrupted instruction).
+fn await_injector_repair() {
+    let Some(flag) = injector_flag() else { return };
+    let w = Instant::now();
+    while !flag.exists() && w.elapsed() < INJECTOR_REPAIR_WAIT {
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    let _ = std::fs::remove_file(flag);
+    INJECTOR_WAIT_US.store(w.elapsed().as_micros() as u64, SeqCst);
+}
+
 /// Installs the recovery signal's handler.
 pub(crate) fn install() {
+    let _ = injector_flag();
     // SAFETY: a zeroed sigaction is a valid start; the handler is
     // async-signal-safe and runs on the alternate stack.
     unsafe {
@@ -290,6 +312,9 @@ pub fn protected<R>(body: impl FnOnce() -> R) -> Outcome<R> {
         point::Ended::Panicked => true,
         point::Ended::Abandoned => !threads::IN_PROGRESS.load(SeqCst),
     };
+    if detected_here {
+        await_injector_repair();
+    }
     if let Some(s) = threads::mine() {
         s.abandoned.store(true, SeqCst);
     }
@@ -317,6 +342,7 @@ fn thread_name() -> String {
 /// watchdog) after `what` was detected. Returns once the VMM runs again;
 /// ends the process if it cannot recover.
 pub fn recover_from_watchdog(what: &str) {
+    await_injector_repair();
     coordinate(what);
 }
 
@@ -453,17 +479,13 @@ fn coordinate(what: &str) {
         // SAFETY: raising a signal on the calling thread has no memory effects.
         unsafe { libc::raise(libc::SIGSEGV) };
     }
-    if let Some(flag) = std::env::var_os(INJECTOR_REPAIR_ENV) {
-        // Under a fault injector: wait (bounded) until it has repaired an
-        // injected code fault, as Gigan does at detection, so the recovered
-        // threads do not run the corrupted instruction again.
-        let flag = std::path::PathBuf::from(flag);
-        let w = Instant::now();
-        while !flag.exists() && w.elapsed() < INJECTOR_REPAIR_WAIT {
-            std::thread::sleep(Duration::from_micros(100));
-        }
-        let _ = std::fs::remove_file(&flag);
-        push(&mut steps, "await_injector_repair", &mut t, serde_json::json!(null));
+    let waited = INJECTOR_WAIT_US.swap(0, SeqCst);
+    if injector_flag().is_some() {
+        steps.push(Step {
+            step: "await_injector_repair",
+            us: waited as f64,
+            detail: serde_json::json!(null),
+        });
     }
     let mut abandoned = held.abandoned.clone();
     abandoned.push(me);
