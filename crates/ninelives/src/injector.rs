@@ -15,8 +15,26 @@
 //! can be replayed. The tracee is always detached before returning, also
 //! when `cancel` is raised or the deadline passes; a thread that is running
 //! is interrupted first.
+//!
+//! Single-stepping slows the target thread down by three orders of magnitude,
+//! which the rest of the VMM must not mistake for a fault:
+//!
+//! * the VMM's hang watchdog is held stopped (seized too) while the target is
+//!   stepped, so the stepped thread's missing heartbeats are not a "hang";
+//! * a step that blocks (the thread is inside KVM_RUN with an idle guest, or
+//!   in a blocking syscall) is cut after [`STEP_BLOCK_LIMIT`]: the thread is
+//!   interrupted and the syscall counts as its one instruction;
+//! * stepping has a wall-time budget: when it runs out, the fault goes in
+//!   where the thread is (`budget_hit` in the log), so a stepped vCPU thread
+//!   stalls its VM for a bounded time (the 3vm ping tolerates ~1 s: the TAP
+//!   queues 1000 frames) and the thread cannot outlive its VM while stepped.
+//!
+//! The wait for each stop is a blocking `waitpid` (woken by the tracee's
+//! stop, so steps are fast on a busy 2-core host), bounded by an [`Alarm`]
+//! thread that interrupts it with a signal every few milliseconds.
 
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering::Relaxed};
+use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
@@ -57,10 +75,66 @@ impl Fault {
 pub enum Target {
     /// A vCPU thread (vm*-vcpu*): it runs the exit handlers.
     Vcpu,
-    /// The API threads (the accept loop and connection threads).
+    /// The API event loop (the main thread's accept loop).
     Api,
-    /// Any VMM thread.
+    /// Any long-lived VMM thread: vCPUs, device threads (vm*-netrx), VM
+    /// monitors, the watchdog and the accept loop. Short-lived threads
+    /// (API connection threads) and kernel workers (kvm-nx-lpage-recovery)
+    /// are never targets: they end or cannot be stepped.
     Any,
+}
+
+/// The kind of a VMM thread, from its name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ThreadKind {
+    Vcpu,
+    Device,
+    Monitor,
+    Watchdog,
+    EventLoop,
+    /// Short-lived, unknown, or not stepable: never a target.
+    Other,
+}
+
+/// Classifies thread `tid` of process `pid` named `name`.
+pub fn thread_kind(pid: i32, tid: i32, name: &str) -> ThreadKind {
+    let vm_thread = |suffix: &str| {
+        name.strip_prefix("vm").and_then(|r| r.split_once('-')).is_some_and(|(id, rest)| {
+            !id.is_empty()
+                && id.bytes().all(|b| b.is_ascii_digit())
+                && rest.strip_prefix(suffix).is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        })
+    };
+    if vm_thread("vcpu") {
+        ThreadKind::Vcpu
+    } else if vm_thread("netrx") {
+        ThreadKind::Device
+    } else if vm_thread("monitor") {
+        ThreadKind::Monitor
+    } else if name == "watchdog" {
+        ThreadKind::Watchdog
+    } else if tid == pid {
+        ThreadKind::EventLoop
+    } else {
+        ThreadKind::Other
+    }
+}
+
+/// Kernel threads and user workers (PF_KTHREAD, PF_USER_WORKER) show up in
+/// /proc/PID/task (KVM's kvm-nx-lpage-recovery is one) but never run user code.
+fn is_kernel_worker(pid: i32, tid: i32) -> bool {
+    const PF_USER_WORKER: u64 = 0x4000;
+    const PF_KTHREAD: u64 = 0x0020_0000;
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")) else {
+        return true;
+    };
+    // Fields after the command: state ppid pgrp session tty tpgid flags.
+    let flags = stat
+        .rsplit_once(") ")
+        .and_then(|(_, r)| r.split_whitespace().nth(6))
+        .and_then(|f| f.parse::<u64>().ok())
+        .unwrap_or(0);
+    flags & (PF_USER_WORKER | PF_KTHREAD) != 0
 }
 
 /// The registers a `register` fault may hit, in `REGISTERS` order.
@@ -133,6 +207,14 @@ pub struct Injection {
     pub tid: i32,
     /// User-mode instructions actually stepped.
     pub stepped: u64,
+    /// Wall time spent stepping (ms).
+    pub step_ms: f64,
+    /// Steps that blocked in a syscall and were cut (see [`STEP_BLOCK_LIMIT`]).
+    pub blocked_steps: u64,
+    /// The stepping budget ran out before `steps`: injected after `stepped`.
+    pub budget_hit: bool,
+    /// Whether the VMM's watchdog was held stopped while stepping.
+    pub watchdog_held: bool,
     pub rip: String,
     /// `register`: the register; `code`: "code+N" (byte N after RIP).
     pub location: String,
@@ -151,6 +233,24 @@ pub struct Injection {
 
 /// The threads of `pid` matching `target`, sorted by name then tid.
 pub fn candidate_threads(pid: i32, target: Target) -> Vec<(String, i32)> {
+    let mut v: Vec<(String, i32)> = threads(pid)
+        .into_iter()
+        .filter(|(name, tid)| {
+            let kind = thread_kind(pid, *tid, name);
+            let ok = match target {
+                Target::Vcpu => kind == ThreadKind::Vcpu,
+                Target::Api => kind == ThreadKind::EventLoop,
+                Target::Any => kind != ThreadKind::Other,
+            };
+            ok && !is_kernel_worker(pid, *tid)
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// All threads of `pid` with their names.
+pub fn threads(pid: i32) -> Vec<(String, i32)> {
     let mut v = Vec::new();
     let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return v };
     for e in dir.flatten() {
@@ -158,26 +258,93 @@ pub fn candidate_threads(pid: i32, target: Target) -> Vec<(String, i32)> {
             continue;
         };
         let Ok(comm) = std::fs::read_to_string(e.path().join("comm")) else { continue };
-        let name = comm.trim().to_string();
-        let is_vcpu = name.starts_with("vm") && name.contains("-vcpu");
-        let is_api = name == "ninelives" || name == "api-conn";
-        let ok = match target {
-            Target::Vcpu => is_vcpu,
-            Target::Api => is_api,
-            Target::Any => true,
-        };
-        if ok {
-            v.push((name, tid));
-        }
+        v.push((comm.trim().to_string(), tid));
     }
-    v.sort();
     v
 }
 
-/// Why stepping ended early.
+/// How long one single-step may block before the thread is interrupted (it
+/// is then inside a blocking syscall or KVM_RUN, not running VMM code).
+pub const STEP_BLOCK_LIMIT: Duration = Duration::from_millis(20);
+
+/// How often the [`Alarm`] interrupts a blocked `waitpid`.
+const ALARM_PERIOD: Duration = Duration::from_millis(5);
+
+/// Why waiting or stepping ended early.
+#[derive(Debug, PartialEq, Eq)]
 enum Stop {
     Gone,
     Cancelled,
+    /// The step did not complete within its limit (the thread is blocked).
+    Blocked,
+}
+
+/// The signal the [`Alarm`] sends; its handler does nothing, and is
+/// installed without SA_RESTART so it makes a blocked `waitpid` return EINTR.
+const ALARM_SIGNAL: libc::c_int = libc::SIGUSR2;
+
+extern "C" fn on_alarm(_: libc::c_int) {}
+
+fn gettid() -> i32 {
+    // SAFETY: gettid has no arguments and cannot fail.
+    unsafe { libc::gettid() }
+}
+
+/// A thread that, while armed, sends [`ALARM_SIGNAL`] to the thread that
+/// created it every [`ALARM_PERIOD`]: a bound for blocking waits.
+struct Alarm {
+    /// 1 while the owner waits, 0 otherwise, -1 to end the thread.
+    state: Arc<AtomicI32>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Alarm {
+    fn new() -> Alarm {
+        static HANDLER: Once = Once::new();
+        HANDLER.call_once(|| {
+            // SAFETY: a zeroed sigaction is a valid start; the handler is an
+            // empty extern "C" fn (async-signal-safe); no SA_RESTART on purpose.
+            unsafe {
+                let mut sa: libc::sigaction = std::mem::zeroed();
+                sa.sa_sigaction = on_alarm as *const () as usize;
+                libc::sigemptyset(&mut sa.sa_mask);
+                libc::sigaction(ALARM_SIGNAL, &sa, std::ptr::null_mut());
+            }
+        });
+        let state = Arc::new(AtomicI32::new(0));
+        let (st, owner) = (state.clone(), gettid());
+        // SAFETY: getpid has no arguments and cannot fail.
+        let pid = unsafe { libc::getpid() };
+        let thread = std::thread::Builder::new()
+            .name("inject-alarm".into())
+            .spawn(move || loop {
+                std::thread::sleep(ALARM_PERIOD);
+                match st.load(Relaxed) {
+                    -1 => return,
+                    // SAFETY: tgkill to a thread of our own process, whose
+                    // handler for this signal does nothing.
+                    1 => unsafe {
+                        libc::syscall(libc::SYS_tgkill, pid, owner, ALARM_SIGNAL);
+                    },
+                    _ => {}
+                }
+            })
+            .ok();
+        Alarm { state, thread }
+    }
+
+    fn arm(&self, on: bool) {
+        self.state.store(i32::from(on), Relaxed);
+    }
+}
+
+impl Drop for Alarm {
+    fn drop(&mut self) {
+        self.state.store(-1, Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// A seized thread; detached on drop whatever state it is in.
@@ -188,13 +355,14 @@ struct Traced {
     /// A signal owed to the thread (seen in a signal-delivery stop).
     pending: Option<Signal>,
     gone: bool,
+    alarm: Alarm,
 }
 
 impl Traced {
     fn seize(tid: i32) -> nix::Result<Traced> {
         let tid = Pid::from_raw(tid);
         ptrace::seize(tid, ptrace::Options::empty())?;
-        let mut t = Traced { tid, stopped: false, pending: None, gone: false };
+        let mut t = Traced { tid, stopped: false, pending: None, gone: false, alarm: Alarm::new() };
         if let Err(e) = ptrace::interrupt(tid) {
             t.gone = e == Errno::ESRCH;
             return Err(e);
@@ -202,47 +370,79 @@ impl Traced {
         Ok(t)
     }
 
-    /// Waits (polling, so it can be cancelled) for the next stop.
+    /// Waits for the next stop, at most until `limit` (then [`Stop::Blocked`])
+    /// or `deadline`/`cancel` (then [`Stop::Cancelled`]).
     /// Returns true for a single-step trap, false for any other stop.
-    fn wait_stop(&mut self, cancel: &AtomicBool, deadline: Instant) -> Result<bool, Stop> {
-        let mut spins = 0u32;
+    fn wait_stop(
+        &mut self,
+        cancel: &AtomicBool,
+        deadline: Instant,
+        limit: Option<Instant>,
+    ) -> Result<bool, Stop> {
+        // A blocking wait, not polling: the tracee's stop wakes us at once
+        // (polling with sleeps or yields was slower on a busy 2-core host).
         loop {
-            match waitpid(self.tid, Some(WaitPidFlag::__WALL | WaitPidFlag::WNOHANG)) {
-                Ok(WaitStatus::StillAlive) => {}
-                Ok(WaitStatus::Stopped(_, Signal::SIGTRAP)) => {
-                    self.stopped = true;
-                    return Ok(true);
-                }
-                Ok(WaitStatus::Stopped(_, sig)) => {
-                    // Signal-delivery stop: the signal is delivered with the next resume.
-                    self.stopped = true;
-                    self.pending = Some(sig);
-                    return Ok(false);
-                }
-                Ok(WaitStatus::PtraceEvent(..)) | Ok(WaitStatus::PtraceSyscall(_)) => {
-                    self.stopped = true;
-                    return Ok(false);
-                }
-                Ok(WaitStatus::Exited(..)) | Ok(WaitStatus::Signaled(..)) | Err(_) => {
-                    self.gone = true;
-                    return Err(Stop::Gone);
-                }
-                Ok(WaitStatus::Continued(_)) => {}
-            }
             if cancel.load(Relaxed) || Instant::now() > deadline {
                 return Err(Stop::Cancelled);
             }
-            spins += 1;
-            if spins < 64 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(200));
+            if limit.is_some_and(|l| Instant::now() > l) {
+                return Err(Stop::Blocked);
+            }
+            self.alarm.arm(true);
+            let r = waitpid(self.tid, Some(WaitPidFlag::__WALL));
+            self.alarm.arm(false);
+            match r {
+                Err(Errno::EINTR) | Ok(WaitStatus::StillAlive) => {}
+                r => return self.took(r),
             }
         }
     }
 
-    /// Single-steps one user-mode instruction (signal-delivery stops do not count).
-    fn step(&mut self, cancel: &AtomicBool, deadline: Instant) -> Result<(), Stop> {
+    fn took(&mut self, r: nix::Result<WaitStatus>) -> Result<bool, Stop> {
+        match r {
+            Ok(WaitStatus::Stopped(_, Signal::SIGTRAP)) => {
+                self.stopped = true;
+                Ok(true)
+            }
+            Ok(WaitStatus::Stopped(_, sig)) => {
+                // Signal-delivery stop: the signal is delivered with the next resume.
+                self.stopped = true;
+                self.pending = Some(sig);
+                Ok(false)
+            }
+            Ok(WaitStatus::PtraceEvent(..)) | Ok(WaitStatus::PtraceSyscall(_)) => {
+                self.stopped = true;
+                Ok(false)
+            }
+            Ok(WaitStatus::Continued(_)) | Ok(WaitStatus::StillAlive) => Ok(false),
+            Ok(WaitStatus::Exited(..)) | Ok(WaitStatus::Signaled(..)) | Err(_) => {
+                self.gone = true;
+                Err(Stop::Gone)
+            }
+        }
+    }
+
+    /// Stops a running thread (interrupt, then wait for the stop, bounded by
+    /// `deadline`; the thread is re-interrupted every second meanwhile).
+    fn halt(&mut self, cancel: &AtomicBool, deadline: Instant) -> Result<(), Stop> {
+        while !self.stopped {
+            if ptrace::interrupt(self.tid).is_err() {
+                self.gone = true;
+                return Err(Stop::Gone);
+            }
+            let again = Instant::now() + Duration::from_secs(1);
+            match self.wait_stop(cancel, deadline, Some(again)) {
+                Ok(_) | Err(Stop::Blocked) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Single-steps one user-mode instruction (signal-delivery and other
+    /// stops do not count). A step still blocked after [`STEP_BLOCK_LIMIT`]
+    /// (a blocking syscall) is interrupted and counts; returns whether it was.
+    fn step(&mut self, cancel: &AtomicBool, deadline: Instant) -> Result<bool, Stop> {
         loop {
             let sig = self.pending.take();
             if ptrace::step(self.tid, sig).is_err() {
@@ -250,8 +450,14 @@ impl Traced {
                 return Err(Stop::Gone);
             }
             self.stopped = false;
-            if self.wait_stop(cancel, deadline)? {
-                return Ok(());
+            match self.wait_stop(cancel, deadline, Some(Instant::now() + STEP_BLOCK_LIMIT)) {
+                Ok(true) => return Ok(false),
+                Ok(false) => {}
+                Err(Stop::Blocked) => {
+                    self.halt(cancel, deadline)?;
+                    return Ok(true);
+                }
+                Err(e) => return Err(e),
             }
         }
     }
@@ -259,29 +465,54 @@ impl Traced {
 
 impl Drop for Traced {
     fn drop(&mut self) {
-        if self.gone {
+        if !self.gone && !self.stopped {
+            // Running (e.g. blocked in a syscall mid-step): stop it to detach it.
+            // An uninterruptible wait can delay the stop; keep asking (bounded).
+            let never = AtomicBool::new(false);
+            let limit = Instant::now() + Duration::from_secs(60);
+            let _ = self.halt(&never, limit);
+        }
+        if !self.gone && ptrace::detach(self.tid, self.pending.take()).is_ok() {
             return;
         }
-        if !self.stopped {
-            // Running (e.g. blocked in a syscall mid-step): stop it to detach it.
-            if ptrace::interrupt(self.tid).is_err() {
-                return;
-            }
-            let never = AtomicBool::new(false);
-            let limit = Instant::now() + Duration::from_secs(10);
-            loop {
-                match self.wait_stop(&never, limit) {
-                    Ok(_) => break,
-                    Err(Stop::Gone) => return,
-                    // Still not stopped after 10 s: the thread must be in an
-                    // uninterruptible wait; keep asking.
-                    Err(Stop::Cancelled) => {
-                        let _ = ptrace::interrupt(self.tid);
+        // The thread died while traced (its process ended): its exit must be
+        // collected by us, the tracer, or the process stays a zombie that its
+        // parent cannot reap. Bounded; ECHILD once there is nothing to collect.
+        let limit = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < limit {
+            self.alarm.arm(true);
+            let r = waitpid(self.tid, Some(WaitPidFlag::__WALL));
+            self.alarm.arm(false);
+            match r {
+                Err(Errno::EINTR) => {}
+                Ok(WaitStatus::Exited(..)) | Ok(WaitStatus::Signaled(..)) | Err(_) => return,
+                // A stop of a thread still alive: try to detach it again.
+                Ok(_) => {
+                    if ptrace::detach(self.tid, None).is_ok() {
+                        return;
                     }
                 }
             }
         }
-        let _ = ptrace::detach(self.tid, self.pending.take());
+    }
+}
+
+/// Threads held stopped for a while (the VMM's watchdog while its target is
+/// stepped), released on drop.
+struct Hold(Vec<Traced>);
+
+impl Hold {
+    fn threads(tids: &[i32], cancel: &AtomicBool, deadline: Instant) -> Hold {
+        let mut held = Vec::new();
+        for &tid in tids {
+            let Ok(mut t) = Traced::seize(tid) else { continue };
+            let limit = Instant::now() + Duration::from_secs(2);
+            if t.wait_stop(cancel, deadline.min(limit), None).is_ok() {
+                held.push(t);
+            }
+            // Otherwise dropping `t` detaches it.
+        }
+        Hold(held)
     }
 }
 
@@ -311,15 +542,26 @@ fn flip_register(regs: &mut libc::user_regs_struct, slot: usize, bit: u64) -> (u
     (old, *r)
 }
 
-/// Injects `plan` into the thread `(name, tid)`: seize, step, inject, detach.
+/// Injects `plan` into the thread `(name, tid)` of process `pid`: seize,
+/// step (at most `budget` of wall time), inject, detach. The process's
+/// watchdog thread is held stopped while the target is stepped.
 pub fn inject_thread(
     plan: &Plan,
-    name: &str,
-    tid: i32,
+    pid: i32,
+    (name, tid): (&str, i32),
+    budget: Duration,
     cancel: &AtomicBool,
     deadline: Instant,
 ) -> Injection {
     let mut rec = Injection { thread: name.to_string(), tid, ..Default::default() };
+    let watchdogs: Vec<i32> = threads(pid)
+        .into_iter()
+        .filter(|(n, t)| *t != tid && thread_kind(pid, *t, n) == ThreadKind::Watchdog)
+        .map(|(_, t)| t)
+        .collect();
+    // Held first, so the watchdog does not see the target stopped.
+    let hold = Hold::threads(&watchdogs, cancel, deadline);
+    rec.watchdog_held = !hold.0.is_empty();
     let mut t = match Traced::seize(tid) {
         Ok(t) => t,
         Err(e) => {
@@ -328,30 +570,39 @@ pub fn inject_thread(
         }
     };
     // The interrupt stop.
-    match t.wait_stop(cancel, deadline) {
+    match t.wait_stop(cancel, deadline, None) {
         Ok(_) => {}
         Err(Stop::Gone) => {
             rec.skipped = Some("target thread ended".into());
             return rec;
         }
-        Err(Stop::Cancelled) => {
+        Err(_) => {
             rec.skipped = Some("cancelled".into());
             return rec;
         }
     }
+    let t_step = Instant::now();
     while rec.stepped < plan.steps {
+        if t_step.elapsed() > budget {
+            rec.budget_hit = true;
+            break;
+        }
         match t.step(cancel, deadline) {
-            Ok(()) => rec.stepped += 1,
+            Ok(blocked) => {
+                rec.stepped += 1;
+                rec.blocked_steps += u64::from(blocked);
+            }
             Err(Stop::Gone) => {
                 rec.skipped = Some("target thread ended while stepping".into());
                 return rec;
             }
-            Err(Stop::Cancelled) => {
+            Err(_) => {
                 rec.skipped = Some("cancelled while stepping".into());
                 return rec;
             }
         }
     }
+    rec.step_ms = t_step.elapsed().as_secs_f64() * 1e3;
     let Ok(mut regs) = ptrace::getregs(t.tid) else {
         rec.skipped = Some("cannot read registers".into());
         return rec;
@@ -403,6 +654,10 @@ pub fn inject_thread(
             }
         }
     }
+    // The watchdog first, while the target is still stopped (the watchdog
+    // excuses a stopped thread): once detached, the target may end the
+    // process at once, and a thread still traced then would be ours to reap.
+    drop(hold);
     drop(t);
     rec
 }
@@ -414,7 +669,7 @@ pub fn repair(pid: i32, rec: &Injection) -> bool {
     for (_, tid) in candidate_threads(pid, Target::Any) {
         let Ok(mut t) = Traced::seize(tid) else { continue };
         let never = AtomicBool::new(false);
-        if t.wait_stop(&never, Instant::now() + Duration::from_secs(5)).is_err() {
+        if t.wait_stop(&never, Instant::now() + Duration::from_secs(5), None).is_err() {
             continue;
         }
         // SAFETY: POKETEXT writes one word of the tracee's memory, not ours.
@@ -444,6 +699,60 @@ mod tests {
             let r = Plan::from_seed(seed, Fault::Register, (0, 0));
             assert!(r.slot < 18 && r.bit < 64 && r.trigger_ms == 0);
         }
+    }
+
+    #[test]
+    fn thread_kinds() {
+        use ThreadKind::*;
+        for (name, tid, kind) in [
+            ("vm0-vcpu0", 11, Vcpu),
+            ("vm12-vcpu3", 11, Vcpu),
+            ("vm1-netrx", 11, Device),
+            ("vm2-monitor", 11, Monitor),
+            ("watchdog", 11, Watchdog),
+            ("ninelives", 10, EventLoop),
+            ("api-conn", 11, Other),
+            ("kvm-nx-lpage-re", 11, Other),
+            ("vmx-vcpu0", 11, Other),
+            ("vm0-vcpu", 11, Vcpu),
+            ("vm-vcpu0", 11, Other),
+        ] {
+            assert_eq!(thread_kind(10, tid, name), kind, "{name}");
+        }
+    }
+
+    fn tracer_of(pid: i32) -> Option<String> {
+        let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        s.lines().find_map(|l| l.strip_prefix("TracerPid:").map(|v| v.trim().to_string()))
+    }
+
+    /// A thread blocked in a syscall cannot be stepped: each step is cut
+    /// after STEP_BLOCK_LIMIT, the budget ends the stepping, and the thread
+    /// is left running and untraced.
+    #[test]
+    fn stepping_a_blocked_thread_is_bounded() {
+        let mut child = std::process::Command::new("sleep").arg("60").spawn().expect("sleep runs");
+        let pid = child.id() as i32;
+        let plan = Plan {
+            seed: 0,
+            fault: Fault::None,
+            trigger_ms: 0,
+            steps: MAX_STEPS,
+            thread_pick: 0,
+            slot: 0,
+            bit: 0,
+        };
+        let never = AtomicBool::new(false);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let rec =
+            inject_thread(&plan, pid, ("sleep", pid), Duration::from_millis(200), &never, deadline);
+        let tracer = tracer_of(pid);
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(rec.skipped.as_deref(), Some("control run: no fault"), "{rec:?}");
+        assert!(rec.budget_hit && rec.blocked_steps >= 1, "{rec:?}");
+        assert!(rec.stepped < MAX_STEPS && !rec.watchdog_held, "{rec:?}");
+        assert_eq!(tracer.as_deref(), Some("0"), "still traced: {rec:?}");
     }
 
     #[test]

@@ -97,6 +97,11 @@ impl Setup {
     }
 }
 
+/// The most wall time the injector single-steps its target. A stepped vCPU
+/// thread stalls its VM meanwhile; the 3vm ping tolerates a stall of about a
+/// second (the TAP queues 1000 frames, answered late but not lost).
+const STEP_BUDGET: Duration = Duration::from_millis(600);
+
 /// Set by SIGINT/SIGTERM: stop stepping, detach, clean up, report.
 static CANCEL: AtomicBool = AtomicBool::new(false);
 
@@ -142,6 +147,9 @@ pub struct RunRecord {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub detector: Option<Value>,
     pub reason: String,
+    /// 3vm: the ping's report (sent, received, longest gap, bad windows).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ping: Option<Value>,
     pub elapsed_ms: u64,
 }
 
@@ -632,6 +640,7 @@ fn run_one(cfg: &Campaign, run: u32, seed: u64, slot: u32, ns: Option<&Netns>) -
         result: None,
         detector: None,
         reason: String::new(),
+        ping: None,
         elapsed_ms: 0,
     };
     if let Err(e) = run_body(cfg, &plan, slot, ns, &mut rec) {
@@ -715,8 +724,16 @@ fn run_body(
         None
     } else {
         let (name, tid) = &threads[(plan.thread_pick % threads.len() as u64) as usize];
+        // Stepping stalls the target thread (and a vCPU thread's VM): bound it,
+        // and end it well before the initial VMs do.
+        let vm_end = window_start + Duration::from_secs_f64(d);
+        let budget = STEP_BUDGET.min(
+            vm_end
+                .saturating_duration_since(Instant::now())
+                .saturating_sub(Duration::from_millis(100)),
+        );
         let deadline = Instant::now() + Duration::from_secs(20);
-        Some(injector::inject_thread(plan, name, *tid, &CANCEL, deadline))
+        Some(injector::inject_thread(plan, host.pid(), (name, *tid), budget, &CANCEL, deadline))
     };
     let skipped = match &injection {
         None => Some("no target thread".to_string()),
@@ -763,6 +780,10 @@ fn run_body(
         let j: Value =
             out.lines().last().and_then(|l| serde_json::from_str(l).ok()).unwrap_or(Value::Null);
         let bad = j["bad_windows"].as_array().is_none_or(|a| !a.is_empty());
+        rec.ping = Some(json!({
+            "sent": j["sent"], "received": j["received"],
+            "longest_gap_ms": j["longest_gap_ms"], "bad_windows": j["bad_windows"],
+        }));
         if j["received"].as_u64().unwrap_or(0) == 0 || bad {
             problems.push(format!(
                 "ping: {} of {} received, {} window(s) below 90%",
