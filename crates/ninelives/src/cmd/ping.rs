@@ -52,6 +52,7 @@ pub fn ping(target: SocketAddr, interval: Duration, duration: Duration) -> Resul
     }
     let bind = if target.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
     let sock = UdpSocket::bind(bind).context("cannot open a UDP socket")?;
+    grow_receive_buffer(&sock);
     sock.connect(target).with_context(|| format!("cannot reach {target}"))?;
     let mut replied = vec![None::<Duration>; count as usize];
     let mut arrivals: Vec<Duration> = Vec::new();
@@ -164,4 +165,23 @@ pub fn run(a: PingArgs) -> Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// A VM that stalls (a loaded host, a single-stepping injector) answers a
+/// backlog of pings in one burst: give the socket room for it, so the burst
+/// is counted rather than dropped by the kernel. SO_RCVBUFFORCE (root) goes
+/// past net.core.rmem_max; without privilege the default buffer stays.
+fn grow_receive_buffer(sock: &UdpSocket) {
+    use std::os::fd::AsRawFd;
+    let bytes: libc::c_int = 8 << 20;
+    // SAFETY: setsockopt reads one c_int from a valid pointer; failure is harmless.
+    unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUFFORCE,
+            (&bytes as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
 }
