@@ -59,7 +59,16 @@ impl Pair {
         let mut a = vec!["replicate", "backup", "--listen", "10.9.0.2:7070", "--json"];
         a.extend_from_slice(extra);
         let c = Self::spawn(&self.b, &a);
-        std::thread::sleep(Duration::from_millis(300));
+        // Wait (bounded: 10 s) until it listens; a loaded host starts it slowly.
+        for _ in 0..200 {
+            let o = Command::new("ip")
+                .args(["netns", "exec", &self.b, "ss", "-Hltn", "sport = :7070"])
+                .output();
+            if o.is_ok_and(|o| !o.stdout.is_empty()) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
         c
     }
 

@@ -242,6 +242,18 @@ pub enum BackupEnd {
 fn refuse(s: &mut TcpStream, why: &str) {
     let _ = write_frame(s, Kind::Refuse, 0, 0, &[why.as_bytes()]);
     let _ = s.flush();
+    // Read what the peer is still sending (its hello) before closing: closing
+    // with unread data resets the connection, and the peer would see a
+    // broken pipe instead of the reason. Bounded: 64 KiB or 500 ms.
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let _ = s.set_read_timeout(Some(std::time::Duration::from_millis(500)));
+    let mut sink = [0u8; 4096];
+    for _ in 0..16 {
+        match std::io::Read::read(s, &mut sink) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+    }
 }
 
 /// Checks a primary's hello against the backup's configuration.

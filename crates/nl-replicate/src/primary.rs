@@ -151,9 +151,15 @@ fn connect(cfg: &PrimaryConfig, vm: &Vm) -> Result<Conn, String> {
         secret: cfg.secret.clone(),
     };
     let body = serde_json::to_vec(&hello).map_err(|e| e.to_string())?;
-    write_frame(&mut s, Kind::Hello, 0, 0, &[&body]).map_err(|e| format!("hello: {e}"))?;
+    let sent = write_frame(&mut s, Kind::Hello, 0, 0, &[&body]);
     s.set_read_timeout(Some(cfg.lease)).map_err(|e| e.to_string())?;
-    let f = read_frame(&mut s).map_err(|e| format!("no answer from the backup: {e}"))?;
+    // A backup that refuses this peer may answer before reading the hello:
+    // its reason is worth more than our broken pipe.
+    let f = match (read_frame(&mut s), sent) {
+        (Ok(f), _) => f,
+        (Err(_), Err(e)) => return Err(format!("hello: {e}")),
+        (Err(e), Ok(())) => return Err(format!("no answer from the backup: {e}")),
+    };
     match f.kind {
         Kind::Welcome => {}
         Kind::Refuse => {
