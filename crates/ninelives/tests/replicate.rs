@@ -81,6 +81,14 @@ impl Pair {
 
 impl Drop for Pair {
     fn drop(&mut self) {
+        // A failed assertion must not leave a primary or backup running.
+        for ns in [&self.p, &self.b] {
+            if let Ok(o) = Command::new("ip").args(["netns", "pids", ns]).output() {
+                for pid in String::from_utf8_lossy(&o.stdout).split_whitespace() {
+                    let _ = Command::new("kill").args(["-9", pid]).status();
+                }
+            }
+        }
         let _ = Command::new("ip").args(["netns", "del", &self.p]).status();
         let _ = Command::new("ip").args(["netns", "del", &self.b]).status();
     }
