@@ -297,12 +297,14 @@ mod tests {
         std::mem::forget(a.lock());
         let gb = b.lock();
         // Another thread's locks are not released.
+        // SAFETY: the locks this test forgot are never used through their guards again.
         let none = unsafe { force_release_owned_by(&[tid() + 100_000]) };
         assert!(none.iter().all(|r| r.name != "test.abandoned"));
         assert!(a.is_locked());
         drop(gb);
         std::mem::forget(b.lock());
         let me = tid();
+        // SAFETY: the locks this test forgot are never used through their guards again.
         let released = unsafe { force_release_owned_by(&[me]) };
         let names: Vec<_> = released.iter().map(|r| r.name).collect();
         assert!(names.contains(&"test.abandoned") && names.contains(&"test.kept"), "{names:?}");
@@ -319,9 +321,11 @@ mod tests {
         a.owner.store(0, Relaxed);
         std::mem::forget(b.lock());
         let me = tid();
+        // SAFETY: the locks this test forgot are never used through their guards again.
         let released = unsafe { force_release_all_but(&[me]) };
         assert!(released.iter().any(|r| r.name == "test.stale"), "{released:?}");
         assert!(!a.is_locked() && b.is_locked());
+        // SAFETY: the locks this test forgot are never used through their guards again.
         unsafe { force_release_owned_by(&[me]) };
         reset_held_count();
     }
