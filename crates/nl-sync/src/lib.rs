@@ -201,29 +201,8 @@ pub struct Released {
 /// Every thread in `owners` must have abandoned its stack: none of them may
 /// ever use a guard it held again.
 pub unsafe fn force_release_owned_by(owners: &[i32]) -> Vec<Released> {
-    let locks: Vec<Arc<dyn Releasable>> = {
-        let r = match registry().try_lock_for(Duration::from_millis(10)) {
-            Some(r) => r,
-            None => {
-                // Held by an abandoned thread that was creating a lock.
-                // SAFETY: all other threads are held by recovery; its holder abandoned it.
-                unsafe { registry().force_unlock() };
-                registry().lock()
-            }
-        };
-        r.iter().filter_map(Weak::upgrade).collect()
-    };
-    let mut out = Vec::new();
-    for l in locks {
-        if let Some(owner) = l.owner() {
-            if owners.contains(&owner) {
-                // SAFETY: the owner abandoned its stack (the caller's contract).
-                unsafe { l.release() };
-                out.push(Released { name: l.name(), owner });
-            }
-        }
-    }
-    out
+    // SAFETY: the caller's contract covers exactly the owners released.
+    unsafe { release_where(|owner| owners.contains(&owner)) }
 }
 
 /// Releases every registered lock that is held, except those owned by one
@@ -236,11 +215,21 @@ pub unsafe fn force_release_owned_by(owners: &[i32]) -> Vec<Released> {
 /// Every thread that is not in `keep` and could hold a registered lock must
 /// have abandoned its stack: none of them may use a guard it held again.
 pub unsafe fn force_release_all_but(keep: &[i32]) -> Vec<Released> {
+    // SAFETY: the caller's contract covers every owner not kept.
+    unsafe { release_where(|owner| !keep.contains(&owner)) }
+}
+
+/// Releases every held registered lock whose owner `release` picks.
+///
+/// # Safety
+/// No thread `release` picks may use a guard it held again.
+unsafe fn release_where(release: impl Fn(i32) -> bool) -> Vec<Released> {
     let locks: Vec<Arc<dyn Releasable>> = {
         let r = match registry().try_lock_for(Duration::from_millis(10)) {
             Some(r) => r,
             None => {
-                // SAFETY: its holder was discarded (the caller's contract).
+                // Held by a discarded thread that was creating a lock.
+                // SAFETY: all other threads are held by recovery; its holder abandoned it.
                 unsafe { registry().force_unlock() };
                 registry().lock()
             }
@@ -250,8 +239,8 @@ pub unsafe fn force_release_all_but(keep: &[i32]) -> Vec<Released> {
     let mut out = Vec::new();
     for l in locks {
         if let Some(owner) = l.owner() {
-            if !keep.contains(&owner) {
-                // SAFETY: its owner is not a live holder (the caller's contract).
+            if release(owner) {
+                // SAFETY: the owner abandoned its stack (the caller's contract).
                 unsafe { l.release() };
                 out.push(Released { name: l.name(), owner });
             }

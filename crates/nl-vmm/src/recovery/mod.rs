@@ -380,6 +380,31 @@ pub const INJECTOR_REPAIR_WAIT: Duration = Duration::from_millis(500);
 /// Self-test: set, every recovery crashes while it holds the VMM.
 pub const FAULT_IN_RECOVERY_ENV: &str = "NINELIVES_FAULT_IN_RECOVERY";
 
+/// The timed steps of one recovery: each step ends when it is recorded.
+pub(crate) struct Steps {
+    pub list: Vec<Step>,
+    since: Instant,
+}
+
+impl Steps {
+    fn new(start: Instant) -> Self {
+        Self { list: Vec::new(), since: start }
+    }
+
+    /// Times the next step from now.
+    pub(crate) fn restart(&mut self) {
+        self.since = Instant::now();
+    }
+
+    /// Records the step that ran from the previous one's end until now.
+    pub(crate) fn done(&mut self, step: &'static str, detail: serde_json::Value) {
+        let now = Instant::now();
+        let us = now.duration_since(self.since).as_secs_f64() * 1e6;
+        self.list.push(Step { step, us, detail });
+        self.since = now;
+    }
+}
+
 /// Times of recent recoveries, to refuse a storm (an error that recurs
 /// right after every recovery).
 static RECENT: [AtomicU64; 4] =
@@ -456,24 +481,13 @@ fn coordinate(what: &str) {
     }
     let slot = RECENT.iter().min_by_key(|a| a.load(SeqCst)).expect("not empty");
     slot.store(now_ms, SeqCst);
-    let mut steps: Vec<Step> = Vec::new();
-    fn push(steps: &mut Vec<Step>, name: &'static str, t: &mut Instant, detail: serde_json::Value) {
-        let now = Instant::now();
-        steps.push(Step { step: name, us: now.duration_since(*t).as_secs_f64() * 1e6, detail });
-        *t = now;
-    }
-    let mut t = t0;
+    let mut steps = Steps::new(t0);
     // 1. Hold every thread: discard those running VMM code, keep vCPUs out of KVM_RUN.
     let held = match repair::hold_all(me) {
         Ok(h) => h,
         Err(e) => fail(&format!("{what}: {e}")),
     };
-    push(
-        &mut steps,
-        "hold_threads",
-        &mut t,
-        serde_json::json!({"abandoned": held.abandoned_names}),
-    );
+    steps.done("hold_threads", serde_json::json!({"abandoned": held.abandoned_names}));
     if std::env::var_os(FAULT_IN_RECOVERY_ENV).is_some() {
         // Self-test: a second error inside the recovery itself.
         // SAFETY: raising a signal on the calling thread has no memory effects.
@@ -481,7 +495,7 @@ fn coordinate(what: &str) {
     }
     let waited = INJECTOR_WAIT_US.swap(0, SeqCst);
     if injector_flag().is_some() {
-        steps.push(Step {
+        steps.list.push(Step {
             step: "await_injector_repair",
             us: waited as f64,
             detail: serde_json::json!(null),
@@ -495,9 +509,7 @@ fn coordinate(what: &str) {
         // be saved); then a fresh process replaces this one.
         Policy::Microreboot | Policy::Microreset(_) => {
             let r = if policy == Policy::Microreboot { Repairs::ALL } else { repairs() };
-            let mut step =
-                |n: &'static str, t: &mut Instant, d: serde_json::Value| push(&mut steps, n, t, d);
-            repair::run(r, &abandoned, &held.kept, &mut step, &mut t)
+            repair::run(r, &abandoned, &held.kept, &mut steps)
         }
         Policy::None => unreachable!("checked above"),
     };
@@ -517,7 +529,7 @@ fn coordinate(what: &str) {
     let n = threads::COMPLETED.fetch_add(1, SeqCst) + 1;
     report_recovered(&serde_json::json!({
         "policy": policy.name(), "repairs": repairs().describe(), "cause": what,
-        "coordinator": thread_name(), "recovery": n, "total_us": total_us, "steps": steps,
+        "coordinator": thread_name(), "recovery": n, "total_us": total_us, "steps": steps.list,
     }));
     disarm_deadline();
     threads::COORDINATOR.store(0, SeqCst);

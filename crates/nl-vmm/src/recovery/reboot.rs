@@ -15,7 +15,7 @@ use serde_json::json;
 
 use crate::handover::{self, HandoverRecord, MemorySource, Mode, VmRecord};
 
-use super::Step;
+use super::Steps;
 
 /// The API socket to hand over: (listening fd, path).
 static API: std::sync::Mutex<Option<(i32, std::path::PathBuf)>> = std::sync::Mutex::new(None);
@@ -30,7 +30,7 @@ pub(crate) fn set_api(fd: i32, path: &std::path::Path) {
 /// thread that detected the error may be a vCPU thread, which must finish
 /// its exit and park): pause every VM, save, exec. The recovery deadline
 /// stays armed until the exec.
-pub(crate) fn start(what: String, t0: Instant, mut steps: Vec<Step>) {
+pub(crate) fn start(what: String, t0: Instant, mut steps: Steps) {
     let r = std::thread::Builder::new().name("microreboot".into()).spawn(move || {
         let e = match build_and_exec(&what, t0, &mut steps) {
             Ok(never) => match never {},
@@ -45,16 +45,9 @@ pub(crate) fn start(what: String, t0: Instant, mut steps: Vec<Step>) {
 
 enum Never {}
 
-fn build_and_exec(what: &str, t0: Instant, steps: &mut Vec<Step>) -> Result<Never, String> {
-    let mut t = Instant::now();
-    let step = |steps: &mut Vec<Step>,
-                name: &'static str,
-                t: &mut Instant,
-                d: serde_json::Value| {
-        let now = Instant::now();
-        steps.push(Step { step: name, us: now.duration_since(*t).as_secs_f64() * 1e6, detail: d });
-        *t = now;
-    };
+fn build_and_exec(what: &str, t0: Instant, steps: &mut Steps) -> Result<Never, String> {
+    // This thread's steps are timed from its own start.
+    steps.restart();
     let (listener_fd, path) = API
         .try_lock()
         .ok()
@@ -74,7 +67,7 @@ fn build_and_exec(what: &str, t0: Instant, steps: &mut Vec<Step>) -> Result<Neve
             h.vm.pause();
         }
     }
-    step(steps, "pause_vms", &mut t, json!(host.hosted().len()));
+    steps.done("pause_vms", json!(host.hosted().len()));
     for h in host.hosted() {
         let id = h.vm.id();
         let ended = h.outcome.lock().is_some();
@@ -98,11 +91,11 @@ fn build_and_exec(what: &str, t0: Instant, steps: &mut Vec<Step>) -> Result<Neve
         record.vms.push(rec);
         inherit.push(fd);
     }
-    step(steps, "save_vm_state", &mut t, json!(record.vms.len()));
+    steps.done("save_vm_state", json!(record.vms.len()));
     let exec_ns = handover::mono_ns();
     let started_ns = exec_ns.saturating_sub(t0.elapsed().as_nanos() as u64);
     record.reboot = Some(json!({
-        "cause": what, "started_ns": started_ns, "exec_ns": exec_ns, "steps": steps,
+        "cause": what, "started_ns": started_ns, "exec_ns": exec_ns, "steps": steps.list,
     }));
     let bytes = record.to_bytes();
     let checksum = handover::record_checksum(&bytes);

@@ -3,10 +3,10 @@
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use serde_json::json;
 
 use super::threads::{self, SLOTS};
-use super::Repairs;
+use super::{Repairs, Steps};
 
 pub(crate) struct Held {
     /// Threads whose execution was discarded.
@@ -80,13 +80,12 @@ pub(crate) fn hold_all(me: i32) -> Result<Held, String> {
     Ok(held)
 }
 
-/// Runs the switched-on repairs. `step` records each one's time and result.
+/// Runs the switched-on repairs, recording each one's time and result.
 pub(crate) fn run(
     r: Repairs,
     abandoned: &[i32],
     kept: &[i32],
-    step: &mut dyn FnMut(&'static str, &mut Instant, Value),
-    t: &mut Instant,
+    steps: &mut Steps,
 ) -> Result<(), String> {
     if r.locks {
         // SAFETY: every registered thread not in `kept` jumped back to its
@@ -94,11 +93,11 @@ pub(crate) fn run(
         // holds none): none will use the guards it held.
         let released = unsafe { nl_sync::force_release_all_but(kept) };
         let names: Vec<&str> = released.iter().map(|l| l.name).collect();
-        step("release_locks", t, json!(names));
+        steps.done("release_locks", json!(names));
     }
     if r.counters {
         // Each discarded thread clears its own counters as it leaves the barrier.
-        step("clear_counters", t, json!(abandoned.len()));
+        steps.done("clear_counters", json!(abandoned.len()));
     }
     let hosts = super::live_hosts();
     if r.metadata {
@@ -108,11 +107,11 @@ pub(crate) fn run(
                 fixed.extend(hv.vm.repair_metadata());
             }
         }
-        step("metadata", t, json!(fixed));
+        steps.done("metadata", json!(fixed));
     }
     if r.timers {
         let n: usize = hosts.iter().map(|h| h.events().rearm_interrupted()).sum();
-        step("rearm_timers", t, json!(n));
+        steps.done("rearm_timers", json!(n));
     }
     if r.memory {
         let (mut pages, mut problems) = (0u64, Vec::new());
@@ -123,7 +122,7 @@ pub(crate) fn run(
                 problems.append(&mut e);
             }
         }
-        step("memory_check", t, json!({"pages": pages, "problems": problems}));
+        steps.done("memory_check", json!({"pages": pages, "problems": problems}));
     }
     Ok(())
 }
