@@ -330,6 +330,11 @@ fn take_fd(fd: i32, taken: &mut BTreeSet<i32>, what: &str) -> Result<File, VmmEr
 
 /// Reads a record from an inherited memfd.
 fn read_record(file: &mut File) -> Result<HandoverRecord, VmmError> {
+    HandoverRecord::from_bytes(&read_record_bytes(file)?)
+}
+
+/// A record's bytes from an inherited memfd, at most [`MAX_RECORD`].
+fn read_record_bytes(file: &mut File) -> Result<Vec<u8>, VmmError> {
     file.rewind()?;
     let mut b = Vec::new();
     file.take(MAX_RECORD + 1).read_to_end(&mut b)?;
@@ -338,7 +343,7 @@ fn read_record(file: &mut File) -> Result<HandoverRecord, VmmError> {
             "handover refused: record larger than {MAX_RECORD} bytes"
         )));
     }
-    HandoverRecord::from_bytes(&b)
+    Ok(b)
 }
 
 /// Builds one VM of a record over the given memory (not started). With no
@@ -467,24 +472,15 @@ pub fn take_over_in_place(
     main_ns: u64,
 ) -> Result<TakenOver, VmmError> {
     let mut taken = BTreeSet::new();
-    {
-        let mut f = take_fd(record_fd, &mut BTreeSet::new(), "record")?;
-        f.rewind()?;
-        let mut b = Vec::new();
-        (&mut f).take(MAX_RECORD + 1).read_to_end(&mut b)?;
-        let got = record_checksum(&b);
-        if got != checksum {
-            return Err(VmmError::State(format!(
-                "microreboot refused: the recovery record is corrupt (checksum {got:#x}, expected {checksum:#x})"
-            )));
-        }
-        // `prepare` takes the descriptor again.
-        std::mem::forget(f);
+    let b = read_record_bytes(&mut take_fd(record_fd, &mut taken, "record")?)?;
+    let got = record_checksum(&b);
+    if got != checksum {
+        return Err(VmmError::State(format!(
+            "microreboot refused: the recovery record is corrupt (checksum {got:#x}, expected {checksum:#x})"
+        )));
     }
+    let record = HandoverRecord::from_bytes(&b)?;
     let prep_ns = mono_ns();
-    let mut rf = take_fd(record_fd, &mut taken, "record")?;
-    let record = read_record(&mut rf)?;
-    drop(rf);
     for rec in &record.vms {
         if let (Some(fd), Some(net)) = (rec.tap_fd, &rec.net) {
             let f = take_fd(fd, &mut taken, "TAP")?;
