@@ -601,23 +601,25 @@ impl Vm {
     /// the guest sees, and the vCPU run counts from the vCPU threads.
     /// Returns what it changed.
     pub(crate) fn repair_metadata(&self) -> Vec<String> {
-        let mut out = Vec::new();
-        let limit = Duration::from_millis(20);
-        if let Some(b) = &self.blk {
-            match b.try_lock_for(limit) {
-                Some(mut t) => out.extend(
-                    t.resync_queues().into_iter().map(|m| format!("vm{} blk {m}", self.id)),
-                ),
-                None => out.push(format!("vm{} blk: lock held, not repaired", self.id)),
+        fn resync<D: nl_devices::virtio::VirtioDevice>(
+            t: &Lock<MmioTransport<D>>,
+            what: String,
+            limit: Duration,
+        ) -> Vec<String> {
+            match t.try_lock_for(limit) {
+                Some(mut t) => {
+                    t.resync_queues().into_iter().map(|m| format!("{what} {m}")).collect()
+                }
+                None => vec![format!("{what}: lock held, not repaired")],
             }
         }
+        let limit = Duration::from_millis(20);
+        let mut out = Vec::new();
+        if let Some(b) = &self.blk {
+            out.extend(resync(b, format!("vm{} blk", self.id), limit));
+        }
         if let Some(n) = &self.net {
-            match n.try_lock_for(limit) {
-                Some(mut t) => out.extend(
-                    t.resync_queues().into_iter().map(|m| format!("vm{} net {m}", self.id)),
-                ),
-                None => out.push(format!("vm{} net: lock held, not repaired", self.id)),
-            }
+            out.extend(resync(n, format!("vm{} net", self.id), limit));
         }
         let live = match self.vcpus.try_lock_for(limit) {
             Some(s) => {
