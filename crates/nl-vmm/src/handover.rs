@@ -445,7 +445,7 @@ pub fn take_over(
 
 type Prepared = (Arc<Host>, Option<UnixListener>, Vec<(VmRecord, Vm)>, u64);
 
-/// TAP descriptors inherited across a microreboot, by interface name; the
+/// TAP descriptors inherited across a microreboot or a warm reboot, by interface name; the
 /// VM that uses the interface takes its descriptor when it is re-created.
 static INHERITED_TAPS: std::sync::Mutex<Vec<(String, File)>> = std::sync::Mutex::new(Vec::new());
 
@@ -481,12 +481,6 @@ pub fn take_over_in_place(
     }
     let record = HandoverRecord::from_bytes(&b)?;
     let prep_ns = mono_ns();
-    for rec in &record.vms {
-        if let (Some(fd), Some(net)) = (rec.tap_fd, &rec.net) {
-            let f = take_fd(fd, &mut taken, "TAP")?;
-            INHERITED_TAPS.lock().unwrap_or_else(|p| p.into_inner()).push((net.tap.clone(), f));
-        }
-    }
     let (host, listener, vms, generation) = prepare_record(&record, &mut taken, images)?;
     let built_ns = mono_ns();
     for f in &record.finished {
@@ -545,6 +539,12 @@ fn prepare_record(
         }
         None => None,
     };
+    for rec in &record.vms {
+        if let (Some(fd), Some(net)) = (rec.tap_fd, &rec.net) {
+            let f = take_fd(fd, taken, "TAP")?;
+            INHERITED_TAPS.lock().unwrap_or_else(|p| p.into_inner()).push((net.tap.clone(), f));
+        }
+    }
     let host = Host::new()?;
     host.reserve_ids(record.next_id);
     let mut vms = Vec::new();

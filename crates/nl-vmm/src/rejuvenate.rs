@@ -249,6 +249,9 @@ fn suspend_one(
             let (fd, ino) = handover::memfd_of(vm.memory())?;
             rec.memory = MemorySource::Memfd { fd, ino };
             rec.state = Some(String::from_utf8(state.to_bytes()).expect("JSON is UTF-8"));
+            // The TAP stays attached across the handover: frames that arrive
+            // meanwhile wait in its queue instead of being dropped.
+            rec.tap_fd = vm.tap_fd();
         }
         Mode::SaveRestore => {
             std::fs::create_dir_all(&opts.image_dir)?;
@@ -317,6 +320,7 @@ fn hand_over(
         MemorySource::Memfd { fd, .. } => Some(fd),
         _ => None,
     }));
+    inherit.extend(record.vms.iter().filter_map(|v| v.tap_fd));
     let args: Vec<String> = vec![
         "host".into(),
         "--api".into(),
