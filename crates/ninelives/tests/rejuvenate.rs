@@ -180,10 +180,14 @@ fn warm_rejuvenation_keeps_guest_memory_and_the_socket() {
     let after = h.stats(b)["vcpus"][0]["regs"]["heartbeat"].as_u64().unwrap();
     assert!(after >= rounds_before, "progress lost: {after} < {rounds_before}");
     assert_eq!(h.req(json!({"op":"info"}))["generation"], 1);
+    // The successor was started and built the VMs before they paused.
+    assert_eq!(r["phases"]["prespawned"], true, "{r}");
 
-    // A second warm rejuvenation of the successor works the same way.
-    let (o, r) = h.rejuvenate(&["--mode", "warm"]);
+    // A second warm rejuvenation of the successor works too, this time
+    // starting the new process during the pause (version 1 record).
+    let (o, r) = h.rejuvenate(&["--mode", "warm", "--no-prespawn"]);
     assert!(o.status.success(), "{r}");
+    assert_eq!(r["phases"]["prespawned"], false, "{r}");
     assert_eq!(h.req(json!({"op":"info"}))["generation"], 2);
     assert_eq!(ino(b), ino_b);
 
@@ -229,12 +233,40 @@ fn a_broken_or_refusing_new_binary_leaves_the_vms_running_in_the_old_process() {
             "not a ninelives handover record",
             vec![],
         ),
-        (script(dir.path(), "hang", "exec sleep 60"), "did not become ready", vec!["--timeout", "1"]),
+        (script(dir.path(), "hang", "exec sleep 60"), "did not report", vec!["--timeout", "1"]),
+        // Started during the pause, as in the paper: the record is refused
+        // after the VMs paused, and they resume here.
+        (
+            script(
+                dir.path(),
+                "newer-late",
+                &format!(
+                    "printf '{{\"magic\":\"ninelives-handover\",\"version\":99,\"binary_version\":\"9.9\"}}' > /proc/self/fd/$5\nexec {real} \"$@\""
+                ),
+            ),
+            "record version 99",
+            vec!["--no-prespawn"],
+        ),
+        // A standby successor that built the VMs, then refuses their states
+        // (after the VMs paused here): they resume here.
+        (
+            script(
+                dir.path(),
+                "refuse-state",
+                &format!("NINELIVES_HANDOVER_SELFTEST=refuse-state exec {real} \"$@\""),
+            ),
+            "refusing the VM states",
+            vec![],
+        ),
     ];
     for (bin, why, extra) in &cases {
         let mut args = vec!["--mode", "warm", "--binary", bin.as_str()];
         args.extend(extra.iter().copied());
         let (o, r) = h.rejuvenate(&args);
+        // A standby successor that fails before it has built the VMs costs
+        // them no pause at all; the others fail after the VMs paused.
+        let paused = extra.contains(&"--no-prespawn") || bin.ends_with("refuse-state");
+        assert_eq!(r["vms"].as_array().is_some_and(|v| !v.is_empty()), paused, "{bin}: {r}");
         assert!(!o.status.success(), "{bin}: must fail: {r}");
         assert_eq!(r["ok"], false, "{r}");
         assert_eq!(r["rolled_back"], true, "{r}");

@@ -13,7 +13,8 @@
 //! {"op":"shutdown"}                      -> {"ok":true}   (stops the host)
 //! {"op":"info"}                          -> {"ok":true,"pid":N,"version":"...","generation":N}
 //! {"op":"rejuvenate","mode":"warm"|"cold"|"save-restore",
-//!  "binary":"/path" (optional), "image_dir":"/dir" (optional)}
+//!  "binary":"/path", "image_dir":"/dir", "timeout_secs":N,
+//!  "prespawn":true|false (all optional; prespawn: warm only, default true)}
 //!                                        -> {"ok":true,"report":{...}}
 //! ```
 //!
@@ -237,13 +238,25 @@ fn rejuvenate_op(host: &Host, req: &Value, ctx: &ServeCtx) -> Result<Value, Stri
             .map(Duration::from_secs_f64)
             .ok_or("\"timeout_secs\" must be a number of seconds in (0, 3600]")?,
     };
+    let prespawn = match req.get("prespawn") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err("\"prespawn\" must be true or false".into()),
+    };
     if ctx.listener_fd < 0 {
         return Err("rejuvenate needs a host serving on a socket".into());
     }
     if ctx.hold.swap(true, Relaxed) {
         return Err("a rejuvenation is already in progress".into());
     }
-    let opts = rejuvenate::Options { mode, binary, api_path: ctx.path.clone(), image_dir, timeout };
+    let opts = rejuvenate::Options {
+        mode,
+        binary,
+        api_path: ctx.path.clone(),
+        image_dir,
+        timeout,
+        prespawn,
+    };
     let report = rejuvenate::rejuvenate(host, Some(ctx.listener_fd), &opts);
     if report.ok {
         ctx.handed_over.store(true, Relaxed);

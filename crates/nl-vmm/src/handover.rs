@@ -35,8 +35,12 @@ use crate::{Vm, VmConfig, VmmError};
 
 /// First field of every record.
 pub const HANDOVER_MAGIC: &str = "ninelives-handover";
-/// The record version this binary writes.
-pub const HANDOVER_VERSION: u32 = 1;
+/// The newest record version this binary reads and writes. Version 2 adds
+/// [`HandoverRecord::deferred_state`]; records without it are still written
+/// as version 1, which every ninelives reads.
+pub const HANDOVER_VERSION: u32 = 2;
+/// The record version of a standby successor's record (deferred state).
+pub const DEFERRED_STATE_VERSION: u32 = 2;
 /// The oldest record version this binary still reads.
 pub const OLDEST_HANDOVER_VERSION: u32 = 1;
 /// Largest record accepted (it holds only small vCPU and device state).
@@ -171,13 +175,20 @@ pub struct HandoverRecord {
     /// A microreboot's cause, start time and steps in the old process.
     #[serde(default)]
     pub reboot: Option<serde_json::Value>,
+    /// Version 2: a standby successor. The record is written before any VM
+    /// pauses and holds no state; the new process builds each VM over its
+    /// memfd, reports `standby`, and receives the states over the control
+    /// socket once the old process has paused the VMs (see [`take_over`]).
+    #[serde(default)]
+    pub deferred_state: bool,
 }
 
 impl HandoverRecord {
     pub fn new(mode: Mode, generation: u64, listener_fd: Option<i32>, next_id: u32) -> Self {
         Self {
             magic: HANDOVER_MAGIC.into(),
-            version: HANDOVER_VERSION,
+            // Version 1 unless deferred: every ninelives reads it.
+            version: OLDEST_HANDOVER_VERSION,
             binary_version: env!("CARGO_PKG_VERSION").into(),
             mode,
             generation,
@@ -186,7 +197,14 @@ impl HandoverRecord {
             vms: Vec::new(),
             finished: Vec::new(),
             reboot: None,
+            deferred_state: false,
         }
+    }
+
+    /// Makes this the record of a standby successor (version 2).
+    pub fn defer_state(&mut self) {
+        self.deferred_state = true;
+        self.version = DEFERRED_STATE_VERSION;
     }
 
     pub fn to_bytes(&self) -> Vec<u8> {
@@ -222,10 +240,24 @@ impl HandoverRecord {
         // parsed into its own struct here and converted.
         let r: Self = serde_json::from_slice(b)
             .map_err(|e| bad(format!("corrupt version {} record ({e})", head.version)))?;
+        if r.deferred_state && r.version < DEFERRED_STATE_VERSION {
+            return Err(bad(format!(
+                "corrupt record: deferred state in a version {} record",
+                r.version
+            )));
+        }
         let mut ids = BTreeSet::new();
         let mut fds = BTreeSet::new();
         fds.extend(r.listener_fd);
         for v in &r.vms {
+            if r.deferred_state
+                && (v.state.is_some() || !matches!(v.memory, MemorySource::Memfd { .. }))
+            {
+                return Err(bad(format!(
+                    "corrupt record: VM {} of a standby record must have a memfd and no state",
+                    v.id
+                )));
+            }
             if !ids.insert(v.id) {
                 return Err(bad(format!("corrupt record: VM {} listed twice", v.id)));
             }
@@ -381,11 +413,74 @@ pub struct TakenOver {
     pub listener: Option<UnixListener>,
 }
 
-/// Lines of the control protocol (new → old unless noted):
-/// `ready {...}` (all VMs re-created, not running), old → new `go` or
-/// `abort`, `starting` (the commit point: sent before any vCPU runs here),
-/// `started {...}` (per-VM start and first-heartbeat times), or
-/// `error MESSAGE` at any point before `starting`.
+/// One VM's saved state, sent to a standby successor once the old process
+/// has paused the VM (`state` line of the control protocol).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct DeferredState {
+    pub id: u32,
+    /// Paused by the API user: stays paused after the handover.
+    pub paused: bool,
+    pub paused_at_ns: u64,
+    /// The VM's [`VmState`] bytes.
+    pub state: String,
+}
+
+/// The `state` line: every VM still to carry over (VMs that finished after
+/// the record was written are left out and dropped by the successor).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct DeferredStates {
+    pub vms: Vec<DeferredState>,
+}
+
+/// At most 80 characters of a peer's line, for an error message.
+fn clip(line: &str) -> String {
+    line.chars().take(80).collect()
+}
+
+/// Loads the deferred states into the VMs a standby successor prepared.
+fn apply_states(vms: Vec<(VmRecord, Vm)>, line: &str) -> Result<Vec<(VmRecord, Vm)>, VmmError> {
+    let bad = |m: String| VmmError::State(format!("handover refused: {m}"));
+    let body = line
+        .strip_prefix("state ")
+        .ok_or_else(|| bad(format!("expected the VM states, got {:?}", clip(line))))?;
+    let states: DeferredStates =
+        serde_json::from_str(body).map_err(|e| bad(format!("bad state message ({e})")))?;
+    if std::env::var_os("NINELIVES_HANDOVER_SELFTEST").is_some_and(|v| v == "refuse-state") {
+        return Err(bad("self-test: refusing the VM states".into()));
+    }
+    let mut by_id: std::collections::BTreeMap<u32, DeferredState> = Default::default();
+    for st in states.vms {
+        let id = st.id;
+        if by_id.insert(id, st).is_some() {
+            return Err(bad(format!("state for VM {id} sent twice")));
+        }
+    }
+    let mut out = Vec::new();
+    for (mut rec, vm) in vms {
+        // A VM without state finished in the old process meanwhile: dropped.
+        let Some(st) = by_id.remove(&rec.id) else { continue };
+        let state = VmState::from_bytes(st.state.as_bytes())?;
+        vm.restore_state(&state).map_err(|e| bad(format!("VM {}: {e}", rec.id)))?;
+        rec.paused = st.paused;
+        rec.paused_at_ns = st.paused_at_ns;
+        rec.state = Some(st.state);
+        out.push((rec, vm));
+    }
+    if let Some(id) = by_id.keys().next() {
+        return Err(bad(format!("state for VM {id}, which the record does not list")));
+    }
+    Ok(out)
+}
+
+/// Lines of the control protocol (new → old unless noted). A standby
+/// successor (record version 2, [`HandoverRecord::deferred_state`]) first
+/// sends `standby {...}` (every VM built over its memfd, nothing paused yet)
+/// and receives old → new `state {...}` ([`DeferredStates`]) once the old
+/// process has paused the VMs. Then: `ready {...}` (all VMs re-created with
+/// their state, not running), old → new `go` or `abort`, `starting` (the
+/// commit point: sent before any vCPU runs here), `started {...}` (per-VM
+/// start and first-heartbeat times), or `error MESSAGE` at any point before
+/// `starting`.
 pub fn take_over(
     record_fd: i32,
     ctl_fd: i32,
@@ -399,18 +494,34 @@ pub fn take_over(
         VmmError::State(format!("handover refused: control descriptor is not a socket ({e})"))
     })?;
     let mut out = ctl.try_clone()?;
-    let r = prepare(record_fd, &mut taken, images);
-    let (host, listener, vms, generation) = match r {
-        Ok(v) => v,
-        Err(e) => {
-            let _ = writeln!(out, "error {}", e.to_string().replace('\n', " "));
-            return Err(e);
-        }
-    };
-    let ready_ns = mono_ns();
-    writeln!(out, "ready {}", json!({"main_ns": main_ns, "ready_ns": ready_ns}))?;
     let mut reader = BufReader::new(ctl);
+    let refuse = |out: &mut UnixStream, e: VmmError| {
+        let _ = writeln!(out, "error {}", e.to_string().replace('\n', " "));
+        e
+    };
+    let r =
+        take_fd(record_fd, &mut taken, "record").and_then(|mut f| read_record(&mut f)).and_then(
+            |record| Ok((record.deferred_state, prepare_record(&record, &mut taken, images)?)),
+        );
+    let (deferred, (host, listener, mut vms, generation)) = match r {
+        Ok(v) => v,
+        Err(e) => return Err(refuse(&mut out, e)),
+    };
     let mut line = String::new();
+    let mut times = json!({"main_ns": main_ns});
+    if deferred {
+        times["standby_ns"] = json!(mono_ns());
+        writeln!(out, "standby {times}")?;
+        reader.read_line(&mut line)?;
+        times["state_ns"] = json!(mono_ns());
+        vms = match apply_states(vms, line.trim_end()) {
+            Ok(v) => v,
+            Err(e) => return Err(refuse(&mut out, e)),
+        };
+    }
+    times["ready_ns"] = json!(mono_ns());
+    writeln!(out, "ready {times}")?;
+    line.clear();
     reader.read_line(&mut line)?;
     if line.trim() != "go" {
         return Err(VmmError::State("the old VMM kept its VMs (handover aborted)".into()));
@@ -513,16 +624,6 @@ pub fn take_over_in_place(
     Ok(TakenOver { host, listener })
 }
 
-fn prepare(
-    record_fd: i32,
-    taken: &mut BTreeSet<i32>,
-    images: &Images,
-) -> Result<Prepared, VmmError> {
-    let mut rf = take_fd(record_fd, taken, "record")?;
-    let record = read_record(&mut rf)?;
-    prepare_record(&record, taken, images)
-}
-
 fn prepare_record(
     record: &HandoverRecord,
     taken: &mut BTreeSet<i32>,
@@ -564,8 +665,13 @@ fn prepare_record(
             MemorySource::Image { path } => Some(load_image(rec, path)?),
             MemorySource::Fresh => None,
         };
-        let vm = build_vm(host.kvm(), rec, images, memory)
-            .map_err(|e| VmmError::State(format!("VM {}: {e}", rec.id)))?;
+        let vm = match memory {
+            Some(mem) if record.deferred_state => {
+                Vm::prepare(host.kvm(), rec.id, rec.config(images), mem)
+            }
+            memory => build_vm(host.kvm(), rec, images, memory),
+        }
+        .map_err(|e| VmmError::State(format!("VM {}: {e}", rec.id)))?;
         vms.push((rec.clone(), vm));
     }
     Ok((host, listener, vms, record.generation))
@@ -646,7 +752,7 @@ mod tests {
         let mut v = serde_json::to_value(sample()).unwrap();
         v["version"] = json!(HANDOVER_VERSION + 1);
         let e = HandoverRecord::from_bytes(v.to_string().as_bytes()).unwrap_err().to_string();
-        assert!(e.contains("record version 2") && e.contains("reads versions 1..=1"), "{e}");
+        assert!(e.contains("record version 3") && e.contains("reads versions 1..=2"), "{e}");
         v["version"] = json!(0);
         assert!(HandoverRecord::from_bytes(v.to_string().as_bytes()).is_err());
         let b = sample().to_bytes();
@@ -662,6 +768,28 @@ mod tests {
         v["vms"][0]["mem_bytes"] = json!("lots");
         let e = HandoverRecord::from_bytes(v.to_string().as_bytes()).unwrap_err();
         assert!(e.to_string().contains("corrupt version 1 record"), "{e}");
+    }
+
+    #[test]
+    fn standby_records_are_version_2_and_checked() {
+        // Without deferred state a record stays version 1, for older readers.
+        assert_eq!(sample().version, 1);
+        let mut r = sample();
+        r.vms[0].state = None;
+        r.defer_state();
+        let back = HandoverRecord::from_bytes(&r.to_bytes()).unwrap();
+        assert!(back.deferred_state);
+        assert_eq!(back.version, DEFERRED_STATE_VERSION);
+        // A version 1 record cannot carry deferred state.
+        let mut v = serde_json::to_value(&r).unwrap();
+        v["version"] = json!(1);
+        let e = HandoverRecord::from_bytes(v.to_string().as_bytes()).unwrap_err().to_string();
+        assert!(e.contains("deferred state in a version 1 record"), "{e}");
+        // A standby record names memfds and no state.
+        let mut v = serde_json::to_value(&r).unwrap();
+        v["vms"][0]["state"] = json!("{}");
+        let e = HandoverRecord::from_bytes(v.to_string().as_bytes()).unwrap_err().to_string();
+        assert!(e.contains("must have a memfd and no state"), "{e}");
     }
 
     #[test]

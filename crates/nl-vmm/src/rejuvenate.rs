@@ -4,20 +4,26 @@
 //!
 //! The old process gives its VMs up only after the new one confirmed:
 //!
+//! 0. warm (default): start the new binary first, as a standby successor.
+//!    It maps every VM's memfd and builds the VM (KVM VM, memory slots,
+//!    irqchip, vCPUs, devices) while the VMs still run here, then reports
+//!    `standby`; a binary that fails to start or refuses the record costs
+//!    the VMs nothing;
 //! 1. suspend: pause every VM, save its vCPU and device state (save-restore:
 //!    also write its memory to a file; cold and save-restore then shut the
 //!    VMs down here, as an ordinary restart would);
-//! 2. start the new binary as a child holding the fds, wait for `ready`
+//! 2. send the states to the standby successor (or, without one, start the
+//!    new binary now with everything in its record) and wait for `ready`
 //!    (every VM re-created there, none running);
-//! 3. warm: stop the paused VMs here (they never run again in this
-//!    process), then send `go`; the child answers `starting` and only then
-//!    runs any vCPU.
+//! 3. send `go`; the new process answers `starting` and only then runs any
+//!    vCPU. Warm: only now are the paused VMs torn down here (outside the
+//!    downtime).
 //!
-//! If the child fails to start, rejects the record, dies or times out before
-//! `starting`, the VMs come back here: resumed where they were paused (or,
-//! once released, restored again from the saved state over the same memfd,
-//! from the image file, or booted afresh for cold). After `starting` the new
-//! process owns the VMs and this one exits.
+//! If the new process fails to start, rejects the record or the states, dies
+//! or times out before `starting`, it is killed and only then do the VMs come
+//! back here: resumed where they were paused (or, for cold and save-restore,
+//! which released them, booted afresh or restored from the image file).
+//! After `starting` the new process owns the VMs and this one exits.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
@@ -49,6 +55,10 @@ pub struct Options {
     pub image_dir: PathBuf,
     /// How long the new process may take to become ready.
     pub timeout: Duration,
+    /// Warm: start the new process and let it build the VMs before any VM
+    /// pauses (only the states cross the pause). Off: start it during the
+    /// pause, as in the paper.
+    pub prespawn: bool,
 }
 
 /// Downtime of one VM. All times are from the moment its pause began.
@@ -79,11 +89,18 @@ pub struct Phases {
     pub suspend_ms: f64,
     /// Shut the VMs down here before the restart (cold, save-restore).
     pub shutdown_ms: f64,
+    /// Warm with a standby successor: exec and building the VMs happened
+    /// before the pause (`exec_ms` and `standby_ms` are not downtime).
+    pub prespawned: bool,
     /// From starting the new binary to its `main` (the "VMM reboot").
     pub exec_ms: f64,
-    /// From its `main` to every VM re-created (restore; cold: create).
+    /// Standby successor: from its `main` to every VM built over its memfd.
+    pub standby_ms: f64,
+    /// From its `main` (standby: from sending the states) to every VM
+    /// re-created with its state (cold: created).
     pub restore_ms: f64,
-    /// Stop the paused VMs here after `ready` (warm).
+    /// Tear the paused VMs down here after the new process committed
+    /// (warm; not part of the downtime).
     pub release_ms: f64,
     /// From `go` to the last VM's vCPUs running in the new process.
     pub start_ms: f64,
@@ -135,6 +152,21 @@ pub fn rejuvenate(host: &Host, listener_fd: Option<i32>, opts: &Options) -> Repo
         generation: host.generation() + 1,
         ..Report::default()
     };
+    // 0. Warm: start the successor before anything pauses. It builds every
+    // VM over its memfd while the VMs still run here; a binary that fails to
+    // start or refuses the record costs the VMs nothing.
+    let mut standby = None;
+    if opts.mode == Mode::Warm && opts.prespawn {
+        report.phases.prespawned = true;
+        match Successor::standby(host, listener_fd, opts, &mut report) {
+            Ok(s) => standby = Some(s),
+            Err(e) => {
+                report.error = Some(e);
+                report.rolled_back = true;
+                return report;
+            }
+        }
+    }
     let t0 = mono_ns();
     // 1. Suspend.
     let mut suspended = Vec::new();
@@ -168,6 +200,9 @@ pub fn rejuvenate(host: &Host, listener_fd: Option<i32>, opts: &Options) -> Repo
                     state: None,
                     image: None,
                 });
+                if let Some(s) = standby.take() {
+                    s.kill();
+                }
                 resume_all(host, &suspended);
                 report.rolled_back = true;
                 return report;
@@ -194,8 +229,10 @@ pub fn rejuvenate(host: &Host, listener_fd: Option<i32>, opts: &Options) -> Repo
         report.phases.shutdown_ms = ms_between(t, mono_ns());
     }
 
-    // 2. Start the new process and wait for `ready`.
-    let outcome = hand_over(host, listener_fd, opts, &suspended, &mut report, &mut released);
+    // 2. Start the new process (or hand the states to the standby one) and
+    // wait for `ready`.
+    let outcome =
+        hand_over(host, listener_fd, opts, standby, &suspended, &mut report, &mut released);
     match outcome {
         Ok(()) => {
             report.ok = true;
@@ -273,6 +310,7 @@ fn suspend_one(
     Ok((state, image))
 }
 
+/// Why a handover did not complete.
 enum HandoverFailure {
     /// The new process never ran a vCPU: the VMs come back here.
     Recoverable(String),
@@ -280,129 +318,253 @@ enum HandoverFailure {
     Lost(String),
 }
 
-fn read_line(r: &mut BufReader<UnixStream>) -> Option<String> {
-    let mut line = String::new();
-    match r.read_line(&mut line) {
-        Ok(n) if n > 0 => Some(line.trim_end().to_string()),
-        _ => None,
-    }
+/// The new VMM process and this side of its control socket.
+struct Successor {
+    child: std::process::Child,
+    out: UnixStream,
+    reader: BufReader<UnixStream>,
+    binary: PathBuf,
+    timeout: Duration,
+    spawn_ns: u64,
 }
 
-/// The exit status of a child that closed its end, waiting briefly for the
-/// kernel to finish its exit (its fds close before it becomes a zombie).
-fn exit_status(child: &mut std::process::Child) -> Option<std::process::ExitStatus> {
-    for _ in 0..200 {
-        if let Ok(Some(s)) = child.try_wait() {
-            return Some(s);
-        }
-        std::thread::sleep(Duration::from_millis(5));
+impl Successor {
+    /// Starts `opts.binary` as `host --handover-fd R --handover-ctl C` with
+    /// the record, the control socket, the listener, the memfds and the
+    /// TAPs the record names inherited.
+    fn spawn(
+        record: &HandoverRecord,
+        listener_fd: Option<i32>,
+        opts: &Options,
+    ) -> Result<Self, String> {
+        let rec_file = handover::record_memfd(record).map_err(|e| e.to_string())?;
+        let (mine, theirs) = UnixStream::pair().map_err(|e| e.to_string())?;
+        let mut inherit = vec![rec_file.as_raw_fd(), theirs.as_raw_fd()];
+        inherit.extend(listener_fd);
+        inherit.extend(record.vms.iter().filter_map(|v| match v.memory {
+            MemorySource::Memfd { fd, .. } => Some(fd),
+            _ => None,
+        }));
+        inherit.extend(record.vms.iter().filter_map(|v| v.tap_fd));
+        let args: Vec<String> = vec![
+            "host".into(),
+            "--api".into(),
+            opts.api_path.display().to_string(),
+            "--handover-fd".into(),
+            rec_file.as_raw_fd().to_string(),
+            "--handover-ctl".into(),
+            theirs.as_raw_fd().to_string(),
+        ];
+        let spawn_ns = mono_ns();
+        let mut child = handover::spawn_with_fds(&opts.binary, &args, inherit)
+            .map_err(|e| format!("cannot start {}: {e}", opts.binary.display()))?;
+        let out = match mine.try_clone() {
+            Ok(o) => o,
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(e.to_string());
+            }
+        };
+        Ok(Self {
+            child,
+            out,
+            reader: BufReader::new(mine),
+            binary: opts.binary.clone(),
+            timeout: opts.timeout,
+            spawn_ns,
+        })
     }
-    None
+
+    /// Starts a standby successor for the warm handover of every VM still
+    /// running here and waits until it has built them all.
+    fn standby(
+        host: &Host,
+        listener_fd: Option<i32>,
+        opts: &Options,
+        report: &mut Report,
+    ) -> Result<Self, String> {
+        let mut record =
+            HandoverRecord::new(Mode::Warm, host.generation() + 1, listener_fd, host.next_id());
+        record.defer_state();
+        for h in host.hosted() {
+            if h.outcome.lock().is_some() {
+                continue;
+            }
+            let mut rec = VmRecord::describe(h.vm.id(), h.vm.config(), false);
+            let (fd, ino) = handover::memfd_of(h.vm.memory()).map_err(|e| e.to_string())?;
+            rec.memory = MemorySource::Memfd { fd, ino };
+            rec.tap_fd = h.vm.tap_fd();
+            record.vms.push(rec);
+        }
+        let mut s = Self::spawn(&record, listener_fd, opts)?;
+        match s.expect("standby") {
+            Ok(t) => {
+                let num = |k: &str| t.get(k).and_then(Value::as_u64).unwrap_or(0);
+                report.phases.exec_ms = ms_between(s.spawn_ns, num("main_ns"));
+                report.phases.standby_ms = ms_between(num("main_ns"), num("standby_ns"));
+                report.new_pid = Some(s.child.id());
+                Ok(s)
+            }
+            Err(e) => {
+                s.kill();
+                Err(e)
+            }
+        }
+    }
+
+    fn read_line(&mut self) -> Option<String> {
+        let mut line = String::new();
+        match self.reader.read_line(&mut line) {
+            Ok(n) if n > 0 => Some(line.trim_end().to_string()),
+            _ => None,
+        }
+    }
+
+    fn send(&mut self, line: &str) -> Result<(), String> {
+        writeln!(self.out, "{line}").map_err(|_| "the new VMM went away".to_string())
+    }
+
+    /// Waits (at most the timeout) for the line `word {...}` and returns its JSON.
+    fn expect(&mut self, word: &str) -> Result<Value, String> {
+        let waited_from = mono_ns();
+        let _ = self.reader.get_ref().set_read_timeout(Some(self.timeout));
+        let line = self.read_line();
+        match line.as_deref() {
+            Some(l) if l.starts_with(word) && l[word.len()..].starts_with(' ') => {
+                Ok(serde_json::from_str(&l[word.len() + 1..]).unwrap_or(Value::Null))
+            }
+            Some(l) if l == word => Ok(Value::Null),
+            Some(l) if l.starts_with("error ") => {
+                Err(format!("the new VMM refused the handover: {}", &l[6..]))
+            }
+            Some(l) => Err(format!("the new VMM said {l:?} instead of {word}")),
+            None => {
+                let waited =
+                    waited_from.saturating_add(self.timeout.as_nanos() as u64) <= mono_ns();
+                Err(match (waited, self.exit_status()) {
+                    (false, Some(s)) => format!(
+                        "the new VMM ({}) exited ({s}) before it reported {word}",
+                        self.binary.display()
+                    ),
+                    (false, None) => {
+                        format!("the new VMM closed the control channel before it reported {word}")
+                    }
+                    (true, _) => {
+                        format!("the new VMM did not report {word} within {:?}", self.timeout)
+                    }
+                })
+            }
+        }
+    }
+
+    /// The exit status of a child that closed its end, waiting briefly for
+    /// the kernel to finish its exit (its fds close before it becomes a zombie).
+    fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        for _ in 0..200 {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        None
+    }
+
+    fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Kills the successor: the handover failed before it ran anything.
+    fn fail(self, why: String) -> HandoverFailure {
+        self.kill();
+        HandoverFailure::Recoverable(why)
+    }
 }
 
 fn hand_over(
     host: &Host,
     listener_fd: Option<i32>,
     opts: &Options,
+    standby: Option<Successor>,
     suspended: &[Suspended],
     report: &mut Report,
     released: &mut bool,
 ) -> Result<(), HandoverFailure> {
     use HandoverFailure::*;
-    let mut record =
-        HandoverRecord::new(opts.mode, host.generation() + 1, listener_fd, host.next_id());
-    record.vms = suspended.iter().map(|s| s.rec.clone()).collect();
-    let rec_file = handover::record_memfd(&record).map_err(|e| Recoverable(e.to_string()))?;
-    let (mine, theirs) = UnixStream::pair().map_err(|e| Recoverable(e.to_string()))?;
-    let mut inherit = vec![rec_file.as_raw_fd(), theirs.as_raw_fd()];
-    inherit.extend(listener_fd);
-    inherit.extend(record.vms.iter().filter_map(|v| match v.memory {
-        MemorySource::Memfd { fd, .. } => Some(fd),
-        _ => None,
-    }));
-    inherit.extend(record.vms.iter().filter_map(|v| v.tap_fd));
-    let args: Vec<String> = vec![
-        "host".into(),
-        "--api".into(),
-        opts.api_path.display().to_string(),
-        "--handover-fd".into(),
-        rec_file.as_raw_fd().to_string(),
-        "--handover-ctl".into(),
-        theirs.as_raw_fd().to_string(),
-    ];
-    let spawn_ns = mono_ns();
-    let mut child = handover::spawn_with_fds(&opts.binary, &args, inherit)
-        .map_err(|e| Recoverable(format!("cannot start {}: {e}", opts.binary.display())))?;
-    drop(theirs);
-    drop(rec_file);
-    let fail = |child: &mut std::process::Child, m: String| {
-        let _ = child.kill();
-        let _ = child.wait();
-        Recoverable(m)
-    };
-    let _ = mine.set_read_timeout(Some(opts.timeout));
-    let mut out = match mine.try_clone() {
-        Ok(o) => o,
-        Err(e) => return Err(fail(&mut child, e.to_string())),
-    };
-    let mut reader = BufReader::new(mine);
-    let line = read_line(&mut reader);
-    let ready: Value = match line.as_deref() {
-        Some(l) if l.starts_with("ready ") => serde_json::from_str(&l[6..]).unwrap_or(Value::Null),
-        Some(l) if l.starts_with("error ") => {
-            return Err(fail(&mut child, format!("the new VMM refused the handover: {}", &l[6..])))
-        }
-        Some(l) => {
-            return Err(fail(&mut child, format!("the new VMM said {l:?} instead of ready")))
+    let mut s = match standby {
+        Some(mut s) => {
+            // The states of the paused VMs complete what the standby built.
+            let states = handover::DeferredStates {
+                vms: suspended
+                    .iter()
+                    .map(|v| handover::DeferredState {
+                        id: v.rec.id,
+                        paused: v.rec.paused,
+                        paused_at_ns: v.rec.paused_at_ns,
+                        state: v.rec.state.clone().unwrap_or_default(),
+                    })
+                    .collect(),
+            };
+            let line = format!("state {}", serde_json::to_string(&states).expect("serializes"));
+            let sent_ns = mono_ns();
+            if let Err(e) = s.send(&line) {
+                return Err(s.fail(format!("{e} before it got the VM states")));
+            }
+            match s.expect("ready") {
+                Ok(r) => {
+                    let ready_ns = r.get("ready_ns").and_then(Value::as_u64).unwrap_or(0);
+                    report.phases.restore_ms = ms_between(sent_ns, ready_ns);
+                }
+                Err(e) => return Err(s.fail(e)),
+            }
+            s
         }
         None => {
-            let waited = spawn_ns.saturating_add(opts.timeout.as_nanos() as u64) <= mono_ns();
-            let why = match (waited, exit_status(&mut child)) {
-                (false, Some(s)) => format!(
-                    "the new VMM ({}) exited ({s}) before it was ready",
-                    opts.binary.display()
-                ),
-                (false, None) => {
-                    "the new VMM closed the control channel before it was ready".into()
+            let mut record =
+                HandoverRecord::new(opts.mode, host.generation() + 1, listener_fd, host.next_id());
+            record.vms = suspended.iter().map(|s| s.rec.clone()).collect();
+            let mut s = Successor::spawn(&record, listener_fd, opts).map_err(Recoverable)?;
+            match s.expect("ready") {
+                Ok(r) => {
+                    let num = |k: &str| r.get(k).and_then(Value::as_u64).unwrap_or(0);
+                    report.phases.exec_ms = ms_between(s.spawn_ns, num("main_ns"));
+                    report.phases.restore_ms = ms_between(num("main_ns"), num("ready_ns"));
+                    report.new_pid = Some(s.child.id());
                 }
-                (true, _) => format!("the new VMM did not become ready within {:?}", opts.timeout),
-            };
-            return Err(fail(&mut child, why));
+                Err(e) => return Err(s.fail(e)),
+            }
+            s
         }
     };
-    let num = |k: &str| ready.get(k).and_then(Value::as_u64).unwrap_or(0);
-    report.phases.exec_ms = ms_between(spawn_ns, num("main_ns"));
-    report.phases.restore_ms = ms_between(num("main_ns"), num("ready_ns"));
-    report.new_pid = Some(child.id());
 
-    // 3. Release the VMs here (warm), then commit.
+    // 3. Commit. The paused VMs stay paused here until the new process
+    // said `starting`; any failure before that kills it first and only then
+    // resumes them, so two copies of a VM never run.
+    if let Err(e) = s.send("go") {
+        return Err(s.fail(format!("{e} before go")));
+    }
+    match s.read_line().as_deref() {
+        Some("starting") => {}
+        other => return Err(s.fail(format!("the new VMM did not start the VMs (said {other:?})"))),
+    }
+    // Committed: from here on the VMs belong to the new process. Tearing
+    // them down here (vCPU threads, KVM VMs, memory mappings) is outside
+    // their downtime (warm).
     if !*released {
         let t = mono_ns();
-        for s in suspended {
-            let _ = host.release(s.rec.id);
+        for v in suspended {
+            let _ = host.release(v.rec.id);
         }
         *released = true;
         report.phases.release_ms = ms_between(t, mono_ns());
     }
-    if writeln!(out, "go").is_err() {
-        return Err(fail(&mut child, "the new VMM went away before go".into()));
-    }
-    match read_line(&mut reader).as_deref() {
-        Some("starting") => {}
-        other => {
-            return Err(fail(
-                &mut child,
-                format!("the new VMM did not start the VMs (said {other:?})"),
-            ))
-        }
-    }
-    // Committed: from here on the VMs belong to the new process.
-    let started: Value = match read_line(&mut reader) {
+    let started: Value = match s.read_line() {
         Some(l) if l.starts_with("started ") => {
             serde_json::from_str(&l[8..]).unwrap_or(Value::Null)
         }
         _ => {
-            if exit_status(&mut child).is_some() {
+            if s.exit_status().is_some() {
                 return Err(Lost("the new VMM died after taking the VMs over".into()));
             }
             Value::Null
@@ -415,16 +577,16 @@ fn hand_over(
         let t = |k: &str| v.get(k).and_then(Value::as_u64);
         let Some(d) = report.vms.iter_mut().find(|d| u64::from(d.id) == id) else { continue };
         let paused = t("paused_at_ns").unwrap_or(0);
-        if let Some(s) = t("start_ns") {
-            d.downtime_ms = Some(ms_between(paused, s));
-            last_start = last_start.max(s);
+        if let Some(st) = t("start_ns") {
+            d.downtime_ms = Some(ms_between(paused, st));
+            last_start = last_start.max(st);
         }
         d.heartbeat_gap_ms = t("first_beat_ns").map(|b| ms_between(paused, b));
         d.boot_done_ms = t("workload_start_ns").map(|b| ms_between(paused, b));
     }
     report.phases.start_ms = ms_between(go_ns, last_start);
     // The child is reparented when this process exits; it is not waited for.
-    std::mem::forget(child);
+    std::mem::forget(s.child);
     Ok(())
 }
 

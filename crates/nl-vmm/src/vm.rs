@@ -164,16 +164,25 @@ impl Vm {
         memory: GuestMemory,
         state: &VmState,
     ) -> Result<Self, VmmError> {
+        check_compatible(&config, state)?;
+        check_memory(&memory, state)?;
+        let vm = Self::prepare(kvm, id, config, memory)?;
+        vm.load_state(state)?;
+        Ok(vm)
+    }
+
+    /// Builds a VM over existing guest memory, ready for
+    /// [`Vm::restore_state`] (not started, no state loaded). A standby
+    /// successor prepares its VMs this way while the old process still runs
+    /// them: the expensive part of a take-over happens outside the pause.
+    pub fn prepare(
+        kvm: &Kvm,
+        id: u32,
+        config: VmConfig,
+        memory: GuestMemory,
+    ) -> Result<Self, VmmError> {
         let created_at = Instant::now();
         config.validate().map_err(VmmError::Config)?;
-        check_compatible(&config, state)?;
-        if memory.size() != state.mem_bytes {
-            return Err(VmmError::State(format!(
-                "memory holds {} bytes but the state is for {}",
-                memory.size(),
-                state.mem_bytes
-            )));
-        }
         let vm = Self::assemble(kvm, id, config, memory, created_at)?;
         let cpuid = supported_cpuid(kvm)?;
         for (cpu, slot) in vm.slots().iter().enumerate() {
@@ -181,7 +190,6 @@ impl Vm {
             let c = nl_arch::regs::vcpu_cpuid(&cpuid, cpu as u64);
             fd.set_cpuid2(&c).map_err(kvm_err("KVM_SET_CPUID2"))?;
         }
-        vm.load_state(state)?;
         Ok(vm)
     }
 
@@ -515,6 +523,7 @@ impl Vm {
     pub fn restore_state(&self, state: &VmState) -> Result<(), VmmError> {
         self.require_stopped_vcpus()?;
         check_compatible(&self.config, state)?;
+        check_memory(&self.memory, state)?;
         self.load_state(state)
     }
 
@@ -932,6 +941,17 @@ fn check_compatible(config: &VmConfig, state: &VmState) -> Result<(), VmmError> 
         return Err(VmmError::State(format!(
             "state is for {} bytes of memory, the VM has {}",
             state.mem_bytes, config.mem_bytes
+        )));
+    }
+    Ok(())
+}
+
+fn check_memory(memory: &GuestMemory, state: &VmState) -> Result<(), VmmError> {
+    if memory.size() != state.mem_bytes {
+        return Err(VmmError::State(format!(
+            "memory holds {} bytes but the state is for {}",
+            memory.size(),
+            state.mem_bytes
         )));
     }
     Ok(())

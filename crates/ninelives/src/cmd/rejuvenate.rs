@@ -46,6 +46,11 @@ pub struct RejuvenateArgs {
     /// Seconds the new VMM may take to become ready before the handover is rolled back.
     #[arg(long, default_value_t = 60.0)]
     pub timeout: f64,
+    /// Warm: start the new VMM during the pause instead of before it (by
+    /// default it starts first and builds the VMs while they still run, so
+    /// only their state crosses the pause).
+    #[arg(long)]
+    pub no_prespawn: bool,
     /// Print the report as one JSON object on the last line of stdout.
     #[arg(long)]
     pub json: bool,
@@ -62,7 +67,8 @@ pub fn rejuvenate(a: RejuvenateArgs) -> Result<ExitCode> {
     if !(a.timeout.is_finite() && a.timeout > 0.0 && a.timeout <= 3600.0) {
         anyhow::bail!("--timeout must be between 0 and 3600 seconds");
     }
-    let mut req = json!({"op": "rejuvenate", "mode": a.mode.name(), "timeout_secs": a.timeout});
+    let mut req = json!({"op": "rejuvenate", "mode": a.mode.name(), "timeout_secs": a.timeout,
+        "prespawn": !a.no_prespawn});
     if let Some(b) = &a.binary {
         req["binary"] = json!(abs(b)?);
     }
