@@ -132,8 +132,12 @@ fn warm_rejuvenation_keeps_guest_memory_and_the_socket() {
         return;
     }
     let h = Host::start();
-    let a = create(&h, 1, 2.0);
-    let b = create(&h, 2, 2.5);
+    // Long enough to still run at the handover on a loaded machine.
+    let a = create(&h, 1, 6.0);
+    let b = create(&h, 2, 7.0);
+    // A VM that ended before the handover: its result must stay available.
+    let done = create(&h, 1, 0.2);
+    assert_completes_verified(&h, done);
     wait_running(&h, a);
     wait_running(&h, b);
     let old_pid = h.pid();
@@ -168,7 +172,11 @@ fn warm_rejuvenation_keeps_guest_memory_and_the_socket() {
     let new_pid = h.pid();
     assert_ne!(new_pid, old_pid, "a new process serves the socket");
     assert_eq!(r["new_pid"].as_u64(), Some(new_pid));
-    assert_eq!(r["vms"].as_array().unwrap().len(), 2);
+    // Both still ran at the handover unless the machine is very slow; a VM
+    // that ended meanwhile is listed as not carried (and still answered for).
+    let carried = r["vms"].as_array().unwrap().len();
+    assert!(carried >= 1, "{r}");
+    assert_eq!(carried + r["not_carried"].as_array().unwrap().len(), 3, "{r}");
     for v in r["vms"].as_array().unwrap() {
         assert_eq!(v["image_bytes"], 0, "warm writes no memory image: {v}");
         assert!(v["downtime_ms"].is_number(), "{v}");
@@ -180,6 +188,8 @@ fn warm_rejuvenation_keeps_guest_memory_and_the_socket() {
     let after = h.stats(b)["vcpus"][0]["regs"]["heartbeat"].as_u64().unwrap();
     assert!(after >= rounds_before, "progress lost: {after} < {rounds_before}");
     assert_eq!(h.req(json!({"op":"info"}))["generation"], 1);
+    assert_eq!(r["not_carried"][0], json!(done), "{r}");
+    assert_completes_verified(&h, done);
     // The successor was started and built the VMs before they paused.
     assert_eq!(r["phases"]["prespawned"], true, "{r}");
 

@@ -430,6 +430,9 @@ pub struct DeferredState {
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct DeferredStates {
     pub vms: Vec<DeferredState>,
+    /// The last `stats` of VMs that ended before the pause.
+    #[serde(default)]
+    pub finished: Vec<serde_json::Value>,
 }
 
 /// At most 80 characters of a peer's line, for an error message.
@@ -438,7 +441,11 @@ fn clip(line: &str) -> String {
 }
 
 /// Loads the deferred states into the VMs a standby successor prepared.
-fn apply_states(vms: Vec<(VmRecord, Vm)>, line: &str) -> Result<Vec<(VmRecord, Vm)>, VmmError> {
+fn apply_states(
+    host: &Host,
+    vms: Vec<(VmRecord, Vm)>,
+    line: &str,
+) -> Result<Vec<(VmRecord, Vm)>, VmmError> {
     let bad = |m: String| VmmError::State(format!("handover refused: {m}"));
     let body = line
         .strip_prefix("state ")
@@ -469,6 +476,7 @@ fn apply_states(vms: Vec<(VmRecord, Vm)>, line: &str) -> Result<Vec<(VmRecord, V
     if let Some(id) = by_id.keys().next() {
         return Err(bad(format!("state for VM {id}, which the record does not list")));
     }
+    adopt_finished(host, &states.finished);
     Ok(out)
 }
 
@@ -499,14 +507,17 @@ pub fn take_over(
         let _ = writeln!(out, "error {}", e.to_string().replace('\n', " "));
         e
     };
-    let r =
-        take_fd(record_fd, &mut taken, "record").and_then(|mut f| read_record(&mut f)).and_then(
-            |record| Ok((record.deferred_state, prepare_record(&record, &mut taken, images)?)),
-        );
-    let (deferred, (host, listener, mut vms, generation)) = match r {
+    let r = take_fd(record_fd, &mut taken, "record")
+        .and_then(|mut f| read_record(&mut f))
+        .and_then(|record| {
+            let prepared = prepare_record(&record, &mut taken, images)?;
+            Ok((record.deferred_state, record.finished, prepared))
+        });
+    let (deferred, finished, (host, listener, mut vms, generation)) = match r {
         Ok(v) => v,
         Err(e) => return Err(refuse(&mut out, e)),
     };
+    adopt_finished(&host, &finished);
     let mut line = String::new();
     let mut times = json!({"main_ns": main_ns});
     if deferred {
@@ -514,7 +525,7 @@ pub fn take_over(
         writeln!(out, "standby {times}")?;
         reader.read_line(&mut line)?;
         times["state_ns"] = json!(mono_ns());
-        vms = match apply_states(vms, line.trim_end()) {
+        vms = match apply_states(&host, vms, line.trim_end()) {
             Ok(v) => v,
             Err(e) => return Err(refuse(&mut out, e)),
         };
@@ -552,6 +563,15 @@ pub fn take_over(
         let _ = writeln!(out, "started {}", json!({"go_ns": go_ns, "vms": vms}));
     })?;
     Ok(TakenOver { host, listener })
+}
+
+/// Keeps answering for VMs that ended before the handover.
+fn adopt_finished(host: &Host, finished: &[serde_json::Value]) {
+    for f in finished {
+        if let Some(id) = f["summary"]["id"].as_u64().and_then(|i| u32::try_from(i).ok()) {
+            host.adopt_finished(id, f.clone());
+        }
+    }
 }
 
 type Prepared = (Arc<Host>, Option<UnixListener>, Vec<(VmRecord, Vm)>, u64);
@@ -594,11 +614,7 @@ pub fn take_over_in_place(
     let prep_ns = mono_ns();
     let (host, listener, vms, generation) = prepare_record(&record, &mut taken, images)?;
     let built_ns = mono_ns();
-    for f in &record.finished {
-        if let Some(id) = f["summary"]["id"].as_u64().and_then(|i| u32::try_from(i).ok()) {
-            host.adopt_finished(id, f.clone());
-        }
-    }
+    adopt_finished(&host, &record.finished);
     for (rec, vm) in vms {
         let id = vm.id();
         host.adopt(vm, rec.paused).map_err(|e| VmmError::Vm(id, e.to_string()))?;
@@ -667,6 +683,11 @@ fn prepare_record(
         };
         let vm = match memory {
             Some(mem) if record.deferred_state => {
+                // A standby successor has time: fill the page tables now,
+                // not by one fault per page after the VM resumes.
+                if let Err(e) = mem.populate_allocated() {
+                    eprintln!("ninelives: VM {}: {e} (pages will fault in on use)", rec.id);
+                }
                 Vm::prepare(host.kvm(), rec.id, rec.config(images), mem)
             }
             memory => build_vm(host.kvm(), rec, images, memory),

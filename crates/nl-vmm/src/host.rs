@@ -167,9 +167,26 @@ impl Host {
         self.finished.lock().insert(id, stats);
     }
 
-    /// VMs that ended before a microreboot, with their last `stats`.
+    /// VMs that ended before a handover or microreboot, with their last `stats`.
     pub fn finished(&self) -> Vec<(u32, serde_json::Value)> {
         self.finished.lock().iter().map(|(k, v)| (*k, v.clone())).collect()
+    }
+
+    /// The last `stats` (with a `summary`) of every VM that has ended, here
+    /// or before a handover: what a new VMM process must keep answering for.
+    pub fn ended_stats(&self) -> Result<Vec<serde_json::Value>, VmmError> {
+        let mut out: Vec<serde_json::Value> = self.finished().into_iter().map(|(_, v)| v).collect();
+        let list = self.list();
+        for h in self.hosted() {
+            if h.outcome.lock().is_none() {
+                continue;
+            }
+            let id = h.vm.id();
+            let mut stats = self.stats_value(id)?;
+            stats["summary"] = serde_json::json!(list.iter().find(|s| s.id == id));
+            out.push(stats);
+        }
+        Ok(out)
     }
 
     /// `stats` of a VM as JSON, including VMs that ended before a microreboot.

@@ -25,6 +25,7 @@
 //! which released them, booted afresh or restored from the image file).
 //! After `starting` the new process owns the VMs and this one exits.
 
+use std::collections::BTreeSet;
 use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsRawFd;
@@ -492,10 +493,24 @@ fn hand_over(
     released: &mut bool,
 ) -> Result<(), HandoverFailure> {
     use HandoverFailure::*;
+    // VMs that ended here stay visible (their results) in the new process.
+    let carried: BTreeSet<u32> = suspended.iter().map(|s| s.rec.id).collect();
+    let mut finished = match host.ended_stats() {
+        Ok(f) => f,
+        Err(e) => {
+            if let Some(s) = standby {
+                s.kill();
+            }
+            return Err(Recoverable(e.to_string()));
+        }
+    };
+    finished
+        .retain(|f| f["summary"]["id"].as_u64().is_some_and(|id| !carried.contains(&(id as u32))));
     let mut s = match standby {
         Some(mut s) => {
             // The states of the paused VMs complete what the standby built.
             let states = handover::DeferredStates {
+                finished: finished.clone(),
                 vms: suspended
                     .iter()
                     .map(|v| handover::DeferredState {
@@ -524,6 +539,7 @@ fn hand_over(
             let mut record =
                 HandoverRecord::new(opts.mode, host.generation() + 1, listener_fd, host.next_id());
             record.vms = suspended.iter().map(|s| s.rec.clone()).collect();
+            record.finished = finished;
             let mut s = Successor::spawn(&record, listener_fd, opts).map_err(Recoverable)?;
             match s.expect("ready") {
                 Ok(r) => {

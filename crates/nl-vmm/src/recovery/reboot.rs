@@ -58,9 +58,6 @@ fn build_and_exec(what: &str, t0: Instant, steps: &mut Steps) -> Result<Never, S
     let mut record =
         HandoverRecord::new(Mode::Warm, host.generation() + 1, Some(listener_fd), host.next_id());
     let mut inherit = vec![listener_fd];
-    for (_, stats) in host.finished() {
-        record.finished.push(stats);
-    }
     let paused_at_ns = handover::mono_ns();
     for h in host.hosted() {
         if h.outcome.lock().is_none() {
@@ -68,14 +65,10 @@ fn build_and_exec(what: &str, t0: Instant, steps: &mut Steps) -> Result<Never, S
         }
     }
     steps.done("pause_vms", json!(host.hosted().len()));
+    record.finished = host.ended_stats().map_err(|e| e.to_string())?;
     for h in host.hosted() {
         let id = h.vm.id();
-        let ended = h.outcome.lock().is_some();
-        if ended {
-            let mut stats = host.stats_value(id).map_err(|e| e.to_string())?;
-            let summary = host.list().into_iter().find(|s| s.id == id);
-            stats["summary"] = json!(summary);
-            record.finished.push(stats);
+        if h.outcome.lock().is_some() {
             continue;
         }
         let state = h.vm.save_state().map_err(|e| format!("VM {id}: {e}"))?;
