@@ -58,6 +58,11 @@ pub struct PingArgs {
     /// Seconds to send for.
     #[arg(long, default_value_t = 5.0)]
     pub duration: f64,
+    /// Also stop sending when standard input reaches end of file (for a
+    /// caller that ends the run; `--duration` still bounds it). Prints
+    /// `sending` as the first line of stdout when the clock starts.
+    #[arg(long)]
+    pub until_stdin_eof: bool,
     /// Print one JSON object as the last line of stdout.
     #[arg(long)]
     pub json: bool,

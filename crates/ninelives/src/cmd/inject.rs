@@ -113,7 +113,12 @@ extern "C" fn on_cancel(_: libc::c_int) {
     CANCEL.store(true, Relaxed);
 }
 
-fn install_cancel_handler() {
+/// Whether SIGINT or SIGTERM arrived since [`install_cancel_handler`].
+pub(crate) fn cancelled() -> bool {
+    CANCEL.load(Relaxed)
+}
+
+pub(crate) fn install_cancel_handler() {
     for sig in [libc::SIGINT, libc::SIGTERM] {
         // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
         unsafe { libc::signal(sig, on_cancel as *const () as libc::sighandler_t) };

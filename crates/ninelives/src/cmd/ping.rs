@@ -3,6 +3,8 @@
 
 use std::net::{SocketAddr, ToSocketAddrs, UdpSocket};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -19,6 +21,19 @@ pub struct BadWindow {
     pub rate: f64,
 }
 
+/// One gap between replies: when it began (the reply before it, or the
+/// first send) and how long it lasted, in milliseconds.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Gap {
+    pub start_ms: f64,
+    pub ms: f64,
+}
+
+/// Gaps of at least this many intervals are listed in [`PingReport::long_gaps`].
+const LONG_GAP_INTERVALS: u32 = 3;
+/// At most this many (the longest) are listed.
+const MAX_LONG_GAPS: usize = 256;
+
 #[derive(Clone, Debug, Serialize)]
 pub struct PingReport {
     pub target: String,
@@ -28,6 +43,14 @@ pub struct PingReport {
     /// Longest time without a reply, from the first send to the last reply
     /// (or to the end of the run when replies stopped), in milliseconds.
     pub longest_gap_ms: f64,
+    /// When that gap began (the reply before it, or the first send), in
+    /// milliseconds since the first send.
+    pub longest_gap_start_ms: f64,
+    /// When the last reply arrived, in milliseconds since the first send.
+    pub last_reply_ms: Option<f64>,
+    /// Every gap of at least 3 intervals (the 256 longest), by start time:
+    /// tells a gap at a known moment (e.g. a rejuvenation) from others.
+    pub long_gaps: Vec<Gap>,
     pub rtt_median_ms: Option<f64>,
     pub rtt_p99_ms: Option<f64>,
     pub rtt_max_ms: Option<f64>,
@@ -44,9 +67,15 @@ fn target_addr(t: &str) -> Result<SocketAddr> {
 }
 
 /// Sends `count` pings `interval` apart and collects replies (bounded in
-/// time: the send period plus one second for stragglers).
-pub fn ping(target: SocketAddr, interval: Duration, duration: Duration) -> Result<PingReport> {
-    let count = (duration.as_secs_f64() / interval.as_secs_f64()).round().max(1.0) as u64;
+/// time: the send period plus one second for stragglers). Sending stops
+/// early once `stop` is set (the wait for stragglers follows as usual).
+pub fn ping(
+    target: SocketAddr,
+    interval: Duration,
+    duration: Duration,
+    stop: Option<&AtomicBool>,
+) -> Result<PingReport> {
+    let mut count = (duration.as_secs_f64() / interval.as_secs_f64()).round().max(1.0) as u64;
     if count > 10_000_000 {
         bail!("{count} pings is too many: raise --interval or lower --duration");
     }
@@ -54,16 +83,23 @@ pub fn ping(target: SocketAddr, interval: Duration, duration: Duration) -> Resul
     let sock = UdpSocket::bind(bind).context("cannot open a UDP socket")?;
     grow_receive_buffer(&sock);
     sock.connect(target).with_context(|| format!("cannot reach {target}"))?;
-    let mut replied = vec![None::<Duration>; count as usize];
+    // One slot per ping sent (grown as they go out: a run stopped early
+    // never holds memory for the pings it did not send).
+    let mut replied: Vec<Option<Duration>> = Vec::new();
     let mut arrivals: Vec<Duration> = Vec::new();
     let start = Instant::now();
-    let end_send = interval * count as u32;
-    let deadline = end_send + Duration::from_secs(1);
+    let mut end_send = interval * count as u32;
+    let mut deadline = end_send + Duration::from_secs(1);
     let mut next = 0u64;
     let mut buf = [0u8; 64];
     loop {
         let now = start.elapsed();
-        if now >= deadline || (next == count && replied.iter().all(Option::is_some)) {
+        if next < count && stop.is_some_and(|s| s.load(Relaxed)) {
+            count = next;
+            end_send = end_send.min(now);
+            deadline = end_send + Duration::from_secs(1);
+        }
+        if now >= deadline || (next == count && arrivals.len() as u64 == count) {
             break;
         }
         if next < count && now >= interval * next as u32 {
@@ -72,6 +108,7 @@ pub fn ping(target: SocketAddr, interval: Duration, duration: Duration) -> Resul
             p[8..].copy_from_slice(&(now.as_nanos() as u64).to_le_bytes());
             // A send error (e.g. no route yet) counts as a lost ping.
             let _ = sock.send(&p);
+            replied.push(None);
             next += 1;
             continue;
         }
@@ -105,13 +142,29 @@ pub fn ping(target: SocketAddr, interval: Duration, duration: Duration) -> Resul
         }
     }
     let run_end = start.elapsed().min(end_send);
-    let mut longest = Duration::ZERO;
+    let mut gaps = Vec::with_capacity(arrivals.len() + 1);
     let mut prev = Duration::ZERO;
     for &a in &arrivals {
-        longest = longest.max(a.saturating_sub(prev));
+        gaps.push((prev, a.saturating_sub(prev)));
         prev = a;
     }
-    longest = longest.max(run_end.saturating_sub(prev));
+    gaps.push((prev, run_end.saturating_sub(prev)));
+    let (longest_start, longest) = gaps.iter().copied().fold(
+        (Duration::ZERO, Duration::ZERO),
+        |m, g| {
+            if g.1 > m.1 {
+                g
+            } else {
+                m
+            }
+        },
+    );
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    gaps.retain(|g| g.1 >= interval * LONG_GAP_INTERVALS);
+    gaps.sort_by_key(|g| std::cmp::Reverse(g.1));
+    gaps.truncate(MAX_LONG_GAPS);
+    gaps.sort_by_key(|g| g.0);
+    let long_gaps = gaps.iter().map(|&(s, d)| Gap { start_ms: ms(s), ms: ms(d) }).collect();
     let per_window = (1.0 / interval.as_secs_f64()).round().max(1.0) as u64;
     let mut bad_windows = Vec::new();
     for (w, chunk) in replied.chunks(per_window as usize).enumerate() {
@@ -132,6 +185,9 @@ pub fn ping(target: SocketAddr, interval: Duration, duration: Duration) -> Resul
         sent: count,
         received: rtts.len() as u64,
         longest_gap_ms: longest.as_secs_f64() * 1e3,
+        longest_gap_start_ms: longest_start.as_secs_f64() * 1e3,
+        last_reply_ms: arrivals.last().map(|a| a.as_secs_f64() * 1e3),
+        long_gaps,
         rtt_median_ms: pick(0.5),
         rtt_p99_ms: pick(0.99),
         rtt_max_ms: rtts.last().copied(),
@@ -144,7 +200,20 @@ pub fn run(a: PingArgs) -> Result<ExitCode> {
         bail!("--duration {} must be between 0 and 86400 seconds", a.duration);
     }
     let target = target_addr(&a.target)?;
-    let r = ping(target, a.interval, Duration::from_secs_f64(a.duration))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    if a.until_stdin_eof {
+        let s = stop.clone();
+        std::thread::Builder::new().name("stdin-eof".into()).spawn(move || {
+            let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
+            s.store(true, Relaxed);
+        })?;
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "sending")?;
+        out.flush()?;
+    }
+    let stop = a.until_stdin_eof.then_some(&*stop);
+    let r = ping(target, a.interval, Duration::from_secs_f64(a.duration), stop)?;
     println!(
         "{}: sent {}, received {}, longest gap {:.1} ms, rtt median {} ms, {} bad 1-s windows",
         r.target,
@@ -183,5 +252,60 @@ fn grow_receive_buffer(sock: &UdpSocket) {
             (&bytes as *const libc::c_int).cast(),
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU64;
+
+    /// A loopback UDP echo that drops the pings with sequence numbers in
+    /// `drop` and counts the pings it saw; ends when `done` is set (or after
+    /// 20 s).
+    fn echo(drop: std::ops::Range<u64>, seen: Arc<AtomicU64>, done: Arc<AtomicBool>) -> SocketAddr {
+        let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(5))).unwrap();
+        let addr = s.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let t = Instant::now();
+            let mut b = [0u8; 64];
+            while !done.load(Relaxed) && t.elapsed() < Duration::from_secs(20) {
+                if let Ok((n, from)) = s.recv_from(&mut b) {
+                    seen.fetch_add(1, Relaxed);
+                    let seq = u64::from_le_bytes(b[..8].try_into().unwrap());
+                    if !drop.contains(&seq) {
+                        let _ = s.send_to(&b[..n], from);
+                    }
+                }
+            }
+        });
+        addr
+    }
+
+    #[test]
+    fn stop_ends_the_run_early_and_unanswered_pings_count_as_lost() {
+        let seen = Arc::new(AtomicU64::new(0));
+        let (done, stop) = (Arc::new(AtomicBool::new(false)), AtomicBool::new(false));
+        let addr = echo(100..160, seen.clone(), done.clone());
+        let r = std::thread::scope(|sc| {
+            let h = sc.spawn(|| {
+                ping(addr, Duration::from_millis(1), Duration::from_secs(30), Some(&stop))
+            });
+            let t = Instant::now();
+            while seen.load(Relaxed) < 200 && t.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            stop.store(true, Relaxed);
+            h.join().unwrap().unwrap()
+        });
+        done.store(true, Relaxed);
+        // Stopped long before the 30 s (30,000 pings) it was given.
+        assert!(r.sent >= 200 && r.sent < 30_000, "{r:?}");
+        assert_eq!(r.received, r.sent - 60, "exactly the dropped ones are lost: {r:?}");
+        // The listed gaps are long ones, in time order, none past the longest.
+        assert!(r.long_gaps.iter().all(|g| g.ms >= 3.0 && g.ms <= r.longest_gap_ms), "{r:?}");
+        assert!(r.long_gaps.windows(2).all(|w| w[0].start_ms <= w[1].start_ms), "{r:?}");
+        assert!(r.last_reply_ms.is_some_and(|l| l >= r.longest_gap_start_ms), "{r:?}");
     }
 }
