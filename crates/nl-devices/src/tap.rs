@@ -69,6 +69,12 @@ impl Tap {
         Ok(Tap { file, name: name.to_string() })
     }
 
+    /// A stand-in over any file, for unit tests of the devices above it.
+    #[cfg(test)]
+    pub(crate) fn for_test(file: File) -> Tap {
+        Tap { file, name: "test".into() }
+    }
+
     pub fn raw_fd(&self) -> std::os::fd::RawFd {
         self.file.as_raw_fd()
     }
