@@ -114,6 +114,10 @@ pub enum WorkloadName {
     /// A key-value server on TCP port 7000 (needs --net-tap and --net-ip;
     /// `ninelives kvload` drives and checks it).
     Kv,
+    /// A file cache in guest memory over a data set on the virtio-blk disk
+    /// (--data; --ws is the cache): hot/cold block requests, hits served
+    /// from memory, misses read from the disk, every block checked.
+    Filecache,
 }
 
 #[derive(
@@ -137,9 +141,10 @@ pub struct WorkloadArgs {
     /// Seed of the workload (vCPU i uses a seed derived from it).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// memwrite: working-set size per vCPU (e.g. 64M, 1G).
-    #[arg(long, default_value = "64M", value_parser = parse_size)]
-    pub ws: u64,
+    /// memwrite: working-set size per vCPU (e.g. 64M, 1G; default 64M);
+    /// filecache: the cache's size (default: room for the whole data set).
+    #[arg(long, value_parser = parse_size)]
+    pub ws: Option<u64>,
     /// memwrite: percentage of accesses that are writes.
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(0..=100))]
     pub write_pct: u64,
@@ -149,9 +154,13 @@ pub struct WorkloadArgs {
     /// memwrite strided: stride in bytes.
     #[arg(long, default_value_t = 4096)]
     pub stride: u64,
-    /// memwrite hotcold: hot share of the working set in percent.
+    /// memwrite hotcold: hot share of the working set in percent;
+    /// filecache: hot share of the data set's blocks (90% of the requests).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=100))]
     pub hot_pct: u64,
+    /// filecache: size of the data set on the disk (a multiple of 16K).
+    #[arg(long, default_value = "192M", value_parser = parse_size)]
+    pub data: u64,
 }
 
 impl Default for WorkloadArgs {
@@ -159,11 +168,12 @@ impl Default for WorkloadArgs {
         Self {
             workload: WorkloadName::Memwrite,
             seed: 1,
-            ws: 64 << 20,
+            ws: None,
             write_pct: 50,
             pattern: PatternName::Random,
             stride: 4096,
             hot_pct: 10,
+            data: nl_workloads::filecache::DEFAULT_DATA_BYTES,
         }
     }
 }
@@ -186,8 +196,9 @@ pub struct MachineArgs {
     /// Declare a VM hung after this many seconds without a heartbeat.
     #[arg(long, default_value_t = 10.0)]
     pub heartbeat_timeout: f64,
-    /// A raw disk image for a virtio-blk device (created sparse, 256 MiB, if
-    /// missing). blkbench without --disk uses a temporary image per VM.
+    /// A raw disk image for a virtio-blk device (created sparse, 256 MiB or
+    /// what filecache's data set needs, if missing). blkbench and filecache
+    /// without --disk use a temporary image per VM.
     #[arg(long)]
     pub disk: Option<PathBuf>,
     /// Offer the disk read-only (guest writes fail with the virtio error status).

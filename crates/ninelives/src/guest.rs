@@ -23,6 +23,20 @@ pub fn parse_cidr(s: &str) -> Result<([u8; 4], u8)> {
 /// Size of a disk image `--disk` creates when the file is missing.
 pub const DEFAULT_DISK_BYTES: u64 = 256 << 20;
 
+/// The disk a workload needs (blkbench, filecache), if it needs one.
+pub fn disk_needed(w: &WorkloadParams) -> Option<u64> {
+    match w.kind {
+        nl_abi::WORKLOAD_BLKBENCH => Some(nl_workloads::blk::BLKBENCH_DISK_BYTES),
+        nl_abi::WORKLOAD_FILECACHE => Some(nl_workloads::filecache::disk_bytes(w.data_bytes)),
+        _ => None,
+    }
+}
+
+/// Size of the image to create for a workload: 256 MiB, or more if it needs more.
+pub fn disk_size_for(w: &WorkloadParams) -> u64 {
+    disk_needed(w).map_or(DEFAULT_DISK_BYTES, |n| n.max(DEFAULT_DISK_BYTES))
+}
+
 /// Creates `path` as a sparse image of `bytes` if it does not exist.
 pub fn ensure_disk(path: &std::path::Path, bytes: u64) -> Result<()> {
     if path.exists() {
@@ -41,13 +55,14 @@ pub fn ensure_disk(path: &std::path::Path, bytes: u64) -> Result<()> {
 pub struct TempDisk(pub std::path::PathBuf);
 
 impl TempDisk {
-    pub fn new(tag: &str) -> Result<Self> {
+    /// A temporary sparse image of `bytes`.
+    pub fn with_size(tag: &str, bytes: u64) -> Result<Self> {
         static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let p =
             std::env::temp_dir().join(format!("ninelives-{tag}-{}-{n}.img", std::process::id()));
         let _ = std::fs::remove_file(&p);
-        ensure_disk(&p, DEFAULT_DISK_BYTES)?;
+        ensure_disk(&p, bytes)?;
         Ok(TempDisk(p))
     }
 }
@@ -70,6 +85,7 @@ impl WorkloadName {
             WorkloadName::Blkbench => nl_abi::WORKLOAD_BLKBENCH,
             WorkloadName::Netbench => nl_abi::WORKLOAD_NETBENCH,
             WorkloadName::Kv => nl_abi::WORKLOAD_KV,
+            WorkloadName::Filecache => nl_abi::WORKLOAD_FILECACHE,
         }
     }
 
@@ -82,6 +98,7 @@ impl WorkloadName {
             WorkloadName::Blkbench => "blkbench",
             WorkloadName::Netbench => "netbench",
             WorkloadName::Kv => "kv",
+            WorkloadName::Filecache => "filecache",
         }
     }
 
@@ -112,10 +129,14 @@ pub fn workload_params(w: &WorkloadArgs, duration_secs: f64) -> Result<WorkloadP
     if !(duration_secs.is_finite() && duration_secs > 0.0 && duration_secs <= 86_400.0) {
         bail!("--duration {duration_secs} must be between 0 and 86400 seconds");
     }
+    let filecache = w.workload == WorkloadName::Filecache;
     let ws_bytes = match w.workload {
-        WorkloadName::Memwrite => w.ws,
+        WorkloadName::Memwrite => w.ws.unwrap_or(64 << 20),
         WorkloadName::Blkbench => nl_workloads::blk::BLKBENCH_WS_BYTES,
         WorkloadName::Kv => nl_workloads::kv::KV_WS_BYTES,
+        WorkloadName::Filecache => {
+            w.ws.unwrap_or(nl_workloads::filecache::ws_bytes_for(w.data)).div_ceil(4096) * 4096
+        }
         _ => 0,
     };
     let p = WorkloadParams {
@@ -127,6 +148,7 @@ pub fn workload_params(w: &WorkloadArgs, duration_secs: f64) -> Result<WorkloadP
         stride: w.stride,
         hot_pct: w.hot_pct,
         duration_ms: (duration_secs * 1000.0).round().max(1.0) as u64,
+        data_bytes: if filecache { w.data } else { 0 },
     };
     nl_workloads::validate(&p).map_err(|e| anyhow::anyhow!("invalid workload parameters: {e}"))?;
     Ok(p)
@@ -161,23 +183,24 @@ pub fn vm_config(
             bail!("{name} needs a network device (--net-tap NAME)");
         }
     }
-    if workload.kind == nl_abi::WORKLOAD_BLKBENCH {
+    if let Some(need) = disk_needed(&workload) {
+        let name =
+            if workload.kind == nl_abi::WORKLOAD_FILECACHE { "filecache" } else { "blkbench" };
         if m.vcpus != 1 {
-            bail!("blkbench runs on one vCPU (got --vcpus {})", m.vcpus);
+            bail!("{name} runs on one vCPU (got --vcpus {})", m.vcpus);
         }
         let Some(disk) = &m.disk else {
-            bail!("blkbench needs a disk (--disk FILE)");
+            bail!("{name} needs a disk (--disk FILE)");
         };
         let len = std::fs::metadata(disk)
             .with_context(|| format!("cannot use --disk {}", disk.display()))?
             .len();
-        let need = nl_workloads::blk::BLKBENCH_DISK_BYTES;
         if len < need {
             bail!(
-                "--disk {} holds {} MiB; blkbench needs at least {} MiB",
+                "--disk {} holds {} MiB; {name} needs at least {} MiB",
                 disk.display(),
                 len >> 20,
-                need >> 20
+                need.div_ceil(1 << 20)
             );
         }
     }

@@ -57,15 +57,20 @@ fn verify_one(
     }
     // Halts cost nothing on the host when verifying: timer_hz = 0.
     match nl_workloads::native::replay(params, cpu, r.rounds, 0) {
-        Ok(rep) if rep.digest == r.digest && rep.ops == r.ops && rep.warmup_ops == r.warmup_ops => {
+        Ok(rep)
+            if rep.digest == r.digest
+                && rep.ops == r.ops
+                && rep.warmup_ops == r.warmup_ops
+                && (rep.cache_hits, rep.cache_misses) == (r.cache_hits, r.cache_misses) =>
+        {
             VcpuVerdict { digest_ok: true, ops_per_sec, problem: None }
         }
         Ok(rep) => VcpuVerdict {
             digest_ok: false,
             ops_per_sec,
             problem: Some(format!(
-                "silent data corruption: guest digest {:#018x} over {} rounds ({} ops), host computes {:#018x} ({} ops)",
-                r.digest, r.rounds, r.ops, rep.digest, rep.ops
+                "silent data corruption: guest digest {:#018x} over {} rounds ({} ops, {} cache hits, {} misses), host computes {:#018x} ({} ops, {} hits, {} misses)",
+                r.digest, r.rounds, r.ops, r.cache_hits, r.cache_misses, rep.digest, rep.ops, rep.cache_hits, rep.cache_misses
             )),
         },
         Err(e) => VcpuVerdict { digest_ok: false, ops_per_sec, problem: Some(format!("cannot replay: {e}")) },

@@ -165,6 +165,12 @@ pub mod reg {
     pub const PRINT: u64 = 0x50;
     /// W: ops completed in the warm-up round (excluded from the measured period).
     pub const WARMUP_OPS: u64 = 0x58;
+    /// W: filecache: requests served from the in-memory cache so far
+    /// (measured period), written with every heartbeat and at the end.
+    pub const CACHE_HITS: u64 = 0x60;
+    /// W: filecache: requests read from the disk so far (measured period),
+    /// written with every heartbeat and at the end.
+    pub const CACHE_MISSES: u64 = 0x68;
 }
 
 // ---------------------------------------------------------------------------
@@ -278,6 +284,9 @@ pub const NETBENCH_UDP_PORT: u16 = 7;
 pub const WORKLOAD_KV: u64 = 7;
 /// TCP port the kv workload listens on.
 pub const KV_TCP_PORT: u16 = 7000;
+/// A file cache in the working set over a data set on the virtio-blk disk
+/// (needs one vCPU and a disk of `data_bytes` plus a header).
+pub const WORKLOAD_FILECACHE: u64 = 8;
 
 /// Access patterns of `memwrite` (`WorkloadParams::pattern`).
 pub const PATTERN_SEQUENTIAL: u64 = 0;
@@ -299,7 +308,8 @@ pub struct WorkloadParams {
     pub kind: u64,
     /// Seed; vCPU i runs with `seed_for_cpu(seed, i)`.
     pub seed: u64,
-    /// memwrite: working-set bytes per vCPU (multiple of 4096).
+    /// memwrite: working-set bytes per vCPU (multiple of 4096); filecache:
+    /// the cache's bytes (block slots and their index).
     pub ws_bytes: u64,
     /// memwrite: percentage (0..=100) of accesses that are writes.
     pub write_pct: u64,
@@ -307,10 +317,15 @@ pub struct WorkloadParams {
     pub pattern: u64,
     /// memwrite strided: stride in bytes (multiple of 8).
     pub stride: u64,
-    /// memwrite hot/cold: share of the working set that is hot, in percent.
+    /// memwrite hot/cold: share of the working set that is hot, in percent;
+    /// filecache: share of the data set's blocks that is hot.
     pub hot_pct: u64,
     /// How long the guest keeps running rounds after the warm-up round.
     pub duration_ms: u64,
+    /// filecache: bytes of the data set on the disk. Records written
+    /// before this field existed parse with 0.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub data_bytes: u64,
 }
 
 /// Seed of vCPU `cpu` derived from the run seed.

@@ -31,6 +31,8 @@ pub struct VcpuRegs {
     pub cycles: AtomicU64,
     pub rounds: AtomicU64,
     pub scratch: AtomicU64,
+    pub cache_hits: AtomicU64,
+    pub cache_misses: AtomicU64,
 }
 
 /// Serializable copy of [`VcpuRegs`].
@@ -47,6 +49,12 @@ pub struct VcpuRegsSnapshot {
     pub cycles: u64,
     pub rounds: u64,
     pub scratch: u64,
+    /// filecache: requests served from the cache / read from the disk so far
+    /// (absent in states saved before these registers existed).
+    #[serde(default)]
+    pub cache_hits: u64,
+    #[serde(default)]
+    pub cache_misses: u64,
 }
 
 impl VcpuRegs {
@@ -63,6 +71,8 @@ impl VcpuRegs {
             cycles: self.cycles.load(Relaxed),
             rounds: self.rounds.load(Relaxed),
             scratch: self.scratch.load(Relaxed),
+            cache_hits: self.cache_hits.load(Relaxed),
+            cache_misses: self.cache_misses.load(Relaxed),
         }
     }
 
@@ -78,6 +88,8 @@ impl VcpuRegs {
         self.cycles.store(s.cycles, Relaxed);
         self.rounds.store(s.rounds, Relaxed);
         self.scratch.store(s.scratch, Relaxed);
+        self.cache_hits.store(s.cache_hits, Relaxed);
+        self.cache_misses.store(s.cache_misses, Relaxed);
     }
 }
 
@@ -281,6 +293,8 @@ impl Device for ControlDevice {
             reg::CYCLES => r.cycles.store(v, Relaxed),
             reg::ROUNDS => r.rounds.store(v, Relaxed),
             reg::SCRATCH => r.scratch.store(v, Relaxed),
+            reg::CACHE_HITS => r.cache_hits.store(v, Relaxed),
+            reg::CACHE_MISSES => r.cache_misses.store(v, Relaxed),
             reg::PRINT => self.console.write_bytes(&[v as u8]),
             _ => {}
         }
@@ -329,6 +343,12 @@ mod tests {
         dev.write(0, reg::SCRATCH, &0x55u64.to_le_bytes());
         dev.read(0, reg::SCRATCH, &mut d);
         assert_eq!(u64::from_le_bytes(d), 0x55);
+        dev.write(1, CONTROL_BLOCK_SIZE + reg::CACHE_HITS, &7u64.to_le_bytes());
+        dev.write(1, CONTROL_BLOCK_SIZE + reg::CACHE_MISSES, &3u64.to_le_bytes());
+        assert_eq!(
+            (st.vcpus[1].snapshot().cache_hits, st.vcpus[1].snapshot().cache_misses),
+            (7, 3)
+        );
         dev.write(1, CONTROL_BLOCK_SIZE + reg::ERROR_INFO, &9u64.to_le_bytes());
         dev.write(1, CONTROL_BLOCK_SIZE + reg::ERROR, &0x10eu64.to_le_bytes());
         dev.write(1, CONTROL_BLOCK_SIZE + reg::ERROR, &0x200u64.to_le_bytes());
@@ -342,6 +362,16 @@ mod tests {
         dev.write(0, reg::SCRATCH, &1u64.to_le_bytes());
         dev.restore(&saved).unwrap();
         assert_eq!(st.vcpus[0].scratch.load(Relaxed), 0x55);
+        assert_eq!(st.vcpus[1].cache_hits.load(Relaxed), 7);
         assert!(dev.restore(&serde_json::json!([1, 2])).is_err());
+        // A state saved before the cache registers existed still restores.
+        let mut old = saved.clone();
+        for r in old.as_array_mut().unwrap() {
+            let o = r.as_object_mut().unwrap();
+            o.remove("cache_hits");
+            o.remove("cache_misses");
+        }
+        dev.restore(&old).unwrap();
+        assert_eq!(st.vcpus[1].cache_hits.load(Relaxed), 0);
     }
 }

@@ -814,6 +814,16 @@ mod tests {
     }
 
     #[test]
+    fn a_record_from_before_filecache_still_parses() {
+        // Written by a binary whose workload parameters had no data_bytes.
+        let mut v = serde_json::to_value(sample()).unwrap();
+        let w = v["vms"][0]["workload"].as_object_mut().unwrap();
+        assert!(w.remove("data_bytes").is_some());
+        let r = HandoverRecord::from_bytes(v.to_string().as_bytes()).unwrap();
+        assert_eq!(r.vms[0].workload.data_bytes, 0);
+    }
+
+    #[test]
     fn modes_parse() {
         assert_eq!(Mode::parse("save-restore"), Ok(Mode::SaveRestore));
         assert!(Mode::parse("tepid").unwrap_err().contains("warm, cold, save-restore"));

@@ -33,6 +33,7 @@ fn main() {
                     stride: 4096 + 64,
                     hot_pct: 10,
                     duration_ms: ms,
+                    data_bytes: 0,
                 };
                 cases.push((format!("memwrite {name} {ws_mib} MiB w{write_pct}%"), p));
             }

@@ -43,6 +43,12 @@
 //!   [`blk`] file store) per round, every read checked. The working set is
 //!   the I/O buffer ([`blk::BLKBENCH_WS_BYTES`]); the warm-up round formats
 //!   the store.
+//! * `filecache`: op = one byte served from a file cache ([`filecache`]):
+//!   one request for a 16 KiB block of a data set on the block device per
+//!   round, served from the cache in the working set (a hit) or read from the
+//!   disk into it (a miss, CLOCK eviction), every served block checked. The
+//!   warm-up round writes the data set unless the disk already holds it, with
+//!   the same digest either way. Hits and misses are part of the digest.
 //!
 //! The crate is `no_std` and allocation-free; the hot loops avoid indirect
 //! calls ([`Platform`] is a generic parameter) and bounds checks where the
@@ -57,6 +63,7 @@ extern crate std;
 pub mod native;
 
 pub mod blk;
+pub mod filecache;
 pub mod kv;
 
 #[cfg(test)]
@@ -64,8 +71,8 @@ mod tests;
 
 use nl_abi::{
     WorkloadParams, MAX_MEM_BYTES, PATTERN_HOTCOLD, PATTERN_RANDOM, PATTERN_SEQUENTIAL,
-    PATTERN_STRIDED, WORKLOAD_BLKBENCH, WORKLOAD_COMPUTE, WORKLOAD_EXITS, WORKLOAD_IDLE,
-    WORKLOAD_KV, WORKLOAD_MEMWRITE, WORKLOAD_NETBENCH,
+    PATTERN_STRIDED, WORKLOAD_BLKBENCH, WORKLOAD_COMPUTE, WORKLOAD_EXITS, WORKLOAD_FILECACHE,
+    WORKLOAD_IDLE, WORKLOAD_KV, WORKLOAD_MEMWRITE, WORKLOAD_NETBENCH,
 };
 
 /// What a workload needs from the machine it runs on.
@@ -135,6 +142,7 @@ pub fn validate(params: &WorkloadParams) -> Result<(), &'static str> {
         WORKLOAD_BLKBENCH => Err("blkbench: ws_bytes must be blk::BLKBENCH_WS_BYTES"),
         WORKLOAD_KV if params.ws_bytes == kv::KV_WS_BYTES => Ok(()),
         WORKLOAD_KV => Err("kv: ws_bytes must be kv::KV_WS_BYTES"),
+        WORKLOAD_FILECACHE => filecache::validate(params),
         _ => Err("unknown workload kind"),
     }
 }
@@ -185,6 +193,7 @@ enum Kind {
     Blkbench,
     Netbench,
     Kv,
+    Filecache,
 }
 
 /// One vCPU's workload: its state between rounds.
@@ -220,6 +229,8 @@ pub struct Workload<'m> {
     mismatches: u64,
     // blkbench
     store: blk::FileStore,
+    // filecache
+    cache: Option<filecache::FileCache>,
     // netbench
     net_answered: u64,
 }
@@ -245,6 +256,7 @@ impl<'m> Workload<'m> {
             WORKLOAD_BLKBENCH => Kind::Blkbench,
             WORKLOAD_NETBENCH => Kind::Netbench,
             WORKLOAD_KV => Kind::Kv,
+            WORKLOAD_FILECACHE => Kind::Filecache,
             _ => Kind::Idle,
         };
         let seed = nl_abi::seed_for_cpu(params.seed, cpu);
@@ -253,6 +265,9 @@ impl<'m> Workload<'m> {
         let mut ops_per_round = 0;
         if kind == Kind::Blkbench && (mem.len() as u64).checked_mul(8) != Some(params.ws_bytes) {
             return Err("blkbench: the memory slice must be exactly ws_bytes long");
+        }
+        if kind == Kind::Filecache && (mem.len() as u64).checked_mul(8) != Some(params.ws_bytes) {
+            return Err("filecache: the memory slice must be exactly ws_bytes long");
         }
         if kind == Kind::Memwrite {
             if (mem.len() as u64).checked_mul(8) != Some(params.ws_bytes) {
@@ -297,6 +312,7 @@ impl<'m> Workload<'m> {
             lanes,
             mismatches: 0,
             store: blk::FileStore::new(),
+            cache: (kind == Kind::Filecache).then(|| filecache::FileCache::new(params, seed)),
             net_answered: 0,
         })
     }
@@ -323,6 +339,15 @@ impl<'m> Workload<'m> {
             Kind::Blkbench => {
                 self.store.op(p, self.mem, self.seed, &mut self.rng, &mut self.digest)
             }
+            Kind::Filecache => match self.cache.as_mut() {
+                Some(c) if self.rounds == 0 => loop {
+                    if let Some(ops) = c.warm_up_step(p, self.mem, usize::MAX, &mut self.digest) {
+                        break ops;
+                    }
+                },
+                Some(c) => c.request(p, self.mem, &mut self.rng, &mut self.digest),
+                None => 0,
+            },
         };
         self.rounds += 1;
         ops
@@ -351,7 +376,27 @@ impl<'m> Workload<'m> {
     /// blkbench: words read back that differed from what was written, and
     /// requests the device failed, so far (both should stay 0).
     pub fn blk_errors(&self) -> (u64, u64) {
-        (self.store.mismatches, self.store.io_errors)
+        match &self.cache {
+            Some(c) => (c.mismatches, c.io_errors),
+            None => (self.store.mismatches, self.store.io_errors),
+        }
+    }
+
+    /// filecache: requests served from the cache and read from the disk so
+    /// far ((0, 0) for the other workloads).
+    pub fn cache_counts(&self) -> (u64, u64) {
+        self.cache.as_ref().map_or((0, 0), |c| (c.hits, c.misses))
+    }
+
+    /// filecache: whether the warm-up found the data set already on the
+    /// disk (and did not write it). Not part of the digest.
+    pub fn cache_data_found(&self) -> bool {
+        self.cache.as_ref().is_some_and(|c| c.found)
+    }
+
+    /// filecache: the cache's block slots.
+    pub fn cache_slots(&self) -> usize {
+        self.cache.as_ref().map_or(0, |c| c.slots())
     }
 
     /// netbench: packets answered so far (not part of the digest: it
@@ -380,6 +425,9 @@ impl<'m> Workload<'m> {
                 }
             }
             Kind::Blkbench => h = fold(h, self.store.state_digest()),
+            Kind::Filecache => {
+                h = fold(h, self.cache.as_ref().map_or(0, |c| c.state_digest()));
+            }
             Kind::Exits | Kind::Idle | Kind::Netbench | Kind::Kv => {}
         }
         mix64(h)
@@ -407,9 +455,15 @@ impl<'m> Workload<'m> {
     /// heartbeating while a large working set is first mapped (about 8 µs a
     /// page on PVM: a 2 GiB working set takes seconds). Returns the round's
     /// ops once round 0 is complete, with exactly the effect of [`Self::round`]
-    /// for round 0; `None` while pages remain. Other workloads run their
-    /// round 0 whole.
+    /// for round 0; `None` while pages remain. filecache writes at most
+    /// `max_pages` blocks of its data set per piece; other workloads run
+    /// their round 0 whole.
     pub fn warm_up_step<P: Platform>(&mut self, p: &mut P, max_pages: usize) -> Option<u64> {
+        if let (Kind::Filecache, 0, Some(c)) = (self.kind, self.rounds, self.cache.as_mut()) {
+            let ops = c.warm_up_step(p, self.mem, max_pages, &mut self.digest)?;
+            self.rounds = 1;
+            return Some(ops);
+        }
         if self.kind != Kind::Memwrite || self.rounds != 0 {
             return Some(self.round(p));
         }

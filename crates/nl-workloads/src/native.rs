@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 use std::vec::Vec;
 
-use nl_abi::{WorkloadParams, WORKLOAD_BLKBENCH, WORKLOAD_MEMWRITE};
+use nl_abi::{WorkloadParams, WORKLOAD_BLKBENCH, WORKLOAD_FILECACHE, WORKLOAD_MEMWRITE};
 
 use crate::{validate, Platform, Workload};
 
@@ -15,7 +15,7 @@ use crate::{validate, Platform, Workload};
 pub struct NativePlatform {
     /// Sleep of one `halt()`; `None` (timer_hz 0) returns at once.
     tick: Option<Duration>,
-    /// The block device: an in-memory disk (empty unless blkbench).
+    /// The block device: an in-memory disk (empty unless blkbench or filecache).
     disk: Vec<u64>,
 }
 
@@ -149,6 +149,10 @@ pub struct Replay {
     pub measured_ns: u64,
     /// Rounds run, warm-up included.
     pub rounds: u64,
+    /// filecache: requests served from the cache and read from the disk
+    /// (0 for the other workloads).
+    pub cache_hits: u64,
+    pub cache_misses: u64,
 }
 
 impl Replay {
@@ -166,7 +170,7 @@ impl Replay {
 /// allocation maps pages lazily, so the warm-up round faults them in just as
 /// in the guest.
 fn working_set(params: &WorkloadParams) -> Vec<u64> {
-    if params.kind == WORKLOAD_MEMWRITE || params.kind == WORKLOAD_BLKBENCH {
+    if [WORKLOAD_MEMWRITE, WORKLOAD_BLKBENCH, WORKLOAD_FILECACHE].contains(&params.kind) {
         std::vec![0u64; (params.ws_bytes / 8) as usize]
     } else {
         Vec::new()
@@ -185,12 +189,15 @@ pub fn replay(
     run(params, cpu, default_platform(params, timer_hz), |_, done| done < rounds)
 }
 
-/// The platform of a native run: blkbench gets an in-memory disk.
+/// The platform of a native run: blkbench and filecache get an all-zero
+/// in-memory disk.
 fn default_platform(params: &WorkloadParams, timer_hz: u64) -> NativePlatform {
-    if params.kind == WORKLOAD_BLKBENCH {
-        NativePlatform::with_disk(timer_hz, crate::blk::BLKBENCH_DISK_BYTES)
-    } else {
-        NativePlatform::new(timer_hz)
+    match params.kind {
+        WORKLOAD_BLKBENCH => NativePlatform::with_disk(timer_hz, crate::blk::BLKBENCH_DISK_BYTES),
+        WORKLOAD_FILECACHE => {
+            NativePlatform::with_disk(timer_hz, crate::filecache::disk_bytes(params.data_bytes))
+        }
+        _ => NativePlatform::new(timer_hz),
     }
 }
 
@@ -241,6 +248,7 @@ fn run<P: Platform>(
     }
     let measured_ns = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
     let rounds = wl.rounds_done();
+    let (cache_hits, cache_misses) = wl.cache_counts();
     let digest = wl.finish();
-    Ok(Replay { digest, warmup_ops, ops, measured_ns, rounds })
+    Ok(Replay { digest, warmup_ops, ops, measured_ns, rounds, cache_hits, cache_misses })
 }

@@ -59,6 +59,7 @@ fn memwrite(pattern: u64, ws_bytes: u64, write_pct: u64) -> WorkloadParams {
         stride: if pattern == PATTERN_STRIDED { 4096 + 8 } else { 0 },
         hot_pct: if pattern == PATTERN_HOTCOLD { 25 } else { 0 },
         duration_ms: 100,
+        data_bytes: 0,
     }
 }
 
@@ -577,5 +578,240 @@ fn a_warm_up_in_pieces_equals_round_zero() {
         };
         assert_eq!(d1, d2, "pattern {pat}");
         assert_eq!(whole, pieces);
+    }
+}
+
+mod filecache {
+    use super::*;
+    use crate::filecache::{disk_bytes, ws_bytes_for, BLOCK_BYTES, BLOCK_WORDS, DATA_OFFSET};
+    use crate::native::{replay, NativePlatform};
+    use nl_abi::WORKLOAD_FILECACHE;
+
+    const BLOCKS: u64 = 64;
+
+    fn params(seed: u64, ws_bytes: u64, hot_pct: u64) -> WorkloadParams {
+        WorkloadParams {
+            kind: WORKLOAD_FILECACHE,
+            seed,
+            ws_bytes,
+            hot_pct,
+            data_bytes: BLOCKS * BLOCK_BYTES,
+            ..WorkloadParams::default()
+        }
+    }
+
+    fn whole(seed: u64) -> WorkloadParams {
+        params(seed, ws_bytes_for(BLOCKS * BLOCK_BYTES), 10)
+    }
+
+    struct Run {
+        digest: u64,
+        warmup_ops: u64,
+        ops: u64,
+        found: bool,
+        hits: u64,
+        misses: u64,
+        errors: (u64, u64),
+    }
+
+    /// Runs `rounds` rounds on `plat`, calling `tamper(mem)` after round `at`.
+    fn run_tamper(
+        p: &WorkloadParams,
+        plat: &mut NativePlatform,
+        rounds: u64,
+        at: u64,
+        mut tamper: impl FnMut(&mut [u64], &mut NativePlatform),
+    ) -> Run {
+        let mut mem = vec![0u64; (p.ws_bytes / 8) as usize];
+        let mut wl = Workload::new(p, 0, &mut mem).unwrap();
+        let warmup_ops = wl.round(plat);
+        let mut ops = 0;
+        for r in 1..rounds {
+            ops += wl.round(plat);
+            if r == at {
+                tamper(wl.mem, plat);
+            }
+        }
+        let (hits, misses) = wl.cache_counts();
+        let (found, errors) = (wl.cache_data_found(), wl.blk_errors());
+        Run { digest: wl.finish(), warmup_ops, ops, found, hits, misses, errors }
+    }
+
+    fn run(p: &WorkloadParams, plat: &mut NativePlatform, rounds: u64) -> Run {
+        run_tamper(p, plat, rounds, u64::MAX, |_, _| {})
+    }
+
+    fn disk() -> NativePlatform {
+        NativePlatform::with_disk(0, disk_bytes(BLOCKS * BLOCK_BYTES))
+    }
+
+    #[test]
+    fn every_request_is_served_verified_and_replays() {
+        let p = whole(3);
+        let r = run(&p, &mut disk(), 2000);
+        assert_eq!(r.errors, (0, 0));
+        assert_eq!(r.hits + r.misses, 1999);
+        assert_eq!(r.ops, 1999 * BLOCK_BYTES);
+        assert_eq!(r.warmup_ops, BLOCKS * BLOCK_BYTES);
+        // The whole data set fits: every block misses at most once.
+        assert!(r.misses <= BLOCKS, "{} misses", r.misses);
+        assert!(r.hits > 1800);
+        let rep = replay(&p, 0, 2000, 0).unwrap();
+        assert_eq!(
+            (rep.digest, rep.ops, rep.warmup_ops, rep.cache_hits, rep.cache_misses),
+            (r.digest, r.ops, r.warmup_ops, r.hits, r.misses)
+        );
+        assert_ne!(replay(&whole(4), 0, 2000, 0).unwrap().digest, r.digest);
+        assert_ne!(replay(&p, 0, 1999, 0).unwrap().digest, r.digest);
+    }
+
+    #[test]
+    fn the_digest_does_not_depend_on_whether_the_disk_held_the_data_set() {
+        let p = whole(5);
+        let mut d = disk();
+        let blank = run(&p, &mut d, 500);
+        assert!(!blank.found);
+        // The same disk again (a rebooted guest): nothing is written, same result.
+        let again = run(&p, &mut d, 500);
+        assert!(again.found);
+        assert_eq!(
+            (again.digest, again.ops, again.warmup_ops, again.hits, again.misses),
+            (blank.digest, blank.ops, blank.warmup_ops, blank.hits, blank.misses)
+        );
+        // A disk holding another seed's data set is rewritten, same result.
+        let mut other = disk();
+        run(&whole(6), &mut other, 10);
+        let rewritten = run(&p, &mut other, 500);
+        assert!(!rewritten.found);
+        assert_eq!(rewritten.digest, blank.digest);
+        // A fresh in-memory disk (host replay) agrees as well.
+        assert_eq!(replay(&p, 0, 500, 0).unwrap().digest, blank.digest);
+    }
+
+    #[test]
+    fn a_warm_up_in_pieces_equals_round_zero() {
+        let p = whole(7);
+        let (mut a_mem, mut b_mem) =
+            (vec![0u64; (p.ws_bytes / 8) as usize], vec![0u64; (p.ws_bytes / 8) as usize]);
+        let mut a = Workload::new(&p, 0, &mut a_mem).unwrap();
+        let mut b = Workload::new(&p, 0, &mut b_mem).unwrap();
+        let (mut da, mut db) = (disk(), disk());
+        let ops_a = a.round(&mut da);
+        let mut steps = 0;
+        let ops_b = loop {
+            steps += 1;
+            assert!(steps < 1000);
+            if let Some(ops) = b.warm_up_step(&mut db, 5) {
+                break ops;
+            }
+        };
+        assert!(steps > 10, "the data set must be written in pieces ({steps})");
+        assert_eq!((ops_a, b.rounds_done()), (ops_b, 1));
+        for _ in 0..300 {
+            assert_eq!(a.round(&mut da), b.round(&mut db));
+        }
+        assert_eq!(a.cache_counts(), b.cache_counts());
+        assert_eq!(a.finish(), b.finish());
+    }
+
+    /// The cache's tags and map (as laid out in the working set) agree:
+    /// every cached block's map entry names a slot whose tag names it.
+    fn consistent(mem: &[u64], slots: usize) -> usize {
+        let tags = &mem[slots * BLOCK_WORDS..slots * BLOCK_WORDS + slots];
+        let map = &mem[slots * BLOCK_WORDS + slots..][..BLOCKS as usize];
+        let mut cached = 0;
+        for (b, &m) in map.iter().enumerate() {
+            if m != 0 {
+                cached += 1;
+                assert_eq!(tags[m as usize - 1] & !(1 << 63), b as u64 + 1);
+            }
+        }
+        for &t in tags {
+            let t = t & !(1 << 63);
+            if t != 0 {
+                assert_eq!(
+                    map[t as usize - 1] as usize,
+                    tags.iter().position(|&x| x & !(1 << 63) == t).unwrap() + 1
+                );
+            }
+        }
+        cached
+    }
+
+    #[test]
+    fn a_small_cache_evicts_and_stays_consistent() {
+        // 8 slots for 64 blocks, hot set of 6 blocks (10%).
+        let slots = 8u64;
+        let ws = ((slots * (BLOCK_WORDS as u64 + 1) + BLOCKS) * 8).div_ceil(4096) * 4096;
+        let p = params(9, ws, 10);
+        let mut mem = vec![0u64; (p.ws_bytes / 8) as usize];
+        let mut wl = Workload::new(&p, 0, &mut mem).unwrap();
+        assert_eq!(wl.cache_slots(), slots as usize);
+        let mut plat = disk();
+        wl.round(&mut plat);
+        for i in 0..3000 {
+            wl.round(&mut plat);
+            if i % 97 == 0 {
+                assert!(consistent(wl.mem, slots as usize) <= slots as usize);
+            }
+        }
+        let (hits, misses) = wl.cache_counts();
+        assert_eq!(wl.blk_errors(), (0, 0));
+        assert_eq!(hits + misses, 3000);
+        assert!(misses > BLOCKS, "the cache must have evicted ({misses} misses)");
+        // CLOCK keeps most of the hot set: far more hits than the 8/64 a
+        // uniform cache would give.
+        assert!(hits > 3000 / 2, "{hits} hits");
+        assert_eq!(consistent(wl.mem, slots as usize), slots as usize);
+        let d = wl.finish();
+        let rep = replay(&p, 0, 3001, 0).unwrap();
+        assert_eq!((rep.digest, rep.cache_hits, rep.cache_misses), (d, hits, misses));
+    }
+
+    #[test]
+    fn corrupted_disk_or_cache_is_detected() {
+        let p = whole(11);
+        let clean = run(&p, &mut disk(), 400);
+        // A block overwritten on the disk after the warm-up: read on its miss.
+        let mut plat = disk();
+        let bad = run_tamper(&p, &mut plat, 400, 1, |_, plat| {
+            let junk = vec![0x5au64; BLOCK_WORDS];
+            for b in 0..BLOCKS {
+                assert!(plat.blk_write((DATA_OFFSET + b * BLOCK_BYTES) / 512, &junk));
+            }
+        });
+        assert!(bad.errors.0 > 0);
+        assert_ne!(bad.digest, clean.digest);
+        // A bit flipped in a cached block: caught on its next hit.
+        let bad = run_tamper(&p, &mut disk(), 400, 300, |mem, _| {
+            for slot in 0..BLOCKS as usize {
+                mem[slot * BLOCK_WORDS + 17] ^= 1 << 5;
+            }
+        });
+        assert!(bad.errors.0 > 0);
+        assert_ne!(bad.digest, clean.digest);
+        // A disk that fails every request.
+        let broken = run(&p, &mut NativePlatform::new(0), 50);
+        assert!(broken.errors.1 > 0);
+    }
+
+    #[test]
+    fn bad_parameters_are_rejected() {
+        let ok = whole(1);
+        assert!(validate(&ok).is_ok());
+        for (p, what) in [
+            (WorkloadParams { data_bytes: 0, ..ok }, "data_bytes"),
+            (WorkloadParams { data_bytes: BLOCK_BYTES + 512, ..ok }, "data_bytes"),
+            (WorkloadParams { data_bytes: 32 << 30, ..ok }, "16 GiB"),
+            (WorkloadParams { ws_bytes: 4096, ..ok }, "too small"),
+            (WorkloadParams { ws_bytes: 4097, ..ok }, "4096"),
+            (WorkloadParams { hot_pct: 0, ..ok }, "hot_pct"),
+            (WorkloadParams { hot_pct: 101, ..ok }, "hot_pct"),
+        ] {
+            let e = validate(&p).unwrap_err();
+            assert!(e.contains(what), "{e} for {p:?}");
+        }
+        let mut mem = vec![0u64; 16];
+        assert!(Workload::new(&ok, 0, &mut mem).is_err());
     }
 }

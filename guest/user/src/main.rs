@@ -21,7 +21,7 @@ use nl_abi::{
     DEVERR_BLK_SMALL, DEVERR_NO_BLK, DMA_BLK_QUEUE, ERR_BAD_BOOT_INFO, ERR_DEVICE, ERR_SELF_CHECK,
     ERR_USER_PANIC, EXITS_PORT, HEARTBEAT_MS, PHASE_DONE, PHASE_MEASURE_START,
     PHASE_WORKLOAD_START, SYS_EXIT, SYS_HALT, SYS_OUTL, USER_STACKS_GPA, USER_STACK_SIZE,
-    VIRTIO_BLK_MMIO_GPA, WORKLOAD_BLKBENCH, WORKLOAD_MEMWRITE,
+    VIRTIO_BLK_MMIO_GPA, WORKLOAD_BLKBENCH, WORKLOAD_FILECACHE, WORKLOAD_MEMWRITE,
 };
 use nl_abi::{
     BLK_TEST_MALFORMED, DEVERR_NET_INIT, DEVERR_NO_NET, DMA_NET_BUFS, DMA_NET_RXQ, DMA_NET_TXQ,
@@ -139,7 +139,7 @@ struct Guest<'s> {
     /// Ring 3 runs with IOPL 3 and may use `in`/`out` itself (BootInfo asked
     /// for it and RFLAGS shows it).
     iopl: bool,
-    /// The virtio-blk driver (blkbench only).
+    /// The virtio-blk driver (blkbench and filecache only).
     blk: Option<virtio::Blk>,
 }
 
@@ -207,7 +207,7 @@ impl Platform for Guest<'_> {
     }
 }
 
-/// Sets up the virtio-blk driver for blkbench (vCPU 0's DMA area).
+/// Sets up the virtio-blk driver for blkbench or filecache (vCPU 0's DMA area).
 fn blk_setup(cpu: u64, boot: &BootInfo) -> virtio::Blk {
     if boot.has_blk == 0 {
         fail(cpu, ERR_DEVICE, DEVERR_NO_BLK << 32);
@@ -216,7 +216,7 @@ fn blk_setup(cpu: u64, boot: &BootInfo) -> virtio::Blk {
     if dma < boot.heap_end || dma + 0x4000 > boot.dma_end {
         fail(cpu, ERR_BAD_BOOT_INFO, dma);
     }
-    if boot.workload.pattern == BLK_TEST_MALFORMED {
+    if boot.workload.kind == WORKLOAD_BLKBENCH && boot.workload.pattern == BLK_TEST_MALFORMED {
         // Test-only mode: malformed requests first; blkbench then runs as usual.
         let scratch = boot.ws_base(cpu);
         match virtio::Blk::malformed_checks(VIRTIO_BLK_MMIO_GPA, dma, scratch) {
@@ -231,7 +231,12 @@ fn blk_setup(cpu: u64, boot: &BootInfo) -> virtio::Blk {
         Ok(b) => b,
         Err(virtio::InitError(step)) => fail(cpu, ERR_DEVICE, (DEVERR_BLK_INIT << 32) | step),
     };
-    if blk.sectors * 512 < nl_workloads::blk::BLKBENCH_DISK_BYTES {
+    let need = if boot.workload.kind == WORKLOAD_FILECACHE {
+        nl_workloads::filecache::disk_bytes(boot.workload.data_bytes)
+    } else {
+        nl_workloads::blk::BLKBENCH_DISK_BYTES
+    };
+    if blk.sectors.saturating_mul(512) < need {
         fail(cpu, ERR_DEVICE, (DEVERR_BLK_SMALL << 32) | (blk.sectors >> 11));
     }
     blk
@@ -276,17 +281,25 @@ fn kv_memory(cpu: u64, boot: &BootInfo) -> (&'static mut [u64], &'static mut [u8
     }
 }
 
-/// blkbench: stops the run at the first failed request or bad read.
-fn blk_check(cpu: u64, w: &Workload) {
+/// blkbench, filecache: stops the run at the first failed request or bad read.
+fn blk_check(cpu: u64, w: &Workload, name: &str) {
     let (mismatches, io_errors) = w.blk_errors();
     if io_errors > 0 {
-        print(cpu, format_args!("blkbench: {io_errors} virtio-blk requests failed\n"));
+        print(cpu, format_args!("{name}: {io_errors} virtio-blk requests failed\n"));
         fail(cpu, ERR_DEVICE, (DEVERR_BLK_IO << 32) | io_errors.min(0xffff_ffff));
     }
     if mismatches > 0 {
-        print(cpu, format_args!("blkbench: {mismatches} words read back wrong\n"));
+        print(cpu, format_args!("{name}: {mismatches} words read back wrong\n"));
         fail(cpu, ERR_SELF_CHECK, w.rounds_done());
     }
+}
+
+/// filecache: publishes the hit and miss counts (before the heartbeat
+/// that goes with them).
+fn cache_report(cpu: u64, w: &Workload) {
+    let (hits, misses) = w.cache_counts();
+    ctl_write(cpu, reg::CACHE_HITS, hits);
+    ctl_write(cpu, reg::CACHE_MISSES, misses);
 }
 
 /// Pages the warm-up maps between two heartbeats (about 8 µs a page on PVM,
@@ -304,10 +317,12 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
     }
     let params = boot.workload;
 
-    // The working set: memwrite's memory, blkbench's I/O buffers; the
-    // other kinds get none.
-    let blkbench = params.kind == WORKLOAD_BLKBENCH;
-    let ws: &mut [u64] = if params.kind == WORKLOAD_MEMWRITE || blkbench {
+    // The working set: memwrite's memory, blkbench's I/O buffers,
+    // filecache's cache; the other kinds get none.
+    let filecache = params.kind == WORKLOAD_FILECACHE;
+    let disk = params.kind == WORKLOAD_BLKBENCH || filecache;
+    let name = if filecache { "filecache" } else { "blkbench" };
+    let ws: &mut [u64] = if params.kind == WORKLOAD_MEMWRITE || disk {
         let base = boot.ws_base(cpu);
         let end = base.checked_add(params.ws_bytes);
         if end.is_none_or(|end| base < boot.heap_start || end > boot.heap_end) {
@@ -326,7 +341,7 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
             fail(cpu, ERR_BAD_BOOT_INFO, params.kind)
         }
     };
-    let blk = if blkbench { Some(blk_setup(cpu, boot)) } else { None };
+    let blk = if disk { Some(blk_setup(cpu, boot)) } else { None };
     // netbench: the network stack's storage lives in this frame (main never returns).
     let mut sockets = [smoltcp::iface::SocketStorage::EMPTY; 2];
     let mut rx_meta = [smoltcp::socket::udp::PacketMetadata::EMPTY; 16];
@@ -382,8 +397,19 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
         }
         ctl_write(cpu, reg::HEARTBEAT, 0);
     };
-    if blkbench {
-        blk_check(cpu, &w);
+    if disk {
+        blk_check(cpu, &w, name);
+    }
+    if filecache {
+        let found = if w.cache_data_found() { "found on the disk" } else { "written to the disk" };
+        print(
+            cpu,
+            format_args!(
+                "filecache: data set of {} MiB {found}, cache of {} blocks\n",
+                params.data_bytes >> 20,
+                w.cache_slots()
+            ),
+        );
     }
     ctl_write(cpu, reg::WARMUP_OPS, warmup);
 
@@ -401,11 +427,14 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
         if w.self_check_failures() != 0 {
             fail(cpu, ERR_SELF_CHECK, w.rounds_done());
         }
-        if blkbench {
-            blk_check(cpu, &w);
+        if disk {
+            blk_check(cpu, &w, name);
         }
         now = rdtsc();
         if now.wrapping_sub(last_beat) >= heartbeat {
+            if filecache {
+                cache_report(cpu, &w);
+            }
             ctl_write(cpu, reg::HEARTBEAT, ops);
             last_beat = now;
         }
@@ -425,6 +454,11 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
                 c.connections, c.puts, c.gets, c.other, c.errors
             ),
         );
+    }
+    if filecache {
+        let (hits, misses) = w.cache_counts();
+        print(cpu, format_args!("filecache: {hits} hits, {misses} misses\n"));
+        cache_report(cpu, &w);
     }
     let digest = w.finish();
     ctl_write(cpu, reg::OPS, ops);

@@ -14,7 +14,8 @@ use crate::guest;
 #[derive(Serialize)]
 struct Entry {
     workload: &'static str,
-    /// What an op is (blkbench: a byte moved to or from the disk).
+    /// What an op is (blkbench: a byte moved to or from the disk; filecache:
+    /// a byte served).
     #[serde(skip_serializing_if = "Option::is_none")]
     unit: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -43,14 +44,15 @@ fn measure(
     let d = Duration::from_secs_f64(duration);
     let mut m = m.clone();
     let mut _guest_disk = None;
-    let native = if w.workload == WorkloadName::Blkbench {
-        // Baseline: the same file operations as pread/pwrite on a host image
+    let native = if let Some(size) = guest::disk_needed(&params) {
+        // Baseline: the same block requests as pread/pwrite on a host image
         // file like the guest's; the guest gets its own image.
-        let host_disk = guest::TempDisk::new("bench-host")?;
+        let size = size.max(guest::DEFAULT_DISK_BYTES);
+        let host_disk = guest::TempDisk::with_size("bench-host", size)?;
         let file = std::fs::OpenOptions::new().read(true).write(true).open(&host_disk.0)?;
         let plat = nl_workloads::native::FileDiskPlatform::new(file);
         let r = nl_workloads::native::run_for_on(&params, 0, d, plat);
-        let t = guest::TempDisk::new("bench-guest")?;
+        let t = guest::TempDisk::with_size("bench-guest", size)?;
         m.disk = Some(t.0.clone());
         _guest_disk = Some(t);
         r
@@ -66,7 +68,7 @@ fn measure(
     let native_ops = native.ops_per_sec();
     Ok(Entry {
         workload: w.workload.name(),
-        unit: (w.workload == WorkloadName::Blkbench).then_some("bytes"),
+        unit: guest::disk_needed(&params).map(|_| "bytes"),
         pattern,
         guest_ops_per_sec: r.ops_per_sec,
         native_ops_per_sec: native_ops,

@@ -32,12 +32,12 @@ fn cases() -> Vec<Case> {
         // Good locality: a 4 MiB working set swept in order, re-dirtied every interval.
         Case {
             name: "memwrite-locality",
-            args: WorkloadArgs { pattern: PatternName::Sequential, ws: 1 << 20, ..d.clone() },
+            args: WorkloadArgs { pattern: PatternName::Sequential, ws: Some(1 << 20), ..d.clone() },
         },
         // Worst case: uniform random writes over 64 MiB.
         Case {
             name: "memwrite-random",
-            args: WorkloadArgs { pattern: PatternName::Random, ws: 64 << 20, ..d.clone() },
+            args: WorkloadArgs { pattern: PatternName::Random, ws: Some(64 << 20), ..d.clone() },
         },
         Case { name: "compute", args: WorkloadArgs { workload: WorkloadName::Compute, ..d } },
     ]

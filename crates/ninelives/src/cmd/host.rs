@@ -48,6 +48,8 @@ struct CreateRequest {
     pattern: Option<PatternName>,
     stride: Option<u64>,
     hot_pct: Option<u64>,
+    /// filecache: the data set's size.
+    data: Option<Size>,
     timer_hz: Option<u64>,
     console: Option<std::path::PathBuf>,
     net_tap: Option<String>,
@@ -66,11 +68,12 @@ fn build_config(req: &Value) -> Result<nl_vmm::VmConfig, String> {
     let w = WorkloadArgs {
         workload: r.workload,
         seed: r.seed.unwrap_or(d.seed),
-        ws: r.ws.map(|s| s.bytes()).transpose()?.unwrap_or(d.ws),
+        ws: r.ws.map(|s| s.bytes()).transpose()?.or(d.ws),
         write_pct: r.write_pct.unwrap_or(d.write_pct),
         pattern: r.pattern.unwrap_or(d.pattern),
         stride: r.stride.unwrap_or(d.stride),
         hot_pct: r.hot_pct.unwrap_or(d.hot_pct),
+        data: r.data.map(|s| s.bytes()).transpose()?.unwrap_or(d.data),
     };
     let dm = MachineArgs::default();
     let m = MachineArgs {

@@ -5,6 +5,7 @@ pub mod bench_checkpoint;
 pub mod bench_net;
 pub mod bench_recovery;
 pub mod bench_rejuvenate;
+pub mod bench_rejuvenate_cache;
 pub mod bench_rejuvenate_ping;
 pub mod bench_replicate;
 pub mod checkpoint;

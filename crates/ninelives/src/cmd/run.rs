@@ -9,7 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use nl_vmm::{Vm, VmConfig, VmOutcome};
 use serde::Serialize;
 
-use crate::cli::{RunArgs, WorkloadName};
+use crate::cli::RunArgs;
 use crate::guest;
 use crate::verify::verify_vm;
 
@@ -23,6 +23,12 @@ pub struct VmResult {
     pub ops: u64,
     pub ops_per_sec: f64,
     pub boot_ms: Option<f64>,
+    /// filecache: requests served from the cache and read from the disk
+    /// (measured period, all vCPUs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_hits: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_misses: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
@@ -56,6 +62,7 @@ pub fn run_vms(configs: &[VmConfig], workload: &'static str, quiet: bool) -> Res
     let mut results = Vec::new();
     for (vm, outcome) in vms.iter().zip(outcomes) {
         let report = vm.report();
+        let filecache = vm.config().workload.kind == nl_abi::WORKLOAD_FILECACHE;
         let v = verify_vm(vm, &outcome)?;
         let (digest_ok, ops, ops_per_sec, error) = (v.digest_ok, v.ops, v.ops_per_sec, v.error);
         let mut tail = vm.console().tail();
@@ -71,6 +78,8 @@ pub fn run_vms(configs: &[VmConfig], workload: &'static str, quiet: bool) -> Res
             ops,
             ops_per_sec,
             boot_ms: report.boot_ms,
+            cache_hits: filecache.then(|| report.vcpus.iter().map(|v| v.regs.cache_hits).sum()),
+            cache_misses: filecache.then(|| report.vcpus.iter().map(|v| v.regs.cache_misses).sum()),
             error,
         });
     }
@@ -101,15 +110,18 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         if a.vms > 1 && !a.machine.disk_readonly {
             anyhow::bail!("--disk with --vms {}: VMs cannot share a writable disk image", a.vms);
         }
-        guest::ensure_disk(d, guest::DEFAULT_DISK_BYTES)?;
+        guest::ensure_disk(d, guest::disk_size_for(&params))?;
     }
-    // blkbench without --disk: a temporary image per VM, removed at the end.
+    // blkbench, filecache without --disk: a temporary image per VM, removed at the end.
     let mut temp_disks = Vec::new();
     let mut configs = Vec::new();
     for _ in 0..a.vms {
         let mut m = a.machine.clone();
-        if a.workload.workload == WorkloadName::Blkbench && m.disk.is_none() {
-            let t = guest::TempDisk::new("blkbench")?;
+        if guest::disk_needed(&params).is_some() && m.disk.is_none() {
+            let t = guest::TempDisk::with_size(
+                a.workload.workload.name(),
+                guest::disk_size_for(&params),
+            )?;
             m.disk = Some(t.0.clone());
             temp_disks.push(t);
         }
@@ -122,8 +134,15 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     for r in &results {
         let boot = r.boot_ms.map_or("-".to_string(), |b| format!("{b:.1} ms"));
         let status = if r.ok { "ok" } else { "FAILED" };
+        let cache = match (r.cache_hits, r.cache_misses) {
+            (Some(h), Some(m)) => format!(
+                ", {h} cache hits, {m} misses ({:.1}% hits)",
+                100.0 * h as f64 / (h + m).max(1) as f64
+            ),
+            _ => String::new(),
+        };
         println!(
-            "VM {}: {} {status}: digest {}, {} ops, {:.3e} ops/s, boot {boot}",
+            "VM {}: {} {status}: digest {}, {} ops, {:.3e} ops/s{cache}, boot {boot}",
             r.id,
             r.workload,
             if r.digest_ok { "verified" } else { "NOT verified" },

@@ -65,6 +65,7 @@ pub fn params(kind: u64, duration_ms: u64) -> WorkloadParams {
         ws_bytes: match kind {
             nl_abi::WORKLOAD_MEMWRITE => 16 << 20,
             nl_abi::WORKLOAD_BLKBENCH => nl_workloads::blk::BLKBENCH_WS_BYTES,
+            nl_abi::WORKLOAD_FILECACHE => nl_workloads::filecache::ws_bytes_for(8 << 20),
             _ => 0,
         },
         write_pct: 50,
@@ -72,6 +73,7 @@ pub fn params(kind: u64, duration_ms: u64) -> WorkloadParams {
         stride: 4096,
         hot_pct: 10,
         duration_ms,
+        data_bytes: if kind == nl_abi::WORKLOAD_FILECACHE { 8 << 20 } else { 0 },
     }
 }
 
