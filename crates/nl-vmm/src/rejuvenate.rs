@@ -169,17 +169,22 @@ pub fn rejuvenate(host: &Host, listener_fd: Option<i32>, opts: &Options) -> Repo
         }
     }
     let t0 = mono_ns();
-    // 1. Suspend.
+    // 1. Suspend: ask every VM to pause at once, then wait for each and save.
     let mut suspended = Vec::new();
+    let mut carry = Vec::new();
     for h in host.hosted() {
-        let id = h.vm.id();
         if h.outcome.lock().is_some() {
-            report.not_carried.push(id);
+            report.not_carried.push(h.vm.id());
             continue;
         }
+        h.vm.request_pause();
+        carry.push((h, mono_ns()));
+    }
+    for (i, (h, pause_requested_ns)) in carry.iter().enumerate() {
+        let id = h.vm.id();
         let user_paused = h.user_paused.load(std::sync::atomic::Ordering::Relaxed);
         let mut rec = VmRecord::describe(id, h.vm.config(), user_paused);
-        rec.paused_at_ns = mono_ns();
+        rec.paused_at_ns = *pause_requested_ns;
         h.vm.pause();
         let paused_ns = mono_ns();
         let mut d = VmDowntime {
@@ -205,6 +210,12 @@ pub fn rejuvenate(host: &Host, listener_fd: Option<i32>, opts: &Options) -> Repo
                     s.kill();
                 }
                 resume_all(host, &suspended);
+                // The VMs asked to pause but not reached yet resume too.
+                for (rest, _) in &carry[i + 1..] {
+                    if !rest.user_paused.load(std::sync::atomic::Ordering::Relaxed) {
+                        let _ = host.resume(rest.vm.id());
+                    }
+                }
                 report.rolled_back = true;
                 return report;
             }
@@ -218,6 +229,9 @@ pub fn rejuvenate(host: &Host, listener_fd: Option<i32>, opts: &Options) -> Repo
         });
     }
     report.phases.suspend_ms = ms_between(t0, mono_ns());
+    // Release drops a VM (closing its TAP and disk) only if nothing here
+    // still holds it.
+    drop(carry);
     // Cold and save-restore shut the VMs down before the restart.
     let mut released = false;
     if opts.mode != Mode::Warm {

@@ -127,6 +127,11 @@ impl RunControl {
 
     /// Raises the pause flag and waits until every live vCPU thread has parked,
     /// calling `kick` (which interrupts KVM_RUN) every millisecond meanwhile.
+    /// Raises the pause flag without waiting; [`Self::pause`] then waits.
+    pub(crate) fn request_pause(&self) {
+        self.pause.store(true, Relaxed);
+    }
+
     pub(crate) fn pause(&self, kick: impl Fn()) {
         self.pause.store(true, Relaxed);
         loop {

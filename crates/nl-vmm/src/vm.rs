@@ -454,6 +454,14 @@ impl Vm {
         self.rx_barrier();
     }
 
+    /// Asks every vCPU to pause and returns at once: pausing many VMs
+    /// (request all, then [`Vm::pause`] each) takes the longest single
+    /// pause, not the sum, and no VM waits paused for the others' pauses.
+    pub fn request_pause(&self) {
+        self.run.request_pause();
+        self.kick_all();
+    }
+
     /// Lets paused vCPUs run again.
     pub fn resume(&self) {
         self.run.resume();

@@ -59,10 +59,12 @@ fn build_and_exec(what: &str, t0: Instant, steps: &mut Steps) -> Result<Never, S
         HandoverRecord::new(Mode::Warm, host.generation() + 1, Some(listener_fd), host.next_id());
     let mut inherit = vec![listener_fd];
     let paused_at_ns = handover::mono_ns();
-    for h in host.hosted() {
-        if h.outcome.lock().is_none() {
-            h.vm.pause();
-        }
+    let live: Vec<_> = host.hosted().into_iter().filter(|h| h.outcome.lock().is_none()).collect();
+    for h in &live {
+        h.vm.request_pause();
+    }
+    for h in &live {
+        h.vm.pause();
     }
     steps.done("pause_vms", json!(host.hosted().len()));
     record.finished = host.ended_stats().map_err(|e| e.to_string())?;
