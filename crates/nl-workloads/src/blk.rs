@@ -93,7 +93,7 @@ const OP_WRITE: usize = 3;
 const OP_REMOVE: usize = 4;
 
 /// The file content of seed `seed`: a PRNG stream, never all zero.
-fn fill(buf: &mut [u64], seed: u64) {
+pub(crate) fn fill(buf: &mut [u64], seed: u64) {
     let mut s = seed;
     for w in buf {
         *w = wyrand(&mut s);
@@ -101,8 +101,8 @@ fn fill(buf: &mut [u64], seed: u64) {
 }
 
 /// Compares `buf` with the content of seed `seed`; returns (mismatching
-/// words, digest of what was read).
-fn check(buf: &[u64], seed: u64) -> (u64, u64) {
+/// words, digest of a sample of what was read).
+pub(crate) fn check(buf: &[u64], seed: u64) -> (u64, u64) {
     let mut s = seed;
     let mut bad = 0u64;
     let mut h = 0u64;

@@ -26,6 +26,7 @@
 //! `slots = (ws_bytes / 8 - blocks) / (BLOCK_WORDS + 1)`. The warm-up clears
 //! tags and map, so the cache starts empty whatever the memory held.
 
+use crate::blk::{check, fill};
 use crate::{below, fold, mix64, pct_of, wyrand, Platform, HOTCOLD_HOT_ACCESS_PCT};
 
 /// Bytes per cached block (and per disk request of a miss).
@@ -92,29 +93,8 @@ pub fn validate(p: &nl_abi::WorkloadParams) -> Result<(), &'static str> {
     Ok(())
 }
 
-/// The content of a block: a PRNG stream from its seed.
-fn fill(buf: &mut [u64], seed: u64) {
-    let mut s = seed;
-    for w in buf {
-        *w = wyrand(&mut s);
-    }
-}
-
-/// Compares `buf` with the content of seed `seed`; returns (mismatching
-/// words, digest of a sample of what was read).
-fn check(buf: &[u64], seed: u64) -> (u64, u64) {
-    let mut s = seed;
-    let mut bad = 0u64;
-    let mut h = 0u64;
-    for (i, w) in buf.iter().enumerate() {
-        bad += u64::from(*w != wyrand(&mut s));
-        if i % 512 == 0 {
-            h = fold(h, *w);
-        }
-    }
-    (bad, h)
-}
-
+// A block's content is the PRNG stream of its seed, written and checked as
+// blkbench's files are.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Warm {
     /// Next: read the superblock.
