@@ -3,50 +3,10 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::*;
-
-/// A network namespace with TAP `nltap0` at 10.0.0.1/24, deleted on drop.
-struct Netns(String);
-
-impl Netns {
-    fn new(tag: &str) -> Option<Netns> {
-        let name = format!("nl-test-{tag}-{}", std::process::id());
-        let ok = ip;
-        if !ok(&["netns", "add", &name]) {
-            eprintln!(
-                "\n*** SKIPPED: cannot create a network namespace (needs root and iproute2) ***\n"
-            );
-            return None;
-        }
-        let ns = Netns(name);
-        for args in [
-            &["tuntap", "add", "dev", "nltap0", "mode", "tap"][..],
-            &["addr", "add", "10.0.0.1/24", "dev", "nltap0"],
-            &["link", "set", "nltap0", "up"],
-            &["link", "set", "lo", "up"],
-        ] {
-            let mut full = vec!["netns", "exec", &ns.0, "ip"];
-            full.extend_from_slice(args);
-            assert!(ok(&full), "ip {args:?} failed");
-        }
-        Some(ns)
-    }
-
-    fn ninelives(&self, args: &[&str]) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.0, env!("CARGO_BIN_EXE_ninelives")]).args(args);
-        c
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
 
 #[test]
 fn netbench_answers_a_1ms_ping() {

@@ -177,3 +177,45 @@ pub fn assert_stats_replay(id: u64, s: &serde_json::Value) {
         assert_eq!(rep.ops, r["ops"].as_u64().unwrap(), "VM {id} vCPU {cpu} ops");
     }
 }
+
+/// A network namespace of the test's own with TAP `nltap0` at 10.0.0.1/24
+/// (the guest is 10.0.0.2), deleted on drop. Only addresses inside it are used.
+pub struct Netns(pub String);
+
+impl Netns {
+    /// None (with a loud SKIPPED line) without root or iproute2.
+    pub fn new(tag: &str) -> Option<Netns> {
+        let name = format!("nl-test-{tag}-{}", std::process::id());
+        if !ip(&["netns", "add", &name]) {
+            eprintln!(
+                "\n*** SKIPPED: cannot create a network namespace (needs root and iproute2) ***\n"
+            );
+            return None;
+        }
+        let ns = Netns(name);
+        for args in [
+            &["tuntap", "add", "dev", "nltap0", "mode", "tap"][..],
+            &["addr", "add", "10.0.0.1/24", "dev", "nltap0"],
+            &["link", "set", "nltap0", "up"],
+            &["link", "set", "lo", "up"],
+        ] {
+            let mut full = vec!["netns", "exec", &ns.0, "ip"];
+            full.extend_from_slice(args);
+            assert!(ip(&full), "ip {args:?} failed");
+        }
+        Some(ns)
+    }
+
+    /// This binary, run inside the namespace.
+    pub fn ninelives(&self, args: &[&str]) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.0, env!("CARGO_BIN_EXE_ninelives")]).args(args);
+        c
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
