@@ -490,6 +490,7 @@ fn a_flipped_bit_in_a_written_word_fails_the_self_check_when_read() {
     }
 }
 
+#[cfg(feature = "std")]
 mod blkbench {
     use super::*;
     use crate::blk::{BLKBENCH_DISK_BYTES, BLKBENCH_WS_BYTES};
@@ -581,6 +582,7 @@ fn a_warm_up_in_pieces_equals_round_zero() {
     }
 }
 
+#[cfg(feature = "std")]
 mod filecache {
     use super::*;
     use crate::filecache::{disk_bytes, ws_bytes_for, BLOCK_BYTES, BLOCK_WORDS, DATA_OFFSET};
