@@ -268,19 +268,19 @@ pub fn across<T>(
 /// A running 1 ms pinger across one rejuvenation; killed on drop.
 struct Probe {
     run: PingRun,
-    begin: Option<f64>,
-    end: Option<f64>,
+    begin: Option<Instant>,
+    end: Option<Instant>,
 }
 
 impl Probe {
     /// The rejuvenation is requested now.
     fn begin(&mut self) {
-        self.begin = Some(self.run.now_ms());
+        self.begin = Some(Instant::now());
     }
 
     /// The rejuvenation request returned.
     fn end(&mut self) {
-        self.end = Some(self.run.now_ms());
+        self.end = Some(Instant::now());
     }
 
     /// Waits until the guest answers again (bounded), pings a short window
@@ -296,8 +296,9 @@ impl Probe {
     fn finish(self, net: &PingNet) -> Result<Value> {
         let answered = net.wait_answering(ANSWER_LIMIT)?;
         std::thread::sleep(WINDOW);
-        let (begin, end) = (self.begin, self.end);
-        let j = self.run.finish()?;
+        let r = self.run.finish()?;
+        let (begin, end) = (self.begin.map(|t| r.ms_at(t)), self.end.map(|t| r.ms_at(t)));
+        let j = r.report;
         let last = j["last_reply_ms"].as_f64();
         let b = begin.unwrap_or(0.0);
         let gap = gap_across(&j, b, end.unwrap_or(f64::INFINITY));

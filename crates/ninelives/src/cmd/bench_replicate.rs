@@ -507,6 +507,10 @@ struct Kill {
     ping_gap_ms: Option<f64>,
     /// When that gap began, relative to the kill (the last reply before it).
     ping_gap_start_after_kill_ms: Option<f64>,
+    /// The longest gap of the same run away from the kill (more than 100 ms
+    /// before it or after the exit; not the wait for the first reply): the
+    /// gaps this load shows anyway, for comparison.
+    ping_gap_elsewhere_ms: Option<f64>,
     /// Pings of the whole run (from the start of the load to its end).
     ping_sent: Option<u64>,
     ping_lost: Option<u64>,
@@ -524,6 +528,7 @@ struct Kill {
 struct PingAcross {
     gap_ms: Option<f64>,
     gap_start_after_kill_ms: Option<f64>,
+    gap_elsewhere_ms: Option<f64>,
     sent: Option<u64>,
     lost: Option<u64>,
     answered_again: Option<bool>,
@@ -545,15 +550,24 @@ fn end_ping(run: Result<PingRun, String>, begin: Instant, end: Instant) -> PingA
         Ok(r) => r,
         Err(why) => return PingAcross { note: Some(why), ..Default::default() },
     };
-    let (b, e) = (run.ms_at(begin), run.ms_at(end));
-    let j = match run.finish() {
-        Ok(j) => j,
+    let r = match run.finish() {
+        Ok(r) => r,
         Err(err) => return PingAcross { note: Some(format!("{err:#}")), ..Default::default() },
     };
+    let (b, e, j) = (r.ms_at(begin), r.ms_at(end), r.report);
     let gap = gap_across(&j, b, e);
+    let elsewhere = j["long_gaps"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|g| Some((g["start_ms"].as_f64()?, g["ms"].as_f64()?)))
+        .filter(|&(s, len)| s > 0.0 && (s + len < b - 100.0 || s > e + 100.0))
+        .map(|g| g.1)
+        .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))));
     let mut p = PingAcross {
         gap_ms: gap.map(|g| g.ms),
         gap_start_after_kill_ms: gap.map(|g| g.start_ms - b),
+        gap_elsewhere_ms: elsewhere,
         sent: j["sent"].as_u64(),
         lost: lost(&j).as_u64(),
         answered_again: Some(j["last_reply_ms"].as_f64().is_some_and(|l| l > e)),
@@ -666,6 +680,7 @@ fn kill_once(t: &Topo, i: u32, load: f64, seed: &mut u64) -> Result<Kill> {
         client_ops: kj["ops"].as_u64().unwrap_or(0),
         ping_gap_ms: pa.gap_ms,
         ping_gap_start_after_kill_ms: pa.gap_start_after_kill_ms,
+        ping_gap_elsewhere_ms: pa.gap_elsewhere_ms,
         ping_sent: pa.sent,
         ping_lost: pa.lost,
         ping_answered_again: pa.answered_again,
@@ -734,13 +749,14 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
     let gaps: Vec<f64> = kills.iter().map(|k| k.client_max_latency_ms).collect();
     let takeovers = kills.iter().filter(|k| k.activated).count();
     let ping_gaps: Vec<f64> = kills.iter().filter_map(|k| k.ping_gap_ms).collect();
+    let elsewhere: Vec<f64> = kills.iter().filter_map(|k| k.ping_gap_elsewhere_ms).collect();
     let answered_again = kills.iter().filter(|k| k.ping_answered_again == Some(true)).count();
     let max = |v: &[f64]| v.iter().copied().fold(f64::NAN, f64::max);
     if !kills.is_empty() {
         eprintln!(
             "kill campaign: {} kills, {} takeovers, {} lost acknowledged writes, client gap median {:.0} ms, \
-             max {:.0} ms; ping gap median {:.0} ms, max {:.0} ms ({} kills measured), \
-             answered pings again after {} kills",
+             max {:.0} ms; ping gap median {:.0} ms, max {:.0} ms ({} kills measured; away from \
+             the kills median {:.0} ms, max {:.0} ms), answered pings again after {} kills",
             kills.len(),
             takeovers,
             lost,
@@ -749,6 +765,8 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
             median(&ping_gaps),
             max(&ping_gaps),
             ping_gaps.len(),
+            median(&elsewhere),
+            max(&elsewhere),
             answered_again
         );
     }
@@ -766,6 +784,8 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
             "ping_gap_ms_max": finite(max(&ping_gaps)),
             "ping_gap_ms_median": finite(median(&ping_gaps)),
             "ping_gaps_measured": ping_gaps.len(),
+            "ping_gap_elsewhere_ms_median": finite(median(&elsewhere)),
+            "ping_gap_elsewhere_ms_max": finite(max(&elsewhere)),
             "ping_answered_again": answered_again,
             "ping_lost": kills.iter().filter_map(|k| k.ping_lost).sum::<u64>(),
         },
@@ -787,7 +807,8 @@ fn finite(x: f64) -> Option<f64> {
 fn describe_ping(k: &Kill) -> String {
     match (k.ping_gap_ms, &k.ping_note) {
         (Some(g), _) => format!(
-            "ping gap {g:.0} ms ({} of {} pings lost, rtt median {:.1} ms){}",
+            "ping gap {g:.0} ms (elsewhere in the run up to {:.0} ms; {} of {} pings lost, rtt median {:.1} ms){}",
+            k.ping_gap_elsewhere_ms.unwrap_or(f64::NAN),
             k.ping_lost.unwrap_or(0),
             k.ping_sent.unwrap_or(0),
             k.ping_rtt_median_ms.unwrap_or(f64::NAN),

@@ -40,6 +40,10 @@ const MAX_LONG_GAPS: usize = 256;
 pub struct PingReport {
     pub target: String,
     pub interval_ms: f64,
+    /// When the clock of the run's times started (the first send), in
+    /// milliseconds since the Unix epoch: lets a caller in another process
+    /// place its own events on that clock.
+    pub start_unix_ms: f64,
     pub sent: u64,
     pub received: u64,
     /// Longest time without a reply, from the first send to the last reply
@@ -90,6 +94,7 @@ pub fn ping(
     let mut replied: Vec<Option<Duration>> = Vec::new();
     let mut arrivals: Vec<Duration> = Vec::new();
     let start = Instant::now();
+    let start_unix_ms = unix_ms(std::time::SystemTime::now());
     let mut end_send = interval * count as u32;
     let mut deadline = end_send + Duration::from_secs(1);
     let mut next = 0u64;
@@ -184,6 +189,7 @@ pub fn ping(
     Ok(PingReport {
         target: target.to_string(),
         interval_ms: interval.as_secs_f64() * 1e3,
+        start_unix_ms,
         sent: count,
         received: rtts.len() as u64,
         longest_gap_ms: longest.as_secs_f64() * 1e3,
@@ -238,14 +244,22 @@ pub fn run(a: PingArgs) -> Result<ExitCode> {
     })
 }
 
+fn unix_ms(t: std::time::SystemTime) -> f64 {
+    t.duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3)
+}
+
 /// A `ninelives ping ... --until-stdin-eof --json` child run across an event
-/// by a bench (rejuvenation, primary kill): times are taken from the moment
-/// the pinger's clock starts, closing its stdin ends the run. Killed on drop.
+/// by a bench (rejuvenation, primary kill): the bench notes its events as
+/// [`Instant`]s and places them on the report's clock afterwards
+/// ([`PingResult::ms_at`]); closing the pinger's stdin ends the run. Killed
+/// on drop.
 pub struct PingRun {
     child: Child,
     stdin: Option<ChildStdin>,
     out: Option<BufReader<ChildStdout>>,
+    /// When the pinger said `sending`, as an Instant and on the wall clock.
     t0: Instant,
+    t0_unix_ms: f64,
 }
 
 impl PingRun {
@@ -260,39 +274,34 @@ impl PingRun {
             .context("cannot start ninelives ping")?;
         let stdin = child.stdin.take();
         let out = child.stdout.take().map(BufReader::new);
-        let mut p = PingRun { child, stdin, out, t0: Instant::now() };
+        let mut p = PingRun { child, stdin, out, t0: Instant::now(), t0_unix_ms: 0.0 };
         let mut line = String::new();
         let n = p.out.as_mut().map_or(Ok(0), |o| o.read_line(&mut line))?;
         if n == 0 || line.trim() != "sending" {
             bail!("ninelives ping did not start (said {line:?})");
         }
         p.t0 = Instant::now();
+        p.t0_unix_ms = unix_ms(std::time::SystemTime::now());
         Ok(p)
-    }
-
-    /// Milliseconds since the pinger's clock started (the report's time base).
-    pub fn now_ms(&self) -> f64 {
-        self.t0.elapsed().as_secs_f64() * 1e3
-    }
-
-    /// `t` on the report's clock (ms; negative before the clock started).
-    pub fn ms_at(&self, t: Instant) -> f64 {
-        match t.checked_duration_since(self.t0) {
-            Some(d) => d.as_secs_f64() * 1e3,
-            None => -(self.t0.duration_since(t).as_secs_f64() * 1e3),
-        }
     }
 
     /// Ends the run (EOF on its stdin: the pinger stops sending, waits at
     /// most 1 s for stragglers) and returns its JSON report.
-    pub fn finish(mut self) -> Result<Value> {
+    pub fn finish(mut self) -> Result<PingResult> {
         drop(self.stdin.take());
         let mut rest = String::new();
         if let Some(o) = self.out.as_mut() {
             o.read_to_string(&mut rest).context("reading the ping report")?;
         }
         let _ = self.child.wait();
-        last_json(&rest).context("ninelives ping printed no result")
+        let report = last_json(&rest).context("ninelives ping printed no result")?;
+        // How long before `t0` the report's clock started: the pinger starts
+        // it right after saying `sending`, and this process may read that
+        // late on a loaded machine. Both read the same wall clock; a result
+        // that is not plausible (a clock step) is ignored.
+        let lead = report["start_unix_ms"].as_f64().map_or(0.0, |s| self.t0_unix_ms - s);
+        let lead_ms = if lead.abs() < 1000.0 { lead } else { 0.0 };
+        Ok(PingResult { report, t0: self.t0, lead_ms })
     }
 }
 
@@ -300,6 +309,24 @@ impl Drop for PingRun {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A [`PingRun`]'s report, and its clock.
+pub struct PingResult {
+    pub report: Value,
+    t0: Instant,
+    lead_ms: f64,
+}
+
+impl PingResult {
+    /// `t` on the report's clock (ms since the first send; negative before).
+    pub fn ms_at(&self, t: Instant) -> f64 {
+        let since_t0 = match t.checked_duration_since(self.t0) {
+            Some(d) => d.as_secs_f64() * 1e3,
+            None => -(self.t0.duration_since(t).as_secs_f64() * 1e3),
+        };
+        since_t0 + self.lead_ms
     }
 }
 
