@@ -75,7 +75,7 @@ fn netbench_ping(tag: &str, extra: &[&str]) {
 }
 
 #[test]
-fn kv_serves_and_kvload_finds_every_acknowledged_write() {
+fn kv_serves_answers_udp_echo_and_kvload_finds_every_acknowledged_write() {
     if !kvm_available() {
         return;
     }
@@ -119,6 +119,15 @@ fn kv_serves_and_kvload_finds_every_acknowledged_write() {
         }
         assert!(t.elapsed() < Duration::from_secs(10), "the guest never answered: {}", stdout(&o));
     }
+    // The kv guest answers UDP echo on port 7 too (what the failover ping
+    // of `bench replicate` probes), outside the table and its digest.
+    let o = ns
+        .ninelives(&["ping", "--target", "10.0.0.2", "--interval", "10ms", "--duration", "0.3"])
+        .arg("--json")
+        .output()
+        .unwrap();
+    let j = last_json(&o);
+    assert!(j["received"].as_u64().is_some_and(|r| r > 0), "no echo from the kv guest: {j}");
     let o = ns
         .ninelives(&[
             "kvload",

@@ -3,21 +3,25 @@
 //! virtio-net driver of `net.rs`. [`CONNS`] sockets listen on the port, so
 //! that many clients can be connected at once; a closed connection's
 //! socket listens again. A PUT's `OK` is queued only after the table (in
-//! the working set) holds the value.
+//! the working set) holds the value. The server also answers UDP echo on
+//! port 7 (netbench's [`Echo`]), for an external ping; the echo touches
+//! neither the table nor the counts of requests.
 
 use nl_workloads::kv::{serve, LineBuf, Served, Table, MAX_RESPONSE, TOO_LONG};
 use smoltcp::iface::{Interface, SocketHandle, SocketSet, SocketStorage};
 use smoltcp::socket::tcp::{self, State};
 use smoltcp::time::Instant;
 
-use crate::net::{interface, NetDev, Phy};
+use crate::net::{interface, Echo, EchoBufs, NetDev, Phy};
 
 /// Concurrent connections served.
 pub const CONNS: usize = 16;
+/// Sockets: the TCP connections and the UDP echo.
+pub const SOCKETS: usize = CONNS + 1;
 /// Receive and send buffer bytes per connection.
 pub const SOCK_BUF: usize = 8192;
 
-/// Requests served, by kind.
+/// Requests served, by kind; UDP echoes answered.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Counts {
     pub puts: u64,
@@ -25,6 +29,8 @@ pub struct Counts {
     pub other: u64,
     pub errors: u64,
     pub connections: u64,
+    /// UDP echo datagrams answered (not requests).
+    pub echoes: u64,
 }
 
 pub struct Server<'s> {
@@ -34,19 +40,23 @@ pub struct Server<'s> {
     handles: [SocketHandle; CONNS],
     lines: [LineBuf; CONNS],
     active: [bool; CONNS],
+    echo: Echo,
     pub table: Table<'s>,
     pub counts: Counts,
 }
 
 impl<'s> Server<'s> {
-    /// `bufs` holds the sockets' buffers (at least 2 * CONNS * SOCK_BUF bytes).
+    /// `bufs` holds the TCP sockets' buffers (at least 2 * CONNS * SOCK_BUF
+    /// bytes), `echo` the UDP echo socket's.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         mut dev: NetDev,
         addr: ([u8; 4], u8),
         seed: u64,
         now: Instant,
-        storage: &'s mut [SocketStorage<'s>; CONNS],
+        storage: &'s mut [SocketStorage<'s>; SOCKETS],
         bufs: &'s mut [u8],
+        echo: EchoBufs<'s>,
         table: Table<'s>,
     ) -> Option<Server<'s>> {
         let iface = interface(&mut dev, addr, seed, now);
@@ -61,6 +71,7 @@ impl<'s> Server<'s> {
             s.listen(nl_abi::KV_TCP_PORT).ok()?;
             *h = sockets.add(s);
         }
+        let echo = Echo::add(&mut sockets, echo);
         Some(Server {
             dev,
             iface,
@@ -68,6 +79,7 @@ impl<'s> Server<'s> {
             handles,
             lines: [const { LineBuf::new() }; CONNS],
             active: [false; CONNS],
+            echo,
             table,
             counts: Counts::default(),
         })
@@ -75,11 +87,14 @@ impl<'s> Server<'s> {
 
     /// One service pass: moves frames, serves every complete request line
     /// whose response fits in its socket's send buffer, re-listens on closed
-    /// sockets. Returns the requests served.
+    /// sockets, answers UDP echo. Returns the requests served plus the
+    /// echoes answered.
     pub fn poll(&mut self, now: Instant) -> u64 {
         let mut phy = Phy { dev: &mut self.dev, ask: true };
         self.iface.poll(now, &mut phy, &mut self.sockets);
-        let mut served = 0;
+        let echoes = self.echo.answer(&mut self.sockets);
+        self.counts.echoes += echoes;
+        let mut served = echoes;
         for i in 0..CONNS {
             let s = self.sockets.get_mut::<tcp::Socket>(self.handles[i]);
             if !s.is_open() {

@@ -342,42 +342,37 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
         }
     };
     let blk = if disk { Some(blk_setup(cpu, boot)) } else { None };
-    // netbench: the network stack's storage lives in this frame (main never returns).
-    let mut sockets = [smoltcp::iface::SocketStorage::EMPTY; 2];
+    // netbench and kv: the network stack's storage lives in this frame
+    // (main never returns); the UDP echo's buffers serve both.
+    let mut sockets = [smoltcp::iface::SocketStorage::EMPTY; 1];
+    let mut kv_sockets = [const { smoltcp::iface::SocketStorage::EMPTY }; kv::SOCKETS];
     let mut rx_meta = [smoltcp::socket::udp::PacketMetadata::EMPTY; 16];
     let mut tx_meta = [smoltcp::socket::udp::PacketMetadata::EMPTY; 16];
     let mut rx_buf = [0u8; 16384];
     let mut tx_buf = [0u8; 16384];
+    let echo = ((&mut rx_meta[..], &mut rx_buf[..]), (&mut tx_meta[..], &mut tx_buf[..]));
     let now = smoltcp::time::Instant::from_millis((rdtsc() / boot.tsc_khz.max(1)) as i64);
     let addr = ((boot.net_ipv4 as u32).to_be_bytes(), boot.net_prefix as u8);
-    let net = if params.kind == WORKLOAD_NETBENCH {
-        let dev = net_setup(cpu, boot);
-        Some(net::Stack::new(
-            dev,
-            addr,
-            params.seed ^ rdtsc(),
-            now,
-            &mut sockets,
-            (&mut rx_meta, &mut rx_buf),
-            (&mut tx_meta, &mut tx_buf),
-        ))
-    } else {
-        None
-    };
-    // kv: the table and the socket buffers are in the working set.
-    let mut kv_sockets = [const { smoltcp::iface::SocketStorage::EMPTY }; kv::CONNS];
-    let kv = if params.kind == WORKLOAD_KV {
-        let dev = net_setup(cpu, boot);
-        let (table, bufs) = kv_memory(cpu, boot);
-        let Some(table) = nl_workloads::kv::Table::new(table) else {
-            fail(cpu, ERR_BAD_BOOT_INFO, params.ws_bytes)
-        };
-        match kv::Server::new(dev, addr, params.seed ^ rdtsc(), now, &mut kv_sockets, bufs, table) {
-            Some(s) => Some(s),
-            None => fail(cpu, ERR_BAD_BOOT_INFO, params.ws_bytes),
+    let (net, kv) = match params.kind {
+        WORKLOAD_NETBENCH => {
+            let dev = net_setup(cpu, boot);
+            let seed = params.seed ^ rdtsc();
+            (Some(net::Stack::new(dev, addr, seed, now, &mut sockets, echo)), None)
         }
-    } else {
-        None
+        // kv: the table and the TCP sockets' buffers are in the working set.
+        WORKLOAD_KV => {
+            let dev = net_setup(cpu, boot);
+            let (table, bufs) = kv_memory(cpu, boot);
+            let Some(table) = nl_workloads::kv::Table::new(table) else {
+                fail(cpu, ERR_BAD_BOOT_INFO, params.ws_bytes)
+            };
+            let seed = params.seed ^ rdtsc();
+            match kv::Server::new(dev, addr, seed, now, &mut kv_sockets, bufs, echo, table) {
+                Some(s) => (None, Some(s)),
+                None => fail(cpu, ERR_BAD_BOOT_INFO, params.ws_bytes),
+            }
+        }
+        _ => (None, None),
     };
     let mut platform = Guest {
         cpu,
@@ -450,8 +445,8 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
         print(
             cpu,
             format_args!(
-                "kv: {} connections, {} PUT, {} GET, {} other, {} errors; table {keys} keys, digest {sum:016x}\n",
-                c.connections, c.puts, c.gets, c.other, c.errors
+                "kv: {} connections, {} PUT, {} GET, {} other, {} errors, {} UDP echoes; table {keys} keys, digest {sum:016x}\n",
+                c.connections, c.puts, c.gets, c.other, c.errors, c.echoes
             ),
         );
     }

@@ -1,6 +1,7 @@
 //! netbench's network: a ring-3 virtio-net driver (polling, like the block
 //! driver) under smoltcp, answering UDP packets to port 7 with their payload.
-//! The kv workload's TCP server (`kv.rs`) uses the same driver.
+//! The kv workload's TCP server (`kv.rs`) uses the same driver and the same
+//! UDP echo ([`Echo`]).
 
 use core::sync::atomic::{fence, Ordering};
 
@@ -204,13 +205,50 @@ pub fn interface(
     iface
 }
 
-/// The UDP echo service.
+/// The buffers of an [`Echo`] socket: (metadata, payload) for receive and
+/// for transmit.
+pub type EchoBufs<'s> =
+    ((&'s mut [udp::PacketMetadata], &'s mut [u8]), (&'s mut [udp::PacketMetadata], &'s mut [u8]));
+
+/// UDP echo on [`nl_abi::NETBENCH_UDP_PORT`]: netbench's service, and the kv
+/// server's too (what an external 1 ms ping probes). Outside any workload
+/// digest.
+pub struct Echo {
+    handle: SocketHandle,
+    buf: [u8; 1500],
+}
+
+impl Echo {
+    /// Adds the echo socket to `sockets`.
+    pub fn add<'s>(sockets: &mut SocketSet<'s>, (rx, tx): EchoBufs<'s>) -> Echo {
+        let mut s = udp::Socket::new(
+            udp::PacketBuffer::new(rx.0, rx.1),
+            udp::PacketBuffer::new(tx.0, tx.1),
+        );
+        let _ = s.bind(nl_abi::NETBENCH_UDP_PORT);
+        Echo { handle: sockets.add(s), buf: [0; 1500] }
+    }
+
+    /// Queues an answer to every datagram received (after an interface
+    /// poll); returns how many. The caller polls again to send them.
+    pub fn answer(&mut self, sockets: &mut SocketSet<'_>) -> u64 {
+        let s = sockets.get_mut::<udp::Socket>(self.handle);
+        let mut n = 0;
+        while let Ok((len, meta)) = s.recv_slice(&mut self.buf) {
+            if s.send_slice(&self.buf[..len], meta.endpoint).is_ok() {
+                n += 1;
+            }
+        }
+        n
+    }
+}
+
+/// netbench's network service: UDP echo only.
 pub struct Stack<'s> {
     pub dev: NetDev,
     iface: Interface,
     sockets: SocketSet<'s>,
-    udp: SocketHandle,
-    buf: [u8; 1500],
+    echo: Echo,
 }
 
 impl<'s> Stack<'s> {
@@ -220,31 +258,19 @@ impl<'s> Stack<'s> {
         seed: u64,
         now: Instant,
         storage: &'s mut [SocketStorage<'s>],
-        rx: (&'s mut [udp::PacketMetadata], &'s mut [u8]),
-        tx: (&'s mut [udp::PacketMetadata], &'s mut [u8]),
+        bufs: EchoBufs<'s>,
     ) -> Stack<'s> {
         let iface = interface(&mut dev, (ip, prefix), seed, now);
         let mut sockets = SocketSet::new(storage);
-        let mut s = udp::Socket::new(
-            udp::PacketBuffer::new(rx.0, rx.1),
-            udp::PacketBuffer::new(tx.0, tx.1),
-        );
-        let _ = s.bind(nl_abi::NETBENCH_UDP_PORT);
-        let udp = sockets.add(s);
-        Stack { dev, iface, sockets, udp, buf: [0; 1500] }
+        let echo = Echo::add(&mut sockets, bufs);
+        Stack { dev, iface, sockets, echo }
     }
 
     /// One service pass; returns the packets answered.
     pub fn poll(&mut self, now: Instant) -> u64 {
         let mut phy = Phy { dev: &mut self.dev, ask: true };
         self.iface.poll(now, &mut phy, &mut self.sockets);
-        let s = self.sockets.get_mut::<udp::Socket>(self.udp);
-        let mut n = 0;
-        while let Ok((len, meta)) = s.recv_slice(&mut self.buf) {
-            if s.send_slice(&self.buf[..len], meta.endpoint).is_ok() {
-                n += 1;
-            }
-        }
+        let n = self.echo.answer(&mut self.sockets);
         if n > 0 {
             let mut phy = Phy { dev: &mut self.dev, ask: false };
             self.iface.poll(now, &mut phy, &mut self.sockets);

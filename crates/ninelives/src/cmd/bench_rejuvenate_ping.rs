@@ -17,15 +17,15 @@
 //! SIGTERM are caught by [`cleanup_on_signals`], which kills the host and
 //! deletes the namespace before exiting.
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
+use crate::cmd::ping::{gap_across, last_json, lost, PingRun};
 use crate::netns::ip;
 
 /// The TAP the netbench VM attaches (inside the bench's namespace).
@@ -238,24 +238,9 @@ impl PingNet {
         let mut c = self.command();
         c.args(["ping", "--target", GUEST, "--interval", "1ms", "--duration", PROBE_MAX_SECS]);
         c.args(["--until-stdin-eof", "--json"]);
-        let mut child = c
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("cannot start ninelives ping")?;
-        let stdin = child.stdin.take();
-        let out = child.stdout.take().map(BufReader::new);
-        let mut p = Probe { child, stdin, out, t0: Instant::now(), begin: None, end: None };
-        // The pinger says `sending` when its clock starts: times are taken from there.
-        let mut line = String::new();
-        let n = p.out.as_mut().map_or(Ok(0), |o| o.read_line(&mut line))?;
-        if n == 0 || line.trim() != "sending" {
-            bail!("ninelives ping did not start (said {line:?})");
-        }
-        p.t0 = Instant::now();
+        let run = PingRun::start(c)?;
         std::thread::sleep(WINDOW);
-        Ok(p)
+        Ok(Probe { run, begin: None, end: None })
     }
 }
 
@@ -282,23 +267,20 @@ pub fn across<T>(
 
 /// A running 1 ms pinger across one rejuvenation; killed on drop.
 struct Probe {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    out: Option<BufReader<ChildStdout>>,
-    t0: Instant,
-    begin: Option<Duration>,
-    end: Option<Duration>,
+    run: PingRun,
+    begin: Option<Instant>,
+    end: Option<Instant>,
 }
 
 impl Probe {
     /// The rejuvenation is requested now.
     fn begin(&mut self) {
-        self.begin = Some(self.t0.elapsed());
+        self.begin = Some(Instant::now());
     }
 
     /// The rejuvenation request returned.
     fn end(&mut self) {
-        self.end = Some(self.t0.elapsed());
+        self.end = Some(Instant::now());
     }
 
     /// Waits until the guest answers again (bounded), pings a short window
@@ -311,32 +293,18 @@ impl Probe {
     ///   which includes the machine's own stalls;
     /// * the pings sent, received and lost, and whether the guest answered
     ///   again after the request returned.
-    fn finish(mut self, net: &PingNet) -> Result<Value> {
+    fn finish(self, net: &PingNet) -> Result<Value> {
         let answered = net.wait_answering(ANSWER_LIMIT)?;
         std::thread::sleep(WINDOW);
-        // EOF on its stdin: the pinger stops sending, waits at most 1 s for
-        // stragglers and prints its report.
-        drop(self.stdin.take());
-        let mut rest = String::new();
-        if let Some(o) = self.out.as_mut() {
-            std::io::Read::read_to_string(o, &mut rest).context("reading the ping report")?;
-        }
-        let _ = self.child.wait();
-        let j = last_json(&rest).context("ninelives ping printed no result")?;
-        let ms = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1e3);
-        let (begin, end) = (ms(self.begin), ms(self.end));
+        let r = self.run.finish()?;
+        let (begin, end) = (self.begin.map(|t| r.ms_at(t)), self.end.map(|t| r.ms_at(t)));
+        let j = r.report;
         let last = j["last_reply_ms"].as_f64();
-        let (b, e) = (begin.unwrap_or(0.0), end.unwrap_or(f64::INFINITY));
-        let gap = j["long_gaps"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|g| Some((g["start_ms"].as_f64()?, g["ms"].as_f64()?)))
-            .filter(|&(s, len)| s < e && s + len > b)
-            .max_by(|x, y| x.1.total_cmp(&y.1));
+        let b = begin.unwrap_or(0.0);
+        let gap = gap_across(&j, b, end.unwrap_or(f64::INFINITY));
         let mut r = json!({
-            "gap_ms": gap.map(|g| g.1),
-            "gap_start_after_request_ms": gap.map(|g| g.0 - b),
+            "gap_ms": gap.map(|g| g.ms),
+            "gap_start_after_request_ms": gap.map(|g| g.start_ms - b),
             "longest_gap_ms": j["longest_gap_ms"],
             "lost": lost(&j),
             "sent": j["sent"], "received": j["received"],
@@ -349,24 +317,6 @@ impl Probe {
         }
         Ok(r)
     }
-}
-
-impl Drop for Probe {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn lost(j: &Value) -> Value {
-    match (j["sent"].as_u64(), j["received"].as_u64()) {
-        (Some(s), Some(r)) => json!(s.saturating_sub(r)),
-        _ => Value::Null,
-    }
-}
-
-fn last_json(out: &str) -> Option<Value> {
-    out.lines().rev().find_map(|l| serde_json::from_str::<Value>(l).ok().filter(Value::is_object))
 }
 
 /// One line of human output for a probe's (or a baseline's) result.

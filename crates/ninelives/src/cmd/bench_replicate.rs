@@ -2,7 +2,9 @@
 //! unreplicated VM measured in the same run (memwrite sequential and random,
 //! kv under kvload), per optimization and epoch length; and a kill campaign:
 //! primaries running kv killed mid-epoch or mid-send while kvload checks
-//! that no acknowledged write is lost.
+//! that no acknowledged write is lost and a 1 ms UDP ping (`ninelives ping`
+//! at the guest's echo port) measures the longest gap in replies across the
+//! kill and the backup's takeover.
 //!
 //! memwrite runs on loopback with the backup in this process. kv and the
 //! kill campaign need root and iproute2: three network namespaces of the
@@ -26,6 +28,7 @@ use nl_vmm::{Vm, VmOutcome};
 use serde::Serialize;
 
 use crate::cli::{MachineArgs, PatternName, WorkloadArgs};
+use crate::cmd::ping::{gap_across, lost, PingRun};
 use crate::cmd::replicate::{run_primary, PrimaryArgs, PrimaryRun};
 use crate::guest;
 use crate::netns::ip;
@@ -496,8 +499,92 @@ struct Kill {
     client_max_latency_ms: f64,
     client_errors: u64,
     client_ops: u64,
+    /// The 1 ms ping from C (UDP echo, answered by the kv guest): the
+    /// longest gap between replies that overlaps the kill (from the kill, or
+    /// for a mid-send kill from the time the primary was told to die, until
+    /// its exit was seen). Null, with `ping_note`, when the ping could not
+    /// run or the guest had not answered it before the kill.
+    ping_gap_ms: Option<f64>,
+    /// When that gap began, relative to the kill (the last reply before it).
+    ping_gap_start_after_kill_ms: Option<f64>,
+    /// The longest gap of the same run away from the kill (more than 100 ms
+    /// before it or after the exit; not the wait for the first reply): the
+    /// gaps this load shows anyway, for comparison.
+    ping_gap_elsewhere_ms: Option<f64>,
+    /// Pings of the whole run (from the start of the load to its end).
+    ping_sent: Option<u64>,
+    ping_lost: Option<u64>,
+    /// The guest answered pings again after the primary's exit (the backup's copy).
+    ping_answered_again: Option<bool>,
+    /// Round trip; under replication about an epoch (output commit).
+    ping_rtt_median_ms: Option<f64>,
+    ping_note: Option<String>,
     ok: bool,
     note: Option<String>,
+}
+
+/// The ping's part of a [`Kill`].
+#[derive(Default)]
+struct PingAcross {
+    gap_ms: Option<f64>,
+    gap_start_after_kill_ms: Option<f64>,
+    gap_elsewhere_ms: Option<f64>,
+    sent: Option<u64>,
+    lost: Option<u64>,
+    answered_again: Option<bool>,
+    rtt_median_ms: Option<f64>,
+    note: Option<String>,
+}
+
+/// Starts `ninelives ping` from C at the guest, 1 ms apart, until stopped.
+fn start_ping(t: &Topo) -> Result<PingRun> {
+    let mut args = vec!["ping", "--target", GUEST, "--interval", "1ms", "--duration", "600"];
+    args.extend(["--until-stdin-eof", "--json"]);
+    PingRun::start(Topo::exe(&t.c, &args)?)
+}
+
+/// Ends the ping of one kill; the kill lasted from `begin` to `end` (the
+/// primary's exit seen).
+fn end_ping(run: Result<PingRun, String>, begin: Instant, end: Instant) -> PingAcross {
+    let run = match run {
+        Ok(r) => r,
+        Err(why) => return PingAcross { note: Some(why), ..Default::default() },
+    };
+    let r = match run.finish() {
+        Ok(r) => r,
+        Err(err) => return PingAcross { note: Some(format!("{err:#}")), ..Default::default() },
+    };
+    let (b, e, j) = (r.ms_at(begin), r.ms_at(end), r.report);
+    let gap = gap_across(&j, b, e);
+    let elsewhere = j["long_gaps"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|g| Some((g["start_ms"].as_f64()?, g["ms"].as_f64()?)))
+        .filter(|&(s, len)| s > 0.0 && (s + len < b - 100.0 || s > e + 100.0))
+        .map(|g| g.1)
+        .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))));
+    let mut p = PingAcross {
+        gap_ms: gap.map(|g| g.ms),
+        gap_start_after_kill_ms: gap.map(|g| g.start_ms - b),
+        gap_elsewhere_ms: elsewhere,
+        sent: j["sent"].as_u64(),
+        lost: lost(&j).as_u64(),
+        answered_again: Some(j["last_reply_ms"].as_f64().is_some_and(|l| l > e)),
+        rtt_median_ms: j["rtt_median_ms"].as_f64(),
+        note: None,
+    };
+    match gap {
+        // A gap from the first send: the guest never answered before the kill.
+        Some(g) if g.start_ms <= 0.0 => {
+            p.gap_ms = None;
+            p.gap_start_after_kill_ms = None;
+            p.note = Some("the guest had not answered a ping before the kill".into());
+        }
+        Some(_) => {}
+        None => p.note = Some("no gap of 3 ms or more across the kill".into()),
+    }
+    p
 }
 
 /// splitmix64.
@@ -541,14 +628,23 @@ fn kill_once(t: &Topo, i: u32, load: f64, seed: &mut u64) -> Result<Kill> {
     }
     args.extend(KV_NET);
     let mut primary = Topo::spawn(&t.p, &args)?;
+    let spawned = Instant::now();
     std::thread::sleep(Duration::from_millis(startup));
     let client = kvload(t, load, 8, "10s")?;
-    if !mid_send {
+    // The ping runs across the kill and the takeover, until the load ends.
+    let ping = start_ping(t).map_err(|e| format!("the ping did not run: {e:#}"));
+    let killed_at = if mid_send {
+        // The primary counts from its own start, a little after the spawn.
+        spawned + Duration::from_millis(startup + at)
+    } else {
         std::thread::sleep(Duration::from_millis(at));
         primary.kill();
-    }
+        Instant::now()
+    };
     let po = primary.finish(load + 30.0);
+    let exited = Instant::now();
     let ko = client.finish(load + 90.0);
+    let pa = end_ping(ping, killed_at, exited);
     let bo = backup.finish(load + 60.0);
     let kj = last_json(&ko).unwrap_or_default();
     let bj = last_json(&bo).unwrap_or_default();
@@ -582,6 +678,14 @@ fn kill_once(t: &Topo, i: u32, load: f64, seed: &mut u64) -> Result<Kill> {
         client_max_latency_ms: kj["latency_us"]["max"].as_f64().unwrap_or(f64::NAN) / 1e3,
         client_errors: kj["errors"].as_u64().unwrap_or(0),
         client_ops: kj["ops"].as_u64().unwrap_or(0),
+        ping_gap_ms: pa.gap_ms,
+        ping_gap_start_after_kill_ms: pa.gap_start_after_kill_ms,
+        ping_gap_elsewhere_ms: pa.gap_elsewhere_ms,
+        ping_sent: pa.sent,
+        ping_lost: pa.lost,
+        ping_answered_again: pa.answered_again,
+        ping_rtt_median_ms: pa.rtt_median_ms,
+        ping_note: pa.note,
         ok,
         note,
     })
@@ -627,10 +731,11 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
                     let k = kill_once(t, i, a.kill_load.max(1.5), &mut seed)?;
                     eprintln!(
                         "kill {i} ({}, at {} ms): {}, epoch {:?}, takeover {:.1} ms after detection, \
-                         lost acknowledged writes {}, client gap (longest request) {:.0} ms, {} client errors{}",
+                         lost acknowledged writes {}, client gap (longest request) {:.0} ms, {} client errors, \
+                         {}{}",
                         k.kind, k.at_ms, if k.activated { "backup took over" } else { "NO TAKEOVER" },
                         k.epoch, k.takeover_ms.unwrap_or(f64::NAN), k.lost_acked_writes,
-                        k.client_max_latency_ms, k.client_errors,
+                        k.client_max_latency_ms, k.client_errors, describe_ping(&k),
                         k.note.as_ref().map_or(String::new(), |n| format!(" ({n})"))
                     );
                     all_ok &= k.ok;
@@ -643,13 +748,26 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
     let lost: u64 = kills.iter().map(|k| k.lost_acked_writes).sum();
     let gaps: Vec<f64> = kills.iter().map(|k| k.client_max_latency_ms).collect();
     let takeovers = kills.iter().filter(|k| k.activated).count();
+    let ping_gaps: Vec<f64> = kills.iter().filter_map(|k| k.ping_gap_ms).collect();
+    let elsewhere: Vec<f64> = kills.iter().filter_map(|k| k.ping_gap_elsewhere_ms).collect();
+    let answered_again = kills.iter().filter(|k| k.ping_answered_again == Some(true)).count();
+    let max = |v: &[f64]| v.iter().copied().fold(f64::NAN, f64::max);
     if !kills.is_empty() {
         eprintln!(
-            "kill campaign: {} kills, {} takeovers, {} lost acknowledged writes, client gap max {:.0} ms",
+            "kill campaign: {} kills, {} takeovers, {} lost acknowledged writes, client gap median {:.0} ms, \
+             max {:.0} ms; ping gap median {:.0} ms, max {:.0} ms ({} kills measured; away from \
+             the kills median {:.0} ms, max {:.0} ms), answered pings again after {} kills",
             kills.len(),
             takeovers,
             lost,
-            gaps.iter().copied().fold(0.0, f64::max)
+            median(&gaps),
+            max(&gaps),
+            median(&ping_gaps),
+            max(&ping_gaps),
+            ping_gaps.len(),
+            median(&elsewhere),
+            max(&elsewhere),
+            answered_again
         );
     }
     let out = serde_json::json!({
@@ -663,6 +781,13 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
             "lost_acked_writes": lost,
             "client_gap_ms_max": gaps.iter().copied().fold(0.0, f64::max),
             "client_gap_ms_median": median(&gaps),
+            "ping_gap_ms_max": finite(max(&ping_gaps)),
+            "ping_gap_ms_median": finite(median(&ping_gaps)),
+            "ping_gaps_measured": ping_gaps.len(),
+            "ping_gap_elsewhere_ms_median": finite(median(&elsewhere)),
+            "ping_gap_elsewhere_ms_max": finite(max(&elsewhere)),
+            "ping_answered_again": answered_again,
+            "ping_lost": kills.iter().filter_map(|k| k.ping_lost).sum::<u64>(),
         },
         "ok": all_ok,
         "host_ms": t0.elapsed().as_secs_f64() * 1e3,
@@ -671,6 +796,27 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
         println!("{out}");
     }
     Ok(if all_ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// JSON null for NaN (no value measured).
+fn finite(x: f64) -> Option<f64> {
+    x.is_finite().then_some(x)
+}
+
+/// The ping's part of a kill's line.
+fn describe_ping(k: &Kill) -> String {
+    match (k.ping_gap_ms, &k.ping_note) {
+        (Some(g), _) => format!(
+            "ping gap {g:.0} ms (elsewhere in the run up to {:.0} ms; {} of {} pings lost, rtt median {:.1} ms){}",
+            k.ping_gap_elsewhere_ms.unwrap_or(f64::NAN),
+            k.ping_lost.unwrap_or(0),
+            k.ping_sent.unwrap_or(0),
+            k.ping_rtt_median_ms.unwrap_or(f64::NAN),
+            if k.ping_answered_again == Some(true) { "" } else { ", NOT ANSWERED AGAIN" }
+        ),
+        (None, Some(n)) => format!("ping: {n}"),
+        (None, None) => "ping: no result".into(),
+    }
 }
 
 fn median(v: &[f64]) -> f64 {

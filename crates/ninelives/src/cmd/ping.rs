@@ -1,14 +1,16 @@
 //! `ninelives ping`: the external UDP sender that measures a guest's service
 //! interruptions (netbench answers on port 7).
 
+use std::io::{BufRead, BufReader, Read};
 use std::net::{SocketAddr, ToSocketAddrs, UdpSocket};
-use std::process::ExitCode;
+use std::process::{Child, ChildStdin, ChildStdout, Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
+use serde_json::{json, Value};
 
 use crate::cli::PingArgs;
 
@@ -38,6 +40,10 @@ const MAX_LONG_GAPS: usize = 256;
 pub struct PingReport {
     pub target: String,
     pub interval_ms: f64,
+    /// When the clock of the run's times started (the first send), in
+    /// milliseconds since the Unix epoch: lets a caller in another process
+    /// place its own events on that clock.
+    pub start_unix_ms: f64,
     pub sent: u64,
     pub received: u64,
     /// Longest time without a reply, from the first send to the last reply
@@ -88,6 +94,7 @@ pub fn ping(
     let mut replied: Vec<Option<Duration>> = Vec::new();
     let mut arrivals: Vec<Duration> = Vec::new();
     let start = Instant::now();
+    let start_unix_ms = unix_ms(std::time::SystemTime::now());
     let mut end_send = interval * count as u32;
     let mut deadline = end_send + Duration::from_secs(1);
     let mut next = 0u64;
@@ -182,6 +189,7 @@ pub fn ping(
     Ok(PingReport {
         target: target.to_string(),
         interval_ms: interval.as_secs_f64() * 1e3,
+        start_unix_ms,
         sent: count,
         received: rtts.len() as u64,
         longest_gap_ms: longest.as_secs_f64() * 1e3,
@@ -234,6 +242,118 @@ pub fn run(a: PingArgs) -> Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+fn unix_ms(t: std::time::SystemTime) -> f64 {
+    t.duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3)
+}
+
+/// A `ninelives ping ... --until-stdin-eof --json` child run across an event
+/// by a bench (rejuvenation, primary kill): the bench notes its events as
+/// [`Instant`]s and places them on the report's clock afterwards
+/// ([`PingResult::ms_at`]); closing the pinger's stdin ends the run. Killed
+/// on drop.
+pub struct PingRun {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    out: Option<BufReader<ChildStdout>>,
+    /// When the pinger said `sending`, as an Instant and on the wall clock.
+    t0: Instant,
+    t0_unix_ms: f64,
+}
+
+impl PingRun {
+    /// Starts `cmd` (a `ninelives ping` with `--until-stdin-eof --json`,
+    /// perhaps under `ip netns exec`) and waits until it says `sending`.
+    pub fn start(mut cmd: Command) -> Result<PingRun> {
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("cannot start ninelives ping")?;
+        let stdin = child.stdin.take();
+        let out = child.stdout.take().map(BufReader::new);
+        let mut p = PingRun { child, stdin, out, t0: Instant::now(), t0_unix_ms: 0.0 };
+        let mut line = String::new();
+        let n = p.out.as_mut().map_or(Ok(0), |o| o.read_line(&mut line))?;
+        if n == 0 || line.trim() != "sending" {
+            bail!("ninelives ping did not start (said {line:?})");
+        }
+        p.t0 = Instant::now();
+        p.t0_unix_ms = unix_ms(std::time::SystemTime::now());
+        Ok(p)
+    }
+
+    /// Ends the run (EOF on its stdin: the pinger stops sending, waits at
+    /// most 1 s for stragglers) and returns its JSON report.
+    pub fn finish(mut self) -> Result<PingResult> {
+        drop(self.stdin.take());
+        let mut rest = String::new();
+        if let Some(o) = self.out.as_mut() {
+            o.read_to_string(&mut rest).context("reading the ping report")?;
+        }
+        let _ = self.child.wait();
+        let report = last_json(&rest).context("ninelives ping printed no result")?;
+        // How long before `t0` the report's clock started: the pinger starts
+        // it right after saying `sending`, and this process may read that
+        // late on a loaded machine. Both read the same wall clock; a result
+        // that is not plausible (a clock step) is ignored.
+        let lead = report["start_unix_ms"].as_f64().map_or(0.0, |s| self.t0_unix_ms - s);
+        let lead_ms = if lead.abs() < 1000.0 { lead } else { 0.0 };
+        Ok(PingResult { report, t0: self.t0, lead_ms })
+    }
+}
+
+impl Drop for PingRun {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A [`PingRun`]'s report, and its clock.
+pub struct PingResult {
+    pub report: Value,
+    t0: Instant,
+    lead_ms: f64,
+}
+
+impl PingResult {
+    /// `t` on the report's clock (ms since the first send; negative before).
+    pub fn ms_at(&self, t: Instant) -> f64 {
+        let since_t0 = match t.checked_duration_since(self.t0) {
+            Some(d) => d.as_secs_f64() * 1e3,
+            None => -(self.t0.duration_since(t).as_secs_f64() * 1e3),
+        };
+        since_t0 + self.lead_ms
+    }
+}
+
+/// The longest gap in a ping report's `long_gaps` that overlaps the event
+/// from `begin_ms` to `end_ms` (times on the report's clock; for an
+/// instant, begin = end), if any gap of 3 intervals or more does.
+pub fn gap_across(report: &Value, begin_ms: f64, end_ms: f64) -> Option<Gap> {
+    report["long_gaps"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|g| Some(Gap { start_ms: g["start_ms"].as_f64()?, ms: g["ms"].as_f64()? }))
+        .filter(|g| g.start_ms < end_ms && g.start_ms + g.ms > begin_ms)
+        .max_by(|x, y| x.ms.total_cmp(&y.ms))
+}
+
+/// The last line of `out` that is a JSON object (a ping's report).
+pub fn last_json(out: &str) -> Option<Value> {
+    out.lines().rev().find_map(|l| serde_json::from_str::<Value>(l).ok().filter(Value::is_object))
+}
+
+/// Pings sent and not answered, from a ping report (null if it lacks them).
+pub fn lost(report: &Value) -> Value {
+    match (report["sent"].as_u64(), report["received"].as_u64()) {
+        (Some(s), Some(r)) => json!(s.saturating_sub(r)),
+        _ => Value::Null,
+    }
 }
 
 /// A VM that stalls (a loaded host, a single-stepping injector) answers a
@@ -307,5 +427,26 @@ mod tests {
         assert!(r.long_gaps.iter().all(|g| g.ms >= 3.0 && g.ms <= r.longest_gap_ms), "{r:?}");
         assert!(r.long_gaps.windows(2).all(|w| w[0].start_ms <= w[1].start_ms), "{r:?}");
         assert!(r.last_reply_ms.is_some_and(|l| l >= r.longest_gap_start_ms), "{r:?}");
+    }
+
+    #[test]
+    fn the_gap_across_an_event_is_the_longest_one_overlapping_it() {
+        let r = serde_json::json!({"sent": 10, "received": 7, "long_gaps": [
+            {"start_ms": 0.0, "ms": 50.0},
+            {"start_ms": 100.0, "ms": 5.0},
+            {"start_ms": 104.0, "ms": 30.0},
+            {"start_ms": 200.0, "ms": 90.0},
+        ]});
+        // An instant inside one gap.
+        let g = gap_across(&r, 110.0, 110.0).unwrap();
+        assert_eq!((g.start_ms, g.ms), (104.0, 30.0));
+        // A span overlapping two: the longer.
+        let g = gap_across(&r, 101.0, 103.0).unwrap();
+        assert_eq!((g.start_ms, g.ms), (100.0, 5.0));
+        let g = gap_across(&r, 101.0, 250.0).unwrap();
+        assert_eq!((g.start_ms, g.ms), (200.0, 90.0));
+        assert!(gap_across(&r, 60.0, 90.0).is_none());
+        assert_eq!(lost(&r), 3);
+        assert_eq!(last_json("x\n{\"a\": 1}\nreport\n").unwrap()["a"], 1);
     }
 }
