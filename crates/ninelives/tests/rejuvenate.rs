@@ -305,6 +305,7 @@ fn a_broken_or_refusing_new_binary_leaves_the_vms_running_in_the_old_process() {
         assert!(!o.status.success(), "{bin}: must fail: {r}");
         assert_eq!(r["ok"], false, "{r}");
         assert_eq!(r["rolled_back"], true, "{r}");
+        assert!(r["new_pid"].is_null(), "{r}");
         assert!(r["error"].as_str().unwrap().contains(why), "{bin}: expected '{why}' in {r}");
         assert_eq!(h.pid(), pid, "the old process still serves");
         let st = h.stats(a)["state"].clone();

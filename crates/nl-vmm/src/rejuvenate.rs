@@ -265,6 +265,8 @@ pub fn rejuvenate(host: &Host, listener_fd: Option<i32>, opts: &Options) -> Repo
         Err(HandoverFailure::Recoverable(e)) => {
             report.error = Some(e);
             report.rolled_back = true;
+            // The new process was killed: it serves nothing.
+            report.new_pid = None;
             if released {
                 if let Err(e) = recover_here(host, &suspended) {
                     report.error = Some(format!(
