@@ -131,6 +131,10 @@ fn microreset_recovers_from_a_crash_a_panic_and_a_hang_inside_a_device() {
         let released = steps.iter().find(|s| s["step"] == "release_locks").unwrap();
         let held_fd = released["detail"].as_array().unwrap().iter().any(|n| n == "vcpu.fd");
         assert_eq!(held_fd, fault != "panic", "{fault}: {released}");
+        // The page-frame check found the VM's memory consistent.
+        let mem = steps.iter().find(|s| s["step"] == "memory_check").unwrap();
+        assert!(mem["detail"]["pages"].as_u64().unwrap() > 0, "{fault}: {mem}");
+        assert_eq!(mem["detail"]["problems"], json!([]), "{fault}: {mem}");
         // Same process, and it still creates and runs VMs.
         assert_eq!(h.req(json!({"op":"info"})).unwrap()["pid"].as_u64(), pid);
         let id2 = create(&h, "compute", 0.5);

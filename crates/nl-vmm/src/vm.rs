@@ -669,12 +669,19 @@ impl Vm {
         }
         let mut pages = 0;
         match self.memory.allocated_ranges() {
+            // Guest-address ranges [start, end) whose pages are allocated:
+            // each must lie inside one RAM region of the VM.
             Ok(ranges) => {
-                for (off, len) in ranges {
-                    pages += len.div_ceil(4096);
-                    if off.saturating_add(len) > size.next_multiple_of(4096) {
+                for (start, end) in ranges {
+                    pages += end.saturating_sub(start).div_ceil(4096);
+                    let inside = self
+                        .memory
+                        .regions()
+                        .iter()
+                        .any(|r| start >= r.gpa && end <= r.gpa.saturating_add(r.size));
+                    if start >= end || !inside {
                         problems.push(format!(
-                            "vm{}: allocated range {off:#x}+{len:#x} beyond memory",
+                            "vm{}: allocated range {start:#x}..{end:#x} outside guest RAM",
                             self.id
                         ));
                     }

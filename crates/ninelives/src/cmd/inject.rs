@@ -582,6 +582,23 @@ fn api(sock: &Path, req: Value) -> Result<Value> {
     Ok(r)
 }
 
+/// [`api`] for a host that may be recovering: a microreboot closes the
+/// connections the old process had accepted (the API contract: reconnect),
+/// so a failed exchange is tried again, at most 20 times over about 2 s. A
+/// refusal (`ok: false`) is an answer and is not retried.
+fn api_patient(sock: &Path, req: Value) -> Result<Value> {
+    let mut last = None;
+    for _ in 0..20 {
+        match nl_vmm::api::request(sock, &req) {
+            Ok(r) if r.get("ok") == Some(&Value::Bool(true)) => return Ok(r),
+            Ok(r) => bail!("host refused {req}: {}", r["error"]),
+            Err(e) => last = Some(e),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Err(last.map_or_else(|| anyhow::anyhow!("no answer"), anyhow::Error::from))
+}
+
 /// A VM the run created and how to verify it.
 struct RunVm {
     id: u32,
@@ -591,7 +608,7 @@ struct RunVm {
 
 /// The verdict on one VM: None if fine, else why it failed.
 fn vm_problem(sock: &Path, vm: &RunVm) -> Option<String> {
-    let r = match api(sock, json!({"op":"stats","id":vm.id})) {
+    let r = match api_patient(sock, json!({"op":"stats","id":vm.id})) {
         Ok(r) => r,
         Err(e) => return Some(format!("vm{}: no stats: {e:#}", vm.id)),
     };
@@ -632,7 +649,8 @@ fn create_vm(sock: &Path, w: WorkloadName, extra: Value, dur: f64) -> Result<Run
 fn wait_vms(host: &mut Proc, sock: &Path, vms: &[RunVm], limit: Duration) {
     let t = Instant::now();
     while t.elapsed() < limit && host.exited().is_none() && !CANCEL.load(Relaxed) {
-        let Ok(r) = api(sock, json!({"op":"list"})) else { return };
+        // A host that is recovering may drop the exchange: ask again.
+        let Ok(r) = api_patient(sock, json!({"op":"list"})) else { return };
         let running = r["vms"].as_array().is_some_and(|a| {
             a.iter().any(|v| {
                 vms.iter().any(|m| v["id"] == m.id)
