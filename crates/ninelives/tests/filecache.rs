@@ -185,21 +185,7 @@ impl ApiHost {
 
 impl Drop for ApiHost {
     fn drop(&mut self) {
-        if let Ok(mut s) = UnixStream::connect(&self.sock) {
-            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-            let _ = writeln!(s, "{}", json!({"op":"info"}));
-            let mut line = String::new();
-            let _ = BufReader::new(s).read_line(&mut line);
-            if let Some(pid) =
-                serde_json::from_str::<Value>(&line).ok().and_then(|v| v["pid"].as_u64())
-            {
-                if pid != u64::from(self.child.id()) {
-                    let _ = std::process::Command::new("kill").arg(pid.to_string()).status();
-                }
-            }
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        stop_host(&self.sock, &mut self.child);
     }
 }
 

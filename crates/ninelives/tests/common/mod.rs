@@ -219,3 +219,24 @@ impl Drop for Netns {
         let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
     }
 }
+
+/// Ends a host started by a test, and the process serving its socket now if
+/// a rejuvenation replaced it (a new pid the test did not start).
+pub fn stop_host(sock: &Path, child: &mut std::process::Child) {
+    use std::io::{BufRead, BufReader, Write};
+    if let Ok(mut s) = std::os::unix::net::UnixStream::connect(sock) {
+        let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+        let _ = writeln!(s, "{}", serde_json::json!({"op":"info"}));
+        let mut line = String::new();
+        let _ = BufReader::new(s).read_line(&mut line);
+        if let Some(pid) =
+            serde_json::from_str::<serde_json::Value>(&line).ok().and_then(|v| v["pid"].as_u64())
+        {
+            if pid != u64::from(child.id()) {
+                let _ = Command::new("kill").arg(pid.to_string()).status();
+            }
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
