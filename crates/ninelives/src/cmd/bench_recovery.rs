@@ -223,19 +223,7 @@ impl Drop for Ns {
 
 fn latency(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
     let ns = Ns(format!("nlrec-{}", std::process::id()));
-    if !ip(&["netns", "add", &ns.0]) {
-        bail!("cannot create a network namespace (needs root and iproute2)");
-    }
-    for s in [
-        &["-n", &ns.0, "tuntap", "add", "dev", "nlrtap0", "mode", "tap"][..],
-        &["-n", &ns.0, "addr", "add", "10.0.0.1/24", "dev", "nlrtap0"],
-        &["-n", &ns.0, "link", "set", "nlrtap0", "up"],
-        &["-n", &ns.0, "link", "set", "lo", "up"],
-    ] {
-        if !ip(s) {
-            bail!("ip {} failed", s.join(" "));
-        }
-    }
+    crate::netns::add_with_tap(&ns.0, "nlrtap0").map_err(anyhow::Error::msg)?;
     let mut out = json!({});
     let fault_ms = 2500;
     for (name, args, fault) in [

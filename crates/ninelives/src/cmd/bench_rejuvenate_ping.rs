@@ -166,23 +166,9 @@ impl PingNet {
         }
         let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
         let ns = format!("nl-rejuv-{}", std::process::id());
-        if !ip(&["netns", "add", &ns]) {
-            return Err(format!("cannot create network namespace {ns}"));
-        }
+        crate::netns::add_with_tap(&ns, TAP)?;
         on_signal().namespaces.push(ns.clone());
-        let net = PingNet { ns, exe };
-        let n = net.ns.as_str();
-        for args in [
-            &["-n", n, "tuntap", "add", "dev", TAP, "mode", "tap"][..],
-            &["-n", n, "addr", "add", "10.0.0.1/24", "dev", TAP],
-            &["-n", n, "link", "set", TAP, "up"],
-            &["-n", n, "link", "set", "lo", "up"],
-        ] {
-            if !ip(args) {
-                return Err(format!("ip {} failed", args.join(" ")));
-            }
-        }
-        Ok(net)
+        Ok(PingNet { ns, exe })
     }
 
     /// `ip netns exec NS <this binary>`: add the subcommand and its arguments.

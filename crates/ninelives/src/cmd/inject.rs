@@ -452,24 +452,8 @@ struct Netns(String);
 impl Netns {
     fn new(slot: u32) -> Result<Netns> {
         let name = format!("nl-inj-{}-{slot}", std::process::id());
-        let ip = crate::netns::ip;
-        if !ip(&["netns", "add", &name]) {
-            bail!("cannot create network namespace {name}");
-        }
-        let ns = Netns(name);
-        for args in [
-            &["tuntap", "add", "dev", "nltap0", "mode", "tap"][..],
-            &["addr", "add", "10.0.0.1/24", "dev", "nltap0"],
-            &["link", "set", "nltap0", "up"],
-            &["link", "set", "lo", "up"],
-        ] {
-            let mut full = vec!["netns", "exec", &ns.0, "ip"];
-            full.extend_from_slice(args);
-            if !ip(&full) {
-                bail!("ip {} failed in namespace {}", args.join(" "), ns.0);
-            }
-        }
-        Ok(ns)
+        crate::netns::add_with_tap(&name, "nltap0").map_err(anyhow::Error::msg)?;
+        Ok(Netns(name))
     }
 
     fn command(&self, exe: &Path) -> Command {
