@@ -146,6 +146,51 @@ fn partition_fences_the_primary_and_the_backup_takes_over() {
     assert_eq!(j["digest_ok"], true, "{}{}", stdout(&bo), stderr(&bo));
 }
 
+/// The guest's disk is replicated with its epochs: blkbench's files written
+/// before the primary dies are read back (and checked word by word by the
+/// guest) from the backup's copy after the takeover. A run that is not
+/// killed leaves the backup's copy equal to the primary's image.
+#[test]
+fn disk_writes_are_replicated_and_survive_a_takeover() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(n) = Pair::new("d") else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (pd, bd) = (dir.path().join("primary.img"), dir.path().join("backup.img"));
+    let (pd, bd) = (pd.to_str().unwrap(), bd.to_str().unwrap());
+    let work = ["--workload", "blkbench", "--disk", pd, "--epoch", "20", "--selective"];
+
+    // Not killed: both copies end equal.
+    let backup = n.backup(&["--disk", bd]);
+    let po = finish(n.primary(&[&work[..], &["--duration", "1.5"]].concat()), 60);
+    let j = last_json(&po);
+    assert_eq!(j["digest_ok"], true, "{}{}", stdout(&po), stderr(&po));
+    assert!(j["disk_writes_released"].as_u64().unwrap() > 0, "{j}");
+    let bo = finish(backup, 20);
+    assert_eq!(last_json(&bo)["primary_finished"], true, "{}", stderr(&bo));
+    let (a, b) = (std::fs::read(pd).unwrap(), std::fs::read(bd).unwrap());
+    assert!(a == b, "the backup's disk copy differs from the primary's image");
+
+    // Killed mid-run: the backup's VM goes on with the disk as of its epoch.
+    let backup = n.backup(&["--disk", bd, "--allow-primary", "10.9.0.1"]);
+    let mut primary = n.primary(&[&work[..], &["--duration", "3"]].concat());
+    std::thread::sleep(Duration::from_millis(1800));
+    primary.kill().expect("kill the primary");
+    let _ = primary.wait();
+    let o = finish(backup, 60);
+    let j = last_json(&o);
+    assert_eq!(j["activated"], true, "{}", stderr(&o));
+    assert!(j["epoch"].as_u64().unwrap() > 0, "{j}");
+    assert_eq!(j["digest_ok"], true, "{}{}", stdout(&o), stderr(&o));
+
+    // A backup without a place for the disk refuses such a primary.
+    let b = n.backup(&[]);
+    let o = finish(n.primary(&[&work[..], &["--duration", "1"]].concat()), 30);
+    assert_clean_error(&o, "start the backup with --disk FILE");
+    let _ = finish(b, 0);
+}
+
 #[test]
 fn mismatched_or_unknown_primaries_are_refused_at_connect() {
     if !kvm_available() {

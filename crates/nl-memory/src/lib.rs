@@ -13,6 +13,7 @@
 mod memfd;
 
 pub use memfd::create as create_memfd;
+pub use memfd::data_ranges as file_data_ranges;
 
 use std::fs::File;
 use std::sync::Arc;

@@ -1,8 +1,11 @@
 //! The backup: receives epochs, stages each one, applies it only when it is
 //! complete and verified, acknowledges it, and decides when to take over.
 
+use std::fs::File;
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -12,14 +15,41 @@ use vm_memory::{Bytes, GuestAddress};
 
 use crate::protocol::*;
 
-/// The backup's copy of the VM: memory and state as of the last complete,
-/// verified epoch, plus the epoch being received.
+/// The backup's copy of the VM: memory, disk and state as of the last
+/// complete, verified epoch, plus the epoch being received.
 pub struct Receiver {
     memory: GuestMemory,
     vcpus: u32,
+    disk: Option<BackupDisk>,
     committed: Option<(u64, Vec<u8>)>,
     staging: Staging,
     spare: Vec<Vec<u8>>,
+}
+
+/// The backup's copy of the primary's disk image.
+pub struct BackupDisk {
+    file: File,
+    sectors: u64,
+    /// An epoch's writes failed half-way: the copy matches no epoch, and
+    /// this backup must never activate.
+    broken: bool,
+}
+
+impl BackupDisk {
+    /// Creates `path`, or empties an existing file, at `bytes` (the full
+    /// copy then fills it).
+    pub fn create(path: &Path, bytes: u64) -> Result<Self, String> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)
+            .map_err(|e| format!("cannot create the disk copy {}: {e}", path.display()))?;
+        file.set_len(bytes)
+            .map_err(|e| format!("cannot size the disk copy {}: {e}", path.display()))?;
+        Ok(BackupDisk { file, sectors: bytes / SECTOR, broken: false })
+    }
 }
 
 #[derive(Default)]
@@ -28,16 +58,31 @@ struct Staging {
     pages: u64,
     bytes: u64,
     crc: crc32fast::Hasher,
-    /// The epoch's `Pages` payloads, kept whole (no copy per run).
+    /// The epoch's `Pages` and `Disk` payloads, kept whole (no copy per run).
     payloads: Vec<Vec<u8>>,
     /// (gpa, payload index, offset, length) of each run.
     runs: Vec<(u64, usize, usize, usize)>,
+    /// (sector, payload index, offset, length, flush) of each disk write.
+    disk: Vec<(u64, usize, usize, usize, bool)>,
 }
 
 impl Receiver {
     pub fn new(mem_bytes: u64, vcpus: u32) -> Result<Self, String> {
         let memory = GuestMemory::new("backup", mem_bytes).map_err(|e| e.to_string())?;
-        Ok(Self { memory, vcpus, committed: None, staging: Staging::default(), spare: Vec::new() })
+        Ok(Self {
+            memory,
+            vcpus,
+            disk: None,
+            committed: None,
+            staging: Staging::default(),
+            spare: Vec::new(),
+        })
+    }
+
+    /// Keeps the primary's disk in `disk` as well.
+    pub fn with_disk(mut self, disk: BackupDisk) -> Self {
+        self.disk = Some(disk);
+        self
     }
 
     /// The epoch the next frames must belong to.
@@ -56,6 +101,9 @@ impl Receiver {
 
     /// Hands over memory and state of the last complete epoch.
     pub fn into_committed(self) -> Option<(u64, GuestMemory, VmState)> {
+        if self.disk.as_ref().is_some_and(|d| d.broken) {
+            return None;
+        }
         let (epoch, bytes) = self.committed?;
         let state = VmState::from_bytes(&bytes).ok()?;
         Some((epoch, self.memory, state))
@@ -126,7 +174,8 @@ impl Receiver {
                     runs.push((gpa, idx, off, data.len()));
                 }
                 self.staging.bytes += f.payload.len() as u64;
-                if self.staging.bytes > self.memory.size() * 2 {
+                let disk_bytes = self.disk.as_ref().map_or(0, |d| d.sectors * SECTOR);
+                if self.staging.bytes > 2 * (self.memory.size() + disk_bytes) {
                     return Err(ProtoError::Bad(format!(
                         "epoch {want} carries more data than twice the guest memory"
                     )));
@@ -137,6 +186,37 @@ impl Receiver {
                 self.staging.frames += 1;
                 self.staging.pages += runs.iter().map(|r| (r.3 / PAGE) as u64).sum::<u64>();
                 self.staging.runs.extend(runs);
+                self.staging.payloads.push(f.payload);
+                Ok(None)
+            }
+            Kind::Disk => {
+                if f.seq != self.staging.frames {
+                    return Err(ProtoError::Bad(format!(
+                        "frame {} of epoch {want} arrived where frame {} was due (reordered)",
+                        f.seq, self.staging.frames
+                    )));
+                }
+                let Some(disk) = &self.disk else {
+                    return Err(ProtoError::Bad("disk writes for a VM without a disk".into()));
+                };
+                let idx = self.staging.payloads.len();
+                let mut writes = Vec::new();
+                for r in parse_disk_runs(&f.payload, disk.sectors)? {
+                    let off = r.data.as_ptr() as usize - f.payload.as_ptr() as usize;
+                    writes.push((r.sector, idx, off, r.data.len(), r.flush));
+                }
+                self.staging.bytes += f.payload.len() as u64;
+                let limit = 2 * (self.memory.size() + disk.sectors * SECTOR);
+                if self.staging.bytes > limit {
+                    return Err(ProtoError::Bad(format!(
+                        "epoch {want} carries more data than twice the guest memory and disk"
+                    )));
+                }
+                let h =
+                    crc32fast::Hasher::new_with_initial_len(payload_crc, f.payload.len() as u64);
+                self.staging.crc.combine(&h);
+                self.staging.frames += 1;
+                self.staging.disk.extend(writes);
                 self.staging.payloads.push(f.payload);
                 Ok(None)
             }
@@ -172,7 +252,14 @@ impl Receiver {
                     self.spare.extend(st.payloads);
                     return Err(e);
                 }
-                // Verified: acknowledge, then apply.
+                // Verified. The disk writes go first: they can fail (a full
+                // host disk), and an epoch is acknowledged only once its
+                // writes are in the copy.
+                if let Err(e) = self.apply_disk(&st) {
+                    self.spare.extend(st.payloads);
+                    return Err(e);
+                }
+                // Then acknowledge, and apply the memory.
                 ack(want);
                 for &(gpa, idx, off, len) in &st.runs {
                     let data = &st.payloads[idx][off..off + len];
@@ -186,6 +273,27 @@ impl Receiver {
             }
             other => Err(ProtoError::Bad(format!("unexpected {other:?} frame inside an epoch"))),
         }
+    }
+
+    /// Writes an epoch's disk writes to the copy, in order. A failure
+    /// leaves the copy matching no epoch: the backup is broken for good.
+    fn apply_disk(&mut self, st: &Staging) -> Result<(), ProtoError> {
+        let Some(disk) = self.disk.as_mut() else { return Ok(()) };
+        for &(sector, idx, off, len, flush) in &st.disk {
+            let r = if flush {
+                disk.file.sync_data()
+            } else {
+                disk.file.write_all_at(&st.payloads[idx][off..off + len], sector * SECTOR)
+            };
+            if let Err(e) = r {
+                disk.broken = true;
+                return Err(ProtoError::Bad(format!(
+                    "cannot write the disk copy at sector {sector} ({e}); this backup can no \
+                     longer take over"
+                )));
+            }
+        }
+        Ok(())
     }
 
     fn check_range(&self, gpa: u64, len: u64) -> Result<(), ProtoError> {
@@ -211,6 +319,9 @@ pub struct BackupConfig {
     pub secret: String,
     pub mem_bytes: u64,
     pub vcpus: u32,
+    /// Where to keep the copy of the primary's disk (needed when the
+    /// primary's VM has one).
+    pub disk: Option<PathBuf>,
     /// The primary is declared gone after this long without a frame.
     pub lease: Duration,
     /// How often the backup sends a heartbeat.
@@ -287,6 +398,24 @@ pub fn check_hello(cfg: &BackupConfig, f: &Frame) -> Result<Hello, String> {
     if !constant_time_eq(h.secret.as_bytes(), cfg.secret.as_bytes()) {
         return Err("wrong shared secret".into());
     }
+    match (h.disk_bytes, &cfg.disk) {
+        (0, None) => {}
+        (0, Some(_)) => {
+            return Err(
+                "this backup keeps a disk copy (--disk) but the primary's VM has no disk".into()
+            )
+        }
+        (n, None) => {
+            return Err(format!(
+            "the primary's VM has a {} MiB disk: start the backup with --disk FILE for its copy",
+            n >> 20
+        ))
+        }
+        (n, Some(_)) if !n.is_multiple_of(SECTOR) => {
+            return Err(format!("disk size {n} is not a whole number of sectors"))
+        }
+        _ => {}
+    }
     Ok(h)
 }
 
@@ -312,30 +441,40 @@ pub fn serve(cfg: &BackupConfig, log: &mut dyn FnMut(String)) -> Result<BackupEn
             Ok(f) => check_hello(cfg, &f),
             Err(e) => Err(format!("no valid hello: {e}")),
         };
-        match hello {
+        // The disk copy is (re)created for this primary's full copy.
+        let disk = hello.and_then(|h| match &cfg.disk {
+            Some(path) if h.disk_bytes > 0 => BackupDisk::create(path, h.disk_bytes).map(Some),
+            _ => Ok(None),
+        });
+        let disk = match disk {
             Err(why) => {
                 log(format!("refused the primary at {peer}: {why}"));
                 refuse(&mut s, &why);
                 continue;
             }
-            Ok(_) => {
+            Ok(d) => {
                 write_frame(&mut s, Kind::Welcome, 0, 0, &[])
                     .map_err(|e| format!("cannot answer the primary: {e}"))?;
                 log(format!("primary {peer} attached"));
+                d
             }
-        }
+        };
         let _ = s.set_read_timeout(None);
         let _ = s.set_nodelay(true);
-        return receive(cfg, s, log);
+        let mut rx = Receiver::new(cfg.mem_bytes, cfg.vcpus)?;
+        if let Some(d) = disk {
+            rx = rx.with_disk(d);
+        }
+        return receive(cfg, s, rx, log);
     }
 }
 
 fn receive(
     cfg: &BackupConfig,
     mut s: TcpStream,
+    mut rx: Receiver,
     log: &mut dyn FnMut(String),
 ) -> Result<BackupEnd, String> {
-    let mut rx = Receiver::new(cfg.mem_bytes, cfg.vcpus)?;
     let reader = s.try_clone().map_err(|e| format!("socket: {e}"))?;
     let mut reader = std::io::BufReader::with_capacity(256 << 10, reader);
     type Got = Result<(Frame, u32), ProtoError>;
@@ -532,6 +671,69 @@ mod tests {
         assert_eq!((rx.committed().unwrap().0, page(&rx, 0x2000)), (2, 7));
     }
 
+    /// An epoch writing `byte` into page `gpa` and `sectors` of the disk.
+    fn disk_epoch(e: u64, gpa: u64, byte: u8, sector: u64, sectors: u32) -> Vec<Frame> {
+        let mut f = epoch(e, gpa, byte);
+        let mut disk = disk_run_header(sector, sectors * 512, 0).to_vec();
+        disk.extend(vec![byte; sectors as usize * 512]);
+        disk.extend(disk_run_header(0, 0, DISK_FLUSH));
+        let mut end = EpochEnd::decode(&f[1].payload).unwrap();
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&f[0].payload);
+        crc.update(&disk);
+        end.frames = 2;
+        end.data_crc = crc.finalize();
+        let mut endp = end.encode_head().to_vec();
+        endp.extend(end.state);
+        f[1] = Frame { kind: Kind::Disk, epoch: e, seq: 1, payload: disk };
+        f.push(Frame { kind: Kind::EpochEnd, epoch: e, seq: 0, payload: endp });
+        f
+    }
+
+    #[test]
+    fn disk_writes_apply_with_their_epoch_and_bad_ones_are_rejected() {
+        let path = std::env::temp_dir().join(format!("nl-backup-disk-{}", std::process::id()));
+        let disk = BackupDisk::create(&path, 8 * 512).unwrap();
+        let mut rx = Receiver::new(MEM, 1).unwrap().with_disk(disk);
+        let sector = |n: u64| {
+            let mut b = [0u8; 1];
+            std::fs::File::open(&path).unwrap().read_exact_at(&mut b, n * 512).unwrap();
+            b[0]
+        };
+        for f in disk_epoch(0, 0x1000, 4, 2, 2) {
+            rx.on_frame(f).unwrap();
+        }
+        assert_eq!((sector(1), sector(2), sector(3), sector(4)), (0, 4, 4, 0));
+        // Staged but never completed: the copy is untouched.
+        let e1 = disk_epoch(1, 0x1000, 5, 3, 1);
+        rx.on_frame(e1[0].clone()).unwrap();
+        rx.on_frame(e1[1].clone()).unwrap();
+        rx.discard_staging();
+        assert_eq!(sector(3), 4);
+        // Outside the disk: rejected at its frame.
+        let bad = disk_epoch(1, 0x1000, 5, 7, 2);
+        rx.on_frame(bad[0].clone()).unwrap();
+        assert!(rx.on_frame(bad[1].clone()).unwrap_err().to_string().contains("outside"));
+        // A corrupted disk payload fails the epoch's checksum; nothing written.
+        let mut bad = disk_epoch(1, 0x1000, 5, 3, 1);
+        bad[1].payload[20] ^= 1;
+        for f in &bad[..2] {
+            rx.on_frame(f.clone()).unwrap();
+        }
+        assert!(rx.on_frame(bad[2].clone()).is_err());
+        assert_eq!((sector(3), rx.committed().unwrap().0), (4, 0));
+        for f in disk_epoch(1, 0x1000, 5, 3, 1) {
+            rx.on_frame(f).unwrap();
+        }
+        assert_eq!((sector(2), sector(3), rx.committed().unwrap().0), (4, 5, 1));
+        // A VM without a disk gets no disk writes.
+        let mut plain = Receiver::new(MEM, 1).unwrap();
+        let f = disk_epoch(0, 0x1000, 4, 2, 2);
+        plain.on_frame(f[0].clone()).unwrap();
+        assert!(plain.on_frame(f[1].clone()).unwrap_err().to_string().contains("without a disk"));
+        let _ = std::fs::remove_file(&path);
+    }
+
     #[test]
     fn hellos_are_checked() {
         let cfg = BackupConfig {
@@ -540,6 +742,7 @@ mod tests {
             secret: "s".into(),
             mem_bytes: MEM,
             vcpus: 1,
+            disk: None,
             lease: Duration::from_secs(1),
             heartbeat: Duration::from_millis(100),
         };
@@ -554,6 +757,7 @@ mod tests {
             state_version: STATE_VERSION,
             mem_bytes: MEM,
             vcpus: 1,
+            disk_bytes: 0,
             secret: "s".into(),
         };
         assert!(check_hello(&cfg, &hello(good.clone())).is_ok());
@@ -563,6 +767,10 @@ mod tests {
         assert!(e.unwrap_err().contains("state version 99"));
         let e = check_hello(&cfg, &hello(Hello { secret: "x".into(), ..good.clone() }));
         assert!(e.unwrap_err().contains("secret"));
+        let e = check_hello(&cfg, &hello(Hello { disk_bytes: 1 << 20, ..good.clone() }));
+        assert!(e.unwrap_err().contains("--disk FILE"));
+        let with_disk = BackupConfig { disk: Some("/nonexistent".into()), ..cfg.clone() };
+        assert!(check_hello(&with_disk, &hello(good.clone())).unwrap_err().contains("no disk"));
         let junk = Frame { kind: Kind::Hello, epoch: 0, seq: 0, payload: b"{".to_vec() };
         assert!(check_hello(&cfg, &junk).unwrap_err().contains("malformed"));
     }

@@ -16,6 +16,9 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
+use nl_devices::virtio::held_writes::DiskWrite;
 use nl_memory::GuestMemory;
 use nl_vmm::{Vm, VmOutcome};
 use serde::Serialize;
@@ -107,6 +110,11 @@ pub struct PrimaryReport {
     pub interval_ms_avg: f64,
     pub bytes_sent: u64,
     pub frames_released: u64,
+    /// Disk writes (and flushes) the guest made, held and released after
+    /// their epoch's ack; bytes of disk the full copy sent.
+    pub disk_writes_released: u64,
+    pub disk_bytes_written: u64,
+    pub disk_full_copy_bytes: u64,
     /// Write-fault prediction: pages left writable (predicted) per epoch,
     /// the share of them really written (precision), the share of the
     /// really written pages that were predicted (recall), and fake-dirty
@@ -148,6 +156,7 @@ fn connect(cfg: &PrimaryConfig, vm: &Vm) -> Result<Conn, String> {
         state_version: nl_vmm::state::STATE_VERSION,
         mem_bytes: vm.memory().size(),
         vcpus: vm.config().vcpus,
+        disk_bytes: vm.disk_sectors().unwrap_or(0) * SECTOR,
         secret: cfg.secret.clone(),
     };
     let body = serde_json::to_vec(&hello).map_err(|e| e.to_string())?;
@@ -270,14 +279,19 @@ fn runs(pages: &[u64], max: u32) -> Vec<(u64, u32)> {
     out
 }
 
+/// Disk writes to send with an epoch, in order.
+type DiskSource<'d> = &'d mut dyn Iterator<Item = Result<DiskWrite, String>>;
+
 /// Sends one epoch: `Pages` frames for `runs` (data from `data(gpa, len)`),
-/// then the `EpochEnd` with `state`. Returns bytes sent. Writes go through
-/// a buffer (no small segment per run header); each byte is hashed once.
+/// `Disk` frames for `disk`, then the `EpochEnd` with `state`. Returns
+/// bytes sent. Writes go through a buffer (no small segment per run
+/// header); each byte is hashed once.
 fn send_epoch<'a>(
     s: &mut impl Write,
     epoch: u64,
     runs: &[(u64, u32)],
     mut data: impl FnMut(u64, usize) -> Result<&'a [u8], String>,
+    disk: DiskSource,
     state: &[u8],
 ) -> Result<u64, String> {
     let mut s = std::io::BufWriter::with_capacity(256 << 10, s);
@@ -308,6 +322,40 @@ fn send_epoch<'a>(
         write_frame_crc(&mut s, Kind::Pages, epoch, seq, &parts, &pc).map_err(|e| e.to_string())?;
         seq += 1;
         pages += n as u64;
+    }
+    // The disk writes, in guest order, a few MiB per frame.
+    let mut batch: Vec<DiskWrite> = Vec::new();
+    let mut batch_bytes = 0usize;
+    let mut disk = disk.peekable();
+    while let Some(w) = disk.next() {
+        let w = w?;
+        batch_bytes += w.data.len();
+        batch.push(w);
+        if batch_bytes < DISK_FRAME_BYTES && disk.peek().is_some() {
+            continue;
+        }
+        let heads: Vec<_> = batch
+            .iter()
+            .map(|w| {
+                let flags = if w.is_flush() { DISK_FLUSH } else { 0 };
+                disk_run_header(w.sector, w.data.len() as u32, flags)
+            })
+            .collect();
+        let mut parts: Vec<&[u8]> = Vec::with_capacity(2 * batch.len());
+        for (h, w) in heads.iter().zip(&batch) {
+            parts.push(h);
+            parts.push(&w.data);
+        }
+        let mut pc = crc32fast::Hasher::new();
+        for p in &parts {
+            pc.update(p);
+            bytes += p.len() as u64;
+        }
+        crc.combine(&pc);
+        write_frame_crc(&mut s, Kind::Disk, epoch, seq, &parts, &pc).map_err(|e| e.to_string())?;
+        seq += 1;
+        batch.clear();
+        batch_bytes = 0;
     }
     let end = EpochEnd { frames: seq, pages, data_crc: crc.finalize(), state: Vec::new() };
     write_frame(&mut s, Kind::EpochEnd, epoch, 0, &[&end.encode_head(), state])
@@ -505,6 +553,61 @@ impl Predictor {
     }
 }
 
+/// The disk image's data as writes of at most 1 MiB, holes and all-zero
+/// chunks left out (the backup's copy starts empty): the disk part of the
+/// full copy.
+struct DiskImageChunks<'v> {
+    vm: &'v Vm,
+    /// Sector ranges `[start, end)` still to read.
+    ranges: std::vec::IntoIter<(u64, u64)>,
+    at: Option<(u64, u64)>,
+    sent: u64,
+}
+
+impl<'v> DiskImageChunks<'v> {
+    const CHUNK_SECTORS: u64 = (1 << 20) / SECTOR;
+
+    fn new(vm: &'v Vm) -> Result<Self, String> {
+        let ranges = match vm.disk_sectors() {
+            None => Vec::new(),
+            Some(sectors) => vm
+                .disk_data_ranges()
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .map(|(s, e)| (s / SECTOR, e.div_ceil(SECTOR).min(sectors)))
+                .filter(|(s, e)| s < e)
+                .collect(),
+        };
+        Ok(DiskImageChunks { vm, ranges: ranges.into_iter(), at: None, sent: 0 })
+    }
+}
+
+impl Iterator for DiskImageChunks<'_> {
+    type Item = Result<DiskWrite, String>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            let (sector, end) = match self.at {
+                Some(r) if r.0 < r.1 => r,
+                _ => {
+                    self.at = Some(self.ranges.next()?);
+                    continue;
+                }
+            };
+            let n = Self::CHUNK_SECTORS.min(end - sector);
+            self.at = Some((sector + n, end));
+            let mut buf = vec![0u8; (n * SECTOR) as usize];
+            if let Err(e) = self.vm.read_disk(sector, &mut buf) {
+                return Some(Err(format!("full copy of the disk at sector {sector}: {e}")));
+            }
+            if buf.iter().any(|&b| b != 0) {
+                self.sent += buf.len() as u64;
+                return Some(Ok(DiskWrite { seq: 0, sector, data: Arc::from(buf) }));
+            }
+        }
+    }
+}
+
 fn runs_of(pages: &[u64]) -> Vec<(u64, u32)> {
     runs(pages, PAGES_PER_FRAME as u32)
 }
@@ -522,6 +625,8 @@ struct Staged {
     buf: Vec<u8>,
     state: Vec<u8>,
     out: Vec<Vec<u8>>,
+    /// The guest's disk writes of the epoch (held until the ack).
+    disk: Vec<DiskWrite>,
     /// When the VM was paused for this epoch's boundary.
     boundary: Instant,
 }
@@ -551,6 +656,7 @@ fn send_staged(s: &mut impl Write, st: &Staged) -> Result<u64, String> {
             at += l;
             Ok(d)
         },
+        &mut st.disk.iter().cloned().map(Ok),
         &st.state,
     )
 }
@@ -580,12 +686,15 @@ struct Shipped {
     ack_wait: Duration,
     bytes: u64,
     released: u64,
+    disk_released: u64,
+    disk_bytes: u64,
     /// From the epoch's boundary to its ack.
     commit: Duration,
 }
 
-/// Hands an acknowledged epoch's held frames to the network.
-type Release<'r> = &'r (dyn Fn(&[Vec<u8>]) + Sync);
+/// Hands an acknowledged epoch's held output on: frames to the network,
+/// disk writes to the image.
+type Release<'r> = &'r (dyn Fn(&[Vec<u8>], &[DiskWrite]) + Sync);
 
 /// A writer that passes `left` bytes on and then kills this process with
 /// SIGKILL (the mid-send kill of the kill campaigns).
@@ -633,14 +742,16 @@ fn ship(
     let t = Instant::now();
     wait_ack(c, st.epoch, lease)?;
     let ack_wait = t.elapsed();
-    // Output commit: the epoch's frames leave only once the backup has it.
-    release(&st.out);
+    // Output commit: the epoch's output leaves only once the backup has it.
+    release(&st.out, &st.disk);
     Ok(Shipped {
         epoch: st.epoch,
         send,
         ack_wait,
         bytes,
         released: st.out.len() as u64,
+        disk_released: st.disk.len() as u64,
+        disk_bytes: st.disk.iter().map(|w| w.data.len() as u64).sum(),
         commit: st.boundary.elapsed(),
     })
 }
@@ -779,6 +890,7 @@ impl<'a> Primary<'a> {
         vm.set_dirty_logging(true).map_err(|e| e.to_string())?;
         vm.track_vmm_writes(true);
         vm.hold_net_output(true);
+        vm.hold_disk_writes(true).map_err(|e| e.to_string())?;
         vm.start().map_err(|e| e.to_string())?;
         self.die = self.cfg.die_mid_send_after.map(|d| Instant::now() + d);
         if self.cfg.opts.predict {
@@ -788,6 +900,12 @@ impl<'a> Primary<'a> {
             self.pred = Some(Predictor::new(&self.view));
         }
         let outcome = std::thread::scope(|sc| self.run_in(sc, conn))?;
+        if !self.rep.fenced {
+            // Whatever is still held (the VM ended) goes to the image.
+            if let Err(e) = vm.hold_disk_writes(false) {
+                (self.log)(format!("WARNING: the disk image missed writes: {e}"));
+            }
+        }
         Ok(self.finish(outcome))
     }
 
@@ -901,7 +1019,10 @@ impl<'a> Primary<'a> {
         let (vm, lease, die) = (self.vm, self.cfg.lease, self.die);
         let handle =
             std::thread::Builder::new().name("repl-send".into()).spawn_scoped(sc, move || {
-                let release = |f: &[Vec<u8>]| vm.release_net_output(f);
+                let release = |f: &[Vec<u8>], d: &[DiskWrite]| {
+                    vm.release_disk_writes(d);
+                    vm.release_net_output(f);
+                };
                 sender(&release, conn, epochs, to_main, lease, die)
             });
         match handle {
@@ -1016,6 +1137,8 @@ impl<'a> Primary<'a> {
         m.acked += 1;
         self.rep.bytes_sent += s.bytes;
         self.rep.frames_released += s.released;
+        self.rep.disk_writes_released += s.disk_released;
+        self.rep.disk_bytes_written += s.disk_bytes;
         debug_assert!(s.epoch > 0);
     }
 
@@ -1073,6 +1196,11 @@ impl<'a> Primary<'a> {
                 held.extend(self.vm.hold_net_output(false));
                 self.rep.frames_released += held.len() as u64;
                 self.vm.release_net_output(&held);
+                // Every held disk sector goes to the image with its newest
+                // content (what the failed epochs held is superseded).
+                if let Err(e) = self.vm.hold_disk_writes(false) {
+                    (self.log)(format!("WARNING: the disk image missed writes: {e}"));
+                }
                 false
             }
             Lost::Silent(why) => {
@@ -1086,6 +1214,7 @@ impl<'a> Primary<'a> {
                 // Held output is dropped.
                 self.early_out.clear();
                 let _ = self.vm.hold_net_output(true);
+                self.vm.discard_disk_writes();
                 true
             }
         }
@@ -1135,11 +1264,18 @@ impl<'a> Primary<'a> {
         pages.sort_unstable();
         pages.dedup();
         let state = vm.save_state().map_err(|e| Lost::Definitive(e.to_string()))?.to_bytes();
+        // The disk: whatever is held goes to the image first, so the image
+        // is the whole disk as of this pause; holding starts again from it.
+        vm.hold_disk_writes(false)
+            .and_then(|()| vm.hold_disk_writes(true))
+            .map_err(|e| Lost::Definitive(format!("preparing the disk for the full copy: {e}")))?;
+        let mut disk = DiskImageChunks::new(vm).map_err(Lost::Definitive)?;
         let view = &self.view;
         let runs = runs(&pages, PAGES_PER_FRAME as u32);
-        let bytes = send_epoch(&mut c.s, 0, &runs, |g, l| view.slice(g, l), &state)
+        let bytes = send_epoch(&mut c.s, 0, &runs, |g, l| view.slice(g, l), &mut disk, &state)
             .map_err(Lost::Definitive)?;
         self.rep.bytes_sent += bytes;
+        self.rep.disk_full_copy_bytes = disk.sent;
         wait_ack(c, 0, self.cfg.lease)?;
         self.rep.full_copy_pages = pages.len() as u64;
         self.rep.full_copy_ms = ms(t.elapsed());
@@ -1182,6 +1318,7 @@ impl<'a> Primary<'a> {
         };
         let mut out = std::mem::take(&mut self.early_out);
         out.extend(vm.take_net_output());
+        let disk = vm.take_disk_writes();
         let t_state = t.elapsed();
         let epoch = self.epoch;
         self.epoch += 1;
@@ -1194,7 +1331,8 @@ impl<'a> Primary<'a> {
             let Link::Sync(c) = link else { unreachable!("checked above") };
             let view = &self.view;
             let t = Instant::now();
-            let r = send_epoch(&mut c.s, epoch, &rr, |g, l| view.slice(g, l), &state);
+            let mut ds = disk.iter().cloned().map(Ok);
+            let r = send_epoch(&mut c.s, epoch, &rr, |g, l| view.slice(g, l), &mut ds, &state);
             send_in = t.elapsed();
             vm.resume();
             self.rep.bytes_sent += r.as_ref().map_or(0, |b| *b);
@@ -1206,9 +1344,14 @@ impl<'a> Primary<'a> {
             if result.is_ok() {
                 self.sums.acked += 1;
                 self.rep.frames_released += out.len() as u64;
+                self.rep.disk_writes_released += disk.len() as u64;
+                self.rep.disk_bytes_written +=
+                    disk.iter().map(|w| w.data.len() as u64).sum::<u64>();
+                vm.release_disk_writes(&disk);
                 vm.release_net_output(&out);
             }
-            let st = Staged { epoch, runs: Vec::new(), buf: Vec::new(), state, out, boundary: t0 };
+            let st =
+                Staged { epoch, runs: Vec::new(), buf: Vec::new(), state, out, disk, boundary: t0 };
             result = result.map_err(|l| classify(c, l, self.cfg.lease));
             self.account(t_collect, copy, t_state, send_in, pages.len(), faults, vmm);
             return result.map_err(|lost| Failure { lost, held: st.out });
@@ -1243,7 +1386,7 @@ impl<'a> Primary<'a> {
             }
         };
         self.account(t_collect, copy, t_state, send_in, shipped_pages, faults, vmm);
-        let st = Staged { epoch, runs: rr, buf, state, out, boundary: t0 };
+        let st = Staged { epoch, runs: rr, buf, state, out, disk, boundary: t0 };
         if let Err(e) = copied {
             return Err(Failure {
                 lost: Lost::Definitive(format!("copying epoch {epoch}: {e}")),
@@ -1253,7 +1396,11 @@ impl<'a> Primary<'a> {
         match link {
             Link::Down => unreachable!("no boundary without a link"),
             Link::Sync(c) => {
-                match ship(&|f| vm.release_net_output(f), c, &st, self.cfg.lease, self.die) {
+                let release = |f: &[Vec<u8>], d: &[DiskWrite]| {
+                    vm.release_disk_writes(d);
+                    vm.release_net_output(f);
+                };
+                match ship(&release, c, &st, self.cfg.lease, self.die) {
                     Ok(s) => {
                         self.count_shipped(&s);
                         self.pool.push(st.buf);
@@ -1316,6 +1463,7 @@ mod tests {
             buf: vec![byte; PAGE],
             state: b"state".to_vec(),
             out: vec![vec![byte]],
+            disk: vec![DiskWrite { seq: epoch, sector: epoch, data: Arc::from(vec![byte; 512]) }],
             boundary: Instant::now(),
         }
     }
@@ -1347,7 +1495,11 @@ mod tests {
         let s = TcpStream::connect(addr).unwrap();
         let c = Conn::new(s).unwrap();
         let released = Mutex::new(Vec::<Vec<u8>>::new());
-        let release = |f: &[Vec<u8>]| released.lock().unwrap().extend_from_slice(f);
+        let disk_released = Mutex::new(Vec::<u64>::new());
+        let release = |f: &[Vec<u8>], d: &[DiskWrite]| {
+            released.lock().unwrap().extend_from_slice(f);
+            disk_released.lock().unwrap().extend(d.iter().map(|w| w.sector));
+        };
         let (tx, epochs) = mpsc::sync_channel(2);
         let (to_main, rx) = mpsc::channel();
         std::thread::scope(|sc| {
@@ -1377,6 +1529,7 @@ mod tests {
             }
         });
         assert_eq!(*released.lock().unwrap(), vec![vec![1u8]], "only epoch 1 ever left");
+        assert_eq!(*disk_released.lock().unwrap(), vec![1], "only epoch 1's disk write");
         fake_backup.join().unwrap();
     }
 

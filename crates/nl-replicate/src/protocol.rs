@@ -13,16 +13,18 @@
 //! | 20..24 | payload length |
 //! | 24..28 | CRC-32 of bytes 0..24 and the payload |
 //!
-//! An epoch is `Pages` frames (seq 0, 1, ...) closed by one `EpochEnd`
-//! holding the frame count, page count, a CRC over all page payloads and the
-//! VM state. Epoch 0 is the full copy.
+//! An epoch is `Pages` frames, then `Disk` frames (one sequence: seq 0, 1,
+//! ...), closed by one `EpochEnd` holding the frame count, page count, a
+//! CRC over all page and disk payloads and the VM state. Epoch 0 is the
+//! full copy (all allocated memory and the whole disk).
 
 use std::io::{Read, Write};
 
 use serde::{Deserialize, Serialize};
 
 pub const MAGIC: [u8; 4] = *b"NLRP";
-pub const PROTOCOL_VERSION: u16 = 1;
+/// 2: `Disk` frames (the guest's disk writes) and the disk size in the hello.
+pub const PROTOCOL_VERSION: u16 = 2;
 pub const HEADER_BYTES: usize = 28;
 /// Largest payload accepted (a `Pages` frame is kept far below this).
 pub const MAX_PAYLOAD: usize = 16 << 20;
@@ -44,6 +46,8 @@ pub enum Kind {
     Done = 8,
     /// The backup stopped acknowledging and takes the VM over.
     Takeover = 9,
+    /// Disk writes of the epoch (runs of sectors).
+    Disk = 10,
 }
 
 impl Kind {
@@ -58,6 +62,7 @@ impl Kind {
             7 => Kind::Heartbeat,
             8 => Kind::Done,
             9 => Kind::Takeover,
+            10 => Kind::Disk,
             _ => return None,
         })
     }
@@ -212,6 +217,9 @@ pub struct Hello {
     pub state_version: u32,
     pub mem_bytes: u64,
     pub vcpus: u32,
+    /// Size of the VM's disk in bytes (0: no disk).
+    #[serde(default)]
+    pub disk_bytes: u64,
     /// The shared secret (compared by the backup; sent in clear: use a
     /// private replication link).
     pub secret: String,
@@ -285,6 +293,62 @@ pub fn parse_runs(p: &[u8]) -> Result<Vec<(u64, &[u8])>, ProtoError> {
     Ok(out)
 }
 
+pub const SECTOR: u64 = 512;
+/// One run of a `Disk` payload: first sector (8 bytes), length in bytes (4
+/// bytes), flags (4 bytes: bit 0 a flush, with no data), then the data.
+pub const DISK_RUN_HEADER: usize = 16;
+pub const DISK_FLUSH: u32 = 1;
+/// A `Disk` frame is closed once it holds this much data (one guest write
+/// is at most 4 MiB, so a frame stays far below `MAX_PAYLOAD`).
+pub const DISK_FRAME_BYTES: usize = 4 << 20;
+
+pub fn disk_run_header(sector: u64, len: u32, flags: u32) -> [u8; DISK_RUN_HEADER] {
+    let mut b = [0u8; DISK_RUN_HEADER];
+    b[0..8].copy_from_slice(&sector.to_le_bytes());
+    b[8..12].copy_from_slice(&len.to_le_bytes());
+    b[12..16].copy_from_slice(&flags.to_le_bytes());
+    b
+}
+
+/// One disk write (or flush) of a `Disk` payload.
+#[derive(Debug, PartialEq, Eq)]
+pub struct DiskRun<'p> {
+    pub sector: u64,
+    pub flush: bool,
+    pub data: &'p [u8],
+}
+
+/// Splits a `Disk` payload into its runs, checking that each lies within a
+/// disk of `sectors` sectors and is a whole number of sectors.
+pub fn parse_disk_runs(p: &[u8], sectors: u64) -> Result<Vec<DiskRun<'_>>, ProtoError> {
+    let mut out = Vec::new();
+    let mut at = 0usize;
+    while at < p.len() {
+        if p.len() - at < DISK_RUN_HEADER {
+            return Err(ProtoError::Bad("disk run header cut short".into()));
+        }
+        let sector = u64::from_le_bytes(p[at..at + 8].try_into().expect("8 bytes"));
+        let len = u32::from_le_bytes(p[at + 8..at + 12].try_into().expect("4 bytes")) as usize;
+        let flags = u32::from_le_bytes(p[at + 12..at + 16].try_into().expect("4 bytes"));
+        at += DISK_RUN_HEADER;
+        let flush = flags == DISK_FLUSH;
+        if flags > DISK_FLUSH || (flush && len != 0) {
+            return Err(ProtoError::Bad(format!("disk run at sector {sector}: bad flags {flags}")));
+        }
+        if len > p.len() - at || !(len as u64).is_multiple_of(SECTOR) || (!flush && len == 0) {
+            return Err(ProtoError::Bad(format!("disk run at sector {sector} has a bad length")));
+        }
+        if sector.checked_add(len as u64 / SECTOR).is_none_or(|e| e > sectors) {
+            return Err(ProtoError::Bad(format!(
+                "disk run at sector {sector} (+{len} bytes) is outside the {sectors}-sector disk"
+            )));
+        }
+        out.push(DiskRun { sector, flush, data: &p[at..at + len] });
+        at += len;
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -306,6 +370,26 @@ mod tests {
         let mut v2 = buf.clone();
         v2[4] = 9;
         assert!(matches!(read_frame(&mut &v2[..]), Err(ProtoError::Version { got: 9 })));
+    }
+
+    #[test]
+    fn disk_runs_are_bounds_checked() {
+        let mut p = disk_run_header(6, 1024, 0).to_vec();
+        p.extend([3u8; 1024]);
+        p.extend(disk_run_header(0, 0, DISK_FLUSH));
+        let r = parse_disk_runs(&p, 8).unwrap();
+        assert_eq!((r[0].sector, r[0].data.len(), r[0].flush), (6, 1024, false));
+        assert!(r[1].flush && r[1].data.is_empty());
+        assert!(parse_disk_runs(&p, 7).unwrap_err().to_string().contains("outside"));
+        assert!(parse_disk_runs(&p[..p.len() - 1], 8).is_err());
+        let mut odd = disk_run_header(0, 100, 0).to_vec();
+        odd.extend([0u8; 100]);
+        assert!(parse_disk_runs(&odd, 8).is_err());
+        let mut wrap = disk_run_header(u64::MAX, 512, 0).to_vec();
+        wrap.extend([0u8; 512]);
+        assert!(parse_disk_runs(&wrap, 8).is_err());
+        assert!(parse_disk_runs(&disk_run_header(0, 0, 0), 8).is_err());
+        assert!(parse_disk_runs(&disk_run_header(0, 0, 7), 8).is_err());
     }
 
     #[test]

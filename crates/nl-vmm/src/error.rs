@@ -18,6 +18,8 @@ pub enum VmmError {
     State(String),
     #[error("VM {0}: {1}")]
     Vm(u32, String),
+    #[error("disk: {0}")]
+    Disk(String),
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }

@@ -14,6 +14,7 @@ use nl_devices::control::{describe_error, ControlDevice, ControlState, VcpuRegsS
 use nl_devices::echo::EchoPort;
 use nl_devices::serial::{Console, SerialDevice};
 use nl_devices::virtio::blk::{BlkStats, Block};
+use nl_devices::virtio::held_writes::DiskWrite;
 use nl_devices::virtio::net::{Net, NetStats};
 use nl_devices::virtio::MmioTransport;
 use nl_devices::Bus;
@@ -829,6 +830,59 @@ impl Vm {
         if let Some(n) = &self.net {
             n.lock().device_mut().release(frames);
         }
+    }
+
+    /// Output commit for the disk: holds the guest's writes (`true`), or
+    /// writes every held sector out and stops holding (`false`).
+    pub fn hold_disk_writes(&self, on: bool) -> Result<(), VmmError> {
+        match &self.blk {
+            Some(b) => b.lock().device_mut().hold_writes(on).map_err(VmmError::Disk),
+            None => Ok(()),
+        }
+    }
+
+    /// The disk writes held since the last call, in order.
+    pub fn take_disk_writes(&self) -> Vec<DiskWrite> {
+        self.blk.as_ref().map_or_else(Vec::new, |b| b.lock().device_mut().take_held())
+    }
+
+    /// Writes released disk writes to the image (their epoch acknowledged).
+    pub fn release_disk_writes(&self, writes: &[DiskWrite]) {
+        if let Some(b) = &self.blk {
+            if !writes.is_empty() {
+                b.lock().device_mut().release(writes);
+            }
+        }
+    }
+
+    /// Drops the held disk writes unwritten (the VM is fenced).
+    pub fn discard_disk_writes(&self) {
+        if let Some(b) = &self.blk {
+            b.lock().device_mut().discard_held();
+        }
+    }
+
+    /// The disk's size in sectors, if the VM has a disk.
+    pub fn disk_sectors(&self) -> Option<u64> {
+        self.blk.as_ref().map(|b| b.lock().device().capacity_sectors())
+    }
+
+    /// The byte ranges of the disk image that hold data (holes left out).
+    pub fn disk_data_ranges(&self) -> Result<Vec<(u64, u64)>, VmmError> {
+        let b = self.blk.as_ref().ok_or_else(|| VmmError::Disk("the VM has none".into()))?;
+        let b = b.lock();
+        let len = b.device().capacity_sectors() * nl_devices::virtio::blk::SECTOR;
+        nl_memory::file_data_ranges(b.device().image(), len)
+            .map_err(|e| VmmError::Disk(format!("finding the image's data: {e}")))
+    }
+
+    /// Reads the disk image (held writes excluded) at `sector`.
+    pub fn read_disk(&self, sector: u64, buf: &mut [u8]) -> Result<(), VmmError> {
+        let b = self.blk.as_ref().ok_or_else(|| VmmError::Disk("the VM has none".into()))?;
+        b.lock()
+            .device()
+            .read_image(sector, buf)
+            .map_err(|e| VmmError::Disk(format!("reading the image: {e}")))
     }
 
     pub fn id(&self) -> u32 {

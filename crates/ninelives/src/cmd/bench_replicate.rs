@@ -257,6 +257,7 @@ fn replicated(w: &WorkloadArgs, duration: f64, c: Case) -> Result<PrimaryRun> {
         secret: "bench".into(),
         mem_bytes: m.mem,
         vcpus: m.vcpus,
+        disk: None,
         lease: Duration::from_secs(2),
         heartbeat: Duration::from_millis(100),
     };

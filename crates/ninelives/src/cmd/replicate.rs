@@ -94,6 +94,11 @@ pub struct BackupArgs {
     /// The primary is declared gone after this long without a frame.
     #[arg(long, default_value_t = 1000)]
     pub lease_ms: u64,
+    /// Where this backup keeps its copy of the primary's disk: created, or
+    /// emptied and resized, when the primary attaches; the VM uses it after
+    /// a takeover. Needed when the primary's VM has a disk.
+    #[arg(long)]
+    pub disk: Option<std::path::PathBuf>,
     /// The TAP to bring up for the guest on takeover (in this namespace).
     #[arg(long)]
     pub net_tap: Option<String>,
@@ -136,10 +141,10 @@ pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
     if a.predict && !a.selective {
         bail!("--predict needs --selective");
     }
-    if a.machine.disk.is_some() {
-        bail!("replication does not cover virtio-blk yet: run without --disk");
-    }
     let params = guest::workload_params(&a.workload, a.duration)?;
+    if let Some(d) = &a.machine.disk {
+        guest::ensure_disk(d, guest::disk_size_for(&params))?;
+    }
     let config =
         guest::vm_config(&a.machine, params, guest::kernel_image(&a.machine)?, a.console.clone())?;
     let kvm = nl_vmm::open_kvm()?;
@@ -220,6 +225,7 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
         secret: a.secret.clone(),
         mem_bytes: a.mem,
         vcpus: a.vcpus,
+        disk: a.disk.clone(),
         lease: Duration::from_millis(a.lease_ms.max(50)),
         heartbeat: Duration::from_millis((a.lease_ms / 10).clamp(10, 100)),
     };
@@ -261,6 +267,7 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
         timer_hz: state.timer_hz,
         net_tap: a.net_tap.clone(),
         net_ip: a.net_ip.clone(),
+        disk: a.disk.clone(),
         ..Default::default()
     };
     let config = guest::vm_config(&m, state.workload, guest::kernel_image(&m)?, a.console.clone())?;

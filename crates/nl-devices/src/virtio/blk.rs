@@ -4,9 +4,14 @@
 //! the image, straight between the file and guest memory (no copy through
 //! a VMM buffer). Supported: IN, OUT, FLUSH (fdatasync), GET_ID; a
 //! read-only disk offers VIRTIO_BLK_F_RO and fails OUT with IOERR.
+//!
+//! For replication the device can hold the guest's writes (output commit,
+//! see [`super::held_writes`]): they are kept in memory, read back by later
+//! reads, and reach the image only when released.
 
 use std::fs::File;
 use std::io::{Seek, SeekFrom};
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use virtio_bindings::virtio_blk::{
@@ -17,6 +22,7 @@ use virtio_bindings::virtio_blk::{
 use virtio_queue::{desc::split::Descriptor, DescriptorChain, Queue};
 use vm_memory::{Address, Bytes, GuestMemory, Permissions};
 
+use super::held_writes::{DiskWrite, HeldWrites};
 use super::{for_each_chain, GuestMem, QueueError, VirtioDevice};
 
 pub const SECTOR: u64 = 512;
@@ -37,6 +43,10 @@ pub struct BlkStats {
     pub bytes_written: u64,
     /// Requests failed with IOERR or UNSUPP.
     pub errors: u64,
+    /// Held writes (output commit) that reached the image, and those that
+    /// failed to (the host's image could not be written).
+    pub released: u64,
+    pub release_errors: u64,
 }
 
 /// The block device model.
@@ -47,6 +57,10 @@ pub struct Block {
     sectors: u64,
     id: [u8; VIRTIO_BLK_ID_BYTES as usize],
     stats: BlkStats,
+    /// Output commit: the guest's writes held until released.
+    held: Option<HeldWrites>,
+    /// Guest ranges written by the device since the last `take_written`.
+    dma: Vec<(u64, u64)>,
 }
 
 /// The outcome of one request: status byte and bytes written to guest memory.
@@ -78,7 +92,82 @@ impl Block {
         let mut id = [0u8; VIRTIO_BLK_ID_BYTES as usize];
         let s = b"ninelives-disk";
         id[..s.len()].copy_from_slice(s);
-        Block { name: "virtio-blk".into(), file, readonly, sectors, id, stats: BlkStats::default() }
+        Block {
+            name: "virtio-blk".into(),
+            file,
+            readonly,
+            sectors,
+            id,
+            stats: BlkStats::default(),
+            held: None,
+            dma: Vec::new(),
+        }
+    }
+
+    /// Output commit: holds the guest's writes from now on (`true`), or
+    /// stops holding (`false`): every held sector is then written to the
+    /// image with its newest content (and synced if a flush was held), so
+    /// writes taken but not released are superseded.
+    pub fn hold_writes(&mut self, on: bool) -> Result<(), String> {
+        if on {
+            self.held.get_or_insert_with(HeldWrites::default);
+            return Ok(());
+        }
+        let Some(h) = self.held.take() else { return Ok(()) };
+        let (sectors, flush) = h.drain();
+        for (s, (_, data, off)) in sectors {
+            self.file
+                .write_all_at(&data[off..off + SECTOR as usize], s * SECTOR)
+                .map_err(|e| format!("writing held sector {s} to the disk image: {e}"))?;
+        }
+        if flush {
+            self.file.sync_data().map_err(|e| format!("syncing the disk image: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// The writes held since the last call, in order.
+    pub fn take_held(&mut self) -> Vec<DiskWrite> {
+        self.held.as_mut().map(HeldWrites::take).unwrap_or_default()
+    }
+
+    /// Writes released writes (taken with [`Block::take_held`], in order)
+    /// to the image. Without holding (stopped meanwhile) they are stale and
+    /// skipped. A failed write is counted and the rest still go out.
+    pub fn release(&mut self, writes: &[DiskWrite]) {
+        let Some(h) = self.held.as_mut() else { return };
+        for w in writes {
+            let r = if w.is_flush() {
+                self.file.sync_data()
+            } else {
+                self.file.write_all_at(&w.data, w.sector * SECTOR)
+            };
+            if r.is_ok() {
+                self.stats.released += 1;
+            } else {
+                self.stats.release_errors += 1;
+            }
+            h.released(w);
+        }
+    }
+
+    /// Drops every held write unwritten (the VM is stopped: its epoch was
+    /// never acknowledged and another copy may have taken over).
+    pub fn discard_held(&mut self) {
+        if self.held.is_some() {
+            self.held = Some(HeldWrites::default());
+        }
+    }
+
+    /// The image file (to find its data ranges).
+    pub fn image(&self) -> &File {
+        &self.file
+    }
+
+    /// Reads `buf.len()` bytes of the image at `sector` (held writes not
+    /// included: stop holding first for a consistent image).
+    pub fn read_image(&self, sector: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        self.file.read_exact_at(buf, sector * SECTOR)
     }
 
     pub fn stats(&self) -> BlkStats {
@@ -133,19 +222,48 @@ impl Block {
                 if end.is_none_or(|e| e > self.sectors) {
                     return self.fail(VIRTIO_BLK_S_IOERR);
                 }
-                if self.file.seek(SeekFrom::Start(sector * SECTOR)).is_err() {
-                    return self.fail(VIRTIO_BLK_S_IOERR);
-                }
-                for d in data {
-                    let n = d.len() as usize;
-                    let r = if write {
-                        mem.write_all_volatile_to(d.addr(), &mut self.file, n)
-                    } else {
-                        mem.read_exact_volatile_from(d.addr(), &mut self.file, n)
-                    };
-                    if r.is_err() {
+                if write && self.held.is_some() {
+                    // Output commit: into the held writes, not the image.
+                    let mut buf = vec![0u8; total as usize];
+                    let mut at = 0usize;
+                    for d in data {
+                        let n = d.len() as usize;
+                        if mem.read_slice(&mut buf[at..at + n], d.addr()).is_err() {
+                            return self.fail(VIRTIO_BLK_S_IOERR);
+                        }
+                        at += n;
+                    }
+                    if let Some(h) = self.held.as_mut() {
+                        h.write(sector, buf);
+                    }
+                } else {
+                    if self.file.seek(SeekFrom::Start(sector * SECTOR)).is_err() {
                         return self.fail(VIRTIO_BLK_S_IOERR);
                     }
+                    for d in data {
+                        let n = d.len() as usize;
+                        let r = if write {
+                            mem.write_all_volatile_to(d.addr(), &mut self.file, n)
+                        } else {
+                            mem.read_exact_volatile_from(d.addr(), &mut self.file, n)
+                        };
+                        if r.is_err() {
+                            return self.fail(VIRTIO_BLK_S_IOERR);
+                        }
+                    }
+                }
+                if !write {
+                    if let Some(h) = &self.held {
+                        // Held sectors read back their held content.
+                        let mut bad = false;
+                        h.overlay(sector, total / SECTOR, |off, d| {
+                            bad |= write_at(mem, data, off, d).is_err();
+                        });
+                        if bad {
+                            return self.fail(VIRTIO_BLK_S_IOERR);
+                        }
+                    }
+                    self.dma.extend(data.iter().map(|d| (d.addr().0, u64::from(d.len()))));
                 }
                 if write {
                     self.stats.writes += 1;
@@ -158,7 +276,9 @@ impl Block {
                 }
             }
             VIRTIO_BLK_T_FLUSH => {
-                if !self.readonly && self.file.sync_data().is_err() {
+                if let Some(h) = self.held.as_mut() {
+                    h.flush();
+                } else if !self.readonly && self.file.sync_data().is_err() {
                     return self.fail(VIRTIO_BLK_S_IOERR);
                 }
                 self.stats.flushes += 1;
@@ -175,6 +295,7 @@ impl Block {
                     if mem.write_slice(&left[..n], d.addr()).is_err() {
                         return self.fail(VIRTIO_BLK_S_IOERR);
                     }
+                    self.dma.push((d.addr().0, n as u64));
                     left = &left[n..];
                     written += n as u32;
                 }
@@ -205,6 +326,7 @@ impl Block {
         let done = self.serve(mem, &descs);
         mem.write_obj(done.status, status.addr())
             .map_err(|e| QueueError(format!("cannot write the status byte: {e}")))?;
+        self.dma.push((status.addr().0, 1));
         Ok((head, done.written.saturating_add(1)))
     }
 }
@@ -251,6 +373,39 @@ impl VirtioDevice for Block {
 
     fn stats(&self) -> serde_json::Value {
         serde_json::to_value(self.stats).unwrap_or_default()
+    }
+
+    fn take_written(&mut self, out: &mut Vec<(u64, u64)>) {
+        out.append(&mut self.dma);
+    }
+}
+
+/// Writes `bytes` at byte offset `off` of a request's data buffers.
+fn write_at(
+    mem: &GuestMem,
+    data: &[Descriptor],
+    mut off: usize,
+    mut bytes: &[u8],
+) -> Result<(), ()> {
+    for d in data {
+        let n = d.len() as usize;
+        if off >= n {
+            off -= n;
+            continue;
+        }
+        let k = (n - off).min(bytes.len());
+        let at = d.addr().checked_add(off as u64).ok_or(())?;
+        mem.write_slice(&bytes[..k], at).map_err(|_| ())?;
+        bytes = &bytes[k..];
+        off = 0;
+        if bytes.is_empty() {
+            return Ok(());
+        }
+    }
+    if bytes.is_empty() {
+        Ok(())
+    } else {
+        Err(())
     }
 }
 
@@ -433,6 +588,51 @@ mod tests {
         assert!(!r.needs_reset());
         assert_eq!(r.request(VIRTIO_BLK_T_IN, 0, BUF, 512), OK);
         assert_eq!(r.t.device().stats().errors, 7);
+    }
+
+    fn image(r: &Rig, sector: u64, len: usize) -> Vec<u8> {
+        let mut b = vec![0u8; len];
+        r.t.device().read_image(sector, &mut b).unwrap();
+        b
+    }
+
+    #[test]
+    fn held_writes_reach_the_image_only_when_released() {
+        let mut r = rig(false, 16);
+        r.t.device_mut().hold_writes(true).unwrap();
+        r.mem.write_slice(&[5u8; 1024], GuestAddress(BUF)).unwrap();
+        assert_eq!(r.request(VIRTIO_BLK_T_OUT, 4, BUF, 1024), OK);
+        assert_eq!(r.request(VIRTIO_BLK_T_FLUSH, 0, BUF, 0), OK);
+        assert_eq!(image(&r, 4, 1024), vec![0u8; 1024], "held, not on the image");
+        // A read over the held sectors and their neighbours sees the held data.
+        r.t.track_writes(true);
+        assert_eq!(r.request(VIRTIO_BLK_T_IN, 3, BUF + 0x10000, 2048), OK);
+        let mut back = vec![0u8; 2048];
+        r.mem.read_slice(&mut back, GuestAddress(BUF + 0x10000)).unwrap();
+        assert_eq!((back[0], back[512], back[1535], back[1536]), (0, 5, 5, 0));
+        // The device reports what it wrote into guest memory (replication).
+        let dma = r.t.take_writes();
+        assert!(dma.contains(&(BUF + 0x10000, 2048)) && dma.contains(&(STATUS, 1)), "{dma:?}");
+        let taken = r.t.device_mut().take_held();
+        assert_eq!(taken.len(), 2);
+        r.t.device_mut().release(&taken);
+        assert_eq!(image(&r, 4, 1024), vec![5u8; 1024]);
+        assert_eq!(r.t.device().stats().released, 2);
+        // Discarded writes never reach the image; stopping to hold writes
+        // out what is still held.
+        r.mem.write_slice(&[6u8; 512], GuestAddress(BUF)).unwrap();
+        assert_eq!(r.request(VIRTIO_BLK_T_OUT, 4, BUF, 512), OK);
+        r.t.device_mut().discard_held();
+        assert_eq!(image(&r, 4, 512), vec![5u8; 512]);
+        r.mem.write_slice(&[7u8; 512], GuestAddress(BUF)).unwrap();
+        assert_eq!(r.request(VIRTIO_BLK_T_OUT, 5, BUF, 512), OK);
+        let stale = r.t.device_mut().take_held();
+        r.t.device_mut().hold_writes(false).unwrap();
+        assert_eq!(image(&r, 5, 512), vec![7u8; 512]);
+        // Releasing after holding stopped changes nothing.
+        r.t.device_mut().release(&stale);
+        assert_eq!(r.request(VIRTIO_BLK_T_OUT, 6, BUF, 512), OK);
+        assert_eq!(image(&r, 6, 512), vec![7u8; 512], "written straight through again");
     }
 
     #[test]

@@ -24,6 +24,7 @@
 //! fail that request with the device's error status.
 
 pub mod blk;
+pub mod held_writes;
 pub mod net;
 
 use serde::{Deserialize, Serialize};
