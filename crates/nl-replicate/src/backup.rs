@@ -160,12 +160,7 @@ impl Receiver {
         }
         match f.kind {
             Kind::Pages => {
-                if f.seq != self.staging.frames {
-                    return Err(ProtoError::Bad(format!(
-                        "frame {} of epoch {want} arrived where frame {} was due (reordered)",
-                        f.seq, self.staging.frames
-                    )));
-                }
+                self.check_seq(&f, want)?;
                 let idx = self.staging.payloads.len();
                 let mut runs = Vec::new();
                 for (gpa, data) in parse_runs(&f.payload)? {
@@ -190,12 +185,7 @@ impl Receiver {
                 Ok(None)
             }
             Kind::Disk => {
-                if f.seq != self.staging.frames {
-                    return Err(ProtoError::Bad(format!(
-                        "frame {} of epoch {want} arrived where frame {} was due (reordered)",
-                        f.seq, self.staging.frames
-                    )));
-                }
+                self.check_seq(&f, want)?;
                 let Some(disk) = &self.disk else {
                     return Err(ProtoError::Bad("disk writes for a VM without a disk".into()));
                 };
@@ -273,6 +263,17 @@ impl Receiver {
             }
             other => Err(ProtoError::Bad(format!("unexpected {other:?} frame inside an epoch"))),
         }
+    }
+
+    /// Data frames of an epoch must come in sequence.
+    fn check_seq(&self, f: &Frame, want: u64) -> Result<(), ProtoError> {
+        if f.seq == self.staging.frames {
+            return Ok(());
+        }
+        Err(ProtoError::Bad(format!(
+            "frame {} of epoch {want} arrived where frame {} was due (reordered)",
+            f.seq, self.staging.frames
+        )))
     }
 
     /// Writes an epoch's disk writes to the copy, in order. A failure

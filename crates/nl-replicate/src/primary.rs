@@ -313,13 +313,7 @@ fn send_epoch<'a>(
             parts.push(&heads[k]);
             parts.push(data(r.0, r.1 as usize * PAGE)?);
         }
-        let mut pc = crc32fast::Hasher::new();
-        for p in &parts {
-            pc.update(p);
-            bytes += p.len() as u64;
-        }
-        crc.combine(&pc);
-        write_frame_crc(&mut s, Kind::Pages, epoch, seq, &parts, &pc).map_err(|e| e.to_string())?;
+        bytes += epoch_frame(&mut s, Kind::Pages, epoch, seq, &parts, &mut crc)?;
         seq += 1;
         pages += n as u64;
     }
@@ -346,13 +340,7 @@ fn send_epoch<'a>(
             parts.push(h);
             parts.push(&w.data);
         }
-        let mut pc = crc32fast::Hasher::new();
-        for p in &parts {
-            pc.update(p);
-            bytes += p.len() as u64;
-        }
-        crc.combine(&pc);
-        write_frame_crc(&mut s, Kind::Disk, epoch, seq, &parts, &pc).map_err(|e| e.to_string())?;
+        bytes += epoch_frame(&mut s, Kind::Disk, epoch, seq, &parts, &mut crc)?;
         seq += 1;
         batch.clear();
         batch_bytes = 0;
@@ -362,6 +350,25 @@ fn send_epoch<'a>(
         .map_err(|e| e.to_string())?;
     s.flush().map_err(|e| e.to_string())?;
     Ok(bytes + state.len() as u64)
+}
+
+/// Writes one data frame of an epoch from `parts`, adding its payload to the
+/// epoch's CRC. Returns the payload bytes.
+fn epoch_frame(
+    s: &mut impl Write,
+    kind: Kind,
+    epoch: u64,
+    seq: u32,
+    parts: &[&[u8]],
+    crc: &mut crc32fast::Hasher,
+) -> Result<u64, String> {
+    let mut pc = crc32fast::Hasher::new();
+    for p in parts {
+        pc.update(p);
+    }
+    crc.combine(&pc);
+    write_frame_crc(s, kind, epoch, seq, parts, &pc).map_err(|e| e.to_string())?;
+    Ok(parts.iter().map(|p| p.len() as u64).sum())
 }
 
 /// Waits for the backup's ack of `epoch`.

@@ -269,16 +269,24 @@ pub fn run_header(gpa: u64, pages: u32) -> [u8; RUN_HEADER] {
     b
 }
 
+/// The 16-byte header of a page or disk run at `at`: u64, u32, u32.
+fn read_run_header(p: &[u8], at: usize) -> Option<(u64, u32, u32)> {
+    let h = p.get(at..at.checked_add(RUN_HEADER)?)?;
+    Some((
+        u64::from_le_bytes(h[0..8].try_into().ok()?),
+        u32::from_le_bytes(h[8..12].try_into().ok()?),
+        u32::from_le_bytes(h[12..16].try_into().ok()?),
+    ))
+}
+
 /// Splits a `Pages` payload into its runs `(gpa, data)`, checking bounds.
 pub fn parse_runs(p: &[u8]) -> Result<Vec<(u64, &[u8])>, ProtoError> {
     let mut out = Vec::new();
     let mut at = 0usize;
     while at < p.len() {
-        if p.len() - at < RUN_HEADER {
-            return Err(ProtoError::Bad("page run header cut short".into()));
-        }
-        let gpa = u64::from_le_bytes(p[at..at + 8].try_into().expect("8 bytes"));
-        let pages = u32::from_le_bytes(p[at + 8..at + 12].try_into().expect("4 bytes")) as usize;
+        let (gpa, pages, _) = read_run_header(p, at)
+            .ok_or_else(|| ProtoError::Bad("page run header cut short".into()))?;
+        let pages = pages as usize;
         at += RUN_HEADER;
         let len = pages
             .checked_mul(PAGE)
@@ -324,12 +332,9 @@ pub fn parse_disk_runs(p: &[u8], sectors: u64) -> Result<Vec<DiskRun<'_>>, Proto
     let mut out = Vec::new();
     let mut at = 0usize;
     while at < p.len() {
-        if p.len() - at < DISK_RUN_HEADER {
-            return Err(ProtoError::Bad("disk run header cut short".into()));
-        }
-        let sector = u64::from_le_bytes(p[at..at + 8].try_into().expect("8 bytes"));
-        let len = u32::from_le_bytes(p[at + 8..at + 12].try_into().expect("4 bytes")) as usize;
-        let flags = u32::from_le_bytes(p[at + 12..at + 16].try_into().expect("4 bytes"));
+        let (sector, len, flags) = read_run_header(p, at)
+            .ok_or_else(|| ProtoError::Bad("disk run header cut short".into()))?;
+        let len = len as usize;
         at += DISK_RUN_HEADER;
         let flush = flags == DISK_FLUSH;
         if flags > DISK_FLUSH || (flush && len != 0) {

@@ -27,7 +27,7 @@ use nl_replicate::backup::{serve, BackupConfig, BackupEnd};
 use nl_vmm::{Vm, VmOutcome};
 use serde::Serialize;
 
-use crate::cli::{MachineArgs, PatternName, WorkloadArgs};
+use crate::cli::{MachineArgs, PatternName, WorkloadArgs, WorkloadName};
 use crate::cmd::ping::{gap_across, lost, PingRun};
 use crate::cmd::replicate::{run_primary, PrimaryArgs, PrimaryRun};
 use crate::guest;
@@ -177,29 +177,44 @@ struct Case {
     /// Output-triggered epochs (ms; 0: off).
     output: u64,
     predict: bool,
+    /// Send from guest memory during the pause (needs pipeline 0).
+    direct: bool,
 }
 
-/// Every row of a workload: the optimizations one by one at 20 ms, then the
-/// epoch sweep with them; kv also with output-triggered epochs.
-fn cases(a: &BenchReplicateArgs, kv: bool) -> Vec<Case> {
-    let c = |name, epoch, selective, pipeline, output, predict| Case {
+/// Every row of a workload: the paper's optimizations added one by one at
+/// 20 ms (none, + selective re-protection, + write-fault prediction, + the
+/// transfer path: coalesced runs copied once into reused buffers and
+/// shipped by a sender thread while the next epoch runs), the transfer path
+/// without prediction, the send-from-guest-memory variant, then the epoch
+/// sweep with all of them (Figure 13); kv also with output-triggered
+/// epochs. `quick`: the 20 ms rows only.
+fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
+    let c = |name, epoch, selective, pipeline, predict| Case {
         name,
         epoch,
         selective,
         pipeline,
-        output,
+        output: 0,
         predict,
+        direct: false,
     };
-    let mut v = vec![c("none", 20, false, 0, 0, false), c("+selective", 20, true, 0, 0, false)];
-    for &e in &a.epochs {
-        v.push(c("+selective+pipeline", e, true, a.pipeline, 0, false));
-    }
-    for &e in &a.epochs {
-        v.push(c("+selective+pipeline+predict", e, true, a.pipeline, 0, true));
+    let p = a.pipeline;
+    let mut v = vec![
+        c("none", 20, false, 0, false),
+        c("+selective", 20, true, 0, false),
+        c("+selective+predict", 20, true, 0, true),
+        c("+selective+pipeline", 20, true, p, false),
+        Case { direct: true, ..c("+selective+direct", 20, true, 0, false) },
+    ];
+    let epochs: Vec<u64> = if quick { vec![20] } else { a.epochs.clone() };
+    for &e in &epochs {
+        v.push(c("+selective+predict+pipeline", e, true, p, true));
     }
     if kv {
-        for &e in &a.epochs {
-            v.push(c("+selective+pipeline+output2ms", e, true, a.pipeline, 2, false));
+        for &e in &epochs {
+            let mut k = c("+selective+predict+pipeline+output2ms", e, true, p, true);
+            k.output = 2;
+            v.push(k);
         }
     }
     v
@@ -210,8 +225,13 @@ fn free_port() -> Result<SocketAddr> {
     Ok(l.local_addr()?)
 }
 
-fn unreplicated(w: &WorkloadArgs, duration: f64) -> Result<f64> {
-    let m = MachineArgs::default();
+/// The machine of a throughput row: the default, with `disk` if given.
+fn machine(disk: Option<&std::path::Path>) -> MachineArgs {
+    MachineArgs { disk: disk.map(|d| d.to_path_buf()), ..Default::default() }
+}
+
+fn unreplicated(w: &WorkloadArgs, duration: f64, disk: Option<&std::path::Path>) -> Result<f64> {
+    let m = machine(disk);
     let config =
         guest::vm_config(&m, guest::workload_params(w, duration)?, guest::kernel_image(&m)?, None)?;
     let kvm = nl_vmm::open_kvm()?;
@@ -226,29 +246,41 @@ fn unreplicated(w: &WorkloadArgs, duration: f64) -> Result<f64> {
     Ok(verify_vcpus(&vm.config().workload, &regs, tsc).iter().map(|v| v.ops_per_sec).sum())
 }
 
-fn primary_args(backup: SocketAddr, w: &WorkloadArgs, duration: f64, c: Case) -> PrimaryArgs {
+fn primary_args(
+    backup: SocketAddr,
+    w: &WorkloadArgs,
+    duration: f64,
+    c: Case,
+    disk: Option<&std::path::Path>,
+) -> PrimaryArgs {
     PrimaryArgs {
         backup,
         epoch: c.epoch,
         lease_ms: 2000,
         secret: "bench".into(),
         selective: c.selective,
-        direct: false,
+        direct: c.direct,
         pipeline: c.pipeline,
         output_epoch_ms: c.output,
         predict: c.predict,
         reattach: false,
         test_die_mid_send_ms: None,
         workload: w.clone(),
-        machine: MachineArgs::default(),
+        machine: machine(disk),
         duration,
         console: None,
         json: true,
     }
 }
 
-/// memwrite replicated on loopback, the backup a thread of this process.
-fn replicated(w: &WorkloadArgs, duration: f64, c: Case) -> Result<PrimaryRun> {
+/// A workload replicated on loopback, the backup a thread of this process;
+/// `disks`: the primary's image and the backup's copy.
+fn replicated(
+    w: &WorkloadArgs,
+    duration: f64,
+    c: Case,
+    disks: Option<(&std::path::Path, &std::path::Path)>,
+) -> Result<PrimaryRun> {
     let addr = free_port()?;
     let m = MachineArgs::default();
     let cfg = BackupConfig {
@@ -257,13 +289,13 @@ fn replicated(w: &WorkloadArgs, duration: f64, c: Case) -> Result<PrimaryRun> {
         secret: "bench".into(),
         mem_bytes: m.mem,
         vcpus: m.vcpus,
-        disk: None,
+        disk: disks.map(|d| d.1.to_path_buf()),
         lease: Duration::from_secs(2),
         heartbeat: Duration::from_millis(100),
     };
     let backup = std::thread::spawn(move || serve(&cfg, &mut |_| {}));
     std::thread::sleep(Duration::from_millis(50));
-    let r = run_primary(&primary_args(addr, w, duration, c), true);
+    let r = run_primary(&primary_args(addr, w, duration, c, disks.map(|d| d.0)), true);
     match backup.join() {
         Ok(Ok(BackupEnd::PrimaryFinished { .. })) => {}
         Ok(Ok(_)) => bail!("the bench backup did not end with the primary"),
@@ -443,7 +475,7 @@ fn kv_rows(a: &BenchReplicateArgs, t: &Topo, rows: &mut Vec<Row>) -> Result<bool
     let base = j["ops_per_sec"].as_f64().unwrap_or(0.0);
     let mut ok = j["ok"].as_bool().unwrap_or(false);
     eprintln!("kv: unreplicated {base:.3e} ops/s (8 connections)");
-    for c in cases(a, true) {
+    for c in cases(a, true, false) {
         let backup = Topo::spawn(
             &t.b,
             &["replicate", "backup", "--listen", "10.9.0.2:7070", "--lease-ms", "2000", "--json"],
@@ -458,6 +490,12 @@ fn kv_rows(a: &BenchReplicateArgs, t: &Topo, rows: &mut Vec<Row>) -> Result<bool
         args.extend(["--output-epoch-ms", &out]);
         if c.selective {
             args.push("--selective");
+        }
+        if c.predict {
+            args.push("--predict");
+        }
+        if c.direct {
+            args.push("--direct");
         }
         args.extend(KV_NET);
         let primary = Topo::spawn(&t.p, &args)?;
@@ -698,15 +736,23 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
     let mut all_ok = true;
     let topo = if a.kills > 0 || (!a.no_throughput && !a.no_kv) { Some(Topo::new()) } else { None };
     if !a.no_throughput {
-        for (name, pattern) in [
-            ("memwrite-sequential", PatternName::Sequential),
-            ("memwrite-random", PatternName::Random),
+        // blkbench: the guest's disk writes replicated too (its own images).
+        let pdisk = guest::TempDisk::with_size("bench-primary", guest::DEFAULT_DISK_BYTES)?;
+        let bdisk = guest::TempDisk::with_size("bench-backup", guest::DEFAULT_DISK_BYTES)?;
+        let blk = WorkloadArgs { workload: WorkloadName::Blkbench, ..Default::default() };
+        for (name, w, disks) in [
+            (
+                "memwrite-sequential",
+                WorkloadArgs { pattern: PatternName::Sequential, ..Default::default() },
+                None,
+            ),
+            ("memwrite-random", WorkloadArgs::default(), None),
+            ("blkbench", blk, Some((pdisk.0.as_path(), bdisk.0.as_path()))),
         ] {
-            let w = WorkloadArgs { pattern, ..Default::default() };
-            let base = unreplicated(&w, a.duration)?;
+            let base = unreplicated(&w, a.duration, disks.map(|d| d.0))?;
             eprintln!("{name}: unreplicated {base:.3e} ops/s");
-            for c in cases(&a, false) {
-                let r = replicated(&w, a.duration, c)?;
+            for c in cases(&a, false, disks.is_some()) {
+                let r = replicated(&w, a.duration, c, disks)?;
                 all_ok &= r.ok;
                 let rep = serde_json::to_value(&r.report)?;
                 let row = row(name, c.name, c.epoch, r.ok, r.ops_per_sec, base, &rep);
