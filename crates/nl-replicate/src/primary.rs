@@ -13,10 +13,8 @@
 
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
-
-use std::sync::Arc;
 
 use nl_devices::virtio::held_writes::DiskWrite;
 use nl_memory::GuestMemory;
@@ -703,6 +701,13 @@ struct Shipped {
 /// disk writes to the image.
 type Release<'r> = &'r (dyn Fn(&[Vec<u8>], &[DiskWrite]) + Sync);
 
+/// Output commit of an acknowledged epoch: its disk writes to the image, its
+/// frames to the network.
+fn release_output(vm: &Vm, frames: &[Vec<u8>], disk: &[DiskWrite]) {
+    vm.release_disk_writes(disk);
+    vm.release_net_output(frames);
+}
+
 /// A writer that passes `left` bytes on and then kills this process with
 /// SIGKILL (the mid-send kill of the kill campaigns).
 struct DieAfter<'w, W: Write> {
@@ -1026,11 +1031,7 @@ impl<'a> Primary<'a> {
         let (vm, lease, die) = (self.vm, self.cfg.lease, self.die);
         let handle =
             std::thread::Builder::new().name("repl-send".into()).spawn_scoped(sc, move || {
-                let release = |f: &[Vec<u8>], d: &[DiskWrite]| {
-                    vm.release_disk_writes(d);
-                    vm.release_net_output(f);
-                };
-                sender(&release, conn, epochs, to_main, lease, die)
+                sender(&|f, d| release_output(vm, f, d), conn, epochs, to_main, lease, die)
             });
         match handle {
             Ok(handle) => Link::Piped(Pipe { tx, rx, handle, in_flight: 0 }),
@@ -1354,8 +1355,7 @@ impl<'a> Primary<'a> {
                 self.rep.disk_writes_released += disk.len() as u64;
                 self.rep.disk_bytes_written +=
                     disk.iter().map(|w| w.data.len() as u64).sum::<u64>();
-                vm.release_disk_writes(&disk);
-                vm.release_net_output(&out);
+                release_output(vm, &out, &disk);
             }
             let st =
                 Staged { epoch, runs: Vec::new(), buf: Vec::new(), state, out, disk, boundary: t0 };
@@ -1403,10 +1403,7 @@ impl<'a> Primary<'a> {
         match link {
             Link::Down => unreachable!("no boundary without a link"),
             Link::Sync(c) => {
-                let release = |f: &[Vec<u8>], d: &[DiskWrite]| {
-                    vm.release_disk_writes(d);
-                    vm.release_net_output(f);
-                };
+                let release = |f: &[Vec<u8>], d: &[DiskWrite]| release_output(vm, f, d);
                 match ship(&release, c, &st, self.cfg.lease, self.die) {
                     Ok(s) => {
                         self.count_shipped(&s);
