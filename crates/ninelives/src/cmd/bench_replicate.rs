@@ -1,12 +1,13 @@
 //! `ninelives bench replicate`: throughput under replication relative to the
-//! unreplicated VM measured in the same run (memwrite sequential and random,
-//! kv under kvload), per optimization and epoch length; and a kill campaign:
+//! unreplicated VM measured in the same run (memwrite sequential and random
+//! over 64 MiB, sequential over 8 MiB, blkbench with its disk replicated, kv
+//! under kvload), per optimization and epoch length; and a kill campaign:
 //! primaries running kv killed mid-epoch or mid-send while kvload checks
 //! that no acknowledged write is lost and a 1 ms UDP ping (`ninelives ping`
 //! at the guest's echo port) measures the longest gap in replies across the
 //! kill and the backup's takeover.
 //!
-//! memwrite runs on loopback with the backup in this process. kv and the
+//! memwrite and blkbench run on loopback with the backup in this process. kv and the
 //! kill campaign need root and iproute2: three network namespaces of the
 //! bench's own. P (primary) and B (backup) are joined by a veth
 //! (10.9.0.1 - 10.9.0.2) for the replication stream; each holds a bridge
@@ -747,6 +748,17 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
                 None,
             ),
             ("memwrite-random", WorkloadArgs::default(), None),
+            // The 64 MiB rows rewrite their whole working set every epoch
+            // (a worst case); this one has an 8 MiB writable working set.
+            (
+                "memwrite-sequential-8M",
+                WorkloadArgs {
+                    pattern: PatternName::Sequential,
+                    ws: Some(8 << 20),
+                    ..Default::default()
+                },
+                None,
+            ),
             ("blkbench", blk, Some((pdisk.0.as_path(), bdisk.0.as_path()))),
         ] {
             let base = unreplicated(&w, a.duration, disks.map(|d| d.0))?;
