@@ -107,14 +107,16 @@ fn finish(mut c: Child, secs: u64) -> Output {
     c.wait_with_output().expect("output")
 }
 
-#[test]
-fn primary_killed_mid_run_backup_takes_over_and_the_digest_verifies() {
+/// Kills a memwrite primary tracking writes with `tracking` mid-run; the
+/// backup takes over and the guest's digest (a hash of its whole working
+/// set) verifies: no write the tracking missed.
+fn killed_primary_is_taken_over(tag: &str, tracking: &[&str]) {
     if !kvm_available() {
         return;
     }
-    let Some(n) = Pair::new("k") else { return };
+    let Some(n) = Pair::new(tag) else { return };
     let backup = n.backup(&["--allow-primary", "10.9.0.1"]);
-    let mut primary = n.primary(&["--epoch", "20", "--duration", "2", "--selective"]);
+    let mut primary = n.primary(&[&["--epoch", "20", "--duration", "2"], tracking].concat());
     std::thread::sleep(Duration::from_millis(1300));
     primary.kill().expect("kill the primary");
     let _ = primary.wait();
@@ -123,6 +125,18 @@ fn primary_killed_mid_run_backup_takes_over_and_the_digest_verifies() {
     assert_eq!(j["activated"], true, "{}", stderr(&o));
     assert_eq!(j["digest_ok"], true, "{}{}", stdout(&o), stderr(&o));
     assert!(j["epoch"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn primary_killed_mid_run_backup_takes_over_and_the_digest_verifies() {
+    killed_primary_is_taken_over("k", &["--selective"]);
+}
+
+/// The same with Histase over userfaultfd: predicted windows, fake dirty
+/// pages dropped, and only the epoch's writable pages protected again.
+#[test]
+fn histase_primary_killed_mid_run_backup_takes_over_and_the_digest_verifies() {
+    killed_primary_is_taken_over("h", &["--histase", "--pattern", "sequential"]);
 }
 
 #[test]

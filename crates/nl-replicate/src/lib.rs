@@ -18,5 +18,7 @@
 //! only after a full lease without frames.
 
 pub mod backup;
+mod predict;
 pub mod primary;
 pub mod protocol;
+mod ram;

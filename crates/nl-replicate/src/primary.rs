@@ -17,11 +17,12 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use nl_devices::virtio::held_writes::DiskWrite;
-use nl_memory::GuestMemory;
 use nl_vmm::{Vm, VmOutcome};
 use serde::Serialize;
 
+use crate::predict::{Histase, Predictor};
 use crate::protocol::*;
+use crate::ram::{runs, RamView};
 
 /// The optimizations, each switchable.
 #[derive(Clone, Copy, Debug, Default, Serialize)]
@@ -50,6 +51,13 @@ pub struct Options {
     /// change are dropped as fake dirty and re-protected (at the next
     /// boundary, with the VM paused, after they were copied once more).
     pub predict: bool,
+    /// Histase as in the paper, per write fault: writes are tracked with
+    /// userfaultfd write-protection instead of KVM's dirty log; only the
+    /// pages made writable in an epoch are protected again at its end
+    /// (selective re-protection), and a write fault also makes the pages up
+    /// to his_stride ahead and his_stride/3 behind in its 2 MiB table
+    /// writable, treated as dirty and dropped at the boundary if unchanged.
+    pub histase: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -202,81 +210,6 @@ impl Conn {
     }
 }
 
-/// Host view of guest RAM for sending pages without copying them.
-struct RamView {
-    regions: Vec<(u64, u64, u64)>, // gpa, size, host address
-}
-
-impl RamView {
-    fn new(m: &GuestMemory) -> Self {
-        Self {
-            regions: m
-                .regions()
-                .iter()
-                .zip(m.host_addrs())
-                .map(|(r, h)| (r.gpa, r.size, h))
-                .collect(),
-        }
-    }
-
-    /// The bytes of guest RAM `[gpa, gpa + len)`; call only with the vCPUs
-    /// paused (devices run on vCPU threads, so nothing writes meanwhile).
-    fn slice(&self, gpa: u64, len: usize) -> Result<&[u8], String> {
-        let &(rg, _, host) = self
-            .regions
-            .iter()
-            .find(|&&(g, sz, _)| gpa >= g && gpa + len as u64 <= g + sz)
-            .ok_or_else(|| format!("{gpa:#x}+{len:#x} is not guest RAM"))?;
-        // SAFETY: the range lies inside a live MAP_SHARED mapping owned by the VM (checked above); vCPUs are paused.
-        Ok(unsafe { std::slice::from_raw_parts((host + gpa - rg) as *const u8, len) })
-    }
-
-    /// Offset of `gpa` in all RAM regions laid end to end.
-    fn flat(&self, gpa: u64) -> Option<usize> {
-        let mut base = 0u64;
-        for &(g, sz, _) in &self.regions {
-            if gpa >= g && gpa < g + sz {
-                return Some((base + gpa - g) as usize);
-            }
-            base += sz;
-        }
-        None
-    }
-
-    fn total(&self) -> usize {
-        self.regions.iter().map(|r| r.1 as usize).sum()
-    }
-
-    /// Per-region bitmaps (as KVM takes them) with the bits of `pages` set.
-    fn bitmaps(&self, pages: &[u64]) -> Vec<Vec<u64>> {
-        let mut b: Vec<Vec<u64>> =
-            self.regions.iter().map(|r| vec![0u64; (r.1 as usize / PAGE).div_ceil(64)]).collect();
-        for &g in pages {
-            if let Some(i) = self.regions.iter().position(|&(rg, sz, _)| g >= rg && g < rg + sz) {
-                let pg = ((g - self.regions[i].0) / PAGE as u64) as usize;
-                b[i][pg / 64] |= 1 << (pg % 64);
-            }
-        }
-        b
-    }
-
-    fn contains(&self, gpa: u64) -> bool {
-        self.regions.iter().any(|&(g, sz, _)| gpa >= g && gpa < g + sz)
-    }
-}
-
-/// Sorted page addresses coalesced into (gpa, pages) runs of at most `max`.
-fn runs(pages: &[u64], max: u32) -> Vec<(u64, u32)> {
-    let mut out: Vec<(u64, u32)> = Vec::new();
-    for &g in pages {
-        match out.last_mut() {
-            Some((s, n)) if *s + u64::from(*n) * PAGE as u64 == g && *n < max => *n += 1,
-            _ => out.push((g, 1)),
-        }
-    }
-    out
-}
-
 /// Disk writes to send with an epoch, in order.
 type DiskSource<'d> = &'d mut dyn Iterator<Item = Result<DiskWrite, String>>;
 
@@ -410,9 +343,9 @@ fn wait_ack(c: &mut Conn, epoch: u64, lease: Duration) -> Result<(), Lost> {
     }
 }
 
-/// Pages to ship at an epoch boundary (the VM paused): the KVM dirty log,
-/// re-protected selectively when asked, plus pages the VMM wrote.
-fn collect(vm: &Vm, clear: bool, view: &RamView) -> Result<(Vec<u64>, Vec<u64>, u64), String> {
+/// The pages KVM's dirty log reports (the VM paused), re-protected
+/// selectively when asked.
+fn kvm_log(vm: &Vm, clear: bool) -> Result<Vec<u64>, String> {
     let bitmaps = vm.dirty_bitmaps().map_err(|e| e.to_string())?;
     if clear {
         vm.clear_dirty_bitmaps(&bitmaps).map_err(|e| e.to_string())?;
@@ -428,7 +361,13 @@ fn collect(vm: &Vm, clear: bool, view: &RamView) -> Result<(Vec<u64>, Vec<u64>, 
             }
         }
     }
-    let logged = pages.clone();
+    Ok(pages)
+}
+
+/// Pages to ship at an epoch boundary: the `logged` pages plus the pages
+/// the VMM's devices wrote. Returns them and how many the VMM added.
+fn with_vmm_writes(vm: &Vm, view: &RamView, logged: &[u64]) -> (Vec<u64>, u64) {
+    let mut pages = logged.to_vec();
     let mut vmm = 0u64;
     for (gpa, len) in vm.take_vmm_writes() {
         let first = gpa & !(PAGE as u64 - 1);
@@ -443,119 +382,7 @@ fn collect(vm: &Vm, clear: bool, view: &RamView) -> Result<(Vec<u64>, Vec<u64>, 
     }
     pages.sort_unstable();
     pages.dedup();
-    Ok((pages, logged, vmm))
-}
-
-/// A writable page found unchanged this many epochs in a row is
-/// re-protected (a page the guest wrote comes back only after a sweep of
-/// its working set, which under write faults takes several epochs).
-const IDLE_EPOCHS: u8 = 8;
-
-/// Write-fault prediction state (see [`Options::predict`]).
-#[derive(Default)]
-struct Predictor {
-    /// What the backup holds of each page in `known` (flat RAM offsets).
-    shadow: Vec<u8>,
-    known: Vec<bool>,
-    /// Pages left writable (not re-protected) at the last boundary.
-    writable: Vec<bool>,
-    /// Pages found unchanged: re-protect at the next boundary.
-    to_clear: Vec<u64>,
-    /// Consecutive epochs each writable page was found unchanged.
-    idle: Vec<u8>,
-    predicted: u64,
-    hits: u64,
-    written: u64,
-    fake: u64,
-}
-
-impl Predictor {
-    fn new(view: &RamView) -> Self {
-        let n = view.total();
-        Predictor {
-            // Zeroed allocation: only pages ever shipped get memory.
-            shadow: vec![0u8; n],
-            known: vec![false; n / PAGE],
-            writable: vec![false; n / PAGE],
-            idle: vec![0; n / PAGE],
-            ..Default::default()
-        }
-    }
-
-    /// After a full copy (every log cleared): nothing known, nothing writable.
-    fn reset(&mut self) {
-        self.known.iter_mut().for_each(|k| *k = false);
-        self.writable.iter_mut().for_each(|k| *k = false);
-        self.to_clear.clear();
-    }
-
-    /// Drops the pages of a staged epoch whose content the backup already
-    /// has (compacting `buf`), records what is shipped, and decides which
-    /// pages stay writable. `logged`: the pages KVM reported; `cleared`:
-    /// the pages re-protected at this boundary.
-    fn filter(
-        &mut self,
-        view: &RamView,
-        runs: &[(u64, u32)],
-        buf: &mut Vec<u8>,
-        logged: &[u64],
-        cleared: &[u64],
-    ) -> Vec<(u64, u32)> {
-        let idx = |g: u64| view.flat(g).map(|o| o / PAGE);
-        let mut in_log = vec![false; self.known.len()];
-        let mut was_cleared = vec![false; self.known.len()];
-        for &g in logged {
-            if let Some(i) = idx(g) {
-                in_log[i] = true;
-            }
-        }
-        for &g in cleared {
-            if let Some(i) = idx(g) {
-                was_cleared[i] = true;
-            }
-        }
-        let mut kept = Vec::new();
-        let (mut at, mut w) = (0usize, 0usize);
-        for &(g0, n) in runs {
-            for k in 0..n as u64 {
-                let g = g0 + k * PAGE as u64;
-                let Some(i) = idx(g) else { continue };
-                let page = at..at + PAGE;
-                at += PAGE;
-                let off = i * PAGE;
-                let changed = !self.known[i] || buf[page.clone()] != self.shadow[off..off + PAGE];
-                // Writable through the epoch: predicted (left writable at the
-                // last boundary, or cleared only now, after the copy).
-                let predicted = self.writable[i];
-                if in_log[i] {
-                    self.predicted += u64::from(predicted);
-                    self.hits += u64::from(predicted && changed);
-                    self.written += u64::from(changed || !predicted);
-                }
-                if changed {
-                    self.shadow[off..off + PAGE].copy_from_slice(&buf[page.clone()]);
-                    self.known[i] = true;
-                    buf.copy_within(page, w);
-                    w += PAGE;
-                    kept.push(g);
-                    // Really written: left writable for the next epoch.
-                    self.writable[i] = in_log[i] && !was_cleared[i];
-                    self.idle[i] = 0;
-                } else {
-                    self.fake += 1;
-                    self.writable[i] = in_log[i] && !was_cleared[i];
-                    self.idle[i] = self.idle[i].saturating_add(1);
-                    if self.writable[i] && self.idle[i] >= IDLE_EPOCHS {
-                        // Fake dirty for long enough: re-protected at the
-                        // next boundary.
-                        self.to_clear.push(g);
-                    }
-                }
-            }
-        }
-        buf.truncate(w);
-        runs_of(&kept)
-    }
+    (pages, vmm)
 }
 
 /// The disk image's data as writes of at most 1 MiB, holes and all-zero
@@ -611,10 +438,6 @@ impl Iterator for DiskImageChunks<'_> {
             }
         }
     }
-}
-
-fn runs_of(pages: &[u64]) -> Vec<(u64, u32)> {
-    runs(pages, PAGES_PER_FRAME as u32)
 }
 
 fn ms(d: Duration) -> f64 {
@@ -867,6 +690,8 @@ pub struct Primary<'a> {
     /// When the mid-send test kill is due.
     die: Option<Instant>,
     pred: Option<Predictor>,
+    /// Histase over userfaultfd (in place of KVM's dirty log).
+    histase: Option<Histase>,
     /// Frames taken from the device before the epoch's boundary (output-
     /// triggered epochs): they belong to the epoch about to end.
     early_out: Vec<Vec<u8>>,
@@ -888,6 +713,7 @@ impl<'a> Primary<'a> {
             die: None,
             early_out: Vec::new(),
             pred: None,
+            histase: None,
         }
     }
 
@@ -896,10 +722,19 @@ impl<'a> Primary<'a> {
     pub fn run(mut self) -> Result<PrimaryReport, String> {
         let vm = self.vm;
         let conn = connect(&self.cfg, vm)?;
-        if self.cfg.opts.selective {
-            vm.enable_manual_dirty_protect().map_err(|e| e.to_string())?;
+        if self.cfg.opts.histase {
+            if self.cfg.opts.selective || self.cfg.opts.predict {
+                return Err("--histase tracks writes with userfaultfd: it replaces --selective \
+                            and --predict"
+                    .into());
+            }
+            self.histase = Some(Histase::new(vm.memory(), &self.view)?);
+        } else {
+            if self.cfg.opts.selective {
+                vm.enable_manual_dirty_protect().map_err(|e| e.to_string())?;
+            }
+            vm.set_dirty_logging(true).map_err(|e| e.to_string())?;
         }
-        vm.set_dirty_logging(true).map_err(|e| e.to_string())?;
         vm.track_vmm_writes(true);
         vm.hold_net_output(true);
         vm.hold_disk_writes(true).map_err(|e| e.to_string())?;
@@ -1169,7 +1004,9 @@ impl<'a> Primary<'a> {
         r.commit_ms_max = m.commit_max;
         r.pages_per_epoch = m.pages / n;
         r.write_faults_per_epoch = m.faults as f64 / n;
-        if let Some(p) = &self.pred {
+        if let Some(p) =
+            self.pred.as_ref().map(|p| p.counts).or(self.histase.as_ref().map(|h| h.counts))
+        {
             r.predicted_per_epoch = p.predicted as f64 / n;
             r.fake_dirty_per_epoch = p.fake as f64 / n;
             r.precision = (p.predicted > 0).then(|| p.hits as f64 / p.predicted as f64);
@@ -1255,8 +1092,14 @@ impl<'a> Primary<'a> {
     fn full_copy(&mut self, c: &mut Conn) -> Result<(), Lost> {
         let t = Instant::now();
         let vm = self.vm;
-        // Reset the logs: tracking starts at this copy.
-        collect(vm, self.cfg.opts.selective, &self.view).map_err(Lost::Definitive)?;
+        // Reset the tracking: it starts at this copy.
+        match self.histase.as_mut() {
+            Some(h) => h.restart().map_err(Lost::Definitive)?,
+            None => {
+                kvm_log(vm, self.cfg.opts.selective).map_err(Lost::Definitive)?;
+            }
+        }
+        let _ = vm.take_vmm_writes();
         if let Some(p) = self.pred.as_mut() {
             p.reset();
         }
@@ -1300,20 +1143,28 @@ impl<'a> Primary<'a> {
         m.last_boundary = Some(t0);
         let fail = |why: String| Failure { lost: Lost::Definitive(why), held: Vec::new() };
         let clear = self.cfg.opts.selective && self.pred.is_none();
-        let (pages, logged, vmm) = match collect(vm, clear, &self.view) {
-            Ok(x) => x,
-            Err(e) => {
+        let tracked = self.histase.as_mut().map(|h| h.take()).transpose();
+        let logged = match &tracked {
+            Ok(Some(t)) => Ok(t.pages.clone()),
+            Ok(None) => kvm_log(vm, clear),
+            Err(e) => Err(e.clone()),
+        };
+        let (logged, tracked) = match (logged, tracked) {
+            (Ok(l), Ok(t)) => (l, t),
+            (Err(e), _) | (_, Err(e)) => {
                 vm.resume();
                 return Err(fail(format!("collecting the epoch: {e}")));
             }
         };
+        let (pages, vmm) = with_vmm_writes(vm, &self.view, &logged);
         // Each logged page took a write fault, except those left writable.
-        let faults = match &self.pred {
-            Some(p) => logged
+        let faults = match (&self.pred, &tracked) {
+            (_, Some(t)) => t.faults,
+            (Some(p), None) => logged
                 .iter()
                 .filter(|&&g| self.view.flat(g).is_some_and(|o| !p.writable[o / PAGE]))
                 .count() as u64,
-            None => logged.len() as u64,
+            (None, None) => logged.len() as u64,
         };
         let t_collect = t0.elapsed();
         let t = Instant::now();
@@ -1380,18 +1231,13 @@ impl<'a> Primary<'a> {
             }
         }
         vm.resume();
-        let shipped_pages;
-        let rr = match self.pred.as_mut() {
-            Some(p) if copied.is_ok() => {
-                let r = p.filter(&self.view, &rr, &mut buf, &logged, &cleared);
-                shipped_pages = r.iter().map(|r| r.1 as usize).sum();
-                r
-            }
-            _ => {
-                shipped_pages = pages.len();
-                rr
-            }
+        let rr = match (self.pred.as_mut(), self.histase.as_mut(), &tracked) {
+            _ if copied.is_err() => rr,
+            (Some(p), _, _) => p.filter(&self.view, &rr, &mut buf, &logged, &cleared),
+            (None, Some(h), Some(t)) => h.filter(&self.view, &rr, &mut buf, t),
+            _ => rr,
         };
+        let shipped_pages = rr.iter().map(|r| r.1 as usize).sum();
         self.account(t_collect, copy, t_state, send_in, shipped_pages, faults, vmm);
         let st = Staged { epoch, runs: rr, buf, state, out, disk, boundary: t0 };
         if let Err(e) = copied {

@@ -180,6 +180,8 @@ struct Case {
     predict: bool,
     /// Send from guest memory during the pause (needs pipeline 0).
     direct: bool,
+    /// Histase per fault over userfaultfd (instead of selective + predict).
+    histase: bool,
 }
 
 /// Every row of a workload: the paper's optimizations added one by one at
@@ -198,6 +200,7 @@ fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
         output: 0,
         predict,
         direct: false,
+        histase: false,
     };
     let p = a.pipeline;
     let mut v = vec![
@@ -206,10 +209,14 @@ fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
         c("+selective+predict", 20, true, 0, true),
         c("+selective+pipeline", 20, true, p, false),
         Case { direct: true, ..c("+selective+direct", 20, true, 0, false) },
+        Case { histase: true, ..c("+histase", 20, false, 0, false) },
     ];
     let epochs: Vec<u64> = if quick { vec![20] } else { a.epochs.clone() };
     for &e in &epochs {
         v.push(c("+selective+predict+pipeline", e, true, p, true));
+    }
+    for &e in &epochs {
+        v.push(Case { histase: true, ..c("+histase+pipeline", e, false, p, false) });
     }
     if kv {
         for &e in &epochs {
@@ -264,6 +271,7 @@ fn primary_args(
         pipeline: c.pipeline,
         output_epoch_ms: c.output,
         predict: c.predict,
+        histase: c.histase,
         reattach: false,
         test_die_mid_send_ms: None,
         workload: w.clone(),
@@ -497,6 +505,9 @@ fn kv_rows(a: &BenchReplicateArgs, t: &Topo, rows: &mut Vec<Row>) -> Result<bool
         }
         if c.direct {
             args.push("--direct");
+        }
+        if c.histase {
+            args.push("--histase");
         }
         args.extend(KV_NET);
         let primary = Topo::spawn(&t.p, &args)?;

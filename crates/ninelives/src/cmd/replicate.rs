@@ -56,6 +56,12 @@ pub struct PrimaryArgs {
     /// writable; unchanged ones are dropped as fake dirty and re-protected.
     #[arg(long)]
     pub predict: bool,
+    /// Histase, per write fault (the paper's algorithm): track writes with userfaultfd
+    /// write-protection instead of KVM's dirty log; a fault also makes the pages up to
+    /// his_stride ahead and his_stride/3 behind in its 2 MiB table writable (treated as
+    /// dirty, dropped if unchanged). Replaces --selective and --predict.
+    #[arg(long, conflicts_with_all = ["selective", "predict"])]
+    pub histase: bool,
     /// After losing the backup, attach a new one at the same address when it appears.
     #[arg(long)]
     pub reattach: bool,
@@ -160,6 +166,7 @@ pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
             pipeline: a.pipeline,
             output_epoch_ms: a.output_epoch_ms,
             predict: a.predict,
+            histase: a.histase,
         },
         time_limit: Duration::from_secs_f64(a.duration * 4.0 + 60.0),
         reattach: a.reattach,
