@@ -83,7 +83,7 @@ impl Shadow {
     }
 }
 
-/// Write-fault prediction over KVM's dirty log (see [`Options::predict`]).
+/// Write-fault prediction over KVM's dirty log (see [`crate::primary::Options::predict`]).
 pub(crate) struct Predictor {
     shadow: Shadow,
     /// Pages left writable (not re-protected) at the last boundary.
@@ -180,7 +180,7 @@ impl Predictor {
 
 /// Pages under one L1 shadow page table (2 MiB): Histase keeps one stride
 /// history per table.
-pub(crate) const TABLE_PAGES: u64 = 512;
+const TABLE_PAGES: u64 = 512;
 const TABLE_BYTES: u64 = TABLE_PAGES * PAGE as u64;
 /// Weight of the history in `his_stride = α·his_stride + (1−α)·ave_stride`.
 const ALPHA: f64 = 0.7;
