@@ -168,20 +168,9 @@ impl Receiver {
                     let off = data.as_ptr() as usize - f.payload.as_ptr() as usize;
                     runs.push((gpa, idx, off, data.len()));
                 }
-                self.staging.bytes += f.payload.len() as u64;
-                let disk_bytes = self.disk.as_ref().map_or(0, |d| d.sectors * SECTOR);
-                if self.staging.bytes > 2 * (self.memory.size() + disk_bytes) {
-                    return Err(ProtoError::Bad(format!(
-                        "epoch {want} carries more data than twice the guest memory"
-                    )));
-                }
-                let h =
-                    crc32fast::Hasher::new_with_initial_len(payload_crc, f.payload.len() as u64);
-                self.staging.crc.combine(&h);
-                self.staging.frames += 1;
+                self.stage(f.payload, payload_crc, want)?;
                 self.staging.pages += runs.iter().map(|r| (r.3 / PAGE) as u64).sum::<u64>();
                 self.staging.runs.extend(runs);
-                self.staging.payloads.push(f.payload);
                 Ok(None)
             }
             Kind::Disk => {
@@ -195,19 +184,8 @@ impl Receiver {
                     let off = r.data.as_ptr() as usize - f.payload.as_ptr() as usize;
                     writes.push((r.sector, idx, off, r.data.len(), r.flush));
                 }
-                self.staging.bytes += f.payload.len() as u64;
-                let limit = 2 * (self.memory.size() + disk.sectors * SECTOR);
-                if self.staging.bytes > limit {
-                    return Err(ProtoError::Bad(format!(
-                        "epoch {want} carries more data than twice the guest memory and disk"
-                    )));
-                }
-                let h =
-                    crc32fast::Hasher::new_with_initial_len(payload_crc, f.payload.len() as u64);
-                self.staging.crc.combine(&h);
-                self.staging.frames += 1;
+                self.stage(f.payload, payload_crc, want)?;
                 self.staging.disk.extend(writes);
-                self.staging.payloads.push(f.payload);
                 Ok(None)
             }
             Kind::EpochEnd => {
@@ -263,6 +241,24 @@ impl Receiver {
             }
             other => Err(ProtoError::Bad(format!("unexpected {other:?} frame inside an epoch"))),
         }
+    }
+
+    /// Keeps a data frame's payload for its epoch (bounded: an epoch
+    /// carries at most twice the guest's memory and disk) and adds it to the
+    /// epoch's CRC.
+    fn stage(&mut self, payload: Vec<u8>, payload_crc: u32, want: u64) -> Result<(), ProtoError> {
+        self.staging.bytes += payload.len() as u64;
+        let disk_bytes = self.disk.as_ref().map_or(0, |d| d.sectors * SECTOR);
+        if self.staging.bytes > 2 * (self.memory.size() + disk_bytes) {
+            return Err(ProtoError::Bad(format!(
+                "epoch {want} carries more data than twice the guest memory and disk"
+            )));
+        }
+        let h = crc32fast::Hasher::new_with_initial_len(payload_crc, payload.len() as u64);
+        self.staging.crc.combine(&h);
+        self.staging.frames += 1;
+        self.staging.payloads.push(payload);
+        Ok(())
     }
 
     /// Data frames of an epoch must come in sequence.
