@@ -344,34 +344,6 @@ fn save_restore_and_cold_rejuvenation() {
     assert_completes_verified(&h, b);
 }
 
-/// Waits (at most 100 tries and 30 s) until the guest answers a short ping
-/// from inside the test's namespace.
-fn wait_answering(ns: &Netns) -> bool {
-    let t = Instant::now();
-    for _ in 0..100 {
-        let o = ns
-            .ninelives(&[
-                "ping",
-                "--target",
-                "10.0.0.2",
-                "--interval",
-                "10ms",
-                "--duration",
-                "0.05",
-            ])
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
-        if o.status.success() {
-            return true;
-        }
-        if t.elapsed() > Duration::from_secs(30) {
-            break;
-        }
-    }
-    false
-}
-
 /// A 1 ms `ninelives ping` of the guest that runs until its stdin is closed
 /// (at most 120 s); killed on drop.
 struct Pinger {
@@ -433,7 +405,10 @@ fn rejuvenate_under_ping(h: &Host, ns: &Netns, args: &[&str]) -> Value {
     assert!(o.status.success(), "{args:?}: {r} {}", stderr(&o));
     assert_eq!(r["ok"], true, "{r}");
     let done_ms = p.now_ms();
-    assert!(wait_answering(ns), "{args:?}: the guest does not answer pings after it");
+    assert!(
+        ns.wait_answering(Duration::from_secs(30)),
+        "{args:?}: the guest does not answer pings after it"
+    );
     std::thread::sleep(Duration::from_millis(200));
     let j = p.finish();
     eprintln!(
@@ -459,7 +434,7 @@ fn a_vm_on_a_tap_answers_pings_across_warm_cold_and_save_restore() {
         "net_tap":"nltap0","net_ip":"10.0.0.2/24"}));
     assert_eq!(r["ok"], true, "{r}");
     let id = r["id"].as_u64().unwrap();
-    assert!(wait_answering(&ns), "the guest never answered");
+    assert!(ns.wait_answering(Duration::from_secs(30)), "the guest never answered");
     let ino = |h: &Host| h.stats(id)["memfd_ino"].as_u64().unwrap();
     let ino0 = ino(&h);
 

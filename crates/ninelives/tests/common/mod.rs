@@ -212,6 +212,34 @@ impl Netns {
         c.args(["netns", "exec", &self.0, env!("CARGO_BIN_EXE_ninelives")]).args(args);
         c
     }
+
+    /// Waits (at most 100 tries and `within`) until the guest at 10.0.0.2
+    /// answers a short ping from inside the namespace.
+    pub fn wait_answering(&self, within: Duration) -> bool {
+        let t = std::time::Instant::now();
+        for _ in 0..100 {
+            let o = self
+                .ninelives(&[
+                    "ping",
+                    "--target",
+                    "10.0.0.2",
+                    "--interval",
+                    "10ms",
+                    "--duration",
+                    "0.05",
+                ])
+                .stdin(std::process::Stdio::null())
+                .output()
+                .unwrap();
+            if o.status.success() {
+                return true;
+            }
+            if t.elapsed() > within {
+                break;
+            }
+        }
+        false
+    }
 }
 
 impl Drop for Netns {
