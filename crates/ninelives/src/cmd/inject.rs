@@ -24,6 +24,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::cli::{RecoveryName, WorkloadArgs, WorkloadName};
+use crate::injector::sentinel::Sentinel;
 use crate::injector::{self, Fault, Injection, Plan, Target};
 
 #[derive(Args, Clone, Debug)]
@@ -72,6 +73,9 @@ pub struct InjectArgs {
 
 #[derive(Subcommand, Clone, Debug)]
 pub enum InjectSub {
+    /// (internal) Inject a code fault and repair it the moment it is detected.
+    #[command(hide = true)]
+    Sentinel(crate::injector::sentinel::SentinelArgs),
     /// Merge the summaries (last JSON line) of campaign outputs of the same
     /// fault, setup and recovery into one.
     Merge {
@@ -231,8 +235,10 @@ fn print_table(s: &Value) {
 }
 
 pub fn inject(a: InjectArgs) -> Result<ExitCode> {
-    if let Some(InjectSub::Merge { files, json }) = a.sub {
-        return merge(&files, json);
+    match a.sub {
+        Some(InjectSub::Merge { files, json }) => return merge(&files, json),
+        Some(InjectSub::Sentinel(s)) => return crate::injector::sentinel::run(s),
+        None => {}
     }
     let Some(fault) = a.fault else {
         bail!("inject needs --fault failstop|register|code|none (or the merge subcommand)");
@@ -758,6 +764,9 @@ fn run_body(
         );
     }
     let threads = injector::candidate_threads(host.pid(), cfg.target);
+    // A code fault under recovery goes in through a sentinel, which repairs
+    // it the moment it is detected (see injector::sentinel).
+    let mut sentinel = None;
     let injection = if threads.is_empty() {
         None
     } else {
@@ -771,7 +780,26 @@ fn run_body(
                 .saturating_sub(Duration::from_millis(100)),
         );
         let deadline = Instant::now() + Duration::from_secs(20);
-        Some(injector::inject_thread(plan, host.pid(), (name, *tid), budget, &CANCEL, deadline))
+        if cfg.fault == Fault::Code && cfg.recovery != RecoveryName::None {
+            let target = (name.as_str(), *tid);
+            match Sentinel::start(
+                &cfg.exe,
+                plan,
+                host.pid(),
+                target,
+                budget,
+                &repair_flag,
+                deadline,
+            ) {
+                Ok((s, inj)) => {
+                    sentinel = Some(s);
+                    Some(inj)
+                }
+                Err(e) => Some(Injection { skipped: Some(format!("{e:#}")), ..Default::default() }),
+            }
+        } else {
+            Some(injector::inject_thread(plan, host.pid(), (name, *tid), budget, &CANCEL, deadline))
+        }
     };
     let skipped = match &injection {
         None => Some("no target thread".to_string()),
@@ -786,51 +814,46 @@ fn run_body(
         rec.reason = s;
         return Ok(());
     }
-    // Repair a code fault the moment it is detected, while the run plays out.
-    let watcher = match &injection {
-        Some(inj) if inj.repair_addr.is_some() && cfg.recovery != RecoveryName::None => {
-            let (lines, inj, pid, flag) =
-                (host.lines.clone(), inj.clone(), host.pid(), repair_flag.clone());
-            let stop = Arc::new(AtomicBool::new(false));
-            let s = stop.clone();
-            let t = std::thread::spawn(move || {
-                let detected = || {
-                    lines
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .iter()
-                        .any(|l| l.starts_with(nl_vmm::detect::REPORT_PREFIX))
-                };
-                while !s.load(Relaxed) {
-                    if detected() {
-                        let ok = injector::repair(pid, &inj);
-                        let _ = std::fs::write(&flag, if ok { "repaired" } else { "failed" });
-                        return ok;
-                    }
-                    std::thread::sleep(Duration::from_micros(500));
+    // Tell the sentinel when the VMM reports an error it did not see as a
+    // fault signal (a panic, a hang): it repairs the code then.
+    let watcher = sentinel.as_ref().map(|sen| {
+        let (lines, pid) = (host.lines.clone(), sen.pid());
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let t = std::thread::spawn(move || {
+            while !s.load(Relaxed) {
+                let detected = lines
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .iter()
+                    .any(|l| l.starts_with(nl_vmm::detect::REPORT_PREFIX));
+                if detected {
+                    Sentinel::repair_now(pid);
+                    return;
                 }
-                false
-            });
-            Some((stop, t))
-        }
-        _ => None,
-    };
+                std::thread::sleep(Duration::from_micros(500));
+            }
+        });
+        (stop, t)
+    });
     // Let the run play out: the VMs finish, fail, or the VMM ends.
     wait_vms(&mut host, &sock, &vms, Duration::from_secs_f64(d + 20.0));
-    let repaired_early = watcher.is_some_and(|(stop, t)| {
+    if let Some((stop, t)) = watcher {
         stop.store(true, Relaxed);
-        t.join().unwrap_or(false)
-    });
+        let _ = t.join();
+    }
     if api(&sock, json!({"op":"list"})).is_err() || host.detection().is_some() {
         // A host that stopped answering or reported an error may be ending: let it.
         host.wait_for(Duration::from_secs(2));
     }
-    if let Some(inj) = &injection {
-        if inj.repair_addr.is_some()
-            && !repaired_early
-            && (host.detection().is_some() || host.exited().is_none())
-        {
-            // Code faults act as transient: repaired once detected or at the run's end.
+    if let Some(sen) = sentinel.take() {
+        // A code fault that never showed is repaired now.
+        if let Some(inj) = rec.injection.as_mut() {
+            inj.repair = sen.finish(Duration::from_secs(10));
+        }
+    } else if let Some(inj) = &injection {
+        if inj.repair_addr.is_some() && (host.detection().is_some() || host.exited().is_none()) {
+            // Without recovery: repaired at the run's end.
             injector::repair(host.pid(), inj);
         }
     }

@@ -33,19 +33,20 @@
 //! stop, so steps are fast on a busy 2-core host), bounded by an [`Alarm`]
 //! thread that interrupts it with a signal every few milliseconds.
 
+pub mod sentinel;
+
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering::Relaxed};
 use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::sys::ptrace;
-use nix::sys::signal::Signal;
-use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// The fault to inject.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Fault {
     /// RIP = 0.
@@ -167,7 +168,7 @@ impl Rng {
 }
 
 /// Everything random about one injection, derived from its seed.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Plan {
     pub seed: u64,
     pub fault: Fault,
@@ -202,7 +203,7 @@ impl Plan {
 }
 
 /// What was injected where (the replayable log entry).
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Injection {
     pub thread: String,
     pub tid: i32,
@@ -227,6 +228,9 @@ pub struct Injection {
     pub repair_addr: Option<u64>,
     #[serde(skip)]
     pub repair_word: i64,
+    /// `code` under recovery: how the sentinel repaired it (see [`sentinel`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub repair: Option<serde_json::Value>,
     /// Set when no fault went in (target gone, cancelled, ...).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub skipped: Option<String>,
@@ -348,27 +352,121 @@ impl Drop for Alarm {
     }
 }
 
+/// What one wait for a tracee returned. Raw signal numbers: the VMM's
+/// real-time signals (its kicks) have no `nix` `Signal`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Event {
+    /// The thread ended.
+    Ended,
+    /// A single-step trap (or a SIGTRAP).
+    Trap,
+    /// A signal-delivery stop for this signal.
+    Signal(i32),
+    /// A ptrace event stop (`PTRACE_EVENT_*`).
+    Ptrace(i32),
+}
+
+/// Waits (blocking; EINTR when interrupted) for the next stop or the end of
+/// tracee `tid`, or of any tracee for -1.
+fn wait_event(tid: i32) -> Result<(Pid, Event), Errno> {
+    let mut status = 0;
+    // SAFETY: waitpid writes the status into a local int.
+    let r = unsafe { libc::waitpid(tid, &mut status, libc::__WALL) };
+    if r < 0 {
+        return Err(Errno::last());
+    }
+    let ev = if !libc::WIFSTOPPED(status) {
+        Event::Ended
+    } else if status >> 16 != 0 {
+        Event::Ptrace(status >> 16)
+    } else if libc::WSTOPSIG(status) == libc::SIGTRAP {
+        Event::Trap
+    } else {
+        Event::Signal(libc::WSTOPSIG(status))
+    };
+    Ok((Pid::from_raw(r), ev))
+}
+
+/// Resumes a stopped tracee (`PTRACE_CONT`, `PTRACE_SINGLESTEP` or
+/// `PTRACE_DETACH`), delivering `sig`.
+fn resume(request: libc::c_uint, tid: Pid, sig: Option<i32>) -> bool {
+    let sig = sig.unwrap_or(0) as usize;
+    // SAFETY: these requests read no memory; `data` is a signal number.
+    unsafe { libc::ptrace(request, tid.as_raw(), 0usize, sig) == 0 }
+}
+
 /// A seized thread; detached on drop whatever state it is in.
 struct Traced {
     tid: Pid,
     /// Whether the thread is in a ptrace stop now.
     stopped: bool,
     /// A signal owed to the thread (seen in a signal-delivery stop).
-    pending: Option<Signal>,
+    pending: Option<i32>,
     gone: bool,
-    alarm: Alarm,
+    /// Detached or ended and collected: nothing left to do on drop.
+    settled: bool,
+    alarm: Rc<Alarm>,
 }
 
 impl Traced {
-    fn seize(tid: i32) -> nix::Result<Traced> {
-        let tid = Pid::from_raw(tid);
-        ptrace::seize(tid, ptrace::Options::empty())?;
-        let mut t = Traced { tid, stopped: false, pending: None, gone: false, alarm: Alarm::new() };
-        if let Err(e) = ptrace::interrupt(tid) {
+    /// Seizes `tid` and interrupts it (its stop is still to be waited for).
+    fn seize(tid: i32, alarm: &Rc<Alarm>) -> nix::Result<Traced> {
+        let t = Traced::attach(tid, ptrace::Options::empty(), alarm)?;
+        if let Err(e) = ptrace::interrupt(t.tid) {
+            let mut t = t;
             t.gone = e == Errno::ESRCH;
             return Err(e);
         }
         Ok(t)
+    }
+
+    /// Seizes `tid` and leaves it running: it stops at its next signal or event.
+    fn attach(tid: i32, options: ptrace::Options, alarm: &Rc<Alarm>) -> nix::Result<Traced> {
+        let tid = Pid::from_raw(tid);
+        ptrace::seize(tid, options)?;
+        Ok(Traced::adopt(tid, alarm))
+    }
+
+    /// A thread traced already (auto-attached at its creation), running.
+    fn adopt(tid: Pid, alarm: &Rc<Alarm>) -> Traced {
+        Traced {
+            tid,
+            stopped: false,
+            pending: None,
+            gone: false,
+            settled: false,
+            alarm: alarm.clone(),
+        }
+    }
+
+    /// Records a stop: for a signal-delivery stop, the signal to pass on.
+    fn stop_for(&mut self, sig: Option<i32>) {
+        self.stopped = true;
+        self.pending = sig;
+    }
+
+    /// Detaches a stopped thread, delivering the signal it stopped for.
+    fn detach(&mut self) {
+        let _ = resume(libc::PTRACE_DETACH, self.tid, self.pending.take());
+        self.settle();
+    }
+
+    /// Marks the thread as needing nothing more from us.
+    fn settle(&mut self) {
+        self.settled = true;
+    }
+
+    fn settled(&self) -> bool {
+        self.settled
+    }
+
+    /// Resumes a stopped thread, delivering the signal it stopped for.
+    fn resume(&mut self) {
+        if resume(libc::PTRACE_CONT, self.tid, self.pending.take()) {
+            self.stopped = false;
+        } else {
+            self.gone = true;
+        }
     }
 
     /// Waits for the next stop, at most until `limit` (then [`Stop::Blocked`])
@@ -390,33 +488,34 @@ impl Traced {
                 return Err(Stop::Blocked);
             }
             self.alarm.arm(true);
-            let r = waitpid(self.tid, Some(WaitPidFlag::__WALL));
+            let r = wait_event(self.tid.as_raw());
             self.alarm.arm(false);
             match r {
-                Err(Errno::EINTR) | Ok(WaitStatus::StillAlive) => {}
-                r => return self.took(r),
+                Err(Errno::EINTR) => {}
+                Ok((_, ev)) => return self.took(ev),
+                Err(_) => return self.took(Event::Ended),
             }
         }
     }
 
-    fn took(&mut self, r: nix::Result<WaitStatus>) -> Result<bool, Stop> {
-        match r {
-            Ok(WaitStatus::Stopped(_, Signal::SIGTRAP)) => {
+    /// Records what a wait returned: true for a single-step trap.
+    fn took(&mut self, ev: Event) -> Result<bool, Stop> {
+        match ev {
+            Event::Trap => {
                 self.stopped = true;
                 Ok(true)
             }
-            Ok(WaitStatus::Stopped(_, sig)) => {
+            Event::Signal(sig) => {
                 // Signal-delivery stop: the signal is delivered with the next resume.
                 self.stopped = true;
                 self.pending = Some(sig);
                 Ok(false)
             }
-            Ok(WaitStatus::PtraceEvent(..)) | Ok(WaitStatus::PtraceSyscall(_)) => {
+            Event::Ptrace(_) => {
                 self.stopped = true;
                 Ok(false)
             }
-            Ok(WaitStatus::Continued(_)) | Ok(WaitStatus::StillAlive) => Ok(false),
-            Ok(WaitStatus::Exited(..)) | Ok(WaitStatus::Signaled(..)) | Err(_) => {
+            Event::Ended => {
                 self.gone = true;
                 Err(Stop::Gone)
             }
@@ -445,8 +544,7 @@ impl Traced {
     /// (a blocking syscall) is interrupted and counts; returns whether it was.
     fn step(&mut self, cancel: &AtomicBool, deadline: Instant) -> Result<bool, Stop> {
         loop {
-            let sig = self.pending.take();
-            if ptrace::step(self.tid, sig).is_err() {
+            if !resume(libc::PTRACE_SINGLESTEP, self.tid, self.pending.take()) {
                 self.gone = true;
                 return Err(Stop::Gone);
             }
@@ -466,6 +564,9 @@ impl Traced {
 
 impl Drop for Traced {
     fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
         if !self.gone && !self.stopped {
             // Running (e.g. blocked in a syscall mid-step): stop it to detach it.
             // An uninterruptible wait can delay the stop; keep asking (bounded).
@@ -473,7 +574,7 @@ impl Drop for Traced {
             let limit = Instant::now() + Duration::from_secs(60);
             let _ = self.halt(&never, limit);
         }
-        if !self.gone && ptrace::detach(self.tid, self.pending.take()).is_ok() {
+        if !self.gone && resume(libc::PTRACE_DETACH, self.tid, self.pending.take()) {
             return;
         }
         // The thread died while traced (its process ended): its exit must be
@@ -482,14 +583,15 @@ impl Drop for Traced {
         let limit = Instant::now() + Duration::from_secs(10);
         while Instant::now() < limit {
             self.alarm.arm(true);
-            let r = waitpid(self.tid, Some(WaitPidFlag::__WALL));
+            let r = wait_event(self.tid.as_raw());
             self.alarm.arm(false);
             match r {
                 Err(Errno::EINTR) => {}
-                Ok(WaitStatus::Exited(..)) | Ok(WaitStatus::Signaled(..)) | Err(_) => return,
+                Ok((_, Event::Ended)) | Err(_) => return,
                 // A stop of a thread still alive: try to detach it again.
-                Ok(_) => {
-                    if ptrace::detach(self.tid, None).is_ok() {
+                Ok((_, ev)) => {
+                    let sig = if let Event::Signal(s) = ev { Some(s) } else { None };
+                    if resume(libc::PTRACE_DETACH, self.tid, sig) {
                         return;
                     }
                 }
@@ -503,10 +605,10 @@ impl Drop for Traced {
 struct Hold(Vec<Traced>);
 
 impl Hold {
-    fn threads(tids: &[i32], cancel: &AtomicBool, deadline: Instant) -> Hold {
+    fn threads(tids: &[i32], alarm: &Rc<Alarm>, cancel: &AtomicBool, deadline: Instant) -> Hold {
         let mut held = Vec::new();
         for &tid in tids {
-            let Ok(mut t) = Traced::seize(tid) else { continue };
+            let Ok(mut t) = Traced::seize(tid, alarm) else { continue };
             let limit = Instant::now() + Duration::from_secs(2);
             if t.wait_stop(cancel, deadline.min(limit), None).is_ok() {
                 held.push(t);
@@ -549,11 +651,48 @@ fn flip_register(regs: &mut libc::user_regs_struct, slot: usize, bit: u64) -> (u
 pub fn inject_thread(
     plan: &Plan,
     pid: i32,
-    (name, tid): (&str, i32),
+    target: (&str, i32),
     budget: Duration,
     cancel: &AtomicBool,
     deadline: Instant,
 ) -> Injection {
+    let alarm = Rc::new(Alarm::new());
+    inject_traced(plan, pid, target, budget, cancel, deadline, &alarm, &mut |_| {}).release()
+}
+
+/// An injection whose target and held watchdog are still traced and stopped.
+struct Injected {
+    rec: Injection,
+    hold: Hold,
+    target: Option<Traced>,
+}
+
+impl Injected {
+    /// Lets the process run untraced again.
+    fn release(self) -> Injection {
+        // The watchdog first, while the target is still stopped (the watchdog
+        // excuses a stopped thread): once detached, the target may end the
+        // process at once, and a thread still traced then would be ours to reap.
+        drop(self.hold);
+        drop(self.target);
+        self.rec
+    }
+}
+
+/// [`inject_thread`] without the detach. `before_fault` runs once the target
+/// has been stepped, with the tids traced so far (target and watchdogs),
+/// just before the fault goes in.
+#[allow(clippy::too_many_arguments)]
+fn inject_traced(
+    plan: &Plan,
+    pid: i32,
+    (name, tid): (&str, i32),
+    budget: Duration,
+    cancel: &AtomicBool,
+    deadline: Instant,
+    alarm: &Rc<Alarm>,
+    before_fault: &mut dyn FnMut(&[i32]),
+) -> Injected {
     let mut rec = Injection { thread: name.to_string(), tid, ..Default::default() };
     let watchdogs: Vec<i32> = threads(pid)
         .into_iter()
@@ -561,13 +700,13 @@ pub fn inject_thread(
         .map(|(_, t)| t)
         .collect();
     // Held first, so the watchdog does not see the target stopped.
-    let hold = Hold::threads(&watchdogs, cancel, deadline);
+    let hold = Hold::threads(&watchdogs, alarm, cancel, deadline);
     rec.watchdog_held = !hold.0.is_empty();
-    let mut t = match Traced::seize(tid) {
+    let mut t = match Traced::seize(tid, alarm) {
         Ok(t) => t,
         Err(e) => {
             rec.skipped = Some(format!("cannot seize thread {tid}: {e}"));
-            return rec;
+            return Injected { rec, hold, target: None };
         }
     };
     // The interrupt stop.
@@ -575,11 +714,11 @@ pub fn inject_thread(
         Ok(_) => {}
         Err(Stop::Gone) => {
             rec.skipped = Some("target thread ended".into());
-            return rec;
+            return Injected { rec, hold, target: Some(t) };
         }
         Err(_) => {
             rec.skipped = Some("cancelled".into());
-            return rec;
+            return Injected { rec, hold, target: Some(t) };
         }
     }
     let t_step = Instant::now();
@@ -595,20 +734,23 @@ pub fn inject_thread(
             }
             Err(Stop::Gone) => {
                 rec.skipped = Some("target thread ended while stepping".into());
-                return rec;
+                return Injected { rec, hold, target: Some(t) };
             }
             Err(_) => {
                 rec.skipped = Some("cancelled while stepping".into());
-                return rec;
+                return Injected { rec, hold, target: Some(t) };
             }
         }
     }
     rec.step_ms = t_step.elapsed().as_secs_f64() * 1e3;
     let Ok(mut regs) = ptrace::getregs(t.tid) else {
         rec.skipped = Some("cannot read registers".into());
-        return rec;
+        return Injected { rec, hold, target: Some(t) };
     };
     rec.rip = format!("{:#x}", regs.rip);
+    let mut traced: Vec<i32> = hold.0.iter().map(|h| h.tid.as_raw()).collect();
+    traced.push(tid);
+    before_fault(&traced);
     match plan.fault {
         Fault::None => rec.skipped = Some("control run: no fault".into()),
         Fault::Failstop => {
@@ -640,11 +782,7 @@ pub fn inject_thread(
                     let new = word ^ (1i64 << shift);
                     rec.old = format!("{:#04x}", (word >> ((addr - word_addr) * 8)) as u8);
                     rec.new = format!("{:#04x}", (new >> ((addr - word_addr) * 8)) as u8);
-                    // SAFETY: POKETEXT writes one word of the tracee's memory, not ours.
-                    let w = unsafe {
-                        ptrace::write(t.tid, word_addr as ptrace::AddressType, new as *mut _)
-                    };
-                    if w.is_ok() {
+                    if poke(t.tid, word_addr, new) {
                         rec.repair_addr = Some(word_addr);
                         rec.repair_word = word;
                     } else {
@@ -655,29 +793,27 @@ pub fn inject_thread(
             }
         }
     }
-    // The watchdog first, while the target is still stopped (the watchdog
-    // excuses a stopped thread): once detached, the target may end the
-    // process at once, and a thread still traced then would be ours to reap.
-    drop(hold);
-    drop(t);
-    rec
+    Injected { rec, hold, target: Some(t) }
+}
+
+/// Writes one word of a stopped tracee's memory (its code too: POKETEXT).
+fn poke(tid: Pid, addr: u64, word: i64) -> bool {
+    // SAFETY: POKETEXT writes one word of the tracee's memory, not ours.
+    unsafe { ptrace::write(tid, addr as ptrace::AddressType, word as *mut _) }.is_ok()
 }
 
 /// Puts back the code word a `code` fault changed (best effort: the process
 /// may be gone). Seizes any live thread of `pid` for it, then detaches.
 pub fn repair(pid: i32, rec: &Injection) -> bool {
     let Some(addr) = rec.repair_addr else { return true };
+    let alarm = Rc::new(Alarm::new());
     for (_, tid) in candidate_threads(pid, Target::Any) {
-        let Ok(mut t) = Traced::seize(tid) else { continue };
+        let Ok(mut t) = Traced::seize(tid, &alarm) else { continue };
         let never = AtomicBool::new(false);
         if t.wait_stop(&never, Instant::now() + Duration::from_secs(5), None).is_err() {
             continue;
         }
-        // SAFETY: POKETEXT writes one word of the tracee's memory, not ours.
-        let ok =
-            unsafe { ptrace::write(t.tid, addr as ptrace::AddressType, rec.repair_word as *mut _) }
-                .is_ok();
-        return ok;
+        return poke(t.tid, addr, rec.repair_word);
     }
     false
 }
@@ -763,6 +899,32 @@ mod tests {
         assert!(rec.budget_hit && rec.blocked_steps >= 1, "{rec:?}");
         assert!(rec.stepped < MAX_STEPS && !rec.watchdog_held, "{rec:?}");
         assert_eq!(tracer.as_deref(), Some("0"), "still traced: {rec:?}");
+    }
+
+    /// A stop for a real-time signal (the VMM's kicks are SIGRTMIN) is a
+    /// signal-delivery stop like any other, not the thread's end.
+    #[test]
+    fn real_time_signal_stops_are_seen() {
+        let mut child = std::process::Command::new("sleep").arg("60").spawn().expect("sleep runs");
+        let pid = child.id() as i32;
+        let alarm = Rc::new(Alarm::new());
+        let never = AtomicBool::new(false);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut t = Traced::attach(pid, ptrace::Options::empty(), &alarm).expect("seize");
+        let rt = libc::SIGRTMIN() + 1;
+        // SAFETY: kill(2) to our own child.
+        unsafe { libc::kill(pid, rt) };
+        let got = t.wait_stop(&never, deadline, None);
+        let pending = t.pending;
+        // Detach without the signal (its default action would end `sleep`).
+        t.pending = None;
+        drop(t);
+        let tracer = tracer_of(pid);
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(got, Ok(false));
+        assert_eq!(pending, Some(rt));
+        assert_eq!(tracer.as_deref(), Some("0"));
     }
 
     #[test]
