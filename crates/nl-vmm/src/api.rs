@@ -132,12 +132,46 @@ pub fn serve_listener(
     Ok(())
 }
 
+/// Armed by [`arm_fault_hook`]: requests still to read before the hook runs.
+static FAULT_COUNTDOWN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static FAULT_HOOK: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
+
+/// Arms the self-test fault (tests of VMM recovery): the connection that
+/// reads the `after`-th request from now runs `hook` once it has read it,
+/// outside the request's handling.
+pub fn arm_fault_hook(after: u64, hook: fn()) {
+    let _ = FAULT_HOOK.set(hook);
+    FAULT_COUNTDOWN.store(after.max(1), std::sync::atomic::Ordering::SeqCst);
+}
+
+fn fault_point() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let fire = FAULT_COUNTDOWN.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1)) == Ok(1);
+    if let Some(h) = FAULT_HOOK.get().filter(|_| fire) {
+        h();
+    }
+}
+
 fn serve_connection(stream: UnixStream, host: &Host, build: &ConfigBuilder, ctx: &ServeCtx) {
     let _ = stream.set_nonblocking(false);
-    let Ok(mut out) = stream.try_clone() else { return };
-    let mut reader = BufReader::new(stream);
     let _reg = crate::recovery::enter(false);
     let progress = crate::detect::track();
+    // The whole exchange runs under a recovery point: an error anywhere in
+    // it (reading, parsing, answering; handling has a point of its own)
+    // discards the connection, and the stream, owned out here, closes, so
+    // the client sees the connection end without an answer.
+    let _ = crate::recovery::protected(|| serve_requests(&stream, host, build, ctx, &progress));
+}
+
+fn serve_requests(
+    stream: &UnixStream,
+    host: &Host,
+    build: &ConfigBuilder,
+    ctx: &ServeCtx,
+    progress: &crate::detect::Progress,
+) {
+    let mut out = stream;
+    let mut reader = BufReader::new(stream);
     loop {
         let mut line = Vec::new();
         progress.wait();
@@ -147,7 +181,7 @@ fn serve_connection(stream: UnixStream, host: &Host, build: &ConfigBuilder, ctx:
         progress.resume();
         match got {
             Ok(0) | Err(_) => return,
-            Ok(_) => {}
+            Ok(_) => fault_point(),
         }
         let reply = if line.len() > MAX_REQUEST {
             // Drop the rest of an oversized line, then answer it.

@@ -145,10 +145,28 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
     let host = nl_vmm::host::Host::new()?;
     selftest();
     device_fault_selftest();
+    api_fault_selftest();
     eprintln!("ninelives host: serving the API on {}", a.api.display());
     nl_vmm::api::serve(host, &a.api, Arc::new(build_config))
         .with_context(|| format!("host on {}", a.api.display()))?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// `NINELIVES_API_FAULT=segv|panic:N` makes the API connection that reads
+/// the N-th request fail that way once it has read it (outside the
+/// request's handling). For tests.
+fn api_fault_selftest() {
+    let Ok(v) = std::env::var("NINELIVES_API_FAULT") else { return };
+    let hook: fn() = match v.split(':').next().unwrap_or("") {
+        // SAFETY: raising a signal on the calling thread has no memory effects.
+        "segv" => || unsafe {
+            libc::raise(libc::SIGSEGV);
+        },
+        "panic" => || panic!("API fault self-test"),
+        _ => return,
+    };
+    let n = v.split_once(':').and_then(|(_, n)| n.parse().ok()).unwrap_or(1);
+    nl_vmm::api::arm_fault_hook(n, hook);
 }
 
 /// `NINELIVES_DEVICE_FAULT=segv|panic|hang:N` makes the N-th device access

@@ -7,7 +7,7 @@
 //! under recovery, the injection runs in a sentinel process that, just
 //! before the bit is flipped, traces every thread of the VMM (new ones too):
 //!
-//! * a SIGSEGV, SIGBUS, SIGILL, SIGFPE or SIGTRAP stops the faulting thread
+//! * a SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGTRAP or SIGABRT stops the faulting thread
 //!   before its handler runs. The sentinel puts the code back, writes the
 //!   VMM's repair flag ([`nl_vmm::recovery::INJECTOR_REPAIR_ENV`]) and
 //!   detaches every thread, delivering the signal, so the VMM detects the
@@ -90,9 +90,13 @@ fn install_handlers() {
     }
 }
 
-/// Signals a flipped instruction raises in the thread that runs it.
+/// Signals a flipped instruction raises in the thread that runs it (SIGABRT:
+/// a check in the code, such as glibc's stack protector, caught it).
 fn is_fault(sig: i32) -> bool {
-    matches!(sig, libc::SIGSEGV | libc::SIGBUS | libc::SIGILL | libc::SIGFPE | libc::SIGTRAP)
+    matches!(
+        sig,
+        libc::SIGSEGV | libc::SIGBUS | libc::SIGILL | libc::SIGFPE | libc::SIGTRAP | libc::SIGABRT
+    )
 }
 
 /// Why the watch ended.

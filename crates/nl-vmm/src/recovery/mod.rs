@@ -270,10 +270,14 @@ pub(crate) fn on_fatal_signal(sig: libc::c_int) {
         return;
     }
     let Some(slot) = threads::mine() else { return };
-    if threads::IN_PROGRESS.load(SeqCst) {
-        // An error while a recovery holds or repairs the VMM: give up.
+    if threads::IN_PROGRESS.load(SeqCst) && threads::COORDINATOR.load(SeqCst) == nl_sync::tid() {
+        // An error in the recovery itself: give up.
         return;
     }
+    // While a recovery runs, an error on another thread (the same error
+    // showing twice, as when two threads ran the same corrupted code before
+    // it was caught) discards work the recovery discards anyway: the thread
+    // goes back to its recovery point and waits at the barrier there.
     slot.abandoned.store(true, SeqCst);
     unblock(sig);
     point::jump();
