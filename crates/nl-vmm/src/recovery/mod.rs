@@ -188,8 +188,12 @@ pub fn undo_logging() -> bool {
 
 /// Records the API socket a microreboot hands to the fresh process.
 pub fn set_api(fd: i32, path: &std::path::Path) {
+    API_TID.store(nl_sync::tid(), SeqCst);
     reboot::set_api(fd, path)
 }
+
+/// The thread serving the API (its accept loop), for a self-test.
+static API_TID: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
 
 fn repairs() -> Repairs {
     Repairs::from_bits(REPAIRS.load(SeqCst))
@@ -381,7 +385,8 @@ pub struct Step {
 pub const INJECTOR_REPAIR_ENV: &str = "NINELIVES_INJECTOR_REPAIR_FLAG";
 pub const INJECTOR_REPAIR_WAIT: Duration = Duration::from_millis(500);
 
-/// Self-test: set, every recovery crashes while it holds the VMM.
+/// Self-test: set, every recovery crashes while it holds the VMM; set to
+/// `other`, the API's accept loop crashes as a recovery starts.
 pub const FAULT_IN_RECOVERY_ENV: &str = "NINELIVES_FAULT_IN_RECOVERY";
 
 /// The timed steps of one recovery: each step ends when it is recorded.
@@ -486,13 +491,21 @@ fn coordinate(what: &str) {
     let slot = RECENT.iter().min_by_key(|a| a.load(SeqCst)).expect("not empty");
     slot.store(now_ms, SeqCst);
     let mut steps = Steps::new(t0);
+    let selftest = std::env::var_os(FAULT_IN_RECOVERY_ENV);
+    let api_tid = API_TID.load(SeqCst);
+    if selftest.as_deref().is_some_and(|v| v == "other") && api_tid != 0 && api_tid != me {
+        // Self-test: the error shows on a second thread (the API's accept
+        // loop) as the recovery starts.
+        // SAFETY: tgkill to a thread of this process, whose handler expects it.
+        unsafe { libc::syscall(libc::SYS_tgkill, libc::getpid(), api_tid, libc::SIGSEGV) };
+    }
     // 1. Hold every thread: discard those running VMM code, keep vCPUs out of KVM_RUN.
     let held = match repair::hold_all(me) {
         Ok(h) => h,
         Err(e) => fail(&format!("{what}: {e}")),
     };
     steps.done("hold_threads", serde_json::json!({"abandoned": held.abandoned_names}));
-    if std::env::var_os(FAULT_IN_RECOVERY_ENV).is_some() {
+    if selftest.is_some_and(|v| v != "other") {
         // Self-test: a second error inside the recovery itself.
         // SAFETY: raising a signal on the calling thread has no memory effects.
         unsafe { libc::raise(libc::SIGSEGV) };
