@@ -87,26 +87,14 @@ pub fn reset_access_depth() {
     ACCESS_DEPTH.with(|d| d.set(0));
 }
 
-/// A self-test fault: after this many more device accesses, the access
-/// in progress runs [`FAULT_HOOK`] with the device's lock held.
-static FAULT_COUNTDOWN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-static FAULT_HOOK: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
+/// A self-test fault: armed, the N-th device access runs a hook inside the
+/// device, with its lock held.
+static FAULT: nl_sync::FaultHook = nl_sync::FaultHook::new();
 
 /// Arms the self-test fault (tests of VMM recovery): the `after`-th device
 /// access from now runs `hook` inside the device, holding its lock.
 pub fn arm_fault_hook(after: u64, hook: fn()) {
-    let _ = FAULT_HOOK.set(hook);
-    FAULT_COUNTDOWN.store(after.max(1), std::sync::atomic::Ordering::SeqCst);
-}
-
-#[inline]
-fn fault_point() {
-    use std::sync::atomic::Ordering::Relaxed;
-    if FAULT_COUNTDOWN.load(Relaxed) != 0 && FAULT_COUNTDOWN.fetch_sub(1, Relaxed) == 1 {
-        if let Some(h) = FAULT_HOOK.get() {
-            h();
-        }
-    }
+    FAULT.arm(after, hook);
 }
 
 /// Marks one device access on this thread for the duration of `f`.
@@ -164,7 +152,7 @@ impl Bus {
             Some((off, e)) => {
                 access(|| {
                     let mut d = lock(&e.dev);
-                    fault_point();
+                    FAULT.pass();
                     d.read(cpu, off, data)
                 });
                 true
@@ -186,7 +174,7 @@ impl Bus {
             Some((off, e)) => {
                 access(|| {
                     let mut d = lock(&e.dev);
-                    fault_point();
+                    FAULT.pass();
                     d.write(cpu, off, data)
                 });
                 true

@@ -21,6 +21,9 @@ use std::time::Duration;
 
 pub use parking_lot::Condvar;
 
+mod fault_hook;
+pub use fault_hook::FaultHook;
+
 thread_local! {
     static HELD: Cell<u32> = const { Cell::new(0) };
     static TID: Cell<i32> = const { Cell::new(0) };

@@ -132,24 +132,14 @@ pub fn serve_listener(
     Ok(())
 }
 
-/// Armed by [`arm_fault_hook`]: requests still to read before the hook runs.
-static FAULT_COUNTDOWN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-static FAULT_HOOK: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
+/// A self-test fault in the connections, armed by [`arm_fault_hook`].
+static FAULT: nl_sync::FaultHook = nl_sync::FaultHook::new();
 
 /// Arms the self-test fault (tests of VMM recovery): the connection that
 /// reads the `after`-th request from now runs `hook` once it has read it,
 /// outside the request's handling.
 pub fn arm_fault_hook(after: u64, hook: fn()) {
-    let _ = FAULT_HOOK.set(hook);
-    FAULT_COUNTDOWN.store(after.max(1), std::sync::atomic::Ordering::SeqCst);
-}
-
-fn fault_point() {
-    use std::sync::atomic::Ordering::SeqCst;
-    let fire = FAULT_COUNTDOWN.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1)) == Ok(1);
-    if let Some(h) = FAULT_HOOK.get().filter(|_| fire) {
-        h();
-    }
+    FAULT.arm(after, hook);
 }
 
 fn serve_connection(stream: UnixStream, host: &Host, build: &ConfigBuilder, ctx: &ServeCtx) {
@@ -181,7 +171,7 @@ fn serve_requests(
         progress.resume();
         match got {
             Ok(0) | Err(_) => return,
-            Ok(_) => fault_point(),
+            Ok(_) => FAULT.pass(),
         }
         let reply = if line.len() > MAX_REQUEST {
             // Drop the rest of an oversized line, then answer it.

@@ -152,21 +152,34 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The failure a self-test fault point runs: `segv`, `panic` or `hang`.
+fn fault_hook(kind: &str) -> Option<fn()> {
+    match kind {
+        // SAFETY: raising a signal on the calling thread has no memory effects.
+        "segv" => Some(|| unsafe {
+            libc::raise(libc::SIGSEGV);
+        }),
+        "panic" => Some(|| panic!("fault self-test")),
+        "hang" => Some(|| loop {
+            std::hint::spin_loop();
+        }),
+        _ => None,
+    }
+}
+
+/// The count after `:` in a self-test variable's value, or `default`.
+fn fault_count(v: &str, default: u64) -> u64 {
+    v.split_once(':').and_then(|(_, n)| n.parse().ok()).unwrap_or(default)
+}
+
 /// `NINELIVES_API_FAULT=segv|panic:N` makes the API connection that reads
 /// the N-th request fail that way once it has read it (outside the
 /// request's handling). For tests.
 fn api_fault_selftest() {
     let Ok(v) = std::env::var("NINELIVES_API_FAULT") else { return };
-    let hook: fn() = match v.split(':').next().unwrap_or("") {
-        // SAFETY: raising a signal on the calling thread has no memory effects.
-        "segv" => || unsafe {
-            libc::raise(libc::SIGSEGV);
-        },
-        "panic" => || panic!("API fault self-test"),
-        _ => return,
-    };
-    let n = v.split_once(':').and_then(|(_, n)| n.parse().ok()).unwrap_or(1);
-    nl_vmm::api::arm_fault_hook(n, hook);
+    let kind = v.split(':').next().unwrap_or("");
+    let Some(hook) = fault_hook(kind).filter(|_| kind != "hang") else { return };
+    nl_vmm::api::arm_fault_hook(fault_count(&v, 1), hook);
 }
 
 /// `NINELIVES_DEVICE_FAULT=segv|panic|hang:N` makes the N-th device access
@@ -175,17 +188,7 @@ fn api_fault_selftest() {
 /// milliseconds fail. For tests and `bench recovery`.
 fn device_fault_selftest() {
     let Ok(v) = std::env::var("NINELIVES_DEVICE_FAULT") else { return };
-    let hook: fn() = match v.split([':', '@']).next().unwrap_or("") {
-        // SAFETY: raising a signal on the calling thread has no memory effects.
-        "segv" => || unsafe {
-            libc::raise(libc::SIGSEGV);
-        },
-        "panic" => || panic!("device fault self-test"),
-        "hang" => || loop {
-            std::hint::spin_loop();
-        },
-        _ => return,
-    };
+    let Some(hook) = fault_hook(v.split([':', '@']).next().unwrap_or("")) else { return };
     if let Some((_, ms)) = v.split_once('@') {
         let ms = ms.parse::<u64>().unwrap_or(1000);
         let _ = std::thread::Builder::new().name("fault-timer".into()).spawn(move || {
@@ -193,8 +196,7 @@ fn device_fault_selftest() {
             nl_devices::bus::arm_fault_hook(1, hook);
         });
     } else {
-        let n = v.split_once(':').and_then(|(_, n)| n.parse().ok()).unwrap_or(1000);
-        nl_devices::bus::arm_fault_hook(n, hook);
+        nl_devices::bus::arm_fault_hook(fault_count(&v, 1000), hook);
     }
 }
 
