@@ -366,6 +366,17 @@ enum Event {
     Ptrace(i32),
 }
 
+impl Event {
+    /// For a signal-delivery stop, the signal the thread is owed.
+    fn signal(self) -> Option<i32> {
+        match self {
+            Event::Trap => Some(libc::SIGTRAP),
+            Event::Signal(s) => Some(s),
+            Event::Ended | Event::Ptrace(_) => None,
+        }
+    }
+}
+
 /// Waits (blocking; EINTR when interrupted) for the next stop or the end of
 /// tracee `tid`, or of any tracee for -1.
 fn wait_event(tid: i32) -> Result<(Pid, Event), Errno> {
@@ -454,10 +465,6 @@ impl Traced {
     /// Marks the thread as needing nothing more from us.
     fn settle(&mut self) {
         self.settled = true;
-    }
-
-    fn settled(&self) -> bool {
-        self.settled
     }
 
     /// Resumes a stopped thread, delivering the signal it stopped for.

@@ -253,7 +253,7 @@ fn release_all(
             }
             t.detach();
         }
-        traced.retain(|_, t| !t.settled());
+        traced.retain(|_, t| !t.settled);
         if traced.is_empty() || Instant::now() > limit {
             break;
         }
@@ -269,9 +269,7 @@ fn release_all(
         let t = traced.entry(tid).or_insert_with(|| Traced::adopt(tid, alarm));
         match ev {
             Event::Ended => t.settle(),
-            Event::Trap => t.stop_for(Some(libc::SIGTRAP)),
-            Event::Signal(s) => t.stop_for(Some(s)),
-            Event::Ptrace(_) => t.stop_for(None),
+            _ => t.stop_for(ev.signal()),
         }
     }
     // What is left, the kernel detaches when we exit.
@@ -327,17 +325,9 @@ fn watch(traced: &mut HashMap<Pid, Traced>, pid: i32, alarm: &Rc<Alarm>, limit: 
         }
         // A thread we have not seen yet is one auto-attached at its creation.
         let t = traced.entry(tid).or_insert_with(|| Traced::adopt(tid, alarm));
-        t.stopped = true;
-        let sig = match ev {
-            Event::Trap => Some(libc::SIGTRAP),
-            Event::Signal(s) => Some(s),
-            _ => None,
-        };
-        if let Some(sig) = sig {
-            t.pending = Some(sig);
-            if is_fault(sig) {
-                return End::Signal(tid, sig);
-            }
+        t.stop_for(ev.signal());
+        if let Some(sig) = ev.signal().filter(|&s| is_fault(s)) {
+            return End::Signal(tid, sig);
         }
         t.resume();
     }
