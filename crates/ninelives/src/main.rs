@@ -1,13 +1,6 @@
 //! `ninelives`: the command-line front end of the VMM.
 
-mod cli;
-mod cmd;
-mod figures;
-mod guest;
-mod injector;
-mod netns;
-mod verify;
-
+use ninelives::{cli, cmd};
 use std::process::ExitCode;
 
 use clap::Parser;
