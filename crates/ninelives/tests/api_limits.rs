@@ -398,3 +398,90 @@ fn bad_limit_options_are_refused() {
         assert_clean_error(&run_cli(&args), needle);
     }
 }
+
+#[test]
+fn limits_carry_over_a_rejuvenation() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    let (mut child, mut s) = spawn_host_with(
+        &sock,
+        &["--mem-budget", "96M", "--max-connections", "5", "--request-timeout", "2s"],
+    );
+    let check = |sock: &Path| {
+        let info = request(sock, json!({"op":"info"}));
+        let l = &info["limits"];
+        assert_eq!(l["mem_budget"], 96 << 20, "{info}");
+        assert_eq!(l["max_connections"], 5, "{info}");
+        assert_eq!(l["request_timeout"]["secs"], 2, "{info}");
+        info
+    };
+    let vm = json!({"op":"create","workload":"idle","mem":"64M","duration":600});
+    let a = send(&mut s, vm.clone());
+    assert_eq!(a["ok"], true, "{a}");
+    drop(s);
+    let before = check(&sock);
+    assert_eq!(before["committed"]["mem_bytes"], 64 << 20, "{before}");
+    let o = run_cli(&["rejuvenate", "--api", sock.to_str().unwrap(), "--mode", "warm", "--json"]);
+    assert!(o.status.success(), "rejuvenation failed: {}{}", stdout(&o), stderr(&o));
+    // The new process serves with the same limits and counts the VM it took over.
+    let after = check(&sock);
+    assert_ne!(after["pid"], before["pid"], "{after}");
+    assert_eq!(after["committed"]["mem_bytes"], 64 << 20, "{after}");
+    let e = error_of(&request(&sock, vm));
+    assert!(e.contains("96 MiB"), "{e}");
+    stop_host(&sock, &mut child);
+}
+
+#[test]
+fn limits_carry_over_a_microreboot() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    // Request 1: create; 2: the connection that reads it fails (SIGSEGV),
+    // and the host microreboots in place.
+    let child = ninelives()
+        .args(["host", "--api", sock.to_str().unwrap(), "--recovery", "microreboot"])
+        .args(["--mem-budget", "96M", "--max-connections", "5"])
+        .env("NINELIVES_API_FAULT", "segv:2")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut host = HostProcess { child };
+    let t = Instant::now();
+    while UnixStream::connect(&sock).is_err() {
+        host.assert_alive("starting");
+        assert!(t.elapsed() < Duration::from_secs(20), "the host did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let vm = json!({"op":"create","workload":"idle","mem":"64M","duration":600});
+    assert_eq!(request(&sock, vm.clone())["ok"], true);
+    // The failing request gets no answer.
+    let mut s = UnixStream::connect(&sock).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    writeln!(s, "{}", json!({"op":"info"})).unwrap();
+    assert!(read_reply(&s).is_none(), "the failed connection answered");
+    // The rebooted process (generation 1) keeps the limits.
+    let t = Instant::now();
+    let info = loop {
+        let mut s = UnixStream::connect(&sock).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let _ = writeln!(s, "{}", json!({"op":"info"}));
+        if let Some(i) = read_reply(&s).filter(|i| i["generation"] == 1) {
+            break i;
+        }
+        host.assert_alive("the microreboot");
+        assert!(t.elapsed() < Duration::from_secs(30), "no microreboot");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(info["limits"]["mem_budget"], 96 << 20, "{info}");
+    assert_eq!(info["limits"]["max_connections"], 5, "{info}");
+    assert_eq!(info["committed"]["mem_bytes"], 64 << 20, "{info}");
+    let e = error_of(&request(&sock, vm));
+    assert!(e.contains("96 MiB"), "{e}");
+}

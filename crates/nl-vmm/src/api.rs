@@ -11,7 +11,8 @@
 //! {"op":"stats","id":0}                  -> {"ok":true,"stats":{...}}
 //! {"op":"destroy","id":0}                -> {"ok":true}
 //! {"op":"shutdown"}                      -> {"ok":true}   (stops the host)
-//! {"op":"info"}                          -> {"ok":true,"pid":N,"version":"...","generation":N}
+//! {"op":"info"}                          -> {"ok":true,"pid":N,"version":"...","generation":N,
+//!                                            "limits":{...},"committed":{"mem_bytes":N,"vcpus":N}}
 //! {"op":"rejuvenate","mode":"warm"|"cold"|"save-restore",
 //!  "binary":"/path", "image_dir":"/dir", "timeout_secs":N,
 //!  "prespawn":true|false (all optional; prespawn: warm only, default true)}
@@ -496,11 +497,16 @@ fn handle_in(host: &Host, build: &ConfigBuilder, req: &Value, ctx: &ServeCtx) ->
         }
         Ok(match op {
             "rejuvenate" => rejuvenate_op(host, req, ctx)?,
-            "info" => json!({
-                "pid": std::process::id(),
-                "version": env!("CARGO_PKG_VERSION"),
-                "generation": host.generation(),
-            }),
+            "info" => {
+                let (mem, vcpus) = host.committed();
+                json!({
+                    "pid": std::process::id(),
+                    "version": env!("CARGO_PKG_VERSION"),
+                    "generation": host.generation(),
+                    "limits": host.limits(),
+                    "committed": {"mem_bytes": mem, "vcpus": vcpus},
+                })
+            }
             "create" => json!({"id": host.create(build(req)?).map_err(e)?}),
             "list" => json!({"vms": host.list()}),
             "pause" => {

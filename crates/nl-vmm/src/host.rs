@@ -53,7 +53,7 @@ pub struct VmStats {
 
 /// What a host admits: its guest-memory and vCPU budgets and the limits
 /// of its API (see the [`crate::api`] module doc).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Limits {
     /// Guest memory (bytes) the hosted VMs may commit together.
     pub mem_budget: u64,
@@ -182,6 +182,13 @@ impl Host {
     /// The host's budgets and API limits.
     pub fn limits(&self) -> Limits {
         *self.limits.lock()
+    }
+
+    /// The limits for a handover record (a successor process keeps them);
+    /// None if the lock is not free soon (a recovery after an error on
+    /// another thread must not wait on it): the successor uses its defaults.
+    pub fn limits_for_handover(&self) -> Option<Limits> {
+        self.limits.try_lock_for(Duration::from_millis(100)).map(|l| *l)
     }
 
     /// Sets the host's budgets and API limits (VMs already hosted stay,

@@ -99,21 +99,19 @@ fn build_config(req: &Value) -> Result<nl_vmm::VmConfig, String> {
     guest::vm_config(&m, params, kernel, r.console).map_err(|e| e.to_string())
 }
 
-/// The host's budgets and API limits: the options given, the machine's
-/// defaults for the others.
-fn limits(a: &HostArgs) -> nl_vmm::host::Limits {
-    let d = nl_vmm::host::Limits::from_system();
+/// The host's budgets and API limits: the options given, `base` for the
+/// others (the machine's defaults, or what a previous process handed over).
+fn limits(a: &HostArgs, base: nl_vmm::host::Limits) -> nl_vmm::host::Limits {
     nl_vmm::host::Limits {
-        mem_budget: a.mem_budget.unwrap_or(d.mem_budget),
-        vcpu_budget: a.vcpu_budget.unwrap_or(d.vcpu_budget),
-        max_connections: a.max_connections as usize,
-        request_timeout: a.request_timeout,
-        idle_timeout: a.idle_timeout,
+        mem_budget: a.mem_budget.unwrap_or(base.mem_budget),
+        vcpu_budget: a.vcpu_budget.unwrap_or(base.vcpu_budget),
+        max_connections: a.max_connections.map_or(base.max_connections, |n| n as usize),
+        request_timeout: a.request_timeout.unwrap_or(base.request_timeout),
+        idle_timeout: a.idle_timeout.unwrap_or(base.idle_timeout),
     }
 }
 
 pub fn host(a: HostArgs) -> Result<ExitCode> {
-    let limits = limits(&a);
     // Fatal signals, panics and hangs anywhere in this VMM are detected and
     // reported; the recovery policy decides what follows.
     nl_vmm::detect::install(a.recovery.policy(a.repairs));
@@ -137,7 +135,7 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
                 std::process::exit(nl_vmm::detect::DETECTED_EXIT);
             }
         };
-        t.host.set_limits(limits);
+        t.host.set_limits(limits(&a, t.host.limits()));
         match t.listener {
             Some(l) => nl_vmm::api::serve_listener(t.host, l, &a.api, Arc::new(build_config)),
             None => nl_vmm::api::serve(t.host, &a.api, Arc::new(build_config)),
@@ -159,7 +157,7 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
             std::process::id(),
             a.api.display()
         );
-        t.host.set_limits(limits);
+        t.host.set_limits(limits(&a, t.host.limits()));
         match t.listener {
             Some(l) => nl_vmm::api::serve_listener(t.host, l, &a.api, Arc::new(build_config)),
             None => nl_vmm::api::serve(t.host, &a.api, Arc::new(build_config)),
@@ -168,6 +166,7 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let host = nl_vmm::host::Host::new()?;
+    let limits = limits(&a, host.limits());
     host.set_limits(limits);
     selftest();
     device_fault_selftest();
