@@ -181,6 +181,10 @@ pub struct HandoverRecord {
     /// socket once the old process has paused the VMs (see [`take_over`]).
     #[serde(default)]
     pub deferred_state: bool,
+    /// The old process's budgets and API limits, kept by the new one
+    /// (absent in older records: the new process's own defaults).
+    #[serde(default)]
+    pub limits: Option<crate::host::Limits>,
 }
 
 impl HandoverRecord {
@@ -198,6 +202,7 @@ impl HandoverRecord {
             finished: Vec::new(),
             reboot: None,
             deferred_state: false,
+            limits: None,
         }
     }
 
@@ -663,6 +668,9 @@ fn prepare_record(
         }
     }
     let host = Host::new()?;
+    if let Some(l) = record.limits {
+        host.set_limits(l);
+    }
     host.reserve_ids(record.next_id);
     let mut vms = Vec::new();
     for rec in &record.vms {

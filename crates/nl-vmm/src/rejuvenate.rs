@@ -403,6 +403,7 @@ impl Successor {
     ) -> Result<Self, String> {
         let mut record =
             HandoverRecord::new(Mode::Warm, host.generation() + 1, listener_fd, host.next_id());
+        record.limits = host.limits_for_handover();
         record.defer_state();
         for h in host.hosted() {
             if h.outcome.lock().is_some() {
@@ -554,6 +555,7 @@ fn hand_over(
         None => {
             let mut record =
                 HandoverRecord::new(opts.mode, host.generation() + 1, listener_fd, host.next_id());
+            record.limits = host.limits_for_handover();
             record.vms = suspended.iter().map(|s| s.rec.clone()).collect();
             record.finished = finished;
             let mut s = Successor::spawn(&record, listener_fd, opts).map_err(Recoverable)?;

@@ -39,7 +39,8 @@ struct CreateRequest {
     #[serde(default)]
     workload: WorkloadName,
     mem: Option<Size>,
-    vcpus: Option<u32>,
+    /// Checked here (a negative or huge count gets the range in its error).
+    vcpus: Option<i64>,
     #[serde(default = "default_duration")]
     duration: f64,
     seed: Option<u64>,
@@ -78,7 +79,15 @@ fn build_config(req: &Value) -> Result<nl_vmm::VmConfig, String> {
     let dm = MachineArgs::default();
     let m = MachineArgs {
         mem: r.mem.map(|s| s.bytes()).transpose()?.unwrap_or(dm.mem),
-        vcpus: r.vcpus.unwrap_or(dm.vcpus),
+        vcpus: match r.vcpus {
+            None => dm.vcpus,
+            Some(v) => u32::try_from(v)
+                .ok()
+                .filter(|v| (1..=nl_abi::MAX_VCPUS).contains(v))
+                .ok_or_else(|| {
+                    format!("vcpus {v} is out of range: a VM has 1 to {} vCPUs", nl_abi::MAX_VCPUS)
+                })?,
+        },
         timer_hz: r.timer_hz.unwrap_or(dm.timer_hz),
         net_ip: r.net_ip.unwrap_or(dm.net_ip.clone()),
         net_tap: r.net_tap,
@@ -88,6 +97,18 @@ fn build_config(req: &Value) -> Result<nl_vmm::VmConfig, String> {
     let params = guest::workload_params(&w, r.duration).map_err(|e| e.to_string())?;
     let kernel = guest::kernel_image(&m).map_err(|e| e.to_string())?;
     guest::vm_config(&m, params, kernel, r.console).map_err(|e| e.to_string())
+}
+
+/// The host's budgets and API limits: the options given, `base` for the
+/// others (the machine's defaults, or what a previous process handed over).
+fn limits(a: &HostArgs, base: nl_vmm::host::Limits) -> nl_vmm::host::Limits {
+    nl_vmm::host::Limits {
+        mem_budget: a.mem_budget.unwrap_or(base.mem_budget),
+        vcpu_budget: a.vcpu_budget.unwrap_or(base.vcpu_budget),
+        max_connections: a.max_connections.map_or(base.max_connections, |n| n as usize),
+        request_timeout: a.request_timeout.unwrap_or(base.request_timeout),
+        idle_timeout: a.idle_timeout.unwrap_or(base.idle_timeout),
+    }
 }
 
 pub fn host(a: HostArgs) -> Result<ExitCode> {
@@ -114,6 +135,7 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
                 std::process::exit(nl_vmm::detect::DETECTED_EXIT);
             }
         };
+        t.host.set_limits(limits(&a, t.host.limits()));
         match t.listener {
             Some(l) => nl_vmm::api::serve_listener(t.host, l, &a.api, Arc::new(build_config)),
             None => nl_vmm::api::serve(t.host, &a.api, Arc::new(build_config)),
@@ -135,6 +157,7 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
             std::process::id(),
             a.api.display()
         );
+        t.host.set_limits(limits(&a, t.host.limits()));
         match t.listener {
             Some(l) => nl_vmm::api::serve_listener(t.host, l, &a.api, Arc::new(build_config)),
             None => nl_vmm::api::serve(t.host, &a.api, Arc::new(build_config)),
@@ -143,10 +166,19 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let host = nl_vmm::host::Host::new()?;
+    let limits = limits(&a, host.limits());
+    host.set_limits(limits);
     selftest();
     device_fault_selftest();
     api_fault_selftest();
-    eprintln!("ninelives host: serving the API on {}", a.api.display());
+    eprintln!(
+        "ninelives host: serving the API on {} (guest memory budget {} MiB, {} vCPUs, \
+         {} connections)",
+        a.api.display(),
+        limits.mem_budget >> 20,
+        limits.vcpu_budget,
+        limits.max_connections
+    );
     nl_vmm::api::serve(host, &a.api, Arc::new(build_config))
         .with_context(|| format!("host on {}", a.api.display()))?;
     Ok(ExitCode::SUCCESS)

@@ -57,6 +57,7 @@ fn build_and_exec(what: &str, t0: Instant, steps: &mut Steps) -> Result<Never, S
     let host = hosts.first().ok_or("no host")?;
     let mut record =
         HandoverRecord::new(Mode::Warm, host.generation() + 1, Some(listener_fd), host.next_id());
+    record.limits = host.limits_for_handover();
     let mut inherit = vec![listener_fd];
     let paused_at_ns = handover::mono_ns();
     let live: Vec<_> = host.hosted().into_iter().filter(|h| h.outcome.lock().is_none()).collect();
