@@ -91,6 +91,7 @@ pub fn serve_listener(
     });
     listener.set_nonblocking(true)?;
     crate::recovery::set_api(listener.as_raw_fd(), path);
+    crate::seccomp::apply(crate::seccomp::Kind::Api);
     let _reg = crate::recovery::enter(false);
     let progress = crate::detect::track();
     while !ctx.done.load(Relaxed) {
@@ -143,6 +144,7 @@ pub fn arm_fault_hook(after: u64, hook: fn()) {
 }
 
 fn serve_connection(stream: UnixStream, host: &Host, build: &ConfigBuilder, ctx: &ServeCtx) {
+    crate::seccomp::apply(crate::seccomp::Kind::Api);
     let _ = stream.set_nonblocking(false);
     let _reg = crate::recovery::enter(false);
     let progress = crate::detect::track();
