@@ -33,7 +33,8 @@
 //!   `madvise`, `mremap`, `brk`), threads and locks (`futex`, `sched_yield`,
 //!   `sched_getaffinity`, `set_robust_list`, `rseq`, `gettid`, `getpid`,
 //!   `exit`, `exit_group`), time (`clock_gettime`, `clock_nanosleep`,
-//!   `nanosleep`), `getrandom`, stderr and descriptors already open
+//!   `nanosleep`, and `restart_syscall`, which resumes a sleep after the
+//!   thread was stopped, e.g. by the fault injector's ptrace), `getrandom`, stderr and descriptors already open
 //!   (`write`, `read`, `lseek`, `close`, `statx`, `newfstatat`, `fstat`),
 //!   and `prctl` restricted to `PR_SET_NAME`, `PR_GET_NAME`,
 //!   `PR_GET_SECCOMP` and `PR_SET_NO_NEW_PRIVS`.
@@ -208,6 +209,8 @@ fn runtime(r: &mut Rules) {
             SYS_clock_gettime,
             SYS_clock_nanosleep,
             SYS_nanosleep,
+            // a sleep interrupted by a stop (ptrace, SIGSTOP) resumes with it
+            SYS_restart_syscall,
             SYS_getrandom,
             // descriptors already open
             SYS_write,
