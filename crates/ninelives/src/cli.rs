@@ -13,6 +13,19 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,
+    /// seccomp-bpf filters on the VMM's threads (vCPU, device, events,
+    /// watchdog, API, microreboot): a forbidden syscall is detected like a
+    /// fatal signal. `off` turns them off.
+    #[arg(long, global = true, value_enum, default_value_t = OnOff::On)]
+    pub seccomp: OnOff,
+}
+
+/// A switch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Default)]
+pub enum OnOff {
+    #[default]
+    On,
+    Off,
 }
 
 #[derive(Subcommand, Debug)]

@@ -122,6 +122,7 @@ pub fn serve_listener(
     });
     listener.set_nonblocking(true)?;
     crate::recovery::set_api(listener.as_raw_fd(), path);
+    crate::seccomp::apply(crate::seccomp::Kind::Api);
     let _reg = crate::recovery::enter(false);
     let progress = crate::detect::track();
     while !ctx.done.load(Relaxed) {
@@ -215,6 +216,7 @@ fn refuse(stream: UnixStream, error: &str) {
 }
 
 fn serve_connection(stream: UnixStream, host: &Host, build: &ConfigBuilder, ctx: &ServeCtx) {
+    crate::seccomp::apply(crate::seccomp::Kind::Api);
     let _ = stream.set_nonblocking(false);
     let _reg = crate::recovery::enter(false);
     let progress = crate::detect::track();

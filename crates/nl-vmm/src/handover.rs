@@ -553,6 +553,7 @@ pub fn take_over(
     host.set_generation(generation);
     // Report per-VM start and first-heartbeat times without holding up the API.
     std::thread::Builder::new().name("handover-report".into()).spawn(move || {
+        crate::seccomp::apply(crate::seccomp::Kind::Api);
         let mut vms = Vec::new();
         for (rec, vm, start_ns) in &starts {
             let (beat_ns, workload_ns) = if rec.paused {

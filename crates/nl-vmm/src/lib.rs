@@ -8,6 +8,7 @@
 //! * [`detect`]: error detectors (fatal signals, panics, hang watchdog).
 //! * [`recovery`]: microreset and microreboot of the VMM after a detected error.
 //! * [`events`]: the host's recurring events (VM supervision).
+//! * [`seccomp`]: a seccomp-bpf filter per VMM thread kind.
 //! * [`kick`]: interrupting a vCPU thread out of KVM_RUN with a signal.
 //! * [`host`]: several VMs in one VMM process, addressed by id.
 //! * [`api`]: the Unix-socket API of `ninelives host`.
@@ -34,6 +35,7 @@ mod memslots;
 mod netrx;
 pub mod recovery;
 pub mod rejuvenate;
+pub mod seccomp;
 pub mod state;
 pub mod vcpu;
 pub mod vm;

@@ -278,6 +278,7 @@ pub fn run_vcpu(
     stats: Arc<VcpuStats>,
 ) -> VcpuStop {
     let _reg = crate::recovery::enter(true);
+    crate::seccomp::apply(crate::seccomp::Kind::Vcpu);
     // Hang watchdog: busy while handling an exit, waiting inside KVM_RUN or parked.
     let progress = crate::detect::track();
     let log = ExitLog::default();

@@ -184,7 +184,8 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The failure a self-test fault point runs: `segv`, `panic` or `hang`.
+/// The failure a self-test fault point runs: `segv`, `panic`, `hang` or
+/// `syscall` (one that seccomp forbids).
 fn fault_hook(kind: &str) -> Option<fn()> {
     match kind {
         // SAFETY: raising a signal on the calling thread has no memory effects.
@@ -192,6 +193,11 @@ fn fault_hook(kind: &str) -> Option<fn()> {
             libc::raise(libc::SIGSEGV);
         }),
         "panic" => Some(|| panic!("fault self-test")),
+        // A syscall no VMM thread's seccomp filter allows (a harmless query).
+        // SAFETY: personality(0xffffffff) only reads the process's persona.
+        "syscall" => Some(|| unsafe {
+            libc::personality(0xffff_ffff);
+        }),
         "hang" => Some(|| loop {
             std::hint::spin_loop();
         }),
@@ -214,7 +220,7 @@ fn api_fault_selftest() {
     nl_vmm::api::arm_fault_hook(fault_count(&v, 1), hook);
 }
 
-/// `NINELIVES_DEVICE_FAULT=segv|panic|hang:N` makes the N-th device access
+/// `NINELIVES_DEVICE_FAULT=segv|panic|hang|syscall:N` makes the N-th device access
 /// of the host (counted from its start) fail that way inside the device,
 /// with the device's lock held; `KIND@MS` makes the first access after MS
 /// milliseconds fail. For tests and `bench recovery`.
