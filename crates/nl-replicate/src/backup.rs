@@ -777,7 +777,7 @@ mod tests {
     use super::*;
     use nl_vmm::state::{IrqchipState, VcpuState};
 
-    const MEM: u64 = 64 << 20;
+    pub(super) const MEM: u64 = 64 << 20;
 
     fn state() -> Vec<u8> {
         VmState {
@@ -804,7 +804,7 @@ mod tests {
     }
 
     /// The frames of one epoch writing `byte` into page `gpa`.
-    fn epoch(e: u64, gpa: u64, byte: u8) -> Vec<Frame> {
+    pub(super) fn epoch(e: u64, gpa: u64, byte: u8) -> Vec<Frame> {
         let mut payload = run_header(gpa, 1).to_vec();
         payload.extend([byte; PAGE]);
         let end = EpochEnd {
@@ -988,5 +988,295 @@ mod tests {
         assert!(rx.on_frame_ack(e1[2].clone(), crc, &mut fail).is_err());
         assert!(rx.into_committed().is_none(), "a disk copy ahead of its epoch was used");
         let _ = std::fs::remove_file(&path);
+    }
+}
+
+/// The backup's server end to end on loopback: handshakes, the slot, sealed
+/// frames and the activation rule (no KVM needed: activation hands over the
+/// memory and state, it does not run them).
+#[cfg(test)]
+mod serve_tests {
+    use super::tests::{epoch, MEM};
+    use super::*;
+    use crate::auth::{nonce, primary_handshake, NONCE};
+    use std::thread::JoinHandle;
+
+    const WAIT: Duration = Duration::from_secs(20);
+
+    struct Running {
+        addr: SocketAddr,
+        end: JoinHandle<Result<BackupEnd, String>>,
+        logs: mpsc::Receiver<String>,
+    }
+
+    fn key() -> Key {
+        Key::from_bytes(&[5; 32]).unwrap()
+    }
+
+    /// Starts `serve` on a free loopback port; returns once it listens.
+    fn start(lease_ms: u64, handshake: Duration) -> Running {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let cfg = BackupConfig {
+            listen: addr,
+            allow: None,
+            key: key(),
+            mem_bytes: MEM,
+            vcpus: 1,
+            disk: None,
+            lease: Duration::from_millis(lease_ms),
+            heartbeat: Duration::from_millis(20),
+            handshake,
+        };
+        let (tx, logs) = mpsc::channel();
+        let end = std::thread::spawn(move || {
+            serve(&cfg, &mut |m| {
+                let _ = tx.send(m);
+            })
+        });
+        let first = logs.recv_timeout(WAIT).expect("the backup starts");
+        assert!(first.contains("listening"), "{first}");
+        Running { addr, end, logs }
+    }
+
+    impl Running {
+        fn finish(self) -> BackupEnd {
+            let t = Instant::now();
+            while !self.end.is_finished() {
+                assert!(t.elapsed() < WAIT, "the backup did not end");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            self.end.join().unwrap().unwrap()
+        }
+
+        fn logs(&self) -> String {
+            self.logs.try_iter().collect::<Vec<_>>().join("\n")
+        }
+    }
+
+    fn hello() -> Hello {
+        Hello {
+            protocol: PROTOCOL_VERSION,
+            state_version: STATE_VERSION,
+            mem_bytes: MEM,
+            vcpus: 1,
+            disk_bytes: 0,
+        }
+    }
+
+    /// A primary of the test's own, authenticated with `key`.
+    struct Primary {
+        s: TcpStream,
+        seal: Sealer,
+        open: Opener,
+    }
+
+    impl Primary {
+        fn attach(addr: SocketAddr, key: &Key, within: Duration) -> Result<Primary, String> {
+            let s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+            let session = primary_handshake(&mut Deadline::new(&s, within), key, &hello())?;
+            s.set_read_timeout(Some(WAIT)).unwrap();
+            let (seal, open) = (session.sealer(Dir::ToBackup), session.opener(Dir::ToPrimary));
+            Ok(Primary { s, seal, open })
+        }
+
+        /// The sealed bytes of frame `f` (the next counter).
+        fn seal(&mut self, f: &Frame) -> Vec<u8> {
+            let mut b = Vec::new();
+            self.seal.write_frame(&mut b, f.kind, f.epoch, f.seq, &[&f.payload]).unwrap();
+            b
+        }
+
+        fn send(&mut self, f: &Frame) {
+            let b = self.seal(f);
+            self.s.write_all(&b).unwrap();
+        }
+
+        /// The next frame from the backup that is not a heartbeat.
+        fn next(&mut self) -> Result<Frame, ProtoError> {
+            for _ in 0..10_000 {
+                let f = self.open.read_frame(&mut self.s)?;
+                if f.kind != Kind::Heartbeat {
+                    return Ok(f);
+                }
+            }
+            panic!("only heartbeats")
+        }
+
+        fn epoch(&mut self, e: u64) {
+            for f in epoch(e, 0x1000, e as u8 + 1) {
+                self.send(&f);
+            }
+            let a = self.next().unwrap();
+            assert_eq!((a.kind, a.epoch), (Kind::Ack, e));
+        }
+    }
+
+    /// (a) A peer without the key, sending a hello, a made-up proof, a
+    /// whole epoch 0 and closing, never gets the slot, and nothing it sent
+    /// is ever activated; nor does one that skips the proof. The backup
+    /// keeps waiting, and the real primary is served afterwards.
+    #[test]
+    fn forged_peers_never_lead_to_activation_and_the_real_primary_is_served() {
+        let b = start(200, HANDSHAKE_TIME);
+        let wrong = Key::from_bytes(&[6; 32]).unwrap();
+        for skip_proof in [false, true] {
+            let mut s = TcpStream::connect(b.addr).unwrap();
+            s.set_read_timeout(Some(WAIT)).unwrap();
+            let np = nonce().unwrap();
+            let body = [&np[..], &serde_json::to_vec(&hello()).unwrap()].concat();
+            write_plain_frame(&mut s, Kind::Hello, &[&body]).unwrap();
+            let c = read_plain_frame(&mut s).unwrap();
+            assert_eq!(c.kind, Kind::Challenge);
+            let nb: [u8; NONCE] = c.payload.try_into().unwrap();
+            // All of it at once, without waiting for the verdict.
+            let mut attack = Vec::new();
+            if !skip_proof {
+                write_plain_frame(&mut attack, Kind::Auth, &[&[0u8; 32]]).unwrap();
+            }
+            let mut seal = wrong.session(&np, &nb).sealer(Dir::ToBackup);
+            for f in epoch(0, 0x1000, 0xcc) {
+                seal.write_frame(&mut attack, f.kind, f.epoch, f.seq, &[&f.payload]).unwrap();
+            }
+            let _ = s.write_all(&attack);
+            let r = read_plain_frame(&mut s).unwrap();
+            assert_eq!(r.kind, Kind::Refuse);
+            let why = String::from_utf8_lossy(&r.payload).into_owned();
+            let want = if skip_proof { "no proof of the key" } else { "authentication failed" };
+            assert!(why.contains(want), "{why}");
+            drop(s);
+        }
+        // Well past the lease: still waiting, nothing activated.
+        std::thread::sleep(Duration::from_millis(600));
+        assert!(!b.end.is_finished(), "the backup ended after forged peers: {}", b.logs());
+        let mut p = Primary::attach(b.addr, &key(), WAIT).unwrap();
+        p.epoch(0);
+        p.send(&Frame { kind: Kind::Done, epoch: 1, seq: 0, payload: b"done".to_vec() });
+        let logs = b.logs();
+        assert!(logs.contains("authentication failed"), "{logs}");
+        assert!(matches!(b.finish(), BackupEnd::PrimaryFinished { .. }));
+    }
+
+    /// (b) and (e): the backup activates from the last epoch it
+    /// acknowledged (not the one cut off before its end), and only once the
+    /// primary's lease has run out, even though the connection closed at once.
+    #[test]
+    fn activation_is_from_the_acknowledged_epoch_once_the_lease_ran_out() {
+        let lease = Duration::from_millis(700);
+        let b = start(lease.as_millis() as u64, HANDSHAKE_TIME);
+        let mut p = Primary::attach(b.addr, &key(), WAIT).unwrap();
+        p.epoch(0);
+        p.epoch(1);
+        // Epoch 2: its pages, but never its end; then the primary dies.
+        p.send(&epoch(2, 0x1000, 9)[0]);
+        drop(p);
+        match b.finish() {
+            BackupEnd::Activate { epoch, memory, detected, last_heard, .. } => {
+                assert_eq!(epoch, 1);
+                let byte = memory.mem().read_obj::<u8>(GuestAddress(0x1000)).unwrap();
+                assert_eq!(byte, 2, "epoch 1's page, not the unfinished epoch 2's");
+                assert!(
+                    detected.duration_since(last_heard) >= lease,
+                    "activated {:?} after the last frame, before the lease of {lease:?} ran out",
+                    detected.duration_since(last_heard)
+                );
+            }
+            _ => panic!("expected an activation from epoch 1"),
+        }
+    }
+
+    /// (c) and (b): a frame of the authenticated primary's stream that was
+    /// modified, replayed, reordered or spliced in from another session is
+    /// refused, the connection dropped, and the backup stands down: it
+    /// never activates from that stream (kept: the last acknowledged epoch).
+    #[test]
+    fn modified_replayed_reordered_or_spliced_frames_reject_the_stream() {
+        type Tamper = fn(&mut Primary, Vec<Vec<u8>>, &[Vec<u8>]) -> Vec<Vec<u8>>;
+        let cases: [(&str, Tamper); 4] = [
+            ("modified", |_, mut f, _| {
+                // A page byte changed and the CRC made to match: only the tag
+                // tells.
+                let n = f[0].len();
+                f[0][n / 2] ^= 1;
+                let mut crc = crc32fast::Hasher::new();
+                crc.update(&f[0][..24]);
+                crc.update(&f[0][HEADER_BYTES..n - TAG_BYTES]);
+                f[0][24..28].copy_from_slice(&crc.finalize().to_le_bytes());
+                f
+            }),
+            ("replayed", |_, f, old| vec![old[0].clone(), f[0].clone(), f[1].clone()]),
+            ("reordered", |_, f, _| vec![f[1].clone(), f[0].clone()]),
+            ("spliced", |_, f, _| {
+                let mut other = SessionKey([1; 32]).sealer(Dir::ToBackup);
+                let mut b = Vec::new();
+                let e = epoch(1, 0x1000, 7);
+                other.write_frame(&mut b, e[0].kind, 1, 0, &[&e[0].payload]).unwrap();
+                vec![b, f[1].clone()]
+            }),
+        ];
+        for (what, tamper) in cases {
+            let b = start(300, HANDSHAKE_TIME);
+            let mut p = Primary::attach(b.addr, &key(), WAIT).unwrap();
+            // Epoch 0, its sealed bytes kept for the replay.
+            let old: Vec<Vec<u8>> = epoch(0, 0x1000, 1).iter().map(|f| p.seal(f)).collect();
+            for f in &old {
+                p.s.write_all(f).unwrap();
+            }
+            let a = p.next().unwrap();
+            assert_eq!((a.kind, a.epoch), (Kind::Ack, 0));
+            let e1: Vec<Vec<u8>> = epoch(1, 0x1000, 2).iter().map(|f| p.seal(f)).collect();
+            for f in tamper(&mut p, e1, &old) {
+                let _ = p.s.write_all(&f);
+            }
+            let r = p.next().unwrap();
+            assert_eq!(r.kind, Kind::Refuse, "{what}");
+            let why = String::from_utf8_lossy(&r.payload).into_owned();
+            assert!(why.contains("failed authentication"), "{what}: {why}");
+            match b.finish() {
+                BackupEnd::Rejected { reason, kept_epoch } => {
+                    assert_eq!(kept_epoch, Some(0), "{what}: {reason}")
+                }
+                _ => panic!("{what}: the backup did not stand down"),
+            }
+        }
+    }
+
+    /// (d) Slow clients (a byte every 0.3 s) do not delay the real primary:
+    /// each handshake runs on its own thread. The handshake deadline here
+    /// is 60 s, so a backup that served hellos one at a time would keep the
+    /// primary waiting far longer than the 5 s it is given. Once the primary
+    /// holds the slot, another peer with the key is refused.
+    #[test]
+    fn slow_clients_do_not_delay_the_primary() {
+        let b = start(2000, Duration::from_secs(60));
+        let stop = Arc::new(AtomicBool::new(false));
+        let slow: Vec<_> = (0..3)
+            .map(|_| {
+                let mut s = TcpStream::connect(b.addr).unwrap();
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let mut h = Vec::new();
+                    write_plain_frame(&mut h, Kind::Hello, &[&[0u8; 100]]).unwrap();
+                    for byte in h {
+                        if stop.load(Ordering::SeqCst) || s.write_all(&[byte]).is_err() {
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_millis(300));
+                    }
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(500));
+        let p = Primary::attach(b.addr, &key(), Duration::from_secs(5));
+        let mut p = p.expect("the primary was not served while slow clients dribbled");
+        let e = Primary::attach(b.addr, &key(), WAIT).err().unwrap();
+        assert!(e.contains("already serves an authenticated primary"), "{e}");
+        p.epoch(0);
+        p.send(&Frame { kind: Kind::Done, epoch: 1, seq: 0, payload: Vec::new() });
+        assert!(matches!(b.finish(), BackupEnd::PrimaryFinished { .. }));
+        stop.store(true, Ordering::SeqCst);
+        for t in slow {
+            t.join().unwrap();
+        }
     }
 }
