@@ -1279,4 +1279,64 @@ mod serve_tests {
             t.join().unwrap();
         }
     }
+
+    /// The handshake's time is for all of it, not per byte: a client that
+    /// keeps sending a byte every 0.2 s is cut off once the 1 s is up, long
+    /// before its 40 bytes are out.
+    #[test]
+    fn a_slow_hello_is_cut_off_at_its_deadline() {
+        let b = start(2000, Duration::from_secs(1));
+        let mut s = TcpStream::connect(b.addr).unwrap();
+        let mut r = s.try_clone().unwrap();
+        let writer = std::thread::spawn(move || {
+            let mut h = Vec::new();
+            write_plain_frame(&mut h, Kind::Hello, &[&[0u8; 100]]).unwrap();
+            let mut sent = 0;
+            for byte in &h[..40] {
+                if s.write_all(&[*byte]).is_err() {
+                    break;
+                }
+                sent += 1;
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            sent
+        });
+        r.set_read_timeout(Some(WAIT)).unwrap();
+        let f = read_plain_frame(&mut r).expect("refused");
+        let why = String::from_utf8_lossy(&f.payload).into_owned();
+        assert_eq!(f.kind, Kind::Refuse);
+        assert!(why.contains("no valid hello"), "{why}");
+        assert!(writer.join().unwrap() < 40, "the slow hello was never cut off");
+        assert!(!b.end.is_finished());
+    }
+
+    /// At most MAX_PENDING handshakes at once; the next peer is told why.
+    #[test]
+    fn handshakes_in_progress_are_bounded() {
+        let b = start(2000, Duration::from_secs(30));
+        let idle: Vec<_> = (0..MAX_PENDING).map(|_| TcpStream::connect(b.addr).unwrap()).collect();
+        // The accept thread takes connections in order: by the next one,
+        // all of these count as handshakes in progress.
+        let mut s = TcpStream::connect(b.addr).unwrap();
+        s.set_read_timeout(Some(WAIT)).unwrap();
+        let f = read_plain_frame(&mut s).expect("refused");
+        assert_eq!(f.kind, Kind::Refuse);
+        assert!(String::from_utf8_lossy(&f.payload).contains("too many handshakes"));
+        drop(idle);
+        // The slots free up: the primary is served.
+        let mut p = None;
+        for _ in 0..50 {
+            match Primary::attach(b.addr, &key(), WAIT) {
+                Ok(x) => {
+                    p = Some(x);
+                    break;
+                }
+                Err(e) => assert!(e.contains("too many handshakes"), "{e}"),
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let mut p = p.expect("served once the idle peers left");
+        p.send(&Frame { kind: Kind::Done, epoch: 0, seq: 0, payload: Vec::new() });
+        assert!(matches!(b.finish(), BackupEnd::PrimaryFinished { .. }));
+    }
 }
