@@ -27,6 +27,13 @@
 //! Every failure is `{"ok":false,"error":"..."}`; a bad request never
 //! affects the other VMs or other connections.
 //!
+//! ## Who may connect
+//!
+//! The socket file is created with mode 0600, and every connection is
+//! authenticated by the credentials the kernel records for its peer
+//! (SO_PEERCRED): only the host's own user and root are served; anyone else
+//! gets one error line and the connection is closed.
+//!
 //! ## Limits
 //!
 //! No client can make the host buffer, wait or commit without bound
@@ -86,7 +93,46 @@ pub fn serve(host: Arc<Host>, path: &Path, build: Arc<ConfigBuilder>) -> Result<
     }
     let listener = UnixListener::bind(path)
         .map_err(|e| VmmError::Config(format!("cannot listen on {}: {e}", path.display())))?;
+    // Only this user may connect (the peer check below holds either way).
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
     serve_listener(host, listener, path, build)
+}
+
+/// The user id of the process at the other end of `stream` (SO_PEERCRED,
+/// recorded by the kernel when the peer connected).
+fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: SO_PEERCRED writes at most `len` bytes, one `struct ucred`,
+    // into `cred`, which outlives the call; the fd is the stream's own.
+    let r = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(cred.uid)
+}
+
+/// Authenticates a client by its kernel-reported credentials: the host's
+/// own user and root may use the API, nobody else.
+fn authenticate(stream: &UnixStream) -> Result<(), String> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    match peer_uid(stream) {
+        Ok(uid) if uid == me || uid == 0 => Ok(()),
+        Ok(uid) => Err(format!(
+            "permission denied: user {uid} may not use this host's API (only user {me} and root)"
+        )),
+        Err(e) => Err(format!("permission denied: cannot read the peer's credentials: {e}")),
+    }
 }
 
 /// State of one serving process shared by its connections.
@@ -138,6 +184,10 @@ pub fn serve_listener(
                 }
                 match listener.accept() {
                     Ok((stream, _)) => {
+                        if let Err(why) = authenticate(&stream) {
+                            refuse(stream, &why);
+                            continue;
+                        }
                         let slot = match take_slot(&ctx, host.limits().max_connections) {
                             Ok(slot) => slot,
                             Err(why) => {
