@@ -4,3 +4,4 @@
 //! `fuzz_targets/*.rs` are one-line libFuzzer entry points over these.
 
 pub mod virtio;
+pub mod replicate;

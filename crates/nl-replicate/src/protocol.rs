@@ -81,7 +81,8 @@ pub enum Kind {
 }
 
 impl Kind {
-    fn from_u8(b: u8) -> Option<Kind> {
+    /// The kind with this wire code.
+    pub fn from_u8(b: u8) -> Option<Kind> {
         Some(match b {
             1 => Kind::Hello,
             2 => Kind::Welcome,
