@@ -224,7 +224,7 @@ fn client_that_does_not_read_its_replies_is_cut_off() {
     let sock = dir.path().join("api.sock");
     let (mut host, _s) = HostProcess::start(&sock, &["--request-timeout", "1s"]);
     let s = UnixStream::connect(&sock).unwrap();
-    s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.set_write_timeout(Some(Duration::from_secs(20))).unwrap();
     // Requests whose replies fill the socket's buffer: the host blocks
     // sending them until its time limit, then drops the connection.
     let mut w = &s;
