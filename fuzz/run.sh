@@ -25,7 +25,8 @@ for t in "${targets[@]}"; do
     mkdir -p "work/$t" "seeds/$t" "artifacts/$t"
     log="work/$t.log"
     set +e
-    "$bin/$t" "work/$t" "seeds/$t" -max_total_time="$secs" -max_len=65536 -timeout=10 \
+    dict=(); [ -f "seeds/$t.dict" ] && dict=(-dict="seeds/$t.dict")
+    "$bin/$t" "work/$t" "seeds/$t" "${dict[@]}" -max_total_time="$secs" -max_len=65536 -timeout=10 \
         -rss_limit_mb=4096 -artifact_prefix="artifacts/$t/" -print_final_stats=1 >"$log" 2>&1
     rc=$?
     set -e

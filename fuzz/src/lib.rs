@@ -5,3 +5,4 @@
 
 pub mod virtio;
 pub mod replicate;
+pub mod api;

@@ -62,7 +62,8 @@ fn default_duration() -> f64 {
     3600.0
 }
 
-fn build_config(req: &Value) -> Result<nl_vmm::VmConfig, String> {
+/// The VM configuration a `create` request asks for, every field checked.
+pub fn build_config(req: &Value) -> Result<nl_vmm::VmConfig, String> {
     let r: CreateRequest =
         serde_json::from_value(req.clone()).map_err(|e| format!("bad create request: {e}"))?;
     let d = WorkloadArgs::default();
