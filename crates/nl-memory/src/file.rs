@@ -190,4 +190,11 @@ mod tests {
         assert!(matches!(e, FileError::Grew { limit: 8, .. }), "{e}");
         std::fs::remove_file(p).unwrap();
     }
+
+    #[test]
+    fn a_source_that_never_ends_stops_at_the_limit() {
+        // What /dev/zero would be if fstat were fooled: the guard still ends the read.
+        let e = read_guarded(std::io::repeat(0), 0, "endless", "test file", 1 << 20).unwrap_err();
+        assert!(matches!(e, FileError::Grew { limit: 1048576, .. }), "{e}");
+    }
 }
