@@ -10,7 +10,7 @@
 //! beyond it continues at [`nl_abi::HIGH_RAM_GPA`] as a second region, backed
 //! by the same memfd at the following offset.
 //!
-//! [`file`] is how every file ninelives is given gets read: regular files
+//! [`mod@file`] is how every file ninelives is given gets read: regular files
 //! only, each kind under its own size limit.
 
 pub mod file;

@@ -170,15 +170,12 @@ impl VmRecord {
 
     /// The record's own fields, checked as a VM configuration would be
     /// (vCPU count, memory size, timer frequency, working set against
-    /// memory) and the heartbeat timeout, before anything is built from it.
+    /// memory), before anything is built from it.
     fn check_fields(&self) -> Result<(), VmmError> {
-        let bad = |m: String| VmmError::State(format!("handover refused: VM {}: {m}", self.id));
         let images = Images { kernel: Arc::default(), user: Arc::default() };
-        self.config(&images).validate().map_err(bad)?;
-        if self.heartbeat_timeout_ms == 0 {
-            return Err(bad("record field heartbeat_timeout_ms is 0".into()));
-        }
-        Ok(())
+        self.config(&images)
+            .validate()
+            .map_err(|m| VmmError::State(format!("handover refused: VM {}: {m}", self.id)))
     }
 
     /// The VM configuration, with guest images supplied by the binary.
@@ -928,7 +925,6 @@ mod tests {
             ("timer_hz", json!(0), "timer frequency 0 Hz"),
             ("mem_bytes", json!(u64::MAX), "too large"),
             ("mem_bytes", json!((64u64 << 20) + 1), "multiple of 4096"),
-            ("heartbeat_timeout_ms", json!(0), "heartbeat_timeout_ms is 0"),
         ] {
             let mut v = serde_json::to_value(sample()).unwrap();
             v["vms"][0][field] = value;
