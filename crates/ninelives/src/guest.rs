@@ -164,7 +164,7 @@ pub const MAX_KERNEL_BYTES: u64 = 64 << 20;
 pub fn kernel_image(m: &MachineArgs) -> Result<Arc<Vec<u8>>> {
     Ok(Arc::new(match &m.kernel {
         Some(p) => nl_memory::file::read_limited(p, "kernel image", MAX_KERNEL_BYTES)
-            .context("cannot use --kernel")?,
+            .context("cannot read --kernel")?,
         None => nl_guest::KERNEL_ELF.to_vec(),
     }))
 }

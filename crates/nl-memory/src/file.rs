@@ -18,10 +18,12 @@ use std::path::Path;
 /// Why a file was not read.
 #[derive(Debug, thiserror::Error)]
 pub enum FileError {
-    #[error("cannot open {what} {path}: {source}")]
-    Open { what: String, path: String, source: std::io::Error },
-    #[error("cannot read {what} {path}: {source}")]
-    Read { what: String, path: String, source: std::io::Error },
+    // `io` is not marked as the source: the message already holds it, and
+    // an error chain printed in full would repeat it.
+    #[error("cannot open {what} {path}: {io}")]
+    Open { what: String, path: String, io: std::io::Error },
+    #[error("cannot read {what} {path}: {io}")]
+    Read { what: String, path: String, io: std::io::Error },
     #[error("{what} {path} is {kind}, not a regular file")]
     NotRegular { what: String, path: String, kind: &'static str },
     #[error("{what} {path} is {size} bytes; the limit for a {what} is {limit} bytes")]
@@ -58,17 +60,17 @@ pub fn open_limited(path: &Path, what: &str, limit: u64) -> Result<(File, u64), 
         // It has no effect on reads of a regular file, the only kind kept.
         .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
         .open(path)
-        .map_err(|source| FileError::Open { what: what.into(), path: p.clone(), source })?;
+        .map_err(|io| FileError::Open { what: what.into(), path: p.clone(), io })?;
     let size = check_open(&file, &p, what, limit)?;
     Ok((file, size))
 }
 
 /// `fstat` checks of an open file: regular, at most `limit` bytes.
 fn check_open(file: &File, path: &str, what: &str, limit: u64) -> Result<u64, FileError> {
-    let meta = file.metadata().map_err(|source| FileError::Read {
+    let meta = file.metadata().map_err(|io| FileError::Read {
         what: what.into(),
         path: path.into(),
-        source,
+        io,
     })?;
     if !meta.file_type().is_file() {
         return Err(FileError::NotRegular {
@@ -104,10 +106,10 @@ pub fn read_open_limited(
     limit: u64,
 ) -> Result<Vec<u8>, FileError> {
     let size = check_open(file, name, what, limit)?;
-    file.rewind().map_err(|source| FileError::Read {
+    file.rewind().map_err(|io| FileError::Read {
         what: what.into(),
         path: name.into(),
-        source,
+        io,
     })?;
     read_guarded(file, size, name, what, limit)
 }
@@ -121,10 +123,10 @@ fn read_guarded(
 ) -> Result<Vec<u8>, FileError> {
     // The capacity is the size fstat saw (at most the limit), not what the file claims later.
     let mut b = Vec::with_capacity(size as usize);
-    file.take(limit.saturating_add(1)).read_to_end(&mut b).map_err(|source| FileError::Read {
+    file.take(limit.saturating_add(1)).read_to_end(&mut b).map_err(|io| FileError::Read {
         what: what.into(),
         path: path.into(),
-        source,
+        io,
     })?;
     if b.len() as u64 > limit {
         return Err(FileError::Grew { what: what.into(), path: path.into(), limit });
