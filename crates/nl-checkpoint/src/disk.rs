@@ -456,3 +456,90 @@ impl DiskCheckpoint {
         Ok(m)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nl_vmm::state::{IrqchipState, VcpuState};
+
+    fn state() -> VmState {
+        let vcpu = || VcpuState {
+            regs: Default::default(),
+            sregs: Default::default(),
+            xsave: Default::default(),
+            xcrs: Default::default(),
+            msrs: Vec::new(),
+            lapic: Default::default(),
+            mp_state: Default::default(),
+            events: Default::default(),
+        };
+        VmState {
+            version: nl_vmm::state::STATE_VERSION,
+            mem_bytes: 256 << 20,
+            num_vcpus: 1,
+            timer_hz: 100,
+            workload: WorkloadParams {
+                kind: nl_abi::WORKLOAD_COMPUTE,
+                duration_ms: 1000,
+                ..Default::default()
+            },
+            vcpus: vec![vcpu()],
+            irqchip: IrqchipState { chips: Vec::new(), clock: None },
+            io_devices: Vec::new(),
+            mmio_devices: Vec::new(),
+        }
+    }
+
+    fn header(s: &VmState) -> DiskHeader {
+        DiskHeader {
+            version: DISK_VERSION,
+            mem_bytes: s.mem_bytes,
+            vcpus: s.num_vcpus,
+            timer_hz: s.timer_hz,
+            workload: s.workload,
+            pages: 10,
+        }
+    }
+
+    #[test]
+    fn every_header_field_is_checked_against_the_state_by_name() {
+        let s = state();
+        check_header(&header(&s), &s).unwrap();
+        type Edit = fn(&mut DiskHeader, &mut VmState);
+        let cases: [(Edit, &str); 9] = [
+            (
+                |h, _| h.mem_bytes = 512 << 20,
+                "header field mem_bytes is 536870912 but the VM state says 268435456",
+            ),
+            (|h, _| h.vcpus = 2, "header field vcpus is 2 but the VM state says 1"),
+            (|_, s| s.vcpus.clear(), "header field vcpus is 1 but the VM state says 0 vCPU states"),
+            (|h, _| h.timer_hz = 250, "header field timer_hz is 250 but the VM state says 100"),
+            (|h, s| (h.timer_hz, s.timer_hz) = (5, 5), "header field timer_hz is 5: out of range"),
+            (|h, _| h.workload.seed = 9, "header field workload.seed is 9 but the VM state says 0"),
+            (
+                |h, s| (h.workload.duration_ms, s.workload.duration_ms) = (u64::MAX, u64::MAX),
+                "header field workload.duration_ms is 18446744073709551615: the limit is",
+            ),
+            (
+                |h, s| (h.workload.kind, s.workload.kind) = (99, 99),
+                "header field workload is invalid",
+            ),
+            (|h, _| h.pages = (256 << 20) / 4096 + 1, "header field pages is 65537 but"),
+        ];
+        for (edit, want) in cases {
+            let mut s = state();
+            let mut h = header(&s);
+            edit(&mut h, &mut s);
+            let e = check_header(&h, &s).unwrap_err().to_string();
+            assert!(e.contains(want), "expected '{want}' in: {e}");
+        }
+    }
+
+    #[test]
+    fn short_keys_are_refused() {
+        let e = Key::from_bytes(&[1; 31]).unwrap_err().to_string();
+        assert!(e.contains("at least 32 bytes (got 31)"), "{e}");
+        assert!(Key::from_bytes(&[1; 32]).is_ok());
+        assert_eq!(format!("{:?}", Key::from_bytes(&[7; 40]).unwrap()), "Key(40 bytes)");
+    }
+}

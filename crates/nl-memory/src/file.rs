@@ -106,11 +106,7 @@ pub fn read_open_limited(
     limit: u64,
 ) -> Result<Vec<u8>, FileError> {
     let size = check_open(file, name, what, limit)?;
-    file.rewind().map_err(|io| FileError::Read {
-        what: what.into(),
-        path: name.into(),
-        io,
-    })?;
+    file.rewind().map_err(|io| FileError::Read { what: what.into(), path: name.into(), io })?;
     read_guarded(file, size, name, what, limit)
 }
 
