@@ -395,7 +395,8 @@ fn merge(files: &[PathBuf], json_out: bool) -> Result<ExitCode> {
     let mut key: Option<(String, String, String)> = None;
     let mut seed = u64::MAX;
     for f in files {
-        let b = nl_memory::file::read_limited(f, "campaign log", MAX_CAMPAIGN_LOG_BYTES)?;
+        let b = nl_memory::file::read_limited(f, "campaign log", MAX_CAMPAIGN_LOG_BYTES)
+            .with_context(|| format!("cannot read {}", f.display()))?;
         let text = String::from_utf8_lossy(&b);
         let s: Value = text
             .lines()
