@@ -272,9 +272,15 @@ impl Reader<'_> {
 /// `key`), checksum, version, every header field against the state, and that
 /// every page lies in guest RAM. Nothing is created here.
 pub fn read(path: &Path, key: Option<&Key>) -> Result<DiskCheckpoint, CheckpointError> {
-    let name = path.display();
     let b = nl_memory::file::read_limited(path, "checkpoint file", MAX_FILE_BYTES)
         .map_err(|e| CheckpointError::Config(e.to_string()))?;
+    parse(&b, &path.display().to_string(), key)
+}
+
+/// [`read`] for a checkpoint file's bytes already in memory (at most
+/// [`MAX_FILE_BYTES`]; a fuzzer's input, say); `name` stands for its path
+/// in errors.
+pub fn parse(b: &[u8], name: &str, key: Option<&Key>) -> Result<DiskCheckpoint, CheckpointError> {
     if b.len() < MAGIC.len() + 4 || (&b[..8] != MAGIC && &b[..8] != MAGIC_AUTH) {
         return Err(bad(format!("{name} is not a ninelives checkpoint")));
     }
@@ -289,7 +295,7 @@ pub fn read(path: &Path, key: Option<&Key>) -> Result<DiskCheckpoint, Checkpoint
                 "{name} is not authenticated, but a key was given: refusing an unauthenticated file"
             )))
         }
-        (false, None) => &b[..],
+        (false, None) => b,
         (true, Some(k)) => {
             if b.len() < MAGIC.len() + 4 + MAC_BYTES {
                 return Err(bad(format!("{name} is truncated (no room for its MAC)")));
