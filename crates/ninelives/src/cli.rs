@@ -468,6 +468,11 @@ pub struct CheckpointArgs {
     /// File for --disk-every (replaced atomically each time).
     #[arg(long, default_value = "ninelives.ckpt")]
     pub disk_path: PathBuf,
+    /// Authenticate the disk checkpoints with an HMAC-SHA256 under this key
+    /// (a file of at least 32 bytes, mode 0600 or stricter); `restore` then
+    /// needs the same --key-file.
+    #[arg(long)]
+    pub key_file: Option<PathBuf>,
     /// Append the guest's console output to this file.
     #[arg(long)]
     pub console: Option<PathBuf>,
@@ -480,6 +485,11 @@ pub struct CheckpointArgs {
 pub struct RestoreArgs {
     /// A file written by `checkpoint --disk-every`.
     pub file: PathBuf,
+    /// The key the file was written with (`checkpoint --key-file`): its MAC
+    /// must verify. An authenticated file is refused without it, and an
+    /// unauthenticated file is refused with it.
+    #[arg(long)]
+    pub key_file: Option<PathBuf>,
     /// Append the guest's console output to this file.
     #[arg(long)]
     pub console: Option<PathBuf>,
