@@ -43,7 +43,6 @@
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 use hmac::{Hmac, Mac};
@@ -131,28 +130,8 @@ impl Key {
 /// [`MAX_KEY_BYTES`] bytes (all of them are the key), not readable or
 /// writable by group or others.
 pub fn load_key(path: &Path) -> Result<Key, CheckpointError> {
-    let what = "key file";
-    let (mut f, _) = nl_memory::file::open_limited(path, what, MAX_KEY_BYTES)
+    let b = nl_memory::file::read_secret(path, "key file", MIN_KEY_BYTES as u64, MAX_KEY_BYTES)
         .map_err(|e| CheckpointError::Config(e.to_string()))?;
-    let mode = f
-        .metadata()
-        .map_err(|e| CheckpointError::Config(format!("key file {}: {e}", path.display())))?
-        .permissions()
-        .mode();
-    if mode & 0o066 != 0 {
-        return Err(CheckpointError::Config(format!(
-            "key file {} has mode {:03o}: group or others may read or write it (chmod 600 it)",
-            path.display(),
-            mode & 0o777
-        )));
-    }
-    let b = nl_memory::file::read_open_limited(
-        &mut f,
-        &path.display().to_string(),
-        what,
-        MAX_KEY_BYTES,
-    )
-    .map_err(|e| CheckpointError::Config(e.to_string()))?;
     Key::from_bytes(&b)
         .map_err(|e| CheckpointError::Config(format!("key file {}: {e}", path.display())))
 }

@@ -30,6 +30,10 @@ pub enum FileError {
     TooLarge { what: String, path: String, size: u64, limit: u64 },
     #[error("{what} {path} grew past the limit of {limit} bytes while it was read")]
     Grew { what: String, path: String, limit: u64 },
+    #[error("{what} {path} has mode {mode:03o}: group or others may use it (chmod 600 it)")]
+    Exposed { what: String, path: String, mode: u32 },
+    #[error("{what} {path} holds {size} bytes; a key needs at least {min}")]
+    TooShort { what: String, path: String, size: u64, min: u64 },
 }
 
 fn kind_of(ft: std::fs::FileType) -> &'static str {
@@ -95,6 +99,28 @@ fn check_open(file: &File, path: &str, what: &str, limit: u64) -> Result<u64, Fi
 pub fn read_limited(path: &Path, what: &str, limit: u64) -> Result<Vec<u8>, FileError> {
     let (file, size) = open_limited(path, what, limit)?;
     read_guarded(file, size, &path.display().to_string(), what, limit)
+}
+
+/// Reads a secret (a key file): [`read_limited`], and the file must be its
+/// owner's alone (no permission bits for group or others) and hold at
+/// least `min` bytes.
+pub fn read_secret(path: &Path, what: &str, min: u64, limit: u64) -> Result<Vec<u8>, FileError> {
+    use std::os::unix::fs::PermissionsExt;
+    let p = path.display().to_string();
+    let (file, size) = open_limited(path, what, limit)?;
+    let mode = file
+        .metadata()
+        .map_err(|io| FileError::Read { what: what.into(), path: p.clone(), io })?
+        .permissions()
+        .mode();
+    if mode & 0o077 != 0 {
+        return Err(FileError::Exposed { what: what.into(), path: p, mode: mode & 0o777 });
+    }
+    let b = read_guarded(file, size, &p, what, limit)?;
+    if (b.len() as u64) < min {
+        return Err(FileError::TooShort { what: what.into(), path: p, size: b.len() as u64, min });
+    }
+    Ok(b)
 }
 
 /// [`read_limited`] for a file already open (an inherited memfd, say),

@@ -24,10 +24,9 @@
 //! key, and a primary talking to a peer without the key learns nothing
 //! from it that would help against a real backup (whose nonce is fresh).
 
-use std::fs::File;
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -81,36 +80,9 @@ impl Key {
     /// Reads a key file: a regular file of [`KEY_MIN`] to [`KEY_MAX`] bytes
     /// that neither its group nor others may read or write.
     pub fn load(path: &Path) -> Result<Key, String> {
-        let shown = path.display();
-        let mut f =
-            File::open(path).map_err(|e| format!("cannot open the key file {shown}: {e}"))?;
-        let m = f.metadata().map_err(|e| format!("cannot stat the key file {shown}: {e}"))?;
-        if !m.is_file() {
-            return Err(format!("the key file {shown} is not a regular file"));
-        }
-        if m.mode() & 0o077 != 0 {
-            return Err(format!(
-                "the key file {shown} is accessible by group or others (mode {:o}): \
-                 `chmod 600 {shown}`",
-                m.mode() & 0o777
-            ));
-        }
-        if m.len() > KEY_MAX {
-            return Err(format!("the key file {shown} is {} bytes, at most {KEY_MAX}", m.len()));
-        }
-        let mut b = Vec::new();
-        Read::by_ref(&mut f)
-            .take(KEY_MAX + 1)
-            .read_to_end(&mut b)
-            .map_err(|e| format!("cannot read the key file {shown}: {e}"))?;
-        if b.len() < KEY_MIN || b.len() as u64 > KEY_MAX {
-            return Err(format!(
-                "the key file {shown} holds {} bytes: a replication key needs {KEY_MIN} to \
-                 {KEY_MAX} (make one with `ninelives replicate keygen {shown}`)",
-                b.len()
-            ));
-        }
-        Ok(Key(b))
+        nl_memory::file::read_secret(path, "key file", KEY_MIN as u64, KEY_MAX).map(Key).map_err(
+            |e| format!("{e} (make one with `ninelives replicate keygen {}`)", path.display()),
+        )
     }
 
     /// Writes a new key of [`KEY_MIN`] random bytes to `path`, mode 0600;
@@ -317,6 +289,7 @@ impl Write for Deadline<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::MetadataExt;
     use std::os::unix::net::UnixStream;
 
     fn hello() -> Hello {
