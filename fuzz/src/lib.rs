@@ -6,3 +6,4 @@
 pub mod virtio;
 pub mod replicate;
 pub mod api;
+pub mod files;
