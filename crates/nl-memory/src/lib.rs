@@ -11,6 +11,7 @@
 //! by the same memfd at the following offset.
 
 mod memfd;
+mod uffd;
 pub mod write_protect;
 
 pub use memfd::create as create_memfd;
