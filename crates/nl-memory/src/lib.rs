@@ -15,6 +15,7 @@
 
 pub mod file;
 mod memfd;
+mod uffd;
 pub mod write_protect;
 
 pub use memfd::create as create_memfd;

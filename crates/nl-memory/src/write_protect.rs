@@ -13,17 +13,15 @@
 //! Users: copy-on-write checkpoints (`nl-checkpoint`) and write-fault
 //! prediction for replication (`nl-replicate`).
 
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use userfaultfd::{Event, FaultKind, FeatureFlags, RegisterMode, Uffd, UffdBuilder};
-
+use crate::uffd::{
+    Event, Uffd, UFFD_FEATURE_PAGEFAULT_FLAG_WP, UFFD_FEATURE_WP_HUGETLBFS_SHMEM,
+    UFFD_PAGEFAULT_FLAG_WP,
+};
 use crate::GuestMemory;
-
-/// UFFD_FEATURE_WP_HUGETLBFS_SHMEM: write-protect faults on shmem (memfd).
-const FEATURE_WP_SHMEM: u64 = 1 << 12;
 pub const PAGE: u64 = 4096;
 
 #[derive(Clone, Copy, Debug)]
@@ -63,7 +61,7 @@ impl Protector {
     pub fn protect(&self, gpa: u64, len: u64) -> Result<(), String> {
         let host = self.host(gpa, len)?;
         self.uffd
-            .write_protect(host as *mut _, len as usize)
+            .write_protect(host, len)
             .map_err(|e| format!("write-protecting {gpa:#x}+{len:#x}: {e}"))
     }
 
@@ -71,7 +69,7 @@ impl Protector {
     pub fn unprotect(&self, gpa: u64, len: u64) -> Result<(), String> {
         let host = self.host(gpa, len)?;
         self.uffd
-            .remove_write_protection(host as *mut _, len as usize, true)
+            .remove_write_protection(host, len, true)
             .map_err(|e| format!("unprotecting {gpa:#x}+{len:#x}: {e}"))
     }
 
@@ -111,20 +109,18 @@ impl WriteProtect {
         name: &str,
         handler: impl FaultHandler,
     ) -> Result<Self, String> {
-        let uffd = UffdBuilder::new()
-            .close_on_exec(true)
-            .non_blocking(true)
-            .user_mode_only(false)
-            .require_features(
-                FeatureFlags::PAGEFAULT_FLAG_WP | FeatureFlags::from_bits_retain(FEATURE_WP_SHMEM),
+        // Not UFFD_USER_MODE_ONLY: KVM's writes to guest RAM fault in the
+        // kernel and must be delivered too.
+        let uffd = Uffd::new(
+            libc::O_CLOEXEC | libc::O_NONBLOCK,
+            UFFD_FEATURE_PAGEFAULT_FLAG_WP | UFFD_FEATURE_WP_HUGETLBFS_SHMEM,
+        )
+        .map_err(|e| {
+            format!(
+                "cannot open a userfaultfd with shmem write-protect support ({e}); \
+                 it needs Linux 5.19+ and root or vm.unprivileged_userfaultfd=1"
             )
-            .create()
-            .map_err(|e| {
-                format!(
-                    "cannot open a userfaultfd with shmem write-protect support ({e}); \
-                     it needs Linux 5.19+ and root or vm.unprivileged_userfaultfd=1"
-                )
-            })?;
+        })?;
         let ranges: Vec<Range> = memory
             .regions()
             .iter()
@@ -132,7 +128,7 @@ impl WriteProtect {
             .map(|(r, host)| Range { gpa: r.gpa, size: r.size, host })
             .collect();
         for r in &ranges {
-            uffd.register_with_mode(r.host as *mut _, r.size as usize, RegisterMode::WRITE_PROTECT)
+            uffd.register_wp(r.host, r.size)
                 .map_err(|e| format!("cannot register guest RAM for write protection: {e}"))?;
         }
         let protector = Protector { uffd: Arc::new(uffd), ranges };
@@ -165,7 +161,7 @@ impl Drop for WriteProtect {
             let _ = t.join();
         }
         for r in &self.protector.ranges {
-            let _ = self.protector.uffd.unregister(r.host as *mut _, r.size as usize);
+            let _ = self.protector.uffd.unregister(r.host, r.size);
         }
     }
 }
@@ -180,7 +176,7 @@ fn fault_loop(
         error.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(msg);
     };
     while !stop.load(Relaxed) {
-        if !wait_readable(&p.uffd, 50) {
+        if !p.uffd.wait_readable(50) {
             continue;
         }
         loop {
@@ -192,8 +188,8 @@ fn fault_loop(
                     break;
                 }
             };
-            let Event::Pagefault { kind, addr, .. } = ev else { continue };
-            let host = (addr as u64) & !(PAGE - 1);
+            let Event::Pagefault { flags, address } = ev else { continue };
+            let host = address & !(PAGE - 1);
             let Some(r) =
                 p.ranges.iter().copied().find(|r| host >= r.host && host < r.host + r.size)
             else {
@@ -201,7 +197,7 @@ fn fault_loop(
                 continue;
             };
             let gpa = r.gpa + (host - r.host);
-            let served = if kind == FaultKind::WriteProtected {
+            let served = if flags & UFFD_PAGEFAULT_FLAG_WP != 0 {
                 handler.fault(p, gpa, r)
             } else {
                 p.unprotect(gpa, PAGE)
@@ -212,12 +208,4 @@ fn fault_loop(
             }
         }
     }
-}
-
-/// Waits up to `ms` for the userfaultfd to have events.
-fn wait_readable(uffd: &Uffd, ms: i32) -> bool {
-    let mut p = libc::pollfd { fd: uffd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-    // SAFETY: one valid pollfd on the stack, count 1.
-    let n = unsafe { libc::poll(&mut p, 1, ms) };
-    n > 0 && p.revents & libc::POLLIN != 0
 }
