@@ -23,7 +23,7 @@
 //! | [`Kind::Vcpu`] | `vmN-vcpuM` | runtime + recovery + device I/O + KVM ioctls |
 //! | [`Kind::Device`] | `vmN-netrx` | runtime + recovery + device I/O + KVM ioctls + poll |
 //! | [`Kind::Events`] | `events` (VM supervision) | runtime + recovery + KVM ioctls |
-//! | [`Kind::Watchdog`] | `watchdog` (hang detector) | runtime + recovery + read-only `openat` of `/proc` |
+//! | [`Kind::Watchdog`] | `watchdog` (hang detector) | runtime + recovery (whose read-only `openat` it uses for `/proc`) |
 //! | [`Kind::Api`] | the API accept loop and connections, `handover-report` | the process filter |
 //! | [`Kind::Microreboot`] | `microreboot` | the process filter |
 //!
@@ -41,8 +41,10 @@
 //! * **recovery** (every thread, since any thread can detect an error and
 //!   coordinate a recovery on itself): signals (`rt_sigaction`,
 //!   `rt_sigprocmask`, `rt_sigreturn`, `sigaltstack`, `tgkill`), the
-//!   recovery deadline (`setitimer`), and the injector's repair flag
-//!   (`unlink`, `unlinkat`).
+//!   recovery deadline (`setitimer`), the injector's repair flag
+//!   (`unlink`, `unlinkat`), and read-only `openat` (a coordinator reads
+//!   the names of the threads it holds from `/proc/self/task/N/comm`; the
+//!   watchdog reads their `stat`, `schedstat` and `wchan`).
 //! * **device I/O** (vCPU and device threads, which emulate devices):
 //!   `pread64`, `pwrite64`, `preadv`, `pwritev`, `readv`, `writev`,
 //!   `fsync`, `fdatasync` (virtio-blk on its image, virtio-net on its TAP).
@@ -249,6 +251,19 @@ fn recovery(r: &mut Rules) {
             SYS_unlinkat,
         ],
     );
+    // Read-only opens: the watchdog's /proc/self/task/N/{stat,schedstat,wchan},
+    // and a recovery coordinated on any thread reads the names of the
+    // threads it holds (/proc/self/task/N/comm).
+    allow_if(
+        r,
+        SYS_openat,
+        vec![vec![cond(
+            2,
+            SeccompCmpArgLen::Dword,
+            SeccompCmpOp::MaskedEq(O_ACCMODE as u64),
+            O_RDONLY as u64,
+        )]],
+    );
 }
 
 /// Device emulation on descriptors the VMM opened.
@@ -386,19 +401,8 @@ fn rules(kind: Kind) -> Rules {
             allow(&mut r, &[libc::SYS_poll, libc::SYS_ppoll]);
         }
         Kind::Events => kvm_ioctls(&mut r),
-        Kind::Watchdog => {
-            // Read-only opens (/proc/self/task/N/{stat,schedstat,wchan}).
-            allow_if(
-                &mut r,
-                libc::SYS_openat,
-                vec![vec![cond(
-                    2,
-                    SeccompCmpArgLen::Dword,
-                    SeccompCmpOp::MaskedEq(libc::O_ACCMODE as u64),
-                    libc::O_RDONLY as u64,
-                )]],
-            );
-        }
+        // Read-only opens are in the recovery group (every kind).
+        Kind::Watchdog => {}
         Kind::Api | Kind::Microreboot => process(&mut r),
     }
     r

@@ -501,6 +501,18 @@ fn coordinate(what: &str) {
         // loop) as the recovery starts.
         // SAFETY: tgkill to a thread of this process, whose handler expects it.
         unsafe { libc::syscall(libc::SYS_tgkill, libc::getpid(), api_tid, libc::SIGSEGV) };
+        // Its handler finds this recovery in progress and waits at the
+        // barrier: let it get there (bounded), so the test always sees the
+        // second error inside this recovery, never after it on a slow host.
+        let t = Instant::now();
+        let at_barrier = || {
+            threads::SLOTS
+                .iter()
+                .any(|s| s.tid.load(SeqCst) == api_tid && s.state.load(SeqCst) == threads::BARRIER)
+        };
+        while !at_barrier() && t.elapsed() < Duration::from_millis(500) {
+            std::thread::sleep(Duration::from_micros(50));
+        }
     }
     // 1. Hold every thread: discard those running VMM code, keep vCPUs out of KVM_RUN.
     let held = match repair::hold_all(me) {
