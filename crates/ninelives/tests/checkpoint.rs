@@ -219,20 +219,26 @@ fn a_hang_with_a_short_interval_rolls_back_past_the_fault() {
     assert!(digest_ok(&vm), "digest wrong after rollback");
 }
 
-/// A VMM that is stopped (SIGSTOP) for twice the hang timeout does not run
-/// its guest, so the guest is not hung: no rollback after it continues.
+/// A vCPU thread that is stopped (by a tracer, here; as good as
+/// descheduled on a loaded host) for twice the hang timeout does not run its
+/// guest, so the guest is not hung: no rollback after it continues. The rest
+/// of the VMM, the checkpoint supervisor among it, keeps running meanwhile.
 #[test]
-fn a_stopped_vmm_does_not_roll_back_its_guest() {
+fn a_stopped_vcpu_thread_is_not_a_hung_guest() {
+    use nix::sys::ptrace;
+    use nix::sys::wait::{waitpid, WaitPidFlag};
+    use nix::unistd::Pid;
     use std::io::{BufRead, BufReader};
     assert!(kvm_available(), "this test needs KVM");
     let mut child = ninelives()
-        .args(["checkpoint", "--duration", "3", "--ws", "4M", "--hang-timeout", "1", "--json"])
+        // No checkpoint during the stop (a checkpoint would wait for the
+        // stopped thread): the supervisor's hang judgement runs throughout.
+        .args(["checkpoint", "--duration", "3", "--ws", "4M", "--interval", "10000"])
+        .args(["--hang-timeout", "1", "--json"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
-    use nix::sys::signal::{kill, Signal};
     // Wait (bounded by the child's own run) until checkpointing has begun.
     let mut err = BufReader::new(child.stderr.take().unwrap());
     let mut line = String::new();
@@ -244,55 +250,25 @@ fn a_stopped_vmm_does_not_roll_back_its_guest() {
     }
     assert!(line.contains("checkpointing every"), "no start line: {line}");
     std::thread::sleep(Duration::from_millis(500));
-    kill(pid, Signal::SIGSTOP).unwrap();
+    let tasks = format!("/proc/{}/task", child.id());
+    let vcpu = std::fs::read_dir(&tasks)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .find(|e| {
+            std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == "vm0-vcpu0")
+        })
+        .map(|e| Pid::from_raw(e.file_name().to_str().unwrap().parse().unwrap()))
+        .expect("no vCPU thread");
+    ptrace::seize(vcpu, ptrace::Options::empty()).unwrap();
+    ptrace::interrupt(vcpu).unwrap();
+    waitpid(vcpu, Some(WaitPidFlag::__WALL)).unwrap();
     std::thread::sleep(Duration::from_millis(2000));
-    kill(pid, Signal::SIGCONT).unwrap();
+    ptrace::detach(vcpu, None).unwrap();
     let o = child.wait_with_output().unwrap();
     let mut rest = String::new();
     std::io::Read::read_to_string(&mut err, &mut rest).unwrap();
     assert!(o.status.success(), "{rest}\n{}", String::from_utf8_lossy(&o.stdout));
     let j = last_json(&o);
-    assert_eq!(j["rollbacks"], serde_json::json!([]), "a stopped VMM rolled back its guest: {j}");
+    assert_eq!(j["rollbacks"], serde_json::json!([]), "a stopped vCPU was rolled back: {j}");
     assert_eq!(j["digest_ok"], true, "{j}");
-}
-
-#[test]
-fn disk_checkpoint_restores_and_bad_files_are_refused() {
-    if !kvm_available() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let ck = dir.path().join("vm.ckpt");
-    let ck_s = ck.to_str().unwrap();
-    let o = run_cli(&[
-        "checkpoint",
-        "--duration",
-        "1",
-        "--ws",
-        "4M",
-        "--interval",
-        "50",
-        "--disk-every",
-        "4",
-        "--disk-path",
-        ck_s,
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert!(stdout(&o).contains("disk checkpoints"), "{}", stdout(&o));
-    // The committed checkpoint, taken mid-run, runs to the end with the right digest.
-    let o = run_cli(&["restore", ck_s, "--json"]);
-    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
-    assert_eq!(last_json(&o)["digest_ok"], true);
-
-    let bytes = std::fs::read(&ck).unwrap();
-    let truncated = write_file(dir.path(), "trunc", &bytes[..bytes.len() / 2]);
-    assert_clean_error(&run_cli(&["restore", &truncated]), "corrupt or truncated");
-    let mut flipped = bytes.clone();
-    let mid = flipped.len() / 3;
-    flipped[mid] ^= 0x10;
-    let flipped = write_file(dir.path(), "flip", &flipped);
-    assert_clean_error(&run_cli(&["restore", &flipped]), "checksum mismatch");
-    let other = write_file(dir.path(), "other", b"hello, not a checkpoint");
-    assert_clean_error(&run_cli(&["restore", &other]), "not a ninelives checkpoint");
-    assert_clean_error(&run_cli(&["restore", "/nonexistent/ckpt"]), "No such file");
 }
