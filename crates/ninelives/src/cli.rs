@@ -293,6 +293,19 @@ pub struct BenchCheckpointArgs {
     /// Also draw the paper's Figure 3 (normalized time per interval) as SVG files here.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Instead of the matrix: default `checkpoint` runs on a host loaded with
+    /// CPU hogs; counts rollbacks of healthy guests and SDC after a fault.
+    #[arg(long)]
+    pub loaded: bool,
+    /// --loaded: busy-loop threads started for the load.
+    #[arg(long, default_value_t = 4)]
+    pub hogs: u32,
+    /// --loaded: fault-free runs.
+    #[arg(long, default_value_t = 20)]
+    pub runs: u32,
+    /// --loaded: runs with one injected guest fault (seeds 1..=N).
+    #[arg(long, default_value_t = 20)]
+    pub seeds: u32,
     /// Print one JSON object as the last line of stdout.
     #[arg(long)]
     pub json: bool,

@@ -23,6 +23,12 @@ pub fn thread_cpu_ns(tid: i32) -> Option<u64> {
     s.split_whitespace().next()?.parse().ok()
 }
 
+/// Nanoseconds the calling thread has run on a CPU.
+pub fn own_cpu_ns() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    s.split_whitespace().next()?.parse().ok()
+}
+
 /// One sample of one vCPU thread: its kernel id and CPU time (ns).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ThreadSample {

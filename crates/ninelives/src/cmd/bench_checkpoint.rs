@@ -112,6 +112,9 @@ pub fn bench(a: BenchCheckpointArgs) -> Result<ExitCode> {
     if !(a.duration.is_finite() && a.duration > 0.1) {
         bail!("--duration must be more than 0.1 seconds");
     }
+    if a.loaded {
+        return loaded(&a);
+    }
     let variants =
         [(CkptMode::CowB, 1), (CkptMode::CowP, 1), (CkptMode::CowB, 16), (CkptMode::CowP, 16)];
     let cases = cases();
@@ -320,4 +323,161 @@ pub fn bench(a: BenchCheckpointArgs) -> Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// CPU hogs: busy-loop threads, stopped (and joined) on drop.
+struct Hogs {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Hogs {
+    fn start(n: u32) -> Result<Self> {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut threads = Vec::new();
+        for i in 0..n {
+            let stop = stop.clone();
+            threads.push(std::thread::Builder::new().name(format!("hog{i}")).spawn(move || {
+                let mut x = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    for _ in 0..10_000 {
+                        x = std::hint::black_box(
+                            x.wrapping_mul(6364136223846793005).wrapping_add(1),
+                        );
+                    }
+                }
+            })?);
+        }
+        Ok(Self { stop, threads })
+    }
+}
+
+impl Drop for Hogs {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn loadavg() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
+        .unwrap_or(f64::NAN)
+}
+
+/// `bench checkpoint --loaded`: the default `checkpoint` configuration
+/// (CoW-P, 50 ms interval, 1 s hang timeout, memwrite) on a host loaded with
+/// CPU hogs: fault-free runs must not roll back, and runs with one injected
+/// guest fault must not end in silent data corruption.
+fn loaded(a: &BenchCheckpointArgs) -> Result<ExitCode> {
+    let d = WorkloadArgs::default();
+    let args = |seed: u64, inject: u32| CheckpointArgs {
+        workload: WorkloadArgs { seed, ..d.clone() },
+        machine: MachineArgs::default(),
+        duration: a.duration,
+        interval: None,
+        mode: CkptMode::CowP,
+        block_pages: 16,
+        inject_guest_fault: inject,
+        latency_bound: None,
+        latency_file: None,
+        hang_timeout: 1.0,
+        disk_every: 0,
+        disk_path: "unused".into(),
+        console: None,
+        json: true,
+    };
+    let hogs = Hogs::start(a.hogs)?;
+    let mut loads = vec![loadavg()];
+    let (mut clean_rollbacks, mut clean_runs_rolled_back, mut clean_failed) = (0usize, 0u32, 0u32);
+    for i in 0..a.runs {
+        let r = protected_run(&args(1 + u64::from(i), 0), true)?;
+        clean_rollbacks += r.report.rollbacks.len();
+        clean_runs_rolled_back += u32::from(!r.report.rollbacks.is_empty());
+        clean_failed += u32::from(!r.digest_ok);
+        loads.push(loadavg());
+        eprintln!(
+            "fault-free run {}/{}: {} rollbacks, digest {}",
+            i + 1,
+            a.runs,
+            r.report.rollbacks.len(),
+            if r.digest_ok { "ok" } else { "WRONG" }
+        );
+    }
+    let (mut recovered, mut non_manifested, mut sdc, mut detected_failure, mut corrupt) =
+        (0u32, 0u32, 0u32, 0u32, 0u32);
+    let mut faults = Vec::new();
+    for seed in 1..=u64::from(a.seeds) {
+        let r = protected_run(&args(seed, 1), true)?;
+        let rep = &r.report;
+        corrupt += u32::from(rep.rollbacks.iter().any(|r| r.checkpoint_after_fault));
+        let sdc_run = r.error.as_deref().is_some_and(|e| e.contains("silent data corruption"));
+        let class = match (r.digest_ok, rep.rollbacks.is_empty(), sdc_run) {
+            (true, false, _) => {
+                recovered += 1;
+                "recovered"
+            }
+            (true, true, _) => {
+                non_manifested += 1;
+                "not manifested"
+            }
+            (false, _, true) => {
+                sdc += 1;
+                "SDC"
+            }
+            (false, _, false) => {
+                detected_failure += 1;
+                "detected failure"
+            }
+        };
+        loads.push(loadavg());
+        eprintln!(
+            "seed {seed}: {class}, {} rollbacks{}",
+            rep.rollbacks.len(),
+            r.error.as_deref().map_or(String::new(), |e| format!(" ({e})"))
+        );
+        faults.push(json!({
+            "seed": seed, "outcome": class, "rollbacks": rep.rollbacks.len(),
+            "injections": rep.injections, "error": r.error,
+        }));
+    }
+    drop(hogs);
+    let lo = loads.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = loads.iter().copied().fold(0.0, f64::max);
+    let out = json!({"checkpoint_loaded": {
+        "hogs": a.hogs, "duration_s": a.duration, "interval_ms": 50.0, "hang_timeout_s": 1.0,
+        "loadavg_min": lo, "loadavg_max": hi,
+        "fault_free": {"runs": a.runs, "runs_rolled_back": clean_runs_rolled_back,
+                       "rollbacks": clean_rollbacks, "digest_wrong": clean_failed},
+        "injected": {"seeds": a.seeds, "recovered": recovered, "not_manifested": non_manifested,
+                     "detected_failure": detected_failure, "sdc": sdc,
+                     "rolled_back_to_a_checkpoint_after_the_fault": corrupt, "runs": faults},
+    }});
+    if a.json {
+        println!("{out}");
+    } else {
+        println!("loaded host: {} hogs, load average {lo:.1}..{hi:.1} (1 min)", a.hogs);
+        println!(
+            "{:<28} {:>6} {:>10} {:>10} {:>10} {:>6}",
+            "runs", "n", "rollbacks", "recovered", "failed", "SDC"
+        );
+        println!(
+            "{:<28} {:>6} {:>10} {:>10} {:>10} {:>6}",
+            "fault-free", a.runs, clean_rollbacks, "-", clean_failed, clean_failed
+        );
+        println!(
+            "{:<28} {:>6} {:>10} {:>10} {:>10} {:>6}",
+            "--inject-guest-fault 1", a.seeds, "-", recovered, detected_failure, sdc
+        );
+        println!("({non_manifested} injected faults did not manifest)");
+        println!("{out}");
+    }
+    Ok(if clean_rollbacks == 0 && clean_failed == 0 && sdc == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
