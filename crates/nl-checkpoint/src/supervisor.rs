@@ -15,8 +15,9 @@
 //! bound T_B, `CheckpointConfig::latency_bound`) and rolls back to the newest
 //! checkpoint taken at least `L` before the detection.
 //!
-//! `L` and checkpoint ages are measured on the guest's clock, the CPU time
-//! its vCPU threads ran ([`nl_vmm::progress::GuestClock`]), not wall time: a
+//! `L` and checkpoint ages are measured on the guest's clock, the time its
+//! vCPU threads ran guest code ([`nl_vmm::progress::GuestClock`]; `L` gets
+//! one tick, the clock's resolution, added), not wall time: a
 //! detector's latency is guest execution, and on a loaded host wall time
 //! says nothing about how far the guest got. The rule is strict and holds
 //! for every vCPU still working ([`rollback_target`]), so the target predates
@@ -35,7 +36,7 @@
 //! # Hangs
 //!
 //! The guest is hung when it shows no progress (heartbeat or phase change)
-//! while every working vCPU ran `hang_timeout` of CPU time
+//! while every working vCPU ran `hang_timeout` of guest code
 //! ([`nl_vmm::progress::HangJudge`]): a descheduled or stopped VMM is not a
 //! hung guest. A guest that halts for good does not run, so it is not found
 //! by that rule; `time_limit` ends such a run.
@@ -256,7 +257,9 @@ impl<'a> Supervisor<'a> {
                 first: true,
             }]),
             clock: GuestClock::new(vcpus),
-            latency_ns: latency.as_nanos().min(u128::from(u64::MAX)) as u64,
+            // Plus one tick: the guest clock's resolution.
+            latency_ns: (latency.as_nanos().min(u128::from(u64::MAX / 2)) as u64)
+                + nl_vmm::progress::tick_ns(),
             ring_checkpoints_max: 1,
             ring_pages_max: 0,
             ring_merges: 0,

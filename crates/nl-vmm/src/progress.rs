@@ -4,23 +4,42 @@
 //! while its vCPUs are running. Wall time cannot tell that: on a loaded host
 //! a runnable vCPU thread may wait on the run queue for seconds, and a
 //! stopped process (SIGSTOP, a debugger) does not run at all; neither is a
-//! hung guest. So the clock here is each vCPU thread's time on a CPU
-//! (`/proc/self/task/TID/schedstat`, first field: nanoseconds run), which
-//! includes the guest's time in KVM_RUN and the exits handled on that thread.
+//! hung guest. So the clock here is the time each vCPU thread ran in guest
+//! mode (`guest_time`, field 43 of `/proc/self/task/TID/stat`, sampled by
+//! the kernel at each tick: 10 ms resolution). Not the thread's whole CPU
+//! time: on a loaded host with checkpoints the vCPU thread can spend most of
+//! its CPU in the host kernel (copy-on-write faults, exits, ring-0
+//! emulation on PVM) while the guest gets nowhere, and that is not the
+//! guest's failure to make progress either.
 //!
 //! * [`GuestClock`]: per-vCPU CPU time accumulated across vCPU threads (a
 //!   rollback or a microreboot starts new threads; the clock continues).
 //! * [`HangJudge`]: the hang decision, a pure function of the progress
 //!   marker and the clock samples (unit-tested without a VM).
 
-/// Nanoseconds thread `tid` of this process has run on a CPU, or `None` if
-/// there is no such thread (it ended).
-pub fn thread_cpu_ns(tid: i32) -> Option<u64> {
+/// Resolution of [`thread_guest_ns`]: one clock tick.
+pub fn tick_ns() -> u64 {
+    // SAFETY: sysconf has no memory effects.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    1_000_000_000 / u64::try_from(hz).ok().filter(|h| *h > 0).unwrap_or(100)
+}
+
+/// Nanoseconds thread `tid` of this process has run guest code (KVM_RUN in
+/// guest mode), or `None` if there is no such thread (it ended).
+pub fn thread_guest_ns(tid: i32) -> Option<u64> {
     if tid <= 0 {
         return None;
     }
-    let s = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
-    s.split_whitespace().next()?.parse().ok()
+    let s = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).ok()?;
+    guest_ns_from_stat(&s, tick_ns())
+}
+
+/// `guest_time` (field 43, in ticks) of a `/proc/.../stat` line, in ns.
+fn guest_ns_from_stat(stat: &str, tick_ns: u64) -> Option<u64> {
+    // Fields after the command name (which may hold spaces) start at field 3.
+    let (_, rest) = stat.rsplit_once(") ")?;
+    let ticks: u64 = rest.split_whitespace().nth(43 - 3)?.parse().ok()?;
+    Some(ticks.saturating_mul(tick_ns))
 }
 
 /// Nanoseconds the calling thread has run on a CPU.
@@ -141,6 +160,15 @@ mod tests {
     use super::*;
 
     const MS: u64 = 1_000_000;
+
+    #[test]
+    fn guest_time_is_field_43() {
+        let mut f: Vec<String> = (3..=52).map(|i| i.to_string()).collect();
+        f[43 - 3] = "245".into();
+        let line = format!("4242 (vm0 vcpu) {}", f.join(" "));
+        assert_eq!(guest_ns_from_stat(&line, 10_000_000), Some(2_450_000_000));
+        assert_eq!(guest_ns_from_stat("garbage", 1), None);
+    }
 
     fn s(tid: i32, ms: u64) -> Option<ThreadSample> {
         Some(ThreadSample { tid, cpu_ns: ms * MS })

@@ -567,7 +567,7 @@ impl Vm {
         self.stop();
     }
 
-    /// One CPU-time sample per vCPU: its thread's id and time on a CPU, or
+    /// One sample per vCPU: its thread's id and time run in guest mode, or
     /// `None` when the vCPU has no running thread (halted, finished).
     pub fn vcpu_threads(&self) -> Vec<Option<crate::progress::ThreadSample>> {
         let tids: Vec<i32> = self
@@ -577,7 +577,7 @@ impl Vm {
             .collect();
         tids.into_iter()
             .map(|tid| {
-                crate::progress::thread_cpu_ns(tid)
+                crate::progress::thread_guest_ns(tid)
                     .map(|cpu_ns| crate::progress::ThreadSample { tid, cpu_ns })
             })
             .collect()
