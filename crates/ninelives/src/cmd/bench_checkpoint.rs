@@ -393,6 +393,7 @@ fn loaded(a: &BenchCheckpointArgs) -> Result<ExitCode> {
     let hogs = Hogs::start(a.hogs)?;
     let mut loads = vec![loadavg()];
     let (mut clean_rollbacks, mut clean_runs_rolled_back, mut clean_failed) = (0usize, 0u32, 0u32);
+    let mut clean_errors = Vec::new();
     for i in 0..a.runs {
         let r = protected_run(&args(1 + u64::from(i), 0), true)?;
         clean_rollbacks += r.report.rollbacks.len();
@@ -400,12 +401,14 @@ fn loaded(a: &BenchCheckpointArgs) -> Result<ExitCode> {
         clean_failed += u32::from(!r.digest_ok);
         loads.push(loadavg());
         eprintln!(
-            "fault-free run {}/{}: {} rollbacks, digest {}",
+            "fault-free run {}/{}: {} rollbacks, digest {}{}",
             i + 1,
             a.runs,
             r.report.rollbacks.len(),
-            if r.digest_ok { "ok" } else { "WRONG" }
+            if r.digest_ok { "ok" } else { "WRONG" },
+            r.error.as_deref().map_or(String::new(), |e| format!(" ({e})"))
         );
+        clean_errors.extend(r.error.clone());
     }
     let (mut recovered, mut non_manifested, mut sdc, mut detected_failure, mut corrupt) =
         (0u32, 0u32, 0u32, 0u32, 0u32);
@@ -451,7 +454,8 @@ fn loaded(a: &BenchCheckpointArgs) -> Result<ExitCode> {
         "hogs": a.hogs, "duration_s": a.duration, "interval_ms": 50.0, "hang_timeout_s": 1.0,
         "loadavg_min": lo, "loadavg_max": hi,
         "fault_free": {"runs": a.runs, "runs_rolled_back": clean_runs_rolled_back,
-                       "rollbacks": clean_rollbacks, "digest_wrong": clean_failed},
+                       "rollbacks": clean_rollbacks, "digest_wrong": clean_failed,
+                       "errors": clean_errors},
         "injected": {"seeds": a.seeds, "recovered": recovered, "not_manifested": non_manifested,
                      "detected_failure": detected_failure, "sdc": sdc,
                      "rolled_back_to_a_checkpoint_after_the_fault": corrupt, "runs": faults},
