@@ -13,6 +13,19 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,
+    /// seccomp-bpf filters on the VMM's threads (vCPU, device, events,
+    /// watchdog, API, microreboot): a forbidden syscall is detected like a
+    /// fatal signal. `off` turns them off.
+    #[arg(long, global = true, value_enum, default_value_t = OnOff::On)]
+    pub seccomp: OnOff,
+}
+
+/// A switch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Default)]
+pub enum OnOff {
+    #[default]
+    On,
+    Off,
 }
 
 #[derive(Subcommand, Debug)]
@@ -353,6 +366,29 @@ pub struct HostArgs {
     /// Internal (microreboot): the record's checksum (hex).
     #[arg(long, hide = true, value_parser = parse_hex)]
     pub reboot_checksum: Option<u64>,
+    /// Guest memory the hosted VMs may commit together, e.g. 16G; `create`
+    /// is refused past it [default: the host's available memory at start
+    /// minus 1 GiB or a tenth, whichever is more]. This and the limits
+    /// below carry over to the process that takes over after a
+    /// rejuvenation or microreboot, unless given to it again.
+    #[arg(long, value_parser = parse_size)]
+    pub mem_budget: Option<u64>,
+    /// vCPUs the hosted VMs may have together [default: 16 per online CPU,
+    /// at least 32].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub vcpu_budget: Option<u32>,
+    /// API connections served at once; one more is refused with an error
+    /// line [default: 64].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub max_connections: Option<u32>,
+    /// Time limit of one API request from its first byte to its newline
+    /// (e.g. 10s, 500ms); a slower request is refused and its connection
+    /// closed [default: 10s].
+    #[arg(long, value_parser = parse_duration)]
+    pub request_timeout: Option<std::time::Duration>,
+    /// An API connection with no request for this long is closed [default: 600s].
+    #[arg(long, value_parser = parse_duration)]
+    pub idle_timeout: Option<std::time::Duration>,
 }
 
 pub fn parse_repairs(s: &str) -> Result<nl_vmm::recovery::Repairs, String> {
@@ -445,6 +481,11 @@ pub struct CheckpointArgs {
     /// File for --disk-every (replaced atomically each time).
     #[arg(long, default_value = "ninelives.ckpt")]
     pub disk_path: PathBuf,
+    /// Authenticate the disk checkpoints with an HMAC-SHA256 under this key
+    /// (a file of at least 32 bytes, mode 0600 or stricter); `restore` then
+    /// needs the same --key-file.
+    #[arg(long)]
+    pub key_file: Option<PathBuf>,
     /// Append the guest's console output to this file.
     #[arg(long)]
     pub console: Option<PathBuf>,
@@ -457,6 +498,11 @@ pub struct CheckpointArgs {
 pub struct RestoreArgs {
     /// A file written by `checkpoint --disk-every`.
     pub file: PathBuf,
+    /// The key the file was written with (`checkpoint --key-file`): its MAC
+    /// must verify. An authenticated file is refused without it, and an
+    /// unauthenticated file is refused with it.
+    #[arg(long)]
+    pub key_file: Option<PathBuf>,
     /// Append the guest's console output to this file.
     #[arg(long)]
     pub console: Option<PathBuf>,

@@ -154,12 +154,17 @@ pub fn workload_params(w: &WorkloadArgs, duration_secs: f64) -> Result<WorkloadP
     Ok(p)
 }
 
-/// Reads `--kernel`, or returns the embedded reference kernel.
+/// Largest `--kernel` file read. The kernel's loaded segments must fit in
+/// the 4 MiB kernel range; the rest of the ELF (symbols, debug information)
+/// may make the file larger, but not this large.
+pub const MAX_KERNEL_BYTES: u64 = 64 << 20;
+
+/// Reads `--kernel` (a regular file of at most [`MAX_KERNEL_BYTES`]), or
+/// returns the embedded reference kernel.
 pub fn kernel_image(m: &MachineArgs) -> Result<Arc<Vec<u8>>> {
     Ok(Arc::new(match &m.kernel {
-        Some(p) => {
-            std::fs::read(p).with_context(|| format!("cannot read --kernel {}", p.display()))?
-        }
+        Some(p) => nl_memory::file::read_limited(p, "kernel image", MAX_KERNEL_BYTES)
+            .context("cannot read --kernel")?,
         None => nl_guest::KERNEL_ELF.to_vec(),
     }))
 }

@@ -1,13 +1,6 @@
 //! `ninelives`: the command-line front end of the VMM.
 
-mod cli;
-mod cmd;
-mod figures;
-mod guest;
-mod injector;
-mod netns;
-mod verify;
-
+use ninelives::{cli, cmd};
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -18,6 +11,7 @@ fn main() -> ExitCode {
     // SAFETY: restoring the default disposition of one signal before any thread starts.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = cli::Cli::parse();
+    nl_vmm::seccomp::set_enabled(cli.seccomp == cli::OnOff::On);
     let result = match cli.command.unwrap_or_default() {
         cli::Command::Run(a) => cmd::run::run(a),
         cli::Command::Bench(a) => cmd::bench::bench(a),

@@ -42,6 +42,7 @@ fn ckpt(mode: Mode, script: Vec<(Duration, GuestFault)>) -> CheckpointConfig {
         time_limit: Duration::from_secs(60),
         disk_every: 0,
         disk_path: None,
+        disk_key: None,
     }
 }
 

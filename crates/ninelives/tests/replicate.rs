@@ -1,18 +1,38 @@
 //! Primary/backup replication end to end, in two network namespaces of the
 //! test's own joined by a veth pair (primary 10.9.0.1, backup 10.9.0.2):
-//! a killed primary, a partitioned link, refused connections.
+//! a killed primary, a partitioned link, refused connections, forged and
+//! slow peers.
 
 mod common;
 
+use std::io::Write;
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
+use nl_replicate::auth::{nonce, Key, NONCE};
+use nl_replicate::protocol::*;
 
-/// Two namespaces joined by veth, deleted on drop.
+/// Two namespaces joined by veth, deleted on drop, and the replication key
+/// both ends use (made by `replicate keygen`).
 struct Pair {
     p: String,
     b: String,
+    dir: tempfile::TempDir,
+    key: String,
+}
+
+/// Writes a new key with `replicate keygen` into `dir`.
+fn keygen(dir: &std::path::Path, name: &str) -> String {
+    let path = dir.join(name).to_str().unwrap().to_string();
+    let o = run_cli(&["replicate", "keygen", &path]);
+    assert!(o.status.success(), "keygen: {}", stderr(&o));
+    path
 }
 
 use common::ip as ip_ok;
@@ -28,7 +48,9 @@ impl Pair {
             return None;
         }
         assert!(ip_ok(&["netns", "add", &b]));
-        let pair = Pair { p, b };
+        let dir = tempfile::tempdir().expect("tempdir");
+        let key = keygen(dir.path(), "repl.key");
+        let pair = Pair { p, b, dir, key };
         let (p, b) = (pair.p.as_str(), pair.b.as_str());
         for args in [
             &["-n", p, "link", "add", "nlrv0", "type", "veth", "peer", "name", "nlrv1", "netns", b]
@@ -56,7 +78,12 @@ impl Pair {
     }
 
     fn backup(&self, extra: &[&str]) -> Child {
+        self.backup_with_key(&self.key, extra)
+    }
+
+    fn backup_with_key(&self, key: &str, extra: &[&str]) -> Child {
         let mut a = vec!["replicate", "backup", "--listen", "10.9.0.2:7070", "--json"];
+        a.extend_from_slice(&["--key-file", key]);
         a.extend_from_slice(extra);
         let c = Self::spawn(&self.b, &a);
         // Wait (bounded: 10 s) until it listens; a loaded host starts it slowly.
@@ -72,8 +99,26 @@ impl Pair {
         c
     }
 
+    /// Runs `f` on a thread of this test inside the primary's namespace
+    /// (the sockets it opens live there): a peer of the test's own.
+    fn in_primary_ns<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> std::thread::JoinHandle<T> {
+        let path = format!("/var/run/netns/{}", self.p);
+        std::thread::spawn(move || {
+            let ns = std::fs::File::open(&path).expect("the namespace's file");
+            // SAFETY: setns with an open network-namespace fd changes only
+            // this thread's network namespace.
+            let r = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+            assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+            f()
+        })
+    }
+
     fn primary(&self, extra: &[&str]) -> Child {
         let mut a = vec!["replicate", "primary", "--backup", "10.9.0.2:7070", "--json"];
+        a.extend_from_slice(&["--key-file", &self.key]);
         a.extend_from_slice(extra);
         Self::spawn(&self.p, &a)
     }
@@ -125,6 +170,11 @@ fn killed_primary_is_taken_over(tag: &str, tracking: &[&str]) {
     assert_eq!(j["activated"], true, "{}", stderr(&o));
     assert_eq!(j["digest_ok"], true, "{}{}", stdout(&o), stderr(&o));
     assert!(j["epoch"].as_u64().unwrap() > 0);
+    // The connection closed at the kill, but the backup took over only once
+    // the primary's lease (1000 ms) had run out since its last frame.
+    let since = j["since_last_frame_ms"].as_f64().unwrap();
+    assert!(since >= 1000.0, "took over {since} ms after the last frame, within the lease");
+    assert!(stderr(&o).contains("waiting out the primary's lease"), "{}", stderr(&o));
 }
 
 #[test]
@@ -221,10 +271,191 @@ fn mismatched_or_unknown_primaries_are_refused_at_connect() {
     assert_clean_error(&o, "not the configured primary");
     let _ = finish(b, 0);
 
-    let b = n.backup(&["--secret", "other"]);
+    // A backup with another key: neither end trusts the other.
+    let other = keygen(n.dir.path(), "other.key");
+    let b = n.backup_with_key(&other, &[]);
     let o = finish(n.primary(&["--duration", "1"]), 30);
-    assert_clean_error(&o, "wrong shared secret");
-    let _ = finish(b, 0);
+    assert_clean_error(&o, "authentication failed");
+    let bo = finish(b, 3);
+    assert!(stderr(&bo).contains("authentication failed"), "{}", stderr(&bo));
+    assert!(!stdout(&bo).contains("activated"), "{}", stdout(&bo));
+}
+
+/// Key files: `replicate keygen` writes 32 random bytes with mode 0600 and
+/// never overwrites; both ends refuse a missing, short or group/world
+/// readable key with the reason; there is no default secret any more.
+#[test]
+fn replication_keys_are_required_and_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = keygen(dir.path(), "k");
+    let m = std::fs::metadata(&key).unwrap();
+    assert_eq!((m.len(), m.permissions().mode() & 0o777), (32, 0o600));
+    assert_clean_error(&run_cli(&["replicate", "keygen", &key]), "never overwritten");
+    let primary =
+        |k: &str| run_cli(&["replicate", "primary", "--backup", "127.0.0.1:9", "--key-file", k]);
+    let backup =
+        |k: &str| run_cli(&["replicate", "backup", "--listen", "127.0.0.1:0", "--key-file", k]);
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    assert_clean_error(&primary(&key), "accessible by group or others (mode 644)");
+    assert_clean_error(&backup(&key), "chmod 600");
+    let short = dir.path().join("short");
+    std::fs::write(&short, [7u8; 16]).unwrap();
+    std::fs::set_permissions(&short, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let short = short.to_str().unwrap();
+    assert_clean_error(&primary(short), "holds 16 bytes");
+    assert_clean_error(&backup(short), "holds 16 bytes");
+    let o = run_cli(&["replicate", "primary", "--backup", "127.0.0.1:9"]);
+    assert_clean_error(&o, "--key-file");
+    let o = run_cli(&["replicate", "backup", "--listen", "127.0.0.1:0", "--secret", "ninelives"]);
+    assert_clean_error(&o, "--secret");
+}
+
+/// An epoch 0 of the attacker's own: one page of 0xcc and a VM state.
+fn forged_epoch() -> Vec<(Kind, u64, Vec<u8>)> {
+    use nl_vmm::state::*;
+    let state = VmState {
+        version: STATE_VERSION,
+        mem_bytes: 256 << 20,
+        num_vcpus: 1,
+        timer_hz: 100,
+        workload: Default::default(),
+        vcpus: vec![VcpuState {
+            regs: Default::default(),
+            sregs: Default::default(),
+            xsave: Default::default(),
+            xcrs: Default::default(),
+            msrs: Vec::new(),
+            lapic: Default::default(),
+            mp_state: Default::default(),
+            events: Default::default(),
+        }],
+        irqchip: IrqchipState { chips: Vec::new(), clock: None },
+        io_devices: Vec::new(),
+        mmio_devices: Vec::new(),
+    }
+    .to_bytes();
+    let mut pages = run_header(0x100000, 1).to_vec();
+    pages.extend([0xcc; PAGE]);
+    let end =
+        EpochEnd { frames: 1, pages: 1, data_crc: crc32fast::hash(&pages), state: Vec::new() };
+    let mut endp = end.encode_head().to_vec();
+    endp.extend(state);
+    vec![(Kind::Pages, 0, pages), (Kind::EpochEnd, 0, endp)]
+}
+
+/// Defect 2 of issue 16: a forged hello plus a well-formed epoch 0, then a
+/// close, used to start the attacker's VM on the backup. Now a peer without
+/// the key (a made-up proof, everything sent at once), and one speaking the
+/// old protocol with the old default secret, are refused at the handshake;
+/// the backup does not activate, keeps waiting past its lease, and then
+/// serves the real primary to the end.
+#[test]
+fn a_forged_primary_never_starts_a_vm_and_the_real_primary_is_served() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(n) = Pair::new("f") else { return };
+    let mut backup = n.backup(&[]);
+    let attack = n.in_primary_ns(|| {
+        let mut why: Vec<Result<String, ProtoError>> = Vec::new();
+        // 1. The new protocol without the key.
+        let mut s = TcpStream::connect("10.9.0.2:7070").expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let np = nonce().unwrap();
+        let hello = Hello {
+            protocol: PROTOCOL_VERSION,
+            state_version: nl_vmm::state::STATE_VERSION,
+            mem_bytes: 256 << 20,
+            vcpus: 1,
+            disk_bytes: 0,
+        };
+        let body = [&np[..], &serde_json::to_vec(&hello).unwrap()].concat();
+        write_plain_frame(&mut s, Kind::Hello, &[&body]).unwrap();
+        let c = read_plain_frame(&mut s).expect("a challenge");
+        assert_eq!(c.kind, Kind::Challenge);
+        let nb: [u8; NONCE] = c.payload.try_into().unwrap();
+        let mut all = Vec::new();
+        write_plain_frame(&mut all, Kind::Auth, &[&[0u8; 32]]).unwrap();
+        let mut seal = Key::random().unwrap().session(&np, &nb).sealer(Dir::ToBackup);
+        for (k, e, p) in forged_epoch() {
+            seal.write_frame(&mut all, k, e, 0, &[&p]).unwrap();
+        }
+        let _ = s.write_all(&all);
+        why.push(read_plain_frame(&mut s).map(|f| String::from_utf8_lossy(&f.payload).into()));
+        drop(s);
+        // 2. Protocol 2, the old default secret in its hello, then epoch 0.
+        let mut s = TcpStream::connect("10.9.0.2:7070").expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let old = br#"{"protocol":2,"state_version":1,"mem_bytes":268435456,"vcpus":1,"secret":"ninelives"}"#;
+        let mut f = Vec::new();
+        write_plain_frame(&mut f, Kind::Hello, &[old]).unwrap();
+        f[4] = 2;
+        let crc = crc32fast::hash(&[&f[..24], &f[28..]].concat());
+        f[24..28].copy_from_slice(&crc.to_le_bytes());
+        for (k, _, p) in forged_epoch() {
+            f.extend_from_slice(&[b'N', b'L', b'R', b'P', 2, 0, k as u8, 0]);
+            f.extend_from_slice(&[0; 12]);
+            f.extend_from_slice(&(p.len() as u32).to_le_bytes());
+            f.extend_from_slice(&[0; 4]);
+            f.extend_from_slice(&p);
+        }
+        let _ = s.write_all(&f);
+        why.push(read_plain_frame(&mut s).map(|f| String::from_utf8_lossy(&f.payload).into()));
+        why
+    });
+    let why = attack.join().expect("the attacker ran");
+    assert!(why[0].as_ref().unwrap().contains("authentication failed"), "{why:?}");
+    assert!(why[1].as_ref().unwrap().contains("protocol version 2"), "{why:?}");
+    // Past the lease (1000 ms): no activation, the backup still waits.
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(backup.try_wait().unwrap().is_none(), "the backup ended after forged peers");
+    let po = finish(n.primary(&["--duration", "1"]), 60);
+    assert_eq!(last_json(&po)["digest_ok"], true, "{}{}", stdout(&po), stderr(&po));
+    let bo = finish(backup, 20);
+    let j = last_json(&bo);
+    assert_eq!(j["primary_finished"], true, "{}", stderr(&bo));
+    assert_eq!(j["activated"], false);
+    assert!(stderr(&bo).contains("authentication failed"), "{}", stderr(&bo));
+}
+
+/// Defect 3 of issue 16: one byte every 0.3 s from slow clients (three at
+/// once, each for up to 18 s) does not keep the real primary from its
+/// backup. The primary gives its whole handshake two leases (2 s): served
+/// one hello at a time, with 2 s each, the backup would answer it after 6 s
+/// at the earliest, and the primary would fail instead of finishing.
+#[test]
+fn slow_clients_do_not_keep_the_primary_from_its_backup() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(n) = Pair::new("s") else { return };
+    let backup = n.backup(&[]);
+    let stop = Arc::new(AtomicBool::new(false));
+    let slow: Vec<_> = (0..3)
+        .map(|_| {
+            let stop = stop.clone();
+            n.in_primary_ns(move || {
+                let mut s = TcpStream::connect("10.9.0.2:7070").expect("connect");
+                for i in 0..60u8 {
+                    if stop.load(Ordering::SeqCst)
+                        || s.write_all(&[b"NLRP"[i as usize % 4]]).is_err()
+                    {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(300));
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let po = finish(n.primary(&["--duration", "1"]), 60);
+    stop.store(true, Ordering::SeqCst);
+    assert_eq!(last_json(&po)["digest_ok"], true, "{}{}", stdout(&po), stderr(&po));
+    let bo = finish(backup, 20);
+    assert_eq!(last_json(&bo)["primary_finished"], true, "{}", stderr(&bo));
+    for t in slow {
+        t.join().unwrap();
+    }
 }
 
 /// A small kill campaign (the bench's, in namespaces of its own: primary,

@@ -4,35 +4,88 @@
 //! Layout (little endian):
 //!
 //! ```text
-//! "NLCKPT01"                      magic
+//! "NLCKPT01" or "NLCKPTA1"        magic (A: authenticated, see below)
 //! u64 header length, header       JSON DiskHeader
 //! u64 state length, state         VmState bytes
-//! repeated: u64 gpa, 4096 bytes   every page that is not all zero
+//! repeated: u64 gpa, 4096 bytes   every page that is not all zero, ascending
 //! u64::MAX                        end of pages
 //! u32 CRC-32 of everything above
+//! [32 bytes HMAC-SHA256]          "NLCKPTA1" only: over everything above
 //! ```
 //!
 //! A file is written to `PATH.tmp` and renamed into place, so a crash never
 //! leaves a half-written checkpoint under the real name; a reader checks the
 //! whole file before anything is created from it.
+//!
+//! **Nothing in a file is trusted.** The CRC only catches accidents: anyone
+//! who can write the file can recompute it. So [`read`]
+//!
+//! * reads at most [`MAX_FILE_BYTES`] from a regular file (a device such as
+//!   `/dev/zero`, a FIFO, or a larger file is refused before it is read;
+//!   see [`nl_memory::file`]);
+//! * checks every header field against the VM state it describes and
+//!   refuses a mismatch by name, with both values: `version`, `mem_bytes`,
+//!   `vcpus`, `timer_hz`, every `workload` field (and the workload must be
+//!   valid, with `duration_ms` at most [`MAX_DURATION_MS`]) and `pages`
+//!   (the page records present, ascending, in guest RAM, at most the RAM's
+//!   page count). Device states are checked against the restored VM's
+//!   devices when it is built: every device must have exactly one state.
+//!
+//! **Authenticated files.** For checkpoints kept where others can write
+//! (shared storage), a key file ([`load_key`]: at least
+//! [`MIN_KEY_BYTES`] bytes, not readable or writable by group or others)
+//! makes the writer append an HMAC-SHA256 of the whole file under magic
+//! `NLCKPTA1`. With a key, [`read`] refuses a file whose MAC does not
+//! verify (checked in constant time) and a file without one. Without a
+//! key, an authenticated file is refused too ("needs its key"): a user who
+//! asked for authentication never gets an unauthenticated restore by
+//! forgetting the flag.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
+use hmac::{Hmac, Mac};
 use nl_abi::WorkloadParams;
 use nl_memory::GuestMemory;
 use nl_vmm::state::VmState;
 use serde::{Deserialize, Serialize};
+use sha2::Sha256;
 use vm_memory::{Bytes, GuestAddress};
 
 use crate::{CheckpointError, PAGE};
 
 const MAGIC: &[u8; 8] = b"NLCKPT01";
+/// Magic of a file that ends in an HMAC-SHA256 trailer.
+const MAGIC_AUTH: &[u8; 8] = b"NLCKPTA1";
+const MAC_BYTES: usize = 32;
 pub const DISK_VERSION: u32 = 1;
+
+/// Largest header accepted (it is a few hundred bytes of JSON).
+pub const MAX_HEADER_BYTES: u64 = 64 << 10;
+/// Largest VM state accepted (a few tens of KiB per vCPU as JSON).
+pub const MAX_STATE_BYTES: u64 = 64 << 20;
+/// Largest checkpoint file read: every page of the largest guest memory,
+/// with its address, plus the largest header and state and the framing.
+pub const MAX_FILE_BYTES: u64 = nl_abi::MAX_MEM_BYTES / PAGE as u64 * (PAGE as u64 + 8)
+    + MAX_HEADER_BYTES
+    + MAX_STATE_BYTES
+    + 8 * 5
+    + 4
+    + MAC_BYTES as u64;
+/// Longest workload duration a checkpoint may name: one week.
+pub const MAX_DURATION_MS: u64 = 7 * 24 * 3600 * 1000;
+/// Shortest key accepted (the HMAC-SHA256 block is 64 bytes; 32 random
+/// bytes are the usual strength).
+pub const MIN_KEY_BYTES: usize = 32;
+/// Largest key file read.
+pub const MAX_KEY_BYTES: u64 = 4096;
+
+type HmacSha256 = Hmac<Sha256>;
 
 /// What a checkpoint file says about the VM it holds.
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DiskHeader {
     pub version: u32,
     pub mem_bytes: u64,
@@ -44,6 +97,43 @@ pub struct DiskHeader {
 
 fn bad(why: impl Into<String>) -> CheckpointError {
     CheckpointError::Config(format!("checkpoint file: {}", why.into()))
+}
+
+/// A key for authenticated checkpoint files (see the module docs).
+#[derive(Clone)]
+pub struct Key(Vec<u8>);
+
+impl std::fmt::Debug for Key {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Key({} bytes)", self.0.len())
+    }
+}
+
+impl Key {
+    /// A key from bytes (at least [`MIN_KEY_BYTES`]).
+    pub fn from_bytes(b: &[u8]) -> Result<Self, CheckpointError> {
+        if b.len() < MIN_KEY_BYTES {
+            return Err(CheckpointError::Config(format!(
+                "a checkpoint key must be at least {MIN_KEY_BYTES} bytes (got {})",
+                b.len()
+            )));
+        }
+        Ok(Self(b.to_vec()))
+    }
+
+    fn mac(&self) -> HmacSha256 {
+        HmacSha256::new_from_slice(&self.0).expect("HMAC takes a key of any length")
+    }
+}
+
+/// Loads a key file: a regular file of [`MIN_KEY_BYTES`] to
+/// [`MAX_KEY_BYTES`] bytes (all of them are the key), not readable or
+/// writable by group or others.
+pub fn load_key(path: &Path) -> Result<Key, CheckpointError> {
+    let b = nl_memory::file::read_secret(path, "key file", MIN_KEY_BYTES as u64, MAX_KEY_BYTES)
+        .map_err(|e| CheckpointError::Config(e.to_string()))?;
+    Key::from_bytes(&b)
+        .map_err(|e| CheckpointError::Config(format!("key file {}: {e}", path.display())))
 }
 
 /// A checkpoint captured in memory, ready to be written out.
@@ -88,17 +178,22 @@ impl DiskImage {
         self.pages.len()
     }
 
-    /// Writes the image to `path` (via `PATH.tmp`, fsync, rename). Returns the bytes written.
-    pub fn write(&self, path: &Path) -> Result<u64, CheckpointError> {
+    /// Writes the image to `path` (via `PATH.tmp`, fsync, rename), with an
+    /// HMAC-SHA256 trailer when a `key` is given. Returns the bytes written.
+    pub fn write(&self, path: &Path, key: Option<&Key>) -> Result<u64, CheckpointError> {
         let tmp = path.with_extension("tmp");
         let io = |e: std::io::Error| bad(format!("{}: {e}", tmp.display()));
         let mut crc = crc32fast::Hasher::new();
+        let mut mac = key.map(Key::mac);
         let mut out = BufWriter::with_capacity(1 << 20, File::create(&tmp).map_err(io)?);
         let mut put = |b: &[u8], out: &mut BufWriter<File>| -> Result<(), CheckpointError> {
             crc.update(b);
+            if let Some(m) = mac.as_mut() {
+                m.update(b);
+            }
             out.write_all(b).map_err(io)
         };
-        put(MAGIC, &mut out)?;
+        put(if key.is_some() { MAGIC_AUTH } else { MAGIC }, &mut out)?;
         let h = DiskHeader { pages: self.pages.len() as u64, ..self.header.clone() };
         let hj = serde_json::to_vec(&h).map_err(|e| bad(e.to_string()))?;
         put(&(hj.len() as u64).to_le_bytes(), &mut out)?;
@@ -110,8 +205,12 @@ impl DiskImage {
             put(&page[..], &mut out)?;
         }
         put(&u64::MAX.to_le_bytes(), &mut out)?;
-        let sum = crc.finalize();
-        out.write_all(&sum.to_le_bytes()).map_err(io)?;
+        let sum = crc.finalize().to_le_bytes();
+        out.write_all(&sum).map_err(io)?;
+        if let Some(mut m) = mac {
+            m.update(&sum);
+            out.write_all(&m.finalize().into_bytes()).map_err(io)?;
+        }
         let f = out.into_inner().map_err(|e| io(e.into_error()))?;
         f.sync_all().map_err(io)?;
         let len = f.metadata().map_err(io)?.len();
@@ -148,36 +247,77 @@ impl Reader<'_> {
     }
 }
 
-/// Reads and validates a checkpoint file: magic, checksum, version, header,
-/// state, and that every page lies in guest RAM. Nothing is created here.
-pub fn read(path: &Path) -> Result<DiskCheckpoint, CheckpointError> {
-    let b = std::fs::read(path).map_err(|e| bad(format!("{}: {e}", path.display())))?;
-    if b.len() < MAGIC.len() + 4 || &b[..8] != MAGIC {
-        return Err(bad(format!("{} is not a ninelives checkpoint", path.display())));
+/// Reads and validates a checkpoint file: size and kind, magic, MAC (with a
+/// `key`), checksum, version, every header field against the state, and that
+/// every page lies in guest RAM. Nothing is created here.
+pub fn read(path: &Path, key: Option<&Key>) -> Result<DiskCheckpoint, CheckpointError> {
+    let b = nl_memory::file::read_limited(path, "checkpoint file", MAX_FILE_BYTES)
+        .map_err(|e| CheckpointError::Config(e.to_string()))?;
+    parse(&b, &path.display().to_string(), key)
+}
+
+/// [`read`] for a checkpoint file's bytes already in memory (at most
+/// [`MAX_FILE_BYTES`]; a fuzzer's input, say); `name` stands for its path
+/// in errors.
+pub fn parse(b: &[u8], name: &str, key: Option<&Key>) -> Result<DiskCheckpoint, CheckpointError> {
+    if b.len() < MAGIC.len() + 4 || (&b[..8] != MAGIC && &b[..8] != MAGIC_AUTH) {
+        return Err(bad(format!("{name} is not a ninelives checkpoint")));
     }
+    let b = match (&b[..8] == MAGIC_AUTH, key) {
+        (true, None) => {
+            return Err(bad(format!(
+                "{name} is authenticated (HMAC-SHA256) and needs its key: give --key-file"
+            )))
+        }
+        (false, Some(_)) => {
+            return Err(bad(format!(
+                "{name} is not authenticated, but a key was given: refusing an unauthenticated file"
+            )))
+        }
+        (false, None) => b,
+        (true, Some(k)) => {
+            if b.len() < MAGIC.len() + 4 + MAC_BYTES {
+                return Err(bad(format!("{name} is truncated (no room for its MAC)")));
+            }
+            let (signed, tag) = b.split_at(b.len() - MAC_BYTES);
+            let mut m = k.mac();
+            m.update(signed);
+            // verify_slice compares in constant time.
+            m.verify_slice(tag).map_err(|_| {
+                bad(format!(
+                    "{name} failed authentication (HMAC-SHA256): it was changed, or the key is wrong"
+                ))
+            })?;
+            signed
+        }
+    };
     let (body, sum) = b.split_at(b.len() - 4);
     let want = u32::from_le_bytes(sum.try_into().expect("4 bytes"));
     if crc32fast::hash(body) != want {
-        return Err(bad(format!("{} is corrupt or truncated (checksum mismatch)", path.display())));
+        return Err(bad(format!("{name} is corrupt or truncated (checksum mismatch)")));
     }
     let mut r = Reader { b: body, at: 8 };
-    let hl = r.u64()? as usize;
-    let header: DiskHeader =
-        serde_json::from_slice(r.take(hl)?).map_err(|e| bad(format!("bad header: {e}")))?;
+    let hl = r.u64()?;
+    if hl > MAX_HEADER_BYTES {
+        return Err(bad(format!("header of {hl} bytes is over the limit of {MAX_HEADER_BYTES}")));
+    }
+    let header: DiskHeader = serde_json::from_slice(r.take(hl as usize)?)
+        .map_err(|e| bad(format!("bad header: {e}")))?;
     if header.version != DISK_VERSION {
         return Err(bad(format!(
             "version {} is not supported (this binary reads version {DISK_VERSION})",
             header.version
         )));
     }
-    GuestMemory::check_size(header.mem_bytes).map_err(|e| bad(e.to_string()))?;
-    let sl = r.u64()? as usize;
-    let state = VmState::from_bytes(r.take(sl)?).map_err(|e| bad(e.to_string()))?;
-    if state.mem_bytes != header.mem_bytes || state.num_vcpus != header.vcpus {
-        return Err(bad("state and header disagree on the VM's shape"));
+    let sl = r.u64()?;
+    if sl > MAX_STATE_BYTES {
+        return Err(bad(format!("VM state of {sl} bytes is over the limit of {MAX_STATE_BYTES}")));
     }
+    let state = VmState::from_bytes(r.take(sl as usize)?).map_err(|e| bad(e.to_string()))?;
+    check_header(&header, &state)?;
     let layout = nl_memory::layout(header.mem_bytes);
     let mut pages = Vec::new();
+    let mut last: Option<u64> = None;
     loop {
         let gpa = r.u64()?;
         if gpa == u64::MAX {
@@ -186,14 +326,107 @@ pub fn read(path: &Path) -> Result<DiskCheckpoint, CheckpointError> {
         if gpa % PAGE as u64 != 0 || !layout.iter().any(|l| gpa >= l.gpa && gpa < l.gpa + l.size) {
             return Err(bad(format!("page at {gpa:#x} is not in guest RAM")));
         }
+        if last.is_some_and(|l| gpa <= l) {
+            return Err(bad(format!("page at {gpa:#x} repeats or is out of order")));
+        }
+        if pages.len() as u64 >= header.pages {
+            return Err(bad(format!(
+                "header field pages is {} but the file holds more page records",
+                header.pages
+            )));
+        }
+        last = Some(gpa);
         let mut p = Box::new([0u8; PAGE]);
         p.copy_from_slice(r.take(PAGE)?);
         pages.push((gpa, p));
     }
-    if r.at != body.len() || pages.len() as u64 != header.pages {
-        return Err(bad("page count does not match the header"));
+    if pages.len() as u64 != header.pages {
+        return Err(bad(format!(
+            "header field pages is {} but the file holds {} page records",
+            header.pages,
+            pages.len()
+        )));
+    }
+    if r.at != body.len() {
+        return Err(bad(format!("{} bytes follow the end of the pages", body.len() - r.at)));
     }
     Ok(DiskCheckpoint { header, state, pages })
+}
+
+/// Every header field against the state it describes (and its own bounds).
+/// A mismatch is refused by the field's name, with both values.
+pub fn check_header(h: &DiskHeader, s: &VmState) -> Result<(), CheckpointError> {
+    let field = |f: &str, hv: &dyn std::fmt::Display, sv: &dyn std::fmt::Display| {
+        Err(bad(format!("header field {f} is {hv} but the VM state says {sv}")))
+    };
+    if h.mem_bytes != s.mem_bytes {
+        return field("mem_bytes", &h.mem_bytes, &s.mem_bytes);
+    }
+    GuestMemory::check_size(h.mem_bytes)
+        .map_err(|e| bad(format!("header field mem_bytes: {e}")))?;
+    if h.vcpus != s.num_vcpus {
+        return field("vcpus", &h.vcpus, &s.num_vcpus);
+    }
+    if h.vcpus as usize != s.vcpus.len() {
+        return field("vcpus", &h.vcpus, &format!("{} vCPU states", s.vcpus.len()));
+    }
+    if h.vcpus == 0 || h.vcpus > nl_abi::MAX_VCPUS {
+        return Err(bad(format!(
+            "header field vcpus is {}: between 1 and {} are supported",
+            h.vcpus,
+            nl_abi::MAX_VCPUS
+        )));
+    }
+    if h.timer_hz != s.timer_hz {
+        return field("timer_hz", &h.timer_hz, &s.timer_hz);
+    }
+    if !(10..=10_000).contains(&h.timer_hz) {
+        return Err(bad(format!(
+            "header field timer_hz is {}: out of range 10..=10000",
+            h.timer_hz
+        )));
+    }
+    if h.workload != s.workload {
+        // Name the first workload field that differs.
+        let (a, b) = (serde_json::to_value(h.workload), serde_json::to_value(s.workload));
+        let diff = match (a, b) {
+            (Ok(serde_json::Value::Object(a)), Ok(serde_json::Value::Object(b))) => {
+                a.iter().find(|(k, v)| b.get(*k) != Some(*v)).map(|(k, v)| {
+                    (k.clone(), v.to_string(), b.get(k).map_or("none".into(), |x| x.to_string()))
+                })
+            }
+            _ => None,
+        };
+        let (k, hv, sv) = diff.unwrap_or_else(|| ("?".into(), "?".into(), "?".into()));
+        return field(&format!("workload.{k}"), &hv, &sv);
+    }
+    if h.workload.duration_ms > MAX_DURATION_MS {
+        return Err(bad(format!(
+            "header field workload.duration_ms is {}: the limit is {MAX_DURATION_MS} (one week)",
+            h.workload.duration_ms
+        )));
+    }
+    nl_workloads::validate(&h.workload)
+        .map_err(|e| bad(format!("header field workload is invalid: {e}")))?;
+    let ram_pages = h.mem_bytes / PAGE as u64;
+    if h.pages > ram_pages {
+        return Err(bad(format!(
+            "header field pages is {} but {} bytes of memory hold only {ram_pages} pages",
+            h.pages, h.mem_bytes
+        )));
+    }
+    for (bus, devs) in [("I/O", &s.io_devices), ("MMIO", &s.mmio_devices)] {
+        let mut seen = std::collections::BTreeSet::new();
+        for d in devs.iter() {
+            if !seen.insert(d.base) {
+                return Err(bad(format!(
+                    "the VM state holds two {bus} device states at {:#x} ({})",
+                    d.base, d.name
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 impl DiskCheckpoint {
@@ -206,5 +439,92 @@ impl DiskCheckpoint {
                 .map_err(|e| CheckpointError::GuestMemory { gpa: *gpa, why: e.to_string() })?;
         }
         Ok(m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nl_vmm::state::{IrqchipState, VcpuState};
+
+    fn state() -> VmState {
+        let vcpu = || VcpuState {
+            regs: Default::default(),
+            sregs: Default::default(),
+            xsave: Default::default(),
+            xcrs: Default::default(),
+            msrs: Vec::new(),
+            lapic: Default::default(),
+            mp_state: Default::default(),
+            events: Default::default(),
+        };
+        VmState {
+            version: nl_vmm::state::STATE_VERSION,
+            mem_bytes: 256 << 20,
+            num_vcpus: 1,
+            timer_hz: 100,
+            workload: WorkloadParams {
+                kind: nl_abi::WORKLOAD_COMPUTE,
+                duration_ms: 1000,
+                ..Default::default()
+            },
+            vcpus: vec![vcpu()],
+            irqchip: IrqchipState { chips: Vec::new(), clock: None },
+            io_devices: Vec::new(),
+            mmio_devices: Vec::new(),
+        }
+    }
+
+    fn header(s: &VmState) -> DiskHeader {
+        DiskHeader {
+            version: DISK_VERSION,
+            mem_bytes: s.mem_bytes,
+            vcpus: s.num_vcpus,
+            timer_hz: s.timer_hz,
+            workload: s.workload,
+            pages: 10,
+        }
+    }
+
+    #[test]
+    fn every_header_field_is_checked_against_the_state_by_name() {
+        let s = state();
+        check_header(&header(&s), &s).unwrap();
+        type Edit = fn(&mut DiskHeader, &mut VmState);
+        let cases: [(Edit, &str); 9] = [
+            (
+                |h, _| h.mem_bytes = 512 << 20,
+                "header field mem_bytes is 536870912 but the VM state says 268435456",
+            ),
+            (|h, _| h.vcpus = 2, "header field vcpus is 2 but the VM state says 1"),
+            (|_, s| s.vcpus.clear(), "header field vcpus is 1 but the VM state says 0 vCPU states"),
+            (|h, _| h.timer_hz = 250, "header field timer_hz is 250 but the VM state says 100"),
+            (|h, s| (h.timer_hz, s.timer_hz) = (5, 5), "header field timer_hz is 5: out of range"),
+            (|h, _| h.workload.seed = 9, "header field workload.seed is 9 but the VM state says 0"),
+            (
+                |h, s| (h.workload.duration_ms, s.workload.duration_ms) = (u64::MAX, u64::MAX),
+                "header field workload.duration_ms is 18446744073709551615: the limit is",
+            ),
+            (
+                |h, s| (h.workload.kind, s.workload.kind) = (99, 99),
+                "header field workload is invalid",
+            ),
+            (|h, _| h.pages = (256 << 20) / 4096 + 1, "header field pages is 65537 but"),
+        ];
+        for (edit, want) in cases {
+            let mut s = state();
+            let mut h = header(&s);
+            edit(&mut h, &mut s);
+            let e = check_header(&h, &s).unwrap_err().to_string();
+            assert!(e.contains(want), "expected '{want}' in: {e}");
+        }
+    }
+
+    #[test]
+    fn short_keys_are_refused() {
+        let e = Key::from_bytes(&[1; 31]).unwrap_err().to_string();
+        assert!(e.contains("at least 32 bytes (got 31)"), "{e}");
+        assert!(Key::from_bytes(&[1; 32]).is_ok());
+        assert_eq!(format!("{:?}", Key::from_bytes(&[7; 40]).unwrap()), "Key(40 bytes)");
     }
 }

@@ -12,6 +12,9 @@
 //! * [`supervisor`]: runs a VM under checkpointing: the interval timer,
 //!   error detection, rollback, statistics.
 //! * [`inject`]: guest fault injection (bit flips in memory or registers).
+//! * [`disk`]: the checkpoint file: written in the background, read back
+//!   without trusting it (size and kind limits, every header field checked
+//!   against the state, optional HMAC-SHA256 under a key file).
 
 pub mod disk;
 pub mod engine;

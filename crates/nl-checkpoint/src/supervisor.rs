@@ -83,6 +83,8 @@ pub struct CheckpointConfig {
     /// checkpoints (0: never).
     pub disk_every: u32,
     pub disk_path: Option<std::path::PathBuf>,
+    /// Authenticate the disk checkpoints with this key (HMAC-SHA256 trailer).
+    pub disk_key: Option<crate::disk::Key>,
 }
 
 /// One rollback.
@@ -396,12 +398,13 @@ impl<'a> Supervisor<'a> {
         let idx = self.states.len() - 1;
         let state = &self.states[idx].state;
         let engine = &self.engine;
+        let key = self.cfg.disk_key.clone();
         let image =
             crate::disk::capture(&header, state, self.vm.memory(), &|g| engine.page_at(idx, g))?;
         self.disk_capture_ms_max = self.disk_capture_ms_max.max(t0.elapsed().as_secs_f64() * 1e3);
         let writer = std::thread::Builder::new()
             .name("ckpt-disk".into())
-            .spawn(move || image.write(&path))
+            .spawn(move || image.write(&path, key.as_ref()))
             .map_err(|e| CheckpointError::Config(format!("cannot start the disk writer: {e}")))?;
         self.disk_writer = Some(writer);
         Ok(())

@@ -16,6 +16,10 @@ pub enum BusError {
     Empty(String),
     #[error("saved state names device {0}, which this bus does not have")]
     UnknownDevice(String),
+    #[error("saved state has no state for device {name} at {base:#x}")]
+    MissingDevice { name: String, base: u64 },
+    #[error("saved state names device {name} at {base:#x} twice")]
+    DuplicateDevice { name: String, base: u64 },
     #[error("saved state of device {name} is invalid: {why}")]
     BadState { name: String, why: String },
 }
@@ -206,16 +210,25 @@ impl Bus {
     }
 
     /// Restores device states saved by [`Bus::save`] on a bus of the same shape.
-    /// Every state is checked against its device before any is applied.
+    /// Every state is checked against its device before any is applied, and
+    /// every device must have exactly one state: a state left out would leave
+    /// that device as it is, not as it was saved.
     pub fn restore(&self, states: &[DeviceState]) -> Result<(), BusError> {
         let mut targets = Vec::new();
+        let mut seen = std::collections::BTreeSet::new();
         for s in states {
+            if !seen.insert(s.base) {
+                return Err(BusError::DuplicateDevice { name: s.name.clone(), base: s.base });
+            }
             let e = self
                 .entries
                 .get(&s.base)
                 .filter(|e| lock(&e.dev).name() == s.name)
                 .ok_or_else(|| BusError::UnknownDevice(s.name.clone()))?;
             targets.push((e, s));
+        }
+        if let Some((&base, e)) = self.entries.iter().find(|(b, _)| !seen.contains(*b)) {
+            return Err(BusError::MissingDevice { name: lock(&e.dev).name().to_string(), base });
         }
         // Validate by restoring into the live device only after a dry run on
         // its current state succeeds for all: save old states to roll back.
@@ -321,5 +334,23 @@ mod tests {
         assert_eq!(d[0], 1, "a failed restore must leave devices as they were");
         bad[1].name = "zz".into();
         assert!(matches!(bus.restore(&bad), Err(BusError::UnknownDevice(_))));
+    }
+
+    #[test]
+    fn a_missing_or_repeated_device_state_is_refused_by_name() {
+        let mut bus = Bus::new();
+        bus.insert(0x100, 8, reg("a")).unwrap();
+        bus.insert(0x200, 8, reg("b")).unwrap();
+        bus.write(0, 0x200, &[6]);
+        let saved = bus.save();
+        bus.write(0, 0x200, &[9]);
+        let e = bus.restore(&saved[..1]).unwrap_err();
+        assert!(matches!(&e, BusError::MissingDevice { name, base: 0x200 } if name == "b"), "{e}");
+        assert!(e.to_string().contains("no state for device b at 0x200"), "{e}");
+        let mut d = [0u8; 1];
+        bus.read(0, 0x200, &mut d);
+        assert_eq!(d[0], 9, "a refused restore changes nothing");
+        let twice = vec![saved[0].clone(), saved[0].clone(), saved[1].clone()];
+        assert!(matches!(bus.restore(&twice), Err(BusError::DuplicateDevice { base: 0x100, .. })));
     }
 }

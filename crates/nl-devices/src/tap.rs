@@ -69,9 +69,10 @@ impl Tap {
         Ok(Tap { file, name: name.to_string() })
     }
 
-    /// A stand-in over any file, for unit tests of the devices above it.
-    #[cfg(test)]
-    pub(crate) fn for_test(file: File) -> Tap {
+    /// A stand-in over any file, for unit tests and fuzz targets of the
+    /// devices above it (a socket pair stands in for the interface).
+    #[cfg(any(test, fuzzing))]
+    pub fn for_test(file: File) -> Tap {
         Tap { file, name: "test".into() }
     }
 

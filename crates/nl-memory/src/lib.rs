@@ -9,7 +9,11 @@
 //! RAM below [`nl_abi::MMIO_HOLE_START`] is one region at guest address 0; RAM
 //! beyond it continues at [`nl_abi::HIGH_RAM_GPA`] as a second region, backed
 //! by the same memfd at the following offset.
+//!
+//! [`mod@file`] is how every file ninelives is given gets read: regular files
+//! only, each kind under its own size limit.
 
+pub mod file;
 mod memfd;
 pub mod write_protect;
 

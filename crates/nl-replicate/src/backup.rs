@@ -1,18 +1,41 @@
 //! The backup: receives epochs, stages each one, applies it only when it is
 //! complete and verified, acknowledges it, and decides when to take over.
+//!
+//! Connections: one thread accepts; each connection's handshake runs on a
+//! thread of its own (at most [`MAX_PENDING`] at once, more are refused at
+//! once) and must be complete within [`BackupConfig::handshake`] in all, not
+//! per byte, so a slow or bogus peer never delays the real primary. The
+//! first peer that proves the key (see [`crate::auth`]) and whose VM matches
+//! holds the slot; every later connection is refused with the reason.
+//!
+//! **Activation rule.** The backup takes the VM over only
+//! 1. from an epoch it acknowledged to an authenticated primary (an epoch
+//!    is acknowledged once all of its sealed frames verified, its page and
+//!    disk checks passed and its disk writes are in the copy; a frame that
+//!    fails authentication rejects the stream: the backup stands down and
+//!    never activates from that connection), and
+//! 2. only once that primary's lease has run out: no frame from it for
+//!    [`BackupConfig::lease`]. A closed or reset connection alone does not
+//!    activate before then; the backup waits out the rest of the lease.
+//!
+//! A peer that never authenticated can never lead to an activation: it never
+//! gets the slot, and no frame of it is read past the handshake.
 
 use std::fs::File;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use nl_memory::GuestMemory;
 use nl_vmm::state::{VmState, STATE_VERSION};
 use vm_memory::{Bytes, GuestAddress};
 
+use crate::auth::{backup_challenge, Deadline, Key};
 use crate::protocol::*;
 
 /// The backup's copy of the VM: memory, disk and state as of the last
@@ -125,18 +148,20 @@ impl Receiver {
     /// received (it is discarded; the last complete epoch stays).
     pub fn on_frame(&mut self, f: Frame) -> Result<Option<u64>, ProtoError> {
         let c = crc32fast::hash(&f.payload);
-        self.on_frame_ack(f, c, &mut |_| {})
+        self.on_frame_ack(f, c, &mut |_| Ok(()))
     }
 
     /// [`Receiver::on_frame`] with the payload's CRC already known, calling
     /// `ack` once a complete epoch verified and before it is applied (the
     /// apply is a copy that cannot fail: every run was bounds-checked, and
-    /// nothing else happens on this side before it is done).
+    /// nothing else happens on this side before it is done). An epoch whose
+    /// ack could not be sent is not committed: the backup never activates
+    /// from an epoch it did not acknowledge.
     pub fn on_frame_ack(
         &mut self,
         f: Frame,
         payload_crc: u32,
-        ack: &mut dyn FnMut(u64),
+        ack: &mut dyn FnMut(u64) -> Result<(), ProtoError>,
     ) -> Result<Option<u64>, ProtoError> {
         let r = self.take(f, payload_crc, ack);
         if r.is_err() {
@@ -149,7 +174,7 @@ impl Receiver {
         &mut self,
         f: Frame,
         payload_crc: u32,
-        ack: &mut dyn FnMut(u64),
+        ack: &mut dyn FnMut(u64) -> Result<(), ProtoError>,
     ) -> Result<Option<u64>, ProtoError> {
         let want = self.expected_epoch();
         if f.epoch != want {
@@ -228,7 +253,14 @@ impl Receiver {
                     return Err(e);
                 }
                 // Then acknowledge, and apply the memory.
-                ack(want);
+                if let Err(e) = ack(want) {
+                    if let Some(d) = self.disk.as_mut().filter(|_| !st.disk.is_empty()) {
+                        // The copy holds writes of an epoch not acknowledged.
+                        d.broken = true;
+                    }
+                    self.spare.extend(st.payloads);
+                    return Err(e);
+                }
                 for &(gpa, idx, off, len) in &st.runs {
                     let data = &st.payloads[idx][off..off + len];
                     self.memory.mem().write_slice(data, GuestAddress(gpa)).map_err(|e| {
@@ -313,7 +345,8 @@ pub struct BackupConfig {
     pub listen: SocketAddr,
     /// Only this address may be the primary (None: any).
     pub allow: Option<IpAddr>,
-    pub secret: String,
+    /// The pre-shared key the primary must prove it holds.
+    pub key: Key,
     pub mem_bytes: u64,
     pub vcpus: u32,
     /// Where to keep the copy of the primary's disk (needed when the
@@ -323,7 +356,14 @@ pub struct BackupConfig {
     pub lease: Duration,
     /// How often the backup sends a heartbeat.
     pub heartbeat: Duration,
+    /// A peer's whole handshake must be done within this (not per byte).
+    pub handshake: Duration,
 }
+
+/// Default for [`BackupConfig::handshake`].
+pub const HANDSHAKE_TIME: Duration = Duration::from_secs(2);
+/// Handshakes in progress at most; a connection beyond is refused at once.
+pub const MAX_PENDING: usize = 8;
 
 /// Why the backup stopped receiving.
 pub enum BackupEnd {
@@ -347,30 +387,45 @@ pub enum BackupEnd {
     NothingToActivate { reason: String },
 }
 
-fn refuse(s: &mut TcpStream, why: &str) {
-    let _ = write_frame(s, Kind::Refuse, 0, 0, &[why.as_bytes()]);
-    let _ = s.flush();
-    // Read what the peer is still sending (its hello) before closing: closing
-    // with unread data resets the connection, and the peer would see a
-    // broken pipe instead of the reason. Bounded: 64 KiB or 500 ms.
+/// Drains what the peer is still sending, then closes: closing with unread
+/// data resets the connection, and the peer would see a broken pipe instead
+/// of the reason. Bounded: 64 KiB or 500 ms.
+fn drain_and_close(s: &TcpStream) {
     let _ = s.shutdown(std::net::Shutdown::Write);
-    let _ = s.set_read_timeout(Some(std::time::Duration::from_millis(500)));
+    let mut d = Deadline::new(s, Duration::from_millis(500));
     let mut sink = [0u8; 4096];
     for _ in 0..16 {
-        match std::io::Read::read(s, &mut sink) {
+        match d.read(&mut sink) {
             Ok(0) | Err(_) => break,
             Ok(_) => {}
         }
     }
 }
 
-/// Checks a primary's hello against the backup's configuration.
-pub fn check_hello(cfg: &BackupConfig, f: &Frame) -> Result<Hello, String> {
-    if f.kind != Kind::Hello {
-        return Err(format!("expected a hello, got {:?}", f.kind));
-    }
-    let h: Hello =
-        serde_json::from_slice(&f.payload).map_err(|e| format!("malformed hello: {e}"))?;
+/// Refuses a peer during the handshake (plain frame).
+fn refuse_plain(s: &TcpStream, why: &str) {
+    let mut d = Deadline::new(s, Duration::from_millis(500));
+    let _ = write_plain_frame(&mut d, Kind::Refuse, &[&why.as_bytes()[..why.len().min(1024)]]);
+    drain_and_close(s);
+}
+
+/// Refuses the authenticated primary (sealed frame).
+fn refuse_sealed(s: &mut TcpStream, seal: &mut Sealer, why: &str) {
+    let _ = seal.write_frame(s, Kind::Refuse, 0, 0, &[why.as_bytes()]);
+    let _ = s.flush();
+    drain_and_close(s);
+}
+
+/// Refuses on the accept thread: one small frame into an empty socket
+/// buffer (never blocks for long), then close.
+fn refuse_now(s: TcpStream, why: &str) {
+    let _ = s.set_write_timeout(Some(Duration::from_millis(100)));
+    let _ = write_plain_frame(&mut &s, Kind::Refuse, &[why.as_bytes()]);
+    let _ = s.shutdown(std::net::Shutdown::Write);
+}
+
+/// Checks an authenticated primary's hello against the backup's configuration.
+pub fn check_hello(cfg: &BackupConfig, h: &Hello) -> Result<(), String> {
     if h.protocol != PROTOCOL_VERSION {
         return Err(format!(
             "protocol version {} does not match the backup's {PROTOCOL_VERSION}",
@@ -392,9 +447,6 @@ pub fn check_hello(cfg: &BackupConfig, f: &Frame) -> Result<Hello, String> {
             cfg.vcpus
         ));
     }
-    if !constant_time_eq(h.secret.as_bytes(), cfg.secret.as_bytes()) {
-        return Err("wrong shared secret".into());
-    }
     match (h.disk_bytes, &cfg.disk) {
         (0, None) => {}
         (0, Some(_)) => {
@@ -413,11 +465,41 @@ pub fn check_hello(cfg: &BackupConfig, f: &Frame) -> Result<Hello, String> {
         }
         _ => {}
     }
-    Ok(h)
+    Ok(())
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+/// What the accept and handshake threads tell the serving thread.
+enum Event {
+    Log(String),
+    /// The primary proved the key and holds the slot.
+    Attached(Attached),
+}
+
+struct Attached {
+    s: TcpStream,
+    peer: SocketAddr,
+    session: SessionKey,
+    disk: Option<BackupDisk>,
+}
+
+/// State shared by the accept and handshake threads.
+#[derive(Default)]
+struct Slot {
+    /// An authenticated primary holds the slot.
+    taken: AtomicBool,
+    /// The backup is done: the accept thread ends.
+    stop: AtomicBool,
+    /// Handshakes in progress.
+    pending: AtomicUsize,
+}
+
+/// Counts a handshake in progress while it lives.
+struct Pending(Arc<Slot>);
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.0.pending.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Waits for the configured primary, then receives epochs until the primary
@@ -426,54 +508,140 @@ pub fn serve(cfg: &BackupConfig, log: &mut dyn FnMut(String)) -> Result<BackupEn
     let listener = TcpListener::bind(cfg.listen)
         .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
     log(format!("backup listening on {}", cfg.listen));
-    loop {
-        let (mut s, peer) = listener.accept().map_err(|e| format!("accept: {e}"))?;
-        if cfg.allow.is_some_and(|a| a != peer.ip()) {
-            log(format!("refused a connection from {peer}: not the configured primary"));
-            refuse(&mut s, "not the configured primary");
-            continue;
+    let slot = Arc::new(Slot::default());
+    let (tx, events) = mpsc::channel();
+    let acceptor = {
+        let (cfg, slot) = (cfg.clone(), slot.clone());
+        std::thread::Builder::new()
+            .name("repl-accept".into())
+            .spawn(move || accept(listener, &cfg, &slot, &tx))
+            .map_err(|e| format!("cannot start the accept thread: {e}"))?
+    };
+    let end = loop {
+        match events.recv() {
+            Ok(Event::Log(m)) => log(m),
+            Ok(Event::Attached(a)) => {
+                log(format!("primary {} authenticated and attached", a.peer));
+                let _ = a.s.set_read_timeout(None);
+                let _ = a.s.set_write_timeout(None);
+                let _ = a.s.set_nodelay(true);
+                let rx = Receiver::new(cfg.mem_bytes, cfg.vcpus).map(|rx| match a.disk {
+                    Some(d) => rx.with_disk(d),
+                    None => rx,
+                });
+                break rx.and_then(|rx| receive(cfg, a.s, a.session, rx, &events, log));
+            }
+            Err(_) => break Err("the accept thread ended".into()),
         }
-        let _ = s.set_read_timeout(Some(cfg.lease));
-        let hello = match read_frame(&mut s) {
-            Ok(f) => check_hello(cfg, &f),
-            Err(e) => Err(format!("no valid hello: {e}")),
-        };
-        // The disk copy is (re)created for this primary's full copy.
-        let disk = hello.and_then(|h| match &cfg.disk {
-            Some(path) if h.disk_bytes > 0 => BackupDisk::create(path, h.disk_bytes).map(Some),
-            _ => Ok(None),
-        });
-        let disk = match disk {
-            Err(why) => {
-                log(format!("refused the primary at {peer}: {why}"));
-                refuse(&mut s, &why);
+    };
+    slot.stop.store(true, Ordering::SeqCst);
+    let _ = acceptor.join();
+    end
+}
+
+/// The accept thread: hands each connection to a handshake thread of its
+/// own, until the backup is done.
+fn accept(listener: TcpListener, cfg: &BackupConfig, slot: &Arc<Slot>, tx: &mpsc::Sender<Event>) {
+    let say = |m: String| {
+        let _ = tx.send(Event::Log(m));
+    };
+    while !slot.stop.load(Ordering::SeqCst) {
+        let mut pfd = libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: `pfd` is one valid pollfd that outlives the call, and the
+        // listener's fd stays open during it.
+        let n = unsafe { libc::poll(&mut pfd, 1, 100) };
+        if n <= 0 {
+            continue; // Timeout (look at `stop` again) or EINTR.
+        }
+        let (s, peer) = match listener.accept() {
+            Ok(c) => c,
+            Err(e) => {
+                say(format!("accept: {e}"));
+                std::thread::sleep(Duration::from_millis(10));
                 continue;
             }
-            Ok(d) => {
-                write_frame(&mut s, Kind::Welcome, 0, 0, &[])
-                    .map_err(|e| format!("cannot answer the primary: {e}"))?;
-                log(format!("primary {peer} attached"));
-                d
-            }
         };
-        let _ = s.set_read_timeout(None);
-        let _ = s.set_nodelay(true);
-        let mut rx = Receiver::new(cfg.mem_bytes, cfg.vcpus)?;
-        if let Some(d) = disk {
-            rx = rx.with_disk(d);
+        let why = if cfg.allow.is_some_and(|a| a != peer.ip()) {
+            Some("not the configured primary")
+        } else if slot.taken.load(Ordering::SeqCst) {
+            Some("this backup already serves an authenticated primary")
+        } else if slot.pending.fetch_add(1, Ordering::SeqCst) >= MAX_PENDING {
+            slot.pending.fetch_sub(1, Ordering::SeqCst);
+            Some("too many handshakes in progress; try again")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            say(format!("refused a connection from {peer}: {why}"));
+            refuse_now(s, why);
+            continue;
         }
-        return receive(cfg, s, rx, log);
+        let pending = Pending(slot.clone());
+        let (cfg, slot, tx) = (cfg.clone(), slot.clone(), tx.clone());
+        let spawned = std::thread::Builder::new()
+            .name("repl-hello".into())
+            .stack_size(256 << 10)
+            .spawn(move || handshake(s, peer, &cfg, &slot, &tx, pending));
+        if let Err(e) = spawned {
+            say(format!("cannot start a handshake thread for {peer}: {e}"));
+        }
     }
 }
 
+/// One connection's handshake, all of it within `cfg.handshake`.
+fn handshake(
+    s: TcpStream,
+    peer: SocketAddr,
+    cfg: &BackupConfig,
+    slot: &Slot,
+    tx: &mpsc::Sender<Event>,
+    _pending: Pending,
+) {
+    let mut d = Deadline::new(&s, cfg.handshake);
+    let r = (|| {
+        let p = backup_challenge(&mut d, &cfg.key)?;
+        check_hello(cfg, &p.hello)?;
+        if slot.taken.compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+            return Err("this backup already serves an authenticated primary".to_string());
+        }
+        // The disk copy is (re)created for this primary's full copy.
+        let disk = match &cfg.disk {
+            Some(path) if p.hello.disk_bytes > 0 => {
+                BackupDisk::create(path, p.hello.disk_bytes).map(Some)
+            }
+            _ => Ok(None),
+        };
+        let r = disk.and_then(|disk| Ok((p.welcome(&mut d, &cfg.key)?, disk)));
+        if r.is_err() {
+            slot.taken.store(false, Ordering::SeqCst);
+        }
+        r
+    })();
+    match r {
+        Ok((session, disk)) => {
+            let _ = tx.send(Event::Attached(Attached { s, peer, session, disk }));
+        }
+        Err(why) => {
+            let _ = tx.send(Event::Log(format!("refused the peer at {peer}: {why}")));
+            refuse_plain(&s, &why);
+        }
+    }
+}
+
+/// Receives the authenticated primary's sealed frames until it is gone,
+/// finishes, or sends a bad stream.
 fn receive(
     cfg: &BackupConfig,
     mut s: TcpStream,
+    session: SessionKey,
     mut rx: Receiver,
+    events: &mpsc::Receiver<Event>,
     log: &mut dyn FnMut(String),
 ) -> Result<BackupEnd, String> {
     let reader = s.try_clone().map_err(|e| format!("socket: {e}"))?;
     let mut reader = std::io::BufReader::with_capacity(256 << 10, reader);
+    let mut open = session.opener(Dir::ToBackup);
+    let mut seal = session.sealer(Dir::ToPrimary);
     type Got = Result<(Frame, u32), ProtoError>;
     let (tx, frames) = mpsc::sync_channel::<Got>(64);
     // Spent payload buffers go back to the reader (no fresh allocation, so
@@ -483,7 +651,8 @@ fn receive(
         .name("repl-rx".into())
         .spawn(move || loop {
             let mut buf = spare_rx.try_recv().unwrap_or_default();
-            let r = read_frame_into(&mut reader, &mut buf)
+            let r = open
+                .read_frame_into(&mut reader, &mut buf)
                 .map(|(kind, epoch, seq, crc)| (Frame { kind, epoch, seq, payload: buf }, crc));
             let end = r.is_err();
             if tx.send(r).is_err() || end {
@@ -493,27 +662,42 @@ fn receive(
         .map_err(|e| format!("cannot start the receive thread: {e}"))?;
     let mut last_heard = Instant::now();
     let mut last_beat = Instant::now();
+    // Activation: only from the last acknowledged epoch, and only once the
+    // primary's lease has run out (a closed connection alone is not enough).
+    let gone = |reason: String, rx: Receiver, last_heard: Instant, log: &mut dyn FnMut(String)| {
+        let left = cfg.lease.saturating_sub(last_heard.elapsed());
+        if !left.is_zero() && rx.committed().is_some() {
+            log(format!(
+                "{reason}: waiting out the primary's lease ({} ms more) before taking over",
+                left.as_millis()
+            ));
+            std::thread::sleep(left);
+        }
+        let detected = Instant::now();
+        match rx.into_committed() {
+            Some((epoch, memory, state)) => BackupEnd::Activate {
+                epoch,
+                memory,
+                state: Box::new(state),
+                reason,
+                detected,
+                last_heard,
+            },
+            None => BackupEnd::NothingToActivate { reason },
+        }
+    };
     loop {
+        for e in events.try_iter() {
+            if let Event::Log(m) = e {
+                log(m);
+            }
+        }
         let got = frames.recv_timeout(cfg.heartbeat);
         if last_beat.elapsed() >= cfg.heartbeat {
             // Best effort: a failed heartbeat shows up as a read error too.
-            let _ = write_frame(&mut s, Kind::Heartbeat, 0, 0, &[]);
+            let _ = seal.write_frame(&mut s, Kind::Heartbeat, 0, 0, &[]);
             last_beat = Instant::now();
         }
-        let gone = |reason: String, rx: Receiver, last_heard: Instant| {
-            let detected = Instant::now();
-            match rx.into_committed() {
-                Some((epoch, memory, state)) => BackupEnd::Activate {
-                    epoch,
-                    memory,
-                    state: Box::new(state),
-                    reason,
-                    detected,
-                    last_heard,
-                },
-                None => BackupEnd::NothingToActivate { reason },
-            }
-        };
         match got {
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 if last_heard.elapsed() > cfg.lease {
@@ -525,24 +709,27 @@ fn receive(
                     // Stop acknowledging before anything else: the primary
                     // can release no more output. If the primary can still
                     // hear us, it learns that we take over and fences itself.
-                    let _ = write_frame(&mut s, Kind::Takeover, 0, 0, &[]);
+                    let _ = seal.write_frame(&mut s, Kind::Takeover, 0, 0, &[]);
                     let _ = s.shutdown(std::net::Shutdown::Both);
-                    return Ok(gone(why, rx, last_heard));
+                    return Ok(gone(why, rx, last_heard, log));
                 }
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => {
-                return Ok(gone("receive thread ended".into(), rx, last_heard));
+                let _ = s.shutdown(std::net::Shutdown::Both);
+                return Ok(gone("receive thread ended".into(), rx, last_heard, log));
             }
             Ok(Err(e @ (ProtoError::Closed | ProtoError::Truncated | ProtoError::Io(_)))) => {
                 rx.discard_staging();
                 let _ = s.shutdown(std::net::Shutdown::Both);
-                return Ok(gone(format!("primary connection lost: {e}"), rx, last_heard));
+                return Ok(gone(format!("primary connection lost: {e}"), rx, last_heard, log));
             }
             Ok(Err(ProtoError::Timeout)) => {}
             Ok(Err(e)) => {
+                // Corrupt, forged, replayed or reordered: the stream is not
+                // the primary's any more. Stand down (never activate).
                 let kept = rx.committed().map(|(e, _)| e);
                 let reason = format!("rejected epoch {}: {e}", rx.expected_epoch());
-                refuse(&mut s, &reason);
+                refuse_sealed(&mut s, &mut seal, &reason);
                 let _ = s.shutdown(std::net::Shutdown::Both);
                 return Ok(BackupEnd::Rejected { reason, kept_epoch: kept });
             }
@@ -557,19 +744,24 @@ fn receive(
                         });
                     }
                     _ => match rx.on_frame_ack(f, payload_crc, &mut |epoch| {
-                        if let Err(e) = write_frame(&mut s, Kind::Ack, epoch, 0, &[]) {
-                            log(format!("cannot acknowledge epoch {epoch}: {e}"));
-                        }
+                        seal.write_frame(&mut s, Kind::Ack, epoch, 0, &[])
                     }) {
                         Ok(_) => {
                             for b in rx.take_spare() {
                                 let _ = spare_tx.send(b);
                             }
                         }
+                        Err(e @ (ProtoError::Closed | ProtoError::Io(_) | ProtoError::Timeout)) => {
+                            // The ack could not be sent: the connection is
+                            // lost, and that epoch was not acknowledged.
+                            let _ = s.shutdown(std::net::Shutdown::Both);
+                            let why = format!("cannot acknowledge: {e}");
+                            return Ok(gone(why, rx, last_heard, log));
+                        }
                         Err(e) => {
                             let kept = rx.committed().map(|(e, _)| e);
                             let reason = format!("rejected epoch {}: {e}", rx.expected_epoch());
-                            refuse(&mut s, &reason);
+                            refuse_sealed(&mut s, &mut seal, &reason);
                             let _ = s.shutdown(std::net::Shutdown::Both);
                             return Ok(BackupEnd::Rejected { reason, kept_epoch: kept });
                         }
@@ -585,7 +777,7 @@ mod tests {
     use super::*;
     use nl_vmm::state::{IrqchipState, VcpuState};
 
-    const MEM: u64 = 64 << 20;
+    pub(super) const MEM: u64 = 64 << 20;
 
     fn state() -> Vec<u8> {
         VmState {
@@ -612,7 +804,7 @@ mod tests {
     }
 
     /// The frames of one epoch writing `byte` into page `gpa`.
-    fn epoch(e: u64, gpa: u64, byte: u8) -> Vec<Frame> {
+    pub(super) fn epoch(e: u64, gpa: u64, byte: u8) -> Vec<Frame> {
         let mut payload = run_header(gpa, 1).to_vec();
         payload.extend([byte; PAGE]);
         let end = EpochEnd {
@@ -731,44 +923,420 @@ mod tests {
         let _ = std::fs::remove_file(&path);
     }
 
-    #[test]
-    fn hellos_are_checked() {
-        let cfg = BackupConfig {
+    fn config() -> BackupConfig {
+        BackupConfig {
             listen: "127.0.0.1:0".parse().unwrap(),
             allow: None,
-            secret: "s".into(),
+            key: Key::from_bytes(&[3; 32]).unwrap(),
             mem_bytes: MEM,
             vcpus: 1,
             disk: None,
             lease: Duration::from_secs(1),
             heartbeat: Duration::from_millis(100),
-        };
-        let hello = |h: Hello| Frame {
-            kind: Kind::Hello,
-            epoch: 0,
-            seq: 0,
-            payload: serde_json::to_vec(&h).unwrap(),
-        };
+            handshake: HANDSHAKE_TIME,
+        }
+    }
+
+    #[test]
+    fn hellos_are_checked() {
+        let cfg = config();
         let good = Hello {
             protocol: PROTOCOL_VERSION,
             state_version: STATE_VERSION,
             mem_bytes: MEM,
             vcpus: 1,
             disk_bytes: 0,
-            secret: "s".into(),
         };
-        assert!(check_hello(&cfg, &hello(good.clone())).is_ok());
-        let e = check_hello(&cfg, &hello(Hello { mem_bytes: 2 * MEM, ..good.clone() }));
+        assert!(check_hello(&cfg, &good).is_ok());
+        let e = check_hello(&cfg, &Hello { mem_bytes: 2 * MEM, ..good.clone() });
         assert!(e.unwrap_err().contains("set up for 64 MiB"));
-        let e = check_hello(&cfg, &hello(Hello { state_version: 99, ..good.clone() }));
+        let e = check_hello(&cfg, &Hello { state_version: 99, ..good.clone() });
         assert!(e.unwrap_err().contains("state version 99"));
-        let e = check_hello(&cfg, &hello(Hello { secret: "x".into(), ..good.clone() }));
-        assert!(e.unwrap_err().contains("secret"));
-        let e = check_hello(&cfg, &hello(Hello { disk_bytes: 1 << 20, ..good.clone() }));
+        let e = check_hello(&cfg, &Hello { disk_bytes: 1 << 20, ..good.clone() });
         assert!(e.unwrap_err().contains("--disk FILE"));
         let with_disk = BackupConfig { disk: Some("/nonexistent".into()), ..cfg.clone() };
-        assert!(check_hello(&with_disk, &hello(good.clone())).unwrap_err().contains("no disk"));
-        let junk = Frame { kind: Kind::Hello, epoch: 0, seq: 0, payload: b"{".to_vec() };
-        assert!(check_hello(&cfg, &junk).unwrap_err().contains("malformed"));
+        assert!(check_hello(&with_disk, &good).unwrap_err().contains("no disk"));
+    }
+
+    /// An epoch whose ack could not be sent is not committed (the backup
+    /// never activates from an epoch it did not acknowledge), and a disk
+    /// copy that already holds its writes is marked unusable.
+    #[test]
+    fn an_epoch_not_acknowledged_is_not_committed() {
+        let mut rx = Receiver::new(MEM, 1).unwrap();
+        for f in epoch(0, 0x1000, 1) {
+            rx.on_frame(f).unwrap();
+        }
+        let e1 = epoch(1, 0x1000, 2);
+        rx.on_frame(e1[0].clone()).unwrap();
+        let mut fail = |_| Err(ProtoError::Closed);
+        assert!(rx.on_frame_ack(e1[1].clone(), 0, &mut fail).is_err());
+        assert_eq!((rx.committed().unwrap().0, page(&rx, 0x1000)), (0, 1));
+        let (epoch, _, _) = rx.into_committed().unwrap();
+        assert_eq!(epoch, 0);
+
+        let path = std::env::temp_dir().join(format!("nl-backup-noack-{}", std::process::id()));
+        let disk = BackupDisk::create(&path, 8 * 512).unwrap();
+        let mut rx = Receiver::new(MEM, 1).unwrap().with_disk(disk);
+        for f in disk_epoch(0, 0x1000, 4, 2, 2) {
+            rx.on_frame(f).unwrap();
+        }
+        let e1 = disk_epoch(1, 0x1000, 5, 3, 1);
+        rx.on_frame(e1[0].clone()).unwrap();
+        rx.on_frame(e1[1].clone()).unwrap();
+        let crc = crc32fast::hash(&e1[2].payload);
+        assert!(rx.on_frame_ack(e1[2].clone(), crc, &mut fail).is_err());
+        assert!(rx.into_committed().is_none(), "a disk copy ahead of its epoch was used");
+        let _ = std::fs::remove_file(&path);
+    }
+}
+
+/// The backup's server end to end on loopback: handshakes, the slot, sealed
+/// frames and the activation rule (no KVM needed: activation hands over the
+/// memory and state, it does not run them).
+#[cfg(test)]
+mod serve_tests {
+    use super::tests::{epoch, MEM};
+    use super::*;
+    use crate::auth::{nonce, primary_handshake, NONCE};
+    use std::thread::JoinHandle;
+
+    const WAIT: Duration = Duration::from_secs(20);
+
+    struct Running {
+        addr: SocketAddr,
+        end: JoinHandle<Result<BackupEnd, String>>,
+        logs: mpsc::Receiver<String>,
+    }
+
+    fn key() -> Key {
+        Key::from_bytes(&[5; 32]).unwrap()
+    }
+
+    /// Starts `serve` on a free loopback port; returns once it listens.
+    fn start(lease_ms: u64, handshake: Duration) -> Running {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let cfg = BackupConfig {
+            listen: addr,
+            allow: None,
+            key: key(),
+            mem_bytes: MEM,
+            vcpus: 1,
+            disk: None,
+            lease: Duration::from_millis(lease_ms),
+            heartbeat: Duration::from_millis(20),
+            handshake,
+        };
+        let (tx, logs) = mpsc::channel();
+        let end = std::thread::spawn(move || {
+            serve(&cfg, &mut |m| {
+                let _ = tx.send(m);
+            })
+        });
+        let first = logs.recv_timeout(WAIT).expect("the backup starts");
+        assert!(first.contains("listening"), "{first}");
+        Running { addr, end, logs }
+    }
+
+    impl Running {
+        fn finish(self) -> BackupEnd {
+            let t = Instant::now();
+            while !self.end.is_finished() {
+                assert!(t.elapsed() < WAIT, "the backup did not end");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            self.end.join().unwrap().unwrap()
+        }
+
+        fn logs(&self) -> String {
+            self.logs.try_iter().collect::<Vec<_>>().join("\n")
+        }
+    }
+
+    fn hello() -> Hello {
+        Hello {
+            protocol: PROTOCOL_VERSION,
+            state_version: STATE_VERSION,
+            mem_bytes: MEM,
+            vcpus: 1,
+            disk_bytes: 0,
+        }
+    }
+
+    /// A primary of the test's own, authenticated with `key`.
+    struct Primary {
+        s: TcpStream,
+        seal: Sealer,
+        open: Opener,
+    }
+
+    impl Primary {
+        fn attach(addr: SocketAddr, key: &Key, within: Duration) -> Result<Primary, String> {
+            let s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+            let session = primary_handshake(&mut Deadline::new(&s, within), key, &hello())?;
+            s.set_read_timeout(Some(WAIT)).unwrap();
+            let (seal, open) = (session.sealer(Dir::ToBackup), session.opener(Dir::ToPrimary));
+            Ok(Primary { s, seal, open })
+        }
+
+        /// The sealed bytes of frame `f` (the next counter).
+        fn seal(&mut self, f: &Frame) -> Vec<u8> {
+            let mut b = Vec::new();
+            self.seal.write_frame(&mut b, f.kind, f.epoch, f.seq, &[&f.payload]).unwrap();
+            b
+        }
+
+        fn send(&mut self, f: &Frame) {
+            let b = self.seal(f);
+            self.s.write_all(&b).unwrap();
+        }
+
+        /// The next frame from the backup that is not a heartbeat.
+        fn next(&mut self) -> Result<Frame, ProtoError> {
+            for _ in 0..10_000 {
+                let f = self.open.read_frame(&mut self.s)?;
+                if f.kind != Kind::Heartbeat {
+                    return Ok(f);
+                }
+            }
+            panic!("only heartbeats")
+        }
+
+        fn epoch(&mut self, e: u64) {
+            for f in epoch(e, 0x1000, e as u8 + 1) {
+                self.send(&f);
+            }
+            let a = self.next().unwrap();
+            assert_eq!((a.kind, a.epoch), (Kind::Ack, e));
+        }
+    }
+
+    /// (a) A peer without the key, sending a hello, a made-up proof, a
+    /// whole epoch 0 and closing, never gets the slot, and nothing it sent
+    /// is ever activated; nor does one that skips the proof. The backup
+    /// keeps waiting, and the real primary is served afterwards.
+    #[test]
+    fn forged_peers_never_lead_to_activation_and_the_real_primary_is_served() {
+        let b = start(200, HANDSHAKE_TIME);
+        let wrong = Key::from_bytes(&[6; 32]).unwrap();
+        for skip_proof in [false, true] {
+            let mut s = TcpStream::connect(b.addr).unwrap();
+            s.set_read_timeout(Some(WAIT)).unwrap();
+            let np = nonce().unwrap();
+            let body = [&np[..], &serde_json::to_vec(&hello()).unwrap()].concat();
+            write_plain_frame(&mut s, Kind::Hello, &[&body]).unwrap();
+            let c = read_plain_frame(&mut s).unwrap();
+            assert_eq!(c.kind, Kind::Challenge);
+            let nb: [u8; NONCE] = c.payload.try_into().unwrap();
+            // All of it at once, without waiting for the verdict.
+            let mut attack = Vec::new();
+            if !skip_proof {
+                write_plain_frame(&mut attack, Kind::Auth, &[&[0u8; 32]]).unwrap();
+            }
+            let mut seal = wrong.session(&np, &nb).sealer(Dir::ToBackup);
+            for f in epoch(0, 0x1000, 0xcc) {
+                seal.write_frame(&mut attack, f.kind, f.epoch, f.seq, &[&f.payload]).unwrap();
+            }
+            let _ = s.write_all(&attack);
+            let r = read_plain_frame(&mut s).unwrap();
+            assert_eq!(r.kind, Kind::Refuse);
+            let why = String::from_utf8_lossy(&r.payload).into_owned();
+            let want = if skip_proof { "no proof of the key" } else { "authentication failed" };
+            assert!(why.contains(want), "{why}");
+            drop(s);
+        }
+        // Well past the lease: still waiting, nothing activated.
+        std::thread::sleep(Duration::from_millis(600));
+        assert!(!b.end.is_finished(), "the backup ended after forged peers: {}", b.logs());
+        let mut p = Primary::attach(b.addr, &key(), WAIT).unwrap();
+        p.epoch(0);
+        p.send(&Frame { kind: Kind::Done, epoch: 1, seq: 0, payload: b"done".to_vec() });
+        let logs = b.logs();
+        assert!(logs.contains("authentication failed"), "{logs}");
+        assert!(matches!(b.finish(), BackupEnd::PrimaryFinished { .. }));
+    }
+
+    /// (b) and (e): the backup activates from the last epoch it
+    /// acknowledged (not the one cut off before its end), and only once the
+    /// primary's lease has run out, even though the connection closed at once.
+    #[test]
+    fn activation_is_from_the_acknowledged_epoch_once_the_lease_ran_out() {
+        let lease = Duration::from_millis(700);
+        let b = start(lease.as_millis() as u64, HANDSHAKE_TIME);
+        let mut p = Primary::attach(b.addr, &key(), WAIT).unwrap();
+        p.epoch(0);
+        p.epoch(1);
+        // Epoch 2: its pages, but never its end; then the primary dies.
+        p.send(&epoch(2, 0x1000, 9)[0]);
+        drop(p);
+        match b.finish() {
+            BackupEnd::Activate { epoch, memory, detected, last_heard, .. } => {
+                assert_eq!(epoch, 1);
+                let byte = memory.mem().read_obj::<u8>(GuestAddress(0x1000)).unwrap();
+                assert_eq!(byte, 2, "epoch 1's page, not the unfinished epoch 2's");
+                assert!(
+                    detected.duration_since(last_heard) >= lease,
+                    "activated {:?} after the last frame, before the lease of {lease:?} ran out",
+                    detected.duration_since(last_heard)
+                );
+            }
+            _ => panic!("expected an activation from epoch 1"),
+        }
+    }
+
+    /// (c) and (b): a frame of the authenticated primary's stream that was
+    /// modified, replayed, reordered or spliced in from another session is
+    /// refused, the connection dropped, and the backup stands down: it
+    /// never activates from that stream (kept: the last acknowledged epoch).
+    #[test]
+    fn modified_replayed_reordered_or_spliced_frames_reject_the_stream() {
+        type Tamper = fn(&mut Primary, Vec<Vec<u8>>, &[Vec<u8>]) -> Vec<Vec<u8>>;
+        let cases: [(&str, Tamper); 4] = [
+            ("modified", |_, mut f, _| {
+                // A page byte changed and the CRC made to match: only the tag
+                // tells.
+                let n = f[0].len();
+                f[0][n / 2] ^= 1;
+                let mut crc = crc32fast::Hasher::new();
+                crc.update(&f[0][..24]);
+                crc.update(&f[0][HEADER_BYTES..n - TAG_BYTES]);
+                f[0][24..28].copy_from_slice(&crc.finalize().to_le_bytes());
+                f
+            }),
+            ("replayed", |_, f, old| vec![old[0].clone(), f[0].clone(), f[1].clone()]),
+            ("reordered", |_, f, _| vec![f[1].clone(), f[0].clone()]),
+            ("spliced", |_, f, _| {
+                let mut other = SessionKey([1; 32]).sealer(Dir::ToBackup);
+                let mut b = Vec::new();
+                let e = epoch(1, 0x1000, 7);
+                other.write_frame(&mut b, e[0].kind, 1, 0, &[&e[0].payload]).unwrap();
+                vec![b, f[1].clone()]
+            }),
+        ];
+        for (what, tamper) in cases {
+            let b = start(300, HANDSHAKE_TIME);
+            let mut p = Primary::attach(b.addr, &key(), WAIT).unwrap();
+            // Epoch 0, its sealed bytes kept for the replay.
+            let old: Vec<Vec<u8>> = epoch(0, 0x1000, 1).iter().map(|f| p.seal(f)).collect();
+            for f in &old {
+                p.s.write_all(f).unwrap();
+            }
+            let a = p.next().unwrap();
+            assert_eq!((a.kind, a.epoch), (Kind::Ack, 0));
+            let e1: Vec<Vec<u8>> = epoch(1, 0x1000, 2).iter().map(|f| p.seal(f)).collect();
+            for f in tamper(&mut p, e1, &old) {
+                let _ = p.s.write_all(&f);
+            }
+            let r = p.next().unwrap();
+            assert_eq!(r.kind, Kind::Refuse, "{what}");
+            let why = String::from_utf8_lossy(&r.payload).into_owned();
+            assert!(why.contains("failed authentication"), "{what}: {why}");
+            match b.finish() {
+                BackupEnd::Rejected { reason, kept_epoch } => {
+                    assert_eq!(kept_epoch, Some(0), "{what}: {reason}")
+                }
+                _ => panic!("{what}: the backup did not stand down"),
+            }
+        }
+    }
+
+    /// (d) Slow clients (a byte every 0.3 s) do not delay the real primary:
+    /// each handshake runs on its own thread. The handshake deadline here
+    /// is 60 s, so a backup that served hellos one at a time would keep the
+    /// primary waiting far longer than the 5 s it is given. Once the primary
+    /// holds the slot, another peer with the key is refused.
+    #[test]
+    fn slow_clients_do_not_delay_the_primary() {
+        let b = start(2000, Duration::from_secs(60));
+        let stop = Arc::new(AtomicBool::new(false));
+        let slow: Vec<_> = (0..3)
+            .map(|_| {
+                let mut s = TcpStream::connect(b.addr).unwrap();
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let mut h = Vec::new();
+                    write_plain_frame(&mut h, Kind::Hello, &[&[0u8; 100]]).unwrap();
+                    for byte in h {
+                        if stop.load(Ordering::SeqCst) || s.write_all(&[byte]).is_err() {
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_millis(300));
+                    }
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(500));
+        let p = Primary::attach(b.addr, &key(), Duration::from_secs(5));
+        let mut p = p.expect("the primary was not served while slow clients dribbled");
+        let e = Primary::attach(b.addr, &key(), WAIT).err().unwrap();
+        assert!(e.contains("already serves an authenticated primary"), "{e}");
+        p.epoch(0);
+        p.send(&Frame { kind: Kind::Done, epoch: 1, seq: 0, payload: Vec::new() });
+        assert!(matches!(b.finish(), BackupEnd::PrimaryFinished { .. }));
+        stop.store(true, Ordering::SeqCst);
+        for t in slow {
+            t.join().unwrap();
+        }
+    }
+
+    /// The handshake's time is for all of it, not per byte: a client that
+    /// keeps sending a byte every 0.2 s is cut off once the 1 s is up, long
+    /// before its 40 bytes are out.
+    #[test]
+    fn a_slow_hello_is_cut_off_at_its_deadline() {
+        let b = start(2000, Duration::from_secs(1));
+        let mut s = TcpStream::connect(b.addr).unwrap();
+        let mut r = s.try_clone().unwrap();
+        let writer = std::thread::spawn(move || {
+            let mut h = Vec::new();
+            write_plain_frame(&mut h, Kind::Hello, &[&[0u8; 100]]).unwrap();
+            let mut sent = 0;
+            for byte in &h[..40] {
+                if s.write_all(&[*byte]).is_err() {
+                    break;
+                }
+                sent += 1;
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            sent
+        });
+        r.set_read_timeout(Some(WAIT)).unwrap();
+        let f = read_plain_frame(&mut r).expect("refused");
+        let why = String::from_utf8_lossy(&f.payload).into_owned();
+        assert_eq!(f.kind, Kind::Refuse);
+        assert!(why.contains("no valid hello"), "{why}");
+        assert!(writer.join().unwrap() < 40, "the slow hello was never cut off");
+        assert!(!b.end.is_finished());
+    }
+
+    /// At most MAX_PENDING handshakes at once; the next peer is told why.
+    #[test]
+    fn handshakes_in_progress_are_bounded() {
+        let b = start(2000, Duration::from_secs(30));
+        let idle: Vec<_> = (0..MAX_PENDING).map(|_| TcpStream::connect(b.addr).unwrap()).collect();
+        // The accept thread takes connections in order: by the next one,
+        // all of these count as handshakes in progress.
+        let mut s = TcpStream::connect(b.addr).unwrap();
+        s.set_read_timeout(Some(WAIT)).unwrap();
+        let f = read_plain_frame(&mut s).expect("refused");
+        assert_eq!(f.kind, Kind::Refuse);
+        assert!(String::from_utf8_lossy(&f.payload).contains("too many handshakes"));
+        drop(idle);
+        // The slots free up: the primary is served.
+        let mut p = None;
+        for _ in 0..50 {
+            match Primary::attach(b.addr, &key(), WAIT) {
+                Ok(x) => {
+                    p = Some(x);
+                    break;
+                }
+                Err(e) => assert!(e.contains("too many handshakes"), "{e}"),
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let mut p = p.expect("served once the idle peers left");
+        p.send(&Frame { kind: Kind::Done, epoch: 0, seq: 0, payload: Vec::new() });
+        assert!(matches!(b.finish(), BackupEnd::PrimaryFinished { .. }));
     }
 }

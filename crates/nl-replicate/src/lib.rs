@@ -1,7 +1,10 @@
 //! Primary/backup replication of a running VM (HBFT; Remus and Taiji are
 //! the same family; see `../shared/papers/hbft-primary-backup-optimizations.txt`).
 //!
-//! * [`protocol`]: framed, versioned, checksummed messages.
+//! * [`protocol`]: framed, versioned messages, sealed with a MAC under a
+//!   session key.
+//! * [`auth`]: the pre-shared key file and the challenge-response handshake
+//!   that authenticates both ends and derives the session key.
 //! * [`primary`]: epochs: pause, collect dirty pages (KVM dirty log plus
 //!   pages the VMM's devices wrote), save state, resume, send, wait for the
 //!   ack, then release the epoch's network output (output commit).
@@ -12,11 +15,13 @@
 //! acknowledged, and the backup stops acknowledging before it activates.
 //! The primary goes on unprotected only when the backup's host reported the
 //! backup gone (refused, reset or closed connection); after silence (a
-//! partition looks the same as a dead host) it holds output and, once the
-//! lease has run out, stops its VM (fenced). The backup activates at once
-//! when the primary's connection closes (its process died) and otherwise
-//! only after a full lease without frames.
+//! partition looks the same as a dead host), or a frame from the backup
+//! that fails authentication, it holds output and, once the lease has run
+//! out, stops its VM (fenced). The backup activates only from an epoch it
+//! acknowledged to an authenticated primary, and only once that primary's
+//! lease has run out (see [`backup`]).
 
+pub mod auth;
 pub mod backup;
 mod predict;
 pub mod primary;

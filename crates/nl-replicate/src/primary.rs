@@ -20,6 +20,7 @@ use nl_devices::virtio::held_writes::DiskWrite;
 use nl_vmm::{Vm, VmOutcome};
 use serde::Serialize;
 
+use crate::auth::{primary_handshake, Deadline, Key};
 use crate::predict::{Histase, Predictor};
 use crate::protocol::*;
 use crate::ram::{runs, RamView};
@@ -67,7 +68,8 @@ pub struct PrimaryConfig {
     /// Without any frame from the backup for this long the primary fences
     /// itself (the backup may have taken over).
     pub lease: Duration,
-    pub secret: String,
+    /// The pre-shared key both ends prove they hold.
+    pub key: Key,
     pub opts: Options,
     /// Stop the VM after this long whatever it does.
     pub time_limit: Duration,
@@ -149,12 +151,14 @@ enum Lost {
 
 struct Conn {
     s: TcpStream,
+    /// Seals the frames to the backup (the session's counter for them).
+    seal: Sealer,
     frames: mpsc::Receiver<Result<Frame, ProtoError>>,
     last_heard: Instant,
 }
 
 fn connect(cfg: &PrimaryConfig, vm: &Vm) -> Result<Conn, String> {
-    let mut s = TcpStream::connect_timeout(&cfg.backup, cfg.lease)
+    let s = TcpStream::connect_timeout(&cfg.backup, cfg.lease)
         .map_err(|e| format!("cannot reach the backup at {}: {e}", cfg.backup))?;
     let _ = s.set_nodelay(true);
     let hello = Hello {
@@ -163,50 +167,33 @@ fn connect(cfg: &PrimaryConfig, vm: &Vm) -> Result<Conn, String> {
         mem_bytes: vm.memory().size(),
         vcpus: vm.config().vcpus,
         disk_bytes: vm.disk_sectors().unwrap_or(0) * SECTOR,
-        secret: cfg.secret.clone(),
     };
-    let body = serde_json::to_vec(&hello).map_err(|e| e.to_string())?;
-    let sent = write_frame(&mut s, Kind::Hello, 0, 0, &[&body]);
-    s.set_read_timeout(Some(cfg.lease)).map_err(|e| e.to_string())?;
-    // A backup that refuses this peer may answer before reading the hello:
-    // its reason is worth more than our broken pipe.
-    let f = match (read_frame(&mut s), sent) {
-        (Ok(f), _) => f,
-        (Err(_), Err(e)) => return Err(format!("hello: {e}")),
-        (Err(e), Ok(())) => return Err(format!("no answer from the backup: {e}")),
-    };
-    match f.kind {
-        Kind::Welcome => {}
-        Kind::Refuse => {
-            return Err(format!(
-                "the backup refused this primary: {}",
-                String::from_utf8_lossy(&f.payload)
-            ))
-        }
-        k => return Err(format!("unexpected {k:?} from the backup")),
-    }
+    // The whole handshake within two leases (a slow peer cannot hold the
+    // primary longer, e.g. when it attaches a backup again mid-run).
+    let session = primary_handshake(&mut Deadline::new(&s, 2 * cfg.lease), &cfg.key, &hello)?;
     s.set_read_timeout(None).map_err(|e| e.to_string())?;
     // A send into a silent link must not block past the lease.
     s.set_write_timeout(Some(cfg.lease)).map_err(|e| e.to_string())?;
-    Conn::new(s)
+    Conn::new(s, &session)
 }
 
 impl Conn {
-    /// Wraps a connected stream; a thread reads the backup's frames.
-    fn new(s: TcpStream) -> Result<Conn, String> {
+    /// Wraps an authenticated stream; a thread reads the backup's frames.
+    fn new(s: TcpStream, session: &SessionKey) -> Result<Conn, String> {
         let mut reader = s.try_clone().map_err(|e| e.to_string())?;
+        let mut open = session.opener(Dir::ToPrimary);
         let (tx, frames) = mpsc::sync_channel(64);
         std::thread::Builder::new()
             .name("repl-acks".into())
             .spawn(move || loop {
-                let r = read_frame(&mut reader);
+                let r = open.read_frame(&mut reader);
                 let end = r.is_err();
                 if tx.send(r).is_err() || end {
                     break;
                 }
             })
             .map_err(|e| format!("cannot start the ack thread: {e}"))?;
-        Ok(Conn { s, frames, last_heard: Instant::now() })
+        Ok(Conn { s, seal: session.sealer(Dir::ToBackup), frames, last_heard: Instant::now() })
     }
 }
 
@@ -219,6 +206,7 @@ type DiskSource<'d> = &'d mut dyn Iterator<Item = Result<DiskWrite, String>>;
 /// header); each byte is hashed once.
 fn send_epoch<'a>(
     s: &mut impl Write,
+    seal: &mut Sealer,
     epoch: u64,
     runs: &[(u64, u32)],
     mut data: impl FnMut(u64, usize) -> Result<&'a [u8], String>,
@@ -244,7 +232,7 @@ fn send_epoch<'a>(
             parts.push(&heads[k]);
             parts.push(data(r.0, r.1 as usize * PAGE)?);
         }
-        bytes += epoch_frame(&mut s, Kind::Pages, epoch, seq, &parts, &mut crc)?;
+        bytes += epoch_frame(&mut s, seal, Kind::Pages, epoch, seq, &parts, &mut crc)?;
         seq += 1;
         pages += n as u64;
     }
@@ -271,13 +259,13 @@ fn send_epoch<'a>(
             parts.push(h);
             parts.push(&w.data);
         }
-        bytes += epoch_frame(&mut s, Kind::Disk, epoch, seq, &parts, &mut crc)?;
+        bytes += epoch_frame(&mut s, seal, Kind::Disk, epoch, seq, &parts, &mut crc)?;
         seq += 1;
         batch.clear();
         batch_bytes = 0;
     }
     let end = EpochEnd { frames: seq, pages, data_crc: crc.finalize(), state: Vec::new() };
-    write_frame(&mut s, Kind::EpochEnd, epoch, 0, &[&end.encode_head(), state])
+    seal.write_frame(&mut s, Kind::EpochEnd, epoch, 0, &[&end.encode_head(), state])
         .map_err(|e| e.to_string())?;
     s.flush().map_err(|e| e.to_string())?;
     Ok(bytes + state.len() as u64)
@@ -287,6 +275,7 @@ fn send_epoch<'a>(
 /// epoch's CRC. Returns the payload bytes.
 fn epoch_frame(
     s: &mut impl Write,
+    seal: &mut Sealer,
     kind: Kind,
     epoch: u64,
     seq: u32,
@@ -298,7 +287,7 @@ fn epoch_frame(
         pc.update(p);
     }
     crc.combine(&pc);
-    write_frame_crc(s, kind, epoch, seq, parts, &pc).map_err(|e| e.to_string())?;
+    seal.write_frame_crc(s, kind, epoch, seq, parts, &pc).map_err(|e| e.to_string())?;
     Ok(parts.iter().map(|p| p.len() as u64).sum())
 }
 
@@ -335,6 +324,12 @@ fn wait_ack(c: &mut Conn, epoch: u64, lease: Duration) -> Result<(), Lost> {
                 }
             }
             Ok(Err(ProtoError::Timeout)) => {}
+            Ok(Err(e @ ProtoError::Auth { .. })) => {
+                // Not the backup's frame (forged, replayed or modified on the
+                // way): the backup itself may be alive and may take over, so
+                // this is no proof that it is gone.
+                return Err(Lost::Silent(format!("a frame from the backup: {e}")));
+            }
             Ok(Err(e @ (ProtoError::Bad(_) | ProtoError::Version { .. }))) => {
                 return Err(Lost::Definitive(format!("bad frame from the backup: {e}")))
             }
@@ -472,11 +467,12 @@ fn stage_copy(view: &RamView, runs: &[(u64, u32)], buf: &mut Vec<u8>) -> Result<
 }
 
 /// Sends a staged epoch from its buffer. Returns bytes sent.
-fn send_staged(s: &mut impl Write, st: &Staged) -> Result<u64, String> {
+fn send_staged(s: &mut impl Write, seal: &mut Sealer, st: &Staged) -> Result<u64, String> {
     let buf = &st.buf;
     let mut at = 0usize;
     send_epoch(
         s,
+        seal,
         st.epoch,
         &st.runs,
         |_, l| {
@@ -568,9 +564,9 @@ fn ship(
     let t = Instant::now();
     let sent = if die.is_some_and(|d| Instant::now() >= d) {
         let half = (st.buf.len() + st.state.len()) / 2 + HEADER_BYTES;
-        send_staged(&mut DieAfter { w: &mut c.s, left: half }, st)
+        send_staged(&mut DieAfter { w: &mut c.s, left: half }, &mut c.seal, st)
     } else {
-        send_staged(&mut c.s, st)
+        send_staged(&mut c.s, &mut c.seal, st)
     };
     let bytes = sent.map_err(|e| Lost::Definitive(format!("sending epoch {}: {e}", st.epoch)))?;
     let send = t.elapsed();
@@ -839,7 +835,7 @@ impl<'a> Primary<'a> {
                     }
                 }
                 if let Some(mut c) = conn {
-                    let _ = write_frame(
+                    let _ = c.seal.write_frame(
                         &mut c.s,
                         Kind::Done,
                         self.epoch,
@@ -1123,8 +1119,9 @@ impl<'a> Primary<'a> {
         let mut disk = DiskImageChunks::new(vm).map_err(Lost::Definitive)?;
         let view = &self.view;
         let runs = runs(&pages, PAGES_PER_FRAME as u32);
-        let bytes = send_epoch(&mut c.s, 0, &runs, |g, l| view.slice(g, l), &mut disk, &state)
-            .map_err(Lost::Definitive)?;
+        let bytes =
+            send_epoch(&mut c.s, &mut c.seal, 0, &runs, |g, l| view.slice(g, l), &mut disk, &state)
+                .map_err(Lost::Definitive)?;
         self.rep.bytes_sent += bytes;
         self.rep.disk_full_copy_bytes = disk.sent;
         wait_ack(c, 0, self.cfg.lease)?;
@@ -1191,7 +1188,15 @@ impl<'a> Primary<'a> {
             let view = &self.view;
             let t = Instant::now();
             let mut ds = disk.iter().cloned().map(Ok);
-            let r = send_epoch(&mut c.s, epoch, &rr, |g, l| view.slice(g, l), &mut ds, &state);
+            let r = send_epoch(
+                &mut c.s,
+                &mut c.seal,
+                epoch,
+                &rr,
+                |g, l| view.slice(g, l),
+                &mut ds,
+                &state,
+            );
             send_in = t.elapsed();
             vm.resume();
             self.rep.bytes_sent += r.as_ref().map_or(0, |b| *b);
@@ -1326,6 +1331,8 @@ mod tests {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         let (go_tx, go_rx) = mpsc::channel::<Option<u64>>();
+        let session = SessionKey([9; 32]);
+        let (mut open, mut seal) = (session.opener(Dir::ToBackup), session.sealer(Dir::ToPrimary));
         let fake_backup = std::thread::spawn(move || {
             let (mut s, _) = l.accept().unwrap();
             let mut r = s.try_clone().unwrap();
@@ -1333,17 +1340,17 @@ mod tests {
             // Acks only when told to, and only epochs fully received.
             while let Ok(Some(e)) = go_rx.recv() {
                 while !ended.contains(&e) {
-                    let f = read_frame(&mut r).unwrap();
+                    let f = open.read_frame(&mut r).unwrap();
                     if f.kind == Kind::EpochEnd {
                         ended.push(f.epoch);
                     }
                 }
-                write_frame(&mut s, Kind::Ack, e, 0, &[]).unwrap();
+                seal.write_frame(&mut s, Kind::Ack, e, 0, &[]).unwrap();
             }
             // Told to die: the connection closes with epoch 2 unacknowledged.
         });
         let s = TcpStream::connect(addr).unwrap();
-        let c = Conn::new(s).unwrap();
+        let c = Conn::new(s, &session).unwrap();
         let released = Mutex::new(Vec::<Vec<u8>>::new());
         let disk_released = Mutex::new(Vec::<u64>::new());
         let release = |f: &[Vec<u8>], d: &[DiskWrite]| {
@@ -1380,6 +1387,29 @@ mod tests {
         });
         assert_eq!(*released.lock().unwrap(), vec![vec![1u8]], "only epoch 1 ever left");
         assert_eq!(*disk_released.lock().unwrap(), vec![1], "only epoch 1's disk write");
+        fake_backup.join().unwrap();
+    }
+
+    /// An ack that fails authentication (here: sealed under another
+    /// session, as a replay from an earlier connection would be) is no ack,
+    /// and no proof that the backup is gone either: the primary fences.
+    #[test]
+    fn a_forged_ack_is_refused_and_fences() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let fake_backup = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut other = SessionKey([8; 32]).sealer(Dir::ToPrimary);
+            other.write_frame(&mut s, Kind::Ack, 1, 0, &[]).unwrap();
+            std::thread::sleep(Duration::from_millis(500));
+        });
+        let s = TcpStream::connect(addr).unwrap();
+        let mut c = Conn::new(s, &SessionKey([9; 32])).unwrap();
+        match wait_ack(&mut c, 1, Duration::from_secs(10)) {
+            Err(Lost::Silent(why)) => assert!(why.contains("failed authentication"), "{why}"),
+            Err(Lost::Definitive(why)) => panic!("a forged ack made the backup 'gone': {why}"),
+            Ok(()) => panic!("a forged ack was taken"),
+        }
         fake_backup.join().unwrap();
     }
 

@@ -1,6 +1,6 @@
-//! The replication wire protocol: framed, versioned, checksummed messages.
+//! The replication wire protocol: framed, versioned, authenticated messages.
 //!
-//! Every frame is a 28-byte header followed by its payload:
+//! Every frame starts with a 28-byte header, followed by its payload:
 //!
 //! | bytes | field |
 //! | --- | --- |
@@ -13,6 +13,25 @@
 //! | 20..24 | payload length |
 //! | 24..28 | CRC-32 of bytes 0..24 and the payload |
 //!
+//! The handshake ([`crate::auth`]: `Hello`, `Challenge`, `Auth`, `Welcome`,
+//! or a `Refuse`) is made of *plain* frames: header and payload only, at
+//! most [`HANDSHAKE_MAX`] bytes of payload. Every frame after it is *sealed*:
+//! the payload is followed by a 16-byte tag,
+//!
+//! ```text
+//! tag = HMAC-SHA256(session key, direction || counter || header || payload)[..16]
+//! ```
+//!
+//! where `direction` is one byte (1: primary to backup, 2: backup to
+//! primary) and `counter` the frame's number in its direction (u64 little
+//! endian, 0 for the first frame after the handshake). The counter is not on
+//! the wire: each side counts the frames it sent and received, so a frame
+//! replayed, dropped, reordered, reflected back to its sender, or taken from
+//! another session (another session key) fails its tag, and the connection
+//! is dropped ([`ProtoError::Auth`]). The tag is compared in constant time.
+//! The CRC stays (it is cheap, and says "corrupted" rather than "forged"
+//! for a plain frame); the tag supersedes it.
+//!
 //! An epoch is `Pages` frames, then `Disk` frames (one sequence: seq 0, 1,
 //! ...), closed by one `EpochEnd` holding the frame count, page count, a
 //! CRC over all page and disk payloads and the VM state. Epoch 0 is the
@@ -20,12 +39,19 @@
 
 use std::io::{Read, Write};
 
+use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
+use sha2::Sha256;
 
 pub const MAGIC: [u8; 4] = *b"NLRP";
 /// 2: `Disk` frames (the guest's disk writes) and the disk size in the hello.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// 3: challenge-response handshake under a pre-shared key, sealed frames.
+pub const PROTOCOL_VERSION: u16 = 3;
 pub const HEADER_BYTES: usize = 28;
+/// Bytes of the tag after a sealed frame's payload.
+pub const TAG_BYTES: usize = 16;
+/// Largest payload of a plain (handshake) frame.
+pub const HANDSHAKE_MAX: usize = 4096;
 /// Largest payload accepted (a `Pages` frame is kept far below this).
 pub const MAX_PAYLOAD: usize = 16 << 20;
 /// Pages per `Pages` frame at most.
@@ -48,10 +74,15 @@ pub enum Kind {
     Takeover = 9,
     /// Disk writes of the epoch (runs of sectors).
     Disk = 10,
+    /// Handshake: the backup's nonce.
+    Challenge = 11,
+    /// Handshake: the primary's proof of the key.
+    Auth = 12,
 }
 
 impl Kind {
-    fn from_u8(b: u8) -> Option<Kind> {
+    /// The kind with this wire code.
+    pub fn from_u8(b: u8) -> Option<Kind> {
         Some(match b {
             1 => Kind::Hello,
             2 => Kind::Welcome,
@@ -63,6 +94,8 @@ impl Kind {
             8 => Kind::Done,
             9 => Kind::Takeover,
             10 => Kind::Disk,
+            11 => Kind::Challenge,
+            12 => Kind::Auth,
             _ => return None,
         })
     }
@@ -82,6 +115,11 @@ pub enum ProtoError {
     Truncated,
     #[error("protocol version {got} is not supported (this side speaks {PROTOCOL_VERSION})")]
     Version { got: u16 },
+    #[error(
+        "{kind:?} frame {counter} failed authentication (modified, replayed, reordered or \
+         from another session)"
+    )]
+    Auth { kind: Kind, counter: u64 },
 }
 
 impl From<std::io::Error> for ProtoError {
@@ -103,6 +141,70 @@ pub struct Frame {
     pub payload: Vec<u8>,
 }
 
+type HmacSha256 = Hmac<Sha256>;
+
+/// Which way a sealed frame goes (part of its tag: a frame reflected back
+/// to its sender fails).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Dir {
+    ToBackup = 1,
+    ToPrimary = 2,
+}
+
+/// The key of one session (both directions), derived in the handshake.
+#[derive(Clone)]
+pub struct SessionKey(pub(crate) [u8; 32]);
+
+impl std::fmt::Debug for SessionKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SessionKey(..)")
+    }
+}
+
+impl SessionKey {
+    fn mac(&self, dir: Dir) -> Counted {
+        let mut m = HmacSha256::new_from_slice(&self.0).expect("HMAC takes any key length");
+        m.update(&[dir as u8]);
+        Counted { mac: m, next: 0 }
+    }
+
+    /// Seals the frames sent in `dir`.
+    pub fn sealer(&self, dir: Dir) -> Sealer {
+        Sealer(self.mac(dir))
+    }
+
+    /// Opens the frames received from `dir`.
+    pub fn opener(&self, dir: Dir) -> Opener {
+        Opener(self.mac(dir))
+    }
+}
+
+/// The MAC keyed for one direction, and the number of the next frame.
+struct Counted {
+    mac: HmacSha256,
+    next: u64,
+}
+
+impl Counted {
+    /// The MAC of the next frame, its header and the counter in already.
+    fn start(&mut self, h: &[u8; HEADER_BYTES]) -> (HmacSha256, u64) {
+        let n = self.next;
+        self.next += 1;
+        let mut m = self.mac.clone();
+        m.update(&n.to_le_bytes());
+        m.update(h);
+        (m, n)
+    }
+}
+
+/// The sending half of a session: tags each frame with the next counter.
+pub struct Sealer(Counted);
+
+/// The receiving half of a session: checks each frame's tag against the
+/// next counter.
+pub struct Opener(Counted);
+
 fn header(kind: Kind, epoch: u64, seq: u32, len: usize) -> [u8; HEADER_BYTES] {
     let mut h = [0u8; HEADER_BYTES];
     h[0..4].copy_from_slice(&MAGIC);
@@ -114,35 +216,61 @@ fn header(kind: Kind, epoch: u64, seq: u32, len: usize) -> [u8; HEADER_BYTES] {
     h
 }
 
-/// Writes one frame whose payload is the concatenation of `parts` (sent
-/// without joining them: page data goes out from where it lies).
-pub fn write_frame(
-    w: &mut impl Write,
-    kind: Kind,
-    epoch: u64,
-    seq: u32,
-    parts: &[&[u8]],
-) -> Result<(), ProtoError> {
-    let mut pc = crc32fast::Hasher::new();
-    for p in parts {
-        pc.update(p);
+impl Sealer {
+    /// Writes one sealed frame whose payload is the concatenation of `parts`
+    /// (sent without joining them: page data goes out from where it lies).
+    pub fn write_frame(
+        &mut self,
+        w: &mut impl Write,
+        kind: Kind,
+        epoch: u64,
+        seq: u32,
+        parts: &[&[u8]],
+    ) -> Result<(), ProtoError> {
+        let mut pc = crc32fast::Hasher::new();
+        for p in parts {
+            pc.update(p);
+        }
+        self.write_frame_crc(w, kind, epoch, seq, parts, &pc)
     }
-    write_frame_crc(w, kind, epoch, seq, parts, &pc)
+
+    /// [`Sealer::write_frame`] with the CRC of the payload already computed
+    /// (`payload` hashed over exactly `parts`).
+    pub fn write_frame_crc(
+        &mut self,
+        w: &mut impl Write,
+        kind: Kind,
+        epoch: u64,
+        seq: u32,
+        parts: &[&[u8]],
+        payload: &crc32fast::Hasher,
+    ) -> Result<(), ProtoError> {
+        let h = full_header(kind, epoch, seq, parts, payload, MAX_PAYLOAD)?;
+        let (mut m, _) = self.0.start(&h);
+        for p in parts {
+            m.update(p);
+        }
+        let tag = m.finalize().into_bytes();
+        w.write_all(&h)?;
+        for p in parts {
+            w.write_all(p)?;
+        }
+        w.write_all(&tag[..TAG_BYTES])?;
+        Ok(())
+    }
 }
 
-/// [`write_frame`] with the CRC of the payload already computed (`payload`
-/// hashed over exactly `parts`): the data is hashed once, not twice, when
-/// the caller also needs its CRC.
-pub fn write_frame_crc(
-    w: &mut impl Write,
+/// The header of a frame with its CRC, or an error for a payload over `max`.
+fn full_header(
     kind: Kind,
     epoch: u64,
     seq: u32,
     parts: &[&[u8]],
     payload: &crc32fast::Hasher,
-) -> Result<(), ProtoError> {
+    max: usize,
+) -> Result<[u8; HEADER_BYTES], ProtoError> {
     let len: usize = parts.iter().map(|p| p.len()).sum();
-    if len > MAX_PAYLOAD {
+    if len > max {
         return Err(ProtoError::Bad(format!("payload of {len} bytes is too large")));
     }
     let mut h = header(kind, epoch, seq, len);
@@ -150,27 +278,79 @@ pub fn write_frame_crc(
     crc.update(&h[..24]);
     crc.combine(payload);
     h[24..28].copy_from_slice(&crc.finalize().to_le_bytes());
+    Ok(h)
+}
+
+/// Writes one plain frame (handshake only: no tag).
+pub fn write_plain_frame(
+    w: &mut impl Write,
+    kind: Kind,
+    parts: &[&[u8]],
+) -> Result<(), ProtoError> {
+    let mut pc = crc32fast::Hasher::new();
+    for p in parts {
+        pc.update(p);
+    }
+    let h = full_header(kind, 0, 0, parts, &pc, HANDSHAKE_MAX)?;
     w.write_all(&h)?;
     for p in parts {
         w.write_all(p)?;
     }
+    w.flush()?;
     Ok(())
 }
 
-/// Reads one frame, checking magic, version, kind, length and checksum.
-pub fn read_frame(r: &mut impl Read) -> Result<Frame, ProtoError> {
+/// Reads one plain frame (handshake only) of at most [`HANDSHAKE_MAX`]
+/// bytes of payload, checking magic, version, kind, length and checksum.
+pub fn read_plain_frame(r: &mut impl Read) -> Result<Frame, ProtoError> {
     let mut payload = Vec::new();
-    let (kind, epoch, seq, _) = read_frame_into(r, &mut payload)?;
+    let (_, kind, epoch, seq, _) = read_unsealed(r, &mut payload, HANDSHAKE_MAX)?;
     Ok(Frame { kind, epoch, seq, payload })
 }
 
-/// [`read_frame`] into a caller's buffer (reused: no fresh allocation, so no
-/// page faults, per frame). Returns kind, epoch, sequence number and the
-/// CRC-32 of the payload alone.
-pub fn read_frame_into(
+impl Opener {
+    /// Reads one sealed frame, checking magic, version, kind, length,
+    /// checksum and tag.
+    pub fn read_frame(&mut self, r: &mut impl Read) -> Result<Frame, ProtoError> {
+        let mut payload = Vec::new();
+        let (kind, epoch, seq, _) = self.read_frame_into(r, &mut payload)?;
+        Ok(Frame { kind, epoch, seq, payload })
+    }
+
+    /// [`Opener::read_frame`] into a caller's buffer (reused: no fresh
+    /// allocation, so no page faults, per frame). Returns kind, epoch,
+    /// sequence number and the CRC-32 of the payload alone.
+    pub fn read_frame_into(
+        &mut self,
+        r: &mut impl Read,
+        payload: &mut Vec<u8>,
+    ) -> Result<(Kind, u64, u32, u32), ProtoError> {
+        let (h, kind, epoch, seq, crc) = read_unsealed(r, payload, MAX_PAYLOAD)?;
+        let mut tag = [0u8; TAG_BYTES];
+        r.read_exact(&mut tag).map_err(truncated)?;
+        let (mut m, counter) = self.0.start(&h);
+        m.update(payload);
+        m.verify_truncated_left(&tag).map_err(|_| ProtoError::Auth { kind, counter })?;
+        Ok((kind, epoch, seq, crc))
+    }
+}
+
+/// The header arrived but the rest did not: a truncated frame.
+fn truncated(e: std::io::Error) -> ProtoError {
+    match ProtoError::from(e) {
+        ProtoError::Closed => ProtoError::Truncated,
+        other => other,
+    }
+}
+
+/// Reads header and payload (at most `max` bytes), checking magic,
+/// version, kind, length and checksum.
+#[allow(clippy::type_complexity)]
+fn read_unsealed(
     r: &mut impl Read,
     payload: &mut Vec<u8>,
-) -> Result<(Kind, u64, u32, u32), ProtoError> {
+    max: usize,
+) -> Result<([u8; HEADER_BYTES], Kind, u64, u32, u32), ProtoError> {
     let mut h = [0u8; HEADER_BYTES];
     r.read_exact(&mut h)?;
     if h[0..4] != MAGIC {
@@ -186,16 +366,14 @@ pub fn read_frame_into(
     let seq = u32::from_le_bytes(h[16..20].try_into().expect("4 bytes"));
     let len = u32::from_le_bytes(h[20..24].try_into().expect("4 bytes")) as usize;
     let want = u32::from_le_bytes(h[24..28].try_into().expect("4 bytes"));
-    if len > MAX_PAYLOAD {
-        return Err(ProtoError::Bad(format!("payload of {len} bytes is too large")));
+    if len > max {
+        return Err(ProtoError::Bad(format!(
+            "{kind:?} frame with a payload of {len} bytes (at most {max} here)"
+        )));
     }
     payload.clear();
     payload.resize(len, 0);
-    r.read_exact(payload).map_err(|e| match ProtoError::from(e) {
-        // The header arrived but the payload did not: a truncated frame.
-        ProtoError::Closed => ProtoError::Truncated,
-        other => other,
-    })?;
+    r.read_exact(payload).map_err(truncated)?;
     let mut pc = crc32fast::Hasher::new();
     pc.update(payload);
     let payload_crc = pc.clone().finalize();
@@ -207,7 +385,7 @@ pub fn read_frame_into(
             "checksum mismatch in a {kind:?} frame of epoch {epoch}"
         )));
     }
-    Ok((kind, epoch, seq, payload_crc))
+    Ok((h, kind, epoch, seq, payload_crc))
 }
 
 /// What the primary announces at connect.
@@ -220,9 +398,6 @@ pub struct Hello {
     /// Size of the VM's disk in bytes (0: no disk).
     #[serde(default)]
     pub disk_bytes: u64,
-    /// The shared secret (compared by the backup; sent in clear: use a
-    /// private replication link).
-    pub secret: String,
 }
 
 /// The close of an epoch.
@@ -358,23 +533,115 @@ pub fn parse_disk_runs(p: &[u8], sectors: u64) -> Result<Vec<DiskRun<'_>>, Proto
 mod tests {
     use super::*;
 
+    fn session(n: u8) -> SessionKey {
+        SessionKey([n; 32])
+    }
+
+    /// Three sealed frames of one session, primary to backup.
+    fn stream(key: &SessionKey) -> Vec<Vec<u8>> {
+        let mut seal = key.sealer(Dir::ToBackup);
+        (0..3u64)
+            .map(|e| {
+                let mut buf = Vec::new();
+                seal.write_frame(&mut buf, Kind::Ack, e, 0, &[b"ab", b"cd"]).unwrap();
+                buf
+            })
+            .collect()
+    }
+
+    fn open_all(key: &SessionKey, frames: &[&[u8]]) -> Result<Vec<u64>, ProtoError> {
+        let mut open = key.opener(Dir::ToBackup);
+        let all = frames.concat();
+        let mut r = &all[..];
+        let mut epochs = Vec::new();
+        for _ in frames {
+            epochs.push(open.read_frame(&mut r)?.epoch);
+        }
+        Ok(epochs)
+    }
+
     #[test]
-    fn frames_round_trip_and_corruption_is_caught() {
+    fn sealed_frames_round_trip_and_every_change_is_caught() {
+        let key = session(1);
+        let f = stream(&key);
+        assert_eq!(f[0].len(), HEADER_BYTES + 4 + TAG_BYTES);
+        assert_eq!(open_all(&key, &[&f[0], &f[1], &f[2]]).unwrap(), vec![0, 1, 2]);
+        let mut open = key.opener(Dir::ToBackup);
+        let g = open.read_frame(&mut &f[0][..]).unwrap();
+        assert_eq!((g.kind, g.epoch, g.payload.as_slice()), (Kind::Ack, 0, &b"abcd"[..]));
+        // Every single-bit flip, anywhere (header, payload, tag), is refused.
+        for i in 0..f[0].len() {
+            let mut bad = f[0].clone();
+            bad[i] ^= 0x40;
+            let e = key.opener(Dir::ToBackup).read_frame(&mut &bad[..]);
+            assert!(e.is_err(), "flip at byte {i} not caught");
+        }
+        // A flip past the CRC's reach (header and payload re-checksummed): the
+        // tag still catches it.
+        let mut forged = f[0].clone();
+        forged[HEADER_BYTES] = b'x';
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&forged[..24]);
+        crc.update(&forged[HEADER_BYTES..HEADER_BYTES + 4]);
+        forged[24..28].copy_from_slice(&crc.finalize().to_le_bytes());
+        let e = key.opener(Dir::ToBackup).read_frame(&mut &forged[..]).unwrap_err();
+        assert!(matches!(e, ProtoError::Auth { kind: Kind::Ack, counter: 0 }), "{e}");
+        assert!(e.to_string().contains("failed authentication"), "{e}");
+        for cut in 0..f[0].len() {
+            assert!(key.opener(Dir::ToBackup).read_frame(&mut &f[0][..cut]).is_err());
+        }
+        let mut v2 = f[0].clone();
+        v2[4] = 2;
+        let e = key.opener(Dir::ToBackup).read_frame(&mut &v2[..]);
+        assert!(matches!(e, Err(ProtoError::Version { got: 2 })));
+    }
+
+    #[test]
+    fn replayed_reordered_dropped_reflected_and_spliced_frames_are_refused() {
+        let key = session(1);
+        let f = stream(&key);
+        let auth = |r: Result<Vec<u64>, ProtoError>| match r {
+            Err(ProtoError::Auth { counter, .. }) => counter,
+            other => panic!("not refused: {other:?}"),
+        };
+        // Replayed: frame 0 again in place of frame 1.
+        assert_eq!(auth(open_all(&key, &[&f[0], &f[0]])), 1);
+        // Reordered.
+        assert_eq!(auth(open_all(&key, &[&f[1], &f[0]])), 0);
+        // Dropped: frame 1 never arrives.
+        assert_eq!(auth(open_all(&key, &[&f[0], &f[2]])), 1);
+        // Spliced: frame 1 from another session (another session key).
+        let other = stream(&session(2));
+        assert_eq!(auth(open_all(&key, &[&f[0], &other[1]])), 1);
+        // Reflected: a frame the backup sent, fed back to the backup.
+        let mut back = Vec::new();
+        key.sealer(Dir::ToPrimary).write_frame(&mut back, Kind::Ack, 0, 0, &[b"abcd"]).unwrap();
+        assert_eq!(auth(open_all(&key, &[&back])), 0);
+        // A plain (handshake) frame where a sealed one is due.
+        let mut plain = Vec::new();
+        write_plain_frame(&mut plain, Kind::Ack, &[b"abcd"]).unwrap();
+        assert!(open_all(&key, &[&plain]).is_err());
+    }
+
+    #[test]
+    fn plain_frames_are_small_and_checked() {
         let mut buf = Vec::new();
-        write_frame(&mut buf, Kind::Ack, 7, 0, &[b"ab", b"cd"]).unwrap();
-        let f = read_frame(&mut &buf[..]).unwrap();
-        assert_eq!((f.kind, f.epoch, f.payload.as_slice()), (Kind::Ack, 7, &b"abcd"[..]));
+        write_plain_frame(&mut buf, Kind::Hello, &[b"ab", b"cd"]).unwrap();
+        let f = read_plain_frame(&mut &buf[..]).unwrap();
+        assert_eq!((f.kind, f.payload.as_slice()), (Kind::Hello, &b"abcd"[..]));
         for i in 0..buf.len() {
             let mut bad = buf.clone();
             bad[i] ^= 0x40;
-            assert!(read_frame(&mut &bad[..]).is_err(), "flip at byte {i} not caught");
+            assert!(read_plain_frame(&mut &bad[..]).is_err(), "flip at byte {i} not caught");
         }
-        for cut in 0..buf.len() {
-            assert!(read_frame(&mut &buf[..cut]).is_err());
-        }
-        let mut v2 = buf.clone();
-        v2[4] = 9;
-        assert!(matches!(read_frame(&mut &v2[..]), Err(ProtoError::Version { got: 9 })));
+        let big = vec![0u8; HANDSHAKE_MAX + 1];
+        assert!(write_plain_frame(&mut Vec::new(), Kind::Hello, &[&big]).is_err());
+        // A header announcing a large payload is refused before any of it is read.
+        let mut h = header(Kind::Hello, 0, 0, MAX_PAYLOAD);
+        let crc = crc32fast::hash(&h[..24]);
+        h[24..28].copy_from_slice(&crc.to_le_bytes());
+        let e = read_plain_frame(&mut &h[..]).unwrap_err();
+        assert!(e.to_string().contains("at most 4096"), "{e}");
     }
 
     #[test]

@@ -11,7 +11,8 @@
 //! {"op":"stats","id":0}                  -> {"ok":true,"stats":{...}}
 //! {"op":"destroy","id":0}                -> {"ok":true}
 //! {"op":"shutdown"}                      -> {"ok":true}   (stops the host)
-//! {"op":"info"}                          -> {"ok":true,"pid":N,"version":"...","generation":N}
+//! {"op":"info"}                          -> {"ok":true,"pid":N,"version":"...","generation":N,
+//!                                            "limits":{...},"committed":{"mem_bytes":N,"vcpus":N}}
 //! {"op":"rejuvenate","mode":"warm"|"cold"|"save-restore",
 //!  "binary":"/path", "image_dir":"/dir", "timeout_secs":N,
 //!  "prespawn":true|false (all optional; prespawn: warm only, default true)}
@@ -25,23 +26,57 @@
 //!
 //! Every failure is `{"ok":false,"error":"..."}`; a bad request never
 //! affects the other VMs or other connections.
+//!
+//! ## Who may connect
+//!
+//! The socket file is created with mode 0600, and every connection is
+//! authenticated by the credentials the kernel records for its peer
+//! (SO_PEERCRED): only the host's own user and root are served; anyone else
+//! gets one error line and the connection is closed.
+//!
+//! ## Limits
+//!
+//! No client can make the host buffer, wait or commit without bound
+//! ([`crate::host::Limits`], set by `ninelives host` options):
+//!
+//! - A request line holds at most [`MAX_REQUEST`] (64 KiB) bytes, newline
+//!   included, and must be complete within the request time limit
+//!   (`--request-timeout`, default 10 s) of its first byte. Otherwise the
+//!   client gets one error line and the connection is closed; nothing past
+//!   the limit is read or kept. A reply the client does not read within the
+//!   same time is dropped with the connection.
+//! - A connection with no request for the idle time limit (`--idle-timeout`,
+//!   default 600 s) gets an error line and is closed.
+//! - Waiting on a client (reading its request, sending the reply) is never
+//!   counted as a hang by the watchdog: only the time limits end it.
+//! - At most `--max-connections` (default 64) connections are served at
+//!   once; one more gets an error line saying so and is closed.
+//! - `create` is refused when the guest memory of the hosted VMs plus the
+//!   new one would exceed the memory budget (`--mem-budget`; default the
+//!   host's MemAvailable at start minus 1 GiB or a tenth, whichever is
+//!   more), or their vCPUs the vCPU budget (`--vcpu-budget`; default 16 per
+//!   online CPU, at least 32). A VM counts until it is destroyed. A VM has 1
+//!   to [`nl_abi::MAX_VCPUS`] vCPUs.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicBool, AtomicUsize,
+    Ordering::{Relaxed, SeqCst},
+};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
 use crate::handover::Mode;
-use crate::host::Host;
+use crate::host::{Host, Limits};
 use crate::rejuvenate;
 use crate::{VmConfig, VmmError};
 
-/// Longest request line accepted.
+/// Longest request line accepted, newline included.
 pub const MAX_REQUEST: usize = 64 * 1024;
 
 /// Turns the parameters of a `create` request into a VM configuration.
@@ -58,7 +93,46 @@ pub fn serve(host: Arc<Host>, path: &Path, build: Arc<ConfigBuilder>) -> Result<
     }
     let listener = UnixListener::bind(path)
         .map_err(|e| VmmError::Config(format!("cannot listen on {}: {e}", path.display())))?;
+    // Only this user may connect (the peer check below holds either way).
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
     serve_listener(host, listener, path, build)
+}
+
+/// The user id of the process at the other end of `stream` (SO_PEERCRED,
+/// recorded by the kernel when the peer connected).
+fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: SO_PEERCRED writes at most `len` bytes, one `struct ucred`,
+    // into `cred`, which outlives the call; the fd is the stream's own.
+    let r = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(cred.uid)
+}
+
+/// Authenticates a client by its kernel-reported credentials: the host's
+/// own user and root may use the API, nobody else.
+fn authenticate(stream: &UnixStream) -> Result<(), String> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    match peer_uid(stream) {
+        Ok(uid) if uid == me || uid == 0 => Ok(()),
+        Ok(uid) => Err(format!(
+            "permission denied: user {uid} may not use this host's API (only user {me} and root)"
+        )),
+        Err(e) => Err(format!("permission denied: cannot read the peer's credentials: {e}")),
+    }
 }
 
 /// State of one serving process shared by its connections.
@@ -72,6 +146,8 @@ pub struct ServeCtx {
     /// The VMs now belong to a new process: exit without touching them or
     /// the socket file.
     handed_over: AtomicBool,
+    /// Connections being served now.
+    conns: AtomicUsize,
 }
 
 /// Serves the API on an already listening socket (one inherited from the
@@ -88,9 +164,11 @@ pub fn serve_listener(
         done: AtomicBool::new(false),
         hold: AtomicBool::new(false),
         handed_over: AtomicBool::new(false),
+        conns: AtomicUsize::new(0),
     });
     listener.set_nonblocking(true)?;
     crate::recovery::set_api(listener.as_raw_fd(), path);
+    crate::seccomp::apply(crate::seccomp::Kind::Api);
     let _reg = crate::recovery::enter(false);
     let progress = crate::detect::track();
     while !ctx.done.load(Relaxed) {
@@ -106,10 +184,24 @@ pub fn serve_listener(
                 }
                 match listener.accept() {
                     Ok((stream, _)) => {
+                        if let Err(why) = authenticate(&stream) {
+                            refuse(stream, &why);
+                            continue;
+                        }
+                        let slot = match take_slot(&ctx, host.limits().max_connections) {
+                            Ok(slot) => slot,
+                            Err(why) => {
+                                refuse(stream, &why);
+                                continue;
+                            }
+                        };
                         let (host, build, ctx) = (host.clone(), build.clone(), ctx.clone());
-                        let _ = std::thread::Builder::new()
-                            .name("api-conn".into())
-                            .spawn(move || serve_connection(stream, &host, &*build, &ctx));
+                        // The slot is freed when the thread ends (or if it cannot start).
+                        let _ =
+                            std::thread::Builder::new().name("api-conn".into()).spawn(move || {
+                                let _slot = slot;
+                                serve_connection(stream, &host, &*build, &ctx)
+                            });
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                         crate::recovery::safe(|| std::thread::sleep(Duration::from_millis(2)));
@@ -142,15 +234,161 @@ pub fn arm_fault_hook(after: u64, hook: fn()) {
     FAULT.arm(after, hook);
 }
 
+/// One connection's slot under [`Limits::max_connections`], freed when the
+/// connection's thread ends.
+struct Slot(Arc<ServeCtx>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.conns.fetch_sub(1, SeqCst);
+    }
+}
+
+/// Takes a connection slot, or says why not.
+fn take_slot(ctx: &Arc<ServeCtx>, max: usize) -> Result<Slot, String> {
+    if ctx.conns.fetch_add(1, SeqCst) >= max {
+        ctx.conns.fetch_sub(1, SeqCst);
+        return Err(format!(
+            "too many connections: this host serves at most {max} at once \
+             (host --max-connections); close one or try again later"
+        ));
+    }
+    Ok(Slot(ctx.clone()))
+}
+
+/// Answers a connection that is not served with one error line, without
+/// ever blocking (a fresh socket has room for one line), and closes it.
+fn refuse(stream: UnixStream, error: &str) {
+    let _ = stream.set_nonblocking(true);
+    let mut line = json!({"ok": false, "error": error}).to_string();
+    line.push('\n');
+    let _ = (&stream).write(line.as_bytes());
+}
+
 fn serve_connection(stream: UnixStream, host: &Host, build: &ConfigBuilder, ctx: &ServeCtx) {
+    crate::seccomp::apply(crate::seccomp::Kind::Api);
     let _ = stream.set_nonblocking(false);
     let _reg = crate::recovery::enter(false);
     let progress = crate::detect::track();
+    let limits = host.limits();
     // The whole exchange runs under a recovery point: an error anywhere in
     // it (reading, parsing, answering; handling has a point of its own)
     // discards the connection, and the stream, owned out here, closes, so
     // the client sees the connection end without an answer.
-    let _ = crate::recovery::protected(|| serve_requests(&stream, host, build, ctx, &progress));
+    let _ = crate::recovery::protected(|| {
+        serve_requests(&stream, host, build, ctx, &progress, &limits)
+    });
+}
+
+/// What reading one request from a client gave.
+enum Got {
+    /// A request line, with its newline.
+    Line(Vec<u8>),
+    /// The client closed the connection (or it failed).
+    Closed,
+    /// [`MAX_REQUEST`] bytes without a newline.
+    TooLong,
+    /// No newline within the request time limit after the first byte.
+    TooSlow,
+    /// No byte of a new request within the idle time limit.
+    Idle,
+}
+
+/// Reads request lines into a buffer of [`MAX_REQUEST`] bytes, never more:
+/// a request that does not fit is refused, not accumulated.
+struct Requests {
+    buf: Vec<u8>,
+    /// Bytes of `buf` read but not yet returned (the start of the next request).
+    len: usize,
+}
+
+impl Requests {
+    fn new() -> Self {
+        Self { buf: vec![0; MAX_REQUEST], len: 0 }
+    }
+
+    /// The next request line. Blocks on the client: call it only while the
+    /// thread is waiting for the hang watchdog ([`crate::detect::Progress::wait`]).
+    fn next(&mut self, stream: &UnixStream, limits: &Limits) -> Got {
+        // A request whose first bytes came with the previous one starts now.
+        let mut deadline = (self.len > 0).then(|| Instant::now() + limits.request_timeout);
+        let mut scanned = 0;
+        loop {
+            if let Some(i) = self.buf[scanned..self.len].iter().position(|&b| b == b'\n') {
+                let end = scanned + i + 1;
+                let line = self.buf[..end].to_vec();
+                self.buf.copy_within(end..self.len, 0);
+                self.len -= end;
+                return Got::Line(line);
+            }
+            scanned = self.len;
+            if self.len == self.buf.len() {
+                return Got::TooLong;
+            }
+            let wait = match deadline {
+                Some(d) => match d.checked_duration_since(Instant::now()) {
+                    Some(w) if !w.is_zero() => w,
+                    _ => return Got::TooSlow,
+                },
+                None => limits.idle_timeout,
+            };
+            if stream.set_read_timeout(Some(wait)).is_err() {
+                return Got::Closed;
+            }
+            let free = &mut self.buf[self.len..];
+            match crate::recovery::safe(|| (&*stream).read(free)) {
+                Ok(0) => return Got::Closed,
+                Ok(n) => {
+                    deadline.get_or_insert_with(|| Instant::now() + limits.request_timeout);
+                    self.len += n;
+                }
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    return if deadline.is_some() { Got::TooSlow } else { Got::Idle };
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(_) => return Got::Closed,
+            }
+        }
+    }
+}
+
+/// Writes one reply line within `timeout` (a client that does not read its
+/// replies is cut off). Blocks on the client, so the thread waits for the
+/// hang watchdog meanwhile. False if the line did not go out.
+fn send_line(
+    stream: &UnixStream,
+    reply: &Value,
+    timeout: Duration,
+    progress: &crate::detect::Progress,
+) -> bool {
+    let mut line = reply.to_string();
+    line.push('\n');
+    let deadline = Instant::now() + timeout;
+    let mut rest = line.as_bytes();
+    progress.wait();
+    let sent = crate::recovery::safe(|| {
+        while !rest.is_empty() {
+            let Some(wait) = deadline.checked_duration_since(Instant::now()) else {
+                return false;
+            };
+            if wait.is_zero() || stream.set_write_timeout(Some(wait)).is_err() {
+                return false;
+            }
+            match (&*stream).write(rest) {
+                Ok(0) => return false,
+                Ok(n) => rest = &rest[n..],
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(_) => return false,
+            }
+        }
+        true
+    });
+    progress.resume();
+    sent
+}
+
+fn error_reply(error: String) -> Value {
+    json!({"ok": false, "error": error})
 }
 
 fn serve_requests(
@@ -159,51 +397,62 @@ fn serve_requests(
     build: &ConfigBuilder,
     ctx: &ServeCtx,
     progress: &crate::detect::Progress,
+    limits: &Limits,
 ) {
-    let mut out = stream;
-    let mut reader = BufReader::new(stream);
+    let mut requests = Requests::new();
     loop {
-        let mut line = Vec::new();
+        // Waiting on the client is never a hang of this thread: each wait
+        // is bounded by the request or idle time limit instead.
         progress.wait();
-        let got = crate::recovery::safe(|| {
-            (&mut reader).take(MAX_REQUEST as u64 + 1).read_until(b'\n', &mut line)
-        });
+        let got = requests.next(stream, limits);
         progress.resume();
-        match got {
-            Ok(0) | Err(_) => return,
-            Ok(_) => FAULT.pass(),
-        }
-        let reply = if line.len() > MAX_REQUEST {
-            // Drop the rest of an oversized line, then answer it.
-            let mut sink = Vec::new();
-            let _ = (&mut reader).take(1 << 30).read_until(b'\n', &mut sink);
-            json!({"ok": false, "error": format!("request longer than {MAX_REQUEST} bytes")})
-        } else {
-            match serde_json::from_slice::<Value>(&line) {
-                Ok(req) => {
-                    // These wait on other threads (vCPUs, a successor VMM), which are
-                    // checked themselves, or on the kernel (creating a VM's memory
-                    // slots can block in synchronize_srcu for long on a loaded host).
-                    if matches!(
-                        req.get("op").and_then(Value::as_str),
-                        Some("create" | "pause" | "destroy" | "rejuvenate")
-                    ) {
-                        progress.wait();
-                    }
-                    // A request discarded by a microreset is answered as such:
-                    // the client may retry it.
-                    match crate::recovery::protected(|| handle_in(host, build, &req, ctx)) {
-                        crate::recovery::Outcome::Done(v) => v,
-                        crate::recovery::Outcome::Recovered { .. } => json!({
-                            "ok": false, "interrupted": true,
-                            "error": "the request was interrupted by a VMM recovery; retry it",
-                        }),
-                    }
-                }
-                Err(e) => json!({"ok": false, "error": format!("malformed request: {e}")}),
+        let line = match got {
+            Got::Line(line) => line,
+            Got::Closed => return,
+            refused => {
+                // Answer, then close: nothing more is read from this client.
+                let error = match refused {
+                    Got::TooLong => format!("request longer than {MAX_REQUEST} bytes"),
+                    Got::TooSlow => format!(
+                        "request not complete (no newline) within {:.1} s of its first byte",
+                        limits.request_timeout.as_secs_f64()
+                    ),
+                    _ => format!(
+                        "connection idle for {:.0} s; closed",
+                        limits.idle_timeout.as_secs_f64()
+                    ),
+                };
+                send_line(stream, &error_reply(error), limits.request_timeout, progress);
+                return;
             }
         };
-        let written = writeln!(out, "{reply}").is_ok();
+        FAULT.pass();
+        let reply = match serde_json::from_slice::<Value>(&line) {
+            Ok(req) => {
+                // These wait on other threads (vCPUs, a successor VMM), which are
+                // checked themselves, or on the kernel (creating a VM's memory
+                // slots can block in synchronize_srcu for long on a loaded host).
+                if matches!(
+                    req.get("op").and_then(Value::as_str),
+                    Some("create" | "pause" | "destroy" | "rejuvenate")
+                ) {
+                    progress.wait();
+                }
+                // A request discarded by a microreset is answered as such:
+                // the client may retry it.
+                let r = match crate::recovery::protected(|| handle_in(host, build, &req, ctx)) {
+                    crate::recovery::Outcome::Done(v) => v,
+                    crate::recovery::Outcome::Recovered { .. } => json!({
+                        "ok": false, "interrupted": true,
+                        "error": "the request was interrupted by a VMM recovery; retry it",
+                    }),
+                };
+                progress.resume();
+                r
+            }
+            Err(e) => error_reply(format!("malformed request: {e}")),
+        };
+        let written = send_line(stream, &reply, limits.request_timeout, progress);
         if ctx.handed_over.load(Relaxed) {
             // The reply to `rejuvenate` is out: this process is done.
             ctx.done.store(true, Relaxed);
@@ -230,6 +479,7 @@ pub fn handle(host: &Host, build: &ConfigBuilder, req: &Value, done: &AtomicBool
         done: AtomicBool::new(false),
         hold: AtomicBool::new(false),
         handed_over: AtomicBool::new(false),
+        conns: AtomicUsize::new(0),
     };
     let r = handle_in(host, build, req, &ctx);
     if ctx.done.load(Relaxed) {
@@ -299,11 +549,16 @@ fn handle_in(host: &Host, build: &ConfigBuilder, req: &Value, ctx: &ServeCtx) ->
         }
         Ok(match op {
             "rejuvenate" => rejuvenate_op(host, req, ctx)?,
-            "info" => json!({
-                "pid": std::process::id(),
-                "version": env!("CARGO_PKG_VERSION"),
-                "generation": host.generation(),
-            }),
+            "info" => {
+                let (mem, vcpus) = host.committed();
+                json!({
+                    "pid": std::process::id(),
+                    "version": env!("CARGO_PKG_VERSION"),
+                    "generation": host.generation(),
+                    "limits": host.limits(),
+                    "committed": {"mem_bytes": mem, "vcpus": vcpus},
+                })
+            }
             "create" => json!({"id": host.create(build(req)?).map_err(e)?}),
             "list" => json!({"vms": host.list()}),
             "pause" => {

@@ -1,4 +1,5 @@
-//! Error detectors of the VMM process: fatal signals on any thread, Rust
+//! Error detectors of the VMM process: fatal signals on any thread (a
+//! syscall forbidden by the thread's seccomp filter included), Rust
 //! panics (assertion failures included), and a hang watchdog.
 //!
 //! Every detection is reported on stderr as one machine-readable line,
@@ -8,6 +9,7 @@
 //! ```text
 //! NINELIVES-DETECTED {"detector":"signal","signal":"SIGSEGV","thread":"vm0-vcpu0","tid":4242,"addr":"0x0","rip":"0x0"}
 //! NINELIVES-DETECTED {"detector":"panic","thread":"vm0-monitor","message":"...","location":"src/x.rs:1:2"}
+//! NINELIVES-DETECTED {"detector":"seccomp","syscall":135,"signal":"SIGSYS","thread":"vm0-vcpu0","tid":4242,"addr":"0x...","rip":"0x..."}
 //! NINELIVES-DETECTED {"detector":"hang","thread":"vm0-vcpu0","tid":4242,"missed_checks":3}
 //! ```
 //!
@@ -105,13 +107,15 @@ fn gettid() -> i32 {
 }
 
 /// The fatal signals the detector catches.
-pub const FATAL_SIGNALS: [(libc::c_int, &str); 6] = [
+pub const FATAL_SIGNALS: [(libc::c_int, &str); 7] = [
     (libc::SIGSEGV, "SIGSEGV"),
     (libc::SIGBUS, "SIGBUS"),
     (libc::SIGILL, "SIGILL"),
     (libc::SIGFPE, "SIGFPE"),
     (libc::SIGTRAP, "SIGTRAP"),
     (libc::SIGABRT, "SIGABRT"),
+    // A syscall a seccomp filter forbids ([`crate::seccomp`]).
+    (libc::SIGSYS, "SIGSYS"),
 ];
 
 /// Installs all detectors once per process: the fatal-signal handler, the
@@ -210,7 +214,15 @@ extern "C" fn on_fatal_signal(
     let signame = FATAL_SIGNALS.iter().find(|(s, _)| *s == sig).map_or("?", |(_, n)| n);
     let mut l = Line { buf: [0; 384], len: 0 };
     l.push(REPORT_PREFIX.as_bytes());
-    l.push(b"{\"detector\":\"signal\",\"signal\":\"");
+    // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler.
+    match unsafe { crate::seccomp::trapped_syscall(info) } {
+        Some(nr) => {
+            l.push(b"{\"detector\":\"seccomp\",\"syscall\":");
+            l.dec(nr as u32 as u64);
+            l.push(b",\"signal\":\"");
+        }
+        None => l.push(b"{\"detector\":\"signal\",\"signal\":\""),
+    }
     l.push(signame.as_bytes());
     l.push(b"\",\"thread\":\"");
     for &b in name.iter().take_while(|&&b| b != 0) {
@@ -261,6 +273,7 @@ fn report(v: &serde_json::Value) {
 }
 
 fn watchdog() {
+    crate::seccomp::apply(crate::seccomp::Kind::Watchdog);
     let _reg = crate::recovery::enter(false);
     // Per tracked thread: the beats seen at the last check and the misses since.
     let mut seen: Vec<(Weak<Progress>, u64, u32, u64)> = Vec::new();

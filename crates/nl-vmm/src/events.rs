@@ -44,6 +44,7 @@ impl Events {
         });
         let w = Arc::downgrade(&e);
         std::thread::Builder::new().name("events".into()).spawn(move || {
+            crate::seccomp::apply(crate::seccomp::Kind::Events);
             let _reg = crate::recovery::enter(false);
             let progress = crate::detect::track();
             loop {

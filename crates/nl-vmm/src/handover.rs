@@ -14,7 +14,7 @@
 
 use std::collections::BTreeSet;
 use std::fs::File;
-use std::io::{BufRead, BufReader, Read, Seek, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -138,6 +138,46 @@ impl VmRecord {
         }
     }
 
+    /// Every field of the record that the VM's saved state also holds must
+    /// agree with it: a mismatch is refused by the field's name, with both
+    /// values (the VM would otherwise be rebuilt with a configuration that
+    /// is not the one its state was saved under).
+    pub fn check_state(&self, s: &VmState) -> Result<(), VmmError> {
+        let id = self.id;
+        let field = |f: &str, rv: String, sv: String| {
+            Err(VmmError::State(format!(
+                "handover refused: VM {id}: record field {f} is {rv} but its saved state says {sv}"
+            )))
+        };
+        if self.mem_bytes != s.mem_bytes {
+            return field("mem_bytes", self.mem_bytes.to_string(), s.mem_bytes.to_string());
+        }
+        if self.vcpus != s.num_vcpus || s.vcpus.len() != s.num_vcpus as usize {
+            return field(
+                "vcpus",
+                self.vcpus.to_string(),
+                format!("{} ({} vCPU states)", s.num_vcpus, s.vcpus.len()),
+            );
+        }
+        if self.timer_hz != s.timer_hz {
+            return field("timer_hz", self.timer_hz.to_string(), s.timer_hz.to_string());
+        }
+        if self.workload != s.workload {
+            return field("workload", format!("{:?}", self.workload), format!("{:?}", s.workload));
+        }
+        Ok(())
+    }
+
+    /// The record's own fields, checked as a VM configuration would be
+    /// (vCPU count, memory size, timer frequency, working set against
+    /// memory), before anything is built from it.
+    fn check_fields(&self) -> Result<(), VmmError> {
+        let images = Images { kernel: Arc::default(), user: Arc::default() };
+        self.config(&images)
+            .validate()
+            .map_err(|m| VmmError::State(format!("handover refused: VM {}: {m}", self.id)))
+    }
+
     /// The VM configuration, with guest images supplied by the binary.
     pub fn config(&self, images: &Images) -> VmConfig {
         VmConfig {
@@ -181,6 +221,10 @@ pub struct HandoverRecord {
     /// socket once the old process has paused the VMs (see [`take_over`]).
     #[serde(default)]
     pub deferred_state: bool,
+    /// The old process's budgets and API limits, kept by the new one
+    /// (absent in older records: the new process's own defaults).
+    #[serde(default)]
+    pub limits: Option<crate::host::Limits>,
 }
 
 impl HandoverRecord {
@@ -198,6 +242,7 @@ impl HandoverRecord {
             finished: Vec::new(),
             reboot: None,
             deferred_state: false,
+            limits: None,
         }
     }
 
@@ -270,6 +315,7 @@ impl HandoverRecord {
                     return Err(bad(format!("corrupt record: descriptor {fd} used twice")));
                 }
             }
+            v.check_fields()?;
             if v.id >= r.next_id {
                 return Err(bad(format!(
                     "corrupt record: VM id {} >= next id {}",
@@ -365,17 +411,16 @@ fn read_record(file: &mut File) -> Result<HandoverRecord, VmmError> {
     HandoverRecord::from_bytes(&read_record_bytes(file)?)
 }
 
-/// A record's bytes from an inherited memfd, at most [`MAX_RECORD`].
+/// A record's bytes from an inherited memfd: a regular file (a memfd is one)
+/// of at most [`MAX_RECORD`] bytes.
 fn read_record_bytes(file: &mut File) -> Result<Vec<u8>, VmmError> {
-    file.rewind()?;
-    let mut b = Vec::new();
-    file.take(MAX_RECORD + 1).read_to_end(&mut b)?;
-    if b.len() as u64 > MAX_RECORD {
-        return Err(VmmError::State(format!(
-            "handover refused: record larger than {MAX_RECORD} bytes"
-        )));
-    }
-    Ok(b)
+    nl_memory::file::read_open_limited(
+        file,
+        "(inherited descriptor)",
+        "handover record",
+        MAX_RECORD,
+    )
+    .map_err(|e| VmmError::State(format!("handover refused: {e}")))
 }
 
 /// Builds one VM of a record over the given memory (not started). With no
@@ -390,6 +435,7 @@ pub fn build_vm(
     match (&rec.state, memory) {
         (Some(s), Some(mem)) => {
             let state = VmState::from_bytes(s.as_bytes())?;
+            rec.check_state(&state)?;
             Vm::restore(kvm, rec.id, config, mem, &state)
         }
         (None, _) => Vm::create(kvm, rec.id, config),
@@ -399,10 +445,10 @@ pub fn build_vm(
 
 /// Loads a save-restore memory image into fresh memory.
 pub fn load_image(rec: &VmRecord, path: &Path) -> Result<GuestMemory, VmmError> {
+    // A regular file of at most the VM's memory (load_from wants exactly that).
+    let (mut f, _) = nl_memory::file::open_limited(path, "memory image", rec.mem_bytes)
+        .map_err(|e| VmmError::State(format!("VM {}: {e}", rec.id)))?;
     let mem = GuestMemory::new(&format!("vm{}", rec.id), rec.mem_bytes)?;
-    let mut f = File::open(path).map_err(|e| {
-        VmmError::State(format!("VM {}: cannot open memory image {}: {e}", rec.id, path.display()))
-    })?;
     mem.load_from(&mut f)?;
     Ok(mem)
 }
@@ -467,6 +513,7 @@ fn apply_states(
         // A VM without state finished in the old process meanwhile: dropped.
         let Some(st) = by_id.remove(&rec.id) else { continue };
         let state = VmState::from_bytes(st.state.as_bytes())?;
+        rec.check_state(&state)?;
         vm.restore_state(&state).map_err(|e| bad(format!("VM {}: {e}", rec.id)))?;
         rec.paused = st.paused;
         rec.paused_at_ns = st.paused_at_ns;
@@ -548,6 +595,7 @@ pub fn take_over(
     host.set_generation(generation);
     // Report per-VM start and first-heartbeat times without holding up the API.
     std::thread::Builder::new().name("handover-report".into()).spawn(move || {
+        crate::seccomp::apply(crate::seccomp::Kind::Api);
         let mut vms = Vec::new();
         for (rec, vm, start_ns) in &starts {
             let (beat_ns, workload_ns) = if rec.paused {
@@ -663,6 +711,9 @@ fn prepare_record(
         }
     }
     let host = Host::new()?;
+    if let Some(l) = record.limits {
+        host.set_limits(l);
+    }
     host.reserve_ids(record.next_id);
     let mut vms = Vec::new();
     for rec in &record.vms {
@@ -821,6 +872,90 @@ mod tests {
         assert!(w.remove("data_bytes").is_some());
         let r = HandoverRecord::from_bytes(v.to_string().as_bytes()).unwrap();
         assert_eq!(r.vms[0].workload.data_bytes, 0);
+    }
+
+    fn state_for(v: &VmRecord) -> VmState {
+        use crate::state::{IrqchipState, VcpuState};
+        let vcpu = || VcpuState {
+            regs: Default::default(),
+            sregs: Default::default(),
+            xsave: Default::default(),
+            xcrs: Default::default(),
+            msrs: Vec::new(),
+            lapic: Default::default(),
+            mp_state: Default::default(),
+            events: Default::default(),
+        };
+        VmState {
+            version: crate::state::STATE_VERSION,
+            mem_bytes: v.mem_bytes,
+            num_vcpus: v.vcpus,
+            timer_hz: v.timer_hz,
+            workload: v.workload,
+            vcpus: (0..v.vcpus).map(|_| vcpu()).collect(),
+            irqchip: IrqchipState { chips: Vec::new(), clock: None },
+            io_devices: Vec::new(),
+            mmio_devices: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_record_that_disagrees_with_its_state_is_refused_by_field() {
+        let r = sample();
+        let v = &r.vms[0];
+        v.check_state(&state_for(v)).unwrap();
+        let mut s = state_for(v);
+        s.timer_hz = 250;
+        let e = v.check_state(&s).unwrap_err().to_string();
+        assert!(e.contains("record field timer_hz is 100 but its saved state says 250"), "{e}");
+        let mut s = state_for(v);
+        s.mem_bytes = 128 << 20;
+        let e = v.check_state(&s).unwrap_err().to_string();
+        assert!(e.contains("field mem_bytes"), "{e}");
+        let mut s = state_for(v);
+        s.num_vcpus = 2;
+        let e = v.check_state(&s).unwrap_err().to_string();
+        assert!(e.contains("field vcpus"), "{e}");
+        let mut s = state_for(v);
+        s.vcpus.clear();
+        let e = v.check_state(&s).unwrap_err().to_string();
+        assert!(e.contains("field vcpus is 1 but its saved state says 1 (0 vCPU states)"), "{e}");
+        let mut s = state_for(v);
+        s.workload.duration_ms = u64::MAX;
+        let e = v.check_state(&s).unwrap_err().to_string();
+        assert!(e.contains("field workload"), "{e}");
+    }
+
+    #[test]
+    fn a_record_with_impossible_fields_is_refused_by_name() {
+        for (field, value, want) in [
+            ("vcpus", json!(0), "--vcpus 0 is out of range"),
+            ("vcpus", json!(nl_abi::MAX_VCPUS + 1), "is out of range"),
+            ("timer_hz", json!(0), "timer frequency 0 Hz"),
+            ("mem_bytes", json!(u64::MAX), "too large"),
+            ("mem_bytes", json!((64u64 << 20) + 1), "multiple of 4096"),
+        ] {
+            let mut v = serde_json::to_value(sample()).unwrap();
+            v["vms"][0][field] = value;
+            let e = HandoverRecord::from_bytes(v.to_string().as_bytes()).unwrap_err().to_string();
+            assert!(e.contains("handover refused: VM 2") && e.contains(want), "{field}: {e}");
+        }
+        // The working set must fit the memory the record names.
+        let mut v = serde_json::to_value(sample()).unwrap();
+        v["vms"][0]["workload"]["ws_bytes"] = json!(1u64 << 40);
+        let e = HandoverRecord::from_bytes(v.to_string().as_bytes()).unwrap_err().to_string();
+        assert!(e.contains("guest memory too small"), "{e}");
+    }
+
+    #[test]
+    fn a_record_descriptor_that_is_not_a_regular_file_or_too_big_is_refused() {
+        let mut zero = File::open("/dev/zero").unwrap();
+        let e = read_record_bytes(&mut zero).unwrap_err().to_string();
+        assert!(e.contains("handover record") && e.contains("character device"), "{e}");
+        let mut big = nl_memory::create_memfd("big-record").unwrap();
+        big.set_len(MAX_RECORD + 1).unwrap();
+        let e = read_record_bytes(&mut big).unwrap_err().to_string();
+        assert!(e.contains(&format!("limit for a handover record is {MAX_RECORD}")), "{e}");
     }
 
     #[test]

@@ -51,8 +51,88 @@ pub struct VmStats {
     pub report: VmReport,
 }
 
+/// What a host admits: its guest-memory and vCPU budgets and the limits
+/// of its API (see the [`crate::api`] module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct Limits {
+    /// Guest memory (bytes) the hosted VMs may commit together.
+    pub mem_budget: u64,
+    /// vCPUs the hosted VMs may have together.
+    pub vcpu_budget: u32,
+    /// API connections served at once; more are refused.
+    pub max_connections: usize,
+    /// Time from a request's first byte to its newline.
+    pub request_timeout: Duration,
+    /// An API connection with no request for this long is closed.
+    pub idle_timeout: Duration,
+}
+
+/// Guest memory kept out of the default budget: this much, or a tenth of
+/// the available memory if that is more.
+pub const MEM_MARGIN: u64 = 1 << 30;
+/// Default vCPU budget: this many per online host CPU (at least one
+/// largest VM, [`nl_abi::MAX_VCPUS`]).
+pub const VCPUS_PER_CPU: u32 = 16;
+/// Default cap on concurrent API connections.
+pub const MAX_CONNECTIONS: usize = 64;
+/// Default time limit of one API request, from its first byte.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default idle time after which an API connection is closed.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+
+impl Limits {
+    /// The defaults on this machine: the memory available now (MemAvailable
+    /// of /proc/meminfo, or MemTotal) minus [`MEM_MARGIN`] (or a tenth),
+    /// [`VCPUS_PER_CPU`] vCPUs per online CPU, and the API defaults.
+    pub fn from_system() -> Self {
+        let avail = available_memory().unwrap_or(0);
+        let online = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let online = u32::try_from(online).unwrap_or(u32::MAX);
+        Self {
+            mem_budget: avail.saturating_sub(MEM_MARGIN.max(avail / 10)),
+            vcpu_budget: online.saturating_mul(VCPUS_PER_CPU).max(nl_abi::MAX_VCPUS),
+            max_connections: MAX_CONNECTIONS,
+            request_timeout: REQUEST_TIMEOUT,
+            idle_timeout: IDLE_TIMEOUT,
+        }
+    }
+}
+
+/// MemAvailable (or MemTotal) of /proc/meminfo, in bytes.
+pub fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |name: &str| {
+        info.lines().find_map(|l| {
+            let rest = l.strip_prefix(name)?.strip_prefix(':')?;
+            let kib: u64 = rest.trim().strip_suffix("kB")?.trim().parse().ok()?;
+            kib.checked_mul(1024)
+        })
+    };
+    field("MemAvailable").or_else(|| field("MemTotal"))
+}
+
+/// Guest memory and vCPUs of a VM being created, admitted but not yet in
+/// the host's table; released when dropped.
+struct Reservation<'a> {
+    host: &'a Host,
+    token: u64,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        self.host.pending.lock().remove(&self.token);
+    }
+}
+
 pub struct Host {
     kvm: Kvm,
+    /// Budgets and API limits.
+    limits: Arc<Lock<Limits>>,
+    /// Admitted creations not yet in `vms`: (guest memory, vCPUs) by token.
+    /// Admission checks and inserts under this lock, so two creations
+    /// cannot both pass against the same headroom.
+    pending: Arc<Lock<BTreeMap<u64, (u64, u32)>>>,
+    next_token: AtomicU64,
     vms: Arc<Lock<BTreeMap<u32, Arc<HostedVm>>>>,
     next_id: AtomicU32,
     /// Handovers in this host's lineage (0 for a freshly started host).
@@ -78,6 +158,9 @@ impl Host {
     pub fn new() -> Result<Arc<Self>, VmmError> {
         let h = Arc::new(Self {
             kvm: crate::open_kvm()?,
+            limits: Lock::new("host.limits", Limits::from_system()),
+            pending: Lock::new("host.pending", BTreeMap::new()),
+            next_token: AtomicU64::new(0),
             vms: Lock::new("host.vms", BTreeMap::new()),
             next_id: AtomicU32::new(0),
             generation: AtomicU64::new(0),
@@ -96,8 +179,83 @@ impl Host {
         self.vms().get(&id).cloned().ok_or_else(|| VmmError::Vm(id, "no such VM".into()))
     }
 
+    /// The host's budgets and API limits.
+    pub fn limits(&self) -> Limits {
+        *self.limits.lock()
+    }
+
+    /// The limits for a handover record (a successor process keeps them);
+    /// None if the lock is not free soon (a recovery after an error on
+    /// another thread must not wait on it): the successor uses its defaults.
+    pub fn limits_for_handover(&self) -> Option<Limits> {
+        self.limits.try_lock_for(Duration::from_millis(100)).map(|l| *l)
+    }
+
+    /// Sets the host's budgets and API limits (VMs already hosted stay,
+    /// even over a smaller budget; new ones are admitted against it).
+    pub fn set_limits(&self, l: Limits) {
+        *self.limits.lock() = l;
+    }
+
+    /// Guest memory and vCPUs committed now: every hosted VM until it is
+    /// destroyed, and every creation admitted but not yet hosted.
+    pub fn committed(&self) -> (u64, u32) {
+        let pending = self.pending.lock();
+        self.committed_with(&pending)
+    }
+
+    fn committed_with(&self, pending: &BTreeMap<u64, (u64, u32)>) -> (u64, u32) {
+        let (mut mem, mut vcpus) = pending
+            .values()
+            .fold((0u64, 0u32), |(m, v), (pm, pv)| (m.saturating_add(*pm), v.saturating_add(*pv)));
+        for h in self.vms().values() {
+            mem = mem.saturating_add(h.vm.config().mem_bytes);
+            vcpus = vcpus.saturating_add(h.vm.config().vcpus);
+        }
+        (mem, vcpus)
+    }
+
+    /// Admits a VM of this configuration against the budgets, or says why not.
+    fn admit(&self, config: &VmConfig) -> Result<Reservation<'_>, VmmError> {
+        let (mem, vcpus) = (config.mem_bytes, config.vcpus);
+        if vcpus == 0 || vcpus > nl_abi::MAX_VCPUS {
+            return Err(VmmError::Config(format!(
+                "vcpus {vcpus} is out of range: a VM has 1 to {} vCPUs",
+                nl_abi::MAX_VCPUS
+            )));
+        }
+        let limits = self.limits();
+        // Checked and recorded under one lock: concurrent creations see
+        // each other's reservations.
+        let mut pending = self.pending.lock();
+        let (used_mem, used_vcpus) = self.committed_with(&pending);
+        let mib = |b: u64| b >> 20;
+        if used_mem.saturating_add(mem) > limits.mem_budget {
+            return Err(VmmError::Config(format!(
+                "not enough guest memory: the VM needs {} MiB, {} MiB of this host's budget \
+                 of {} MiB are committed (host --mem-budget); destroy a VM or ask for less",
+                mib(mem),
+                mib(used_mem),
+                mib(limits.mem_budget)
+            )));
+        }
+        if used_vcpus.saturating_add(vcpus) > limits.vcpu_budget {
+            return Err(VmmError::Config(format!(
+                "not enough vCPUs: the VM needs {vcpus}, {used_vcpus} of this host's budget \
+                 of {} vCPUs are committed (host --vcpu-budget); destroy a VM or ask for fewer",
+                limits.vcpu_budget
+            )));
+        }
+        let token = self.next_token.fetch_add(1, Relaxed);
+        pending.insert(token, (mem, vcpus));
+        Ok(Reservation { host: self, token })
+    }
+
     /// Creates and starts a VM; a monitor thread records how it ends.
+    /// Refused if it does not fit the host's budgets ([`Limits`]).
     pub fn create(&self, config: VmConfig) -> Result<u32, VmmError> {
+        // Released once the VM is in the table (or its creation failed).
+        let _reserved = self.admit(&config)?;
         let id = self.next_id.fetch_add(1, Relaxed);
         let vm = Vm::create(&self.kvm, id, config)?;
         self.adopt(vm, false)?;

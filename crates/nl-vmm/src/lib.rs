@@ -9,6 +9,7 @@
 //! * [`recovery`]: microreset and microreboot of the VMM after a detected error.
 //! * [`events`]: the host's recurring events (VM supervision).
 //! * [`progress`]: guest progress in vCPU-thread CPU time (hang judgement).
+//! * [`seccomp`]: a seccomp-bpf filter per VMM thread kind.
 //! * [`kick`]: interrupting a vCPU thread out of KVM_RUN with a signal.
 //! * [`host`]: several VMs in one VMM process, addressed by id.
 //! * [`api`]: the Unix-socket API of `ninelives host`.
@@ -36,6 +37,7 @@ mod netrx;
 pub mod progress;
 pub mod recovery;
 pub mod rejuvenate;
+pub mod seccomp;
 pub mod state;
 pub mod vcpu;
 pub mod vm;

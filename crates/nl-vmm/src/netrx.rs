@@ -52,6 +52,7 @@ pub(crate) fn spawn(vm: u32, net: NetTransport, run: Arc<RunControl>) -> std::io
     let q = quit.clone();
     let fd = net.lock().device().tap_fd();
     let thread = std::thread::Builder::new().name(format!("vm{vm}-netrx")).spawn(move || {
+        crate::seccomp::apply(crate::seccomp::Kind::Device);
         let _reg = crate::recovery::enter(false);
         // A frame half delivered when a microreset discards this thread is
         // lost, as on a real link; the loop starts over.

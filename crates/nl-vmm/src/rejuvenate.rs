@@ -372,6 +372,7 @@ impl Successor {
             "--handover-ctl".into(),
             theirs.as_raw_fd().to_string(),
         ];
+        let args: Vec<String> = args.into_iter().chain(crate::seccomp::successor_args()).collect();
         let spawn_ns = mono_ns();
         let mut child = handover::spawn_with_fds(&opts.binary, &args, inherit)
             .map_err(|e| format!("cannot start {}: {e}", opts.binary.display()))?;
@@ -403,6 +404,7 @@ impl Successor {
     ) -> Result<Self, String> {
         let mut record =
             HandoverRecord::new(Mode::Warm, host.generation() + 1, listener_fd, host.next_id());
+        record.limits = host.limits_for_handover();
         record.defer_state();
         for h in host.hosted() {
             if h.outcome.lock().is_some() {
@@ -554,6 +556,7 @@ fn hand_over(
         None => {
             let mut record =
                 HandoverRecord::new(opts.mode, host.generation() + 1, listener_fd, host.next_id());
+            record.limits = host.limits_for_handover();
             record.vms = suspended.iter().map(|s| s.rec.clone()).collect();
             record.finished = finished;
             let mut s = Successor::spawn(&record, listener_fd, opts).map_err(Recoverable)?;

@@ -282,6 +282,7 @@ pub fn run_vcpu(
 ) -> VcpuStop {
     let _reg = crate::recovery::enter(true);
     stats.tid.store(nl_sync::tid(), SeqCst);
+    crate::seccomp::apply(crate::seccomp::Kind::Vcpu);
     // Hang watchdog: busy while handling an exit, waiting inside KVM_RUN or parked.
     let progress = crate::detect::track();
     let log = ExitLog::default();

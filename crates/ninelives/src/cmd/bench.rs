@@ -172,6 +172,16 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             results.push(serde_json::to_value(e)?);
         }
     }
+    if a.workloads.is_empty() || a.workloads.contains(&WorkloadName::Exits) {
+        let s = crate::cmd::bench_seccomp::measure(&m, a.duration)?;
+        if !a.json {
+            println!(
+                "seccomp   exits       filters on/off ops/s ratio median {:.3} (min {:.3}, max {:.3}, {} interleaved pairs)  loadavg {}",
+                s.ratio_median, s.ratio_min, s.ratio_max, s.reps, s.loadavg_before
+            );
+        }
+        results.push(serde_json::json!({ "workload": "seccomp", "seccomp": s }));
+    }
     let boot = boot_times(a.boots, &m)?;
     if !a.json {
         println!(

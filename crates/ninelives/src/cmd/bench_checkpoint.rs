@@ -84,6 +84,7 @@ fn ckpt_args(
         hang_timeout: if inject > 0 { 0.1 } else { 1.0 },
         disk_every: 0,
         disk_path: "unused".into(),
+        key_file: None,
         console: None,
         json: true,
     }
@@ -387,6 +388,7 @@ fn loaded(a: &BenchCheckpointArgs) -> Result<ExitCode> {
         hang_timeout: 1.0,
         disk_every: 0,
         disk_path: "unused".into(),
+        key_file: None,
         console: None,
         json: true,
     };

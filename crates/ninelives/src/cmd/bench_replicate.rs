@@ -24,7 +24,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use nl_replicate::backup::{serve, BackupConfig, BackupEnd};
+use nl_replicate::auth::Key;
+use nl_replicate::backup::{serve, BackupConfig, BackupEnd, HANDSHAKE_TIME};
 use nl_vmm::{Vm, VmOutcome};
 use serde::Serialize;
 
@@ -256,6 +257,7 @@ fn unreplicated(w: &WorkloadArgs, duration: f64, disk: Option<&std::path::Path>)
 
 fn primary_args(
     backup: SocketAddr,
+    key_file: &std::path::Path,
     w: &WorkloadArgs,
     duration: f64,
     c: Case,
@@ -265,7 +267,7 @@ fn primary_args(
         backup,
         epoch: c.epoch,
         lease_ms: 2000,
-        secret: "bench".into(),
+        key_file: key_file.to_path_buf(),
         selective: c.selective,
         direct: c.direct,
         pipeline: c.pipeline,
@@ -292,19 +294,21 @@ fn replicated(
 ) -> Result<PrimaryRun> {
     let addr = free_port()?;
     let m = MachineArgs::default();
+    let key = BenchKey::new()?;
     let cfg = BackupConfig {
         listen: addr,
         allow: None,
-        secret: "bench".into(),
+        key: Key::load(&key.0).map_err(anyhow::Error::msg)?,
         mem_bytes: m.mem,
         vcpus: m.vcpus,
         disk: disks.map(|d| d.1.to_path_buf()),
         lease: Duration::from_secs(2),
         heartbeat: Duration::from_millis(100),
+        handshake: HANDSHAKE_TIME,
     };
     let backup = std::thread::spawn(move || serve(&cfg, &mut |_| {}));
     std::thread::sleep(Duration::from_millis(50));
-    let r = run_primary(&primary_args(addr, w, duration, c, disks.map(|d| d.0)), true);
+    let r = run_primary(&primary_args(addr, &key.0, w, duration, c, disks.map(|d| d.0)), true);
     match backup.join() {
         Ok(Ok(BackupEnd::PrimaryFinished { .. })) => {}
         Ok(Ok(_)) => bail!("the bench backup did not end with the primary"),
@@ -314,11 +318,37 @@ fn replicated(
     r
 }
 
-/// The three namespaces (see the module documentation), deleted on drop.
+/// A replication key file of the bench's own (made by `Key::generate`,
+/// mode 0600), deleted on drop.
+struct BenchKey(std::path::PathBuf);
+
+impl BenchKey {
+    fn new() -> Result<BenchKey> {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("nl-bench-{}-{n}.key", std::process::id()));
+        Key::generate(&path).map_err(anyhow::Error::msg)?;
+        Ok(BenchKey(path))
+    }
+
+    fn arg(&self) -> &str {
+        self.0.to_str().expect("a temp path is UTF-8")
+    }
+}
+
+impl Drop for BenchKey {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// The three namespaces (see the module documentation), deleted on drop,
+/// and the replication key of their primary and backup.
 struct Topo {
     c: String,
     p: String,
     b: String,
+    key: BenchKey,
 }
 
 const TAP: &str = "nlrtap0";
@@ -331,6 +361,7 @@ impl Topo {
             c: format!("nlrb-{id}-c"),
             p: format!("nlrb-{id}-p"),
             b: format!("nlrb-{id}-b"),
+            key: BenchKey::new().map_err(|e| format!("{e:#}"))?,
         };
         if !ip(&["netns", "add", &t.c]) {
             return Err("cannot create a network namespace (needs root and iproute2)".into());
@@ -487,7 +518,17 @@ fn kv_rows(a: &BenchReplicateArgs, t: &Topo, rows: &mut Vec<Row>) -> Result<bool
     for c in cases(a, true, false) {
         let backup = Topo::spawn(
             &t.b,
-            &["replicate", "backup", "--listen", "10.9.0.2:7070", "--lease-ms", "2000", "--json"],
+            &[
+                "replicate",
+                "backup",
+                "--listen",
+                "10.9.0.2:7070",
+                "--lease-ms",
+                "2000",
+                "--key-file",
+                t.key.arg(),
+                "--json",
+            ],
         )?;
         std::thread::sleep(Duration::from_millis(300));
         // The read-back after the load takes a commit per request: long
@@ -496,6 +537,7 @@ fn kv_rows(a: &BenchReplicateArgs, t: &Topo, rows: &mut Vec<Row>) -> Result<bool
         let (e, pl, out) = (c.epoch.to_string(), c.pipeline.to_string(), c.output.to_string());
         let mut args = vec!["replicate", "primary", "--backup", "10.9.0.2:7070", "--json"];
         args.extend(["--epoch", &e, "--pipeline", &pl, "--duration", &life, "--lease-ms", "2000"]);
+        args.extend(["--key-file", t.key.arg()]);
         args.extend(["--output-epoch-ms", &out]);
         if c.selective {
             args.push("--selective");
@@ -664,6 +706,8 @@ fn kill_once(t: &Topo, i: u32, load: f64, seed: &mut u64) -> Result<Kill> {
             TAP,
             "--net-ip",
             "10.0.0.2/24",
+            "--key-file",
+            t.key.arg(),
             "--json",
         ],
     )?;
@@ -674,6 +718,7 @@ fn kill_once(t: &Topo, i: u32, load: f64, seed: &mut u64) -> Result<Kill> {
     let die = (startup + at).to_string();
     let mut args = vec!["replicate", "primary", "--backup", "10.9.0.2:7070", "--json"];
     args.extend(["--epoch", "20", "--selective", "--output-epoch-ms", "2", "--duration", &life]);
+    args.extend(["--key-file", t.key.arg()]);
     if mid_send {
         args.extend(["--test-die-mid-send-ms", &die]);
     }

@@ -24,10 +24,14 @@ impl CkptMode {
     }
 }
 
+/// Largest `--latency-file` read (about a million latencies).
+pub const MAX_LATENCY_FILE_BYTES: u64 = 16 << 20;
+
 /// The 95th percentile of the error latencies (ms, one per line) in `path`.
 pub fn latency_p95(path: &Path) -> Result<f64> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("cannot read latency file {}", path.display()))?;
+    let b = nl_memory::file::read_limited(path, "latency file", MAX_LATENCY_FILE_BYTES)?;
+    let text = String::from_utf8(b)
+        .map_err(|e| anyhow::anyhow!("latency file {} is not UTF-8 text ({e})", path.display()))?;
     let mut v = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let t = line.trim();
@@ -99,6 +103,12 @@ pub struct ProtectedRun {
 /// Boots one VM, runs it under checkpointing, verifies its digest.
 pub fn protected_run(a: &CheckpointArgs, quiet: bool) -> Result<ProtectedRun> {
     let (interval, bound) = choose_interval(a)?;
+    // The key is checked before any VM exists.
+    let disk_key = match (&a.key_file, a.disk_every) {
+        (Some(_), 0) => bail!("--key-file authenticates disk checkpoints: give --disk-every too"),
+        (Some(k), _) => Some(nl_checkpoint::disk::load_key(k)?),
+        (None, _) => None,
+    };
     let params = guest::workload_params(&a.workload, a.duration)?;
     let kernel = guest::kernel_image(&a.machine)?;
     let config = guest::vm_config(&a.machine, params, kernel, a.console.clone())?;
@@ -117,6 +127,7 @@ pub fn protected_run(a: &CheckpointArgs, quiet: bool) -> Result<ProtectedRun> {
         time_limit: Duration::from_secs_f64(a.duration * 4.0 + 60.0),
         disk_every: a.disk_every,
         disk_path: (a.disk_every > 0).then(|| a.disk_path.clone()),
+        disk_key,
     };
     if !quiet {
         eprintln!(
@@ -193,7 +204,8 @@ pub fn checkpoint(a: CheckpointArgs) -> Result<ExitCode> {
 pub fn restore(a: crate::cli::RestoreArgs) -> Result<ExitCode> {
     // Everything is read and checked before a VM exists: a bad file never
     // leaves a half-restored VM.
-    let ck = nl_checkpoint::disk::read(&a.file)?;
+    let key = a.key_file.as_deref().map(nl_checkpoint::disk::load_key).transpose()?;
+    let ck = nl_checkpoint::disk::read(&a.file, key.as_ref())?;
     let h = &ck.header;
     let m = crate::cli::MachineArgs {
         mem: h.mem_bytes,
@@ -206,13 +218,16 @@ pub fn restore(a: crate::cli::RestoreArgs) -> Result<ExitCode> {
     let kvm = nl_vmm::open_kvm()?;
     let vm = Vm::restore(&kvm, 0, config, memory, &ck.state).context("cannot restore the VM")?;
     vm.start()?;
-    let outcome = vm.wait(Duration::from_millis(h.workload.duration_ms * 4 + 120_000));
+    // duration_ms is bounded by disk::read; saturate all the same.
+    let limit_ms = h.workload.duration_ms.saturating_mul(4).saturating_add(120_000);
+    let outcome = vm.wait(Duration::from_millis(limit_ms));
     let v = verify_vm(&vm, &outcome)?;
     let (digest_ok, error) = (v.digest_ok, v.error);
     println!(
-        "restored {} pages from {} and ran to the end: digest {}{}",
+        "restored {} pages from {}{} and ran to the end: digest {}{}",
         ck.pages.len(),
         a.file.display(),
+        if key.is_some() { " (authenticated)" } else { "" },
         if digest_ok { "verified" } else { "NOT verified" },
         error.as_ref().map_or(String::new(), |e| format!(" ({e})"))
     );

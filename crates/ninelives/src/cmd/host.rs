@@ -39,7 +39,8 @@ struct CreateRequest {
     #[serde(default)]
     workload: WorkloadName,
     mem: Option<Size>,
-    vcpus: Option<u32>,
+    /// Checked here (a negative or huge count gets the range in its error).
+    vcpus: Option<i64>,
     #[serde(default = "default_duration")]
     duration: f64,
     seed: Option<u64>,
@@ -61,7 +62,8 @@ fn default_duration() -> f64 {
     3600.0
 }
 
-fn build_config(req: &Value) -> Result<nl_vmm::VmConfig, String> {
+/// The VM configuration a `create` request asks for, every field checked.
+pub fn build_config(req: &Value) -> Result<nl_vmm::VmConfig, String> {
     let r: CreateRequest =
         serde_json::from_value(req.clone()).map_err(|e| format!("bad create request: {e}"))?;
     let d = WorkloadArgs::default();
@@ -78,7 +80,15 @@ fn build_config(req: &Value) -> Result<nl_vmm::VmConfig, String> {
     let dm = MachineArgs::default();
     let m = MachineArgs {
         mem: r.mem.map(|s| s.bytes()).transpose()?.unwrap_or(dm.mem),
-        vcpus: r.vcpus.unwrap_or(dm.vcpus),
+        vcpus: match r.vcpus {
+            None => dm.vcpus,
+            Some(v) => u32::try_from(v)
+                .ok()
+                .filter(|v| (1..=nl_abi::MAX_VCPUS).contains(v))
+                .ok_or_else(|| {
+                    format!("vcpus {v} is out of range: a VM has 1 to {} vCPUs", nl_abi::MAX_VCPUS)
+                })?,
+        },
         timer_hz: r.timer_hz.unwrap_or(dm.timer_hz),
         net_ip: r.net_ip.unwrap_or(dm.net_ip.clone()),
         net_tap: r.net_tap,
@@ -88,6 +98,18 @@ fn build_config(req: &Value) -> Result<nl_vmm::VmConfig, String> {
     let params = guest::workload_params(&w, r.duration).map_err(|e| e.to_string())?;
     let kernel = guest::kernel_image(&m).map_err(|e| e.to_string())?;
     guest::vm_config(&m, params, kernel, r.console).map_err(|e| e.to_string())
+}
+
+/// The host's budgets and API limits: the options given, `base` for the
+/// others (the machine's defaults, or what a previous process handed over).
+fn limits(a: &HostArgs, base: nl_vmm::host::Limits) -> nl_vmm::host::Limits {
+    nl_vmm::host::Limits {
+        mem_budget: a.mem_budget.unwrap_or(base.mem_budget),
+        vcpu_budget: a.vcpu_budget.unwrap_or(base.vcpu_budget),
+        max_connections: a.max_connections.map_or(base.max_connections, |n| n as usize),
+        request_timeout: a.request_timeout.unwrap_or(base.request_timeout),
+        idle_timeout: a.idle_timeout.unwrap_or(base.idle_timeout),
+    }
 }
 
 pub fn host(a: HostArgs) -> Result<ExitCode> {
@@ -114,6 +136,7 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
                 std::process::exit(nl_vmm::detect::DETECTED_EXIT);
             }
         };
+        t.host.set_limits(limits(&a, t.host.limits()));
         match t.listener {
             Some(l) => nl_vmm::api::serve_listener(t.host, l, &a.api, Arc::new(build_config)),
             None => nl_vmm::api::serve(t.host, &a.api, Arc::new(build_config)),
@@ -135,6 +158,7 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
             std::process::id(),
             a.api.display()
         );
+        t.host.set_limits(limits(&a, t.host.limits()));
         match t.listener {
             Some(l) => nl_vmm::api::serve_listener(t.host, l, &a.api, Arc::new(build_config)),
             None => nl_vmm::api::serve(t.host, &a.api, Arc::new(build_config)),
@@ -143,16 +167,26 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let host = nl_vmm::host::Host::new()?;
+    let limits = limits(&a, host.limits());
+    host.set_limits(limits);
     selftest();
     device_fault_selftest();
     api_fault_selftest();
-    eprintln!("ninelives host: serving the API on {}", a.api.display());
+    eprintln!(
+        "ninelives host: serving the API on {} (guest memory budget {} MiB, {} vCPUs, \
+         {} connections)",
+        a.api.display(),
+        limits.mem_budget >> 20,
+        limits.vcpu_budget,
+        limits.max_connections
+    );
     nl_vmm::api::serve(host, &a.api, Arc::new(build_config))
         .with_context(|| format!("host on {}", a.api.display()))?;
     Ok(ExitCode::SUCCESS)
 }
 
-/// The failure a self-test fault point runs: `segv`, `panic` or `hang`.
+/// The failure a self-test fault point runs: `segv`, `panic`, `hang` or
+/// `syscall` (one that seccomp forbids).
 fn fault_hook(kind: &str) -> Option<fn()> {
     match kind {
         // SAFETY: raising a signal on the calling thread has no memory effects.
@@ -160,6 +194,11 @@ fn fault_hook(kind: &str) -> Option<fn()> {
             libc::raise(libc::SIGSEGV);
         }),
         "panic" => Some(|| panic!("fault self-test")),
+        // A syscall no VMM thread's seccomp filter allows (a harmless query).
+        // SAFETY: personality(0xffffffff) only reads the process's persona.
+        "syscall" => Some(|| unsafe {
+            libc::personality(0xffff_ffff);
+        }),
         "hang" => Some(|| loop {
             std::hint::spin_loop();
         }),
@@ -182,7 +221,7 @@ fn api_fault_selftest() {
     nl_vmm::api::arm_fault_hook(fault_count(&v, 1), hook);
 }
 
-/// `NINELIVES_DEVICE_FAULT=segv|panic|hang:N` makes the N-th device access
+/// `NINELIVES_DEVICE_FAULT=segv|panic|hang|syscall:N` makes the N-th device access
 /// of the host (counted from its start) fail that way inside the device,
 /// with the device's lock held; `KIND@MS` makes the first access after MS
 /// milliseconds fail. For tests and `bench recovery`.

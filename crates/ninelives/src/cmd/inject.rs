@@ -386,14 +386,18 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
     Ok(if interrupted { ExitCode::from(130) } else { ExitCode::SUCCESS })
 }
 
+/// Largest campaign log `inject --merge` reads.
+const MAX_CAMPAIGN_LOG_BYTES: u64 = 256 << 20;
+
 fn merge(files: &[PathBuf], json_out: bool) -> Result<ExitCode> {
     let mut total = Outcomes::default();
     let (mut skipped, mut elapsed) = (0u64, 0f64);
     let mut key: Option<(String, String, String)> = None;
     let mut seed = u64::MAX;
     for f in files {
-        let text =
-            std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))?;
+        let b = nl_memory::file::read_limited(f, "campaign log", MAX_CAMPAIGN_LOG_BYTES)
+            .with_context(|| format!("cannot read {}", f.display()))?;
+        let text = String::from_utf8_lossy(&b);
         let s: Value = text
             .lines()
             .rev()

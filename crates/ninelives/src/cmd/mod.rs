@@ -8,6 +8,7 @@ pub mod bench_rejuvenate;
 pub mod bench_rejuvenate_cache;
 pub mod bench_rejuvenate_ping;
 pub mod bench_replicate;
+pub mod bench_seccomp;
 pub mod checkpoint;
 pub mod echo_server;
 pub mod host;

@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-use nl_replicate::backup::{serve, BackupConfig, BackupEnd};
+use nl_replicate::auth::Key;
+use nl_replicate::backup::{serve, BackupConfig, BackupEnd, HANDSHAKE_TIME};
 use nl_replicate::primary::{Options, Primary, PrimaryConfig, PrimaryReport};
 use nl_vmm::{Vm, VmOutcome};
 use serde::Serialize;
@@ -21,6 +22,11 @@ pub enum ReplicateCmd {
     Primary(PrimaryArgs),
     /// Receive a primary's epochs and take over its VM when the primary is gone.
     Backup(BackupArgs),
+    /// Write a new replication key (32 random bytes, mode 0600) to PATH; never overwrites.
+    Keygen {
+        /// Where to write the key (must not exist yet).
+        path: std::path::PathBuf,
+    },
 }
 
 #[derive(Args, Clone, Debug)]
@@ -34,9 +40,11 @@ pub struct PrimaryArgs {
     /// Without a frame from the backup for this long, the primary fences itself.
     #[arg(long, default_value_t = 1000)]
     pub lease_ms: u64,
-    /// Shared secret the backup checks.
-    #[arg(long, default_value = "ninelives")]
-    pub secret: String,
+    /// The replication key (from `replicate keygen`; the same file on both ends, mode
+    /// 0600): both ends prove they hold it, and every frame is sealed under a key
+    /// derived from it. It never crosses the wire.
+    #[arg(long)]
+    pub key_file: std::path::PathBuf,
     /// Selective re-protection (KVM_CLEAR_DIRTY_LOG with manual protect).
     #[arg(long)]
     pub selective: bool,
@@ -90,8 +98,10 @@ pub struct BackupArgs {
     /// Accept only this primary address.
     #[arg(long)]
     pub allow_primary: Option<IpAddr>,
-    #[arg(long, default_value = "ninelives")]
-    pub secret: String,
+    /// The replication key (from `replicate keygen`; the same file as the primary's,
+    /// mode 0600).
+    #[arg(long)]
+    pub key_file: std::path::PathBuf,
     /// Guest memory the primary's VM must have.
     #[arg(long, default_value = "256M", value_parser = parse_size)]
     pub mem: u64,
@@ -120,6 +130,11 @@ pub fn replicate(c: ReplicateCmd) -> Result<ExitCode> {
     match c {
         ReplicateCmd::Primary(a) => primary(a),
         ReplicateCmd::Backup(a) => backup(a),
+        ReplicateCmd::Keygen { path } => {
+            Key::generate(&path).map_err(anyhow::Error::msg)?;
+            println!("wrote a new replication key to {} (mode 0600)", path.display());
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 
@@ -147,6 +162,7 @@ pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
     if a.predict && !a.selective {
         bail!("--predict needs --selective");
     }
+    let key = Key::load(&a.key_file).map_err(anyhow::Error::msg)?;
     let params = guest::workload_params(&a.workload, a.duration)?;
     if let Some(d) = &a.machine.disk {
         guest::ensure_disk(d, guest::disk_size_for(&params))?;
@@ -159,7 +175,7 @@ pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
         backup: a.backup,
         epoch: Duration::from_millis(a.epoch),
         lease: Duration::from_millis(a.lease_ms),
-        secret: a.secret.clone(),
+        key,
         opts: Options {
             selective: a.selective,
             direct: a.direct,
@@ -229,12 +245,13 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
     let cfg = BackupConfig {
         listen: a.listen,
         allow: a.allow_primary,
-        secret: a.secret.clone(),
+        key: Key::load(&a.key_file).map_err(anyhow::Error::msg)?,
         mem_bytes: a.mem,
         vcpus: a.vcpus,
         disk: a.disk.clone(),
         lease: Duration::from_millis(a.lease_ms.max(50)),
         heartbeat: Duration::from_millis((a.lease_ms / 10).clamp(10, 100)),
+        handshake: HANDSHAKE_TIME,
     };
     nl_memory::GuestMemory::check_size(a.mem)?;
     let mut log = |m: String| eprintln!("ninelives: {m}");

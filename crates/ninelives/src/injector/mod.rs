@@ -153,7 +153,7 @@ impl Rng {
         Rng(seed ^ 0x6e69_6e65_6c69_7665)
     }
 
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -163,7 +163,7 @@ impl Rng {
 
     /// Uniform in 0..n (n > 0).
     pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
+        self.next_u64() % n.max(1)
     }
 }
 
@@ -193,7 +193,7 @@ impl Plan {
         let (lo, hi) = window_ms;
         let trigger_ms = lo + r.below(hi.saturating_sub(lo) + 1);
         let steps = r.below(MAX_STEPS + 1);
-        let thread_pick = r.next();
+        let thread_pick = r.next_u64();
         let (slot, bit) = match fault {
             Fault::Code => (r.below(15), r.below(8)),
             _ => (r.below(REGISTERS.len() as u64), r.below(64)),

@@ -131,10 +131,19 @@ pub fn write_file(dir: &Path, name: &str, bytes: &[u8]) -> String {
 /// Starts `ninelives host --api SOCK` (output discarded) and returns once it
 /// accepts connections, with a connected stream. Panics after 20 s.
 /// The caller owns the child and must kill and wait for it.
-#[allow(clippy::zombie_processes)] // the child is returned to the caller, who reaps it
 pub fn spawn_host(sock: &Path) -> (std::process::Child, std::os::unix::net::UnixStream) {
+    spawn_host_with(sock, &[])
+}
+
+/// [`spawn_host`] with more `host` options.
+#[allow(clippy::zombie_processes)] // the child is returned to the caller, who reaps it
+pub fn spawn_host_with(
+    sock: &Path,
+    extra: &[&str],
+) -> (std::process::Child, std::os::unix::net::UnixStream) {
     let mut child = ninelives()
         .args(["host", "--api", sock.to_str().expect("utf-8 path")])
+        .args(extra)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -144,6 +153,9 @@ pub fn spawn_host(sock: &Path) -> (std::process::Child, std::os::unix::net::Unix
         if let Ok(s) = std::os::unix::net::UnixStream::connect(sock) {
             s.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout set");
             return (child, s);
+        }
+        if let Ok(Some(st)) = child.try_wait() {
+            panic!("host exited before listening ({st}); options {extra:?}");
         }
         if t.elapsed() > Duration::from_secs(20) {
             let _ = child.kill();

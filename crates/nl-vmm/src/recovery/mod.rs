@@ -263,6 +263,9 @@ pub(crate) fn install() {
         libc::sigemptyset(&mut sa.sa_mask);
         libc::sigaction(recovery_signal(), &sa, std::ptr::null_mut());
     }
+    if policy() == Policy::Microreboot {
+        reboot::prepare();
+    }
 }
 
 /// Called from the fatal-signal handler on the faulting thread after the

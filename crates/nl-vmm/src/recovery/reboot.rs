@@ -26,21 +26,55 @@ pub(crate) fn set_api(fd: i32, path: &std::path::Path) {
     }
 }
 
+/// A microreboot's work: what was detected, when, and the steps so far.
+type Job = (String, Instant, Steps);
+
+/// The started microreboot thread's queue.
+static READY: std::sync::OnceLock<std::sync::mpsc::Sender<Job>> = std::sync::OnceLock::new();
+
+/// Starts the microreboot thread ahead of any error, from the thread that
+/// installs the detectors: a thread spawned at detection time by a vCPU
+/// thread would inherit its seccomp filter, and so would the process it
+/// execs ([`crate::seccomp`]).
+pub(crate) fn prepare() {
+    let (tx, rx) = std::sync::mpsc::channel::<Job>();
+    let r = std::thread::Builder::new().name("microreboot".into()).spawn(move || {
+        crate::seccomp::apply(crate::seccomp::Kind::Microreboot);
+        if let Ok((what, t0, steps)) = rx.recv() {
+            run(what, t0, steps);
+        }
+    });
+    if r.is_ok() {
+        let _ = READY.set(tx);
+    }
+}
+
 /// Starts the second half of a microreboot on a thread of its own (the
 /// thread that detected the error may be a vCPU thread, which must finish
 /// its exit and park): pause every VM, save, exec. The recovery deadline
 /// stays armed until the exec.
-pub(crate) fn start(what: String, t0: Instant, mut steps: Steps) {
-    let r = std::thread::Builder::new().name("microreboot".into()).spawn(move || {
-        let e = match build_and_exec(&what, t0, &mut steps) {
-            Ok(never) => match never {},
-            Err(e) => e,
-        };
-        super::fail(&format!("{what}: microreboot failed: {e}"));
-    });
+pub(crate) fn start(what: String, t0: Instant, steps: Steps) {
+    let job = match READY.get() {
+        Some(tx) => match tx.send((what, t0, steps)) {
+            Ok(()) => return,
+            Err(e) => e.0,
+        },
+        None => (what, t0, steps),
+    };
+    let r = std::thread::Builder::new()
+        .name("microreboot".into())
+        .spawn(move || run(job.0, job.1, job.2));
     if let Err(e) = r {
         super::fail(&format!("microreboot: cannot start its thread: {e}"));
     }
+}
+
+fn run(what: String, t0: Instant, mut steps: Steps) {
+    let e = match build_and_exec(&what, t0, &mut steps) {
+        Ok(never) => match never {},
+        Err(e) => e,
+    };
+    super::fail(&format!("{what}: microreboot failed: {e}"));
 }
 
 enum Never {}
@@ -57,6 +91,7 @@ fn build_and_exec(what: &str, t0: Instant, steps: &mut Steps) -> Result<Never, S
     let host = hosts.first().ok_or("no host")?;
     let mut record =
         HandoverRecord::new(Mode::Warm, host.generation() + 1, Some(listener_fd), host.next_id());
+    record.limits = host.limits_for_handover();
     let mut inherit = vec![listener_fd];
     let paused_at_ns = handover::mono_ns();
     let live: Vec<_> = host.hosted().into_iter().filter(|h| h.outcome.lock().is_none()).collect();
@@ -117,6 +152,7 @@ fn build_and_exec(what: &str, t0: Instant, steps: &mut Steps) -> Result<Never, S
         "--reboot-checksum".into(),
         format!("{checksum:x}"),
     ];
+    let args: Vec<String> = args.into_iter().chain(crate::seccomp::successor_args()).collect();
     let cargs: Vec<CString> = args
         .iter()
         .map(|a| CString::new(a.as_str()).map_err(|e| e.to_string()))

@@ -1,0 +1,536 @@
+//! seccomp-bpf filters for the VMM's threads, one per thread kind, built
+//! with rust-vmm's `seccompiler` (pure Rust, no libseccomp).
+//!
+//! Like Firecracker, each VMM thread installs the filter of its kind at the
+//! start of its body ([`apply`]); filters are per thread (no TSYNC). A
+//! syscall outside the thread's allowlist is not executed: the kernel sends
+//! SIGSYS (`SeccompAction::Trap`), which the detector ([`crate::detect`])
+//! reports as
+//!
+//! ```text
+//! NINELIVES-DETECTED {"detector":"seccomp","syscall":135,"thread":"vm0-vcpu0",...}
+//! ```
+//!
+//! and the recovery policy handles like any other fatal signal (`none`
+//! ends the process with status 86; `microreset` discards the thread's work
+//! back to its recovery point). On by default; `ninelives --seccomp off`
+//! (or [`set_enabled`]`(false)`) turns it off.
+//!
+//! # Thread kinds
+//!
+//! | kind | threads | allowlist |
+//! | --- | --- | --- |
+//! | [`Kind::Vcpu`] | `vmN-vcpuM` | runtime + recovery + device I/O + KVM ioctls |
+//! | [`Kind::Device`] | `vmN-netrx` | runtime + recovery + device I/O + KVM ioctls + poll |
+//! | [`Kind::Events`] | `events` (VM supervision) | runtime + recovery + KVM ioctls |
+//! | [`Kind::Watchdog`] | `watchdog` (hang detector) | runtime + recovery + read-only `openat` of `/proc` |
+//! | [`Kind::Api`] | the API accept loop and connections, `handover-report` | the process filter |
+//! | [`Kind::Microreboot`] | `microreboot` | the process filter |
+//!
+//! The groups:
+//!
+//! * **runtime** (every thread): memory (`mmap`, `munmap`, `mprotect`,
+//!   `madvise`, `mremap`, `brk`), threads and locks (`futex`, `sched_yield`,
+//!   `sched_getaffinity`, `set_robust_list`, `rseq`, `gettid`, `getpid`,
+//!   `exit`, `exit_group`), time (`clock_gettime`, `clock_nanosleep`,
+//!   `nanosleep`, and `restart_syscall`, which resumes a sleep after the
+//!   thread was stopped, e.g. by the fault injector's ptrace), `getrandom`, stderr and descriptors already open
+//!   (`write`, `read`, `lseek`, `close`, `statx`, `newfstatat`, `fstat`),
+//!   and `prctl` restricted to `PR_SET_NAME`, `PR_GET_NAME`,
+//!   `PR_GET_SECCOMP` and `PR_SET_NO_NEW_PRIVS`.
+//! * **recovery** (every thread, since any thread can detect an error and
+//!   coordinate a recovery on itself): signals (`rt_sigaction`,
+//!   `rt_sigprocmask`, `rt_sigreturn`, `sigaltstack`, `tgkill`), the
+//!   recovery deadline (`setitimer`), and the injector's repair flag
+//!   (`unlink`, `unlinkat`).
+//! * **device I/O** (vCPU and device threads, which emulate devices):
+//!   `pread64`, `pwrite64`, `preadv`, `pwritev`, `readv`, `writev`,
+//!   `fsync`, `fdatasync` (virtio-blk on its image, virtio-net on its TAP).
+//! * **KVM ioctls**: `ioctl` whose request is of KVM's type (0xAE), such as
+//!   `KVM_RUN`, `KVM_IRQ_LINE`, `KVM_GET_REGS`; no other ioctl.
+//! * **process filter** (API and microreboot threads): everything the VMM
+//!   process does, because a thread's filter is inherited by the threads
+//!   and processes it creates and is kept across `execve`. An API
+//!   connection creates VMs (`/dev/kvm`, any ioctl, memfds, files, threads)
+//!   and starts a rejuvenation successor (`clone`/`clone3`/`vfork`,
+//!   `execve`, fd passing with `sendmsg`/`recvmsg`, `dup*`, `fcntl`) whose
+//!   threads install their own filters (`seccomp`, which only narrows); the
+//!   microreboot thread saves the VMs' state into a memfd and `execve`s a
+//!   fresh VMM with the memfds inherited. The successor process therefore
+//!   starts under the process filter, so it also holds what a starting
+//!   process needs (the loader's `openat`/`mmap`/`arch_prctl`/
+//!   `set_tid_address`/`prlimit64`, sockets, `bind`/`listen`/`accept4`).
+//!   It still refuses what the VMM never does: `ptrace`, `mount`,
+//!   `personality`, `acct`, module loading, `bpf`, `perf_event_open`,
+//!   namespaces (`unshare`, `setns`), `reboot`, `kexec_*`, keyrings,
+//!   raw `AF_PACKET` is allowed only as far as `socket` is (any family).
+//!
+//! Not in any allowlist: `ptrace` (the fault injector ptraces the VMM from
+//! its own process; a filtered thread can be traced).
+//!
+//! # Where filters are applied
+//!
+//! * The main thread of `run`, `checkpoint`, `restore` and `replicate` is
+//!   not filtered: it loads images, creates the VMs, waits and verifies.
+//!   Their vCPU, device, events and watchdog threads are.
+//! * In `host`, the main thread becomes the API accept loop and applies the
+//!   process filter once the detectors are installed and the host is built.
+//! * The microreboot thread is started when the detectors are installed
+//!   (with policy `microreboot`), not when an error is detected: a thread
+//!   spawned by a vCPU thread would inherit the vCPU filter, and so would
+//!   the process it execs.
+//! * A successor process (rejuvenation, microreboot) starts under its
+//!   predecessor's process filter. The process filter is not stacked on a
+//!   thread that already runs under a filter (the inherited one is the
+//!   same or stricter), so generations of successors do not pile filters
+//!   up; the leaf kinds always stack theirs.
+//!
+//! A thread that cannot install its filter (a kernel without seccomp)
+//! ends the process with an error naming the thread and the cause; use
+//! `--seccomp off` there.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::OnceLock;
+
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule, TargetArch,
+};
+
+/// The kinds of VMM threads, each with its own filter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// A vCPU thread: runs the guest and emulates devices on its exits.
+    Vcpu,
+    /// A device thread (virtio-net receive).
+    Device,
+    /// The event loop (VM supervision).
+    Events,
+    /// The hang watchdog.
+    Watchdog,
+    /// The API: accept loop, connections, post-handover reporting.
+    Api,
+    /// The microreboot thread (saves state, execs a fresh VMM).
+    Microreboot,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 6] =
+        [Kind::Vcpu, Kind::Device, Kind::Events, Kind::Watchdog, Kind::Api, Kind::Microreboot];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Vcpu => "vcpu",
+            Kind::Device => "device",
+            Kind::Events => "events",
+            Kind::Watchdog => "watchdog",
+            Kind::Api => "api",
+            Kind::Microreboot => "microreboot",
+        }
+    }
+
+    /// Whether this kind gets the process filter.
+    fn is_process(self) -> bool {
+        matches!(self, Kind::Api | Kind::Microreboot)
+    }
+
+    fn index(self) -> usize {
+        Kind::ALL.iter().position(|k| *k == self).expect("in ALL")
+    }
+}
+
+static ENABLED: AtomicBool = AtomicBool::new(true);
+
+/// Turns the filters on (the default) or off for threads started from now.
+pub fn set_enabled(on: bool) {
+    ENABLED.store(on, Relaxed);
+}
+
+/// Whether threads install their filters.
+pub fn enabled() -> bool {
+    ENABLED.load(Relaxed)
+}
+
+/// The command-line arguments that carry this process's setting to a
+/// successor process (empty when on, the default).
+pub fn successor_args() -> Vec<String> {
+    if enabled() {
+        Vec::new()
+    } else {
+        vec!["--seccomp".into(), "off".into()]
+    }
+}
+
+type Rules = BTreeMap<i64, Vec<SeccompRule>>;
+
+fn allow(r: &mut Rules, calls: &[libc::c_long]) {
+    for &c in calls {
+        r.entry(c).or_default();
+    }
+}
+
+fn cond(arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, v: u64) -> SeccompCondition {
+    SeccompCondition::new(arg, len, op, v).expect("valid condition")
+}
+
+/// `syscall` allowed only when one of `rules` matches.
+fn allow_if(r: &mut Rules, syscall: libc::c_long, rules: Vec<Vec<SeccompCondition>>) {
+    let v = r.entry(syscall).or_default();
+    for c in rules {
+        v.push(SeccompRule::new(c).expect("valid rule"));
+    }
+}
+
+/// The runtime group (every thread).
+fn runtime(r: &mut Rules) {
+    use libc::*;
+    allow(
+        r,
+        &[
+            // memory
+            SYS_mmap,
+            SYS_munmap,
+            SYS_mprotect,
+            SYS_madvise,
+            SYS_mremap,
+            SYS_brk,
+            // threads and locks
+            SYS_futex,
+            SYS_sched_yield,
+            SYS_sched_getaffinity,
+            SYS_set_robust_list,
+            SYS_rseq,
+            SYS_gettid,
+            SYS_getpid,
+            SYS_exit,
+            SYS_exit_group,
+            // time
+            SYS_clock_gettime,
+            SYS_clock_nanosleep,
+            SYS_nanosleep,
+            // a sleep interrupted by a stop (ptrace, SIGSTOP) resumes with it
+            SYS_restart_syscall,
+            SYS_getrandom,
+            // descriptors already open
+            SYS_write,
+            SYS_read,
+            SYS_lseek,
+            SYS_close,
+            SYS_statx,
+            SYS_newfstatat,
+            SYS_fstat,
+        ],
+    );
+    let prctl_ops = [PR_SET_NAME, PR_GET_NAME, PR_GET_SECCOMP, PR_SET_NO_NEW_PRIVS];
+    allow_if(
+        r,
+        SYS_prctl,
+        prctl_ops
+            .iter()
+            .map(|&op| vec![cond(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, op as u64)])
+            .collect(),
+    );
+}
+
+/// The recovery group (every thread).
+fn recovery(r: &mut Rules) {
+    use libc::*;
+    allow(
+        r,
+        &[
+            SYS_rt_sigaction,
+            SYS_rt_sigprocmask,
+            SYS_rt_sigreturn,
+            SYS_sigaltstack,
+            SYS_tgkill,
+            SYS_setitimer,
+            SYS_unlink,
+            SYS_unlinkat,
+        ],
+    );
+}
+
+/// Device emulation on descriptors the VMM opened.
+fn device_io(r: &mut Rules) {
+    use libc::*;
+    allow(
+        r,
+        &[
+            SYS_pread64,
+            SYS_pwrite64,
+            SYS_preadv,
+            SYS_pwritev,
+            SYS_readv,
+            SYS_writev,
+            SYS_fsync,
+            SYS_fdatasync,
+        ],
+    );
+}
+
+/// ioctls of KVM's type (0xAE) only.
+fn kvm_ioctls(r: &mut Rules) {
+    allow_if(
+        r,
+        libc::SYS_ioctl,
+        vec![vec![cond(1, SeccompCmpArgLen::Dword, SeccompCmpOp::MaskedEq(0xff00), 0xae00)]],
+    );
+}
+
+/// Everything the VMM process does (see the module doc).
+fn process(r: &mut Rules) {
+    use libc::*;
+    device_io(r);
+    allow(
+        r,
+        &[
+            // any ioctl: KVM system and VM fds, TUN, userfaultfd, terminals
+            SYS_ioctl,
+            // files
+            SYS_open,
+            SYS_openat,
+            SYS_access,
+            SYS_faccessat,
+            SYS_faccessat2,
+            SYS_readlink,
+            SYS_readlinkat,
+            SYS_getcwd,
+            SYS_mkdir,
+            SYS_mkdirat,
+            SYS_rename,
+            SYS_renameat,
+            SYS_renameat2,
+            SYS_getdents64,
+            SYS_ftruncate,
+            SYS_fallocate,
+            SYS_fchmod,
+            SYS_statfs,
+            SYS_fstatfs,
+            SYS_memfd_create,
+            SYS_eventfd2,
+            SYS_userfaultfd,
+            SYS_pipe2,
+            SYS_fcntl,
+            SYS_dup,
+            SYS_dup2,
+            SYS_dup3,
+            SYS_poll,
+            SYS_ppoll,
+            SYS_pselect6,
+            SYS_epoll_create1,
+            SYS_epoll_ctl,
+            SYS_epoll_wait,
+            SYS_epoll_pwait,
+            SYS_timerfd_create,
+            SYS_timerfd_settime,
+            // sockets (API, replication, fd passing)
+            SYS_socket,
+            SYS_socketpair,
+            SYS_bind,
+            SYS_listen,
+            SYS_accept4,
+            SYS_accept,
+            SYS_connect,
+            SYS_getsockname,
+            SYS_getpeername,
+            SYS_setsockopt,
+            SYS_getsockopt,
+            SYS_sendto,
+            SYS_recvfrom,
+            SYS_sendmsg,
+            SYS_recvmsg,
+            SYS_shutdown,
+            // threads and successor processes (rejuvenation, microreboot)
+            SYS_clone,
+            SYS_clone3,
+            SYS_vfork,
+            SYS_execve,
+            SYS_wait4,
+            SYS_waitid,
+            SYS_kill,
+            SYS_getitimer,
+            SYS_sched_setaffinity,
+            // a thread it starts installs its own filter (only ever narrower)
+            SYS_seccomp,
+            // process start (loader, std runtime)
+            SYS_arch_prctl,
+            SYS_set_tid_address,
+            SYS_prlimit64,
+            SYS_getppid,
+            SYS_getuid,
+            SYS_geteuid,
+            SYS_getgid,
+            SYS_getegid,
+            SYS_uname,
+            SYS_sysinfo,
+            SYS_getrusage,
+            SYS_clock_getres,
+            SYS_umask,
+        ],
+    );
+}
+
+fn rules(kind: Kind) -> Rules {
+    let mut r = Rules::new();
+    runtime(&mut r);
+    recovery(&mut r);
+    match kind {
+        Kind::Vcpu => {
+            device_io(&mut r);
+            kvm_ioctls(&mut r);
+        }
+        Kind::Device => {
+            device_io(&mut r);
+            kvm_ioctls(&mut r);
+            allow(&mut r, &[libc::SYS_poll, libc::SYS_ppoll]);
+        }
+        Kind::Events => kvm_ioctls(&mut r),
+        Kind::Watchdog => {
+            // Read-only opens (/proc/self/task/N/{stat,schedstat,wchan}).
+            allow_if(
+                &mut r,
+                libc::SYS_openat,
+                vec![vec![cond(
+                    2,
+                    SeccompCmpArgLen::Dword,
+                    SeccompCmpOp::MaskedEq(libc::O_ACCMODE as u64),
+                    libc::O_RDONLY as u64,
+                )]],
+            );
+        }
+        Kind::Api | Kind::Microreboot => process(&mut r),
+    }
+    r
+}
+
+/// Builds the BPF program of `kind`.
+pub fn program(kind: Kind) -> Result<BpfProgram, String> {
+    let filter = SeccompFilter::new(
+        rules(kind),
+        SeccompAction::Trap,
+        SeccompAction::Allow,
+        TargetArch::x86_64,
+    )
+    .map_err(|e| format!("seccomp filter {}: {e}", kind.name()))?;
+    filter
+        .try_into()
+        .map_err(|e: seccompiler::BackendError| format!("seccomp filter {}: {e}", kind.name()))
+}
+
+fn cached(kind: Kind) -> &'static Result<BpfProgram, String> {
+    static P: [OnceLock<Result<BpfProgram, String>>; 6] = [const { OnceLock::new() }; 6];
+    P[kind.index()].get_or_init(|| program(kind))
+}
+
+/// The syscall a seccomp filter trapped, from the siginfo of its SIGSYS
+/// (`None` for a SIGSYS of another origin).
+///
+/// # Safety
+/// `info` must point to the siginfo the kernel passed to an SA_SIGINFO
+/// handler. Async-signal-safe.
+pub unsafe fn trapped_syscall(info: *const libc::siginfo_t) -> Option<i32> {
+    /// si_code of a SIGSYS sent by a seccomp filter.
+    const SYS_SECCOMP: i32 = 1;
+    // SAFETY: the caller passes a valid siginfo (128 bytes).
+    let i = unsafe { &*info };
+    if i.si_signo != libc::SIGSYS || i.si_code != SYS_SECCOMP {
+        return None;
+    }
+    // The x86-64 layout of `_sigsys` in the siginfo union: after si_signo,
+    // si_errno, si_code and 4 bytes of padding (offset 16) come
+    // `void *_call_addr`, then `int _syscall` at offset 24.
+    // SAFETY: offset 24 + 4 lies inside the 128-byte siginfo.
+    Some(unsafe { std::ptr::read_unaligned((info as *const u8).add(24) as *const i32) })
+}
+
+/// Whether the calling thread already runs under a seccomp filter.
+fn filtered() -> bool {
+    // SAFETY: PR_GET_SECCOMP takes no pointer arguments.
+    unsafe { libc::prctl(libc::PR_GET_SECCOMP) == 2 }
+}
+
+/// Installs the filter of `kind` on the calling thread (when enabled). A
+/// thread that cannot ends the process with an error naming the cause.
+pub fn apply(kind: Kind) {
+    if !enabled() {
+        return;
+    }
+    if kind.is_process() && filtered() {
+        return;
+    }
+    let r = match cached(kind) {
+        Ok(p) => seccompiler::apply_filter(p).map_err(|e| e.to_string()),
+        Err(e) => Err(e.clone()),
+    };
+    if let Err(e) = r {
+        let thread = std::thread::current().name().unwrap_or("unnamed").to_string();
+        eprintln!(
+            "ninelives: error: cannot install the seccomp filter of thread {thread} ({}): {e} \
+             (run with --seccomp off on a kernel without seccomp)",
+            kind.name()
+        );
+        // SAFETY: _exit ends the process at once; no other thread is relied on.
+        unsafe { libc::_exit(2) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_filter_builds() {
+        for k in Kind::ALL {
+            let p = program(k).unwrap();
+            assert!(!p.is_empty() && p.len() < 4096, "{k:?}: {}", p.len());
+        }
+    }
+
+    #[test]
+    fn leaf_filters_are_subsets_of_the_process_filter() {
+        let p = rules(Kind::Api);
+        for k in [Kind::Vcpu, Kind::Device, Kind::Events, Kind::Watchdog] {
+            for call in rules(k).keys() {
+                assert!(
+                    p.contains_key(call),
+                    "{k:?} allows {call} which the process filter does not"
+                );
+            }
+        }
+    }
+
+    static TRAPPED: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
+
+    extern "C" fn on_sigsys(_: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
+        // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
+        let nr = unsafe { trapped_syscall(info) }.map_or(-1, i64::from);
+        TRAPPED.store(nr, Relaxed);
+    }
+
+    #[test]
+    fn forbidden_syscall_traps_on_a_filtered_thread() {
+        // SAFETY: a zeroed sigaction is a valid start; the handler only
+        // stores to an atomic.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_sigsys as *const () as usize;
+            sa.sa_flags = libc::SA_SIGINFO;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(libc::SIGSYS, &sa, std::ptr::null_mut());
+        }
+        // A thread of its own: the filter stays with it.
+        let r = std::thread::spawn(|| {
+            seccompiler::apply_filter(&program(Kind::Vcpu).unwrap()).unwrap();
+            // SAFETY: no memory arguments; the filter traps it before it runs.
+            unsafe { libc::syscall(libc::SYS_personality, 0xffff_ffffu64) };
+            let allowed = TRAPPED.load(Relaxed);
+            // SAFETY: gettid has no arguments; allowed by every filter.
+            let tid = unsafe { libc::gettid() };
+            (allowed, tid)
+        });
+        let (trapped, tid) = r.join().unwrap();
+        assert!(tid > 0);
+        assert_eq!(trapped, libc::SYS_personality, "personality was not trapped");
+    }
+}
