@@ -154,19 +154,7 @@ impl Engine {
     /// rolled back to, and the pages both saved are held once (the older
     /// copy, which is what checkpoint 0 needs). Returns the pages freed.
     pub fn merge_oldest(&mut self) -> usize {
-        let h = self.history_mut();
-        if h.len() < 2 {
-            return 0;
-        }
-        let newer = h.remove(1).expect("checked");
-        let older = &mut h[0];
-        let mut freed = 0;
-        for (gpa, data) in newer.iter() {
-            if !older.save_once(gpa, data) {
-                freed += 1;
-            }
-        }
-        freed
+        merge_oldest(self.history_mut())
     }
 
     /// The content page `gpa` had at kept checkpoint `idx` (0 = the oldest
@@ -202,6 +190,49 @@ impl Engine {
             Engine::DirtyLog(_) => None,
         }
     }
+}
+
+/// Merges history entry 1 into entry 0 (see [`Engine::merge_oldest`]):
+/// entry 0's copy of a page is the older one and wins; pages only entry 1
+/// saved join it. Returns the pages freed.
+fn merge_oldest(h: &mut VecDeque<PageSet>) -> usize {
+    if h.len() < 2 {
+        return 0;
+    }
+    let newer = h.remove(1).expect("checked");
+    let older = &mut h[0];
+    let mut freed = 0;
+    for (gpa, data) in newer.iter() {
+        if !older.save_once(gpa, data) {
+            freed += 1;
+        }
+    }
+    freed
+}
+
+/// Writes back `cur` (the running interval's pre-write copies) and then the
+/// newest `undo` history entries, newest first, removing them: a page saved
+/// in several of them ends with the copy of the oldest, which is its content
+/// at the target checkpoint. Returns the pages written.
+fn undo_intervals<E>(
+    cur: &PageSet,
+    history: &mut VecDeque<PageSet>,
+    undo: usize,
+    mut write: impl FnMut(u64, &[u8; PAGE]) -> Result<(), E>,
+) -> Result<usize, E> {
+    let mut pages = 0;
+    for (gpa, data) in cur.iter() {
+        write(gpa, data)?;
+        pages += 1;
+    }
+    for _ in 0..undo {
+        let set = history.pop_back().expect("checked by Engine::rollback");
+        for (gpa, data) in set.iter() {
+            write(gpa, data)?;
+            pages += 1;
+        }
+    }
+    Ok(pages)
 }
 
 fn write_page(view: &GuestMemory, gpa: u64, data: &[u8]) -> Result<(), CheckpointError> {
@@ -279,18 +310,8 @@ impl CowEngine {
 
     fn rollback(&mut self, undo: usize) -> Result<RollbackStats, CheckpointError> {
         let cur = std::mem::take(&mut *self.tracker.current());
-        let mut pages = 0;
-        for (gpa, data) in cur.iter() {
-            write_page(&self.view, gpa, data)?;
-            pages += 1;
-        }
-        for _ in 0..undo {
-            let set = self.history.pop_back().expect("checked by Engine::rollback");
-            for (gpa, data) in set.iter() {
-                write_page(&self.view, gpa, data)?;
-                pages += 1;
-            }
-        }
+        let view = &self.view;
+        let pages = undo_intervals(&cur, &mut self.history, undo, |g, d| write_page(view, g, d))?;
         let levels = undo as u32 + 1;
         // A new interval starts from the restored state, all protected.
         self.presaved.clear();
@@ -418,7 +439,111 @@ impl DirtyLogEngine {
 
 #[cfg(test)]
 mod tests {
-    use super::runs;
+    use super::{merge_oldest, runs, undo_intervals};
+    use crate::pages::PageSet;
+    use crate::PAGE;
+    use std::collections::VecDeque;
+
+    const PAGES: usize = 24;
+    const INTERVALS: usize = 8;
+
+    /// A copy-on-write run over a small memory, without a VM: each interval
+    /// writes pseudo-random pages (so pages are written in several
+    /// intervals, and several times in one), saving each page's pre-write
+    /// copy on its first write in the interval; each checkpoint moves the
+    /// running interval's copies into the history and snapshots memory.
+    /// Returns memory now (mid-interval), the history, the running
+    /// interval's copies and the snapshot at each checkpoint (0 = start).
+    struct Run {
+        mem: Vec<u8>,
+        history: VecDeque<PageSet>,
+        cur: PageSet,
+        snaps: Vec<Vec<u8>>,
+    }
+
+    fn run() -> Run {
+        let mut mem: Vec<u8> = (0..PAGES * PAGE).map(|i| (i / PAGE) as u8).collect();
+        let (mut history, mut cur) = (VecDeque::new(), PageSet::new());
+        let mut snaps = vec![mem.clone()];
+        let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+        for interval in 0..=INTERVALS {
+            for w in 0..10 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let page = (x % PAGES as u64) as usize;
+                let gpa = (page * PAGE) as u64;
+                cur.save_once(gpa, &mem[page * PAGE..(page + 1) * PAGE]);
+                let off = page * PAGE + (x >> 32) as usize % PAGE;
+                mem[off] = (interval * 16 + w + 1) as u8;
+            }
+            if interval < INTERVALS {
+                history.push_back(std::mem::take(&mut cur));
+                snaps.push(mem.clone());
+            }
+        }
+        Run { mem, history, cur, snaps }
+    }
+
+    fn roll_back(r: &mut Run, undo: usize) {
+        let Run { mem, history, cur, .. } = r;
+        undo_intervals::<()>(cur, history, undo, |gpa, data| {
+            mem[gpa as usize..gpa as usize + PAGE].copy_from_slice(data);
+            Ok(())
+        })
+        .unwrap();
+    }
+
+    /// Rolling back any number of intervals, with or without merged ring
+    /// entries, gives memory byte for byte as it was at the target
+    /// checkpoint.
+    #[test]
+    fn ring_rollback_restores_each_kept_checkpoint_exactly() {
+        // Pages are written in several intervals: the order matters.
+        let r = run();
+        let multi = (0..PAGES as u64)
+            .filter(|p| r.history.iter().filter(|s| s.contains(p * PAGE as u64)).count() > 1)
+            .count();
+        assert!(multi > PAGES / 2, "only {multi} pages written in more than one interval");
+        for merges in 0..INTERVALS {
+            // Kept checkpoints: 0 and merges+1 ..= INTERVALS.
+            let kept: Vec<usize> = std::iter::once(0).chain(merges + 1..=INTERVALS).collect();
+            for undo in 0..kept.len() {
+                let mut r = run();
+                for _ in 0..merges {
+                    merge_oldest(&mut r.history);
+                }
+                assert_eq!(r.history.len() + 1, kept.len());
+                roll_back(&mut r, undo);
+                let target = kept[kept.len() - 1 - undo];
+                for p in 0..PAGES {
+                    assert!(
+                        r.mem[p * PAGE..(p + 1) * PAGE]
+                            == r.snaps[target][p * PAGE..(p + 1) * PAGE],
+                        "{merges} merges, {undo} intervals undone: page {p} differs from \
+                         checkpoint {target}"
+                    );
+                }
+                assert_eq!(r.history.len() + 1, kept.len() - undo);
+            }
+        }
+    }
+
+    #[test]
+    fn merging_keeps_the_older_copy_and_frees_duplicates() {
+        let mut h = VecDeque::new();
+        let (mut a, mut b) = (PageSet::new(), PageSet::new());
+        a.save_once(0, &[1u8; PAGE]);
+        b.save_once(0, &[2u8; PAGE]);
+        b.save_once(PAGE as u64, &[3u8; PAGE]);
+        h.push_back(a);
+        h.push_back(b);
+        assert_eq!(merge_oldest(&mut h), 1);
+        assert_eq!(h.len(), 1);
+        assert_eq!(h[0].get(0).unwrap()[0], 1);
+        assert_eq!(h[0].get(PAGE as u64).unwrap()[0], 3);
+        assert_eq!(merge_oldest(&mut h), 0);
+    }
 
     #[test]
     fn runs_coalesce_contiguous_pages() {
