@@ -109,8 +109,10 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() as f64 * p).ceil() as usize).clamp(1, v.len()) - 1]
 }
 
-pub fn bench(a: BenchCheckpointArgs) -> Result<ExitCode> {
-    if !(a.duration.is_finite() && a.duration > 0.1) {
+pub fn bench(mut a: BenchCheckpointArgs) -> Result<ExitCode> {
+    let duration = a.duration.unwrap_or(if a.loaded { 3.0 } else { 1.5 });
+    a.duration = Some(duration);
+    if !(duration.is_finite() && duration > 0.1) {
         bail!("--duration must be more than 0.1 seconds");
     }
     if a.loaded {
@@ -140,7 +142,7 @@ pub fn bench(a: BenchCheckpointArgs) -> Result<ExitCode> {
         groups.push(vec![(50.0, CkptMode::DirtyLog, 1)]);
         for group in groups {
             bar.set_message(format!("{} baseline", case.name));
-            let before = baseline(&case.args, a.duration)?;
+            let before = baseline(&case.args, duration)?;
             bar.inc(1);
             let mut results = Vec::new();
             for (interval, mode, block) in group {
@@ -150,7 +152,7 @@ pub fn bench(a: BenchCheckpointArgs) -> Result<ExitCode> {
                     mode.mode().name()
                 ));
                 // At least three intervals, so CoW-P's prediction has intervals to work on.
-                let duration = a.duration.max(3.0 * interval / 1000.0);
+                let duration = duration.max(3.0 * interval / 1000.0);
                 let r = protected_run(
                     &ckpt_args(&case.args, duration, interval, mode, block, 0),
                     true,
@@ -160,7 +162,7 @@ pub fn bench(a: BenchCheckpointArgs) -> Result<ExitCode> {
             }
             // The unprotected rate just before and just after the group; the
             // higher one (less disturbed by the shared machine) is the baseline.
-            let base = before.max(baseline(&case.args, a.duration)?);
+            let base = before.max(baseline(&case.args, duration)?);
             for (interval, r) in results {
                 let rep = &r.report;
                 let norm = if r.ops_per_sec > 0.0 { base / r.ops_per_sec } else { f64::INFINITY };
@@ -362,6 +364,18 @@ impl Drop for Hogs {
     }
 }
 
+/// How a protected run ended: "ok" (digest verified), "SDC" (the guest
+/// finished with a wrong digest), "cut short" (it did not finish within the
+/// run's time limit) or "other failure" (a detected crash or error).
+fn run_class(r: &crate::cmd::checkpoint::ProtectedRun) -> &'static str {
+    match (r.digest_ok, &r.report.outcome, r.error.as_deref()) {
+        (true, ..) => "ok",
+        (false, _, Some(e)) if e.contains("silent data corruption") => "SDC",
+        (false, nl_vmm::VmOutcome::TimedOut { .. }, _) => "cut short",
+        _ => "other failure",
+    }
+}
+
 fn loadavg() -> f64 {
     std::fs::read_to_string("/proc/loadavg")
         .ok()
@@ -378,7 +392,7 @@ fn loaded(a: &BenchCheckpointArgs) -> Result<ExitCode> {
     let args = |seed: u64, inject: u32| CheckpointArgs {
         workload: WorkloadArgs { seed, ..d.clone() },
         machine: MachineArgs::default(),
-        duration: a.duration,
+        duration: a.duration.unwrap_or(3.0),
         interval: None,
         mode: CkptMode::CowP,
         block_pages: 16,
@@ -394,46 +408,59 @@ fn loaded(a: &BenchCheckpointArgs) -> Result<ExitCode> {
     };
     let hogs = Hogs::start(a.hogs)?;
     let mut loads = vec![loadavg()];
-    let (mut clean_rollbacks, mut clean_runs_rolled_back, mut clean_failed) = (0usize, 0u32, 0u32);
+    let (mut clean_rollbacks, mut clean_runs_rolled_back) = (0usize, 0u32);
+    // A fault-free run that ends with a wrong digest is silent data
+    // corruption caused by checkpointing itself; one that did not finish
+    // (cut short by the run's time limit) or failed otherwise is not.
+    let (mut clean_sdc, mut clean_cut_short, mut clean_other) = (0u32, 0u32, 0u32);
     let mut clean_errors = Vec::new();
     for i in 0..a.runs {
         let r = protected_run(&args(1 + u64::from(i), 0), true)?;
         clean_rollbacks += r.report.rollbacks.len();
         clean_runs_rolled_back += u32::from(!r.report.rollbacks.is_empty());
-        clean_failed += u32::from(!r.digest_ok);
+        let class = run_class(&r);
+        match class {
+            "SDC" => clean_sdc += 1,
+            "cut short" => clean_cut_short += 1,
+            "other failure" => clean_other += 1,
+            _ => {}
+        }
         loads.push(loadavg());
         eprintln!(
-            "fault-free run {}/{}: {} rollbacks, digest {}{}",
+            "fault-free run {}/{}: {} rollbacks, {class}{}",
             i + 1,
             a.runs,
             r.report.rollbacks.len(),
-            if r.digest_ok { "ok" } else { "WRONG" },
             r.error.as_deref().map_or(String::new(), |e| format!(" ({e})"))
         );
         clean_errors.extend(r.error.clone());
     }
     let (mut recovered, mut non_manifested, mut sdc, mut detected_failure, mut corrupt) =
         (0u32, 0u32, 0u32, 0u32, 0u32);
+    let mut cut_short = 0u32;
     let mut faults = Vec::new();
     for seed in 1..=u64::from(a.seeds) {
         let r = protected_run(&args(seed, 1), true)?;
         let rep = &r.report;
         corrupt += u32::from(rep.rollbacks.iter().any(|r| r.checkpoint_after_fault));
-        let sdc_run = r.error.as_deref().is_some_and(|e| e.contains("silent data corruption"));
-        let class = match (r.digest_ok, rep.rollbacks.is_empty(), sdc_run) {
-            (true, false, _) => {
+        let class = match (run_class(&r), rep.rollbacks.is_empty()) {
+            ("ok", false) => {
                 recovered += 1;
                 "recovered"
             }
-            (true, true, _) => {
+            ("ok", true) => {
                 non_manifested += 1;
                 "not manifested"
             }
-            (false, _, true) => {
+            ("SDC", _) => {
                 sdc += 1;
                 "SDC"
             }
-            (false, _, false) => {
+            ("cut short", _) => {
+                cut_short += 1;
+                "cut short"
+            }
+            _ => {
                 detected_failure += 1;
                 "detected failure"
             }
@@ -456,10 +483,11 @@ fn loaded(a: &BenchCheckpointArgs) -> Result<ExitCode> {
         "hogs": a.hogs, "duration_s": a.duration, "interval_ms": 50.0, "hang_timeout_s": 1.0,
         "loadavg_min": lo, "loadavg_max": hi,
         "fault_free": {"runs": a.runs, "runs_rolled_back": clean_runs_rolled_back,
-                       "rollbacks": clean_rollbacks, "digest_wrong": clean_failed,
+                       "rollbacks": clean_rollbacks, "sdc": clean_sdc,
+                       "cut_short": clean_cut_short, "other_failure": clean_other,
                        "errors": clean_errors},
         "injected": {"seeds": a.seeds, "recovered": recovered, "not_manifested": non_manifested,
-                     "detected_failure": detected_failure, "sdc": sdc,
+                     "detected_failure": detected_failure, "sdc": sdc, "cut_short": cut_short,
                      "rolled_back_to_a_checkpoint_after_the_fault": corrupt, "runs": faults},
     }});
     if a.json {
@@ -467,21 +495,21 @@ fn loaded(a: &BenchCheckpointArgs) -> Result<ExitCode> {
     } else {
         println!("loaded host: {} hogs, load average {lo:.1}..{hi:.1} (1 min)", a.hogs);
         println!(
-            "{:<28} {:>6} {:>10} {:>10} {:>10} {:>6}",
-            "runs", "n", "rollbacks", "recovered", "failed", "SDC"
+            "{:<24} {:>4} {:>10} {:>10} {:>4} {:>10} {:>7}",
+            "runs", "n", "rollbacks", "recovered", "SDC", "cut short", "other"
         );
         println!(
-            "{:<28} {:>6} {:>10} {:>10} {:>10} {:>6}",
-            "fault-free", a.runs, clean_rollbacks, "-", clean_failed, clean_failed
+            "{:<24} {:>4} {:>10} {:>10} {:>4} {:>10} {:>7}",
+            "fault-free", a.runs, clean_rollbacks, "-", clean_sdc, clean_cut_short, clean_other
         );
         println!(
-            "{:<28} {:>6} {:>10} {:>10} {:>10} {:>6}",
-            "--inject-guest-fault 1", a.seeds, "-", recovered, detected_failure, sdc
+            "{:<24} {:>4} {:>10} {:>10} {:>4} {:>10} {:>7}",
+            "--inject-guest-fault 1", a.seeds, "-", recovered, sdc, cut_short, detected_failure
         );
         println!("({non_manifested} injected faults did not manifest)");
         println!("{out}");
     }
-    Ok(if clean_rollbacks == 0 && clean_failed == 0 && sdc == 0 {
+    Ok(if clean_rollbacks == 0 && clean_sdc + clean_cut_short + clean_other == 0 && sdc == 0 {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
