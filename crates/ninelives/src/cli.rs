@@ -294,9 +294,11 @@ pub enum BenchMechanism {
 
 #[derive(Args, Clone, Debug)]
 pub struct BenchCheckpointArgs {
-    /// Seconds each measured run lasts.
-    #[arg(long, default_value_t = 1.5)]
-    pub duration: f64,
+    /// Seconds each measured run lasts [default: 1.5; with --loaded 3, so
+    /// an injected fault's error is detected (1 s hang timeout) and rolled
+    /// back within the run].
+    #[arg(long)]
+    pub duration: Option<f64>,
     /// Intervals (ms) of the overhead matrix.
     #[arg(long, value_delimiter = ',', default_values_t = vec![1000.0, 600.0, 200.0, 50.0])]
     pub intervals: Vec<f64>,
@@ -306,6 +308,19 @@ pub struct BenchCheckpointArgs {
     /// Also draw the paper's Figure 3 (normalized time per interval) as SVG files here.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Instead of the matrix: default `checkpoint` runs on a host loaded with
+    /// CPU hogs; counts rollbacks of healthy guests and SDC after a fault.
+    #[arg(long)]
+    pub loaded: bool,
+    /// --loaded: busy-loop threads started for the load.
+    #[arg(long, default_value_t = 4)]
+    pub hogs: u32,
+    /// --loaded: fault-free runs.
+    #[arg(long, default_value_t = 20)]
+    pub runs: u32,
+    /// --loaded: runs with one injected guest fault (seeds 1..=N).
+    #[arg(long, default_value_t = 20)]
+    pub seeds: u32,
     /// Print one JSON object as the last line of stdout.
     #[arg(long)]
     pub json: bool,

@@ -1,11 +1,17 @@
 //! The checkpoint engines: CoW-B, CoW-P and the dirty-log baseline.
 //!
-//! Each keeps the pages needed to take memory back to the previous two
-//! checkpoints: DP_prev (pre-write copies from the interval that ended at the
-//! last checkpoint) and DP_cur (from the interval running now). Rollback
-//! writes DP_cur and then DP_prev back (the paper's equation 2). Restores go
-//! through a second mapping of the memfd that is not registered with
+//! Each keeps a ring of checkpoints: DP_cur (pre-write copies from the
+//! interval running now) and a history DP_0 .. DP_n-1 of the intervals
+//! between kept checkpoints (DP_i holds memory at checkpoint i of every page
+//! written before checkpoint i+1). Rolling back k intervals writes DP_cur and
+//! then the newest k-1 history entries back, newest first (the paper's
+//! equation 2, generalized from two checkpoints to a ring). The supervisor
+//! decides how long the ring is (see `supervisor`); two adjacent entries can
+//! be merged (the older copy of a page wins) to bound its memory. Restores
+//! go through a second mapping of the memfd that is not registered with
 //! userfaultfd, so they never fault on the protection they are undoing.
+
+use std::collections::VecDeque;
 
 use nl_memory::GuestMemory;
 use nl_vmm::Vm;
@@ -53,7 +59,8 @@ pub struct IntervalStats {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RollbackStats {
     pub pages: usize,
-    /// 2: back to the older checkpoint; 1: only one checkpoint existed.
+    /// Intervals undone: 1 = back to the newest checkpoint, k = back to the
+    /// checkpoint k-1 history entries older.
     pub levels: u32,
 }
 
@@ -77,7 +84,7 @@ impl Engine {
                     predict: mode == Mode::CowP,
                     drop_unchanged: block_pages > 1,
                     tracker,
-                    prev: None,
+                    history: VecDeque::new(),
                     presaved: Vec::new(),
                     view,
                     faults_at_start: 0,
@@ -95,12 +102,67 @@ impl Engine {
         }
     }
 
-    /// Restores memory to the older checkpoint; the vCPUs must be halted.
-    pub fn rollback(&mut self, vm: &Vm) -> Result<RollbackStats, CheckpointError> {
-        match self {
-            Engine::Cow(e) => e.rollback(),
-            Engine::DirtyLog(e) => e.rollback(vm),
+    /// Restores memory to the checkpoint `undo` history entries older than
+    /// the newest (0: the newest checkpoint) and forgets the entries undone;
+    /// the vCPUs must be halted.
+    pub fn rollback(&mut self, vm: &Vm, undo: usize) -> Result<RollbackStats, CheckpointError> {
+        if undo > self.history_len() {
+            return Err(CheckpointError::Config(format!(
+                "rollback of {undo} intervals asked, {} kept",
+                self.history_len()
+            )));
         }
+        match self {
+            Engine::Cow(e) => e.rollback(undo),
+            Engine::DirtyLog(e) => e.rollback(vm, undo),
+        }
+    }
+
+    fn history(&self) -> &VecDeque<PageSet> {
+        match self {
+            Engine::Cow(e) => &e.history,
+            Engine::DirtyLog(e) => &e.history,
+        }
+    }
+
+    fn history_mut(&mut self) -> &mut VecDeque<PageSet> {
+        match self {
+            Engine::Cow(e) => &mut e.history,
+            Engine::DirtyLog(e) => &mut e.history,
+        }
+    }
+
+    /// History entries kept: the checkpoints one can roll back to, less one.
+    pub fn history_len(&self) -> usize {
+        self.history().len()
+    }
+
+    /// Pages the history holds (its memory cost, in pages).
+    pub fn history_pages(&self) -> usize {
+        self.history().iter().map(PageSet::len).sum()
+    }
+
+    /// Forgets the oldest `n` history entries (their checkpoints can no
+    /// longer be rolled back to).
+    pub fn forget_oldest(&mut self, n: usize) {
+        let h = self.history_mut();
+        let n = n.min(h.len());
+        h.drain(..n);
+    }
+
+    /// Merges history entry 1 into entry 0: checkpoint 1 can no longer be
+    /// rolled back to, and the pages both saved are held once (the older
+    /// copy, which is what checkpoint 0 needs). Returns the pages freed.
+    pub fn merge_oldest(&mut self) -> usize {
+        merge_oldest(self.history_mut())
+    }
+
+    /// The content page `gpa` had at kept checkpoint `idx` (0 = the oldest
+    /// kept; `history_len()` = the newest), if it differs from memory at the
+    /// newest: memory at checkpoint `idx` is memory at the newest checkpoint
+    /// overlaid with these.
+    pub fn page_at(&self, idx: usize, gpa: u64) -> Option<[u8; PAGE]> {
+        self.history().iter().skip(idx).find_map(|s| s.get(gpa)).copied()
     }
 
     /// Tells the engine the VMM itself wrote guest page `gpa` (device DMA,
@@ -111,17 +173,6 @@ impl Engine {
         if let Engine::DirtyLog(e) = self {
             e.vmm_dirty.insert(gpa & !(PAGE as u64 - 1));
         }
-    }
-
-    /// The content page `gpa` had at the committed (older) checkpoint, if it
-    /// differs from memory at the newest one: memory at the committed
-    /// checkpoint is current memory (at a checkpoint) overlaid with these.
-    pub fn committed_page(&self, gpa: u64) -> Option<[u8; PAGE]> {
-        let page = match self {
-            Engine::Cow(e) => e.prev.as_ref()?.get(gpa)?,
-            Engine::DirtyLog(e) => e.undo.get(gpa)?,
-        };
-        Some(*page)
     }
 
     /// Pages held right now for the running interval.
@@ -141,6 +192,49 @@ impl Engine {
     }
 }
 
+/// Merges history entry 1 into entry 0 (see [`Engine::merge_oldest`]):
+/// entry 0's copy of a page is the older one and wins; pages only entry 1
+/// saved join it. Returns the pages freed.
+fn merge_oldest(h: &mut VecDeque<PageSet>) -> usize {
+    if h.len() < 2 {
+        return 0;
+    }
+    let newer = h.remove(1).expect("checked");
+    let older = &mut h[0];
+    let mut freed = 0;
+    for (gpa, data) in newer.iter() {
+        if !older.save_once(gpa, data) {
+            freed += 1;
+        }
+    }
+    freed
+}
+
+/// Writes back `cur` (the running interval's pre-write copies) and then the
+/// newest `undo` history entries, newest first, removing them: a page saved
+/// in several of them ends with the copy of the oldest, which is its content
+/// at the target checkpoint. Returns the pages written.
+fn undo_intervals<E>(
+    cur: &PageSet,
+    history: &mut VecDeque<PageSet>,
+    undo: usize,
+    mut write: impl FnMut(u64, &[u8; PAGE]) -> Result<(), E>,
+) -> Result<usize, E> {
+    let mut pages = 0;
+    for (gpa, data) in cur.iter() {
+        write(gpa, data)?;
+        pages += 1;
+    }
+    for _ in 0..undo {
+        let set = history.pop_back().expect("checked by Engine::rollback");
+        for (gpa, data) in set.iter() {
+            write(gpa, data)?;
+            pages += 1;
+        }
+    }
+    Ok(pages)
+}
+
 fn write_page(view: &GuestMemory, gpa: u64, data: &[u8]) -> Result<(), CheckpointError> {
     view.mem()
         .write_slice(data, GuestAddress(gpa))
@@ -158,7 +252,8 @@ pub struct CowEngine {
     /// Saved pages may not have been written (block saves): compare and drop.
     drop_unchanged: bool,
     tracker: WriteTracker,
-    prev: Option<PageSet>,
+    /// DP of each interval between kept checkpoints, oldest first.
+    history: VecDeque<PageSet>,
     /// Pages pre-saved at the start of the running interval (CoW-P).
     presaved: Vec<u64>,
     view: GuestMemory,
@@ -194,7 +289,7 @@ impl CowEngine {
         };
         self.faults_at_start = faults;
         let predicted = if self.predict { ended.gpas() } else { Vec::new() };
-        self.prev = Some(ended);
+        self.history.push_back(ended);
 
         // The new interval: everything protected but the predicted pages,
         // which are copied now (the VM is paused) and left writable.
@@ -213,21 +308,11 @@ impl CowEngine {
         Ok(stats)
     }
 
-    fn rollback(&mut self) -> Result<RollbackStats, CheckpointError> {
+    fn rollback(&mut self, undo: usize) -> Result<RollbackStats, CheckpointError> {
         let cur = std::mem::take(&mut *self.tracker.current());
-        let mut pages = 0;
-        for (gpa, data) in cur.iter() {
-            write_page(&self.view, gpa, data)?;
-            pages += 1;
-        }
-        let mut levels = 1;
-        if let Some(prev) = self.prev.take() {
-            for (gpa, data) in prev.iter() {
-                write_page(&self.view, gpa, data)?;
-                pages += 1;
-            }
-            levels = 2;
-        }
+        let view = &self.view;
+        let pages = undo_intervals(&cur, &mut self.history, undo, |g, d| write_page(view, g, d))?;
+        let levels = undo as u32 + 1;
         // A new interval starts from the restored state, all protected.
         self.presaved.clear();
         self.tracker.protect_all()?;
@@ -249,13 +334,13 @@ fn runs(gpas: &[u64]) -> Vec<(u64, u64)> {
 }
 
 /// The baseline: KVM dirty logging and a full shadow copy of guest memory,
-/// brought up to date at every checkpoint (with an undo log of the pages it
-/// overwrote, to reach back two checkpoints like the CoW engines).
+/// brought up to date at every checkpoint (with an undo log per interval of
+/// the pages it overwrote, to reach back along the ring like the CoW engines).
 pub struct DirtyLogEngine {
     shadow: Vec<Vec<u8>>,
-    undo: PageSet,
-    /// Whether a checkpoint older than the shadow image exists (via `undo`).
-    has_prev: bool,
+    /// Per interval between kept checkpoints, oldest first: the shadow's
+    /// pages before that interval's checkpoint overwrote them.
+    history: VecDeque<PageSet>,
     /// Pages the VMM wrote since the last checkpoint (not in KVM's log).
     vmm_dirty: std::collections::BTreeSet<u64>,
     view: GuestMemory,
@@ -273,13 +358,7 @@ impl DirtyLogEngine {
             shadow.push(img);
         }
         vm.dirty_bitmaps()?; // clears the log: tracking starts now
-        Ok(Self {
-            shadow,
-            undo: PageSet::new(),
-            has_prev: false,
-            vmm_dirty: Default::default(),
-            view,
-        })
+        Ok(Self { shadow, history: VecDeque::new(), vmm_dirty: Default::default(), view })
     }
 
     /// Pages written since the last checkpoint, by the guest (KVM's log) or
@@ -319,12 +398,11 @@ impl DirtyLogEngine {
             read_page(&self.view, gpa, &mut buf)?;
             self.shadow[region][off..off + PAGE].copy_from_slice(&buf);
         }
-        self.undo = undo;
-        self.has_prev = true;
+        self.history.push_back(undo);
         Ok(IntervalStats { pages: dirty.len(), faults: 0, presaved: 0 })
     }
 
-    fn rollback(&mut self, vm: &Vm) -> Result<RollbackStats, CheckpointError> {
+    fn rollback(&mut self, vm: &Vm, undo_n: usize) -> Result<RollbackStats, CheckpointError> {
         let dirty = self.dirty_pages(vm)?;
         let mut pages = 0;
         for &(region, page) in &dirty {
@@ -333,8 +411,16 @@ impl DirtyLogEngine {
             write_page(&self.view, gpa, &self.shadow[region][off..off + PAGE])?;
             pages += 1;
         }
-        let undo = std::mem::take(&mut self.undo);
-        let levels = if std::mem::take(&mut self.has_prev) { 2 } else { 1 };
+        for _ in 0..undo_n {
+            let undo = self.history.pop_back().expect("checked by Engine::rollback");
+            pages += self.undo_one(&undo)?;
+        }
+        Ok(RollbackStats { pages, levels: undo_n as u32 + 1 })
+    }
+
+    /// Writes one interval's undo log back to memory and the shadow.
+    fn undo_one(&mut self, undo: &PageSet) -> Result<usize, CheckpointError> {
+        let mut pages = 0;
         for (gpa, data) in undo.iter() {
             write_page(&self.view, gpa, data)?;
             let region = self
@@ -347,13 +433,117 @@ impl DirtyLogEngine {
             self.shadow[region][off..off + PAGE].copy_from_slice(data);
             pages += 1;
         }
-        Ok(RollbackStats { pages, levels })
+        Ok(pages)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::runs;
+    use super::{merge_oldest, runs, undo_intervals};
+    use crate::pages::PageSet;
+    use crate::PAGE;
+    use std::collections::VecDeque;
+
+    const PAGES: usize = 24;
+    const INTERVALS: usize = 8;
+
+    /// A copy-on-write run over a small memory, without a VM: each interval
+    /// writes pseudo-random pages (so pages are written in several
+    /// intervals, and several times in one), saving each page's pre-write
+    /// copy on its first write in the interval; each checkpoint moves the
+    /// running interval's copies into the history and snapshots memory.
+    /// Returns memory now (mid-interval), the history, the running
+    /// interval's copies and the snapshot at each checkpoint (0 = start).
+    struct Run {
+        mem: Vec<u8>,
+        history: VecDeque<PageSet>,
+        cur: PageSet,
+        snaps: Vec<Vec<u8>>,
+    }
+
+    fn run() -> Run {
+        let mut mem: Vec<u8> = (0..PAGES * PAGE).map(|i| (i / PAGE) as u8).collect();
+        let (mut history, mut cur) = (VecDeque::new(), PageSet::new());
+        let mut snaps = vec![mem.clone()];
+        let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+        for interval in 0..=INTERVALS {
+            for w in 0..10 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let page = (x % PAGES as u64) as usize;
+                let gpa = (page * PAGE) as u64;
+                cur.save_once(gpa, &mem[page * PAGE..(page + 1) * PAGE]);
+                let off = page * PAGE + (x >> 32) as usize % PAGE;
+                mem[off] = (interval * 16 + w + 1) as u8;
+            }
+            if interval < INTERVALS {
+                history.push_back(std::mem::take(&mut cur));
+                snaps.push(mem.clone());
+            }
+        }
+        Run { mem, history, cur, snaps }
+    }
+
+    fn roll_back(r: &mut Run, undo: usize) {
+        let Run { mem, history, cur, .. } = r;
+        undo_intervals::<()>(cur, history, undo, |gpa, data| {
+            mem[gpa as usize..gpa as usize + PAGE].copy_from_slice(data);
+            Ok(())
+        })
+        .unwrap();
+    }
+
+    /// Rolling back any number of intervals, with or without merged ring
+    /// entries, gives memory byte for byte as it was at the target
+    /// checkpoint.
+    #[test]
+    fn ring_rollback_restores_each_kept_checkpoint_exactly() {
+        // Pages are written in several intervals: the order matters.
+        let r = run();
+        let multi = (0..PAGES as u64)
+            .filter(|p| r.history.iter().filter(|s| s.contains(p * PAGE as u64)).count() > 1)
+            .count();
+        assert!(multi > PAGES / 2, "only {multi} pages written in more than one interval");
+        for merges in 0..INTERVALS {
+            // Kept checkpoints: 0 and merges+1 ..= INTERVALS.
+            let kept: Vec<usize> = std::iter::once(0).chain(merges + 1..=INTERVALS).collect();
+            for undo in 0..kept.len() {
+                let mut r = run();
+                for _ in 0..merges {
+                    merge_oldest(&mut r.history);
+                }
+                assert_eq!(r.history.len() + 1, kept.len());
+                roll_back(&mut r, undo);
+                let target = kept[kept.len() - 1 - undo];
+                for p in 0..PAGES {
+                    assert!(
+                        r.mem[p * PAGE..(p + 1) * PAGE]
+                            == r.snaps[target][p * PAGE..(p + 1) * PAGE],
+                        "{merges} merges, {undo} intervals undone: page {p} differs from \
+                         checkpoint {target}"
+                    );
+                }
+                assert_eq!(r.history.len() + 1, kept.len() - undo);
+            }
+        }
+    }
+
+    #[test]
+    fn merging_keeps_the_older_copy_and_frees_duplicates() {
+        let mut h = VecDeque::new();
+        let (mut a, mut b) = (PageSet::new(), PageSet::new());
+        a.save_once(0, &[1u8; PAGE]);
+        b.save_once(0, &[2u8; PAGE]);
+        b.save_once(PAGE as u64, &[3u8; PAGE]);
+        h.push_back(a);
+        h.push_back(b);
+        assert_eq!(merge_oldest(&mut h), 1);
+        assert_eq!(h.len(), 1);
+        assert_eq!(h[0].get(0).unwrap()[0], 1);
+        assert_eq!(h[0].get(PAGE as u64).unwrap()[0], 3);
+        assert_eq!(merge_oldest(&mut h), 0);
+    }
 
     #[test]
     fn runs_coalesce_contiguous_pages() {

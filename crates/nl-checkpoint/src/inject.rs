@@ -20,8 +20,22 @@ pub const REGISTERS: [&str; 18] = [
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum GuestFault {
-    Memory { gpa: u64, bit: u32 },
-    Register { cpu: usize, reg: &'static str, bit: u32 },
+    Memory {
+        gpa: u64,
+        bit: u32,
+    },
+    Register {
+        cpu: usize,
+        reg: &'static str,
+        bit: u32,
+    },
+    /// An infinite loop (`jmp .`) written over the instruction vCPU `cpu`
+    /// is at (the guest is identity mapped): the guest spins and stops
+    /// heartbeating, an error only the hang detector finds, a hang timeout
+    /// after the fault (a test's fault with a known, long detection latency).
+    Spin {
+        cpu: usize,
+    },
 }
 
 /// A small deterministic generator (splitmix64) so a campaign is replayable from its seed.
@@ -88,15 +102,16 @@ fn reg_mut<'a>(r: &'a mut kvm_bindings::kvm_regs, name: &str) -> &'a mut u64 {
     }
 }
 
-/// Applies `fault` to a VM. Pauses the VM around it.
-pub fn apply(vm: &Vm, fault: &GuestFault) -> Result<(), CheckpointError> {
+/// Applies `fault` to a VM. Pauses the VM around it. Returns the guest
+/// address the VMM wrote, if it wrote memory.
+pub fn apply(vm: &Vm, fault: &GuestFault) -> Result<Option<u64>, CheckpointError> {
     vm.pause();
     let r = apply_paused(vm, fault);
     vm.resume();
     r
 }
 
-fn apply_paused(vm: &Vm, fault: &GuestFault) -> Result<(), CheckpointError> {
+fn apply_paused(vm: &Vm, fault: &GuestFault) -> Result<Option<u64>, CheckpointError> {
     match *fault {
         GuestFault::Memory { gpa, bit } => {
             let mem = vm.memory().mem();
@@ -108,6 +123,7 @@ fn apply_paused(vm: &Vm, fault: &GuestFault) -> Result<(), CheckpointError> {
             // Written through the VM's own mapping: under CoW the first write
             // after a checkpoint saves the pre-fault page, as a guest write would.
             mem.write_obj(v ^ (1u64 << bit), GuestAddress(gpa)).map_err(err)?;
+            Ok(Some(gpa))
         }
         GuestFault::Register { cpu, reg, bit } => {
             vm.with_vcpu(cpu, |fd| -> Result<(), CheckpointError> {
@@ -118,9 +134,21 @@ fn apply_paused(vm: &Vm, fault: &GuestFault) -> Result<(), CheckpointError> {
                 fd.set_regs(&regs)
                     .map_err(|e| CheckpointError::Config(format!("KVM_SET_REGS: {e}")))
             })??;
+            Ok(None)
+        }
+        GuestFault::Spin { cpu } => {
+            let rip = vm.with_vcpu(cpu, |fd| {
+                fd.get_regs()
+                    .map(|r| r.rip)
+                    .map_err(|e| CheckpointError::Config(format!("KVM_GET_REGS: {e}")))
+            })??;
+            vm.memory()
+                .mem()
+                .write_slice(&[0xEB, 0xFE], GuestAddress(rip))
+                .map_err(|e| CheckpointError::GuestMemory { gpa: rip, why: e.to_string() })?;
+            Ok(Some(rip))
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -1,9 +1,50 @@
 //! Running a VM under checkpointing: checkpoints at a fixed interval, error
 //! detection, rollback in place, statistics.
+//!
+//! # Which checkpoint a rollback uses
+//!
+//! An error is detected some time after the fault that caused it: the
+//! detection latency. With a short interval (50 ms) and a slow detector
+//! (the hang timeout, 1 s by default), the newest checkpoints were taken
+//! after the fault and already hold it; rolling back to them repeats the
+//! error or, worse, ends in silent data corruption. Rather than refusing
+//! intervals below the detection latency (which would forbid checkpointing
+//! tens of times a second with a 1 s hang timeout), the supervisor keeps a
+//! ring of checkpoints spanning at least the largest detection latency `L`
+//! of every enabled detector (the hang timeout and the guest self-check's
+//! bound T_B, `CheckpointConfig::latency_bound`) and rolls back to the newest
+//! checkpoint taken at least `L` before the detection.
+//!
+//! `L` and checkpoint ages are measured on the guest's clock, the time its
+//! vCPU threads ran guest code ([`nl_vmm::progress::GuestClock`]; `L` gets
+//! one tick, the clock's resolution, added), not wall time: a
+//! detector's latency is guest execution, and on a loaded host wall time
+//! says nothing about how far the guest got. The rule is strict and holds
+//! for every vCPU still working ([`rollback_target`]), so the target predates
+//! the fault whichever vCPU consumed it. The first checkpoint of a run (the
+//! guest as it started) always qualifies.
+//!
+//! Memory: the ring holds, per interval, the pre-write copies of the pages
+//! written in it. Checkpoints older than the newest one that qualifies are
+//! dropped; when the ring's pages exceed the guest's memory, its two oldest
+//! entries are merged (one checkpoint fewer to choose from, pages written in
+//! both held once). So the ring costs at most one guest memory size, plus
+//! the running interval's copies: the same worst case as the two-checkpoint
+//! scheme it replaces, usually far less (the pages written in `L` of guest
+//! time).
+//!
+//! # Hangs
+//!
+//! The guest is hung when it shows no progress (heartbeat or phase change)
+//! while every working vCPU ran `hang_timeout` of guest code
+//! ([`nl_vmm::progress::HangJudge`]): a descheduled or stopped VMM is not a
+//! hung guest. A guest that halts for good does not run, so it is not found
+//! by that rule; `time_limit` ends such a run.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use nl_vmm::progress::{GuestClock, HangJudge};
 use nl_vmm::state::VmState;
 use nl_vmm::{Vm, VmOutcome};
 use serde::Serialize;
@@ -28,8 +69,12 @@ pub struct CheckpointConfig {
     /// campaign, or a test); injected in addition to the random ones.
     pub script: Vec<(Duration, GuestFault)>,
     pub seed: u64,
-    /// No heartbeat for this long counts as a detected error (hang).
+    /// No heartbeat while every working vCPU ran this long (CPU time)
+    /// counts as a detected error (hang).
     pub hang_timeout: Duration,
+    /// The guest self-check's error-latency bound T_B (guest time), if
+    /// known. Rollbacks go back at least max(hang_timeout, latency_bound).
+    pub latency_bound: Option<Duration>,
     /// Give up after this many rollbacks (the error keeps coming back).
     pub max_rollbacks: u32,
     /// Stop the run after this long, whatever the guest does.
@@ -50,8 +95,14 @@ pub struct RollbackRecord {
     /// Time from detection to the VM running again.
     pub rollback_ms: f64,
     pub pages: usize,
-    /// 2 = back to the older (committed) checkpoint.
+    /// Intervals undone (1 = back to the newest checkpoint).
     pub levels: u32,
+    /// How long before the detection the target was taken, on the guest's
+    /// clock (the least over working vCPUs; above `detection_latency_ms`
+    /// unless the target is the run's first checkpoint).
+    pub target_age_cpu_ms: f64,
+    /// The target is the run's first checkpoint.
+    pub target_is_first: bool,
     /// The checkpoint rolled back to was taken after the last injected fault
     /// (it may hold the error): checkpoint corruption.
     pub checkpoint_after_fault: bool,
@@ -70,6 +121,14 @@ pub struct RunReport {
     pub mode: &'static str,
     pub block_pages: usize,
     pub interval_ms: f64,
+    /// The largest detection latency of the enabled detectors (guest CPU
+    /// time): rollbacks go back at least this far.
+    pub detection_latency_ms: f64,
+    /// Most checkpoints kept at once, and most pages their ring held.
+    pub ring_checkpoints_max: usize,
+    pub ring_pages_max: usize,
+    /// Ring entries merged to keep it within guest memory.
+    pub ring_merges: u64,
     pub checkpoints: u64,
     pub faults_total: u64,
     pub faults_per_interval: f64,
@@ -91,12 +150,58 @@ pub struct RunReport {
     pub outcome: VmOutcome,
 }
 
+/// One kept checkpoint's non-memory state, when it was taken (wall time,
+/// for reports) and the guest's clock then.
+struct Kept {
+    state: VmState,
+    taken: Instant,
+    clock: Vec<u64>,
+    first: bool,
+}
+
+/// The index of the newest kept checkpoint a rollback may use, given each
+/// kept checkpoint's guest clock (oldest first; `first`: the run's first
+/// checkpoint, which always qualifies), the clock `now`, which vCPUs are
+/// still working, and the largest detection latency `latency_ns`.
+///
+/// A checkpoint qualifies when, for every working vCPU, its clock then is
+/// strictly more than `latency_ns` behind now: a fault that vCPU detected
+/// within `latency_ns` of its own running happened after the checkpoint
+/// (strictly: a vCPU that did not run between a checkpoint and a fault
+/// cannot order them, so equality does not qualify).
+pub fn rollback_target<'c>(
+    kept: impl DoubleEndedIterator<Item = (&'c [u64], bool)> + ExactSizeIterator,
+    now: &[u64],
+    working: &[bool],
+    latency_ns: u64,
+) -> Option<usize> {
+    let n = kept.len();
+    kept.rev()
+        .position(|(clock, first)| {
+            first
+                || clock
+                    .iter()
+                    .zip(now)
+                    .zip(working)
+                    .filter(|(_, w)| **w)
+                    .all(|((c, t), _)| c.checked_add(latency_ns).is_some_and(|c_l| c_l < *t))
+        })
+        .map(|from_newest| n - 1 - from_newest)
+}
+
 pub struct Supervisor<'a> {
     vm: &'a Vm,
     cfg: CheckpointConfig,
     engine: Engine,
-    /// The newest two checkpoints' non-memory state, oldest first, with their times.
-    states: VecDeque<(VmState, Instant)>,
+    /// Kept checkpoints, oldest first; `engine` holds one history entry per
+    /// pair of neighbours.
+    states: VecDeque<Kept>,
+    clock: GuestClock,
+    /// max(hang timeout, latency bound) in ns of guest time.
+    latency_ns: u64,
+    ring_checkpoints_max: usize,
+    ring_pages_max: usize,
+    ring_merges: u64,
     start: Instant,
     // statistics
     intervals: u64,
@@ -141,11 +246,25 @@ impl<'a> Supervisor<'a> {
         };
         vm.resume();
         let now = Instant::now();
+        let vcpus = vm.config().vcpus as usize;
+        let latency = cfg.hang_timeout.max(cfg.latency_bound.unwrap_or_default());
         Ok(Self {
             vm,
             cfg,
             engine,
-            states: VecDeque::from([(state, now)]),
+            states: VecDeque::from([Kept {
+                state,
+                taken: now,
+                clock: vec![0; vcpus],
+                first: true,
+            }]),
+            clock: GuestClock::new(vcpus),
+            // Plus one tick: the guest clock's resolution.
+            latency_ns: (latency.as_nanos().min(u128::from(u64::MAX / 2)) as u64)
+                + nl_vmm::progress::tick_ns(),
+            ring_checkpoints_max: 1,
+            ring_pages_max: 0,
+            ring_merges: 0,
             start: now,
             intervals: 0,
             faults: 0,
@@ -171,6 +290,8 @@ impl<'a> Supervisor<'a> {
     /// Pause, checkpoint, resume.
     fn checkpoint(&mut self) -> Result<(), CheckpointError> {
         let t0 = Instant::now();
+        let own_cpu = || nl_vmm::progress::own_cpu_ns().unwrap_or(0);
+        let cpu0 = own_cpu();
         self.vm.pause();
         let r = (|| {
             let state = self.vm.save_state()?;
@@ -178,20 +299,24 @@ impl<'a> Supervisor<'a> {
             self.maybe_write_disk()?;
             Ok::<_, CheckpointError>((state, stats))
         })();
+        let clock = self.clock.update(&self.vm.vcpu_threads()).to_vec();
         self.vm.resume();
         let (state, stats) = r?;
         let pause = t0.elapsed();
         self.pauses.push(pause.as_secs_f64() * 1e3);
-        // One slow checkpoint on a busy host is noise; checkpoints that keep
-        // taking longer than the interval mean the interval cannot be kept.
-        if pause > self.cfg.interval {
+        // Checkpoints whose own work (this thread's CPU time) keeps taking
+        // longer than the interval mean the interval cannot be kept. A pause
+        // stretched by a busy host (waiting for the CPU) is not counted.
+        let work = Duration::from_nanos(own_cpu().saturating_sub(cpu0));
+        if pause > self.cfg.interval && work > self.cfg.interval {
             self.overruns += 1;
             if self.overruns >= MAX_OVERRUNS {
                 return Err(CheckpointError::Config(format!(
                     "{MAX_OVERRUNS} checkpoints in a row took longer than the {:.1} ms interval \
-                     (the last {:.1} ms): use a longer --interval",
+                     (the last {:.1} ms, {:.1} ms of it on a CPU): use a longer --interval",
                     self.cfg.interval.as_secs_f64() * 1e3,
-                    pause.as_secs_f64() * 1e3
+                    pause.as_secs_f64() * 1e3,
+                    work.as_secs_f64() * 1e3
                 )));
             }
         } else {
@@ -202,22 +327,55 @@ impl<'a> Supervisor<'a> {
         self.pages_sum += stats.pages as u64;
         self.pages_max = self.pages_max.max(stats.pages);
         self.presaved_sum += stats.presaved as u64;
-        self.states.push_back((state, t0));
-        while self.states.len() > 2 {
-            self.states.pop_front();
-        }
+        self.states.push_back(Kept { state, taken: t0, clock, first: false });
+        self.trim_ring();
         Ok(())
     }
 
+    /// Which vCPUs are still working (not done with their workload).
+    fn working(&self) -> Vec<bool> {
+        self.vm.control().vcpus.iter().map(|r| r.snapshot().phase != nl_abi::PHASE_DONE).collect()
+    }
+
+    /// The newest kept checkpoint a rollback now may use.
+    fn target(&self) -> Option<usize> {
+        rollback_target(
+            self.states.iter().map(|k| (k.clock.as_slice(), k.first)),
+            self.clock.now(),
+            &self.working(),
+            self.latency_ns,
+        )
+    }
+
+    /// Drops the checkpoints older than the newest one a rollback may use
+    /// (no rollback can want them any more: clocks only advance), then
+    /// merges the oldest entries while the ring holds more pages than the
+    /// guest's memory.
+    fn trim_ring(&mut self) {
+        if let Some(t) = self.target() {
+            self.states.drain(..t);
+            self.engine.forget_oldest(t);
+        }
+        let budget = (self.vm.memory().size() / crate::PAGE as u64) as usize;
+        while self.engine.history_pages() > budget && self.engine.history_len() >= 2 {
+            self.engine.merge_oldest();
+            self.states.remove(1);
+            self.ring_merges += 1;
+        }
+        debug_assert_eq!(self.engine.history_len() + 1, self.states.len());
+        self.ring_checkpoints_max = self.ring_checkpoints_max.max(self.states.len());
+        self.ring_pages_max = self.ring_pages_max.max(self.engine.history_pages());
+    }
+
     /// Every `disk_every` checkpoints, with the VM paused right after a
-    /// checkpoint: captures the committed (older) checkpoint and hands it to
-    /// a background thread that writes it to disk. A capture is skipped while
+    /// checkpoint: captures the checkpoint before it and hands it to a
+    /// background thread that writes it to disk. A capture is skipped while
     /// the previous write is still going.
     fn maybe_write_disk(&mut self) -> Result<(), CheckpointError> {
         let Some(path) = self.cfg.disk_path.clone() else { return Ok(()) };
         let every = u64::from(self.cfg.disk_every.max(1));
-        // `intervals` counts checkpoints before this one; the committed
-        // state is the newest in `states` until this checkpoint is pushed.
+        // `intervals` counts checkpoints before this one, which is not yet in
+        // `states` (the engine's history already has its interval).
         if !(self.intervals + 1).is_multiple_of(every) || self.states.is_empty() {
             return Ok(());
         }
@@ -236,11 +394,13 @@ impl<'a> Supervisor<'a> {
             workload: cfg.workload,
             pages: 0,
         };
-        let (state, _) = self.states.back().expect("checked");
+        // The checkpoint before this one (as with two kept checkpoints).
+        let idx = self.states.len() - 1;
+        let state = &self.states[idx].state;
         let engine = &self.engine;
         let key = self.cfg.disk_key.clone();
         let image =
-            crate::disk::capture(&header, state, self.vm.memory(), &|g| engine.committed_page(g))?;
+            crate::disk::capture(&header, state, self.vm.memory(), &|g| engine.page_at(idx, g))?;
         self.disk_capture_ms_max = self.disk_capture_ms_max.max(t0.elapsed().as_secs_f64() * 1e3);
         let writer = std::thread::Builder::new()
             .name("ckpt-disk".into())
@@ -266,29 +426,65 @@ impl<'a> Supervisor<'a> {
         self.reap_disk_writer_inner(false)
     }
 
-    /// Halts the vCPUs, restores memory and state to the committed
-    /// checkpoint, and lets the VM run again.
-    fn rollback(&mut self, reason: String) -> Result<(), CheckpointError> {
+    /// Halts the vCPUs, restores memory and state to the newest checkpoint
+    /// taken at least the detection latency before now (guest time), and
+    /// lets the VM run again. Returns `Err(reason)` (the VM halted) when no
+    /// kept checkpoint is old enough.
+    ///
+    /// `observed_ns`: the latency this detection is known to have had (a
+    /// hang's CPU time since the last progress, which can exceed the timeout
+    /// by a sampling step); the target is at least that old too.
+    fn rollback(
+        &mut self,
+        reason: String,
+        observed_ns: u64,
+    ) -> Result<Result<(), String>, CheckpointError> {
         let t0 = Instant::now();
+        self.clock.update(&self.vm.vcpu_threads());
         self.vm.halt_vcpus();
-        let stats = self.engine.rollback(self.vm)?;
-        // Two levels undone: the older state; one: the only one there is.
-        let idx = if stats.levels == 2 { 0 } else { self.states.len() - 1 };
-        let (state, taken) = self.states.remove(idx).expect("a checkpoint always exists");
-        self.states.clear();
-        self.vm.restore_state(&state)?;
+        let now = self.clock.now().to_vec();
+        let working = self.working();
+        let target = rollback_target(
+            self.states.iter().map(|k| (k.clock.as_slice(), k.first)),
+            &now,
+            &working,
+            self.latency_ns.max(observed_ns),
+        );
+        let Some(target) = target else {
+            return Ok(Err(format!(
+                "{reason}; no kept checkpoint is {:.0} ms of guest time older, \
+                 so none is known to predate the fault",
+                self.latency_ns as f64 / 1e6
+            )));
+        };
+        let undo = self.states.len() - 1 - target;
+        let stats = self.engine.rollback(self.vm, undo)?;
+        self.states.truncate(target + 1);
+        let kept = self.states.back().expect("the target is kept");
+        self.vm.restore_state(&kept.state)?;
         self.vm.relaunch()?;
+        let age_ns = kept
+            .clock
+            .iter()
+            .zip(&now)
+            .zip(&working)
+            .filter(|(_, w)| **w)
+            .map(|((c, t), _)| t.saturating_sub(*c))
+            .min()
+            .unwrap_or(0);
         let last_fault = self.injections.last().map(|(t, _)| *t);
+        let (taken, first) = (kept.taken, kept.first);
         self.rollbacks.push(RollbackRecord {
             at_ms: self.ms_since_start(t0),
             reason,
             rollback_ms: t0.elapsed().as_secs_f64() * 1e3,
             pages: stats.pages,
             levels: stats.levels,
+            target_age_cpu_ms: age_ns as f64 / 1e6,
+            target_is_first: first,
             checkpoint_after_fault: last_fault.is_some_and(|f| taken > f),
         });
-        self.states.push_back((state, taken));
-        Ok(())
+        Ok(Ok(()))
     }
 
     /// Runs until the guest completes (or can't be saved), checkpointing and
@@ -306,8 +502,9 @@ impl<'a> Supervisor<'a> {
         plan.sort_by_key(|(t, _)| *t);
         let mut plan = VecDeque::from(plan);
         let mut next = Instant::now() + self.cfg.interval;
-        let mut beats = self.vm.control().total_beats();
-        let mut alive = Instant::now();
+        let mut judge =
+            HangJudge::new(self.cfg.hang_timeout.as_nanos().min(u128::from(u64::MAX)) as u64);
+        let mut observed_ns = 0;
         let outcome = loop {
             if let Some(e) = self.engine.error() {
                 self.vm.halt_vcpus();
@@ -316,9 +513,10 @@ impl<'a> Supervisor<'a> {
             if plan.front().is_some_and(|(t, _)| self.start.elapsed() >= *t) {
                 let (_, scripted) = plan.pop_front().expect("checked");
                 let fault = scripted.unwrap_or_else(|| inject::pick(&mut rng, self.vm));
-                inject::apply(self.vm, &fault)?;
-                if let GuestFault::Memory { gpa, .. } = fault {
+                if let Some(gpa) = inject::apply(self.vm, &fault)? {
+                    // A written instruction may straddle a page boundary.
                     self.engine.note_vmm_write(gpa);
+                    self.engine.note_vmm_write(gpa + 1);
                 }
                 let now = Instant::now();
                 let rec = InjectionRecord { at_ms: self.ms_since_start(now), fault };
@@ -329,19 +527,14 @@ impl<'a> Supervisor<'a> {
                 Some(VmOutcome::Stopped) => break VmOutcome::Stopped,
                 Some(o) => Some(o.message()),
                 None => {
-                    let b = self.vm.control().total_beats();
-                    if b != beats {
-                        beats = b;
-                        alive = Instant::now();
-                        None
-                    } else if alive.elapsed() > self.cfg.hang_timeout {
-                        Some(format!(
-                            "guest stopped heartbeating for {} ms",
-                            alive.elapsed().as_millis()
-                        ))
-                    } else {
-                        None
-                    }
+                    let clock = self.clock.update(&self.vm.vcpu_threads()).to_vec();
+                    judge.observe(self.vm.progress_marker(), &clock, &self.clock.live()).map(|h| {
+                        observed_ns = h.ran_ns;
+                        format!(
+                            "guest stopped heartbeating while its vCPUs ran {} ms",
+                            h.ran_ns / 1_000_000
+                        )
+                    })
                 }
             };
             if let Some(reason) = detected {
@@ -355,8 +548,10 @@ impl<'a> Supervisor<'a> {
                         ),
                     };
                 }
-                self.rollback(reason)?;
-                alive = Instant::now();
+                if let Err(message) = self.rollback(reason, std::mem::take(&mut observed_ns))? {
+                    break VmOutcome::Crashed { cpu: 0, message };
+                }
+                judge.reset();
                 next = Instant::now() + self.cfg.interval;
                 continue;
             }
@@ -391,6 +586,10 @@ impl<'a> Supervisor<'a> {
             mode: self.cfg.mode.name(),
             block_pages: self.cfg.block_pages,
             interval_ms: self.cfg.interval.as_secs_f64() * 1e3,
+            detection_latency_ms: self.latency_ns as f64 / 1e6,
+            ring_checkpoints_max: self.ring_checkpoints_max,
+            ring_pages_max: self.ring_pages_max,
+            ring_merges: self.ring_merges,
             checkpoints: self.intervals,
             faults_total: self.faults,
             faults_per_interval: self.faults as f64 / n,
@@ -408,5 +607,57 @@ impl<'a> Supervisor<'a> {
             disk_bytes_last: self.disk_bytes_last,
             outcome,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rollback_target;
+
+    const MS: u64 = 1_000_000;
+
+    fn target(kept: &[(Vec<u64>, bool)], now: &[u64], working: &[bool], l: u64) -> Option<usize> {
+        rollback_target(kept.iter().map(|(c, f)| (c.as_slice(), *f)), now, working, l)
+    }
+
+    /// Checkpoints every 50 ms of guest time, the first one the run's start.
+    fn ring(n: u64) -> Vec<(Vec<u64>, bool)> {
+        (0..n).map(|i| (vec![i * 50 * MS], i == 0)).collect()
+    }
+
+    #[test]
+    fn the_target_predates_detection_by_more_than_the_latency() {
+        // 40 checkpoints (0..1950 ms), detection at 2000 ms, latency 1000 ms:
+        // the newest checkpoint strictly before 1000 ms is the one at 950 ms,
+        // not one of the two newest (1900, 1950 ms) that can hold the fault.
+        let kept = ring(40);
+        let t = target(&kept, &[2000 * MS], &[true], 1000 * MS).unwrap();
+        assert_eq!(kept[t].0[0], 950 * MS);
+        assert!(kept[t].0[0] + 1000 * MS < 2000 * MS);
+        // Exactly the latency old does not qualify (a vCPU that did not run
+        // between a checkpoint and a fault cannot order them).
+        let t = target(&kept, &[1950 * MS], &[true], 1000 * MS).unwrap();
+        assert_eq!(kept[t].0[0], 900 * MS);
+    }
+
+    #[test]
+    fn a_descheduled_vcpu_holds_the_target_back() {
+        // vCPU 1 ran only 100 ms since the start: only the first checkpoint
+        // is old enough for it, whatever vCPU 0 did.
+        let kept: Vec<(Vec<u64>, bool)> =
+            (0..40).map(|i| (vec![i * 50 * MS, i * 2 * MS], i == 0)).collect();
+        assert_eq!(target(&kept, &[2000 * MS, 100 * MS], &[true, true], 1000 * MS), Some(0));
+        // Unless it finished its workload.
+        let t = target(&kept, &[2000 * MS, 100 * MS], &[true, false], 1000 * MS).unwrap();
+        assert_eq!(kept[t].0[0], 950 * MS);
+    }
+
+    #[test]
+    fn the_first_checkpoint_always_qualifies_and_others_may_not() {
+        let kept = ring(5);
+        assert_eq!(target(&kept, &[300 * MS], &[true], 1000 * MS), Some(0));
+        // Without the run's first checkpoint nothing is old enough.
+        assert_eq!(target(&kept[1..], &[300 * MS], &[true], 1000 * MS), None);
+        assert_eq!(target(&[], &[300 * MS], &[true], 0), None);
     }
 }

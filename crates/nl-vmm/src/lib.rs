@@ -8,6 +8,7 @@
 //! * [`detect`]: error detectors (fatal signals, panics, hang watchdog).
 //! * [`recovery`]: microreset and microreboot of the VMM after a detected error.
 //! * [`events`]: the host's recurring events (VM supervision).
+//! * [`progress`]: guest progress in vCPU-thread CPU time (hang judgement).
 //! * [`seccomp`]: a seccomp-bpf filter per VMM thread kind.
 //! * [`kick`]: interrupting a vCPU thread out of KVM_RUN with a signal.
 //! * [`host`]: several VMs in one VMM process, addressed by id.
@@ -33,6 +34,7 @@ pub mod events;
 pub mod kick;
 mod memslots;
 mod netrx;
+pub mod progress;
 pub mod recovery;
 pub mod rejuvenate;
 pub mod seccomp;

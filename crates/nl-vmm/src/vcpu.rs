@@ -7,7 +7,7 @@
 //! the guest, and only then parks. A parked vCPU's state is therefore exactly
 //! the guest's architectural state, and its `VcpuFd` is free for state calls.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::Arc;
 
 use nl_sync::{Condvar, Guard, Lock};
@@ -52,6 +52,9 @@ pub struct VcpuStats {
     pub mmio: AtomicU64,
     pub intr: AtomicU64,
     pub other: AtomicU64,
+    /// Kernel id of the thread running this vCPU now (0: none); its CPU time
+    /// is the guest's clock for hang detection (see [`crate::progress`]).
+    pub tid: AtomicI32,
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize)]
@@ -278,6 +281,7 @@ pub fn run_vcpu(
     stats: Arc<VcpuStats>,
 ) -> VcpuStop {
     let _reg = crate::recovery::enter(true);
+    stats.tid.store(nl_sync::tid(), SeqCst);
     crate::seccomp::apply(crate::seccomp::Kind::Vcpu);
     // Hang watchdog: busy while handling an exit, waiting inside KVM_RUN or parked.
     let progress = crate::detect::track();
@@ -294,6 +298,7 @@ pub fn run_vcpu(
             }
         }
     };
+    stats.tid.store(0, SeqCst);
     ctx.run.thread_ended();
     ctx.control.poke();
     stop

@@ -567,6 +567,31 @@ impl Vm {
         self.stop();
     }
 
+    /// One sample per vCPU: its thread's id and time run in guest mode, or
+    /// `None` when the vCPU has no running thread (halted, finished).
+    pub fn vcpu_threads(&self) -> Vec<Option<crate::progress::ThreadSample>> {
+        let tids: Vec<i32> = self
+            .slots()
+            .iter()
+            .map(|s| s.stats.tid.load(std::sync::atomic::Ordering::SeqCst))
+            .collect();
+        tids.into_iter()
+            .map(|tid| {
+                crate::progress::thread_guest_ns(tid)
+                    .map(|cpu_ns| crate::progress::ThreadSample { tid, cpu_ns })
+            })
+            .collect()
+    }
+
+    /// A value that changes whenever the guest shows progress: a heartbeat
+    /// or a phase change of any vCPU (also when a restore moves them back).
+    pub fn progress_marker(&self) -> u64 {
+        self.control.vcpus.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, r| {
+            let r = r.snapshot();
+            (h ^ r.beats).wrapping_mul(0x100_0000_01b3).rotate_left(17) ^ r.phase
+        })
+    }
+
     /// How the VM's run has ended, if it has (non-blocking; no hang detection).
     pub fn poll_outcome(&self) -> Option<VmOutcome> {
         self.reap();
