@@ -262,7 +262,11 @@ pub struct CowEngine {
 
 impl CowEngine {
     fn checkpoint(&mut self) -> Result<IntervalStats, CheckpointError> {
-        let mut ended = std::mem::take(&mut *self.tracker.current());
+        // The interval stays locked until memory is protected again, so the
+        // fault thread saves each page into exactly one of the two intervals
+        // and never unprotects one of the new interval unsaved.
+        let mut cur = self.tracker.current();
+        let mut ended = std::mem::take(&mut *cur);
         let mut buf = vec![0u8; PAGE];
         // A pre-saved page (or, with block saves, any saved page) whose
         // content did not change was not written: it is not part of this
@@ -294,13 +298,11 @@ impl CowEngine {
         // The new interval: everything protected but the predicted pages,
         // which are copied now (the VM is paused) and left writable.
         self.tracker.protect_all()?;
-        {
-            let mut cur = self.tracker.current();
-            for &gpa in &predicted {
-                read_page(&self.view, gpa, &mut buf)?;
-                cur.save_once(gpa, &buf);
-            }
+        for &gpa in &predicted {
+            read_page(&self.view, gpa, &mut buf)?;
+            cur.save_once(gpa, &buf);
         }
+        drop(cur);
         for (start, len) in runs(&predicted) {
             self.tracker.unprotect(start, len)?;
         }
@@ -309,13 +311,17 @@ impl CowEngine {
     }
 
     fn rollback(&mut self, undo: usize) -> Result<RollbackStats, CheckpointError> {
-        let cur = std::mem::take(&mut *self.tracker.current());
+        // Locked until memory is protected again (see `checkpoint`): a fault
+        // served in between would save a page's pre-rollback content.
+        let mut guard = self.tracker.current();
+        let cur = std::mem::take(&mut *guard);
         let view = &self.view;
         let pages = undo_intervals(&cur, &mut self.history, undo, |g, d| write_page(view, g, d))?;
         let levels = undo as u32 + 1;
         // A new interval starts from the restored state, all protected.
         self.presaved.clear();
         self.tracker.protect_all()?;
+        drop(guard);
         self.faults_at_start = self.tracker.faults();
         Ok(RollbackStats { pages, levels })
     }

@@ -47,9 +47,14 @@ impl FaultHandler for SaveBlock {
                 }
             }
         }
-        drop(cur);
         self.shared.faults.fetch_add(1, Relaxed);
-        p.unprotect(start, end - start)?;
+        // Unprotected while the interval is still locked: a checkpoint or
+        // rollback that takes the interval and re-protects memory cannot run
+        // in between, which would leave this block writable in the next
+        // interval with no saved copy.
+        let r = p.unprotect(start, end - start);
+        drop(cur);
+        r?;
         failed.map_or(Ok(()), Err)
     }
 }

@@ -30,9 +30,11 @@ pub enum FileError {
     TooLarge { what: String, path: String, size: u64, limit: u64 },
     #[error("{what} {path} grew past the limit of {limit} bytes while it was read")]
     Grew { what: String, path: String, limit: u64 },
-    #[error("{what} {path} has mode {mode:03o}: group or others may use it (chmod 600 it)")]
+    #[error(
+        "{what} {path} has mode {mode:03o}: group or others may read or write it (chmod 600 it)"
+    )]
     Exposed { what: String, path: String, mode: u32 },
-    #[error("{what} {path} holds {size} bytes; a key needs at least {min}")]
+    #[error("{what} {path} is too short: a key needs at least {min} bytes (got {size})")]
     TooShort { what: String, path: String, size: u64, min: u64 },
 }
 

@@ -166,9 +166,11 @@ pub fn successor_args() -> Vec<String> {
 
 type Rules = BTreeMap<i64, Vec<SeccompRule>>;
 
+/// `calls` allowed whatever their arguments (an empty rule list); this wins
+/// over any conditional rule another group gave the same syscall.
 fn allow(r: &mut Rules, calls: &[libc::c_long]) {
     for &c in calls {
-        r.entry(c).or_default();
+        r.insert(c, Vec::new());
     }
 }
 
@@ -177,7 +179,11 @@ fn cond(arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, v: u64) -> SeccompCond
 }
 
 /// `syscall` allowed only when one of `rules` matches.
+/// A syscall some group already allows unconditionally stays so.
 fn allow_if(r: &mut Rules, syscall: libc::c_long, rules: Vec<Vec<SeccompCondition>>) {
+    if r.get(&syscall).is_some_and(Vec::is_empty) {
+        return;
+    }
     let v = r.entry(syscall).or_default();
     for c in rules {
         v.push(SeccompRule::new(c).expect("valid rule"));
@@ -502,6 +508,23 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Groups merge: a syscall one group allows whatever its arguments
+    /// stays so when another allows it only conditionally, in either order
+    /// (the process filter must open files for writing; rejuvenation's
+    /// successor starts under it).
+    #[test]
+    fn an_unconditional_allow_wins_over_a_conditional_one() {
+        assert!(rules(Kind::Api)[&libc::SYS_openat].is_empty(), "process filter: any openat");
+        assert!(!rules(Kind::Vcpu)[&libc::SYS_openat].is_empty(), "vCPU filter: read-only");
+        let read_only = || vec![vec![cond(2, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, 0)]];
+        let mut r = Rules::new();
+        allow_if(&mut r, 1, read_only());
+        allow(&mut r, &[1]);
+        allow(&mut r, &[2]);
+        allow_if(&mut r, 2, read_only());
+        assert!(r[&1].is_empty() && r[&2].is_empty());
     }
 
     static TRAPPED: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
