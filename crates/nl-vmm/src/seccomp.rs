@@ -26,6 +26,8 @@
 //! | [`Kind::Watchdog`] | `watchdog` (hang detector) | runtime + recovery + read-only `openat` of `/proc` |
 //! | [`Kind::Api`] | the API accept loop and connections, `handover-report` | the process filter |
 //! | [`Kind::Microreboot`] | `microreboot` | the process filter |
+//! | [`Kind::Checkpoint`] | `ckpt-faults`, `repl-faults` (userfaultfd write tracking), `ckpt-disk` | runtime + recovery + write tracking + checkpoint files |
+//! | [`Kind::Replication`] | `repl-accept`, `repl-hello`, `repl-rx`, `repl-send`, `repl-acks` | runtime + recovery + streams + device I/O + KVM ioctls |
 //!
 //! The groups:
 //!
@@ -48,6 +50,25 @@
 //!   `fsync`, `fdatasync` (virtio-blk on its image, virtio-net on its TAP).
 //! * **KVM ioctls**: `ioctl` whose request is of KVM's type (0xAE), such as
 //!   `KVM_RUN`, `KVM_IRQ_LINE`, `KVM_GET_REGS`; no other ioctl.
+//! * **write tracking** (checkpoint kind): `poll`/`ppoll` on the
+//!   userfaultfd and `ioctl` of userfaultfd's type (0xAA:
+//!   `UFFDIO_WRITEPROTECT`, `UFFDIO_WAKE`) only.
+//! * **checkpoint files** (checkpoint kind): `openat` write-only or
+//!   read-only (never read-write), `fsync`, `fdatasync`, `rename*`: the
+//!   disk writer creates `FILE.tmp`, writes, syncs and renames it; the
+//!   read-only open is glibc's malloc reading
+//!   `/proc/sys/vm/overcommit_memory`, once per process, on whichever
+//!   thread first shrinks a heap arena.
+//! * **streams** (replication kind): `sendto`, `recvfrom`, `sendmsg`,
+//!   `recvmsg`, `setsockopt`/`getsockopt` (timeouts, `TCP_NODELAY`),
+//!   `getpeername`, `getsockname`, `shutdown`, `poll`, `fcntl`; the
+//!   backup's accept loop `accept4`s and starts a thread per handshake
+//!   (`clone`/`clone3`, and `seccomp`, with which that thread installs its
+//!   own filter); a handshake creates or empties the backup's disk copy
+//!   (`openat`, `ftruncate`). The primary's sender releases an
+//!   acknowledged epoch's output (held disk writes, held frames, their
+//!   interrupts): device I/O and KVM ioctls. No `socket`, `connect`,
+//!   `bind`, `execve`.
 //! * **process filter** (API and microreboot threads): everything the VMM
 //!   process does, because a thread's filter is inherited by the threads
 //!   and processes it creates and is kept across `execve`. An API
@@ -71,8 +92,14 @@
 //! # Where filters are applied
 //!
 //! * The main thread of `run`, `checkpoint`, `restore` and `replicate` is
-//!   not filtered: it loads images, creates the VMs, waits and verifies.
-//!   Their vCPU, device, events and watchdog threads are.
+//!   not filtered: it loads images, creates the VMs, waits and verifies
+//!   (and the backup's main thread creates the VM it activates). Every
+//!   thread they start is: vCPU, device, events, watchdog, and the
+//!   checkpoint and replication threads, whose crates (`nl-checkpoint`,
+//!   `nl-replicate`) call [`apply`] at the start of each thread body; the
+//!   userfaultfd fault thread of `nl-memory` (which does not depend on this
+//!   crate) calls its handler's `FaultHandler::on_start`, where those
+//!   crates apply [`Kind::Checkpoint`].
 //! * In `host`, the main thread becomes the API accept loop and applies the
 //!   process filter once the detectors are installed and the host is built.
 //! * The microreboot thread is started when the detectors are installed
@@ -113,11 +140,27 @@ pub enum Kind {
     Api,
     /// The microreboot thread (saves state, execs a fresh VMM).
     Microreboot,
+    /// Write tracking and checkpoint writing: the userfaultfd
+    /// write-protect fault threads (`ckpt-faults`, `repl-faults`) and the
+    /// checkpoint disk writer (`ckpt-disk`).
+    Checkpoint,
+    /// Replication's network threads: the backup's accept loop
+    /// (`repl-accept`), handshakes (`repl-hello`) and receiver (`repl-rx`),
+    /// the primary's sender (`repl-send`) and ack reader (`repl-acks`).
+    Replication,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 6] =
-        [Kind::Vcpu, Kind::Device, Kind::Events, Kind::Watchdog, Kind::Api, Kind::Microreboot];
+    pub const ALL: [Kind; 8] = [
+        Kind::Vcpu,
+        Kind::Device,
+        Kind::Events,
+        Kind::Watchdog,
+        Kind::Api,
+        Kind::Microreboot,
+        Kind::Checkpoint,
+        Kind::Replication,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -127,6 +170,8 @@ impl Kind {
             Kind::Watchdog => "watchdog",
             Kind::Api => "api",
             Kind::Microreboot => "microreboot",
+            Kind::Checkpoint => "checkpoint",
+            Kind::Replication => "replication",
         }
     }
 
@@ -400,8 +445,81 @@ fn rules(kind: Kind) -> Rules {
             );
         }
         Kind::Api | Kind::Microreboot => process(&mut r),
+        Kind::Checkpoint => checkpoint(&mut r),
+        Kind::Replication => replication(&mut r),
     }
     r
+}
+
+/// Write tracking (userfaultfd) and the checkpoint disk writer.
+fn checkpoint(r: &mut Rules) {
+    use libc::*;
+    // The fault thread waits on its userfaultfd and serves faults with
+    // userfaultfd's ioctls (type 0xAA: UFFDIO_WRITEPROTECT, UFFDIO_WAKE).
+    allow(r, &[SYS_poll, SYS_ppoll]);
+    allow_if(
+        r,
+        SYS_ioctl,
+        vec![vec![cond(1, SeccompCmpArgLen::Dword, SeccompCmpOp::MaskedEq(0xff00), 0xaa00)]],
+    );
+    // The disk writer creates `FILE.tmp` write-only, writes, syncs and
+    // renames it over `FILE`; read-only opens are glibc's malloc reading
+    // /proc/sys/vm/overcommit_memory (once per process, on whichever
+    // thread first shrinks a heap).
+    allow_if(
+        r,
+        SYS_openat,
+        [O_WRONLY, O_RDONLY]
+            .iter()
+            .map(|&m| {
+                vec![cond(
+                    2,
+                    SeccompCmpArgLen::Dword,
+                    SeccompCmpOp::MaskedEq(O_ACCMODE as u64),
+                    m as u64,
+                )]
+            })
+            .collect(),
+    );
+    allow(r, &[SYS_fsync, SYS_fdatasync, SYS_rename, SYS_renameat, SYS_renameat2]);
+}
+
+/// Replication's network threads.
+fn replication(r: &mut Rules) {
+    use libc::*;
+    allow(
+        r,
+        &[
+            // connected TCP streams: send, receive, timeouts, shutdown
+            SYS_sendto,
+            SYS_recvfrom,
+            SYS_sendmsg,
+            SYS_recvmsg,
+            SYS_setsockopt,
+            SYS_getsockopt,
+            SYS_getpeername,
+            SYS_getsockname,
+            SYS_shutdown,
+            SYS_poll,
+            SYS_ppoll,
+            SYS_fcntl,
+            // the backup's accept loop: a connection, and a thread for
+            // its handshake, which installs its own filter (only narrows)
+            SYS_accept4,
+            SYS_accept,
+            SYS_clone,
+            SYS_clone3,
+            SYS_seccomp,
+            // the backup's handshake creates or empties its disk copy
+            // (`--disk`) when the primary attaches
+            SYS_openat,
+            SYS_ftruncate,
+        ],
+    );
+    // The primary's sender releases an acknowledged epoch's output: held
+    // disk writes to the image, held frames to the TAP, interrupts.
+    device_io(r);
+    kvm_ioctls(r);
 }
 
 /// Builds the BPF program of `kind`.
@@ -419,7 +537,8 @@ pub fn program(kind: Kind) -> Result<BpfProgram, String> {
 }
 
 fn cached(kind: Kind) -> &'static Result<BpfProgram, String> {
-    static P: [OnceLock<Result<BpfProgram, String>>; 6] = [const { OnceLock::new() }; 6];
+    static P: [OnceLock<Result<BpfProgram, String>>; Kind::ALL.len()] =
+        [const { OnceLock::new() }; Kind::ALL.len()];
     P[kind.index()].get_or_init(|| program(kind))
 }
 
@@ -490,7 +609,7 @@ mod tests {
     #[test]
     fn leaf_filters_are_subsets_of_the_process_filter() {
         let p = rules(Kind::Api);
-        for k in [Kind::Vcpu, Kind::Device, Kind::Events, Kind::Watchdog] {
+        for k in Kind::ALL.into_iter().filter(|k| !k.is_process()) {
             for call in rules(k).keys() {
                 assert!(
                     p.contains_key(call),
@@ -519,18 +638,21 @@ mod tests {
             libc::sigemptyset(&mut sa.sa_mask);
             libc::sigaction(libc::SIGSYS, &sa, std::ptr::null_mut());
         }
-        // A thread of its own: the filter stays with it.
-        let r = std::thread::spawn(|| {
-            seccompiler::apply_filter(&program(Kind::Vcpu).unwrap()).unwrap();
-            // SAFETY: no memory arguments; the filter traps it before it runs.
-            unsafe { libc::syscall(libc::SYS_personality, 0xffff_ffffu64) };
-            let allowed = TRAPPED.load(Relaxed);
-            // SAFETY: gettid has no arguments; allowed by every filter.
-            let tid = unsafe { libc::gettid() };
-            (allowed, tid)
-        });
-        let (trapped, tid) = r.join().unwrap();
-        assert!(tid > 0);
-        assert_eq!(trapped, libc::SYS_personality, "personality was not trapped");
+        for kind in Kind::ALL {
+            TRAPPED.store(0, Relaxed);
+            // A thread of its own: the filter stays with it.
+            let r = std::thread::spawn(move || {
+                seccompiler::apply_filter(&program(kind).unwrap()).unwrap();
+                // SAFETY: no memory arguments; the filter traps it before it runs.
+                unsafe { libc::syscall(libc::SYS_personality, 0xffff_ffffu64) };
+                let allowed = TRAPPED.load(Relaxed);
+                // SAFETY: gettid has no arguments; allowed by every filter.
+                let tid = unsafe { libc::gettid() };
+                (allowed, tid)
+            });
+            let (trapped, tid) = r.join().unwrap();
+            assert!(tid > 0);
+            assert_eq!(trapped, libc::SYS_personality, "{kind:?}: personality was not trapped");
+        }
     }
 }
