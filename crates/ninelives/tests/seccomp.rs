@@ -137,6 +137,7 @@ fn a_forbidden_syscall_on_a_vcpu_thread_is_detected_and_ends_the_vmm_without_rec
     let d = h.seccomp_detections();
     assert_eq!(d.len(), 1, "{}", h.stderr());
     assert_eq!(d[0]["syscall"], SYS_PERSONALITY, "{}", d[0]);
+    assert_eq!(d[0]["name"], "personality", "{}", d[0]);
     assert_eq!(d[0]["signal"], "SIGSYS");
     assert!(d[0]["thread"].as_str().unwrap().starts_with("vm0-vcpu"), "{}", d[0]);
 }
@@ -149,6 +150,7 @@ fn a_forbidden_syscall_on_a_vcpu_thread_is_recovered_by_microreset() {
     let d = h.seccomp_detections();
     assert_eq!(d.len(), 1, "{}", h.stderr());
     assert_eq!(d[0]["syscall"], SYS_PERSONALITY, "{}", d[0]);
+    assert_eq!(d[0]["name"], "personality", "{}", d[0]);
     let rec = h.lines("NINELIVES-RECOVERED ");
     assert_eq!(rec.len(), 1, "{}", h.stderr());
     assert_eq!(rec[0]["policy"], "microreset");
@@ -170,6 +172,7 @@ fn a_forbidden_syscall_on_an_api_thread_is_recovered_by_microreset() {
     }
     let d = h.seccomp_detections();
     assert_eq!(d[0]["syscall"], SYS_PERSONALITY, "{}", d[0]);
+    assert_eq!(d[0]["name"], "personality", "{}", d[0]);
     assert_eq!(d[0]["thread"], "api-conn", "{}", d[0]);
     let id = h.create("compute", 0.3);
     h.assert_completes_verified(id);
