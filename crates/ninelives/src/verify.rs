@@ -25,16 +25,24 @@ pub fn verify_vcpus(
         let handles: Vec<_> = regs
             .iter()
             .enumerate()
-            .map(|(cpu, r)| s.spawn(move || verify_one(params, cpu as u64, r, tsc_khz)))
+            .map(|(cpu, r)| {
+                // Named: the CLI's check, not a VMM thread (it runs no guest
+                // and holds no VM), unfiltered like the main thread.
+                thread::Builder::new()
+                    .name(format!("verify{cpu}"))
+                    .spawn_scoped(s, move || verify_one(params, cpu as u64, r, tsc_khz))
+            })
             .collect();
+        let failed = |problem: String| VcpuVerdict {
+            digest_ok: false,
+            ops_per_sec: 0.0,
+            problem: Some(problem),
+        };
         handles
             .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| VcpuVerdict {
-                    digest_ok: false,
-                    ops_per_sec: 0.0,
-                    problem: Some("host replay panicked".into()),
-                })
+            .map(|h| match h {
+                Ok(h) => h.join().unwrap_or_else(|_| failed("host replay panicked".into())),
+                Err(e) => failed(format!("cannot start the host replay: {e}")),
             })
             .collect()
     })

@@ -404,7 +404,10 @@ impl<'a> Supervisor<'a> {
         self.disk_capture_ms_max = self.disk_capture_ms_max.max(t0.elapsed().as_secs_f64() * 1e3);
         let writer = std::thread::Builder::new()
             .name("ckpt-disk".into())
-            .spawn(move || image.write(&path, key.as_ref()))
+            .spawn(move || {
+                nl_vmm::seccomp::apply(nl_vmm::seccomp::Kind::Checkpoint);
+                image.write(&path, key.as_ref())
+            })
             .map_err(|e| CheckpointError::Config(format!("cannot start the disk writer: {e}")))?;
         self.disk_writer = Some(writer);
         Ok(())

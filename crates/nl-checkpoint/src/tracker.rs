@@ -57,6 +57,10 @@ impl FaultHandler for SaveBlock {
         r?;
         failed.map_or(Ok(()), Err)
     }
+
+    fn on_start(&mut self) {
+        nl_vmm::seccomp::apply(nl_vmm::seccomp::Kind::Checkpoint);
+    }
 }
 
 /// Write-protection of a VM's RAM with copy-on-write into the current

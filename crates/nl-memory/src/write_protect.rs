@@ -90,6 +90,10 @@ impl Protector {
 /// protection itself so the guest never deadlocks.
 pub trait FaultHandler: Send + 'static {
     fn fault(&mut self, p: &Protector, gpa: u64, region: Range) -> Result<(), String>;
+
+    /// Called first on the fault thread, before it serves any fault (the
+    /// users install the thread's seccomp filter here).
+    fn on_start(&mut self) {}
 }
 
 /// Registration of a VM's RAM for write-protect faults, and the thread that
@@ -172,6 +176,7 @@ fn fault_loop(
     error: &Mutex<Option<String>>,
     mut handler: impl FaultHandler,
 ) {
+    handler.on_start();
     let record = |msg: String| {
         error.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(msg);
     };

@@ -514,7 +514,10 @@ pub fn serve(cfg: &BackupConfig, log: &mut dyn FnMut(String)) -> Result<BackupEn
         let (cfg, slot) = (cfg.clone(), slot.clone());
         std::thread::Builder::new()
             .name("repl-accept".into())
-            .spawn(move || accept(listener, &cfg, &slot, &tx))
+            .spawn(move || {
+                nl_vmm::seccomp::apply(nl_vmm::seccomp::Kind::Replication);
+                accept(listener, &cfg, &slot, &tx)
+            })
             .map_err(|e| format!("cannot start the accept thread: {e}"))?
     };
     let end = loop {
@@ -581,7 +584,10 @@ fn accept(listener: TcpListener, cfg: &BackupConfig, slot: &Arc<Slot>, tx: &mpsc
         let spawned = std::thread::Builder::new()
             .name("repl-hello".into())
             .stack_size(256 << 10)
-            .spawn(move || handshake(s, peer, &cfg, &slot, &tx, pending));
+            .spawn(move || {
+                nl_vmm::seccomp::apply(nl_vmm::seccomp::Kind::Replication);
+                handshake(s, peer, &cfg, &slot, &tx, pending)
+            });
         if let Err(e) = spawned {
             say(format!("cannot start a handshake thread for {peer}: {e}"));
         }
@@ -649,14 +655,17 @@ fn receive(
     let (spare_tx, spare_rx) = mpsc::channel::<Vec<u8>>();
     std::thread::Builder::new()
         .name("repl-rx".into())
-        .spawn(move || loop {
-            let mut buf = spare_rx.try_recv().unwrap_or_default();
-            let r = open
-                .read_frame_into(&mut reader, &mut buf)
-                .map(|(kind, epoch, seq, crc)| (Frame { kind, epoch, seq, payload: buf }, crc));
-            let end = r.is_err();
-            if tx.send(r).is_err() || end {
-                break;
+        .spawn(move || {
+            nl_vmm::seccomp::apply(nl_vmm::seccomp::Kind::Replication);
+            loop {
+                let mut buf = spare_rx.try_recv().unwrap_or_default();
+                let r = open
+                    .read_frame_into(&mut reader, &mut buf)
+                    .map(|(kind, epoch, seq, crc)| (Frame { kind, epoch, seq, payload: buf }, crc));
+                let end = r.is_err();
+                if tx.send(r).is_err() || end {
+                    break;
+                }
             }
         })
         .map_err(|e| format!("cannot start the receive thread: {e}"))?;

@@ -262,6 +262,10 @@ impl FaultHandler for HistaseFaults {
         st.faults += 1;
         p.unprotect(start, end - start)
     }
+
+    fn on_start(&mut self) {
+        nl_vmm::seccomp::apply(nl_vmm::seccomp::Kind::Checkpoint);
+    }
 }
 
 /// The pages a write fault at `gpa` makes writable: up to `his` pages

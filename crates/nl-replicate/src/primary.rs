@@ -185,11 +185,14 @@ impl Conn {
         let (tx, frames) = mpsc::sync_channel(64);
         std::thread::Builder::new()
             .name("repl-acks".into())
-            .spawn(move || loop {
-                let r = open.read_frame(&mut reader);
-                let end = r.is_err();
-                if tx.send(r).is_err() || end {
-                    break;
+            .spawn(move || {
+                nl_vmm::seccomp::apply(nl_vmm::seccomp::Kind::Replication);
+                loop {
+                    let r = open.read_frame(&mut reader);
+                    let end = r.is_err();
+                    if tx.send(r).is_err() || end {
+                        break;
+                    }
                 }
             })
             .map_err(|e| format!("cannot start the ack thread: {e}"))?;
@@ -862,6 +865,7 @@ impl<'a> Primary<'a> {
         let (vm, lease, die) = (self.vm, self.cfg.lease, self.die);
         let handle =
             std::thread::Builder::new().name("repl-send".into()).spawn_scoped(sc, move || {
+                nl_vmm::seccomp::apply(nl_vmm::seccomp::Kind::Replication);
                 sender(&|f, d| release_output(vm, f, d), conn, epochs, to_main, lease, die)
             });
         match handle {

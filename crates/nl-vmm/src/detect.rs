@@ -9,7 +9,7 @@
 //! ```text
 //! NINELIVES-DETECTED {"detector":"signal","signal":"SIGSEGV","thread":"vm0-vcpu0","tid":4242,"addr":"0x0","rip":"0x0"}
 //! NINELIVES-DETECTED {"detector":"panic","thread":"vm0-monitor","message":"...","location":"src/x.rs:1:2"}
-//! NINELIVES-DETECTED {"detector":"seccomp","syscall":135,"signal":"SIGSYS","thread":"vm0-vcpu0","tid":4242,"addr":"0x...","rip":"0x..."}
+//! NINELIVES-DETECTED {"detector":"seccomp","syscall":135,"name":"personality","signal":"SIGSYS","thread":"vm0-vcpu0","tid":4242,"addr":"0x...","rip":"0x..."}
 //! NINELIVES-DETECTED {"detector":"hang","thread":"vm0-vcpu0","tid":4242,"missed_checks":3}
 //! ```
 //!
@@ -219,6 +219,11 @@ extern "C" fn on_fatal_signal(
         Some(nr) => {
             l.push(b"{\"detector\":\"seccomp\",\"syscall\":");
             l.dec(nr as u32 as u64);
+            if let Some(name) = crate::seccomp::syscall_name(nr.into()) {
+                l.push(b",\"name\":\"");
+                l.push(name.as_bytes());
+                l.push(b"\"");
+            }
             l.push(b",\"signal\":\"");
         }
         None => l.push(b"{\"detector\":\"signal\",\"signal\":\""),

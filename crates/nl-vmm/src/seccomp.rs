@@ -8,10 +8,11 @@
 //! reports as
 //!
 //! ```text
-//! NINELIVES-DETECTED {"detector":"seccomp","syscall":135,"thread":"vm0-vcpu0",...}
+//! NINELIVES-DETECTED {"detector":"seccomp","syscall":135,"name":"personality","thread":"vm0-vcpu0",...}
 //! ```
 //!
-//! and the recovery policy handles like any other fatal signal (`none`
+//! (`name` from [`syscall_name`]'s table, omitted for a syscall it does
+//! not list) and the recovery policy handles like any other fatal signal (`none`
 //! ends the process with status 86; `microreset` discards the thread's work
 //! back to its recovery point). On by default; `ninelives --seccomp off`
 //! (or [`set_enabled`]`(false)`) turns it off.
@@ -26,6 +27,8 @@
 //! | [`Kind::Watchdog`] | `watchdog` (hang detector) | runtime + recovery (whose read-only `openat` it uses for `/proc`) |
 //! | [`Kind::Api`] | the API accept loop and connections, `handover-report` | the process filter |
 //! | [`Kind::Microreboot`] | `microreboot` | the process filter |
+//! | [`Kind::Checkpoint`] | `ckpt-faults`, `repl-faults` (userfaultfd write tracking), `ckpt-disk` | runtime + recovery + write tracking + checkpoint files |
+//! | [`Kind::Replication`] | `repl-accept`, `repl-hello`, `repl-rx`, `repl-send`, `repl-acks` | runtime + recovery + streams + device I/O + KVM ioctls |
 //!
 //! The groups:
 //!
@@ -50,6 +53,25 @@
 //!   `fsync`, `fdatasync` (virtio-blk on its image, virtio-net on its TAP).
 //! * **KVM ioctls**: `ioctl` whose request is of KVM's type (0xAE), such as
 //!   `KVM_RUN`, `KVM_IRQ_LINE`, `KVM_GET_REGS`; no other ioctl.
+//! * **write tracking** (checkpoint kind): `poll`/`ppoll` on the
+//!   userfaultfd and `ioctl` of userfaultfd's type (0xAA:
+//!   `UFFDIO_WRITEPROTECT`, `UFFDIO_WAKE`) only.
+//! * **checkpoint files** (checkpoint kind): `openat` write-only or
+//!   read-only (never read-write), `fsync`, `fdatasync`, `rename*`: the
+//!   disk writer creates `FILE.tmp`, writes, syncs and renames it; the
+//!   read-only open is glibc's malloc reading
+//!   `/proc/sys/vm/overcommit_memory`, once per process, on whichever
+//!   thread first shrinks a heap arena.
+//! * **streams** (replication kind): `sendto`, `recvfrom`, `sendmsg`,
+//!   `recvmsg`, `setsockopt`/`getsockopt` (timeouts, `TCP_NODELAY`),
+//!   `getpeername`, `getsockname`, `shutdown`, `poll`, `fcntl`; the
+//!   backup's accept loop `accept4`s and starts a thread per handshake
+//!   (`clone`/`clone3`, and `seccomp`, with which that thread installs its
+//!   own filter); a handshake creates or empties the backup's disk copy
+//!   (`openat`, `ftruncate`). The primary's sender releases an
+//!   acknowledged epoch's output (held disk writes, held frames, their
+//!   interrupts): device I/O and KVM ioctls. No `socket`, `connect`,
+//!   `bind`, `execve`.
 //! * **process filter** (API and microreboot threads): everything the VMM
 //!   process does, because a thread's filter is inherited by the threads
 //!   and processes it creates and is kept across `execve`. An API
@@ -73,8 +95,14 @@
 //! # Where filters are applied
 //!
 //! * The main thread of `run`, `checkpoint`, `restore` and `replicate` is
-//!   not filtered: it loads images, creates the VMs, waits and verifies.
-//!   Their vCPU, device, events and watchdog threads are.
+//!   not filtered: it loads images, creates the VMs, waits and verifies
+//!   (and the backup's main thread creates the VM it activates). Every
+//!   thread they start is: vCPU, device, events, watchdog, and the
+//!   checkpoint and replication threads, whose crates (`nl-checkpoint`,
+//!   `nl-replicate`) call [`apply`] at the start of each thread body; the
+//!   userfaultfd fault thread of `nl-memory` (which does not depend on this
+//!   crate) calls its handler's `FaultHandler::on_start`, where those
+//!   crates apply [`Kind::Checkpoint`].
 //! * In `host`, the main thread becomes the API accept loop and applies the
 //!   process filter once the detectors are installed and the host is built.
 //! * The microreboot thread is started when the detectors are installed
@@ -115,11 +143,27 @@ pub enum Kind {
     Api,
     /// The microreboot thread (saves state, execs a fresh VMM).
     Microreboot,
+    /// Write tracking and checkpoint writing: the userfaultfd
+    /// write-protect fault threads (`ckpt-faults`, `repl-faults`) and the
+    /// checkpoint disk writer (`ckpt-disk`).
+    Checkpoint,
+    /// Replication's network threads: the backup's accept loop
+    /// (`repl-accept`), handshakes (`repl-hello`) and receiver (`repl-rx`),
+    /// the primary's sender (`repl-send`) and ack reader (`repl-acks`).
+    Replication,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 6] =
-        [Kind::Vcpu, Kind::Device, Kind::Events, Kind::Watchdog, Kind::Api, Kind::Microreboot];
+    pub const ALL: [Kind; 8] = [
+        Kind::Vcpu,
+        Kind::Device,
+        Kind::Events,
+        Kind::Watchdog,
+        Kind::Api,
+        Kind::Microreboot,
+        Kind::Checkpoint,
+        Kind::Replication,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -129,6 +173,8 @@ impl Kind {
             Kind::Watchdog => "watchdog",
             Kind::Api => "api",
             Kind::Microreboot => "microreboot",
+            Kind::Checkpoint => "checkpoint",
+            Kind::Replication => "replication",
         }
     }
 
@@ -410,8 +456,81 @@ fn rules(kind: Kind) -> Rules {
         // Read-only opens are in the recovery group (every kind).
         Kind::Watchdog => {}
         Kind::Api | Kind::Microreboot => process(&mut r),
+        Kind::Checkpoint => checkpoint(&mut r),
+        Kind::Replication => replication(&mut r),
     }
     r
+}
+
+/// Write tracking (userfaultfd) and the checkpoint disk writer.
+fn checkpoint(r: &mut Rules) {
+    use libc::*;
+    // The fault thread waits on its userfaultfd and serves faults with
+    // userfaultfd's ioctls (type 0xAA: UFFDIO_WRITEPROTECT, UFFDIO_WAKE).
+    allow(r, &[SYS_poll, SYS_ppoll]);
+    allow_if(
+        r,
+        SYS_ioctl,
+        vec![vec![cond(1, SeccompCmpArgLen::Dword, SeccompCmpOp::MaskedEq(0xff00), 0xaa00)]],
+    );
+    // The disk writer creates `FILE.tmp` write-only, writes, syncs and
+    // renames it over `FILE`; read-only opens are glibc's malloc reading
+    // /proc/sys/vm/overcommit_memory (once per process, on whichever
+    // thread first shrinks a heap).
+    allow_if(
+        r,
+        SYS_openat,
+        [O_WRONLY, O_RDONLY]
+            .iter()
+            .map(|&m| {
+                vec![cond(
+                    2,
+                    SeccompCmpArgLen::Dword,
+                    SeccompCmpOp::MaskedEq(O_ACCMODE as u64),
+                    m as u64,
+                )]
+            })
+            .collect(),
+    );
+    allow(r, &[SYS_fsync, SYS_fdatasync, SYS_rename, SYS_renameat, SYS_renameat2]);
+}
+
+/// Replication's network threads.
+fn replication(r: &mut Rules) {
+    use libc::*;
+    allow(
+        r,
+        &[
+            // connected TCP streams: send, receive, timeouts, shutdown
+            SYS_sendto,
+            SYS_recvfrom,
+            SYS_sendmsg,
+            SYS_recvmsg,
+            SYS_setsockopt,
+            SYS_getsockopt,
+            SYS_getpeername,
+            SYS_getsockname,
+            SYS_shutdown,
+            SYS_poll,
+            SYS_ppoll,
+            SYS_fcntl,
+            // the backup's accept loop: a connection, and a thread for
+            // its handshake, which installs its own filter (only narrows)
+            SYS_accept4,
+            SYS_accept,
+            SYS_clone,
+            SYS_clone3,
+            SYS_seccomp,
+            // the backup's handshake creates or empties its disk copy
+            // (`--disk`) when the primary attaches
+            SYS_openat,
+            SYS_ftruncate,
+        ],
+    );
+    // The primary's sender releases an acknowledged epoch's output: held
+    // disk writes to the image, held frames to the TAP, interrupts.
+    device_io(r);
+    kvm_ioctls(r);
 }
 
 /// Builds the BPF program of `kind`.
@@ -429,8 +548,268 @@ pub fn program(kind: Kind) -> Result<BpfProgram, String> {
 }
 
 fn cached(kind: Kind) -> &'static Result<BpfProgram, String> {
-    static P: [OnceLock<Result<BpfProgram, String>>; 6] = [const { OnceLock::new() }; 6];
+    static P: [OnceLock<Result<BpfProgram, String>>; Kind::ALL.len()] =
+        [const { OnceLock::new() }; Kind::ALL.len()];
     P[kind.index()].get_or_init(|| program(kind))
+}
+
+/// `(number, name)` of the x86-64 syscalls [`syscall_name`] knows.
+static NAMES: &[(libc::c_long, &str)] = &[
+    (libc::SYS_read, "read"),
+    (libc::SYS_write, "write"),
+    (libc::SYS_open, "open"),
+    (libc::SYS_close, "close"),
+    (libc::SYS_stat, "stat"),
+    (libc::SYS_fstat, "fstat"),
+    (libc::SYS_lstat, "lstat"),
+    (libc::SYS_poll, "poll"),
+    (libc::SYS_lseek, "lseek"),
+    (libc::SYS_mmap, "mmap"),
+    (libc::SYS_mprotect, "mprotect"),
+    (libc::SYS_munmap, "munmap"),
+    (libc::SYS_brk, "brk"),
+    (libc::SYS_rt_sigaction, "rt_sigaction"),
+    (libc::SYS_rt_sigprocmask, "rt_sigprocmask"),
+    (libc::SYS_rt_sigreturn, "rt_sigreturn"),
+    (libc::SYS_ioctl, "ioctl"),
+    (libc::SYS_pread64, "pread64"),
+    (libc::SYS_pwrite64, "pwrite64"),
+    (libc::SYS_readv, "readv"),
+    (libc::SYS_writev, "writev"),
+    (libc::SYS_access, "access"),
+    (libc::SYS_pipe, "pipe"),
+    (libc::SYS_select, "select"),
+    (libc::SYS_sched_yield, "sched_yield"),
+    (libc::SYS_mremap, "mremap"),
+    (libc::SYS_msync, "msync"),
+    (libc::SYS_mincore, "mincore"),
+    (libc::SYS_madvise, "madvise"),
+    (libc::SYS_shmget, "shmget"),
+    (libc::SYS_shmat, "shmat"),
+    (libc::SYS_shmctl, "shmctl"),
+    (libc::SYS_dup, "dup"),
+    (libc::SYS_dup2, "dup2"),
+    (libc::SYS_pause, "pause"),
+    (libc::SYS_nanosleep, "nanosleep"),
+    (libc::SYS_getitimer, "getitimer"),
+    (libc::SYS_alarm, "alarm"),
+    (libc::SYS_setitimer, "setitimer"),
+    (libc::SYS_getpid, "getpid"),
+    (libc::SYS_sendfile, "sendfile"),
+    (libc::SYS_socket, "socket"),
+    (libc::SYS_connect, "connect"),
+    (libc::SYS_accept, "accept"),
+    (libc::SYS_sendto, "sendto"),
+    (libc::SYS_recvfrom, "recvfrom"),
+    (libc::SYS_sendmsg, "sendmsg"),
+    (libc::SYS_recvmsg, "recvmsg"),
+    (libc::SYS_shutdown, "shutdown"),
+    (libc::SYS_bind, "bind"),
+    (libc::SYS_listen, "listen"),
+    (libc::SYS_getsockname, "getsockname"),
+    (libc::SYS_getpeername, "getpeername"),
+    (libc::SYS_socketpair, "socketpair"),
+    (libc::SYS_setsockopt, "setsockopt"),
+    (libc::SYS_getsockopt, "getsockopt"),
+    (libc::SYS_clone, "clone"),
+    (libc::SYS_fork, "fork"),
+    (libc::SYS_vfork, "vfork"),
+    (libc::SYS_execve, "execve"),
+    (libc::SYS_exit, "exit"),
+    (libc::SYS_wait4, "wait4"),
+    (libc::SYS_kill, "kill"),
+    (libc::SYS_uname, "uname"),
+    (libc::SYS_fcntl, "fcntl"),
+    (libc::SYS_flock, "flock"),
+    (libc::SYS_fsync, "fsync"),
+    (libc::SYS_fdatasync, "fdatasync"),
+    (libc::SYS_truncate, "truncate"),
+    (libc::SYS_ftruncate, "ftruncate"),
+    (libc::SYS_getdents, "getdents"),
+    (libc::SYS_getcwd, "getcwd"),
+    (libc::SYS_chdir, "chdir"),
+    (libc::SYS_fchdir, "fchdir"),
+    (libc::SYS_rename, "rename"),
+    (libc::SYS_mkdir, "mkdir"),
+    (libc::SYS_rmdir, "rmdir"),
+    (libc::SYS_creat, "creat"),
+    (libc::SYS_link, "link"),
+    (libc::SYS_unlink, "unlink"),
+    (libc::SYS_symlink, "symlink"),
+    (libc::SYS_readlink, "readlink"),
+    (libc::SYS_chmod, "chmod"),
+    (libc::SYS_fchmod, "fchmod"),
+    (libc::SYS_chown, "chown"),
+    (libc::SYS_fchown, "fchown"),
+    (libc::SYS_umask, "umask"),
+    (libc::SYS_gettimeofday, "gettimeofday"),
+    (libc::SYS_getrlimit, "getrlimit"),
+    (libc::SYS_getrusage, "getrusage"),
+    (libc::SYS_sysinfo, "sysinfo"),
+    (libc::SYS_times, "times"),
+    (libc::SYS_ptrace, "ptrace"),
+    (libc::SYS_getuid, "getuid"),
+    (libc::SYS_syslog, "syslog"),
+    (libc::SYS_getgid, "getgid"),
+    (libc::SYS_setuid, "setuid"),
+    (libc::SYS_setgid, "setgid"),
+    (libc::SYS_geteuid, "geteuid"),
+    (libc::SYS_getegid, "getegid"),
+    (libc::SYS_setpgid, "setpgid"),
+    (libc::SYS_getppid, "getppid"),
+    (libc::SYS_setsid, "setsid"),
+    (libc::SYS_setreuid, "setreuid"),
+    (libc::SYS_setregid, "setregid"),
+    (libc::SYS_getgroups, "getgroups"),
+    (libc::SYS_setgroups, "setgroups"),
+    (libc::SYS_getpgid, "getpgid"),
+    (libc::SYS_capget, "capget"),
+    (libc::SYS_capset, "capset"),
+    (libc::SYS_sigaltstack, "sigaltstack"),
+    (libc::SYS_mknod, "mknod"),
+    (libc::SYS_personality, "personality"),
+    (libc::SYS_statfs, "statfs"),
+    (libc::SYS_fstatfs, "fstatfs"),
+    (libc::SYS_getpriority, "getpriority"),
+    (libc::SYS_setpriority, "setpriority"),
+    (libc::SYS_sched_setparam, "sched_setparam"),
+    (libc::SYS_sched_setscheduler, "sched_setscheduler"),
+    (libc::SYS_mlock, "mlock"),
+    (libc::SYS_munlock, "munlock"),
+    (libc::SYS_mlockall, "mlockall"),
+    (libc::SYS_munlockall, "munlockall"),
+    (libc::SYS_prctl, "prctl"),
+    (libc::SYS_arch_prctl, "arch_prctl"),
+    (libc::SYS_setrlimit, "setrlimit"),
+    (libc::SYS_chroot, "chroot"),
+    (libc::SYS_sync, "sync"),
+    (libc::SYS_acct, "acct"),
+    (libc::SYS_settimeofday, "settimeofday"),
+    (libc::SYS_mount, "mount"),
+    (libc::SYS_umount2, "umount2"),
+    (libc::SYS_swapon, "swapon"),
+    (libc::SYS_swapoff, "swapoff"),
+    (libc::SYS_reboot, "reboot"),
+    (libc::SYS_sethostname, "sethostname"),
+    (libc::SYS_setdomainname, "setdomainname"),
+    (libc::SYS_iopl, "iopl"),
+    (libc::SYS_ioperm, "ioperm"),
+    (libc::SYS_init_module, "init_module"),
+    (libc::SYS_delete_module, "delete_module"),
+    (libc::SYS_quotactl, "quotactl"),
+    (libc::SYS_gettid, "gettid"),
+    (libc::SYS_readahead, "readahead"),
+    (libc::SYS_setxattr, "setxattr"),
+    (libc::SYS_getxattr, "getxattr"),
+    (libc::SYS_tkill, "tkill"),
+    (libc::SYS_time, "time"),
+    (libc::SYS_futex, "futex"),
+    (libc::SYS_sched_setaffinity, "sched_setaffinity"),
+    (libc::SYS_sched_getaffinity, "sched_getaffinity"),
+    (libc::SYS_io_setup, "io_setup"),
+    (libc::SYS_io_submit, "io_submit"),
+    (libc::SYS_getdents64, "getdents64"),
+    (libc::SYS_set_tid_address, "set_tid_address"),
+    (libc::SYS_restart_syscall, "restart_syscall"),
+    (libc::SYS_fadvise64, "fadvise64"),
+    (libc::SYS_timer_create, "timer_create"),
+    (libc::SYS_clock_settime, "clock_settime"),
+    (libc::SYS_clock_gettime, "clock_gettime"),
+    (libc::SYS_clock_getres, "clock_getres"),
+    (libc::SYS_clock_nanosleep, "clock_nanosleep"),
+    (libc::SYS_exit_group, "exit_group"),
+    (libc::SYS_epoll_wait, "epoll_wait"),
+    (libc::SYS_epoll_ctl, "epoll_ctl"),
+    (libc::SYS_tgkill, "tgkill"),
+    (libc::SYS_waitid, "waitid"),
+    (libc::SYS_add_key, "add_key"),
+    (libc::SYS_request_key, "request_key"),
+    (libc::SYS_keyctl, "keyctl"),
+    (libc::SYS_inotify_init1, "inotify_init1"),
+    (libc::SYS_openat, "openat"),
+    (libc::SYS_mkdirat, "mkdirat"),
+    (libc::SYS_fchownat, "fchownat"),
+    (libc::SYS_newfstatat, "newfstatat"),
+    (libc::SYS_unlinkat, "unlinkat"),
+    (libc::SYS_renameat, "renameat"),
+    (libc::SYS_linkat, "linkat"),
+    (libc::SYS_symlinkat, "symlinkat"),
+    (libc::SYS_readlinkat, "readlinkat"),
+    (libc::SYS_fchmodat, "fchmodat"),
+    (libc::SYS_faccessat, "faccessat"),
+    (libc::SYS_pselect6, "pselect6"),
+    (libc::SYS_ppoll, "ppoll"),
+    (libc::SYS_unshare, "unshare"),
+    (libc::SYS_set_robust_list, "set_robust_list"),
+    (libc::SYS_splice, "splice"),
+    (libc::SYS_tee, "tee"),
+    (libc::SYS_vmsplice, "vmsplice"),
+    (libc::SYS_move_pages, "move_pages"),
+    (libc::SYS_utimensat, "utimensat"),
+    (libc::SYS_epoll_pwait, "epoll_pwait"),
+    (libc::SYS_timerfd_create, "timerfd_create"),
+    (libc::SYS_eventfd, "eventfd"),
+    (libc::SYS_fallocate, "fallocate"),
+    (libc::SYS_timerfd_settime, "timerfd_settime"),
+    (libc::SYS_accept4, "accept4"),
+    (libc::SYS_eventfd2, "eventfd2"),
+    (libc::SYS_epoll_create1, "epoll_create1"),
+    (libc::SYS_dup3, "dup3"),
+    (libc::SYS_pipe2, "pipe2"),
+    (libc::SYS_preadv, "preadv"),
+    (libc::SYS_pwritev, "pwritev"),
+    (libc::SYS_rt_tgsigqueueinfo, "rt_tgsigqueueinfo"),
+    (libc::SYS_perf_event_open, "perf_event_open"),
+    (libc::SYS_recvmmsg, "recvmmsg"),
+    (libc::SYS_prlimit64, "prlimit64"),
+    (libc::SYS_sendmmsg, "sendmmsg"),
+    (libc::SYS_setns, "setns"),
+    (libc::SYS_process_vm_readv, "process_vm_readv"),
+    (libc::SYS_process_vm_writev, "process_vm_writev"),
+    (libc::SYS_kcmp, "kcmp"),
+    (libc::SYS_finit_module, "finit_module"),
+    (libc::SYS_sched_setattr, "sched_setattr"),
+    (libc::SYS_renameat2, "renameat2"),
+    (libc::SYS_seccomp, "seccomp"),
+    (libc::SYS_getrandom, "getrandom"),
+    (libc::SYS_memfd_create, "memfd_create"),
+    (libc::SYS_kexec_load, "kexec_load"),
+    (libc::SYS_kexec_file_load, "kexec_file_load"),
+    (libc::SYS_bpf, "bpf"),
+    (libc::SYS_execveat, "execveat"),
+    (libc::SYS_userfaultfd, "userfaultfd"),
+    (libc::SYS_membarrier, "membarrier"),
+    (libc::SYS_mlock2, "mlock2"),
+    (libc::SYS_copy_file_range, "copy_file_range"),
+    (libc::SYS_preadv2, "preadv2"),
+    (libc::SYS_pwritev2, "pwritev2"),
+    (libc::SYS_pkey_mprotect, "pkey_mprotect"),
+    (libc::SYS_statx, "statx"),
+    (libc::SYS_io_uring_setup, "io_uring_setup"),
+    (libc::SYS_io_uring_enter, "io_uring_enter"),
+    (libc::SYS_rseq, "rseq"),
+    (libc::SYS_pidfd_open, "pidfd_open"),
+    (libc::SYS_clone3, "clone3"),
+    (libc::SYS_open_tree, "open_tree"),
+    (libc::SYS_move_mount, "move_mount"),
+    (libc::SYS_fsopen, "fsopen"),
+    (libc::SYS_fsmount, "fsmount"),
+    (libc::SYS_pidfd_getfd, "pidfd_getfd"),
+    (libc::SYS_faccessat2, "faccessat2"),
+    (libc::SYS_process_madvise, "process_madvise"),
+    (libc::SYS_epoll_pwait2, "epoll_pwait2"),
+    (libc::SYS_mount_setattr, "mount_setattr"),
+    (libc::SYS_landlock_create_ruleset, "landlock_create_ruleset"),
+    (libc::SYS_memfd_secret, "memfd_secret"),
+    (libc::SYS_process_mrelease, "process_mrelease"),
+];
+
+/// The name of x86-64 syscall `nr`: every syscall a filter allows, and
+/// the ones a VMM thread might plausibly be driven to (process control,
+/// namespaces, mounts, keys, tracing, module and kexec loading). `None`
+/// for others. Async-signal-safe (a linear scan of a static table).
+pub fn syscall_name(nr: i64) -> Option<&'static str> {
+    NAMES.iter().find(|(n, _)| *n == nr).map(|(_, s)| *s)
 }
 
 /// The syscall a seccomp filter trapped, from the siginfo of its SIGSYS
@@ -500,7 +879,7 @@ mod tests {
     #[test]
     fn leaf_filters_are_subsets_of_the_process_filter() {
         let p = rules(Kind::Api);
-        for k in [Kind::Vcpu, Kind::Device, Kind::Events, Kind::Watchdog] {
+        for k in Kind::ALL.into_iter().filter(|k| !k.is_process()) {
             for call in rules(k).keys() {
                 assert!(
                     p.contains_key(call),
@@ -527,6 +906,23 @@ mod tests {
         assert!(r[&1].is_empty() && r[&2].is_empty());
     }
 
+    #[test]
+    fn every_allowed_and_the_tested_forbidden_syscall_has_its_name() {
+        assert_eq!(syscall_name(libc::SYS_personality), Some("personality"));
+        assert_eq!(syscall_name(libc::SYS_ptrace), Some("ptrace"));
+        assert_eq!(syscall_name(libc::SYS_openat), Some("openat"));
+        assert_eq!(syscall_name(100_000), None);
+        for k in Kind::ALL {
+            for call in rules(k).keys() {
+                assert!(syscall_name(*call).is_some(), "{k:?} allows {call}, which has no name");
+            }
+        }
+        let mut nrs: Vec<_> = NAMES.iter().map(|(n, _)| n).collect();
+        nrs.sort();
+        nrs.dedup();
+        assert_eq!(nrs.len(), NAMES.len(), "a syscall listed twice");
+    }
+
     static TRAPPED: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
 
     extern "C" fn on_sigsys(_: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
@@ -546,18 +942,21 @@ mod tests {
             libc::sigemptyset(&mut sa.sa_mask);
             libc::sigaction(libc::SIGSYS, &sa, std::ptr::null_mut());
         }
-        // A thread of its own: the filter stays with it.
-        let r = std::thread::spawn(|| {
-            seccompiler::apply_filter(&program(Kind::Vcpu).unwrap()).unwrap();
-            // SAFETY: no memory arguments; the filter traps it before it runs.
-            unsafe { libc::syscall(libc::SYS_personality, 0xffff_ffffu64) };
-            let allowed = TRAPPED.load(Relaxed);
-            // SAFETY: gettid has no arguments; allowed by every filter.
-            let tid = unsafe { libc::gettid() };
-            (allowed, tid)
-        });
-        let (trapped, tid) = r.join().unwrap();
-        assert!(tid > 0);
-        assert_eq!(trapped, libc::SYS_personality, "personality was not trapped");
+        for kind in Kind::ALL {
+            TRAPPED.store(0, Relaxed);
+            // A thread of its own: the filter stays with it.
+            let r = std::thread::spawn(move || {
+                seccompiler::apply_filter(&program(kind).unwrap()).unwrap();
+                // SAFETY: no memory arguments; the filter traps it before it runs.
+                unsafe { libc::syscall(libc::SYS_personality, 0xffff_ffffu64) };
+                let allowed = TRAPPED.load(Relaxed);
+                // SAFETY: gettid has no arguments; allowed by every filter.
+                let tid = unsafe { libc::gettid() };
+                (allowed, tid)
+            });
+            let (trapped, tid) = r.join().unwrap();
+            assert!(tid > 0);
+            assert_eq!(trapped, libc::SYS_personality, "{kind:?}: personality was not trapped");
+        }
     }
 }

@@ -10,7 +10,7 @@ use crate::cmd::run::run_vms;
 use crate::guest;
 
 /// Pairs measured (on, off, on, off, ...).
-pub const REPS: usize = 3;
+pub const REPS: usize = 5;
 
 #[derive(Serialize)]
 pub struct SeccompOverhead {

@@ -18,10 +18,10 @@ pub(crate) struct Held {
     pub kept: Vec<i32>,
 }
 
+/// From the thread's registration: the coordinator may be a vCPU thread,
+/// whose seccomp filter forbids opening /proc.
 fn thread_name(tid: i32) -> String {
-    std::fs::read_to_string(format!("/proc/self/task/{tid}/comm"))
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| format!("tid {tid}"))
+    threads::name_of(tid).filter(|n| !n.is_empty()).unwrap_or_else(|| format!("tid {tid}"))
 }
 
 /// Sends the recovery signal to every registered thread that runs VMM code

@@ -31,6 +31,9 @@ pub struct Slot {
     pub vcpu: AtomicBool,
     /// Discarded by the current recovery (its locks are released).
     pub abandoned: AtomicBool,
+    /// The thread's name (its first 15 bytes), kept here so a coordinator
+    /// names it without opening /proc, which seccomp forbids a vCPU.
+    pub name: [AtomicU8; 16],
 }
 
 #[allow(clippy::declare_interior_mutable_const)]
@@ -40,6 +43,7 @@ const EMPTY: Slot = Slot {
     state: AtomicU8::new(0),
     vcpu: AtomicBool::new(false),
     abandoned: AtomicBool::new(false),
+    name: [const { AtomicU8::new(0) }; 16],
 };
 
 pub static SLOTS: [Slot; MAX_THREADS] = [EMPTY; MAX_THREADS];
@@ -53,6 +57,13 @@ pub static COMPLETED: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
     static MINE: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
+/// The name a registered thread `tid` had when it registered.
+pub fn name_of(tid: i32) -> Option<String> {
+    let s = SLOTS.iter().find(|s| s.tid.load(SeqCst) == tid)?;
+    let b: Vec<u8> = s.name.iter().map(|b| b.load(SeqCst)).take_while(|&b| b != 0).collect();
+    Some(String::from_utf8_lossy(&b).into_owned())
 }
 
 /// The calling thread's slot, if registered.
@@ -84,6 +95,10 @@ pub fn enter(vcpu: bool) -> Option<Registration> {
             s.pthread.store(unsafe { libc::pthread_self() } as u64, SeqCst);
             s.vcpu.store(vcpu, SeqCst);
             s.abandoned.store(false, SeqCst);
+            let name = std::thread::current().name().unwrap_or("").as_bytes().to_vec();
+            for (j, b) in s.name.iter().enumerate() {
+                b.store(if j < 15 { name.get(j).copied().unwrap_or(0) } else { 0 }, SeqCst);
+            }
             s.state.store(RUNNING, SeqCst);
             MINE.with(|m| m.set(i));
             return Some(Registration(i));
