@@ -710,9 +710,9 @@ fn wrong_key(addr: SocketAddr) -> Seen {
     };
     match primary_handshake(&mut Deadline::new(&s, BOUND), &key, &hello()) {
         Ok(_) => Seen::Got("a peer with a wrong key was welcomed".into()),
+        Err(e) if e.contains("refused this primary: authentication failed") => Seen::Refused,
         // The backup welcomed us (its proof does not match our key).
-        Err(e) if e.contains("did not prove") => Seen::Got(format!("welcomed: {e}")),
-        Err(e) if e.contains("authentication failed") => Seen::Refused,
+        Err(e) if e.contains("the backup did not prove") => Seen::Got(format!("welcomed: {e}")),
         Err(e) if e.contains("time") => Seen::Silent(e),
         Err(e) => Seen::Odd(e),
     }
