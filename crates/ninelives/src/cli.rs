@@ -290,6 +290,10 @@ pub enum BenchMechanism {
     Replicate(crate::cmd::bench_replicate::BenchReplicateArgs),
     /// VMM recovery: ping-gap latency of microreset and microreboot, VMM CPU overhead.
     Recovery(crate::cmd::bench_recovery::BenchRecoveryArgs),
+    /// Attack campaign: hostile API clients and replication peers against real
+    /// host and backup processes, each try classified (clean refusal, crash,
+    /// hang, wrong success, other VMs harmed).
+    Hostile(crate::cmd::bench_hostile::BenchHostileArgs),
 }
 
 #[derive(Args, Clone, Debug)]

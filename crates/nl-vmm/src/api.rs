@@ -605,8 +605,43 @@ pub fn request_timeout(path: &Path, req: &Value, timeout: Duration) -> Result<Va
     let mut s = UnixStream::connect(path)
         .map_err(|e| VmmError::Config(format!("cannot connect to {}: {e}", path.display())))?;
     s.set_read_timeout(Some(timeout))?;
-    writeln!(s, "{req}")?;
+    // A host that refuses this client (another user, too many connections)
+    // writes its reason and closes without reading the request: the write
+    // may then fail (EPIPE), and the reason is still there to read.
+    let sent = writeln!(s, "{req}");
     let mut line = String::new();
-    BufReader::new(s).read_line(&mut line)?;
+    match (BufReader::new(s).read_line(&mut line), sent) {
+        (Ok(n), _) if n > 0 => {}
+        (_, Err(e)) | (Err(e), Ok(())) => return Err(e.into()),
+        (Ok(_), Ok(())) => {}
+    }
     serde_json::from_str(&line).map_err(|e| VmmError::Config(format!("bad reply from host: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+
+    /// A refusal written before the host closes reaches the client even
+    /// when the client's request cannot be sent any more: a request larger
+    /// than the socket's buffer blocks until the close and then fails.
+    #[test]
+    fn the_reason_of_a_refusal_is_read_even_if_the_request_could_not_be_sent() {
+        let dir = std::env::temp_dir().join(format!("nl-api-refuse-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("api.sock");
+        let l = UnixListener::bind(&path).unwrap();
+        let host = std::thread::spawn(move || {
+            let (mut c, _) = l.accept().unwrap();
+            writeln!(c, r#"{{"ok":false,"error":"too many connections"}}"#).unwrap();
+        });
+        let big = serde_json::json!({"op":"list","pad":"x".repeat(8 << 20)});
+        let r = request_timeout(&path, &big, Duration::from_secs(30));
+        host.join().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let r = r.expect("the refusal's reason, not the failed write");
+        assert_eq!(r["error"], "too many connections", "{r}");
+    }
 }

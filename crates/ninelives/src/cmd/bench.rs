@@ -101,6 +101,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         Some(BenchMechanism::Rejuvenate(r)) => return crate::cmd::bench_rejuvenate::bench(r),
         Some(BenchMechanism::Replicate(c)) => return crate::cmd::bench_replicate::bench(c),
         Some(BenchMechanism::Recovery(c)) => return crate::cmd::bench_recovery::bench_recovery(c),
+        Some(BenchMechanism::Hostile(c)) => return crate::cmd::bench_hostile::bench(c),
         None => {}
     }
     if !(a.duration.is_finite() && a.duration > 0.0) {

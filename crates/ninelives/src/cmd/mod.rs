@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod bench_checkpoint;
+pub mod bench_hostile;
 pub mod bench_net;
 pub mod bench_recovery;
 pub mod bench_rejuvenate;
