@@ -375,7 +375,7 @@ fn an_authenticated_checkpoint_restores_only_with_its_key_and_unchanged() {
 fn key_files_must_be_private_and_long_enough() {
     let short = key_file("short.key", 31, 0o600);
     let o = run_bounded(&["restore", "x.ckpt", "--key-file", short.to_str().unwrap()], FAST);
-    assert_clean_error(&o, "at least 32 bytes (got 31)");
+    assert_clean_error(&o, "holds 31 bytes; a key needs at least 32 bytes");
     for mode in [0o640, 0o604, 0o620, 0o644] {
         let k = key_file(&format!("open-{mode:o}.key"), 32, mode);
         let o = run_bounded(&["restore", "x.ckpt", "--key-file", k.to_str().unwrap()], FAST);

@@ -296,7 +296,7 @@ fn replication_keys_are_required_and_checked() {
     let backup =
         |k: &str| run_cli(&["replicate", "backup", "--listen", "127.0.0.1:0", "--key-file", k]);
     std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
-    assert_clean_error(&primary(&key), "accessible by group or others (mode 644)");
+    assert_clean_error(&primary(&key), "has mode 644: group or others may read or write it");
     assert_clean_error(&backup(&key), "chmod 600");
     let short = dir.path().join("short");
     std::fs::write(&short, [7u8; 16]).unwrap();

@@ -34,7 +34,7 @@ pub enum FileError {
         "{what} {path} has mode {mode:03o}: group or others may read or write it (chmod 600 it)"
     )]
     Exposed { what: String, path: String, mode: u32 },
-    #[error("{what} {path} is too short: a key needs at least {min} bytes (got {size})")]
+    #[error("{what} {path} holds {size} bytes; a key needs at least {min} bytes")]
     TooShort { what: String, path: String, size: u64, min: u64 },
 }
 
