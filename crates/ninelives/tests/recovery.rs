@@ -7,117 +7,21 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::*;
-use serde_json::{json, Value};
+use serde_json::json;
 
-struct Host {
-    child: Child,
-    sock: PathBuf,
-    err: PathBuf,
-    _dir: tempfile::TempDir,
-}
+type Host = common::selftest_host::SelftestHost;
 
-impl Host {
-    /// A host whose `after`-th device access fails as `fault` (segv, panic, hang).
-    /// The exits workload makes about 1,300 accesses a second even on a
-    /// loaded host: the tests keep `after` well below what their VMs make.
-    fn start(recovery: &[&str], fault: &str, after: u64) -> Self {
-        Host::start_env(recovery, &[("NINELIVES_DEVICE_FAULT", &format!("{fault}:{after}"))])
-    }
-
-    /// A host started with `recovery` and the self-test variables `env`.
-    fn start_env(recovery: &[&str], env: &[(&str, &str)]) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let sock = dir.path().join("api.sock");
-        let err = dir.path().join("stderr");
-        let child = ninelives()
-            .args(["host", "--api", sock.to_str().unwrap()])
-            .args(recovery)
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&err).unwrap())
-            .spawn()
-            .unwrap();
-        let h = Host { child, sock, err, _dir: dir };
-        let t = Instant::now();
-        while UnixStream::connect(&h.sock).is_err() {
-            assert!(t.elapsed() < Duration::from_secs(20), "the host did not start");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        h
-    }
-
-    fn req(&self, v: Value) -> Option<Value> {
-        let mut s = UnixStream::connect(&self.sock).ok()?;
-        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-        writeln!(s, "{v}").ok()?;
-        let mut line = String::new();
-        BufReader::new(s).read_line(&mut line).ok()?;
-        serde_json::from_str(&line).ok()
-    }
-
-    fn stderr(&self) -> String {
-        std::fs::read_to_string(&self.err).unwrap_or_default()
-    }
-
-    fn lines(&self, prefix: &str) -> Vec<Value> {
-        self.stderr()
-            .lines()
-            .filter_map(|l| l.strip_prefix(prefix))
-            .filter_map(|j| serde_json::from_str(j).ok())
-            .collect()
-    }
-
-    /// Waits (bounded) for the host to end; its exit code.
-    fn wait_exit(&mut self, limit: Duration) -> Option<i32> {
-        let t = Instant::now();
-        while t.elapsed() < limit {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return s.code();
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
-    }
-}
-
-impl Drop for Host {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn create(h: &Host, workload: &str, secs: f64) -> u64 {
-    let r = h
-        .req(json!({"op":"create","workload":workload,"mem":"64M","duration":secs}))
-        .expect("create answered");
-    assert_eq!(r["ok"], true, "{r}");
-    r["id"].as_u64().unwrap()
-}
-
-/// Waits for a VM to complete, then replays its workload natively and
-/// checks every vCPU's digest and op count.
-fn assert_completes_verified(h: &Host, id: u64) {
-    let t = Instant::now();
-    let s = loop {
-        let r = h.req(json!({"op":"stats","id":id})).unwrap_or(Value::Null);
-        let s = r["stats"].clone();
-        // A VM is paused for a moment while a recovery ends.
-        if !["running", "paused"].contains(&s["state"].as_str().unwrap_or("running")) {
-            break s;
-        }
-        assert!(t.elapsed() < Duration::from_secs(60), "VM {id} did not finish: {}", h.stderr());
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    assert_eq!(s["state"], "completed", "{s}\n{}", h.stderr());
-    assert_stats_replay(id, &s);
+/// A host whose `after`-th device access fails as `fault` (segv, panic, hang).
+/// The exits workload makes about 1,300 accesses a second even on a
+/// loaded host: the tests keep `after` well below what their VMs make.
+fn start(recovery: &[&str], fault: &str, after: u64) -> Host {
+    Host::start_env(recovery, &[("NINELIVES_DEVICE_FAULT", &format!("{fault}:{after}"))])
 }
 
 #[test]
@@ -126,10 +30,10 @@ fn microreset_recovers_from_a_crash_a_panic_and_a_hang_inside_a_device() {
         return;
     }
     for fault in ["segv", "panic", "hang"] {
-        let h = Host::start(&["--recovery", "microreset"], fault, 600);
+        let h = start(&["--recovery", "microreset"], fault, 600);
         let pid = h.req(json!({"op":"info"})).unwrap()["pid"].as_u64();
-        let id = create(&h, "exits", 1.5);
-        assert_completes_verified(&h, id);
+        let id = h.create("exits", 1.5);
+        h.assert_completes_verified(id);
         let rec = h.lines("NINELIVES-RECOVERED ");
         assert_eq!(rec.len(), 1, "{fault}: one recovery expected:\n{}", h.stderr());
         assert_eq!(rec[0]["policy"], "microreset");
@@ -145,8 +49,8 @@ fn microreset_recovers_from_a_crash_a_panic_and_a_hang_inside_a_device() {
         assert_eq!(mem["detail"]["problems"], json!([]), "{fault}: {mem}");
         // Same process, and it still creates and runs VMs.
         assert_eq!(h.req(json!({"op":"info"})).unwrap()["pid"].as_u64(), pid);
-        let id2 = create(&h, "compute", 0.5);
-        assert_completes_verified(&h, id2);
+        let id2 = h.create("compute", 0.5);
+        h.assert_completes_verified(id2);
     }
 }
 
@@ -157,8 +61,8 @@ fn microreset_without_its_repairs_ends_in_a_clean_reported_failure() {
     }
     // Without releasing the abandoned locks the vCPU deadlocks on its own fd
     // lock: the error recurs after every recovery until the storm limit.
-    let mut h = Host::start(&["--recovery", "microreset", "--repairs", "none"], "segv", 600);
-    let _ = create(&h, "exits", 3.0);
+    let mut h = start(&["--recovery", "microreset", "--repairs", "none"], "segv", 600);
+    let _ = h.create("exits", 3.0);
     assert_eq!(h.wait_exit(Duration::from_secs(30)), Some(86), "{}", h.stderr());
     let failed = h.lines("NINELIVES-DETECTED ");
     assert!(failed.iter().any(|d| d["detector"] == "recovery_failed"), "{}", h.stderr());
@@ -202,12 +106,12 @@ fn microreboot_execs_a_fresh_vmm_in_place_and_the_guest_finishes() {
     if !kvm_available() {
         return;
     }
-    let h = Host::start(&["--recovery", "microreboot"], "segv", 600);
+    let h = start(&["--recovery", "microreboot"], "segv", 600);
     let pid = h.req(json!({"op":"info"})).unwrap()["pid"].as_u64();
-    let done = create(&h, "compute", 0.2);
-    assert_completes_verified(&h, done);
-    let id = create(&h, "exits", 1.5);
-    assert_completes_verified(&h, id);
+    let done = h.create("compute", 0.2);
+    h.assert_completes_verified(done);
+    let id = h.create("exits", 1.5);
+    h.assert_completes_verified(id);
     let rec = h.lines("NINELIVES-RECOVERED ");
     assert_eq!(rec.len(), 1, "{}", h.stderr());
     assert_eq!(rec[0]["policy"], "microreboot");
@@ -216,9 +120,9 @@ fn microreboot_execs_a_fresh_vmm_in_place_and_the_guest_finishes() {
     assert_eq!(info["pid"].as_u64(), pid, "exec in place keeps the pid");
     assert_eq!(info["generation"], 1, "{info}");
     // A VM that had finished before the microreboot is still reported.
-    assert_completes_verified(&h, done);
-    let id2 = create(&h, "compute", 0.5);
-    assert_completes_verified(&h, id2);
+    h.assert_completes_verified(done);
+    let id2 = h.create("compute", 0.5);
+    h.assert_completes_verified(id2);
 }
 
 /// The same error showing on a second thread as the recovery starts (as
@@ -235,8 +139,8 @@ fn an_error_on_a_second_thread_as_a_recovery_starts_is_recovered_with_it() {
         &[("NINELIVES_DEVICE_FAULT", "segv:300"), ("NINELIVES_FAULT_IN_RECOVERY", "other")],
     );
     let pid = h.req(json!({"op":"info"})).unwrap()["pid"].as_u64();
-    let id = create(&h, "exits", 1.5);
-    assert_completes_verified(&h, id);
+    let id = h.create("exits", 1.5);
+    h.assert_completes_verified(id);
     let detected = h.lines("NINELIVES-DETECTED ");
     assert_eq!(detected.len(), 2, "{}", h.stderr());
     assert_eq!(h.lines("NINELIVES-RECOVERED ").len(), 1, "{}", h.stderr());
@@ -261,12 +165,12 @@ fn an_error_in_an_api_connection_drops_only_that_connection() {
             &[("NINELIVES_API_FAULT", &format!("{fault}:3"))],
         );
         let pid = h.req(json!({"op":"info"})).unwrap()["pid"].as_u64();
-        let id = create(&h, "exits", 1.5);
+        let id = h.create("exits", 1.5);
         assert!(
             h.req(json!({"op":"info"})).is_none(),
             "{policy}/{fault}: the failed connection answered"
         );
-        assert_completes_verified(&h, id);
+        h.assert_completes_verified(id);
         let rec = h.lines("NINELIVES-RECOVERED ");
         assert_eq!(rec.len(), 1, "{policy}/{fault}: one recovery expected:\n{}", h.stderr());
         assert_eq!(rec[0]["policy"], policy);

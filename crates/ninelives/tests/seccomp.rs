@@ -10,10 +10,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -21,120 +18,26 @@ use serde_json::{json, Value};
 
 const SYS_PERSONALITY: i64 = libc::SYS_personality;
 
-struct Host {
-    child: Child,
-    sock: PathBuf,
-    err: PathBuf,
-    _dir: tempfile::TempDir,
+type Host = common::selftest_host::SelftestHost;
+
+/// A host with `args` and the self-test variables `env` (KVM required).
+fn start(args: &[&str], env: &[(&str, &str)]) -> Host {
+    assert!(nl_vmm::open_kvm().is_ok(), "these tests need KVM (/dev/kvm)");
+    Host::start_env(args, env)
 }
 
-impl Host {
-    fn start(args: &[&str], env: &[(&str, &str)]) -> Self {
-        assert!(nl_vmm::open_kvm().is_ok(), "these tests need KVM (/dev/kvm)");
-        let dir = tempfile::tempdir().unwrap();
-        let sock = dir.path().join("api.sock");
-        let err = dir.path().join("stderr");
-        let child = ninelives()
-            .args(["host", "--api", sock.to_str().unwrap()])
-            .args(args)
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&err).unwrap())
-            .spawn()
-            .unwrap();
-        let h = Host { child, sock, err, _dir: dir };
-        let t = Instant::now();
-        while UnixStream::connect(&h.sock).is_err() {
-            assert!(t.elapsed() < Duration::from_secs(20), "the host did not start");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        h
-    }
-
-    fn req(&self, v: Value) -> Option<Value> {
-        let mut s = UnixStream::connect(&self.sock).ok()?;
-        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-        writeln!(s, "{v}").ok()?;
-        let mut line = String::new();
-        BufReader::new(s).read_line(&mut line).ok()?;
-        serde_json::from_str(&line).ok()
-    }
-
-    fn stderr(&self) -> String {
-        std::fs::read_to_string(&self.err).unwrap_or_default()
-    }
-
-    fn lines(&self, prefix: &str) -> Vec<Value> {
-        self.stderr()
-            .lines()
-            .filter_map(|l| l.strip_prefix(prefix))
-            .filter_map(|j| serde_json::from_str(j).ok())
-            .collect()
-    }
-
-    fn wait_exit(&mut self, limit: Duration) -> Option<i32> {
-        let t = Instant::now();
-        while t.elapsed() < limit {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return s.code();
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
-    }
-
-    fn create(&self, workload: &str, secs: f64) -> u64 {
-        let r = self
-            .req(json!({"op":"create","workload":workload,"mem":"64M","duration":secs}))
-            .expect("create answered");
-        assert_eq!(r["ok"], true, "{r}");
-        r["id"].as_u64().unwrap()
-    }
-
-    /// Waits (bounded) for a VM to complete, then replays its workload
-    /// natively and checks every vCPU's digest and op count.
-    fn assert_completes_verified(&self, id: u64) {
-        let t = Instant::now();
-        let s = loop {
-            let r = self.req(json!({"op":"stats","id":id})).unwrap_or(Value::Null);
-            let s = r["stats"].clone();
-            if !["running", "paused"].contains(&s["state"].as_str().unwrap_or("running")) {
-                break s;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(60),
-                "VM {id} did not finish: {}",
-                self.stderr()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        assert_eq!(s["state"], "completed", "{s}\n{}", self.stderr());
-        assert_stats_replay(id, &s);
-    }
-
-    fn seccomp_detections(&self) -> Vec<Value> {
-        self.lines("NINELIVES-DETECTED ")
-            .into_iter()
-            .filter(|d| d["detector"] == "seccomp")
-            .collect()
-    }
-}
-
-impl Drop for Host {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+fn seccomp_detections(h: &Host) -> Vec<Value> {
+    h.lines("NINELIVES-DETECTED ").into_iter().filter(|d| d["detector"] == "seccomp").collect()
 }
 
 const DEVICE_FAULT: (&str, &str) = ("NINELIVES_DEVICE_FAULT", "syscall:600");
 
 #[test]
 fn a_forbidden_syscall_on_a_vcpu_thread_is_detected_and_ends_the_vmm_without_recovery() {
-    let mut h = Host::start(&["--recovery", "none"], &[DEVICE_FAULT]);
+    let mut h = start(&["--recovery", "none"], &[DEVICE_FAULT]);
     let _ = h.create("exits", 3.0);
     assert_eq!(h.wait_exit(Duration::from_secs(30)), Some(86), "{}", h.stderr());
-    let d = h.seccomp_detections();
+    let d = seccomp_detections(&h);
     assert_eq!(d.len(), 1, "{}", h.stderr());
     assert_eq!(d[0]["syscall"], SYS_PERSONALITY, "{}", d[0]);
     assert_eq!(d[0]["name"], "personality", "{}", d[0]);
@@ -144,10 +47,10 @@ fn a_forbidden_syscall_on_a_vcpu_thread_is_detected_and_ends_the_vmm_without_rec
 
 #[test]
 fn a_forbidden_syscall_on_a_vcpu_thread_is_recovered_by_microreset() {
-    let h = Host::start(&["--recovery", "microreset"], &[DEVICE_FAULT]);
+    let h = start(&["--recovery", "microreset"], &[DEVICE_FAULT]);
     let id = h.create("exits", 1.5);
     h.assert_completes_verified(id);
-    let d = h.seccomp_detections();
+    let d = seccomp_detections(&h);
     assert_eq!(d.len(), 1, "{}", h.stderr());
     assert_eq!(d[0]["syscall"], SYS_PERSONALITY, "{}", d[0]);
     assert_eq!(d[0]["name"], "personality", "{}", d[0]);
@@ -162,15 +65,15 @@ fn a_forbidden_syscall_on_a_vcpu_thread_is_recovered_by_microreset() {
 #[test]
 fn a_forbidden_syscall_on_an_api_thread_is_recovered_by_microreset() {
     // The second request's connection makes the forbidden syscall.
-    let h = Host::start(&["--recovery", "microreset"], &[("NINELIVES_API_FAULT", "syscall:2")]);
+    let h = start(&["--recovery", "microreset"], &[("NINELIVES_API_FAULT", "syscall:2")]);
     let _ = h.req(json!({"op":"list"}));
     let _ = h.req(json!({"op":"list"}));
     let t = Instant::now();
-    while h.seccomp_detections().is_empty() {
+    while seccomp_detections(&h).is_empty() {
         assert!(t.elapsed() < Duration::from_secs(20), "no detection: {}", h.stderr());
         std::thread::sleep(Duration::from_millis(20));
     }
-    let d = h.seccomp_detections();
+    let d = seccomp_detections(&h);
     assert_eq!(d[0]["syscall"], SYS_PERSONALITY, "{}", d[0]);
     assert_eq!(d[0]["name"], "personality", "{}", d[0]);
     assert_eq!(d[0]["thread"], "api-conn", "{}", d[0]);
@@ -181,7 +84,7 @@ fn a_forbidden_syscall_on_an_api_thread_is_recovered_by_microreset() {
 
 #[test]
 fn with_seccomp_off_the_same_syscall_is_not_detected() {
-    let h = Host::start(&["--recovery", "none", "--seccomp", "off"], &[DEVICE_FAULT]);
+    let h = start(&["--recovery", "none", "--seccomp", "off"], &[DEVICE_FAULT]);
     let id = h.create("exits", 1.5);
     h.assert_completes_verified(id);
     assert!(h.lines("NINELIVES-DETECTED ").is_empty(), "{}", h.stderr());

@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod selftest_host;
+
 use std::path::Path;
 use std::process::{Command, Output};
 use std::sync::Arc;

@@ -1,0 +1,117 @@
+//! A `ninelives host` for tests of its self-test fault points: started
+//! with options and environment, its stderr kept for the detection and
+//! recovery lines, killed on drop.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use super::{assert_stats_replay, ninelives};
+
+pub struct SelftestHost {
+    pub child: Child,
+    pub sock: PathBuf,
+    err: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl SelftestHost {
+    /// A host started with `args` and the self-test variables `env`.
+    pub fn start_env(args: &[&str], env: &[(&str, &str)]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("api.sock");
+        let err = dir.path().join("stderr");
+        let child = ninelives()
+            .args(["host", "--api", sock.to_str().unwrap()])
+            .args(args)
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&err).unwrap())
+            .spawn()
+            .unwrap();
+        let h = SelftestHost { child, sock, err, _dir: dir };
+        let t = Instant::now();
+        while UnixStream::connect(&h.sock).is_err() {
+            assert!(t.elapsed() < Duration::from_secs(20), "the host did not start");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        h
+    }
+
+    /// One request on a new connection; None if it was not answered.
+    pub fn req(&self, v: Value) -> Option<Value> {
+        let mut s = UnixStream::connect(&self.sock).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        writeln!(s, "{v}").ok()?;
+        let mut line = String::new();
+        BufReader::new(s).read_line(&mut line).ok()?;
+        serde_json::from_str(&line).ok()
+    }
+
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.err).unwrap_or_default()
+    }
+
+    /// The JSON of every stderr line starting with `prefix`.
+    pub fn lines(&self, prefix: &str) -> Vec<Value> {
+        self.stderr()
+            .lines()
+            .filter_map(|l| l.strip_prefix(prefix))
+            .filter_map(|j| serde_json::from_str(j).ok())
+            .collect()
+    }
+
+    /// Waits (bounded) for the host to end; its exit code.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<i32> {
+        let t = Instant::now();
+        while t.elapsed() < limit {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s.code();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    /// Creates a 64M VM running `workload` for `secs`; its id.
+    pub fn create(&self, workload: &str, secs: f64) -> u64 {
+        let r = self
+            .req(json!({"op":"create","workload":workload,"mem":"64M","duration":secs}))
+            .expect("create answered");
+        assert_eq!(r["ok"], true, "{r}");
+        r["id"].as_u64().unwrap()
+    }
+
+    /// Waits (bounded) for a VM to complete, then replays its workload
+    /// natively and checks every vCPU's digest and op count.
+    pub fn assert_completes_verified(&self, id: u64) {
+        let t = Instant::now();
+        let s = loop {
+            let r = self.req(json!({"op":"stats","id":id})).unwrap_or(Value::Null);
+            let s = r["stats"].clone();
+            // A VM is paused for a moment while a recovery ends.
+            if !["running", "paused"].contains(&s["state"].as_str().unwrap_or("running")) {
+                break s;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "VM {id} did not finish: {}",
+                self.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert_eq!(s["state"], "completed", "{s}\n{}", self.stderr());
+        assert_stats_replay(id, &s);
+    }
+}
+
+impl Drop for SelftestHost {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
