@@ -51,7 +51,14 @@ pub fn handshake(data: &[u8]) {
     let key = key();
     let mut p = Peer { input: Cursor::new(data), out: Vec::new() };
     assert!(backup_challenge(&mut p, &key).is_err(), "a peer without the key passed the backup");
-    let hello = Hello { protocol: PROTOCOL_VERSION, state_version: 1, mem_bytes: 1 << 20, vcpus: 1, disk_bytes: 0 };
+    let hello = Hello {
+        protocol: PROTOCOL_VERSION,
+        state_version: 1,
+        mem_bytes: 1 << 20,
+        vcpus: 1,
+        disk_bytes: 0,
+        lease_ms: 1000,
+    };
     let mut p = Peer { input: Cursor::new(data), out: Vec::new() };
     assert!(primary_handshake(&mut p, &key, &hello).is_err(), "a peer without the key passed the primary");
 }

@@ -368,6 +368,7 @@ fn a_forged_primary_never_starts_a_vm_and_the_real_primary_is_served() {
             mem_bytes: 256 << 20,
             vcpus: 1,
             disk_bytes: 0,
+            lease_ms: 1000,
         };
         let body = [&np[..], &serde_json::to_vec(&hello).unwrap()].concat();
         write_plain_frame(&mut s, Kind::Hello, &[&body]).unwrap();

@@ -299,6 +299,7 @@ mod tests {
             mem_bytes: 1,
             vcpus: 1,
             disk_bytes: 0,
+            lease_ms: 1000,
         }
     }
 

@@ -426,6 +426,17 @@ fn refuse_now(s: TcpStream, why: &str) {
 
 /// Checks an authenticated primary's hello against the backup's configuration.
 pub fn check_hello(cfg: &BackupConfig, h: &Hello) -> Result<(), String> {
+    // The backup may take over only once the primary has fenced itself:
+    // its own lease must be at least the primary's.
+    let mine = u64::try_from(cfg.lease.as_millis()).unwrap_or(u64::MAX);
+    if h.lease_ms == 0 || h.lease_ms > mine {
+        return Err(format!(
+            "the primary's lease ({} ms) is not at most this backup's ({mine} ms): the backup \
+             could take over a primary that still runs; give the backup --lease-ms of at \
+             least the primary's",
+            h.lease_ms
+        ));
+    }
     if h.protocol != PROTOCOL_VERSION {
         return Err(format!(
             "protocol version {} does not match the backup's {PROTOCOL_VERSION}",
@@ -955,6 +966,7 @@ mod tests {
             mem_bytes: MEM,
             vcpus: 1,
             disk_bytes: 0,
+            lease_ms: 1000,
         };
         assert!(check_hello(&cfg, &good).is_ok());
         let e = check_hello(&cfg, &Hello { mem_bytes: 2 * MEM, ..good.clone() });
@@ -963,6 +975,11 @@ mod tests {
         assert!(e.unwrap_err().contains("state version 99"));
         let e = check_hello(&cfg, &Hello { disk_bytes: 1 << 20, ..good.clone() });
         assert!(e.unwrap_err().contains("--disk FILE"));
+        // A primary that fences later than this backup would take over.
+        let e = check_hello(&cfg, &Hello { lease_ms: 1001, ..good.clone() });
+        assert!(e.unwrap_err().contains("lease (1001 ms)"));
+        assert!(check_hello(&cfg, &Hello { lease_ms: 0, ..good.clone() }).is_err());
+        assert!(check_hello(&cfg, &Hello { lease_ms: 400, ..good.clone() }).is_ok());
         let with_disk = BackupConfig { disk: Some("/nonexistent".into()), ..cfg.clone() };
         assert!(check_hello(&with_disk, &good).unwrap_err().contains("no disk"));
     }
@@ -1070,6 +1087,7 @@ mod serve_tests {
             mem_bytes: MEM,
             vcpus: 1,
             disk_bytes: 0,
+            lease_ms: 100, // at most every test backup's lease
         }
     }
 

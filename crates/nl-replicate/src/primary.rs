@@ -167,6 +167,7 @@ fn connect(cfg: &PrimaryConfig, vm: &Vm) -> Result<Conn, String> {
         mem_bytes: vm.memory().size(),
         vcpus: vm.config().vcpus,
         disk_bytes: vm.disk_sectors().unwrap_or(0) * SECTOR,
+        lease_ms: u64::try_from(cfg.lease.as_millis()).unwrap_or(u64::MAX),
     };
     // The whole handshake within two leases (a slow peer cannot hold the
     // primary longer, e.g. when it attaches a backup again mid-run).

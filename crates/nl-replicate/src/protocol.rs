@@ -398,6 +398,11 @@ pub struct Hello {
     /// Size of the VM's disk in bytes (0: no disk).
     #[serde(default)]
     pub disk_bytes: u64,
+    /// The primary's lease in ms: it fences itself after this long without
+    /// an ack. The backup refuses a primary whose lease is longer than its
+    /// own, which would let it take over a primary that still runs.
+    #[serde(default)]
+    pub lease_ms: u64,
 }
 
 /// The close of an epoch.

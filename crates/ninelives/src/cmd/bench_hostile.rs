@@ -598,6 +598,7 @@ fn hello() -> Hello {
         mem_bytes: 256 << 20,
         vcpus: 1,
         disk_bytes: 0,
+        lease_ms: 1000,
     }
 }
 
