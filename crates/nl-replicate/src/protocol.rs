@@ -227,11 +227,7 @@ impl Sealer {
         seq: u32,
         parts: &[&[u8]],
     ) -> Result<(), ProtoError> {
-        let mut pc = crc32fast::Hasher::new();
-        for p in parts {
-            pc.update(p);
-        }
-        self.write_frame_crc(w, kind, epoch, seq, parts, &pc)
+        self.write_frame_crc(w, kind, epoch, seq, parts, &crc_of(parts))
     }
 
     /// [`Sealer::write_frame`] with the CRC of the payload already computed
@@ -258,6 +254,15 @@ impl Sealer {
         w.write_all(&tag[..TAG_BYTES])?;
         Ok(())
     }
+}
+
+/// The CRC-32 state over a payload given as `parts`.
+fn crc_of(parts: &[&[u8]]) -> crc32fast::Hasher {
+    let mut pc = crc32fast::Hasher::new();
+    for p in parts {
+        pc.update(p);
+    }
+    pc
 }
 
 /// The header of a frame with its CRC, or an error for a payload over `max`.
@@ -287,11 +292,7 @@ pub fn write_plain_frame(
     kind: Kind,
     parts: &[&[u8]],
 ) -> Result<(), ProtoError> {
-    let mut pc = crc32fast::Hasher::new();
-    for p in parts {
-        pc.update(p);
-    }
-    let h = full_header(kind, 0, 0, parts, &pc, HANDSHAKE_MAX)?;
+    let h = full_header(kind, 0, 0, parts, &crc_of(parts), HANDSHAKE_MAX)?;
     w.write_all(&h)?;
     for p in parts {
         w.write_all(p)?;

@@ -45,9 +45,10 @@
 //!   coordinate a recovery on itself): signals (`rt_sigaction`,
 //!   `rt_sigprocmask`, `rt_sigreturn`, `sigaltstack`, `tgkill`), the
 //!   recovery deadline (`setitimer`), the injector's repair flag
-//!   (`unlink`, `unlinkat`), and read-only `openat` (a coordinator reads
-//!   the names of the threads it holds from `/proc/self/task/N/comm`; the
-//!   watchdog reads their `stat`, `schedstat` and `wchan`).
+//!   (`unlink`, `unlinkat`), and read-only `openat`: the watchdog reads
+//!   threads' `stat`, `schedstat` and `wchan` under `/proc/self/task`, and
+//!   glibc's malloc reads `/proc/sys/vm/overcommit_memory` once per
+//!   process, on whichever thread first shrinks a heap arena.
 //! * **device I/O** (vCPU and device threads, which emulate devices):
 //!   `pread64`, `pwrite64`, `preadv`, `pwritev`, `readv`, `writev`,
 //!   `fsync`, `fdatasync` (virtio-blk on its image, virtio-net on its TAP).
@@ -56,12 +57,10 @@
 //! * **write tracking** (checkpoint kind): `poll`/`ppoll` on the
 //!   userfaultfd and `ioctl` of userfaultfd's type (0xAA:
 //!   `UFFDIO_WRITEPROTECT`, `UFFDIO_WAKE`) only.
-//! * **checkpoint files** (checkpoint kind): `openat` write-only or
-//!   read-only (never read-write), `fsync`, `fdatasync`, `rename*`: the
-//!   disk writer creates `FILE.tmp`, writes, syncs and renames it; the
-//!   read-only open is glibc's malloc reading
-//!   `/proc/sys/vm/overcommit_memory`, once per process, on whichever
-//!   thread first shrinks a heap arena.
+//! * **checkpoint files** (checkpoint kind): `openat` write-only (with
+//!   the recovery group's read-only, never read-write), `fsync`,
+//!   `fdatasync`, `rename*`: the disk writer creates `FILE.tmp`, writes,
+//!   syncs and renames it.
 //! * **streams** (replication kind): `sendto`, `recvfrom`, `sendmsg`,
 //!   `recvmsg`, `setsockopt`/`getsockopt` (timeouts, `TCP_NODELAY`),
 //!   `getpeername`, `getsockname`, `shutdown`, `poll`, `fcntl`; the
@@ -304,18 +303,19 @@ fn recovery(r: &mut Rules) {
         ],
     );
     // Read-only opens: the watchdog's /proc/self/task/N/{stat,schedstat,wchan},
-    // and a recovery coordinated on any thread reads the names of the
-    // threads it holds (/proc/self/task/N/comm).
-    allow_if(
-        r,
-        SYS_openat,
-        vec![vec![cond(
-            2,
-            SeccompCmpArgLen::Dword,
-            SeccompCmpOp::MaskedEq(O_ACCMODE as u64),
-            O_RDONLY as u64,
-        )]],
-    );
+    // and glibc's malloc reading /proc/sys/vm/overcommit_memory (once per
+    // process, on whichever thread first shrinks a heap).
+    allow_if(r, SYS_openat, vec![open_mode(O_RDONLY)]);
+}
+
+/// An `openat` whose access mode (flags & O_ACCMODE) is `mode`.
+fn open_mode(mode: libc::c_int) -> Vec<SeccompCondition> {
+    vec![cond(
+        2,
+        SeccompCmpArgLen::Dword,
+        SeccompCmpOp::MaskedEq(libc::O_ACCMODE as u64),
+        mode as u64,
+    )]
 }
 
 /// Device emulation on descriptors the VMM opened.
@@ -474,24 +474,8 @@ fn checkpoint(r: &mut Rules) {
         vec![vec![cond(1, SeccompCmpArgLen::Dword, SeccompCmpOp::MaskedEq(0xff00), 0xaa00)]],
     );
     // The disk writer creates `FILE.tmp` write-only, writes, syncs and
-    // renames it over `FILE`; read-only opens are glibc's malloc reading
-    // /proc/sys/vm/overcommit_memory (once per process, on whichever
-    // thread first shrinks a heap).
-    allow_if(
-        r,
-        SYS_openat,
-        [O_WRONLY, O_RDONLY]
-            .iter()
-            .map(|&m| {
-                vec![cond(
-                    2,
-                    SeccompCmpArgLen::Dword,
-                    SeccompCmpOp::MaskedEq(O_ACCMODE as u64),
-                    m as u64,
-                )]
-            })
-            .collect(),
-    );
+    // renames it over `FILE` (read-only opens: the recovery group).
+    allow_if(r, SYS_openat, vec![open_mode(O_WRONLY)]);
     allow(r, &[SYS_fsync, SYS_fdatasync, SYS_rename, SYS_renameat, SYS_renameat2]);
 }
 
