@@ -142,14 +142,6 @@ impl Engine {
         self.history().iter().map(PageSet::len).sum()
     }
 
-    /// Forgets the oldest `n` history entries (their checkpoints can no
-    /// longer be rolled back to).
-    pub fn forget_oldest(&mut self, n: usize) {
-        let h = self.history_mut();
-        let n = n.min(h.len());
-        h.drain(..n);
-    }
-
     /// Merges history entry 1 into entry 0: checkpoint 1 can no longer be
     /// rolled back to, and the pages both saved are held once (the older
     /// copy, which is what checkpoint 0 needs). Returns the pages freed.

@@ -24,14 +24,29 @@
 //! the fault whichever vCPU consumed it. The first checkpoint of a run (the
 //! guest as it started) always qualifies.
 //!
+//! # Errors found late, and errors that come back
+//!
+//! Not every error is found within `L`: a corrupted word that no round reads
+//! again is only found by the guest's end-of-run self-check, and a result
+//! that is wrong though nothing crashed only by the result check
+//! ([`Supervisor::with_result_check`], run when the guest reports
+//! completion). A rollback `L` back then lands after the fault, and the
+//! error comes back. So a detection that comes back before the guest has
+//! re-run what the last rollback undid (plus `L`) is a recurrence, and each
+//! recurrence doubles how far back the next rollback goes (`L`, `2L`, `4L`,
+//! ... up to the run's first checkpoint, which predates every fault). A
+//! detection after the guest got past that point starts again at `L`.
+//! `max_rollbacks` still ends a run whose error keeps coming back.
+//!
 //! Memory: the ring holds, per interval, the pre-write copies of the pages
-//! written in it. Checkpoints older than the newest one that qualifies are
-//! dropped; when the ring's pages exceed the guest's memory, its two oldest
-//! entries are merged (one checkpoint fewer to choose from, pages written in
-//! both held once). So the ring costs at most one guest memory size, plus
-//! the running interval's copies: the same worst case as the two-checkpoint
-//! scheme it replaces, usually far less (the pages written in `L` of guest
-//! time).
+//! written in it. The run's first checkpoint is kept to the end (the last
+//! resort of a recurring error). When the ring holds more than
+//! [`ring_capacity`] checkpoints, or more pages than twice the guest's
+//! memory, its oldest entries after the first are merged (one checkpoint
+//! fewer to choose from, pages written in both held once: the older copy).
+//! So the ring costs at most twice the guest's memory, plus the running
+//! interval's copies; in practice the pages written over the run (the first
+//! checkpoint's copies) plus those written over the ring's recent span.
 //!
 //! # Hangs
 //!
@@ -55,6 +70,19 @@ use crate::CheckpointError;
 
 /// Consecutive checkpoints longer than the interval that end a run.
 pub const MAX_OVERRUNS: u32 = 5;
+
+/// Checkpoints the ring keeps at most: enough to span four detection
+/// latencies at the interval (two doublings of a recurring error's
+/// look-back), plus a margin, at most 4096.
+pub fn ring_capacity(latency: Duration, interval: Duration) -> usize {
+    let per = latency.as_nanos() / interval.as_nanos().max(1);
+    (per.saturating_mul(4).saturating_add(16)).min(4096) as usize
+}
+
+/// A check of the guest's result, run when it reports completion (for the
+/// reference guest: its digests replayed on the host). `Err` is a detected
+/// error: the supervisor rolls back instead of accepting the result.
+pub type ResultCheck<'a> = Box<dyn FnMut(&Vm) -> Result<(), String> + 'a>;
 
 /// How a VM is protected.
 #[derive(Clone, Debug)]
@@ -106,6 +134,9 @@ pub struct RollbackRecord {
     /// The checkpoint rolled back to was taken after the last injected fault
     /// (it may hold the error): checkpoint corruption.
     pub checkpoint_after_fault: bool,
+    /// Recurrences of the error before this rollback: it went back at least
+    /// `2^recurrence` detection latencies.
+    pub recurrence: u32,
 }
 
 /// One injected fault.
@@ -189,9 +220,20 @@ pub fn rollback_target<'c>(
         .map(|from_newest| n - 1 - from_newest)
 }
 
+/// The last rollback: the guest clock when it happened and how much guest
+/// time it undid (least over working vCPUs).
+struct LastRollback {
+    at: Vec<u64>,
+    undone_ns: u64,
+}
+
 pub struct Supervisor<'a> {
     vm: &'a Vm,
     cfg: CheckpointConfig,
+    result_check: Option<ResultCheck<'a>>,
+    /// Consecutive recurrences of an error (see the module doc).
+    recurrence: u32,
+    last_rollback: Option<LastRollback>,
     engine: Engine,
     /// Kept checkpoints, oldest first; `engine` holds one history entry per
     /// pair of neighbours.
@@ -251,6 +293,9 @@ impl<'a> Supervisor<'a> {
         Ok(Self {
             vm,
             cfg,
+            result_check: None,
+            recurrence: 0,
+            last_rollback: None,
             engine,
             states: VecDeque::from([Kept {
                 state,
@@ -281,6 +326,13 @@ impl<'a> Supervisor<'a> {
             rollbacks: Vec::new(),
             injections: Vec::new(),
         })
+    }
+
+    /// Checks the guest's result when it reports completion; a failed check
+    /// is a detected error (see the module doc).
+    pub fn with_result_check(mut self, check: ResultCheck<'a>) -> Self {
+        self.result_check = Some(check);
+        self
     }
 
     fn ms_since_start(&self, t: Instant) -> f64 {
@@ -337,27 +389,15 @@ impl<'a> Supervisor<'a> {
         self.vm.control().vcpus.iter().map(|r| r.snapshot().phase != nl_abi::PHASE_DONE).collect()
     }
 
-    /// The newest kept checkpoint a rollback now may use.
-    fn target(&self) -> Option<usize> {
-        rollback_target(
-            self.states.iter().map(|k| (k.clock.as_slice(), k.first)),
-            self.clock.now(),
-            &self.working(),
-            self.latency_ns,
-        )
-    }
-
-    /// Drops the checkpoints older than the newest one a rollback may use
-    /// (no rollback can want them any more: clocks only advance), then
-    /// merges the oldest entries while the ring holds more pages than the
-    /// guest's memory.
+    /// Merges the oldest entries after the run's first checkpoint while the
+    /// ring holds more than [`ring_capacity`] checkpoints or more pages than
+    /// twice the guest's memory (see the module doc).
     fn trim_ring(&mut self) {
-        if let Some(t) = self.target() {
-            self.states.drain(..t);
-            self.engine.forget_oldest(t);
-        }
-        let budget = (self.vm.memory().size() / crate::PAGE as u64) as usize;
-        while self.engine.history_pages() > budget && self.engine.history_len() >= 2 {
+        let budget = 2 * (self.vm.memory().size() / crate::PAGE as u64) as usize;
+        let cap = ring_capacity(Duration::from_nanos(self.latency_ns), self.cfg.interval);
+        while (self.engine.history_pages() > budget || self.states.len() > cap)
+            && self.engine.history_len() >= 2
+        {
             self.engine.merge_oldest();
             self.states.remove(1);
             self.ring_merges += 1;
@@ -437,27 +477,52 @@ impl<'a> Supervisor<'a> {
     /// `observed_ns`: the latency this detection is known to have had (a
     /// hang's CPU time since the last progress, which can exceed the timeout
     /// by a sampling step); the target is at least that old too.
+    ///
+    /// `all_working`: judge the target by every vCPU's clock, also those
+    /// that reported completion (a result check failed: their results are
+    /// what was wrong).
     fn rollback(
         &mut self,
         reason: String,
         observed_ns: u64,
+        all_working: bool,
     ) -> Result<Result<(), String>, CheckpointError> {
         let t0 = Instant::now();
         self.clock.update(&self.vm.vcpu_threads());
         self.vm.halt_vcpus();
         let now = self.clock.now().to_vec();
-        let working = self.working();
+        let working = if all_working { vec![true; now.len()] } else { self.working() };
+        let least_since = |then: &[u64]| {
+            then.iter()
+                .zip(&now)
+                .zip(&working)
+                .filter(|(_, w)| **w)
+                .map(|((c, t), _)| t.saturating_sub(*c))
+                .min()
+                .unwrap_or(0)
+        };
+        // A detection before the guest re-ran what the last rollback undid
+        // (plus a detection latency) is the same error back: look further.
+        self.recurrence = match &self.last_rollback {
+            Some(last)
+                if least_since(&last.at) <= last.undone_ns.saturating_add(self.latency_ns) =>
+            {
+                self.recurrence.saturating_add(1)
+            }
+            _ => 0,
+        };
+        let latency = self.latency_ns.max(observed_ns).saturating_mul(1 << self.recurrence.min(40));
         let target = rollback_target(
             self.states.iter().map(|k| (k.clock.as_slice(), k.first)),
             &now,
             &working,
-            self.latency_ns.max(observed_ns),
+            latency,
         );
         let Some(target) = target else {
             return Ok(Err(format!(
                 "{reason}; no kept checkpoint is {:.0} ms of guest time older, \
                  so none is known to predate the fault",
-                self.latency_ns as f64 / 1e6
+                latency as f64 / 1e6
             )));
         };
         let undo = self.states.len() - 1 - target;
@@ -466,15 +531,8 @@ impl<'a> Supervisor<'a> {
         let kept = self.states.back().expect("the target is kept");
         self.vm.restore_state(&kept.state)?;
         self.vm.relaunch()?;
-        let age_ns = kept
-            .clock
-            .iter()
-            .zip(&now)
-            .zip(&working)
-            .filter(|(_, w)| **w)
-            .map(|((c, t), _)| t.saturating_sub(*c))
-            .min()
-            .unwrap_or(0);
+        let age_ns = least_since(&kept.clock);
+        self.last_rollback = Some(LastRollback { at: now.clone(), undone_ns: age_ns });
         let last_fault = self.injections.last().map(|(t, _)| *t);
         let (taken, first) = (kept.taken, kept.first);
         self.rollbacks.push(RollbackRecord {
@@ -486,6 +544,7 @@ impl<'a> Supervisor<'a> {
             target_age_cpu_ms: age_ns as f64 / 1e6,
             target_is_first: first,
             checkpoint_after_fault: last_fault.is_some_and(|f| taken > f),
+            recurrence: self.recurrence,
         });
         Ok(Ok(()))
     }
@@ -525,8 +584,17 @@ impl<'a> Supervisor<'a> {
                 let rec = InjectionRecord { at_ms: self.ms_since_start(now), fault };
                 self.injections.push((now, rec));
             }
+            let mut all_working = false;
             let detected = match self.vm.poll_outcome() {
-                Some(VmOutcome::Completed) => break VmOutcome::Completed,
+                Some(VmOutcome::Completed) => {
+                    match self.result_check.as_mut().map(|c| c(self.vm)) {
+                        Some(Err(why)) => {
+                            all_working = true;
+                            Some(format!("result check failed at completion: {why}"))
+                        }
+                        _ => break VmOutcome::Completed,
+                    }
+                }
                 Some(VmOutcome::Stopped) => break VmOutcome::Stopped,
                 Some(o) => Some(o.message()),
                 None => {
@@ -551,7 +619,8 @@ impl<'a> Supervisor<'a> {
                         ),
                     };
                 }
-                if let Err(message) = self.rollback(reason, std::mem::take(&mut observed_ns))? {
+                let observed = std::mem::take(&mut observed_ns);
+                if let Err(message) = self.rollback(reason, observed, all_working)? {
                     break VmOutcome::Crashed { cpu: 0, message };
                 }
                 judge.reset();

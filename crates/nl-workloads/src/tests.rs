@@ -149,6 +149,34 @@ fn write_pct_changes_the_digest() {
 }
 
 #[test]
+fn the_final_self_check_finds_every_single_bit_flip() {
+    for pat in PATTERNS {
+        let p = memwrite(pat, 64 * KIB, 50);
+        let mut mem = zeroed(&p);
+        let mut wl = Workload::new(&p, 0, &mut mem).unwrap();
+        for _ in 0..3 {
+            wl.round(&mut TestPlatform::default());
+        }
+        assert_eq!(wl.final_self_check(), 0, "clean run, pattern {pat}");
+        let d = wl.finish();
+        // Every bit of a sealed word and of a never-written (zero) word.
+        let (sealed, zero) = {
+            let m = &*wl.mem;
+            (m.iter().position(|w| *w != 0).unwrap(), m.iter().position(|w| *w == 0).unwrap())
+        };
+        for word in [sealed, zero] {
+            for bit in 0..64 {
+                wl.mem[word] ^= 1 << bit;
+                assert_eq!(wl.final_self_check(), 1, "pattern {pat} word {word} bit {bit}");
+                wl.mem[word] ^= 1 << bit;
+                wl.mismatches = 0;
+            }
+        }
+        assert_eq!(wl.finish(), d, "the check does not change the digest");
+    }
+}
+
+#[test]
 fn a_flipped_bit_changes_the_digest() {
     for pat in PATTERNS {
         for (write_pct, when) in [(0, 1), (0, 2), (50, 3), (100, 3)] {

@@ -455,6 +455,11 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
         print(cpu, format_args!("filecache: {hits} hits, {misses} misses\n"));
         cache_report(cpu, &w);
     }
+    // A corrupted word no round read again is found here, before the
+    // digest is reported as a result.
+    if w.final_self_check() != 0 {
+        fail(cpu, ERR_SELF_CHECK, w.rounds_done());
+    }
     let digest = w.finish();
     ctl_write(cpu, reg::OPS, ops);
     ctl_write(cpu, reg::CYCLES, cycles);

@@ -137,7 +137,14 @@ pub fn protected_run(a: &CheckpointArgs, quiet: bool) -> Result<ProtectedRun> {
             bound.map_or(String::new(), |b| format!(" (error-latency bound {b:.1} ms)"))
         );
     }
-    let report = Supervisor::start(&vm, cfg)?.run()?;
+    // The result check: the guest's digests replayed on the host. A wrong
+    // result is a detected error, rolled back like any other.
+    let check = |vm: &Vm| match verify_vm(vm, &nl_vmm::VmOutcome::Completed) {
+        Ok(v) if v.digest_ok => Ok(()),
+        Ok(v) => Err(v.error.unwrap_or_else(|| "digest mismatch".into())),
+        Err(e) => Err(format!("cannot verify: {e:#}")),
+    };
+    let report = Supervisor::start(&vm, cfg)?.with_result_check(Box::new(check)).run()?;
     let v = verify_vm(&vm, &report.outcome)?;
     let (digest_ok, ops_per_sec, error) = (v.digest_ok, v.ops_per_sec, v.error);
     let rollback_ms = (!report.rollbacks.is_empty()).then(|| {

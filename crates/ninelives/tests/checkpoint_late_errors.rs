@@ -1,0 +1,118 @@
+//! VM-μCheckpoint with errors found later than the detection latency: an
+//! error whose detector fires long after the fault (the end-of-run result
+//! check) is rolled back further and further until the fault is gone, and
+//! a run whose result check fails is never reported as completed with it.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use nl_checkpoint::inject::GuestFault;
+use nl_checkpoint::{CheckpointConfig, Mode, Supervisor};
+use nl_vmm::{Vm, VmOutcome};
+use nl_memory::vm_memory::{Bytes, GuestAddress};
+
+/// A guest page the compute workload never touches: a flipped bit there is
+/// only seen by the test's result check, at completion (a detector with a
+/// latency far above the hang timeout).
+const SPARE_GPA: u64 = nl_abi::USER_HEAP_GPA + (1 << 20);
+
+fn cfg(script: Vec<(Duration, GuestFault)>, max_rollbacks: u32) -> CheckpointConfig {
+    CheckpointConfig {
+        mode: Mode::CowP,
+        block_pages: 16,
+        interval: Duration::from_millis(50),
+        inject: 0,
+        script,
+        seed: 1,
+        // A short detection latency L (guest time): the result check's real
+        // latency (the rest of the run) is many times L.
+        hang_timeout: Duration::from_millis(200),
+        latency_bound: None,
+        max_rollbacks,
+        time_limit: Duration::from_secs(90),
+        disk_every: 0,
+        disk_path: None,
+        disk_key: None,
+    }
+}
+
+fn spare_word(vm: &Vm) -> u64 {
+    vm.memory().mem().read_obj(GuestAddress(SPARE_GPA)).unwrap()
+}
+
+#[test]
+fn an_error_found_late_is_rolled_back_until_the_fault_is_gone() {
+    if !kvm_available() {
+        return;
+    }
+    let kvm = nl_vmm::open_kvm().unwrap();
+    let vm = Vm::create(&kvm, 0, config(params(nl_abi::WORKLOAD_COMPUTE, 2500), 1)).unwrap();
+    let clean = spare_word(&vm);
+    let flip = GuestFault::Memory { gpa: SPARE_GPA, bit: 9 };
+    let mut checks = 0u32;
+    let report = Supervisor::start(&vm, cfg(vec![(Duration::from_millis(300), flip)], 10))
+        .unwrap()
+        .with_result_check(Box::new(|vm: &Vm| {
+            checks += 1;
+            if spare_word(vm) == clean {
+                Ok(())
+            } else {
+                Err("the spare word is corrupted".into())
+            }
+        }))
+        .run()
+        .unwrap();
+    assert_eq!(report.outcome, VmOutcome::Completed, "{report:#?}");
+    assert_eq!(spare_word(&vm), clean, "completed with the fault still in memory");
+    let rbs = &report.rollbacks;
+    assert!(!rbs.is_empty(), "the result check never failed: {report:#?}");
+    assert!(rbs.iter().all(|r| r.reason.contains("result check failed")), "{rbs:#?}");
+    // The last rollback removed the fault; the first, L back, could not
+    // (the fault was seconds of guest time older), so the look-back grew.
+    let last = rbs.last().unwrap();
+    assert!(!last.checkpoint_after_fault, "{rbs:#?}");
+    assert!(
+        rbs.len() == 1 && last.target_is_first || last.recurrence >= 1,
+        "recovered without the look-back growing: {rbs:#?}"
+    );
+    assert_eq!(checks as usize, rbs.len() + 1);
+    assert!(digest_ok_after(&vm));
+}
+
+#[test]
+fn a_result_that_keeps_failing_its_check_is_never_reported_completed() {
+    if !kvm_available() {
+        return;
+    }
+    let kvm = nl_vmm::open_kvm().unwrap();
+    let vm = Vm::create(&kvm, 0, config(params(nl_abi::WORKLOAD_COMPUTE, 400), 1)).unwrap();
+    let report = Supervisor::start(&vm, cfg(Vec::new(), 3))
+        .unwrap()
+        .with_result_check(Box::new(|_: &Vm| Err("always wrong".into())))
+        .run()
+        .unwrap();
+    match &report.outcome {
+        VmOutcome::Crashed { message, .. } => {
+            assert!(message.contains("gave up after 3 rollbacks"), "{message}");
+            assert!(message.contains("always wrong"), "{message}");
+        }
+        other => panic!("expected the run to give up, got {other:?}"),
+    }
+    assert_eq!(report.rollbacks.len(), 3);
+    // Each recurrence looks further back; the first rollback looks L back.
+    let rec: Vec<u32> = report.rollbacks.iter().map(|r| r.recurrence).collect();
+    assert_eq!(rec[0], 0, "{rec:?}");
+    assert!(rec.windows(2).all(|w| w[1] == w[0] + 1), "{rec:?}");
+}
+
+/// The guest's digest, replayed on the host.
+fn digest_ok_after(vm: &Vm) -> bool {
+    vm.control().vcpus.iter().enumerate().all(|(cpu, r)| {
+        let r = r.snapshot();
+        let rep =
+            nl_workloads::native::replay(&vm.config().workload, cpu as u64, r.rounds, 0).unwrap();
+        r.phase == nl_abi::PHASE_DONE && rep.digest == r.digest
+    })
+}
