@@ -106,7 +106,16 @@ impl Default for Command {
 }
 
 #[derive(
-    Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Default, serde::Serialize, serde::Deserialize,
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    ValueEnum,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    schemars::JsonSchema,
 )]
 #[serde(rename_all = "lowercase")]
 pub enum WorkloadName {
@@ -134,7 +143,16 @@ pub enum WorkloadName {
 }
 
 #[derive(
-    Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Default, serde::Serialize, serde::Deserialize,
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    ValueEnum,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    schemars::JsonSchema,
 )]
 #[serde(rename_all = "lowercase")]
 pub enum PatternName {
@@ -434,10 +452,15 @@ impl RecoveryName {
 #[derive(Args, Clone, Debug)]
 pub struct ApiArgs {
     /// Unix socket of the host.
-    #[arg(long)]
-    pub api: PathBuf,
-    /// The request, a JSON object such as '{"op":"list"}'.
-    pub request: String,
+    #[arg(long, required_unless_present = "openapi")]
+    pub api: Option<PathBuf>,
+    /// The request, a JSON object such as '{"op":"list"}' (the JSON-lines
+    /// protocol; the host also serves HTTP on the same socket, see docs/api.md).
+    #[arg(required_unless_present = "openapi")]
+    pub request: Option<String>,
+    /// Print the OpenAPI document of the host's HTTP API (docs/api.yaml) and exit.
+    #[arg(long, conflicts_with_all = ["api", "request"])]
+    pub openapi: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -8,4 +8,5 @@ pub mod figures;
 pub mod guest;
 pub mod injector;
 pub mod netns;
+pub mod openapi;
 pub mod verify;

@@ -10,8 +10,8 @@ use std::time::Duration;
 use common::*;
 use nl_checkpoint::inject::GuestFault;
 use nl_checkpoint::{CheckpointConfig, Mode, Supervisor};
-use nl_vmm::{Vm, VmOutcome};
 use nl_memory::vm_memory::{Bytes, GuestAddress};
+use nl_vmm::{Vm, VmOutcome};
 
 /// A guest page the compute workload never touches: a flipped bit there is
 /// only seen by the test's result check, at completion (a detector with a

@@ -288,6 +288,22 @@ pub const KV_TCP_PORT: u16 = 7000;
 /// (needs one vCPU and a disk of `data_bytes` plus a header).
 pub const WORKLOAD_FILECACHE: u64 = 8;
 
+/// The name of a workload kind (`WORKLOAD_*`), as the CLI and the API
+/// spell it; "unknown" for anything else.
+pub fn workload_name(kind: u64) -> &'static str {
+    match kind {
+        WORKLOAD_MEMWRITE => "memwrite",
+        WORKLOAD_COMPUTE => "compute",
+        WORKLOAD_EXITS => "exits",
+        WORKLOAD_IDLE => "idle",
+        WORKLOAD_BLKBENCH => "blkbench",
+        WORKLOAD_NETBENCH => "netbench",
+        WORKLOAD_KV => "kv",
+        WORKLOAD_FILECACHE => "filecache",
+        _ => "unknown",
+    }
+}
+
 /// Access patterns of `memwrite` (`WorkloadParams::pattern`).
 pub const PATTERN_SEQUENTIAL: u64 = 0;
 pub const PATTERN_STRIDED: u64 = 1;

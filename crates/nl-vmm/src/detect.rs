@@ -275,6 +275,7 @@ pub(crate) fn report_line(v: &serde_json::Value) {
 fn report(v: &serde_json::Value) {
     use std::io::Write;
     let _ = writeln!(std::io::stderr(), "{REPORT_PREFIX}{v}");
+    crate::event_log::publish("detection", v.clone());
 }
 
 fn watchdog() {

@@ -18,6 +18,12 @@ pub enum VmmError {
     State(String),
     #[error("VM {0}: {1}")]
     Vm(u32, String),
+    /// No VM has this id (the API answers 404).
+    #[error("VM {0}: no such VM")]
+    NoSuchVm(u32),
+    /// Refused by the host's budgets or state (the API answers 409).
+    #[error("{0}")]
+    Refused(String),
     #[error("disk: {0}")]
     Disk(String),
     #[error("{0}")]

@@ -25,6 +25,16 @@ pub struct HostedVm {
     supervisor: u64,
     /// Paused through the API (as opposed to paused by a mechanism).
     pub user_paused: std::sync::atomic::AtomicBool,
+    /// The supervisor's view: how long the guest has shown no progress.
+    supervision: Arc<Lock<Supervision>>,
+}
+
+impl HostedVm {
+    /// Time since the guest last showed progress (a heartbeat, a phase
+    /// change; a paused VM counts as alive), as its supervisor last saw it.
+    pub fn heartbeat_age(&self) -> Duration {
+        self.supervision.lock().silent_for()
+    }
 }
 
 /// One line of `list`.
@@ -32,9 +42,27 @@ pub struct HostedVm {
 pub struct VmSummary {
     pub id: u32,
     pub state: String,
-    pub workload: u64,
+    /// The workload's name (`memwrite`, `compute`, ...).
+    #[serde(deserialize_with = "workload_name_or_kind")]
+    pub workload: String,
     pub vcpus: u32,
     pub mem_bytes: u64,
+}
+
+/// A summary's workload: its name, or the number older processes handed
+/// over.
+fn workload_name_or_kind<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    use serde::Deserialize;
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum NameOrKind {
+        Name(String),
+        Kind(u64),
+    }
+    Ok(match NameOrKind::deserialize(d)? {
+        NameOrKind::Name(n) => n,
+        NameOrKind::Kind(k) => nl_abi::workload_name(k).into(),
+    })
 }
 
 /// `stats` of one VM.
@@ -176,7 +204,7 @@ impl Host {
     }
 
     fn get(&self, id: u32) -> Result<Arc<HostedVm>, VmmError> {
-        self.vms().get(&id).cloned().ok_or_else(|| VmmError::Vm(id, "no such VM".into()))
+        self.vms().get(&id).cloned().ok_or(VmmError::NoSuchVm(id))
     }
 
     /// The host's budgets and API limits.
@@ -231,7 +259,7 @@ impl Host {
         let (used_mem, used_vcpus) = self.committed_with(&pending);
         let mib = |b: u64| b >> 20;
         if used_mem.saturating_add(mem) > limits.mem_budget {
-            return Err(VmmError::Config(format!(
+            return Err(VmmError::Refused(format!(
                 "not enough guest memory: the VM needs {} MiB, {} MiB of this host's budget \
                  of {} MiB are committed (host --mem-budget); destroy a VM or ask for less",
                 mib(mem),
@@ -240,7 +268,7 @@ impl Host {
             )));
         }
         if used_vcpus.saturating_add(vcpus) > limits.vcpu_budget {
-            return Err(VmmError::Config(format!(
+            return Err(VmmError::Refused(format!(
                 "not enough vCPUs: the VM needs {vcpus}, {used_vcpus} of this host's budget \
                  of {} vCPUs are committed (host --vcpu-budget); destroy a VM or ask for fewer",
                 limits.vcpu_budget
@@ -277,10 +305,11 @@ impl Host {
         }
         let outcome = Lock::new("vm.outcome", None);
         let (v, o) = (vm.clone(), outcome.clone());
-        let sup = Lock::new(
+        let supervision = Lock::new(
             "vm.supervision",
             Supervision::new(&vm, Duration::from_secs(u64::from(u32::MAX))),
         );
+        let sup = supervision.clone();
         // Supervision is a recurring event: it records how the VM ends.
         let supervisor = self.events.add(
             format!("vm{id}-supervise"),
@@ -295,6 +324,10 @@ impl Host {
                         if r != VmOutcome::Completed {
                             v.stop();
                         }
+                        crate::event_log::publish(
+                            "vm_ended",
+                            serde_json::json!({"vm": v.id(), "outcome": &r, "message": r.message()}),
+                        );
                         *o.lock() = Some(r);
                         false
                     }
@@ -302,8 +335,13 @@ impl Host {
                 }
             }),
         );
-        let h =
-            Arc::new(HostedVm { vm: vm.clone(), outcome, supervisor, user_paused: paused.into() });
+        let h = Arc::new(HostedVm {
+            vm: vm.clone(),
+            outcome,
+            supervisor,
+            user_paused: paused.into(),
+            supervision,
+        });
         self.vms().insert(id, h);
         // Started last, so a VM's downtime ends as close to this return as possible.
         if let Err(e) = vm.start() {
@@ -311,6 +349,11 @@ impl Host {
             vm.stop();
             return Err(e);
         }
+        crate::event_log::publish(
+            "vm_created",
+            serde_json::json!({"vm": id, "vcpus": vm.config().vcpus,
+                               "mem_bytes": vm.config().mem_bytes, "paused": paused}),
+        );
         Ok(vm)
     }
 
@@ -386,7 +429,7 @@ impl Host {
     /// Stops a VM *without* letting it run again and forgets it: after a
     /// paused VM is released its memory and state are exactly as saved.
     pub fn release(&self, id: u32) -> Result<(), VmmError> {
-        let h = self.vms().remove(&id).ok_or_else(|| VmmError::Vm(id, "no such VM".into()))?;
+        let h = self.vms().remove(&id).ok_or(VmmError::NoSuchVm(id))?;
         h.vm.stop();
         self.events.remove(h.supervisor);
         Ok(())
@@ -405,7 +448,7 @@ impl Host {
             .map(|h| VmSummary {
                 id: h.vm.id(),
                 state: state_of(h),
-                workload: h.vm.config().workload.kind,
+                workload: nl_abi::workload_name(h.vm.config().workload.kind).into(),
                 vcpus: h.vm.config().vcpus,
                 mem_bytes: h.vm.config().mem_bytes,
             })
@@ -419,6 +462,7 @@ impl Host {
         let h = self.get(id)?;
         h.user_paused.store(true, Relaxed);
         h.vm.pause();
+        crate::event_log::publish("vm_paused", serde_json::json!({"vm": id}));
         Ok(())
     }
 
@@ -426,6 +470,7 @@ impl Host {
         let h = self.get(id)?;
         h.user_paused.store(false, Relaxed);
         h.vm.resume();
+        crate::event_log::publish("vm_resumed", serde_json::json!({"vm": id}));
         Ok(())
     }
 
@@ -449,7 +494,7 @@ impl Host {
 
     /// Stops a VM and forgets it.
     pub fn destroy(&self, id: u32) -> Result<(), VmmError> {
-        let h = self.vms().remove(&id).ok_or_else(|| VmmError::Vm(id, "no such VM".into()))?;
+        let h = self.vms().remove(&id).ok_or(VmmError::NoSuchVm(id))?;
         h.vm.resume();
         h.vm.stop();
         self.events.remove(h.supervisor);
@@ -457,6 +502,8 @@ impl Host {
         if o.is_none() {
             *o = Some(h.vm.poll_outcome().unwrap_or(VmOutcome::Stopped));
         }
+        drop(o);
+        crate::event_log::publish("vm_destroyed", serde_json::json!({"vm": id}));
         Ok(())
     }
 

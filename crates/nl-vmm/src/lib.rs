@@ -30,6 +30,7 @@ pub mod handover;
 pub mod host;
 
 pub mod detect;
+pub mod event_log;
 pub mod events;
 pub mod kick;
 mod memslots;

@@ -1003,6 +1003,11 @@ pub struct Supervision {
 }
 
 impl Supervision {
+    /// Time since the guest last showed progress, as of the last step.
+    pub fn silent_for(&self) -> Duration {
+        self.last_alive.elapsed()
+    }
+
     pub fn new(vm: &Vm, limit: Duration) -> Self {
         Self {
             start: Instant::now(),

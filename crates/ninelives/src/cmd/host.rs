@@ -14,9 +14,9 @@ use crate::cli::{
 use crate::guest;
 
 /// A size given as a number of bytes or a string such as "256M".
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(untagged)]
-enum Size {
+pub(crate) enum Size {
     Bytes(u64),
     Text(String),
 }
@@ -30,31 +30,50 @@ impl Size {
     }
 }
 
-/// Parameters of a `create` request; every field is optional.
-#[derive(Deserialize)]
+/// A VM to create (`POST /v1/vms`, or the JSON-lines `create`); every
+/// field is optional. Sizes are bytes or strings such as "256M".
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
-struct CreateRequest {
+#[schemars(rename = "CreateVm")]
+pub(crate) struct CreateRequest {
+    /// The JSON-lines operation ("create"); set by the path over HTTP.
     #[allow(dead_code)]
+    #[schemars(skip)]
     op: String,
+    /// The reference guest's workload (default memwrite).
     #[serde(default)]
     workload: WorkloadName,
+    /// Guest memory (default 256M).
     mem: Option<Size>,
-    /// Checked here (a negative or huge count gets the range in its error).
+    /// vCPUs, 1 to 32 (default 1). Checked here (a negative or huge count
+    /// gets the range in its error).
     vcpus: Option<i64>,
+    /// Seconds the workload runs (default 3600).
     #[serde(default = "default_duration")]
     duration: f64,
+    /// Seed of the workload's PRNG.
     seed: Option<u64>,
+    /// memwrite/filecache: the working set's size.
     ws: Option<Size>,
+    /// memwrite: percent of accesses that are writes.
     write_pct: Option<u64>,
+    /// memwrite: access pattern.
     pattern: Option<PatternName>,
+    /// memwrite strided: stride in bytes.
     stride: Option<u64>,
+    /// memwrite hotcold / filecache: percent of pages (blocks) that are hot.
     hot_pct: Option<u64>,
     /// filecache: the data set's size.
     data: Option<Size>,
+    /// Guest timer interrupts per second.
     timer_hz: Option<u64>,
+    /// File the guest's console goes to.
     console: Option<std::path::PathBuf>,
+    /// TAP device for a virtio-net device (created if missing).
     net_tap: Option<String>,
+    /// The guest's IPv4 address on the TAP.
     net_ip: Option<String>,
+    /// Raw disk image for a virtio-blk device.
     disk: Option<std::path::PathBuf>,
 }
 
@@ -263,8 +282,15 @@ fn selftest() {
 }
 
 pub fn api_client(a: ApiArgs) -> Result<ExitCode> {
-    let req: Value = serde_json::from_str(&a.request).context("the request is not valid JSON")?;
-    let reply = nl_vmm::api::request(&a.api, &req)?;
+    if a.openapi {
+        println!("{}", serde_json::to_string_pretty(&crate::openapi::document())?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let (Some(api), Some(request)) = (&a.api, &a.request) else {
+        anyhow::bail!("give --api SOCKET and a request (or --openapi)");
+    };
+    let req: Value = serde_json::from_str(request).context("the request is not valid JSON")?;
+    let reply = nl_vmm::api::request(api, &req)?;
     println!("{reply}");
     Ok(if reply.get("ok") == Some(&Value::Bool(true)) {
         ExitCode::SUCCESS

@@ -571,6 +571,7 @@ fn coordinate(what: &str) {
 fn report_recovered(v: &serde_json::Value) {
     use std::io::Write;
     let _ = writeln!(std::io::stderr(), "{RECOVERED_PREFIX}{v}");
+    crate::event_log::publish("recovery", v.clone());
 }
 
 #[cfg(test)]

@@ -1,7 +1,14 @@
 //! The Unix-socket API of `ninelives host`.
 //!
-//! One JSON object per line in each direction. Requests name an operation
-//! and, where it applies, a VM id:
+//! The socket speaks two protocols, told apart by a connection's first
+//! byte: HTTP/1.1 ([`http`]: REST resources under `/v1`, an event stream,
+//! Prometheus metrics; what new clients should use, documented in
+//! `docs/api.md` and `docs/api.yaml`), and the original JSON-lines protocol
+//! below (a connection whose first byte is `{`), kept for one release for
+//! existing clients (`ninelives api`, the injector, scripts).
+//!
+//! JSON lines: one JSON object per line in each direction. Requests name an
+//! operation and, where it applies, a VM id:
 //!
 //! ```text
 //! {"op":"create", ...VM parameters...}   -> {"ok":true,"id":0}
@@ -75,6 +82,8 @@ use crate::handover::Mode;
 use crate::host::{Host, Limits};
 use crate::rejuvenate;
 use crate::{VmConfig, VmmError};
+
+pub mod http;
 
 /// Longest request line accepted, newline included.
 pub const MAX_REQUEST: usize = 64 * 1024;
@@ -168,6 +177,10 @@ pub fn serve_listener(
     });
     listener.set_nonblocking(true)?;
     crate::recovery::set_api(listener.as_raw_fd(), path);
+    crate::event_log::publish(
+        "host_started",
+        json!({"pid": std::process::id(), "generation": host.generation(), "vms": host.list().len()}),
+    );
     crate::seccomp::apply(crate::seccomp::Kind::Api);
     let _reg = crate::recovery::enter(false);
     let progress = crate::detect::track();
@@ -310,44 +323,89 @@ impl Requests {
     /// The next request line. Blocks on the client: call it only while the
     /// thread is waiting for the hang watchdog ([`crate::detect::Progress::wait`]).
     fn next(&mut self, stream: &UnixStream, limits: &Limits) -> Got {
-        // A request whose first bytes came with the previous one starts now.
-        let mut deadline = (self.len > 0).then(|| Instant::now() + limits.request_timeout);
+        let mut deadline = self.deadline(limits);
         let mut scanned = 0;
         loop {
             if let Some(i) = self.buf[scanned..self.len].iter().position(|&b| b == b'\n') {
                 let end = scanned + i + 1;
                 let line = self.buf[..end].to_vec();
-                self.buf.copy_within(end..self.len, 0);
-                self.len -= end;
+                self.consume(end);
                 return Got::Line(line);
             }
             scanned = self.len;
-            if self.len == self.buf.len() {
-                return Got::TooLong;
+            if let Err(got) = self.read_more(stream, limits, &mut deadline) {
+                return got;
             }
-            let wait = match deadline {
-                Some(d) => match d.checked_duration_since(Instant::now()) {
-                    Some(w) if !w.is_zero() => w,
-                    _ => return Got::TooSlow,
-                },
-                None => limits.idle_timeout,
-            };
-            if stream.set_read_timeout(Some(wait)).is_err() {
-                return Got::Closed;
+        }
+    }
+
+    /// The time limit of a request that starts now: set if its first bytes
+    /// came with the previous request, else set by [`Self::read_more`] when
+    /// they arrive.
+    fn deadline(&self, limits: &Limits) -> Option<Instant> {
+        (self.len > 0).then(|| Instant::now() + limits.request_timeout)
+    }
+
+    /// Bytes read and not yet consumed.
+    fn filled(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+
+    /// Drops the first `n` bytes read (a request that was handled).
+    fn consume(&mut self, n: usize) {
+        self.buf.copy_within(n..self.len, 0);
+        self.len -= n;
+    }
+
+    /// Reads once more from the client, waiting at most until `deadline`
+    /// (set at the request's first byte), or the idle time limit before it.
+    /// `Err` says why the request cannot be completed.
+    fn read_more(
+        &mut self,
+        stream: &UnixStream,
+        limits: &Limits,
+        deadline: &mut Option<Instant>,
+    ) -> Result<(), Got> {
+        if self.len == self.buf.len() {
+            return Err(Got::TooLong);
+        }
+        let wait = match *deadline {
+            Some(d) => match d.checked_duration_since(Instant::now()) {
+                Some(w) if !w.is_zero() => w,
+                _ => return Err(Got::TooSlow),
+            },
+            None => limits.idle_timeout,
+        };
+        if stream.set_read_timeout(Some(wait)).is_err() {
+            return Err(Got::Closed);
+        }
+        let free = &mut self.buf[self.len..];
+        match crate::recovery::safe(|| (&*stream).read(free)) {
+            Ok(0) => Err(Got::Closed),
+            Ok(n) => {
+                deadline.get_or_insert_with(|| Instant::now() + limits.request_timeout);
+                self.len += n;
+                Ok(())
             }
-            let free = &mut self.buf[self.len..];
-            match crate::recovery::safe(|| (&*stream).read(free)) {
-                Ok(0) => return Got::Closed,
-                Ok(n) => {
-                    deadline.get_or_insert_with(|| Instant::now() + limits.request_timeout);
-                    self.len += n;
-                }
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                    return if deadline.is_some() { Got::TooSlow } else { Got::Idle };
-                }
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(_) => return Got::Closed,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                Err(if deadline.is_some() { Got::TooSlow } else { Got::Idle })
             }
+            Err(e) if e.kind() == ErrorKind::Interrupted => Ok(()),
+            Err(_) => Err(Got::Closed),
+        }
+    }
+}
+
+impl Got {
+    /// Why a request was refused, for the client.
+    fn refusal(&self, limits: &Limits) -> String {
+        match self {
+            Got::TooLong => format!("request longer than {MAX_REQUEST} bytes"),
+            Got::TooSlow => format!(
+                "request not complete within {:.1} s of its first byte",
+                limits.request_timeout.as_secs_f64()
+            ),
+            _ => format!("connection idle for {:.0} s; closed", limits.idle_timeout.as_secs_f64()),
         }
     }
 }
@@ -400,6 +458,26 @@ fn serve_requests(
     limits: &Limits,
 ) {
     let mut requests = Requests::new();
+    // The first byte says which protocol the client speaks.
+    progress.wait();
+    let first = match requests.read_more(stream, limits, &mut None) {
+        Ok(()) => requests.filled()[0],
+        Err(Got::Closed) => return,
+        Err(refused) => {
+            progress.resume();
+            send_line(
+                stream,
+                &error_reply(refused.refusal(limits)),
+                limits.request_timeout,
+                progress,
+            );
+            return;
+        }
+    };
+    progress.resume();
+    if first.is_ascii_uppercase() {
+        return http::serve(stream, host, build, ctx, progress, limits, &mut requests);
+    }
     loop {
         // Waiting on the client is never a hang of this thread: each wait
         // is bounded by the request or idle time limit instead.
@@ -412,15 +490,11 @@ fn serve_requests(
             refused => {
                 // Answer, then close: nothing more is read from this client.
                 let error = match refused {
-                    Got::TooLong => format!("request longer than {MAX_REQUEST} bytes"),
                     Got::TooSlow => format!(
                         "request not complete (no newline) within {:.1} s of its first byte",
                         limits.request_timeout.as_secs_f64()
                     ),
-                    _ => format!(
-                        "connection idle for {:.0} s; closed",
-                        limits.idle_timeout.as_secs_f64()
-                    ),
+                    other => other.refusal(limits),
                 };
                 send_line(stream, &error_reply(error), limits.request_timeout, progress);
                 return;
@@ -428,28 +502,16 @@ fn serve_requests(
         };
         FAULT.pass();
         let reply = match serde_json::from_slice::<Value>(&line) {
-            Ok(req) => {
-                // These wait on other threads (vCPUs, a successor VMM), which are
-                // checked themselves, or on the kernel (creating a VM's memory
-                // slots can block in synchronize_srcu for long on a loaded host).
-                if matches!(
-                    req.get("op").and_then(Value::as_str),
-                    Some("create" | "pause" | "destroy" | "rejuvenate")
-                ) {
-                    progress.wait();
+            Ok(req) => match run_op(host, build, &req, ctx, progress) {
+                Ok(mut v) => {
+                    v["ok"] = json!(true);
+                    v
                 }
-                // A request discarded by a microreset is answered as such:
-                // the client may retry it.
-                let r = match crate::recovery::protected(|| handle_in(host, build, &req, ctx)) {
-                    crate::recovery::Outcome::Done(v) => v,
-                    crate::recovery::Outcome::Recovered { .. } => json!({
-                        "ok": false, "interrupted": true,
-                        "error": "the request was interrupted by a VMM recovery; retry it",
-                    }),
-                };
-                progress.resume();
-                r
-            }
+                Err(e) if e.status == 503 => {
+                    json!({"ok": false, "interrupted": true, "error": e.message})
+                }
+                Err(e) => error_reply(e.message),
+            },
             Err(e) => error_reply(format!("malformed request: {e}")),
         };
         let written = send_line(stream, &reply, limits.request_timeout, progress);
@@ -469,6 +531,75 @@ fn id_of(req: &Value) -> Result<u32, String> {
         .and_then(Value::as_u64)
         .and_then(|i| u32::try_from(i).ok())
         .ok_or_else(|| "this request needs a numeric \"id\"".to_string())
+}
+
+/// A refused request: an HTTP status and the reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: u16,
+    pub message: String,
+}
+
+impl ApiError {
+    fn bad(message: impl Into<String>) -> Self {
+        Self { status: 400, message: message.into() }
+    }
+}
+
+impl From<String> for ApiError {
+    fn from(message: String) -> Self {
+        Self::bad(message)
+    }
+}
+
+impl From<&str> for ApiError {
+    fn from(message: &str) -> Self {
+        Self::bad(message)
+    }
+}
+
+impl From<VmmError> for ApiError {
+    fn from(e: VmmError) -> Self {
+        let status = match &e {
+            VmmError::NoSuchVm(_) => 404,
+            VmmError::Refused(_) => 409,
+            VmmError::Config(_) | VmmError::Vm(..) | VmmError::State(_) => 400,
+            _ => 500,
+        };
+        Self { status, message: e.to_string() }
+    }
+}
+
+/// Runs one operation (a JSON-lines request, or an HTTP request turned into
+/// one) under a recovery point of its own. Operations that wait on other
+/// threads or the kernel are not counted as hangs of this thread.
+fn run_op(
+    host: &Host,
+    build: &ConfigBuilder,
+    req: &Value,
+    ctx: &ServeCtx,
+    progress: &crate::detect::Progress,
+) -> Result<Value, ApiError> {
+    // These wait on other threads (vCPUs, a successor VMM), which are
+    // checked themselves, or on the kernel (creating a VM's memory
+    // slots can block in synchronize_srcu for long on a loaded host).
+    if matches!(
+        req.get("op").and_then(Value::as_str),
+        Some("create" | "pause" | "destroy" | "rejuvenate")
+    ) {
+        progress.wait();
+    }
+    // A request discarded by a microreset is answered as such: the client
+    // may retry it.
+    let r = match crate::recovery::protected(|| handle_op(host, build, req, ctx)) {
+        crate::recovery::Outcome::Done(r) => r,
+        crate::recovery::Outcome::Recovered { .. } => Err(ApiError {
+            status: 503,
+            message: "the request was interrupted by a VMM recovery; retry it".into(),
+        }),
+    };
+    progress.resume();
+    r
 }
 
 /// Handles one request outside of a serving loop (no rejuvenation).
@@ -532,6 +663,7 @@ fn rejuvenate_op(host: &Host, req: &Value, ctx: &ServeCtx) -> Result<Value, Stri
         prespawn,
     };
     let report = rejuvenate::rejuvenate(host, Some(ctx.listener_fd), &opts);
+    crate::event_log::publish("rejuvenation", json!({ "report": &report }));
     if report.ok {
         ctx.handed_over.store(true, Relaxed);
     } else {
@@ -541,11 +673,29 @@ fn rejuvenate_op(host: &Host, req: &Value, ctx: &ServeCtx) -> Result<Value, Stri
 }
 
 fn handle_in(host: &Host, build: &ConfigBuilder, req: &Value, ctx: &ServeCtx) -> Value {
-    let r = (|| -> Result<Value, String> {
+    match handle_op(host, build, req, ctx) {
+        Ok(mut v) => {
+            v["ok"] = json!(true);
+            v
+        }
+        Err(e) => error_reply(e.message),
+    }
+}
+
+fn handle_op(
+    host: &Host,
+    build: &ConfigBuilder,
+    req: &Value,
+    ctx: &ServeCtx,
+) -> Result<Value, ApiError> {
+    {
         let op = req.get("op").and_then(Value::as_str).ok_or("request needs an \"op\" string")?;
-        let e = |e: VmmError| e.to_string();
+        let e = ApiError::from;
         if ctx.hold.load(Relaxed) && matches!(op, "create" | "pause" | "resume" | "destroy") {
-            return Err(format!("cannot {op} now: the host is being rejuvenated"));
+            return Err(ApiError {
+                status: 409,
+                message: format!("cannot {op} now: the host is being rejuvenated"),
+            });
         }
         Ok(match op {
             "rejuvenate" => rejuvenate_op(host, req, ctx)?,
@@ -579,19 +729,12 @@ fn handle_in(host: &Host, build: &ConfigBuilder, req: &Value, ctx: &ServeCtx) ->
                 json!({})
             }
             other => {
-                return Err(format!(
+                return Err(ApiError::bad(format!(
                     "unknown op \"{other}\" (create, list, pause, resume, stats, destroy, \
                      info, rejuvenate, shutdown)"
-                ))
+                )))
             }
         })
-    })();
-    match r {
-        Ok(mut v) => {
-            v["ok"] = json!(true);
-            v
-        }
-        Err(e) => json!({"ok": false, "error": e}),
     }
 }
 

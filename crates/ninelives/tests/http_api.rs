@@ -1,0 +1,210 @@
+//! The host's HTTP API on its Unix socket: every route answers, errors have
+//! their status, the event stream reports a VM's life, metrics are
+//! Prometheus text, JSON lines still work on the same socket, and the
+//! committed OpenAPI document is the one the code generates.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+/// One HTTP exchange on a fresh connection: (status, body).
+fn http(sock: &Path, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    let mut s = UnixStream::connect(sock).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let body = body.unwrap_or("");
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut r = BufReader::new(s);
+    let mut status_line = String::new();
+    r.read_line(&mut status_line).unwrap();
+    let status: u16 = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status in '{status_line}'"));
+    let mut length = None;
+    let mut version = None;
+    loop {
+        let mut h = String::new();
+        r.read_line(&mut h).unwrap();
+        let h = h.trim_end();
+        if h.is_empty() {
+            break;
+        }
+        let (name, value) = h.split_once(':').unwrap();
+        if name.eq_ignore_ascii_case("content-length") {
+            length = value.trim().parse::<usize>().ok();
+        }
+        if name.eq_ignore_ascii_case("ninelives-api-version") {
+            version = Some(value.trim().to_string());
+        }
+    }
+    assert_eq!(version.as_deref(), Some("1"), "{method} {path}: no API version header");
+    let mut b = vec![0; length.expect("Content-Length")];
+    r.read_exact(&mut b).unwrap();
+    (status, String::from_utf8(b).unwrap())
+}
+
+fn http_json(sock: &Path, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
+    let (status, b) = http(sock, method, path, body);
+    (status, serde_json::from_str(&b).unwrap_or_else(|e| panic!("{method} {path}: {e}: {b}")))
+}
+
+/// Reads server-sent events until one of `kind` about VM `vm` (bounded).
+fn wait_event(r: &mut BufReader<UnixStream>, kind: &str, vm: u64, seen: &mut Vec<String>) -> Value {
+    let t = Instant::now();
+    let mut event = String::new();
+    while t.elapsed() < Duration::from_secs(60) {
+        let mut line = String::new();
+        if r.read_line(&mut line).unwrap() == 0 {
+            panic!("event stream ended; saw {seen:?}");
+        }
+        if let Some(k) = line.strip_prefix("event: ") {
+            event = k.trim().to_string();
+        } else if let Some(d) = line.strip_prefix("data: ") {
+            let v: Value = serde_json::from_str(d).unwrap();
+            seen.push(event.clone());
+            if event == kind && v["data"]["vm"] == vm {
+                return v;
+            }
+        }
+    }
+    panic!("no {kind} event for VM {vm} within 60 s; saw {seen:?}");
+}
+
+#[test]
+fn the_http_api_serves_every_route_with_named_errors_events_and_metrics() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    let (mut child, mut legacy) = spawn_host(&sock);
+
+    // The event stream, opened before anything happens.
+    let mut ev = UnixStream::connect(&sock).unwrap();
+    ev.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(ev, "GET /v1/events HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
+    let mut ev = BufReader::new(ev);
+    let mut head = String::new();
+    ev.read_line(&mut head).unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+
+    let (st, info) = http_json(&sock, "GET", "/v1/info", None);
+    assert_eq!(st, 200, "{info}");
+    assert_eq!(info["pid"], child.id());
+
+    let create = r#"{"workload":"compute","duration":1,"mem":"64M"}"#;
+    let (st, c) = http_json(&sock, "POST", "/v1/vms", Some(create));
+    assert_eq!(st, 201, "{c}");
+    let id = c["id"].as_u64().unwrap();
+    let mut seen = Vec::new();
+    wait_event(&mut ev, "vm_created", id, &mut seen);
+
+    let (st, l) = http_json(&sock, "GET", "/v1/vms", None);
+    assert_eq!(st, 200);
+    assert_eq!(l["vms"][0]["workload"], "compute", "names, not codes: {l}");
+
+    let (st, _) =
+        http_json(&sock, "PATCH", &format!("/v1/vms/{id}"), Some(r#"{"state":"paused"}"#));
+    assert_eq!(st, 200);
+    wait_event(&mut ev, "vm_paused", id, &mut seen);
+    let (_, m) = http(&sock, "GET", "/metrics", None);
+    assert!(m.contains(&format!("ninelives_vm_paused{{vm=\"{id}\"}} 1")), "{m}");
+    assert!(m.contains("# TYPE ninelives_vcpu_exits_total counter"), "{m}");
+    assert!(m.contains("ninelives_vms 1"), "{m}");
+    let (st, _) =
+        http_json(&sock, "PATCH", &format!("/v1/vms/{id}"), Some(r#"{"state":"running"}"#));
+    assert_eq!(st, 200);
+    wait_event(&mut ev, "vm_resumed", id, &mut seen);
+    let ended = wait_event(&mut ev, "vm_ended", id, &mut seen);
+    assert_eq!(ended["data"]["outcome"]["kind"], "completed", "{ended}");
+
+    let (st, s) = http_json(&sock, "GET", &format!("/v1/vms/{id}"), None);
+    assert_eq!(st, 200);
+    assert_stats_replay(id, &s["stats"]);
+
+    // The JSON-lines protocol on the same socket (the connection the
+    // helper opened).
+    writeln!(legacy, "{}", json!({"op": "list"})).unwrap();
+    let mut line = String::new();
+    BufReader::new(legacy.try_clone().unwrap()).read_line(&mut line).unwrap();
+    let v: Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(v["ok"], true, "{v}");
+
+    // Named errors.
+    let cases: &[(&str, &str, Option<&str>, u16, &str)] = &[
+        ("GET", "/v1/vms/999", None, 404, "no such VM"),
+        ("GET", "/v1/vms/abc", None, 404, "VM ids are numbers"),
+        ("GET", "/v1/nothing", None, 404, "no such resource"),
+        ("PUT", "/v1/vms", None, 405, "allowed: GET, POST"),
+        ("POST", "/v1/vms", Some("{"), 400, "malformed JSON body"),
+        ("POST", "/v1/vms", Some(r#"{"vcpus":0}"#), 400, "vcpus 0 is out of range"),
+        ("POST", "/v1/vms", Some(r#"{"colour":"red"}"#), 400, "unknown field `colour`"),
+        ("POST", "/v1/vms", Some(r#"{"mem":"60G"}"#), 409, "not enough guest memory"),
+        ("PATCH", &format!("/v1/vms/{id}"), Some(r#"{"state":"gone"}"#), 400, "\"paused\""),
+    ];
+    for (m, p, b, want, needle) in cases {
+        let (st, e) = http_json(&sock, m, p, *b);
+        assert_eq!(st, *want, "{m} {p}: {e}");
+        assert!(e["error"].as_str().unwrap().contains(needle), "{m} {p}: {e}");
+    }
+    // A body longer than the request limit is refused before it is read.
+    let mut s = UnixStream::connect(&sock).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(s, "POST /v1/vms HTTP/1.1\r\nContent-Length: 100000\r\n\r\n").unwrap();
+    let mut first = String::new();
+    BufReader::new(s).read_line(&mut first).unwrap();
+    assert!(first.starts_with("HTTP/1.1 413"), "{first}");
+
+    let (st, _) = http_json(&sock, "DELETE", &format!("/v1/vms/{id}"), None);
+    assert_eq!(st, 200);
+    wait_event(&mut ev, "vm_destroyed", id, &mut seen);
+    assert_eq!(http_json(&sock, "GET", &format!("/v1/vms/{id}"), None).0, 404);
+
+    let (st, _) = http_json(&sock, "POST", "/v1/shutdown", None);
+    assert_eq!(st, 200);
+    let t = Instant::now();
+    while child.try_wait().unwrap().is_none() && t.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(child.try_wait().unwrap().is_some(), "the host did not stop");
+}
+
+#[test]
+fn the_committed_openapi_document_is_the_generated_one() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/api.yaml");
+    let text = std::fs::read_to_string(&path).expect("docs/api.yaml");
+    let committed: Value =
+        serde_json::from_str(&text).expect("docs/api.yaml is JSON (a YAML subset)");
+    let generated = ninelives::openapi::document();
+    assert!(
+        committed == generated,
+        "docs/api.yaml is stale: regenerate it with `ninelives api --openapi > docs/api.yaml`"
+    );
+    // Every route of the host is documented with its method, and nothing else is.
+    let paths = generated["paths"].as_object().unwrap();
+    let mut documented = 0;
+    for r in nl_vmm::api::http::ROUTES {
+        assert!(paths[r.path][r.method.to_lowercase()].is_object(), "{} {}", r.method, r.path);
+        documented += 1;
+    }
+    let ops: usize = paths.values().map(|p| p.as_object().unwrap().len()).sum();
+    assert_eq!(ops, documented);
+    // The create body is the Rust type's: an unknown field is refused by both.
+    let create = &generated["components"]["schemas"]["CreateVm"];
+    assert_eq!(create["additionalProperties"], false);
+    for field in ["workload", "mem", "vcpus", "duration", "ws", "net_tap", "disk"] {
+        assert!(create["properties"][field].is_object(), "{field}");
+    }
+}
