@@ -669,6 +669,21 @@ pub fn default_image_dir() -> PathBuf {
         .unwrap_or_else(|| Path::new("/var/tmp").to_path_buf())
 }
 
+/// Names this process `name` (its `comm`, what `ps` and `pgrep` show) if
+/// it was started through `/proc/self/exe`, as a rejuvenation successor or a
+/// microreboot is: the kernel names such a process `exe`. Call it on the
+/// main thread before other threads start (they inherit the name).
+pub fn restore_process_name(name: &str) {
+    let comm = std::fs::read_to_string("/proc/self/comm").unwrap_or_default();
+    if comm.trim_end() != "exe" {
+        return;
+    }
+    let Ok(c) = std::ffi::CString::new(name) else { return };
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string (at most 16 bytes
+    // are used) from a pointer valid for the call.
+    unsafe { libc::prctl(libc::PR_SET_NAME, c.as_ptr()) };
+}
+
 /// The running binary (plain rejuvenation restarts it): `/proc/self/exe`,
 /// which is the very same file even if its path was since replaced or deleted.
 pub fn current_binary() -> Result<PathBuf, VmmError> {

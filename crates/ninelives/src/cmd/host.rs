@@ -132,6 +132,9 @@ fn limits(a: &HostArgs, base: nl_vmm::host::Limits) -> nl_vmm::host::Limits {
 }
 
 pub fn host(a: HostArgs) -> Result<ExitCode> {
+    // A successor or microrebooted host was exec'd through /proc/self/exe:
+    // keep the name users and pgrep know it by.
+    nl_vmm::rejuvenate::restore_process_name("ninelives");
     // Fatal signals, panics and hangs anywhere in this VMM are detected and
     // reported; the recovery policy decides what follows.
     nl_vmm::detect::install(a.recovery.policy(a.repairs));
