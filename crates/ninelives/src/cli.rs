@@ -242,6 +242,12 @@ pub struct MachineArgs {
     /// The guest's IPv4 address and prefix, e.g. 10.0.0.2/24.
     #[arg(long, default_value = "10.0.0.2/24")]
     pub net_ip: String,
+    /// Bring the host end of --net-tap up with this address, e.g.
+    /// 10.0.0.1/24, so the guest is reachable at once (needs root, as
+    /// creating the TAP does). Without it the TAP is left as it is, with a
+    /// warning if it is down.
+    #[arg(long)]
+    pub net_host_ip: Option<String>,
     /// Experimental: a VMM thread delivers received frames and raises the
     /// net interrupt; the reference guest halts when idle instead of spinning.
     #[arg(long)]
@@ -260,6 +266,7 @@ impl Default for MachineArgs {
             disk_readonly: false,
             net_tap: None,
             net_ip: "10.0.0.2/24".into(),
+            net_host_ip: None,
             net_rx_irq: false,
         }
     }

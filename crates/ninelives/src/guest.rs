@@ -212,7 +212,21 @@ pub fn vm_config(
     let net = match &m.net_tap {
         Some(tap) => {
             let (ipv4, prefix) = parse_cidr(&m.net_ip)?;
-            Some(NetConfig { tap: tap.clone(), ipv4, prefix, rx_irq: m.net_rx_irq })
+            let host_ip = m.net_host_ip.as_deref().map(parse_cidr).transpose()?;
+            if let Some((h, hp)) = host_ip {
+                if h == ipv4 {
+                    bail!("--net-host-ip {} is the guest's own address (--net-ip)", m.net_ip);
+                }
+                let net = |a: [u8; 4], p: u8| u32::from_be_bytes(a) >> (32 - u32::from(p.max(1)));
+                if hp != prefix || net(h, hp) != net(ipv4, prefix) {
+                    bail!(
+                        "--net-host-ip {} and --net-ip {} are not on the same subnet",
+                        m.net_host_ip.as_deref().unwrap_or(""),
+                        m.net_ip
+                    );
+                }
+            }
+            Some(NetConfig { tap: tap.clone(), ipv4, prefix, rx_irq: m.net_rx_irq, host_ip })
         }
         None => None,
     };

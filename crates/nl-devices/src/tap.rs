@@ -49,6 +49,76 @@ impl Tap {
         Ok(Tap { file, name: name.to_string() })
     }
 
+    /// Brings the host end of the TAP up with address `ipv4/prefix`, so the
+    /// guest is reachable without a manual `ip` step (needs CAP_NET_ADMIN,
+    /// as creating the TAP does). An address the interface already has is
+    /// left as it is.
+    pub fn configure_host(&self, ipv4: [u8; 4], prefix: u8) -> Result<(), String> {
+        if prefix == 0 || prefix > 30 {
+            return Err(format!("host address prefix /{prefix} must be in 1..=30"));
+        }
+        let name = &self.name;
+        let sys = |what: &str| {
+            format!("cannot {what} on TAP {name}: {}", std::io::Error::last_os_error())
+        };
+        // SAFETY: socket(2) with constant arguments; the fd is checked and owned below.
+        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(sys("open a socket to configure"));
+        }
+        // SAFETY: `fd` is a fresh descriptor nothing else owns.
+        let sock = unsafe { File::from_raw_fd(fd) };
+        let ifreq = || {
+            // SAFETY: `ifreq` is plain data; all zeroes is a valid value.
+            let mut r: libc::ifreq = unsafe { std::mem::zeroed() };
+            for (d, s) in r.ifr_name.iter_mut().zip(name.bytes()) {
+                *d = s as libc::c_char;
+            }
+            r
+        };
+        let sockaddr = |a: [u8; 4]| {
+            // SAFETY: `sockaddr_in` is plain data; all zeroes is a valid value.
+            let mut sin: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+            sin.sin_family = libc::AF_INET as libc::sa_family_t;
+            sin.sin_addr.s_addr = u32::from_ne_bytes(a);
+            // SAFETY: sockaddr_in (16 bytes) fits in and is laid out as the
+            // leading part of sockaddr (16 bytes).
+            unsafe { std::mem::transmute::<libc::sockaddr_in, libc::sockaddr>(sin) }
+        };
+        let mask = (u32::MAX << (32 - u32::from(prefix))).to_be_bytes();
+        for (req, what, value) in [
+            (libc::SIOCSIFADDR, "set the address", ipv4),
+            (libc::SIOCSIFNETMASK, "set the netmask", mask),
+        ] {
+            let mut r = ifreq();
+            r.ifr_ifru.ifru_addr = sockaddr(value);
+            // SAFETY: the ioctl reads one `ifreq`, which `r` is.
+            if unsafe { libc::ioctl(sock.as_raw_fd(), req as _, &mut r) } < 0 {
+                return Err(sys(what));
+            }
+        }
+        let mut r = ifreq();
+        // SAFETY: SIOCGIFFLAGS writes the flags into one `ifreq`, which `r` is.
+        if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS as _, &mut r) } < 0 {
+            return Err(sys("read the flags"));
+        }
+        // SAFETY: SIOCGIFFLAGS filled the flags member of the union.
+        unsafe { r.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short };
+        // SAFETY: SIOCSIFFLAGS reads one `ifreq`, which `r` is.
+        if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS as _, &mut r) } < 0 {
+            return Err(sys("bring the interface up"));
+        }
+        Ok(())
+    }
+
+    /// Whether the host end of the TAP is up (for a hint when it is not).
+    pub fn host_up(&self) -> bool {
+        std::fs::read_to_string(format!("/sys/class/net/{}/flags", self.name))
+            .ok()
+            .and_then(|f| u32::from_str_radix(f.trim().trim_start_matches("0x"), 16).ok())
+            .is_some_and(|f| f & libc::IFF_UP as u32 != 0)
+    }
+
     /// Takes over an already attached TAP descriptor (inherited across a
     /// microreboot's exec, so frames queued meanwhile are not lost), after
     /// checking that it is attached to interface `name`.

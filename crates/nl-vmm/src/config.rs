@@ -42,6 +42,10 @@ pub struct NetConfig {
     /// guest may halt when idle instead of polling (experimental).
     #[serde(default)]
     pub rx_irq: bool,
+    /// Bring the host end of the TAP up with this address and prefix
+    /// (`--net-host-ip`); `None` leaves the TAP as it is.
+    #[serde(default)]
+    pub host_ip: Option<([u8; 4], u8)>,
 }
 
 /// A virtio-blk disk.

@@ -257,6 +257,19 @@ impl Vm {
                     None => nl_devices::tap::Tap::open(&n.tap),
                 }
                 .map_err(VmmError::Config)?;
+                if let Some((ip, prefix)) = n.host_ip {
+                    tap.configure_host(ip, prefix).map_err(VmmError::Config)?;
+                } else if !tap.host_up() {
+                    let [a, b, c, _] = n.ipv4;
+                    eprintln!(
+                        "ninelives: warning: TAP {0} is down on the host, so the guest at {1} \
+                         is unreachable: pass --net-host-ip {a}.{b}.{c}.1/{2} (or run \
+                         `ip addr add {a}.{b}.{c}.1/{2} dev {0} && ip link set {0} up`)",
+                        n.tap,
+                        std::net::Ipv4Addr::from(n.ipv4),
+                        n.prefix
+                    );
+                }
                 let mac = [0x52, 0x54, 0x00, 0x4e, 0x4c, id as u8];
                 let dev = Net::new(tap, mac);
                 let mut t = MmioTransport::new(dev, memory.mem().clone());

@@ -73,6 +73,8 @@ pub(crate) struct CreateRequest {
     net_tap: Option<String>,
     /// The guest's IPv4 address on the TAP.
     net_ip: Option<String>,
+    /// Bring the host end of the TAP up with this address (e.g. 10.0.0.1/24).
+    net_host_ip: Option<String>,
     /// Raw disk image for a virtio-blk device.
     disk: Option<std::path::PathBuf>,
 }
@@ -111,6 +113,7 @@ pub fn build_config(req: &Value) -> Result<nl_vmm::VmConfig, String> {
         timer_hz: r.timer_hz.unwrap_or(dm.timer_hz),
         net_ip: r.net_ip.unwrap_or(dm.net_ip.clone()),
         net_tap: r.net_tap,
+        net_host_ip: r.net_host_ip,
         disk: r.disk,
         ..dm
     };

@@ -1,0 +1,80 @@
+//! Networking on the first try: `--net-host-ip` brings the host end of a
+//! fresh TAP up with its address, so the guest answers a ping with no
+//! manual `ip` step; bad combinations are refused by name.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+
+#[test]
+fn net_host_ip_makes_the_guest_reachable_without_an_ip_step() {
+    if !kvm_available() {
+        return;
+    }
+    // A namespace with only loopback: no TAP, no address (unlike Netns::new).
+    let name = format!("nl-test-firsttry-{}", std::process::id());
+    if !ip(&["netns", "add", &name]) {
+        eprintln!(
+            "\n*** SKIPPED: cannot create a network namespace (needs root and iproute2) ***\n"
+        );
+        return;
+    }
+    let ns = Netns(name);
+    assert!(ip(&["netns", "exec", &ns.0, "ip", "link", "set", "lo", "up"]));
+    let mut vm = ns
+        .ninelives(&[
+            "run",
+            "--workload",
+            "netbench",
+            "--net-tap",
+            "nlfirst0",
+            "--net-ip",
+            "10.0.0.2/24",
+            "--net-host-ip",
+            "10.0.0.1/24",
+            "--duration",
+            "60",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let answered = ns.wait_answering(Duration::from_secs(60));
+    // Read while the VMM (which owns the TAP) still runs.
+    let addr = Command::new("ip")
+        .args(["netns", "exec", &ns.0, "ip", "-4", "addr", "show", "dev", "nlfirst0"])
+        .output()
+        .unwrap();
+    let addr = String::from_utf8_lossy(&addr.stdout).to_string();
+    let _ = vm.kill();
+    let out = vm.wait_with_output().unwrap();
+    assert!(answered, "the guest never answered: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(addr.contains("10.0.0.1/24") && addr.contains("UP"), "{addr}");
+}
+
+#[test]
+fn a_host_address_off_the_guests_subnet_is_refused() {
+    for (host, needle) in [
+        ("10.1.0.1/24", "not on the same subnet"),
+        ("10.0.0.2/24", "the guest's own address"),
+        ("10.0.0.1/16", "not on the same subnet"),
+    ] {
+        let o = run_cli(&[
+            "run",
+            "--workload",
+            "netbench",
+            "--net-tap",
+            "nlnever0",
+            "--net-ip",
+            "10.0.0.2/24",
+            "--net-host-ip",
+            host,
+            "--duration",
+            "1",
+        ]);
+        assert_clean_error(&o, needle);
+    }
+}
