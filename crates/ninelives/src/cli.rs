@@ -55,6 +55,17 @@ pub enum Command {
     /// Load and check a kv server: ops/s, latency percentiles, and every
     /// read checked against the last acknowledged write.
     Kvload(crate::cmd::kvload::KvloadArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions {
+        /// The shell to complete for.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write man pages (ninelives.1 and one per subcommand) into DIR.
+    Man {
+        /// Directory to write the pages into (created if missing).
+        dir: PathBuf,
+    },
     /// Internal (bench): a host UDP echo responder, the netbench baseline.
     #[command(hide = true)]
     EchoServer(crate::cmd::echo_server::EchoServerArgs),

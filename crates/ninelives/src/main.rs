@@ -25,6 +25,8 @@ fn main() -> ExitCode {
         cli::Command::Inject(a) => cmd::inject::inject(a),
         cli::Command::Kvload(a) => cmd::kvload::run(a),
         cli::Command::EchoServer(a) => cmd::echo_server::run(a),
+        cli::Command::Completions { shell } => cmd::manual::completions(shell),
+        cli::Command::Man { dir } => cmd::manual::man_pages(&dir),
     };
     match result {
         Ok(code) => code,

@@ -61,8 +61,10 @@ pub struct BenchReplicateArgs {
     /// Skip the kv rows of the throughput part.
     #[arg(long)]
     pub no_kv: bool,
+    /// Seed of the workloads' PRNG.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Print the results as one JSON object (last line of stdout).
     #[arg(long)]
     pub json: bool,
 }

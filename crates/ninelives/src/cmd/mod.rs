@@ -15,6 +15,7 @@ pub mod echo_server;
 pub mod host;
 pub mod inject;
 pub mod kvload;
+pub mod manual;
 pub mod ping;
 pub mod rejuvenate;
 pub mod replicate;

@@ -84,8 +84,10 @@ pub struct PrimaryArgs {
     /// Workload duration in seconds.
     #[arg(long, default_value_t = 3.0)]
     pub duration: f64,
+    /// Write the guest's console output to this file.
     #[arg(long)]
     pub console: Option<std::path::PathBuf>,
+    /// Print the run's report as one JSON object (last line of stdout).
     #[arg(long)]
     pub json: bool,
 }
@@ -105,6 +107,7 @@ pub struct BackupArgs {
     /// Guest memory the primary's VM must have.
     #[arg(long, default_value = "256M", value_parser = parse_size)]
     pub mem: u64,
+    /// vCPUs the primary's VM must have.
     #[arg(long, default_value_t = 1)]
     pub vcpus: u32,
     /// The primary is declared gone after this long without a frame.
@@ -118,10 +121,13 @@ pub struct BackupArgs {
     /// The TAP to bring up for the guest on takeover (in this namespace).
     #[arg(long)]
     pub net_tap: Option<String>,
+    /// The guest's IPv4 address and prefix after a takeover.
     #[arg(long, default_value = "10.0.0.2/24")]
     pub net_ip: String,
+    /// Write the guest's console output (after a takeover) to this file.
     #[arg(long)]
     pub console: Option<std::path::PathBuf>,
+    /// Print the backup's report as one JSON object (last line of stdout).
     #[arg(long)]
     pub json: bool,
 }
