@@ -79,8 +79,8 @@ pub struct PingArgs {
     /// Time between pings, e.g. 1ms, 500us, 0.01s.
     #[arg(long, default_value = "1ms", value_parser = parse_duration)]
     pub interval: std::time::Duration,
-    /// Seconds to send for.
-    #[arg(long, default_value_t = 5.0)]
+    /// How long to send for (a number of seconds, or e.g. 1.5s, 500ms, 2min).
+    #[arg(long, default_value = "5", value_parser = secs)]
     pub duration: f64,
     /// Also stop sending when standard input reaches end of file (for a
     /// caller that ends the run; `--duration` still bounds it). Prints
@@ -94,20 +94,63 @@ pub struct PingArgs {
 
 /// Parses durations such as 1ms, 500us, 2s, 0.5s.
 pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let d = duration_in(s, 1.0)?;
+    if d.is_zero() || d > std::time::Duration::from_secs(3600) {
+        return Err(format!("'{s}' is out of range (0, 1h]"));
+    }
+    Ok(d)
+}
+
+/// Every duration flag goes through here: a bare number is in the flag's
+/// own unit (`bare_unit` seconds: 1.0 for seconds, 1e-3 for milliseconds,
+/// as the flag's help says), anything else is a humantime duration such as
+/// `1.5s`, `500ms`, `2min` or `1h 30m`. At most one week.
+pub fn duration_in(s: &str, bare_unit: f64) -> Result<std::time::Duration, String> {
     let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("'{s}' is not a duration (e.g. 1ms)"))?;
-    let secs = match unit {
-        "s" | "" => n,
-        "ms" => n / 1e3,
-        "us" => n / 1e6,
-        _ => return Err(format!("'{s}': unknown unit '{unit}' (use s, ms or us)")),
+    let secs = if let Ok(n) = t.parse::<f64>() {
+        n * bare_unit
+    } else if let Ok(d) = humantime::parse_duration(t) {
+        d.as_secs_f64()
+    } else {
+        // humantime takes whole numbers only: also accept a decimal with one unit.
+        let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+        let (num, unit) = t.split_at(split);
+        let scale = match unit.trim() {
+            "h" => 3600.0,
+            "min" | "m" => 60.0,
+            "s" => 1.0,
+            "ms" => 1e-3,
+            "us" | "µs" => 1e-6,
+            _ => return Err(format!("'{s}' is not a duration (e.g. 1.5s, 500ms, 2min)")),
+        };
+        num.parse::<f64>()
+            .map_err(|_| format!("'{s}' is not a duration (e.g. 1.5s, 500ms, 2min)"))?
+            * scale
     };
-    if !(secs.is_finite() && secs > 0.0 && secs <= 3600.0) {
-        return Err(format!("'{s}' is out of range"));
+    if !(secs.is_finite() && (0.0..=7.0 * 86400.0).contains(&secs)) {
+        return Err(format!("'{s}' is out of range (0 to one week)"));
     }
     Ok(std::time::Duration::from_secs_f64(secs))
+}
+
+/// A duration flag whose bare numbers are seconds, as f64 seconds.
+pub fn secs(s: &str) -> Result<f64, String> {
+    duration_in(s, 1.0).map(|d| d.as_secs_f64())
+}
+
+/// A duration flag whose bare numbers are milliseconds, as f64 milliseconds.
+pub fn millis_f64(s: &str) -> Result<f64, String> {
+    duration_in(s, 1e-3).map(|d| d.as_secs_f64() * 1e3)
+}
+
+/// A duration flag whose bare numbers are milliseconds, as whole milliseconds.
+pub fn millis(s: &str) -> Result<u64, String> {
+    let d = duration_in(s, 1e-3)?;
+    let ms = d.as_secs_f64() * 1e3;
+    if ms.fract() != 0.0 {
+        return Err(format!("'{s}' is not a whole number of milliseconds"));
+    }
+    Ok(ms as u64)
 }
 
 impl Default for Command {
@@ -235,8 +278,8 @@ pub struct MachineArgs {
     /// Guest timer frequency in Hz.
     #[arg(long, default_value_t = 100)]
     pub timer_hz: u64,
-    /// Declare a VM hung after this many seconds without a heartbeat.
-    #[arg(long, default_value_t = 10.0)]
+    /// Declare a VM hung after this long without a heartbeat (a number of seconds, or e.g. 1.5s, 500ms, 2min).
+    #[arg(long, default_value = "10", value_parser = secs)]
     pub heartbeat_timeout: f64,
     /// A raw disk image for a virtio-blk device (created sparse, 256 MiB or
     /// what filecache's data set needs, if missing). blkbench and filecache
@@ -292,8 +335,8 @@ pub struct RunArgs {
     /// Number of VMs, all in this one VMM process.
     #[arg(long, default_value_t = 1)]
     pub vms: u32,
-    /// Seconds each workload runs after its warm-up round.
-    #[arg(long, default_value_t = 3.0)]
+    /// How long each workload runs after its warm-up round (a number of seconds, or e.g. 1.5s, 500ms, 2min).
+    #[arg(long, default_value = "3", value_parser = secs)]
     pub duration: f64,
     /// Append the guests' console output to this file.
     #[arg(long)]
@@ -337,7 +380,7 @@ pub struct BenchCheckpointArgs {
     /// Seconds each measured run lasts [default: 1.5; with --loaded 3, so
     /// an injected fault's error is detected (1 s hang timeout) and rolled
     /// back within the run].
-    #[arg(long)]
+    #[arg(long, value_parser = secs)]
     pub duration: Option<f64>,
     /// Intervals (ms) of the overhead matrix.
     #[arg(long, value_delimiter = ',', default_values_t = vec![1000.0, 600.0, 200.0, 50.0])]
@@ -370,8 +413,8 @@ pub struct BenchCheckpointArgs {
 pub struct BenchArgs {
     #[command(subcommand)]
     pub mechanism: Option<BenchMechanism>,
-    /// Seconds each measurement runs (guest and native alike).
-    #[arg(long, default_value_t = 2.0)]
+    /// How long each measurement runs, guest and native alike (a number of seconds, or e.g. 1.5s, 500ms, 2min).
+    #[arg(long, default_value = "2", value_parser = secs)]
     pub duration: f64,
     /// Only these workloads (default: all).
     #[arg(long, value_enum, value_delimiter = ',')]
@@ -497,11 +540,11 @@ pub struct CheckpointArgs {
     pub workload: WorkloadArgs,
     #[command(flatten)]
     pub machine: MachineArgs,
-    /// Seconds the workload runs after its warm-up round.
-    #[arg(long, default_value_t = 3.0)]
+    /// How long the workload runs after its warm-up round (a number of seconds, or e.g. 1.5s, 500ms, 2min).
+    #[arg(long, default_value = "3", value_parser = secs)]
     pub duration: f64,
-    /// Checkpoint interval in milliseconds (default: 50, or above the latency bound).
-    #[arg(long)]
+    /// Checkpoint interval (default 50 ms) (a number of milliseconds, or e.g. 20ms, 1.5s).
+    #[arg(long, value_parser = millis_f64)]
     pub interval: Option<f64>,
     /// How checkpoints are taken.
     #[arg(long, value_enum, default_value_t = CkptMode::CowP)]
@@ -513,14 +556,16 @@ pub struct CheckpointArgs {
     /// Inject this many guest faults (random bit flips in memory or registers).
     #[arg(long, default_value_t = 0)]
     pub inject_guest_fault: u32,
-    /// Error-latency bound T_B in milliseconds; the interval must exceed it.
-    #[arg(long)]
+    /// Error-latency bound T_B of the guest's self-check (a number of milliseconds, or e.g. 20ms, 1.5s); rollbacks go back
+    /// at least this far (and at least the hang timeout).
+    #[arg(long, value_parser = millis_f64)]
     pub latency_bound: Option<f64>,
     /// File of measured error latencies (ms, one per line); T_B is their 95th percentile.
     #[arg(long)]
     pub latency_file: Option<PathBuf>,
-    /// Seconds without a heartbeat that count as a detected error.
-    #[arg(long, default_value_t = 1.0)]
+    /// Guest CPU time without a heartbeat that counts as a detected error (a hang) (a number of seconds, or e.g. 1.5s, 500ms, 2min).
+    /// The VM-wide --heartbeat-timeout does not apply under checkpointing.
+    #[arg(long, default_value = "1", value_parser = secs)]
     pub hang_timeout: f64,
     /// Write the committed checkpoint to --disk-path every N checkpoints.
     #[arg(long, default_value_t = 0)]

@@ -39,3 +39,23 @@ fn completions_and_man_pages_are_generated() {
     assert!(page.contains(".SH OPTIONS") && page.contains("hang\\-timeout"), "{page}");
     assert_clean_error(&run_cli(&["completions", "tcsh"]), "invalid value");
 }
+
+#[test]
+fn durations_take_bare_numbers_in_the_flags_unit_or_human_units() {
+    use ninelives::cli::{millis, millis_f64, secs};
+    assert_eq!(secs("2").unwrap(), 2.0);
+    assert_eq!(secs("1.5s").unwrap(), 1.5);
+    assert_eq!(secs("500ms").unwrap(), 0.5);
+    assert_eq!(secs("1m 30s").unwrap(), 90.0);
+    assert_eq!(secs("2min").unwrap(), 120.0);
+    assert_eq!(millis("20").unwrap(), 20);
+    assert_eq!(millis("1.5s").unwrap(), 1500);
+    assert_eq!(millis_f64("0.5").unwrap(), 0.5);
+    assert_eq!(millis_f64("250us").unwrap(), 0.25);
+    for bad in ["abc", "-1", "1 parsec", "", "8d", "1.5x"] {
+        assert!(secs(bad).is_err(), "{bad}");
+    }
+    assert!(millis("0.5").unwrap_err().contains("whole number of milliseconds"));
+    // Through the command line, a bad duration is one clean error.
+    assert_clean_error(&run_cli(&["run", "--duration", "soon"]), "not a duration");
+}

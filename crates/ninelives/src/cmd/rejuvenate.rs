@@ -43,8 +43,9 @@ pub struct RejuvenateArgs {
     /// save-restore: directory for the memory images (default /var/tmp).
     #[arg(long)]
     pub image_dir: Option<PathBuf>,
-    /// Seconds the new VMM may take to become ready before the handover is rolled back.
-    #[arg(long, default_value_t = 60.0)]
+    /// How long the new VMM may take to become ready before the handover is
+    /// rolled back (a number of seconds, or e.g. 90s, 2min).
+    #[arg(long, default_value = "60", value_parser = crate::cli::secs)]
     pub timeout: f64,
     /// Warm: start the new VMM during the pause instead of before it (by
     /// default it starts first and builds the VMs while they still run, so

@@ -34,11 +34,11 @@ pub struct PrimaryArgs {
     /// The backup's address.
     #[arg(long)]
     pub backup: SocketAddr,
-    /// Epoch length in milliseconds.
-    #[arg(long, default_value_t = 20)]
+    /// Epoch length (a number of milliseconds, or e.g. 20ms, 1.5s).
+    #[arg(long, default_value = "20", value_parser = crate::cli::millis)]
     pub epoch: u64,
-    /// Without a frame from the backup for this long, the primary fences itself.
-    #[arg(long, default_value_t = 1000)]
+    /// Without a frame from the backup for this long, the primary fences itself (a number of milliseconds, or e.g. 20ms, 1.5s).
+    #[arg(long, default_value = "1000", value_parser = crate::cli::millis)]
     pub lease_ms: u64,
     /// The replication key (from `replicate keygen`; the same file on both ends, mode
     /// 0600): both ends prove they hold it, and every frame is sealed under a key
@@ -57,8 +57,8 @@ pub struct PrimaryArgs {
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(0..=4))]
     pub pipeline: u32,
     /// Output-triggered epochs: end an epoch early once the guest has sent frames
-    /// and the epoch has run this many milliseconds (0: off).
-    #[arg(long, default_value_t = 0)]
+    /// and the epoch has run this long (0: off) (a number of milliseconds, or e.g. 20ms, 1.5s).
+    #[arg(long, default_value = "0", value_parser = crate::cli::millis)]
     pub output_epoch_ms: u64,
     /// Write-fault prediction (needs --selective): pages really written in an epoch stay
     /// writable; unchanged ones are dropped as fake dirty and re-protected.
@@ -81,8 +81,8 @@ pub struct PrimaryArgs {
     pub workload: WorkloadArgs,
     #[command(flatten)]
     pub machine: MachineArgs,
-    /// Workload duration in seconds.
-    #[arg(long, default_value_t = 3.0)]
+    /// How long the workload runs (a number of seconds, or e.g. 1.5s, 500ms, 2min).
+    #[arg(long, default_value = "3", value_parser = crate::cli::secs)]
     pub duration: f64,
     /// Write the guest's console output to this file.
     #[arg(long)]
@@ -110,8 +110,8 @@ pub struct BackupArgs {
     /// vCPUs the primary's VM must have.
     #[arg(long, default_value_t = 1)]
     pub vcpus: u32,
-    /// The primary is declared gone after this long without a frame.
-    #[arg(long, default_value_t = 1000)]
+    /// The primary is declared gone after this long without a frame (a number of milliseconds, or e.g. 20ms, 1.5s).
+    #[arg(long, default_value = "1000", value_parser = crate::cli::millis)]
     pub lease_ms: u64,
     /// Where this backup keeps its copy of the primary's disk: created, or
     /// emptied and resized, when the primary attaches; the VM uses it after
