@@ -63,6 +63,7 @@ extern crate std;
 pub mod native;
 
 pub mod blk;
+pub mod channel;
 pub mod filecache;
 pub mod kv;
 
