@@ -55,6 +55,9 @@ pub enum Command {
     /// Load and check a kv server: ops/s, latency percentiles, and every
     /// read checked against the last acknowledged write.
     Kvload(crate::cmd::kvload::KvloadArgs),
+    /// Start a set of sandboxes (isolated VMs joined by shared-memory
+    /// channels) from a configuration file and supervise them.
+    Sandbox(crate::cmd::sandbox::SandboxArgs),
     /// Internal (bench): a host UDP echo responder, the netbench baseline.
     #[command(hide = true)]
     EchoServer(crate::cmd::echo_server::EchoServerArgs),
@@ -294,6 +297,9 @@ pub enum BenchMechanism {
     /// host and backup processes, each try classified (clean refusal, crash,
     /// hang, wrong success, other VMs harmed).
     Hostile(crate::cmd::bench_hostile::BenchHostileArgs),
+    /// Sandboxes (Quest-V): channel message passing (Fig. 9) against the
+    /// same channel code between two host threads.
+    Sandbox(crate::cmd::bench_sandbox::BenchSandboxArgs),
 }
 
 #[derive(Args, Clone, Debug)]

@@ -25,6 +25,7 @@ fn main() -> ExitCode {
         cli::Command::Inject(a) => cmd::inject::inject(a),
         cli::Command::Kvload(a) => cmd::kvload::run(a),
         cli::Command::EchoServer(a) => cmd::echo_server::run(a),
+        cli::Command::Sandbox(a) => cmd::sandbox::run(a),
     };
     match result {
         Ok(code) => code,
