@@ -74,7 +74,7 @@ pub fn build_identity_map(mem: &nl_memory::GuestMem, mem_bytes: u64) -> Result<(
 /// read-only: a write must reach the slot and exit to the VMM (the
 /// isolation report), not fault inside the guest.
 pub fn map_user_window(mem: &nl_memory::GuestMem, gpa: u64, size: u64) -> Result<(), ArchError> {
-    let end = gpa.checked_add(size).unwrap_or(u64::MAX);
+    let end = gpa.saturating_add(size);
     if !gpa.is_multiple_of(TWO_MIB)
         || !size.is_multiple_of(TWO_MIB)
         || gpa < MMIO_HOLE_START

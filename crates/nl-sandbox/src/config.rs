@@ -239,7 +239,7 @@ impl SetConfig {
                     s.name, s.workload.kind
                 ));
             }
-            let mem = s.mem_mib.checked_mul(1 << 20).unwrap_or(u64::MAX);
+            let mem = s.mem_mib.saturating_mul(1 << 20);
             nl_memory::GuestMemory::check_size(mem).map_err(|e| {
                 SandboxError::Config(format!("sandbox '{}': mem_mib {}: {e}", s.name, s.mem_mib))
             })?;
