@@ -15,6 +15,7 @@
 //! * [`chanbench`]: chanbench numbers from a guest console, and the same
 //!   benchmark between two host threads (the bench's baseline).
 //! * [`channel`]: a channel's memfd and the windows each end maps.
+//! * [`isolation`]: the wildwrite isolation check (test and bench).
 //! * [`monitor`]: the per-sandbox monitor: violation reports and policy.
 //! * [`set`]: creating, starting (pinned), supervising and reporting a set.
 //! * [`verify`]: checking a finished sandbox's result.
@@ -32,6 +33,7 @@ pub mod audit;
 pub mod chanbench;
 pub mod channel;
 pub mod config;
+pub mod isolation;
 pub mod monitor;
 pub mod set;
 pub mod verify;

@@ -26,9 +26,25 @@ pub struct BenchSandboxArgs {
     /// Largest message in bytes (a power of two, 8..=65536).
     #[arg(long, default_value_t = 65536)]
     pub max_msg: u64,
+    /// wildwrite seeds of the isolation check (0: skip it).
+    #[arg(long, default_value_t = 20)]
+    pub seeds: u64,
     /// Print one JSON object as the last line of stdout.
     #[arg(long)]
     pub json: bool,
+}
+
+/// The isolation check over many seeds.
+#[derive(Clone, Debug, Serialize)]
+pub struct Isolation {
+    pub seeds: u64,
+    /// Seeds with no changed byte, every read-only write reported, and both
+    /// sandboxes verified.
+    pub clean_seeds: u64,
+    pub changed_bytes: u64,
+    pub aimed_readonly: u64,
+    pub reported: u64,
+    pub runs: Vec<nl_sandbox::isolation::WildwriteResult>,
 }
 
 /// A number over the repetitions.
@@ -70,6 +86,12 @@ pub struct Fig9 {
     pub target_stream_4k_gbps: f64,
     pub loadavg_before: String,
     pub loadavg_after: String,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchSandbox {
+    pub fig9: Fig9,
+    pub isolation: Isolation,
 }
 
 fn loadavg() -> String {
@@ -167,6 +189,25 @@ pub fn measure(a: &BenchSandboxArgs) -> Result<Fig9> {
     })
 }
 
+pub fn isolation(seeds: u64) -> Result<Isolation> {
+    let host = nl_sandbox::affinity::host_cores()?;
+    let cores = [host[0], *host.last().unwrap_or(&host[0])];
+    let kvm = nl_vmm::open_kvm()?;
+    let images = crate::cmd::sandbox::images();
+    let mut runs = Vec::new();
+    for seed in 1..=seeds {
+        runs.push(nl_sandbox::isolation::wildwrite_beside(&kvm, &images, seed, cores)?);
+    }
+    Ok(Isolation {
+        seeds,
+        clean_seeds: runs.iter().filter(|r| r.clean()).count() as u64,
+        changed_bytes: runs.iter().map(|r| r.changed_bytes).sum(),
+        aimed_readonly: runs.iter().map(|r| r.aimed_readonly).sum(),
+        reported: runs.iter().map(|r| r.reported).sum(),
+        runs,
+    })
+}
+
 pub fn bench(a: BenchSandboxArgs) -> Result<ExitCode> {
     let f = measure(&a)?;
     println!(
@@ -210,8 +251,16 @@ pub fn bench(a: BenchSandboxArgs) -> Result<ExitCode> {
         );
     }
     println!("load average before: {}; after: {}", f.loadavg_before, f.loadavg_after);
-    if a.json {
-        println!("{}", serde_json::to_string(&f)?);
+    let iso = isolation(a.seeds)?;
+    println!(
+        "Isolation (Fig. 10): {} wildwrite seeds, {} clean; {} bytes changed in the neighbour; {} writes aimed at read-only pages, {} reported",
+        iso.seeds, iso.clean_seeds, iso.changed_bytes, iso.aimed_readonly, iso.reported
+    );
+    for r in iso.runs.iter().filter(|r| !r.clean()) {
+        println!("  seed {}: not clean: {r:?}", r.seed);
     }
-    Ok(ExitCode::SUCCESS)
+    if a.json {
+        println!("{}", serde_json::to_string(&BenchSandbox { fig9: f, isolation: iso.clone() })?);
+    }
+    Ok(if iso.clean_seeds == iso.seeds { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
