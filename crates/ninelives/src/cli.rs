@@ -66,6 +66,9 @@ pub enum Command {
         /// Directory to write the pages into (created if missing).
         dir: PathBuf,
     },
+    /// Start a set of sandboxes (isolated VMs joined by shared-memory
+    /// channels) from a configuration file and supervise them.
+    Sandbox(crate::cmd::sandbox::SandboxArgs),
     /// Internal (bench): a host UDP echo responder, the netbench baseline.
     #[command(hide = true)]
     EchoServer(crate::cmd::echo_server::EchoServerArgs),
@@ -373,6 +376,9 @@ pub enum BenchMechanism {
     /// host and backup processes, each try classified (clean refusal, crash,
     /// hang, wrong success, other VMs harmed).
     Hostile(crate::cmd::bench_hostile::BenchHostileArgs),
+    /// Sandboxes (Quest-V): channel message passing (Fig. 9) against the
+    /// same channel code between two host threads.
+    Sandbox(crate::cmd::bench_sandbox::BenchSandboxArgs),
 }
 
 #[derive(Args, Clone, Debug)]

@@ -27,6 +27,7 @@ fn main() -> ExitCode {
         cli::Command::EchoServer(a) => cmd::echo_server::run(a),
         cli::Command::Completions { shell } => cmd::manual::completions(shell),
         cli::Command::Man { dir } => cmd::manual::man_pages(&dir),
+        cli::Command::Sandbox(a) => cmd::sandbox::run(a),
     };
     match result {
         Ok(code) => code,

@@ -251,6 +251,11 @@ pub const DEVERR_NO_NET: u64 = 5;
 /// Detail: the step of the virtio initialization that failed.
 pub const DEVERR_NET_INIT: u64 = 6;
 
+/// A write to a read-only channel window (ERROR_INFO = guest-physical
+/// address): set by the VMM, not the guest, when the sandbox's policy stops
+/// it on an isolation violation.
+pub const ERR_CHANNEL_VIOLATION: u64 = 0x205;
+
 /// Heartbeat period the guest keeps while a workload runs.
 pub const HEARTBEAT_MS: u64 = 10;
 
@@ -287,6 +292,15 @@ pub const KV_TCP_PORT: u16 = 7000;
 /// A file cache in the working set over a data set on the virtio-blk disk
 /// (needs one vCPU and a disk of `data_bytes` plus a header).
 pub const WORKLOAD_FILECACHE: u64 = 8;
+/// Ping-pong and streaming over the sandbox's first channel
+/// ([`BootInfo::channels`]); the end with `end == 0` leads. Self-verifying:
+/// every payload is checked against what the peer must have sent.
+pub const WORKLOAD_CHANBENCH: u64 = 9;
+/// Random writes over everything the sandbox can reach from ring 3: its
+/// user heap, its channels' own windows and their read-only peer windows
+/// (test-only: the VMM must trap and count every write to a read-only
+/// window, and nothing may reach another sandbox).
+pub const WORKLOAD_WILDWRITE: u64 = 10;
 
 /// The name of a workload kind (`WORKLOAD_*`), as the CLI and the API
 /// spell it; "unknown" for anything else.
@@ -344,6 +358,51 @@ pub struct WorkloadParams {
     pub data_bytes: u64,
 }
 
+// ---------------------------------------------------------------------------
+// Sandbox channels
+// ---------------------------------------------------------------------------
+//
+// A sandbox's channels are mapped in the MMIO hole below the devices: channel
+// i's own output region (read-write) at `channel_own_gpa(i)` and the peer's
+// (read-only, KVM_MEM_READONLY) at `channel_peer_gpa(i)`, each
+// [`CHANNEL_REGION_BYTES`], with user-accessible, writable 2 MiB page-table
+// entries: a write to the peer's window reaches the read-only memory slot and
+// exits to the VMM instead of faulting in the guest. The record format is
+// `nl_workloads::channel`.
+
+/// Most channels one sandbox may have.
+pub const MAX_CHANNELS: usize = 8;
+/// Bytes of one output region (one 2 MiB page).
+pub const CHANNEL_REGION_BYTES: u64 = 2 << 20;
+/// Where the channel windows start.
+pub const CHANNEL_WINDOWS_GPA: u64 = MMIO_HOLE_START;
+
+/// Guest-physical address of channel `i`'s own (read-write) output region.
+pub const fn channel_own_gpa(i: u64) -> u64 {
+    CHANNEL_WINDOWS_GPA + 2 * i * CHANNEL_REGION_BYTES
+}
+
+/// Guest-physical address of channel `i`'s peer (read-only) output region.
+pub const fn channel_peer_gpa(i: u64) -> u64 {
+    channel_own_gpa(i) + CHANNEL_REGION_BYTES
+}
+
+/// One channel as the guest sees it ([`BootInfo::channels`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ChannelWindow {
+    /// Own output region: read-write.
+    pub own_gpa: u64,
+    /// The peer's output region: read-only.
+    pub peer_gpa: u64,
+    /// Bytes of each region.
+    pub bytes: u64,
+    /// Which end this sandbox is (0 or 1; end 0 leads in chanbench).
+    pub end: u64,
+    /// The peer sandbox's index in its set.
+    pub peer: u64,
+}
+
 /// Seed of vCPU `cpu` derived from the run seed.
 pub const fn seed_for_cpu(seed: u64, cpu: u64) -> u64 {
     seed ^ cpu.wrapping_mul(0x9E37_79B9_7F4A_7C15)
@@ -386,6 +445,13 @@ pub struct BootInfo {
     /// `u32::from_be_bytes(octets)`) and prefix length, when it has a network device.
     pub net_ipv4: u64,
     pub net_prefix: u64,
+    /// Sandboxes: this sandbox's index in its set (0 for a plain VM).
+    /// This and the fields below were appended to version 2; a VM without
+    /// channels has them zero.
+    pub sandbox: u64,
+    /// Sandboxes: how many entries of `channels` are valid.
+    pub num_channels: u64,
+    pub channels: [ChannelWindow; MAX_CHANNELS],
 }
 
 impl BootInfo {
@@ -426,4 +492,6 @@ const _: () = {
     assert!(CONTROL_MMIO_GPA + CONTROL_MMIO_SIZE <= VIRTIO_BLK_MMIO_GPA);
     assert!(VIRTIO_BLK_MMIO_GPA + VIRTIO_MMIO_SIZE <= VIRTIO_NET_MMIO_GPA);
     assert!(MIN_MEM_BYTES >= USER_HEAP_GPA + DMA_BYTES);
+    assert!(channel_peer_gpa(MAX_CHANNELS as u64 - 1) + CHANNEL_REGION_BYTES <= CONTROL_MMIO_GPA);
+    assert!(CHANNEL_WINDOWS_GPA.is_multiple_of(CHANNEL_REGION_BYTES));
 };

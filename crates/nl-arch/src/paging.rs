@@ -68,6 +68,31 @@ pub fn build_identity_map(mem: &nl_memory::GuestMem, mem_bytes: u64) -> Result<(
     w.finish()
 }
 
+/// Maps `[gpa, gpa + size)` in the MMIO hole (below [`CONTROL_MMIO_GPA`],
+/// 2 MiB aligned) with user-accessible, writable 2 MiB pages, for sandbox
+/// channel windows. Writable even where the memory slot behind it is
+/// read-only: a write must reach the slot and exit to the VMM (the
+/// isolation report), not fault inside the guest.
+pub fn map_user_window(mem: &nl_memory::GuestMem, gpa: u64, size: u64) -> Result<(), ArchError> {
+    let end = gpa.saturating_add(size);
+    if !gpa.is_multiple_of(TWO_MIB)
+        || !size.is_multiple_of(TWO_MIB)
+        || gpa < MMIO_HOLE_START
+        || end > CONTROL_MMIO_GPA
+    {
+        return Err(ArchError::GuestMemory(format!(
+            "window {gpa:#x}+{size:#x} is not 2 MiB aligned inside [{MMIO_HOLE_START:#x}, {CONTROL_MMIO_GPA:#x})"
+        )));
+    }
+    let mut w = Writer { mem, err: None };
+    let mut addr = gpa;
+    while addr < end {
+        w.put(pde_addr(addr), addr | P | RW | US | PS);
+        addr += TWO_MIB;
+    }
+    w.finish()
+}
+
 fn pde_addr(addr: u64) -> u64 {
     PD_BASE + (addr / ONE_GIB) * 0x1000 + ((addr % ONE_GIB) / TWO_MIB) * 8
 }
@@ -129,6 +154,21 @@ mod tests {
         assert_eq!(walk(mem, last), Some((last, RW | US)));
         assert_eq!(walk(mem, 256 << 20), None);
         assert_eq!(walk(mem, CONTROL_MMIO_GPA + 0x48), Some((CONTROL_MMIO_GPA + 0x48, RW | US)));
+    }
+
+    #[test]
+    fn a_user_window_is_mapped_writable_and_nothing_else_moves() {
+        let m = nl_memory::GuestMemory::new("pt", 256 << 20).unwrap();
+        build_identity_map(m.mem(), m.size()).unwrap();
+        let w = MMIO_HOLE_START + (4 << 20);
+        assert_eq!(walk(m.mem(), w), None);
+        map_user_window(m.mem(), w, 4 << 20).unwrap();
+        assert_eq!(walk(m.mem(), w + 8), Some((w + 8, RW | US)));
+        assert_eq!(walk(m.mem(), w + (4 << 20) - 8), Some((w + (4 << 20) - 8, RW | US)));
+        assert_eq!(walk(m.mem(), w + (4 << 20)), None);
+        assert!(map_user_window(m.mem(), w + 4096, 2 << 20).is_err());
+        assert!(map_user_window(m.mem(), CONTROL_MMIO_GPA, 2 << 20).is_err());
+        assert!(map_user_window(m.mem(), 0, 2 << 20).is_err());
     }
 
     #[test]

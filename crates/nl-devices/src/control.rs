@@ -205,6 +205,9 @@ pub fn describe_error(code: u64, info: u64) -> String {
         nl_abi::ERR_KERNEL_PANIC => format!("guest kernel panic (info {info:#x})"),
         nl_abi::ERR_USER_PANIC => format!("guest user program panic (info {info:#x})"),
         nl_abi::ERR_DEVICE => format!("guest device error: {}", device_error(info)),
+        nl_abi::ERR_CHANNEL_VIOLATION => {
+            format!("isolation violation: write to the read-only channel page at {info:#x}")
+        }
         c => format!("guest error {c:#x} (info {info:#x})"),
     }
 }

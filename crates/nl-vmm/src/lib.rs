@@ -11,6 +11,8 @@
 //! * [`progress`]: guest progress in vCPU-thread CPU time (hang judgement).
 //! * [`seccomp`]: a seccomp-bpf filter per VMM thread kind.
 //! * [`kick`]: interrupting a vCPU thread out of KVM_RUN with a signal.
+//! * [`windows`]: memory windows beside RAM (sandbox channels), read-only
+//!   ones guarded: a guest write to one is a reported violation.
 //! * [`host`]: several VMs in one VMM process, addressed by id.
 //! * [`api`]: the Unix-socket API of `ninelives host`.
 //! * [`handover`]: handing running VMs (memfds, state, the API socket) to a
@@ -42,6 +44,7 @@ pub mod seccomp;
 pub mod state;
 pub mod vcpu;
 pub mod vm;
+pub mod windows;
 
 pub use config::{DiskConfig, NetConfig, VmConfig};
 pub use error::VmmError;

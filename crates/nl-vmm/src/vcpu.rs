@@ -208,6 +208,8 @@ pub struct VcpuContext {
     pub run: Arc<RunControl>,
     /// The VM's console (its output is undone when an exit is re-executed).
     pub console: nl_devices::serial::Console,
+    /// Sandbox channel windows: writes to read-only ones are violations.
+    pub windows: Option<Arc<crate::windows::VmWindows>>,
 }
 
 /// The undo log of the exit a vCPU thread is handling: whether one is in
@@ -372,6 +374,18 @@ fn vcpu_loop(
             }
             Ok(VcpuExit::MmioWrite(addr, data)) => {
                 stats.mmio.fetch_add(1, Relaxed);
+                if let Some(w) = ctx.windows.as_ref().filter(|w| w.readonly_at(addr)) {
+                    // The guest's write is dropped; the guard decides the rest.
+                    let len = data.len();
+                    match w.violation(cpu, addr, len, rip(&vcpu)) {
+                        crate::windows::GuardAction::Continue => continue,
+                        crate::windows::GuardAction::Stop => {
+                            regs.error_info.store(addr, Relaxed);
+                            regs.error.store(nl_abi::ERR_CHANNEL_VIOLATION, Relaxed);
+                            return VcpuStop::GuestError;
+                        }
+                    }
+                }
                 ctx.mmio_bus.write(cpu, addr, data);
                 if regs.error.load(Relaxed) != 0 {
                     return VcpuStop::GuestError;

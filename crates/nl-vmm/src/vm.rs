@@ -113,6 +113,8 @@ pub struct Vm {
     rx: Arc<Lock<Option<crate::netrx::RxThread>>>,
     vm_fd: VmFd,
     memory: GuestMemory,
+    /// Sandbox channel windows (their host mappings outlive the VM fd).
+    windows: Option<Arc<crate::windows::VmWindows>>,
 }
 
 fn supported_cpuid(kvm: &Kvm) -> Result<CpuId, VmmError> {
@@ -134,11 +136,47 @@ fn kvm_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmmError {
 impl Vm {
     /// Creates a VM ready to boot the reference guest (not started).
     pub fn create(kvm: &Kvm, id: u32, config: VmConfig) -> Result<Self, VmmError> {
+        Self::create_with_windows(kvm, id, config, None, None)
+    }
+
+    /// [`Vm::create`] with memory windows beside RAM (a sandbox's channels):
+    /// registered as memory slots (read-only ones with `KVM_MEM_READONLY`),
+    /// mapped user-writable in the guest page tables and listed in the boot
+    /// info. Writes to read-only windows go to `windows.guard`. `memory`:
+    /// the VM's RAM (zeroed) when the caller provides it, e.g. from a named
+    /// file; a fresh memfd otherwise.
+    pub fn create_with_windows(
+        kvm: &Kvm,
+        id: u32,
+        config: VmConfig,
+        memory: Option<GuestMemory>,
+        windows: Option<crate::windows::VmWindows>,
+    ) -> Result<Self, VmmError> {
         let created_at = Instant::now();
         config.validate().map_err(VmmError::Config)?;
-        let memory = GuestMemory::new(&format!("vm{id}"), config.mem_bytes)?;
-        let vm = Self::assemble(kvm, id, config, memory, created_at)?;
+        if let Some(w) = &windows {
+            w.validate().map_err(VmmError::Config)?;
+        }
+        let memory = match memory {
+            Some(m) if m.size() != config.mem_bytes => {
+                return Err(VmmError::Config(format!(
+                    "the memory given holds {} bytes, the VM has {}",
+                    m.size(),
+                    config.mem_bytes
+                )))
+            }
+            Some(m) => m,
+            None => GuestMemory::new(&format!("vm{id}"), config.mem_bytes)?,
+        };
+        let mut vm = Self::assemble(kvm, id, config, memory, created_at)?;
+        if let Some(w) = windows {
+            w.register(&vm.vm_fd, vm.memory.regions().len() as u32)?;
+            vm.windows = Some(Arc::new(w));
+        }
         vm.write_boot_structures()?;
+        for win in vm.windows.iter().flat_map(|w| &w.windows) {
+            nl_arch::paging::map_user_window(vm.memory.mem(), win.gpa, win.size)?;
+        }
         if vm.rx_irq() {
             vm.route_net_interrupt()?;
         }
@@ -307,6 +345,7 @@ impl Vm {
             rx: Lock::new("vm.rx", None),
             vm_fd,
             memory,
+            windows: None,
         })
     }
 
@@ -365,7 +404,16 @@ impl Vm {
             has_net: if self.rx_irq() { NET_RX_IRQ } else { u64::from(self.net.is_some()) },
             net_ipv4: self.config.net.as_ref().map_or(0, |n| u64::from(u32::from_be_bytes(n.ipv4))),
             net_prefix: self.config.net.as_ref().map_or(0, |n| u64::from(n.prefix)),
+            ..Default::default()
         };
+        let mut info = info;
+        if let Some(w) = &self.windows {
+            info.sandbox = w.sandbox;
+            info.num_channels = w.channels.len() as u64;
+            for (slot, c) in info.channels.iter_mut().zip(&w.channels) {
+                *slot = *c;
+            }
+        }
         nl_arch::write_boot_info(self.memory.mem(), &info)?;
         Ok(kernel.entry)
     }
@@ -435,6 +483,7 @@ impl Vm {
                 control: self.control.clone(),
                 run: self.run.clone(),
                 console: self.console.clone(),
+                windows: self.windows.clone(),
             });
             let (fd, stats) = (slot.fd.clone(), slot.stats.clone());
             self.run.thread_started();

@@ -25,10 +25,12 @@ use nl_abi::{
 };
 use nl_abi::{
     BLK_TEST_MALFORMED, DEVERR_NET_INIT, DEVERR_NO_NET, DMA_NET_BUFS, DMA_NET_RXQ, DMA_NET_TXQ,
-    NET_RX_IRQ, SYS_HALT_IF, VIRTIO_NET_MMIO_GPA, WORKLOAD_KV, WORKLOAD_NETBENCH,
+    NET_RX_IRQ, SYS_HALT_IF, VIRTIO_NET_MMIO_GPA, WORKLOAD_CHANBENCH, WORKLOAD_KV,
+    WORKLOAD_NETBENCH, WORKLOAD_WILDWRITE,
 };
 use nl_workloads::{Platform, Workload};
 
+mod chan;
 mod kv;
 mod mem;
 mod net;
@@ -316,6 +318,11 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
         fail(cpu, ERR_BAD_BOOT_INFO, boot.magic);
     }
     let params = boot.workload;
+    match params.kind {
+        WORKLOAD_CHANBENCH => chan::chanbench(cpu, boot),
+        WORKLOAD_WILDWRITE => chan::wildwrite(cpu, boot),
+        _ => {}
+    }
 
     // The working set: memwrite's memory, blkbench's I/O buffers,
     // filecache's cache; the other kinds get none.

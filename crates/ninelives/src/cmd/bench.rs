@@ -102,6 +102,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         Some(BenchMechanism::Replicate(c)) => return crate::cmd::bench_replicate::bench(c),
         Some(BenchMechanism::Recovery(c)) => return crate::cmd::bench_recovery::bench_recovery(c),
         Some(BenchMechanism::Hostile(c)) => return crate::cmd::bench_hostile::bench(c),
+        Some(BenchMechanism::Sandbox(c)) => return crate::cmd::bench_sandbox::bench(c),
         None => {}
     }
     if !(a.duration.is_finite() && a.duration > 0.0) {

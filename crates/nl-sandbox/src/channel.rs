@@ -1,0 +1,149 @@
+//! A channel's host side: one memfd holding the two output regions, mapped
+//! once in the VMM, and the windows each end's VM gets over it.
+
+use std::sync::Arc;
+
+use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
+use nl_abi::{channel_own_gpa, channel_peer_gpa, ChannelWindow, CHANNEL_REGION_BYTES};
+use nl_vmm::windows::Window;
+use serde::Serialize;
+use vm_memory::{Bytes, FileOffset, GuestAddress, GuestRegionMmap, MemoryRegionAddress};
+
+use crate::audit::{Backing, Mapping};
+use crate::SandboxError;
+
+/// One channel's memory.
+pub struct HostChannel {
+    pub name: String,
+    /// The channel's index in its set.
+    pub index: usize,
+    /// Sandbox indices of end 0 and end 1; region `e` is written by end `e`.
+    pub ends: [usize; 2],
+    pub backing: Backing,
+    map: Arc<GuestRegionMmap>,
+}
+
+/// A region's header as the host reads it (see `nl_workloads::channel`).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct RegionStats {
+    /// The writer's generation (0: never initialised).
+    pub generation: u64,
+    /// Words published by the writer.
+    pub head_words: u64,
+    /// Words of the peer's stream this end has consumed.
+    pub ack_words: u64,
+}
+
+/// A channel's state for `stats`.
+#[derive(Clone, Debug, Serialize)]
+pub struct ChannelStats {
+    pub name: String,
+    pub between: [String; 2],
+    pub regions: [RegionStats; 2],
+}
+
+impl HostChannel {
+    /// Creates the channel's memfd (two zeroed regions) and maps it.
+    pub fn create(name: &str, index: usize, ends: [usize; 2]) -> Result<Self, SandboxError> {
+        let cname = std::ffi::CString::new(format!("chan-{name}")).map_err(|_| {
+            SandboxError::Config(format!("channel name '{name}' contains a NUL byte"))
+        })?;
+        let fd = memfd_create(&cname, MemFdCreateFlag::MFD_CLOEXEC)
+            .map(std::fs::File::from)
+            .map_err(|e| {
+                SandboxError::Resource(format!("channel '{name}': cannot create its memfd: {e}"))
+            })?;
+        fd.set_len(2 * CHANNEL_REGION_BYTES).map_err(|e| {
+            SandboxError::Resource(format!("channel '{name}': cannot size its memfd: {e}"))
+        })?;
+        let backing = Backing::of(&fd)?;
+        let map = GuestRegionMmap::from_range(
+            GuestAddress(0),
+            (2 * CHANNEL_REGION_BYTES) as usize,
+            Some(FileOffset::new(fd, 0)),
+        )
+        .map_err(|e| {
+            SandboxError::Resource(format!("channel '{name}': cannot map its memfd: {e}"))
+        })?;
+        Ok(Self { name: name.into(), index, ends, backing, map: Arc::new(map) })
+    }
+
+    fn host_addr(&self, region: usize) -> u64 {
+        self.map.as_ptr() as u64 + region as u64 * CHANNEL_REGION_BYTES
+    }
+
+    /// The two windows end `end` maps as its channel number `index`
+    /// (own region read-write, the peer's read-only), what its boot info
+    /// says, and the mappings the audit checks.
+    pub fn windows_for(
+        &self,
+        end: usize,
+        index: u64,
+    ) -> (Vec<Window>, ChannelWindow, Vec<Mapping>) {
+        let peer = 1 - end;
+        let windows = vec![
+            Window {
+                gpa: channel_own_gpa(index),
+                size: CHANNEL_REGION_BYTES,
+                host_addr: self.host_addr(end),
+                readonly: false,
+            },
+            Window {
+                gpa: channel_peer_gpa(index),
+                size: CHANNEL_REGION_BYTES,
+                host_addr: self.host_addr(peer),
+                readonly: true,
+            },
+        ];
+        let info = ChannelWindow {
+            own_gpa: channel_own_gpa(index),
+            peer_gpa: channel_peer_gpa(index),
+            bytes: CHANNEL_REGION_BYTES,
+            end: end as u64,
+            peer: self.ends[peer] as u64,
+        };
+        let mapping = |region: usize, writable: bool| Mapping {
+            sandbox: self.ends[end],
+            backing: self.backing,
+            offset: region as u64 * CHANNEL_REGION_BYTES,
+            len: CHANNEL_REGION_BYTES,
+            writable,
+            channel: Some((self.index, region)),
+            what: format!("channel '{}' region {region}", self.name),
+        };
+        (windows, info, vec![mapping(end, true), mapping(peer, false)])
+    }
+
+    /// Keeps the host mapping alive as long as a VM uses it.
+    pub fn keepalive(&self) -> Arc<dyn Send + Sync> {
+        self.map.clone()
+    }
+
+    /// A copy of region `region`'s bytes.
+    pub fn read_region(&self, region: usize) -> Vec<u8> {
+        let mut v = vec![0u8; CHANNEL_REGION_BYTES as usize];
+        let at = MemoryRegionAddress(region as u64 * CHANNEL_REGION_BYTES);
+        // Both regions lie inside the mapping: the read cannot fail.
+        let _ = self.map.read_slice(&mut v, at);
+        v
+    }
+
+    /// The regions' headers.
+    pub fn stats(&self, names: &[String]) -> ChannelStats {
+        let word = |region: usize, w: u64| -> u64 {
+            let at = MemoryRegionAddress(region as u64 * CHANNEL_REGION_BYTES + w * 8);
+            self.map.read_obj::<u64>(at).unwrap_or(0)
+        };
+        let region = |r: usize| RegionStats {
+            generation: word(r, 1),
+            head_words: word(r, 2),
+            ack_words: word(r, 4),
+        };
+        let name = |i: usize| names.get(i).cloned().unwrap_or_default();
+        ChannelStats {
+            name: self.name.clone(),
+            between: [name(self.ends[0]), name(self.ends[1])],
+            regions: [region(0), region(1)],
+        }
+    }
+}

@@ -1,0 +1,390 @@
+//! The sandbox configuration file (JSON) and its checks. The schema is
+//! published in docs/sandboxes.md.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::SandboxError;
+
+/// Largest share of one core a budget may reserve (as in Linux's
+/// `sched_rt_runtime_us` default of 95%).
+pub const MAX_CORE_SHARE: f64 = 0.95;
+
+/// A set of sandboxes and the channels between them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SetConfig {
+    pub sandboxes: Vec<SandboxConfig>,
+    #[serde(default)]
+    pub channels: Vec<ChannelConfig>,
+}
+
+/// One sandbox: a VM of its own.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxConfig {
+    pub name: String,
+    /// Guest RAM in MiB.
+    #[serde(default = "default_mem_mib")]
+    pub mem_mib: u64,
+    /// Host cores its vCPUs are pinned to (vCPU i on `cores[i % len]`).
+    pub cores: Vec<usize>,
+    /// vCPUs (default: one per core).
+    #[serde(default)]
+    pub vcpus: Option<u32>,
+    pub workload: WorkloadConfig,
+    /// A file to back the sandbox's RAM instead of an anonymous memfd
+    /// (created or truncated to `mem_mib`; e.g. under /dev/shm, to inspect
+    /// the memory afterwards). No other sandbox may reach it.
+    #[serde(default)]
+    pub memory_file: Option<PathBuf>,
+    /// A CPU reservation per vCPU thread.
+    #[serde(default)]
+    pub budget: Option<Budget>,
+    /// What a write to a read-only channel page does.
+    #[serde(default)]
+    pub on_violation: ViolationPolicy,
+}
+
+fn default_mem_mib() -> u64 {
+    64
+}
+
+/// `runtime_us` of every `period_us` (SCHED_DEADLINE).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Budget {
+    pub runtime_us: u64,
+    pub period_us: u64,
+}
+
+impl Budget {
+    pub fn share(&self) -> f64 {
+        self.runtime_us as f64 / self.period_us as f64
+    }
+}
+
+/// What the monitor does when its sandbox writes to a read-only channel page.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ViolationPolicy {
+    /// Stop the sandbox and report (the default).
+    #[default]
+    Stop,
+    /// Report, drop the write and let the sandbox run on (isolation tests).
+    Report,
+}
+
+/// The workload a sandbox runs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkloadConfig {
+    /// memwrite, compute, idle, chanbench, wildwrite.
+    pub kind: String,
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+    /// memwrite, compute: how long the measured period lasts.
+    #[serde(default = "default_duration_ms")]
+    pub duration_ms: u64,
+    /// memwrite: working set per vCPU in MiB.
+    #[serde(default = "default_ws_mib")]
+    pub ws_mib: u64,
+    /// memwrite: percentage of writes.
+    #[serde(default = "default_write_pct")]
+    pub write_pct: u64,
+    /// chanbench: the largest message in bytes (a power of two, 8..=65536).
+    #[serde(default = "default_max_msg")]
+    pub max_msg: u64,
+}
+
+fn default_seed() -> u64 {
+    1
+}
+fn default_duration_ms() -> u64 {
+    500
+}
+fn default_ws_mib() -> u64 {
+    8
+}
+fn default_write_pct() -> u64 {
+    50
+}
+fn default_max_msg() -> u64 {
+    nl_workloads::chanbench::MAX_SIZE as u64
+}
+
+/// A channel between two sandboxes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChannelConfig {
+    pub name: String,
+    /// The two ends: end 0 first.
+    pub between: [String; 2],
+}
+
+impl WorkloadConfig {
+    /// The guest's workload parameters.
+    pub fn params(&self) -> Result<nl_abi::WorkloadParams, String> {
+        use nl_abi::*;
+        let kind = match self.kind.as_str() {
+            "memwrite" => WORKLOAD_MEMWRITE,
+            "compute" => WORKLOAD_COMPUTE,
+            "idle" => WORKLOAD_IDLE,
+            "chanbench" => WORKLOAD_CHANBENCH,
+            "wildwrite" => WORKLOAD_WILDWRITE,
+            k => {
+                return Err(format!(
+                    "unknown workload kind '{k}' (memwrite, compute, idle, chanbench, wildwrite)"
+                ))
+            }
+        };
+        if kind == WORKLOAD_CHANBENCH
+            && (!self.max_msg.is_power_of_two()
+                || !(8..=nl_workloads::chanbench::MAX_SIZE as u64).contains(&self.max_msg))
+        {
+            return Err(format!(
+                "chanbench max_msg {} must be a power of two in 8..=65536",
+                self.max_msg
+            ));
+        }
+        let p = WorkloadParams {
+            kind,
+            seed: self.seed,
+            ws_bytes: if kind == WORKLOAD_MEMWRITE { self.ws_mib << 20 } else { 0 },
+            write_pct: self.write_pct,
+            pattern: PATTERN_RANDOM,
+            stride: if kind == WORKLOAD_CHANBENCH { self.max_msg } else { 8 },
+            hot_pct: 10,
+            duration_ms: self.duration_ms,
+            data_bytes: 0,
+        };
+        nl_workloads::validate(&p).map_err(str::to_string)?;
+        Ok(p)
+    }
+}
+
+impl SandboxConfig {
+    pub fn vcpus(&self) -> u32 {
+        self.vcpus.unwrap_or(self.cores.len() as u32)
+    }
+}
+
+impl SetConfig {
+    /// Parses a configuration file's text.
+    pub fn parse(text: &str) -> Result<Self, SandboxError> {
+        serde_json::from_str(text)
+            .map_err(|e| SandboxError::Config(format!("not a valid sandbox configuration: {e}")))
+    }
+
+    /// Reads and parses a configuration file.
+    pub fn load(path: &std::path::Path) -> Result<Self, SandboxError> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            SandboxError::Config(format!(
+                "cannot read sandbox configuration {}: {e}",
+                path.display()
+            ))
+        })?;
+        Self::parse(&text)
+    }
+
+    /// Checks everything that can be checked without creating anything;
+    /// `host_cores` is how many cores this process may run on.
+    pub fn validate(&self, host_cores: usize) -> Result<(), SandboxError> {
+        let bad = |m: String| Err(SandboxError::Config(m));
+        if self.sandboxes.is_empty() {
+            return bad("the configuration has no sandboxes".into());
+        }
+        let mut names = BTreeSet::new();
+        let mut per_core = vec![0.0f64; host_cores];
+        for s in &self.sandboxes {
+            if s.name.is_empty() || !names.insert(s.name.as_str()) {
+                return bad(format!("sandbox name '{}' is empty or used twice", s.name));
+            }
+            if s.cores.is_empty() {
+                return bad(format!("sandbox '{}' names no cores", s.name));
+            }
+            if s.cores.len() > host_cores {
+                return bad(format!(
+                    "sandbox '{}' asks for {} cores, the host has {host_cores}",
+                    s.name,
+                    s.cores.len()
+                ));
+            }
+            if let Some(c) = s.cores.iter().find(|&&c| c >= host_cores) {
+                return bad(format!(
+                    "sandbox '{}' names core {c}, the host has {host_cores} (cores 0..={})",
+                    s.name,
+                    host_cores - 1
+                ));
+            }
+            let vcpus = s.vcpus();
+            if vcpus == 0 || vcpus > nl_abi::MAX_VCPUS {
+                return bad(format!(
+                    "sandbox '{}': vcpus {vcpus} is not in 1..={}",
+                    s.name,
+                    nl_abi::MAX_VCPUS
+                ));
+            }
+            let p = s
+                .workload
+                .params()
+                .map_err(|e| SandboxError::Config(format!("sandbox '{}': {e}", s.name)))?;
+            if matches!(p.kind, nl_abi::WORKLOAD_CHANBENCH | nl_abi::WORKLOAD_WILDWRITE)
+                && vcpus != 1
+            {
+                return bad(format!(
+                    "sandbox '{}': {} runs on exactly one vCPU",
+                    s.name, s.workload.kind
+                ));
+            }
+            let mem = s.mem_mib.saturating_mul(1 << 20);
+            nl_memory::GuestMemory::check_size(mem).map_err(|e| {
+                SandboxError::Config(format!("sandbox '{}': mem_mib {}: {e}", s.name, s.mem_mib))
+            })?;
+            if mem > nl_abi::MMIO_HOLE_START {
+                return bad(format!(
+                    "sandbox '{}': mem_mib {} is more than the {} MiB a sandbox may have below its channel windows",
+                    s.name,
+                    s.mem_mib,
+                    nl_abi::MMIO_HOLE_START >> 20
+                ));
+            }
+            if p.kind == nl_abi::WORKLOAD_MEMWRITE
+                && u64::from(vcpus) * p.ws_bytes + nl_abi::MIN_MEM_BYTES > mem
+            {
+                return bad(format!(
+                    "sandbox '{}': {vcpus} working sets of {} MiB do not fit in {} MiB",
+                    s.name, s.workload.ws_mib, s.mem_mib
+                ));
+            }
+            if let Some(b) = s.budget {
+                if b.period_us == 0 || b.runtime_us == 0 || b.runtime_us > b.period_us {
+                    return bad(format!(
+                        "sandbox '{}': budget runtime_us {} / period_us {} must be 0 < runtime <= period",
+                        s.name, b.runtime_us, b.period_us
+                    ));
+                }
+                if b.share() > MAX_CORE_SHARE {
+                    return bad(format!(
+                        "sandbox '{}': budget {} us every {} us is {:.0}% of a core, more than the {:.0}% allowed",
+                        s.name,
+                        b.runtime_us,
+                        b.period_us,
+                        b.share() * 100.0,
+                        MAX_CORE_SHARE * 100.0
+                    ));
+                }
+                // vCPU i runs on cores[i % len]: add its share there.
+                for i in 0..vcpus as usize {
+                    let c = s.cores[i % s.cores.len()];
+                    per_core[c] += b.share();
+                    if per_core[c] > MAX_CORE_SHARE + 1e-9 {
+                        return bad(format!(
+                            "budgets on core {c} add up to {:.0}% of it, more than the {:.0}% allowed (sandbox '{}' is the one over)",
+                            per_core[c] * 100.0,
+                            MAX_CORE_SHARE * 100.0,
+                            s.name
+                        ));
+                    }
+                }
+            }
+        }
+        let mut per_sandbox = std::collections::BTreeMap::<&str, usize>::new();
+        let mut channel_names = BTreeSet::new();
+        for c in &self.channels {
+            if !channel_names.insert(c.name.as_str()) {
+                return bad(format!("channel name '{}' is used twice", c.name));
+            }
+            for end in &c.between {
+                if !names.contains(end.as_str()) {
+                    return bad(format!("channel '{}' names unknown sandbox '{end}'", c.name));
+                }
+                let n = per_sandbox.entry(end.as_str()).or_default();
+                *n += 1;
+                if *n > nl_abi::MAX_CHANNELS {
+                    return bad(format!(
+                        "sandbox '{end}' is in more than {} channels",
+                        nl_abi::MAX_CHANNELS
+                    ));
+                }
+            }
+            if c.between[0] == c.between[1] {
+                return bad(format!(
+                    "channel '{}' joins sandbox '{}' to itself",
+                    c.name, c.between[0]
+                ));
+            }
+        }
+        for s in &self.sandboxes {
+            let kind = s.workload.kind.as_str();
+            if matches!(kind, "chanbench")
+                && !self.channels.iter().any(|c| c.between.contains(&s.name))
+            {
+                return bad(format!("sandbox '{}' runs chanbench but is in no channel", s.name));
+            }
+        }
+        Ok(())
+    }
+
+    /// The channels of sandbox `name` in the order its guest sees them
+    /// (channel index, config index, which end it is).
+    pub fn channels_of(&self, name: &str) -> Vec<(usize, u64)> {
+        self.channels
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| {
+                c.between.iter().position(|e| e == name).map(|end| (i, end as u64))
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn two(extra_a: &str, channels: &str) -> String {
+        format!(
+            r#"{{"sandboxes": [
+                {{"name": "a", "cores": [0], "workload": {{"kind": "chanbench"}} {extra_a}}},
+                {{"name": "b", "cores": [1], "workload": {{"kind": "chanbench"}}}}
+            ], "channels": [{channels}]}}"#
+        )
+    }
+
+    fn err(text: &str, cores: usize) -> String {
+        match SetConfig::parse(text).and_then(|c| c.validate(cores)) {
+            Ok(()) => panic!("accepted: {text}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn a_good_configuration_is_accepted() {
+        let c = SetConfig::parse(&two("", r#"{"name": "ab", "between": ["a", "b"]}"#)).unwrap();
+        c.validate(2).unwrap();
+        assert_eq!(c.channels_of("b"), vec![(0, 1)]);
+    }
+
+    #[test]
+    fn bad_configurations_get_clear_errors() {
+        let ch = r#"{"name": "ab", "between": ["a", "b"]}"#;
+        assert!(err(&two("", r#"{"name": "ab", "between": ["a", "zz"]}"#), 2)
+            .contains("unknown sandbox 'zz'"));
+        assert!(err(&two("", ch), 1).contains("names core 1, the host has 1"));
+        assert!(err(&two(r#", "budget": {"runtime_us": 9600, "period_us": 10000}"#, ch), 2)
+            .contains("96% of a core"));
+        assert!(err(&two(r#", "vcpus": 1, "mem_mib": 1"#, ch), 2).contains("mem_mib 1"));
+        assert!(err(&two(r#", "typo": 1"#, ch), 2).contains("unknown field `typo`"));
+        assert!(err(&two("", ""), 2).contains("in no channel"));
+        let three_cores =
+            r#"{"sandboxes": [{"name": "a", "cores": [0, 1, 2], "workload": {"kind": "idle"}}]}"#;
+        assert!(err(three_cores, 2).contains("asks for 3 cores, the host has 2"));
+        let crowded = r#"{"sandboxes": [
+            {"name": "a", "cores": [0], "workload": {"kind": "idle"}, "budget": {"runtime_us": 5000, "period_us": 10000}},
+            {"name": "b", "cores": [0], "workload": {"kind": "idle"}, "budget": {"runtime_us": 5000, "period_us": 10000}}]}"#;
+        assert!(err(crowded, 2).contains("budgets on core 0 add up to 100%"));
+    }
+}

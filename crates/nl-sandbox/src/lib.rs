@@ -1,0 +1,61 @@
+//! Quest-V style sandboxes on ninelives.
+//!
+//! A *sandbox* is one VM (its own KVM VM, memfd and memory slots) whose
+//! vCPU threads are pinned to the host cores its configuration names. A
+//! *channel* joins two sandboxes: one memfd holding two output regions, each
+//! mapped read-write in the end that writes it and read-only
+//! (`KVM_MEM_READONLY`) in the other, at the guest-physical addresses of
+//! [`nl_abi::channel_own_gpa`] / [`nl_abi::channel_peer_gpa`] listed in the
+//! boot info. The record format both sides use is
+//! [`nl_workloads::channel`].
+//!
+//! * [`config`]: the configuration file (JSON; schema in docs/sandboxes.md)
+//!   and its checks.
+//! * [`audit`]: the creation-time isolation audit over every memory slot.
+//! * [`chanbench`]: chanbench numbers from a guest console, and the same
+//!   benchmark between two host threads (the bench's baseline).
+//! * [`channel`]: a channel's memfd and the windows each end maps.
+//! * [`isolation`]: the wildwrite isolation check (test and bench).
+//! * [`monitor`]: the per-sandbox monitor: violation reports and policy.
+//! * [`set`]: creating, starting (pinned), supervising and reporting a set.
+//! * [`verify`]: checking a finished sandbox's result.
+//! * [`affinity`]: host cores and pinning.
+//!
+//! Isolation: each sandbox's RAM is its own memfd, so no guest-physical
+//! address of one reaches another's RAM; the audit checks exactly that for
+//! every slot before any VM exists. A write to a read-only channel page
+//! exits to the VMM ([`nl_vmm::windows`]), which hands it to the sandbox's
+//! [`monitor::Monitor`]: reported with sandbox, address and RIP, and by
+//! default the sandbox is stopped.
+
+pub mod affinity;
+pub mod audit;
+pub mod chanbench;
+pub mod channel;
+pub mod config;
+pub mod isolation;
+pub mod monitor;
+pub mod set;
+pub mod verify;
+
+pub use config::SetConfig;
+/// The KVM handle [`SandboxSet::create`] takes (`nl_vmm::open_kvm`).
+pub use kvm_ioctls::Kvm;
+pub use set::{Images, SandboxReport, SandboxSet, SetReport};
+
+/// Why a sandbox set could not be created or run.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    /// The configuration is wrong.
+    #[error("{0}")]
+    Config(String),
+    /// The isolation audit refused the set.
+    #[error("isolation audit: {0}")]
+    Isolation(String),
+    /// A host resource (memfd, mapping, affinity) failed.
+    #[error("{0}")]
+    Resource(String),
+    /// Creating or starting a sandbox's VM failed.
+    #[error("sandbox '{0}': {1}")]
+    Vm(String, String),
+}

@@ -1,0 +1,73 @@
+//! Checking a completed sandbox's result.
+
+use nl_abi::{WORKLOAD_CHANBENCH, WORKLOAD_WILDWRITE};
+use nl_devices::control::VcpuRegsSnapshot;
+
+use crate::set::{Sandbox, SandboxSet};
+
+/// Whether the sandbox's result is right, and what is wrong if not.
+pub fn check(set: &SandboxSet, sb: &Sandbox, regs: &[VcpuRegsSnapshot]) -> (bool, Option<String>) {
+    let p = &sb.params;
+    let r0 = regs.first().copied().unwrap_or_default();
+    match p.kind {
+        WORKLOAD_CHANBENCH => {
+            let end = set.config.channels_of(&sb.config.name).first().map_or(0, |c| c.1);
+            let want = nl_workloads::chanbench::expected_digest(p.seed, p.stride as usize, end);
+            if r0.digest == want {
+                (true, None)
+            } else {
+                (false, Some(format!("chanbench digest {:#x}, expected {want:#x}", r0.digest)))
+            }
+        }
+        WORKLOAD_WILDWRITE => {
+            let boot = match nl_vmm_boot_info(sb) {
+                Ok(b) => b,
+                Err(e) => return (false, Some(e)),
+            };
+            let heap = boot.heap_end.saturating_sub(boot.heap_start);
+            let plan = nl_workloads::wildwrite::Plan::new(
+                p.seed,
+                nl_workloads::wildwrite::WRITES,
+                heap,
+                boot.num_channels as usize,
+                nl_abi::CHANNEL_REGION_BYTES,
+            );
+            let want = plan.expected().peer;
+            let seen = sb.monitor.violations();
+            if r0.digest != want || seen != want {
+                (
+                    false,
+                    Some(format!(
+                        "wildwrite aimed {want} writes at read-only pages: the guest counted {}, the monitor {seen}",
+                        r0.digest
+                    )),
+                )
+            } else {
+                (true, None)
+            }
+        }
+        _ => {
+            for (cpu, r) in regs.iter().enumerate() {
+                match nl_workloads::native::replay(p, cpu as u64, r.rounds, 0) {
+                    Ok(rep) if rep.digest == r.digest && rep.ops == r.ops => {}
+                    Ok(rep) => {
+                        return (
+                            false,
+                            Some(format!(
+                                "vCPU {cpu}: guest digest {:#x} over {} rounds, the host computes {:#x}",
+                                r.digest, r.rounds, rep.digest
+                            )),
+                        )
+                    }
+                    Err(e) => return (false, Some(format!("vCPU {cpu}: cannot replay: {e}"))),
+                }
+            }
+            (true, None)
+        }
+    }
+}
+
+fn nl_vmm_boot_info(sb: &Sandbox) -> Result<nl_abi::BootInfo, String> {
+    nl_arch::read_boot_info(sb.vm.memory().mem())
+        .map_err(|e| format!("cannot read the boot info: {e}"))
+}

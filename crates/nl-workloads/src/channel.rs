@@ -1,0 +1,596 @@
+//! Sandbox channels: records over shared memory, one output region per end.
+//!
+//! A channel joins two sandboxes. Its memory (one memfd on the host) holds
+//! two *output regions*, one per end. Each end writes only its own region
+//! and maps the peer's read-only, so neither side can corrupt what the other
+//! has written; a misbehaving peer can only corrupt its own output, and a
+//! receiver checks everything it reads from there.
+//!
+//! This module is the one implementation both sides use: the guest's ring-3
+//! workloads over the channel windows named in the boot info, and the host
+//! (unit tests here, native baselines in the bench) over ordinary memory. It
+//! works on `&[AtomicU64]`: shared memory another agent writes concurrently,
+//! read and written word by word, with no `unsafe` here.
+//!
+//! # Region layout (64-bit words)
+//!
+//! | word | field | written by |
+//! |---|---|---|
+//! | 0 | [`MAGIC`] | the owner, at [`Endpoint::new`] |
+//! | 1 | generation: nonzero, new each time the owner (re)starts | owner |
+//! | 2 | head: word position (monotonic) up to which records are published | owner's sender |
+//! | 3 | ack generation: the peer generation `ack` refers to | owner's receiver |
+//! | 4 | ack: word position consumed in the peer's stream | owner's receiver |
+//! | 5..8 | reserved (zero) | |
+//! | 8.. | ring of records | owner's sender |
+//!
+//! A record starts on a word: word 0 = `len | crc32 << 32`, word 1 = sequence
+//! number (0, 1, 2, ... per generation), then `ceil(len / 8)` payload words
+//! (little-endian bytes). The CRC-32 covers `len` (4 bytes LE), the sequence
+//! number (8 bytes LE) and the payload. A record never wraps: when it does
+//! not fit before the end of the ring, the sender writes [`PAD`] and
+//! continues at ring offset 0.
+//!
+//! # What the receiver checks
+//!
+//! Everything it reads from the peer's region: a head that ran more than a
+//! ring ahead (bad header), a length that runs past the published data or
+//! the region (bad length), a sequence number other than the next one (bad
+//! sequence: stale or missing), a CRC mismatch (bad CRC; the payload is
+//! copied out first and the CRC checked on the copy). A bad record is
+//! counted in [`RecvStats`] and skipped; when its length cannot be trusted
+//! the receiver resynchronises at the peer's head. It never panics and never
+//! indexes outside the slices it was given. When the peer's generation
+//! changes (the peer restarted), the receiver starts over at the beginning
+//! of the new stream and counts a resync.
+
+use core::sync::atomic::AtomicU64;
+use core::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+
+/// Region word 0 of an initialised region: "9LCHAN01".
+pub const MAGIC: u64 = u64::from_le_bytes(*b"9LCHAN01");
+/// Header words before the ring.
+pub const HEADER_WORDS: usize = 8;
+const W_MAGIC: usize = 0;
+const W_GEN: usize = 1;
+const W_HEAD: usize = 2;
+const W_ACK_GEN: usize = 3;
+const W_ACK: usize = 4;
+/// Record word 0 of padding up to the end of the ring.
+pub const PAD: u64 = u64::MAX;
+/// Words of a record before its payload.
+pub const RECORD_HEADER_WORDS: usize = 2;
+/// Smallest ring (words) an endpoint accepts.
+pub const MIN_RING_WORDS: usize = 64;
+
+/// Payload words of a `len`-byte record.
+pub const fn payload_words(len: usize) -> usize {
+    len.div_ceil(8)
+}
+
+/// Ring words a `len`-byte record takes.
+pub const fn record_words(len: usize) -> usize {
+    RECORD_HEADER_WORDS + payload_words(len)
+}
+
+/// The largest payload a region of `region_words` words carries (half its
+/// ring, so a record always fits after at most one pad).
+pub const fn max_payload(region_words: usize) -> usize {
+    let ring = region_words.saturating_sub(HEADER_WORDS);
+    (ring / 2).saturating_sub(RECORD_HEADER_WORDS) * 8
+}
+
+/// Why a send did not happen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SendError {
+    /// The peer has not consumed enough yet: try again later.
+    Full,
+    /// The payload is larger than [`max_payload`] of this region.
+    TooLarge,
+}
+
+/// Counters of a receiver. Every record read from the peer's region ends
+/// in exactly one of `received`, `bad_*` or `too_long`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RecvStats {
+    /// Records delivered.
+    pub received: u64,
+    /// Payload bytes delivered.
+    pub bytes: u64,
+    /// The peer's head ran more than a ring ahead or went backwards.
+    pub bad_header: u64,
+    /// A record whose length runs past the published data or the region.
+    pub bad_length: u64,
+    /// A record whose sequence number was not the next one (stale or ahead).
+    pub bad_seq: u64,
+    /// A record whose CRC did not match.
+    pub bad_crc: u64,
+    /// A well-formed record larger than the caller's buffer (skipped).
+    pub too_long: u64,
+    /// Times the receiver started over: a new peer generation, or after a
+    /// record whose length could not be trusted.
+    pub resyncs: u64,
+}
+
+impl RecvStats {
+    /// Records rejected for any reason.
+    pub fn rejected(&self) -> u64 {
+        self.bad_header + self.bad_length + self.bad_seq + self.bad_crc + self.too_long
+    }
+}
+
+/// CRC-32 of a record: length, sequence number, payload.
+pub fn record_crc(len: u32, seq: u64, payload: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&len.to_le_bytes());
+    h.update(&seq.to_le_bytes());
+    h.update(payload);
+    h.finalize()
+}
+
+/// One end of a channel: sends into its own region, receives from the
+/// peer's (read-only to it).
+pub struct Endpoint<'a> {
+    own: &'a [AtomicU64],
+    peer: &'a [AtomicU64],
+    /// This end's generation (nonzero).
+    gen: u64,
+    /// Sender: word position of the next record, and its sequence number.
+    head: u64,
+    seq: u64,
+    /// Receiver: the peer generation being read (0: none yet), the word
+    /// position and sequence number of the next record.
+    peer_gen: u64,
+    pos: u64,
+    next_seq: u64,
+    stats: RecvStats,
+}
+
+impl<'a> Endpoint<'a> {
+    /// Initialises this end's region (`own`) with generation `gen` (nonzero,
+    /// different from the previous one after a restart) and attaches to the
+    /// peer's region. The peer's region is only ever read.
+    pub fn new(
+        own: &'a [AtomicU64],
+        peer: &'a [AtomicU64],
+        gen: u64,
+    ) -> Result<Self, &'static str> {
+        if gen == 0 {
+            return Err("channel: the generation must be nonzero");
+        }
+        if own.len() < HEADER_WORDS + MIN_RING_WORDS || peer.len() < HEADER_WORDS + MIN_RING_WORDS {
+            return Err("channel: a region is smaller than its header plus the smallest ring");
+        }
+        // Withdraw the old generation first, so the peer never sees the new
+        // generation with the old head.
+        own[W_GEN].store(0, Release);
+        own[W_HEAD].store(0, Relaxed);
+        own[W_ACK_GEN].store(0, Relaxed);
+        own[W_ACK].store(0, Relaxed);
+        for w in &own[W_ACK + 1..HEADER_WORDS] {
+            w.store(0, Relaxed);
+        }
+        own[W_MAGIC].store(MAGIC, Relaxed);
+        own[W_GEN].store(gen, Release);
+        Ok(Self {
+            own,
+            peer,
+            gen,
+            head: 0,
+            seq: 0,
+            peer_gen: 0,
+            pos: 0,
+            next_seq: 0,
+            stats: RecvStats::default(),
+        })
+    }
+
+    fn ring_words(r: &[AtomicU64]) -> u64 {
+        (r.len() - HEADER_WORDS) as u64
+    }
+
+    /// The largest payload this end can send.
+    pub fn max_payload(&self) -> usize {
+        max_payload(self.own.len())
+    }
+
+    /// This end's generation.
+    pub fn generation(&self) -> u64 {
+        self.gen
+    }
+
+    /// The receiver's counters.
+    pub fn stats(&self) -> RecvStats {
+        self.stats
+    }
+
+    /// Records sent so far in this generation.
+    pub fn sent(&self) -> u64 {
+        self.seq
+    }
+
+    /// Words of this end's ring the peer has not consumed yet, or `None`
+    /// when its acknowledgement cannot be trusted (then nothing is sent).
+    fn in_flight(&self) -> Option<u64> {
+        let ack_gen = self.peer[W_ACK_GEN].load(Acquire);
+        // A peer that has not acknowledged this generation yet has consumed
+        // nothing of it.
+        let ack = if ack_gen == self.gen { self.peer[W_ACK].load(Acquire) } else { 0 };
+        let used = self.head.checked_sub(ack)?;
+        (used <= Self::ring_words(self.own)).then_some(used)
+    }
+
+    /// Sends one record. Never blocks: [`SendError::Full`] when the peer is
+    /// behind.
+    pub fn send(&mut self, payload: &[u8]) -> Result<(), SendError> {
+        let len = payload.len();
+        if len > self.max_payload() {
+            return Err(SendError::TooLarge);
+        }
+        let n = Self::ring_words(self.own);
+        let words = record_words(len) as u64;
+        let off = self.head % n;
+        let pad = if off + words > n { n - off } else { 0 };
+        let used = self.in_flight().ok_or(SendError::Full)?;
+        if n - used < pad + words {
+            return Err(SendError::Full);
+        }
+        let ring = &self.own[HEADER_WORDS..];
+        let mut at = off as usize;
+        if pad > 0 {
+            ring[at].store(PAD, Relaxed);
+            at = 0;
+        }
+        let body = &ring[at + RECORD_HEADER_WORDS..at + words as usize];
+        let mut chunks = payload.chunks_exact(8);
+        for (w, c) in body.iter().zip(&mut chunks) {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(c);
+            w.store(u64::from_le_bytes(b), Relaxed);
+        }
+        let rest = chunks.remainder();
+        if !rest.is_empty() {
+            let mut b = [0u8; 8];
+            b[..rest.len()].copy_from_slice(rest);
+            body[body.len() - 1].store(u64::from_le_bytes(b), Relaxed);
+        }
+        let crc = record_crc(len as u32, self.seq, payload);
+        ring[at].store(len as u64 | (u64::from(crc) << 32), Relaxed);
+        ring[at + 1].store(self.seq, Relaxed);
+        self.head += pad + words;
+        self.seq += 1;
+        self.own[W_HEAD].store(self.head, Release);
+        Ok(())
+    }
+
+    fn resync(&mut self, head: u64) {
+        self.pos = head;
+        self.stats.resyncs += 1;
+        // The next record's sequence number is taken as it comes.
+        self.next_seq = u64::MAX;
+        self.ack();
+    }
+
+    fn ack(&self) {
+        self.own[W_ACK_GEN].store(self.peer_gen, Relaxed);
+        self.own[W_ACK].store(self.pos, Release);
+    }
+
+    /// Receives the next good record into `buf` and returns its length, or
+    /// `None` when nothing (more) is published. Bad records on the way are
+    /// counted and skipped.
+    pub fn recv(&mut self, buf: &mut [u8]) -> Option<usize> {
+        // Each pass consumes at least one record or returns; a ring holds at
+        // most `n / 2` records, so this bounds the work of one call.
+        let n = Self::ring_words(self.peer);
+        for _ in 0..n {
+            let gen = self.peer[W_GEN].load(Acquire);
+            if gen == 0 || self.peer[W_MAGIC].load(Relaxed) != MAGIC {
+                return None;
+            }
+            if gen != self.peer_gen {
+                if self.peer_gen != 0 {
+                    self.stats.resyncs += 1;
+                }
+                self.peer_gen = gen;
+                self.pos = 0;
+                self.next_seq = 0;
+                self.ack();
+            }
+            let head = self.peer[W_HEAD].load(Acquire);
+            if head == self.pos {
+                return None;
+            }
+            if head < self.pos || head - self.pos > n {
+                self.stats.bad_header += 1;
+                self.resync(head);
+                continue;
+            }
+            let ring = &self.peer[HEADER_WORDS..];
+            let off = self.pos % n;
+            let w0 = ring[off as usize].load(Relaxed);
+            if w0 == PAD {
+                if self.pos + (n - off) > head {
+                    self.stats.bad_length += 1;
+                    self.resync(head);
+                } else {
+                    self.pos += n - off;
+                    self.ack();
+                }
+                continue;
+            }
+            let len = (w0 & 0xffff_ffff) as usize;
+            let crc = (w0 >> 32) as u32;
+            let words = record_words(len) as u64;
+            if off + words > n || self.pos + words > head {
+                self.stats.bad_length += 1;
+                self.resync(head);
+                continue;
+            }
+            let seq = ring[off as usize + 1].load(Relaxed);
+            if self.next_seq != u64::MAX && seq != self.next_seq {
+                self.stats.bad_seq += 1;
+                self.resync(head);
+                continue;
+            }
+            let start = off as usize + RECORD_HEADER_WORDS;
+            let body = &ring[start..start + payload_words(len)];
+            self.pos += words;
+            self.next_seq = seq.wrapping_add(1);
+            if len > buf.len() {
+                self.stats.too_long += 1;
+                self.ack();
+                continue;
+            }
+            let out = &mut buf[..len];
+            let mut chunks = out.chunks_exact_mut(8);
+            for (c, w) in (&mut chunks).zip(body) {
+                c.copy_from_slice(&w.load(Relaxed).to_le_bytes());
+            }
+            let rest = chunks.into_remainder();
+            if !rest.is_empty() {
+                let last = body[body.len() - 1].load(Relaxed).to_le_bytes();
+                let k = rest.len();
+                rest.copy_from_slice(&last[..k]);
+            }
+            self.ack();
+            if record_crc(len as u32, seq, out) != crc {
+                self.stats.bad_crc += 1;
+                continue;
+            }
+            self.stats.received += 1;
+            self.stats.bytes += len as u64;
+            return Some(len);
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::vec::Vec;
+
+    fn region(words: usize) -> Vec<AtomicU64> {
+        (0..words).map(|_| AtomicU64::new(0)).collect()
+    }
+
+    fn payload(i: u64, len: usize) -> Vec<u8> {
+        (0..len).map(|k| (i as u8).wrapping_mul(31).wrapping_add(k as u8)).collect()
+    }
+
+    #[test]
+    fn records_of_every_size_arrive_in_order_across_many_wraps() {
+        let (a, b) = (region(HEADER_WORDS + 512), region(HEADER_WORDS + 512));
+        let mut x = Endpoint::new(&a, &b, 1).unwrap();
+        let mut y = Endpoint::new(&b, &a, 2).unwrap();
+        let mut buf = [0u8; 2048];
+        let max = x.max_payload();
+        assert_eq!(max, (256 - 2) * 8);
+        for i in 0..5000u64 {
+            let len = (i as usize * 37) % (max + 1);
+            let p = payload(i, len);
+            x.send(&p).unwrap();
+            assert_eq!(y.recv(&mut buf), Some(len), "record {i}");
+            assert_eq!(&buf[..len], &p[..]);
+        }
+        assert_eq!(y.recv(&mut buf), None);
+        let s = y.stats();
+        assert_eq!((s.received, s.rejected(), s.resyncs), (5000, 0, 0));
+    }
+
+    #[test]
+    fn a_full_ring_refuses_until_the_peer_consumes() {
+        let (a, b) = (region(HEADER_WORDS + 64), region(HEADER_WORDS + 64));
+        let mut x = Endpoint::new(&a, &b, 1).unwrap();
+        let mut y = Endpoint::new(&b, &a, 2).unwrap();
+        let mut sent = 0;
+        while x.send(&[7u8; 40]).is_ok() {
+            sent += 1;
+            assert!(sent < 100, "the ring never filled");
+        }
+        assert_eq!(x.send(&[7u8; 40]), Err(SendError::Full));
+        assert_eq!(x.send(&[0u8; 1000]), Err(SendError::TooLarge));
+        let mut buf = [0u8; 64];
+        assert_eq!(y.recv(&mut buf), Some(40));
+        assert!(x.send(&[7u8; 40]).is_ok(), "space freed by the ack is reused");
+        let mut got = 0;
+        while y.recv(&mut buf).is_some() {
+            got += 1;
+        }
+        assert_eq!(got, sent);
+    }
+
+    /// Two ends over regions of `words` words (leaked: they live as long
+    /// as the test process).
+    fn pair(words: usize) -> (Endpoint<'static>, Endpoint<'static>) {
+        let a: &'static [AtomicU64] = std::boxed::Box::leak(region(words).into_boxed_slice());
+        let b: &'static [AtomicU64] = std::boxed::Box::leak(region(words).into_boxed_slice());
+        (Endpoint::new(a, b, 1).unwrap(), Endpoint::new(b, a, 2).unwrap())
+    }
+
+    fn ring<'a>(e: &Endpoint<'a>) -> &'a [AtomicU64] {
+        &e.own[HEADER_WORDS..]
+    }
+
+    #[test]
+    fn a_length_past_the_region_is_rejected_and_counted() {
+        let (mut x, mut y) = pair(HEADER_WORDS + 64);
+        x.send(&[1u8; 16]).unwrap();
+        // Claim 1 MiB: past the published data and the region.
+        let w0 = ring(&x)[0].load(Relaxed);
+        ring(&x)[0].store((w0 & !0xffff_ffff) | (1 << 20), Relaxed);
+        let mut buf = [0u8; 64];
+        assert_eq!(y.recv(&mut buf), None);
+        assert_eq!(y.stats().bad_length, 1);
+        assert_eq!(y.stats().received, 0);
+        // The receiver resynchronised at the head: the next record arrives.
+        x.send(&[2u8; 8]).unwrap();
+        assert_eq!(y.recv(&mut buf), Some(8));
+        assert_eq!(&buf[..8], &[2u8; 8]);
+    }
+
+    #[test]
+    fn a_length_u32_max_or_a_head_past_the_ring_never_panics() {
+        let (mut x, mut y) = pair(HEADER_WORDS + 64);
+        x.send(&[1u8; 16]).unwrap();
+        ring(&x)[0].store(0xffff_fffe, Relaxed);
+        let mut buf = [0u8; 64];
+        assert_eq!(y.recv(&mut buf), None);
+        assert_eq!(y.stats().bad_length, 1);
+        // A head a whole ring ahead, then a head that went backwards.
+        x.own[W_HEAD].store(y.pos + 10_000, Release);
+        assert_eq!(y.recv(&mut buf), None);
+        assert_eq!(y.stats().bad_header, 1);
+        x.own[W_HEAD].store(1, Release);
+        assert_eq!(y.recv(&mut buf), None);
+        assert_eq!(y.stats().bad_header, 2);
+    }
+
+    #[test]
+    fn a_bad_crc_is_rejected_and_the_next_record_still_arrives() {
+        let (mut x, mut y) = pair(HEADER_WORDS + 256);
+        x.send(&[1u8; 24]).unwrap();
+        x.send(&[2u8; 24]).unwrap();
+        // Flip one payload bit of the first record.
+        let w = &ring(&x)[RECORD_HEADER_WORDS];
+        w.store(w.load(Relaxed) ^ 4, Relaxed);
+        let mut buf = [0u8; 64];
+        assert_eq!(y.recv(&mut buf), Some(24));
+        assert_eq!(&buf[..24], &[2u8; 24]);
+        assert_eq!(y.stats().bad_crc, 1);
+        assert_eq!(y.stats().received, 1);
+    }
+
+    #[test]
+    fn a_stale_sequence_number_is_rejected() {
+        let (mut x, mut y) = pair(HEADER_WORDS + 256);
+        let mut buf = [0u8; 64];
+        x.send(&[1u8; 8]).unwrap();
+        assert_eq!(y.recv(&mut buf), Some(8));
+        // A replay: the second record carries the first one's sequence
+        // number (with a CRC that matches, so only the number is wrong).
+        x.send(&[2u8; 8]).unwrap();
+        let at = record_words(8);
+        ring(&x)[at + 1].store(0, Relaxed);
+        let crc = record_crc(8, 0, &[2u8; 8]);
+        ring(&x)[at].store(8 | (u64::from(crc) << 32), Relaxed);
+        assert_eq!(y.recv(&mut buf), None);
+        assert_eq!(y.stats().bad_seq, 1);
+        x.send(&[3u8; 8]).unwrap();
+        assert_eq!(y.recv(&mut buf), Some(8));
+        assert_eq!(buf[0], 3);
+    }
+
+    #[test]
+    fn a_record_longer_than_the_buffer_is_skipped_and_counted() {
+        let (mut x, mut y) = pair(HEADER_WORDS + 256);
+        x.send(&[1u8; 100]).unwrap();
+        x.send(&[2u8; 10]).unwrap();
+        let mut buf = [0u8; 16];
+        assert_eq!(y.recv(&mut buf), Some(10));
+        assert_eq!(y.stats().too_long, 1);
+    }
+
+    #[test]
+    fn a_peer_restart_with_a_new_generation_is_followed() {
+        let (a, b) = (region(HEADER_WORDS + 128), region(HEADER_WORDS + 128));
+        let mut x = Endpoint::new(&a, &b, 1).unwrap();
+        let mut y = Endpoint::new(&b, &a, 2).unwrap();
+        let mut buf = [0u8; 64];
+        for i in 0..50u8 {
+            x.send(&[i; 32]).unwrap();
+            assert_eq!(y.recv(&mut buf), Some(32));
+        }
+        // x restarts: new generation, its stream starts again at 0.
+        let mut x = Endpoint::new(&a, &b, 3).unwrap();
+        x.send(&[99u8; 16]).unwrap();
+        assert_eq!(y.recv(&mut buf), Some(16));
+        assert_eq!(buf[0], 99);
+        assert_eq!(y.stats().resyncs, 1);
+        assert_eq!(y.stats().rejected(), 0);
+        // y restarts: x sees no acknowledgement for its generation until y
+        // has read, and nothing is lost or rejected.
+        let mut y = Endpoint::new(&b, &a, 4).unwrap();
+        x.send(&[5u8; 8]).unwrap();
+        assert_eq!(y.recv(&mut buf), Some(16), "the new y reads x's stream from its start");
+        assert_eq!(y.recv(&mut buf), Some(8));
+        assert_eq!(y.stats().rejected(), 0);
+    }
+
+    #[test]
+    fn garbage_in_the_peer_region_never_panics() {
+        let (a, b) = (region(HEADER_WORDS + 128), region(HEADER_WORDS + 128));
+        let mut y = Endpoint::new(&b, &a, 2).unwrap();
+        let mut buf = [0u8; 64];
+        let mut r = 0x1234_5678_9abc_def0u64;
+        for round in 0..2000 {
+            for w in a.iter() {
+                r ^= r << 13;
+                r ^= r >> 7;
+                r ^= r << 17;
+                w.store(if round % 3 == 0 { r % 300 } else { r }, Relaxed);
+            }
+            a[W_MAGIC].store(MAGIC, Relaxed);
+            a[W_GEN].store(1 + round % 4, Relaxed);
+            a[W_HEAD].store(r % 4096, Relaxed);
+            let _ = y.recv(&mut buf);
+        }
+        assert!(y.stats().rejected() > 0);
+    }
+
+    #[test]
+    fn two_threads_stream_through_a_channel() {
+        let (a, b) = (region(HEADER_WORDS + 4096), region(HEADER_WORDS + 4096));
+        let n = 20_000u64;
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut x = Endpoint::new(&a, &b, 1).unwrap();
+                let mut i = 0;
+                let mut spins = 0u64;
+                while i < n {
+                    match x.send(&payload(i, (i as usize % 300) + 1)) {
+                        Ok(()) => i += 1,
+                        Err(_) => {
+                            spins += 1;
+                            assert!(spins < 1 << 32, "receiver stalled");
+                            std::hint::spin_loop();
+                        }
+                    }
+                }
+            });
+            let mut y = Endpoint::new(&b, &a, 2).unwrap();
+            let mut buf = [0u8; 512];
+            let mut i = 0;
+            let start = std::time::Instant::now();
+            while i < n {
+                assert!(start.elapsed().as_secs() < 60, "sender stalled at {i}");
+                if let Some(len) = y.recv(&mut buf) {
+                    assert_eq!(&buf[..len], &payload(i, (i as usize % 300) + 1)[..]);
+                    i += 1;
+                }
+            }
+            assert_eq!(y.stats().rejected(), 0);
+        });
+    }
+}
