@@ -13,18 +13,18 @@ fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     nl_vmm::seccomp::set_enabled(cli.seccomp == cli::OnOff::On);
     let result = match cli.command.unwrap_or_default() {
-        cli::Command::Run(a) => cmd::run::run(a),
-        cli::Command::Bench(a) => cmd::bench::bench(a),
+        cli::Command::Run(a) => nl_launch::run::run(a),
+        cli::Command::Bench(a) => nl_lab::bench::bench(a),
         cli::Command::Host(a) => cmd::host::host(a),
         cli::Command::Api(a) => cmd::host::api_client(a),
-        cli::Command::Checkpoint(a) => cmd::checkpoint::checkpoint(a),
-        cli::Command::Restore(a) => cmd::checkpoint::restore(a),
-        cli::Command::Ping(a) => cmd::ping::run(a),
+        cli::Command::Checkpoint(a) => nl_launch::checkpoint::checkpoint(a),
+        cli::Command::Restore(a) => nl_launch::checkpoint::restore(a),
+        cli::Command::Ping(a) => nl_lab::ping::run(a),
         cli::Command::Rejuvenate(a) => cmd::rejuvenate::rejuvenate(a),
-        cli::Command::Replicate(c) => cmd::replicate::replicate(c),
-        cli::Command::Inject(a) => cmd::inject::inject(a),
-        cli::Command::Kvload(a) => cmd::kvload::run(a),
-        cli::Command::EchoServer(a) => cmd::echo_server::run(a),
+        cli::Command::Replicate(c) => nl_launch::replicate::replicate(c),
+        cli::Command::Inject(a) => nl_lab::campaign::inject(a),
+        cli::Command::Kvload(a) => nl_lab::kvload::run(a),
+        cli::Command::EchoServer(a) => nl_lab::echo_server::run(a),
     };
     match result {
         Ok(code) => code,

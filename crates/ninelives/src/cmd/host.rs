@@ -11,7 +11,7 @@ use serde_json::Value;
 use crate::cli::{
     parse_size, ApiArgs, HostArgs, MachineArgs, PatternName, WorkloadArgs, WorkloadName,
 };
-use crate::guest;
+use nl_launch::guest;
 
 /// A size given as a number of bytes or a string such as "256M".
 #[derive(Deserialize)]

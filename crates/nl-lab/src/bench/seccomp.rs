@@ -5,9 +5,9 @@
 use anyhow::{bail, Result};
 use serde::Serialize;
 
-use crate::cli::{MachineArgs, WorkloadArgs, WorkloadName};
-use crate::cmd::run::run_vms;
-use crate::guest;
+use nl_launch::args::{MachineArgs, WorkloadArgs, WorkloadName};
+use nl_launch::guest;
+use nl_launch::run::run_vms;
 
 /// Pairs measured (on, off, on, off, ...).
 pub const REPS: usize = 5;

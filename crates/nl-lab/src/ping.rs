@@ -12,7 +12,7 @@ use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::cli::PingArgs;
+use crate::args::PingArgs;
 
 /// A 1-second window (by send time) whose reception rate fell below 90%.
 #[derive(Clone, Debug, Serialize)]

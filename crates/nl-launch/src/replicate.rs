@@ -12,7 +12,7 @@ use nl_replicate::primary::{Options, Primary, PrimaryConfig, PrimaryReport};
 use nl_vmm::{Vm, VmOutcome};
 use serde::Serialize;
 
-use crate::cli::{parse_size, MachineArgs, WorkloadArgs};
+use crate::args::{parse_size, MachineArgs, WorkloadArgs};
 use crate::guest;
 use crate::verify::verify_vcpus;
 

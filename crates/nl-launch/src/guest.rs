@@ -73,7 +73,7 @@ impl Drop for TempDisk {
     }
 }
 
-use crate::cli::{MachineArgs, PatternName, WorkloadArgs, WorkloadName};
+use crate::args::{MachineArgs, PatternName, WorkloadArgs, WorkloadName};
 
 impl WorkloadName {
     pub fn abi(self) -> u64 {

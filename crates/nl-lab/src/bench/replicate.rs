@@ -29,12 +29,12 @@ use nl_replicate::backup::{serve, BackupConfig, BackupEnd, HANDSHAKE_TIME};
 use nl_vmm::{Vm, VmOutcome};
 use serde::Serialize;
 
-use crate::cli::{MachineArgs, PatternName, WorkloadArgs, WorkloadName};
-use crate::cmd::ping::{gap_across, lost, PingRun};
-use crate::cmd::replicate::{run_primary, PrimaryArgs, PrimaryRun};
-use crate::guest;
 use crate::netns::ip;
-use crate::verify::verify_vcpus;
+use crate::ping::{gap_across, lost, PingRun};
+use nl_launch::args::{MachineArgs, PatternName, WorkloadArgs, WorkloadName};
+use nl_launch::guest;
+use nl_launch::replicate::{run_primary, PrimaryArgs, PrimaryRun};
+use nl_launch::verify::verify_vcpus;
 
 #[derive(Args, Clone, Debug)]
 pub struct BenchReplicateArgs {

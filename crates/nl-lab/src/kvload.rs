@@ -42,7 +42,7 @@ pub struct KvloadArgs {
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Give up on a request (and reconnect) after this long, e.g. 2s, 500ms.
-    #[arg(long, default_value = "2s", value_parser = crate::cli::parse_duration)]
+    #[arg(long, default_value = "2s", value_parser = nl_launch::args::parse_duration)]
     pub timeout: Duration,
     /// Print one JSON object as the last line of stdout.
     #[arg(long)]

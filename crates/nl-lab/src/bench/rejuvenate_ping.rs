@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
-use crate::cmd::ping::{gap_across, last_json, lost, PingRun};
 use crate::netns::ip;
+use crate::ping::{gap_across, last_json, lost, PingRun};
 
 /// The TAP the netbench VM attaches (inside the bench's namespace).
 pub const TAP: &str = "nlrjtap0";
@@ -60,9 +60,9 @@ fn on_signal() -> std::sync::MutexGuard<'static, OnSignal> {
 /// registered host process groups, deletes the registered namespaces and
 /// exits with status 130, whatever the bench is waiting for meanwhile.
 pub fn cleanup_on_signals() {
-    crate::cmd::inject::install_cancel_handler();
+    crate::campaign::install_cancel_handler();
     let _ = std::thread::Builder::new().name("bench-signals".into()).spawn(|| loop {
-        if crate::cmd::inject::cancelled() {
+        if crate::campaign::cancelled() {
             let todo = std::mem::take(&mut *on_signal());
             for pgid in todo.hosts {
                 kill_group(pgid);

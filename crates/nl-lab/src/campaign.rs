@@ -3,7 +3,7 @@
 //!
 //! Each run is an independent `ninelives host` process with the detectors
 //! on. The setup's VMs are created over its API, the injector
-//! ([`crate::injector`]) puts one fault into one of its threads, and the run
+//! ([`nl_inject`]) puts one fault into one of its threads, and the run
 //! is classified as in the NiLiHype paper: non-manifested, SDC (no detector
 //! fired but a digest is wrong, a VM failed, or the ping lost more than 10%
 //! in a 1-second window) or detected; a detected run is recovered (at most
@@ -23,9 +23,9 @@ use clap::{Args, Subcommand, ValueEnum};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::cli::{RecoveryName, WorkloadArgs, WorkloadName};
-use crate::injector::sentinel::Sentinel;
-use crate::injector::{self, Fault, Injection, Plan, Target};
+use nl_inject::sentinel::Sentinel;
+use nl_inject::{self as injector, Fault, Injection, Plan, Target};
+use nl_launch::args::{RecoveryName, WorkloadArgs, WorkloadName};
 
 #[derive(Args, Clone, Debug)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -43,7 +43,7 @@ pub struct InjectArgs {
     pub recovery: RecoveryName,
     /// The repairs of a microreset (all, none, or a list; see `host --repairs`):
     /// switched on one after another, they reproduce the paper's Table I.
-    #[arg(long, default_value = "all", value_parser = crate::cli::parse_repairs)]
+    #[arg(long, default_value = "all", value_parser = nl_launch::args::parse_repairs)]
     pub repairs: nl_vmm::recovery::Repairs,
     /// Number of runs.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
@@ -75,7 +75,7 @@ pub struct InjectArgs {
 pub enum InjectSub {
     /// (internal) Inject a code fault and repair it the moment it is detected.
     #[command(hide = true)]
-    Sentinel(crate::injector::sentinel::SentinelArgs),
+    Sentinel(nl_inject::sentinel::SentinelArgs),
     /// Merge the summaries (last JSON line) of campaign outputs of the same
     /// fault, setup and recovery into one.
     Merge {
@@ -237,7 +237,7 @@ fn print_table(s: &Value) {
 pub fn inject(a: InjectArgs) -> Result<ExitCode> {
     match a.sub {
         Some(InjectSub::Merge { files, json }) => return merge(&files, json),
-        Some(InjectSub::Sentinel(s)) => return crate::injector::sentinel::run(s),
+        Some(InjectSub::Sentinel(s)) => return nl_inject::sentinel::run(s),
         None => {}
     }
     let Some(fault) = a.fault else {
@@ -616,7 +616,7 @@ fn vm_problem(sock: &Path, vm: &RunVm) -> Option<String> {
         .map(|a| a.iter().filter_map(|v| serde_json::from_value(v["regs"].clone()).ok()).collect())
         .unwrap_or_default();
     let w = WorkloadArgs { workload: vm.workload, ..WorkloadArgs::default() };
-    let params = match crate::guest::workload_params(&w, vm.duration) {
+    let params = match nl_launch::guest::workload_params(&w, vm.duration) {
         Ok(p) => p,
         Err(e) => return Some(format!("vm{}: {e:#}", vm.id)),
     };
@@ -624,7 +624,7 @@ fn vm_problem(sock: &Path, vm: &RunVm) -> Option<String> {
         // netbench's digest covers only its poll rounds; what it answered is checked by the ping.
         return None;
     }
-    crate::verify::verify_vcpus(&params, &regs, 0)
+    nl_launch::verify::verify_vcpus(&params, &regs, 0)
         .into_iter()
         .find_map(|v| v.problem)
         .map(|p| format!("vm{} ({}): {p}", vm.id, vm.workload.name()))
@@ -902,7 +902,7 @@ fn run_body(
     let mut new_vm_ok = true;
     if cfg.setup == Setup::ThreeVm && host.exited().is_none() {
         let disk = dir.0.join("blk.img");
-        crate::guest::ensure_disk(&disk, crate::guest::DEFAULT_DISK_BYTES)?;
+        nl_launch::guest::ensure_disk(&disk, nl_launch::guest::DEFAULT_DISK_BYTES)?;
         match create_vm(&sock, WorkloadName::Blkbench, json!({"disk": disk}), 1.0) {
             Err(e) => {
                 problems.push(format!("new VM: {e:#}"));

@@ -25,8 +25,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
 
-use crate::cli::parse_size;
-use crate::cmd::bench_rejuvenate_ping::{self as ping, PingNet};
+use crate::bench::rejuvenate_ping::{self as ping, PingNet};
+use nl_launch::args::parse_size;
 
 #[derive(Args, Clone, Debug)]
 pub struct BenchRejuvenateArgs {
@@ -264,7 +264,7 @@ pub fn bench(a: BenchRejuvenateArgs) -> Result<ExitCode> {
     let filecache = if a.no_filecache {
         Value::Null
     } else {
-        crate::cmd::bench_rejuvenate_cache::measure(&a.image_dir, a.plot.as_deref(), a.json)?
+        crate::bench::rejuvenate_cache::measure(&a.image_dir, a.plot.as_deref(), a.json)?
     };
     if a.json {
         println!(

@@ -166,7 +166,7 @@ const CONFIGS: [(&str, &[&str]); 4] = [
 fn overhead(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
     let mut rows = Vec::new();
     let disk = dir.join("blk.img");
-    crate::guest::ensure_disk(&disk, crate::guest::DEFAULT_DISK_BYTES)?;
+    nl_launch::guest::ensure_disk(&disk, nl_launch::guest::DEFAULT_DISK_BYTES)?;
     // The VMM's own CPU time is in clock ticks (10 ms): only exit-heavy
     // workloads give it enough to compare; compute shows the floor.
     for w in ["exits", "blkbench", "compute"] {

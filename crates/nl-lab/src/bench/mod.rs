@@ -1,15 +1,26 @@
 //! `ninelives bench`: each workload in a VM against the same code natively,
 //! measured in the same invocation and reported as ratios.
 
+pub mod checkpoint;
+pub mod hostile;
+pub mod net;
+pub mod recovery;
+pub mod rejuvenate;
+pub mod rejuvenate_cache;
+pub mod rejuvenate_ping;
+pub mod replicate;
+pub mod seccomp;
+
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{bail, Result};
 use serde::Serialize;
 
-use crate::cli::{BenchArgs, BenchMechanism, MachineArgs, PatternName, WorkloadArgs, WorkloadName};
-use crate::cmd::run::run_vms;
-use crate::guest;
+use crate::args::{BenchArgs, BenchMechanism};
+use nl_launch::args::{MachineArgs, PatternName, WorkloadArgs, WorkloadName};
+use nl_launch::guest;
+use nl_launch::run::run_vms;
 
 #[derive(Serialize)]
 struct Entry {
@@ -97,11 +108,11 @@ fn boot_times(n: u32, m: &MachineArgs) -> Result<BootStats> {
 
 pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     match a.mechanism {
-        Some(BenchMechanism::Checkpoint(c)) => return crate::cmd::bench_checkpoint::bench(c),
-        Some(BenchMechanism::Rejuvenate(r)) => return crate::cmd::bench_rejuvenate::bench(r),
-        Some(BenchMechanism::Replicate(c)) => return crate::cmd::bench_replicate::bench(c),
-        Some(BenchMechanism::Recovery(c)) => return crate::cmd::bench_recovery::bench_recovery(c),
-        Some(BenchMechanism::Hostile(c)) => return crate::cmd::bench_hostile::bench(c),
+        Some(BenchMechanism::Checkpoint(c)) => return crate::bench::checkpoint::bench(c),
+        Some(BenchMechanism::Rejuvenate(r)) => return crate::bench::rejuvenate::bench(r),
+        Some(BenchMechanism::Replicate(c)) => return crate::bench::replicate::bench(c),
+        Some(BenchMechanism::Recovery(c)) => return crate::bench::recovery::bench_recovery(c),
+        Some(BenchMechanism::Hostile(c)) => return crate::bench::hostile::bench(c),
         None => {}
     }
     if !(a.duration.is_finite() && a.duration > 0.0) {
@@ -120,7 +131,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             continue;
         }
         if w == WorkloadName::Netbench {
-            match crate::cmd::bench_net::measure(a.duration)? {
+            match crate::bench::net::measure(a.duration)? {
                 Ok(e) => {
                     if !a.json {
                         println!(
@@ -174,7 +185,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         }
     }
     if a.workloads.is_empty() || a.workloads.contains(&WorkloadName::Exits) {
-        let s = crate::cmd::bench_seccomp::measure(&m, a.duration)?;
+        let s = crate::bench::seccomp::measure(&m, a.duration)?;
         if !a.json {
             println!(
                 "seccomp   exits       filters on/off ops/s ratio median {:.3} (min {:.3}, max {:.3}, {} interleaved pairs)  loadavg {}",
