@@ -10,12 +10,11 @@
 //! one VM affected and the VMM still creates and runs a new VM; for `1vm`,
 //! no VM affected), and among those no-VM-failure, or failed with a reason.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::process::CommandExt;
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::{Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -23,6 +22,9 @@ use clap::{Args, Subcommand, ValueEnum};
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use crate::netns::Netns;
+use crate::process::{install_cancel_handler, Proc, RunDir, CANCEL};
+use crate::stats::wilson;
 use nl_inject::sentinel::Sentinel;
 use nl_inject::{self as injector, Fault, Injection, Plan, Target};
 use nl_launch::args::{RecoveryName, WorkloadArgs, WorkloadName};
@@ -110,25 +112,6 @@ impl Setup {
 /// second (the TAP queues 1000 frames, answered late but not lost).
 const STEP_BUDGET: Duration = Duration::from_millis(600);
 
-/// Set by SIGINT/SIGTERM: stop stepping, detach, clean up, report.
-static CANCEL: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_cancel(_: libc::c_int) {
-    CANCEL.store(true, Relaxed);
-}
-
-/// Whether SIGINT or SIGTERM arrived since [`install_cancel_handler`].
-pub(crate) fn cancelled() -> bool {
-    CANCEL.load(Relaxed)
-}
-
-pub(crate) fn install_cancel_handler() {
-    for sig in [libc::SIGINT, libc::SIGTERM] {
-        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-        unsafe { libc::signal(sig, on_cancel as *const () as libc::sighandler_t) };
-    }
-}
-
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Outcomes {
     pub non_manifested: u64,
@@ -167,18 +150,6 @@ pub struct RunRecord {
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub vmm_tail: Vec<String>,
     pub elapsed_ms: u64,
-}
-
-/// Wilson score interval (95%) for k successes out of n.
-pub fn wilson(k: u64, n: u64) -> (f64, f64) {
-    if n == 0 {
-        return (0.0, 1.0);
-    }
-    let (n, p, z) = (n as f64, k as f64 / n as f64, 1.959_964f64);
-    let denom = 1.0 + z * z / n;
-    let centre = (p + z * z / (2.0 * n)) / denom;
-    let half = z * ((p * (1.0 - p) / n + z * z / (4.0 * n * n)).sqrt()) / denom;
-    ((centre - half).max(0.0), (centre + half).min(1.0))
 }
 
 fn round4(x: f64) -> f64 {
@@ -258,8 +229,8 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
     if a.seed.checked_add(u64::from(a.runs)).is_none() {
         bail!("--seed {} is too large for {} runs", a.seed, a.runs);
     }
-    if a.setup == Setup::ThreeVm && !netns_available() {
-        bail!("the 3vm setup needs root and iproute2 (ip netns) for its network namespace");
+    if let (Setup::ThreeVm, Some(why)) = (a.setup, crate::netns::unavailable()) {
+        bail!("the 3vm setup needs a network namespace: {why}");
     }
     nl_vmm::open_kvm()?;
     let mut log = match &a.log {
@@ -303,7 +274,10 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
         let (runs, seed0) = (a.runs, a.seed);
         workers.push(std::thread::spawn(move || -> Result<()> {
             let ns = match cfg.setup {
-                Setup::ThreeVm => Some(Netns::new(slot)?),
+                Setup::ThreeVm => Some(Netns::with_tap(
+                    &format!("nl-inj-{}-{slot}", std::process::id()),
+                    "nltap0",
+                )?),
                 Setup::OneVm => None,
             };
             loop {
@@ -450,122 +424,13 @@ struct Campaign {
     exe: PathBuf,
 }
 
-fn netns_available() -> bool {
-    // SAFETY: geteuid has no arguments and cannot fail.
-    let root = unsafe { libc::geteuid() } == 0;
-    root && Command::new("ip").arg("-V").output().is_ok_and(|o| o.status.success())
+/// The errors a host reported on stderr (its detection lines), first first.
+fn detections(host: &Proc) -> Vec<Value> {
+    host.stderr.records(nl_vmm::detect::REPORT_PREFIX)
 }
 
-/// A network namespace with TAP `nltap0` at 10.0.0.1/24, deleted on drop.
-struct Netns(String);
-
-impl Netns {
-    fn new(slot: u32) -> Result<Netns> {
-        let name = format!("nl-inj-{}-{slot}", std::process::id());
-        crate::netns::add_with_tap(&name, "nltap0").map_err(anyhow::Error::msg)?;
-        Ok(Netns(name))
-    }
-
-    fn command(&self, exe: &Path) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.0]).arg(exe);
-        c
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
-
-/// A child process in its own process group (a terminal's Ctrl-C does not
-/// reach it), killed and reaped on drop.
-struct Proc {
-    child: Child,
-    lines: Arc<Mutex<Vec<String>>>,
-    reader: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Proc {
-    fn spawn(mut cmd: Command, capture_stdout: bool) -> Result<Proc> {
-        cmd.process_group(0).stdin(Stdio::null()).stderr(Stdio::piped());
-        cmd.stdout(if capture_stdout { Stdio::piped() } else { Stdio::null() });
-        let mut child = cmd.spawn().context("cannot start a child process")?;
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let err = child.stderr.take();
-        let l = lines.clone();
-        let reader = std::thread::spawn(move || {
-            if let Some(e) = err {
-                for line in BufReader::new(e).lines().map_while(Result::ok) {
-                    l.lock().unwrap_or_else(|p| p.into_inner()).push(line);
-                }
-            }
-        });
-        Ok(Proc { child, lines, reader: Some(reader) })
-    }
-
-    fn pid(&self) -> i32 {
-        self.child.id() as i32
-    }
-
-    fn exited(&mut self) -> Option<std::process::ExitStatus> {
-        self.child.try_wait().ok().flatten()
-    }
-
-    /// Waits up to `limit` for the process to end.
-    fn wait_for(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
-        let t = Instant::now();
-        loop {
-            if let Some(s) = self.exited() {
-                if let Some(r) = self.reader.take() {
-                    let _ = r.join();
-                }
-                return Some(s);
-            }
-            if t.elapsed() > limit {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// Every detection line the process printed.
-    fn detections(&self) -> Vec<Value> {
-        let lines = self.lines.lock().unwrap_or_else(|p| p.into_inner());
-        lines
-            .iter()
-            .filter_map(|l| l.strip_prefix(nl_vmm::detect::REPORT_PREFIX))
-            .filter_map(|j| serde_json::from_str(j).ok())
-            .collect()
-    }
-
-    fn detection(&self) -> Option<Value> {
-        let lines = self.lines.lock().unwrap_or_else(|p| p.into_inner());
-        lines.iter().find_map(|l| {
-            l.strip_prefix(nl_vmm::detect::REPORT_PREFIX).and_then(|j| serde_json::from_str(j).ok())
-        })
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if self.exited().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-        if let Some(r) = self.reader.take() {
-            let _ = r.join();
-        }
-    }
-}
-
-struct RunDir(PathBuf);
-
-impl Drop for RunDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+fn first_detection(host: &Proc) -> Option<Value> {
+    detections(host).into_iter().next()
 }
 
 fn api(sock: &Path, req: Value) -> Result<Value> {
@@ -699,16 +564,10 @@ fn run_body(
     ns: Option<&Netns>,
     rec: &mut RunRecord,
 ) -> Result<()> {
-    let dir = RunDir(std::env::temp_dir().join(format!(
-        "ninelives-inject-{}-{slot}-{}",
-        std::process::id(),
-        plan.seed
-    )));
-    let _ = std::fs::remove_dir_all(&dir.0);
-    std::fs::create_dir_all(&dir.0)?;
+    let dir = RunDir::new(&format!("inject-{slot}-{}", plan.seed))?;
     let sock = dir.0.join("api.sock");
     let mut cmd = match ns {
-        Some(ns) => ns.command(&cfg.exe),
+        Some(ns) => ns.command(&cfg.exe)?,
         None => Command::new(&cfg.exe),
     };
     cmd.arg("host").arg("--api").arg(&sock).args(["--recovery", cfg.recovery.name()]);
@@ -719,7 +578,7 @@ fn run_body(
     if cfg.fault == Fault::Code && cfg.recovery != RecoveryName::None {
         cmd.env(nl_vmm::recovery::INJECTOR_REPAIR_ENV, &repair_flag);
     }
-    let mut host = Proc::spawn(cmd, false)?;
+    let mut host = Proc::spawn(cmd)?;
     let t = Instant::now();
     while api(&sock, json!({"op":"list"})).is_err() {
         if host.exited().is_some() || t.elapsed() > Duration::from_secs(10) {
@@ -738,7 +597,7 @@ fn run_body(
         // Wait (bounded) until the guest answers, then ping for the rest of its run.
         let t = Instant::now();
         loop {
-            let mut c = ns.command(&cfg.exe);
+            let mut c = ns.command(&cfg.exe)?;
             c.args(["ping", "--target", "10.0.0.2", "--interval", "10ms", "--duration", "0.05"]);
             let o = c.stderr(Stdio::null()).output()?;
             if o.status.success() {
@@ -752,10 +611,10 @@ fn run_body(
         if left < 1.0 {
             bail!("--duration {d} leaves no time to ping");
         }
-        let mut c = ns.command(&cfg.exe);
+        let mut c = ns.command(&cfg.exe)?;
         c.args(["ping", "--target", "10.0.0.2", "--interval", "1ms", "--json", "--duration"])
             .arg(format!("{left:.2}"));
-        ping = Some(Proc::spawn(c, true)?);
+        ping = Some(Proc::spawn(c)?);
     }
     // First-level trigger.
     let at = window_start + Duration::from_millis(plan.trigger_ms);
@@ -821,17 +680,12 @@ fn run_body(
     // Tell the sentinel when the VMM reports an error it did not see as a
     // fault signal (a panic, a hang): it repairs the code then.
     let watcher = sentinel.as_ref().map(|sen| {
-        let (lines, pid) = (host.lines.clone(), sen.pid());
+        let (lines, pid) = (host.stderr.clone(), sen.pid());
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
         let t = std::thread::spawn(move || {
             while !s.load(Relaxed) {
-                let detected = lines
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .iter()
-                    .any(|l| l.starts_with(nl_vmm::detect::REPORT_PREFIX));
-                if detected {
+                if lines.any_starts_with(nl_vmm::detect::REPORT_PREFIX) {
                     Sentinel::repair_now(pid);
                     return;
                 }
@@ -846,7 +700,7 @@ fn run_body(
         stop.store(true, Relaxed);
         let _ = t.join();
     }
-    if api(&sock, json!({"op":"list"})).is_err() || host.detection().is_some() {
+    if api(&sock, json!({"op":"list"})).is_err() || first_detection(&host).is_some() {
         // A host that stopped answering or reported an error may be ending: let it.
         host.wait_for(Duration::from_secs(2));
     }
@@ -856,7 +710,9 @@ fn run_body(
             inj.repair = sen.finish(Duration::from_secs(10));
         }
     } else if let Some(inj) = &injection {
-        if inj.repair_addr.is_some() && (host.detection().is_some() || host.exited().is_none()) {
+        if inj.repair_addr.is_some()
+            && (first_detection(&host).is_some() || host.exited().is_none())
+        {
             // Without recovery: repaired at the run's end.
             injector::repair(host.pid(), inj);
         }
@@ -874,12 +730,7 @@ fn run_body(
     }
     if let Some(mut p) = ping.take() {
         p.wait_for(Duration::from_secs_f64(d + 5.0));
-        let mut out = String::new();
-        if let Some(o) = p.child.stdout.as_mut() {
-            let _ = std::io::Read::read_to_string(o, &mut out);
-        }
-        let j: Value =
-            out.lines().last().and_then(|l| serde_json::from_str(l).ok()).unwrap_or(Value::Null);
+        let j = p.last_json().unwrap_or(Value::Null);
         let bad = j["bad_windows"].as_array().is_none_or(|a| !a.is_empty());
         rec.ping = Some(json!({
             "sent": j["sent"], "received": j["received"],
@@ -918,14 +769,14 @@ fn run_body(
             }
         }
     }
-    let detection = host.detection();
+    let detection = first_detection(&host);
     // End the host: a clean shutdown if it is still there.
     if host.exited().is_none() {
         let _ = nl_vmm::api::request(&sock, &json!({"op":"shutdown"}));
         host.wait_for(Duration::from_secs(10));
     }
     let status = host.wait_for(Duration::from_millis(100));
-    let detection = detection.or_else(|| host.detection());
+    let detection = detection.or_else(|| first_detection(&host));
     if let Some(det) = detection {
         rec.outcome = "detected";
         rec.detector = Some(det.clone());
@@ -939,7 +790,7 @@ fn run_body(
             rec.reason =
                 format!("{what}: the VMM ended with its VMs (recovery {})", cfg.recovery.name());
             if let Some(f) =
-                host.detections().into_iter().find(|d| d["detector"] == "recovery_failed")
+                detections(&host).into_iter().find(|d| d["detector"] == "recovery_failed")
             {
                 rec.reason.push_str(&format!(": {}", f["message"].as_str().unwrap_or("?")));
             }
@@ -969,24 +820,7 @@ fn run_body(
         rec.reason = problems.join("; ");
     }
     if rec.result == Some("failed") {
-        let lines = host.lines.lock().unwrap_or_else(|p| p.into_inner());
-        rec.vmm_tail =
-            lines.iter().rev().take(6).rev().map(|l| l.chars().take(600).collect()).collect();
+        rec.vmm_tail = host.stderr.tail(6);
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn wilson_interval() {
-        let (lo, hi) = wilson(0, 0);
-        assert_eq!((lo, hi), (0.0, 1.0));
-        let (lo, hi) = wilson(50, 100);
-        assert!((lo - 0.4038).abs() < 1e-3 && (hi - 0.5962).abs() < 1e-3, "{lo} {hi}");
-        let (lo, hi) = wilson(100, 100);
-        assert!(lo > 0.96 && hi == 1.0);
-    }
 }

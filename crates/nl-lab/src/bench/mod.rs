@@ -102,8 +102,8 @@ fn boot_times(n: u32, m: &MachineArgs) -> Result<BootStats> {
     if v.is_empty() {
         bail!("no boot reached the workload");
     }
-    v.sort_by(f64::total_cmp);
-    Ok(BootStats { runs: v.len(), median_ms: v[v.len() / 2], min_ms: v[0], max_ms: v[v.len() - 1] })
+    let s = crate::stats::Summary::of(&v);
+    Ok(BootStats { runs: s.n, median_ms: s.median, min_ms: s.min, max_ms: s.max })
 }
 
 pub fn bench(a: BenchArgs) -> Result<ExitCode> {

@@ -13,15 +13,20 @@
 //!   on (microreset with and without the exit undo log, microreboot) over
 //!   the same with `--recovery none`, measured in the same run.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::path::Path;
+use std::process::{ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
 
-use crate::netns::ip;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use crate::json_out::last_json;
+use crate::netns::Netns;
+use crate::process::{HostProc, RunDir};
+use crate::stats::median;
 
 #[derive(Args, Clone, Debug)]
 pub struct BenchRecoveryArgs {
@@ -45,89 +50,18 @@ pub struct BenchRecoveryArgs {
     pub json: bool,
 }
 
-fn exe() -> Result<PathBuf> {
-    std::env::current_exe().context("cannot find this binary")
-}
-
-/// A host process, killed on drop.
-struct HostProc {
-    child: Child,
-    sock: PathBuf,
-    err: PathBuf,
-}
-
-impl Drop for HostProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl HostProc {
-    fn start(dir: &Path, ns: Option<&str>, recovery: &[&str], fault: Option<&str>) -> Result<Self> {
-        let sock = dir.join(format!("h{}.sock", rand_tag()));
-        let err = dir.join(format!("h{}.err", rand_tag()));
-        let mut c = match ns {
-            Some(ns) => {
-                let mut c = Command::new("ip");
-                c.args(["netns", "exec", ns]).arg(exe()?);
-                c
-            }
-            None => Command::new(exe()?),
-        };
-        c.arg("host").arg("--api").arg(&sock).args(recovery);
-        if let Some(f) = fault {
-            c.env("NINELIVES_DEVICE_FAULT", f);
-        }
-        let child = c.stdout(Stdio::null()).stderr(std::fs::File::create(&err)?).spawn()?;
-        let h = HostProc { child, sock, err };
-        let t = Instant::now();
-        while h.api(json!({"op":"list"})).is_err() {
-            if t.elapsed() > Duration::from_secs(10) {
-                bail!("the host did not come up");
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        Ok(h)
-    }
-
-    fn api(&self, req: Value) -> Result<Value> {
-        Ok(nl_vmm::api::request(&self.sock, &req)?)
-    }
-
-    fn pid(&self) -> Result<i32> {
-        let r = self.api(json!({"op":"info"}))?;
-        r["pid"].as_i64().map(|p| p as i32).context("no pid")
-    }
-
-    fn recovered(&self) -> Vec<Value> {
-        std::fs::read_to_string(&self.err)
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| l.strip_prefix(nl_vmm::recovery::RECOVERED_PREFIX))
-            .filter_map(|j| serde_json::from_str(j).ok())
-            .collect()
-    }
-
-    fn wait_done(&self, id: u64, limit: Duration) -> Result<Value> {
-        let t = Instant::now();
-        loop {
-            let r = self.api(json!({"op":"stats","id":id}))?;
-            if r["stats"]["state"] != "running" {
-                return Ok(r["stats"].clone());
-            }
-            if t.elapsed() > limit {
-                bail!("VM {id} did not finish");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-fn rand_tag() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+/// A host with `args` (and the device fault `fault` armed), in `ns` if given.
+fn start_host(
+    dir: &Path,
+    ns: Option<&Netns>,
+    args: &[&str],
+    fault: Option<&str>,
+) -> Result<HostProc> {
     static N: AtomicU64 = AtomicU64::new(0);
-    N.fetch_add(1, Relaxed)
+    let name = format!("h{}", N.fetch_add(1, Relaxed));
+    let env: Vec<(&str, &str)> =
+        fault.map(|f| (nl_vmm::selftest::DEVICE_FAULT_ENV, f)).into_iter().collect();
+    HostProc::start(&dir.join(format!("{name}.sock")), ns, args, &env)
 }
 
 /// user+system ticks minus guest ticks of process `pid` (clock ticks).
@@ -143,14 +77,6 @@ fn vmm_ticks(pid: i32) -> Result<u64> {
 fn ticks_per_sec() -> f64 {
     // SAFETY: sysconf has no memory effects.
     (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).max(1) as f64
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 const CONFIGS: [(&str, &[&str]); 4] = [
@@ -174,8 +100,8 @@ fn overhead(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
         let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); CONFIGS.len()];
         for _ in 0..a.rounds {
             for (i, (_, args)) in CONFIGS.iter().enumerate() {
-                let h = HostProc::start(dir, None, args, None)?;
-                let pid = h.pid()?;
+                let h = start_host(dir, None, args, None)?;
+                let pid = h.pid();
                 let mut req =
                     json!({"op":"create","workload":w,"mem":"64M","ws":"8M","duration":a.duration});
                 if w == "blkbench" {
@@ -192,10 +118,10 @@ fn overhead(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
                 cpu[i].push((t1 - t0) as f64 / ticks_per_sec() * 1e3);
             }
         }
-        let base = median(&mut cpu[0].clone());
+        let base = median(&cpu[0]);
         let mut row = json!({"workload": w, "vmm_cpu_ms": {}, "ratio": {}});
         for (i, (name, _)) in CONFIGS.iter().enumerate() {
-            let m = median(&mut cpu[i]);
+            let m = median(&cpu[i]);
             row["vmm_cpu_ms"][*name] = json!(m);
             row["ratio"][*name] = json!(if base > 0.0 { m / base } else { f64::NAN });
         }
@@ -205,25 +131,14 @@ fn overhead(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
 }
 
 /// `ninelives ping` of the guest (10.0.0.2) from namespace `ns`, its JSON on stdout.
-fn ping(ns: &str, interval: &str, secs: &str) -> Result<std::process::Output> {
-    let mut c = Command::new("ip");
-    c.args(["netns", "exec", ns]).arg(exe()?);
+fn ping(ns: &Netns, interval: &str, secs: &str) -> Result<std::process::Output> {
+    let mut c = ns.ninelives()?;
     c.args(["ping", "--target", "10.0.0.2", "--interval", interval, "--duration", secs, "--json"]);
     Ok(c.stderr(Stdio::null()).output()?)
 }
 
-/// One network namespace with a TAP, deleted on drop.
-struct Ns(String);
-
-impl Drop for Ns {
-    fn drop(&mut self) {
-        let _ = ip(&["netns", "del", &self.0]);
-    }
-}
-
 fn latency(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
-    let ns = Ns(format!("nlrec-{}", std::process::id()));
-    crate::netns::add_with_tap(&ns.0, "nlrtap0").map_err(anyhow::Error::msg)?;
+    let ns = Netns::with_tap(&format!("nlrec-{}", std::process::id()), "nlrtap0")?;
     let mut out = json!({});
     let fault_ms = 2500;
     for (name, args, fault) in [
@@ -233,25 +148,21 @@ fn latency(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
     ] {
         let (mut gaps, mut internal, mut runs) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..a.runs {
-            let h = HostProc::start(dir, Some(&ns.0), args, fault.as_deref())?;
+            let h = start_host(dir, Some(&ns), args, fault.as_deref())?;
             let r = h
                 .api(json!({"op":"create","workload":"netbench","mem":"64M","duration":5.0,
                 "net_tap":"nlrtap0","net_ip":"10.0.0.2/24"}))?;
             r["id"].as_u64().with_context(|| format!("create failed: {r}"))?;
             let t = Instant::now();
-            while !ping(&ns.0, "10ms", "0.05")?.status.success() {
+            while !ping(&ns, "10ms", "0.05")?.status.success() {
                 if t.elapsed() > Duration::from_secs(10) {
                     bail!("the netbench guest never answered");
                 }
             }
-            let o = ping(&ns.0, "1ms", "3")?;
-            let j: Value = String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .rev()
-                .find_map(|l| serde_json::from_str(l).ok())
-                .unwrap_or(Value::Null);
+            let o = ping(&ns, "1ms", "3")?;
+            let j = last_json(&String::from_utf8_lossy(&o.stdout)).unwrap_or(Value::Null);
             let gap = j["longest_gap_ms"].as_f64().unwrap_or(f64::NAN);
-            let rec = h.recovered();
+            let rec = h.proc.stderr.records(nl_vmm::recovery::RECOVERED_PREFIX);
             let total_ms = rec.first().and_then(|r| r["total_us"].as_f64()).map(|u| u / 1e3);
             if fault.is_some() && rec.is_empty() {
                 runs.push(json!({"gap_ms": gap, "recovered": false}));
@@ -266,8 +177,8 @@ fn latency(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
         }
         out[name] = json!({
             "runs": runs, "recovered_runs": gaps.len(),
-            "median_gap_ms": median(&mut gaps.clone()),
-            "median_vmm_recovery_ms": median(&mut internal.clone()),
+            "median_gap_ms": median(&gaps),
+            "median_vmm_recovery_ms": median(&internal),
         });
     }
     let r = out["microreboot"]["median_gap_ms"].as_f64().unwrap_or(f64::NAN)
@@ -280,15 +191,7 @@ fn latency(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
 }
 
 pub fn bench_recovery(a: BenchRecoveryArgs) -> Result<ExitCode> {
-    struct Dir(PathBuf);
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-    let dir =
-        Dir(std::env::temp_dir().join(format!("ninelives-bench-recovery-{}", std::process::id())));
-    std::fs::create_dir_all(&dir.0)?;
+    let dir = RunDir::new("bench-recovery")?;
     let pb = indicatif::ProgressBar::new_spinner();
     pb.set_message("recovery: normal-operation overhead");
     pb.enable_steady_tick(Duration::from_millis(200));
