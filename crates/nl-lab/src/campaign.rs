@@ -47,7 +47,12 @@ pub struct InjectArgs {
     /// switched on one after another, they reproduce the paper's Table I.
     #[arg(long, default_value = "all", value_parser = nl_launch::args::parse_repairs)]
     pub repairs: nl_vmm::recovery::Repairs,
-    /// Number of runs.
+    /// Run only shard I of N of the campaign (0 ≤ I < N): its runs j with
+    /// j mod N = I, each with the seed it has in the whole campaign; `inject
+    /// merge` puts the shards' summaries together (see docs/campaigns.md).
+    #[arg(long, value_parser = crate::shards::Shard::parse)]
+    pub shard: Option<crate::shards::Shard>,
+    /// Number of runs (of the whole campaign, over all its shards).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub runs: u32,
     /// Seed of the first run; run i uses seed S+i (replay a run with --runs 1 --seed its seed).
@@ -78,12 +83,15 @@ pub enum InjectSub {
     /// (internal) Inject a code fault and repair it the moment it is detected.
     #[command(hide = true)]
     Sentinel(nl_inject::sentinel::SentinelArgs),
-    /// Merge the summaries (last JSON line) of campaign outputs of the same
-    /// fault, setup and recovery into one.
+    /// Merge the summaries (last JSON line) of the shards of one campaign
+    /// into one; refuses mismatched, duplicate, overlapping or missing shards.
     Merge {
         /// Files holding `ninelives inject --json` output.
         #[arg(required = true)]
         files: Vec<PathBuf>,
+        /// Merge even if shards or runs are missing (they are listed).
+        #[arg(long)]
+        partial: bool,
         /// Print the merged summary as JSON.
         #[arg(long)]
         json: bool,
@@ -207,7 +215,7 @@ fn print_table(s: &Value) {
 
 pub fn inject(a: InjectArgs) -> Result<ExitCode> {
     match a.sub {
-        Some(InjectSub::Merge { files, json }) => return merge(&files, json),
+        Some(InjectSub::Merge { files, json, partial }) => return merge(&files, json, partial),
         Some(InjectSub::Sentinel(s)) => return nl_inject::sentinel::run(s),
         None => {}
     }
@@ -230,7 +238,7 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
         bail!("--seed {} is too large for {} runs", a.seed, a.runs);
     }
     if let (Setup::ThreeVm, Some(why)) = (a.setup, crate::netns::unavailable()) {
-        bail!("the 3vm setup needs a network namespace: {why}");
+        bail!("the 3vm setup needs root and iproute2 for its network namespace: {why}");
     }
     nl_vmm::open_kvm()?;
     let mut log = match &a.log {
@@ -253,12 +261,13 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
         duration,
         exe: std::env::current_exe().context("cannot find the ninelives binary")?,
     });
+    let shard = a.shard.unwrap_or(crate::shards::Shard::ALL);
     let start = Instant::now();
     let limit = a.time_limit.map(Duration::from_secs_f64);
     let pb = if a.json {
         indicatif::ProgressBar::hidden()
     } else {
-        indicatif::ProgressBar::new(u64::from(a.runs))
+        indicatif::ProgressBar::new(shard.runs(a.runs).len() as u64)
     };
     pb.set_style(
         indicatif::ProgressStyle::with_template(
@@ -266,12 +275,13 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
+    let indices = Arc::new(shard.runs(a.runs));
     let next = Arc::new(AtomicU32::new(0));
     let (tx, rx) = std::sync::mpsc::channel::<RunRecord>();
     let mut workers = Vec::new();
-    for slot in 0..a.jobs.min(a.runs) {
-        let (cfg, next, tx) = (cfg.clone(), next.clone(), tx.clone());
-        let (runs, seed0) = (a.runs, a.seed);
+    for slot in 0..a.jobs.min(indices.len() as u32) {
+        let (cfg, next, tx, indices) = (cfg.clone(), next.clone(), tx.clone(), indices.clone());
+        let seed0 = a.seed;
         workers.push(std::thread::spawn(move || -> Result<()> {
             let ns = match cfg.setup {
                 Setup::ThreeVm => Some(Netns::with_tap(
@@ -281,8 +291,9 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
                 Setup::OneVm => None,
             };
             loop {
-                let i = next.fetch_add(1, Relaxed);
-                if i >= runs || CANCEL.load(Relaxed) || limit.is_some_and(|l| start.elapsed() > l) {
+                let k = next.fetch_add(1, Relaxed) as usize;
+                let Some(&i) = indices.get(k) else { return Ok(()) };
+                if CANCEL.load(Relaxed) || limit.is_some_and(|l| start.elapsed() > l) {
                     return Ok(());
                 }
                 let rec = run_one(&cfg, i, seed0 + u64::from(i), slot, ns.as_ref());
@@ -296,7 +307,9 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
     drop(tx);
     let mut o = Outcomes::default();
     let mut skipped = 0;
+    let mut done = Vec::new();
     for rec in rx {
+        done.push(rec.run);
         match (rec.outcome, rec.result) {
             ("non_manifested", _) => o.non_manifested += 1,
             ("sdc", _) => o.sdc += 1,
@@ -336,11 +349,25 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
     }
     pb.finish_and_clear();
     let elapsed = start.elapsed().as_secs_f64();
-    let s = summary(fault.name(), a.setup.name(), a.recovery.name(), &o, skipped, elapsed, a.seed);
-    let mut s = s;
+    let mut s =
+        summary(fault.name(), a.setup.name(), a.recovery.name(), &o, skipped, elapsed, a.seed);
     if a.recovery == RecoveryName::Microreset {
         s["repairs"] = json!(a.repairs.describe());
     }
+    done.sort_unstable();
+    s["campaign"] = crate::shards::identity(
+        fault.name(),
+        a.setup.name(),
+        a.recovery.name(),
+        &a.repairs.describe(),
+        &format!("{:?}", a.target).to_lowercase(),
+        duration,
+        a.seed,
+        a.runs,
+    );
+    s["shard"] = json!(shard);
+    s["run_indices"] = json!(done);
+    s["loadavg"] = json!(crate::json_out::loadavg());
     let interrupted = CANCEL.load(Relaxed);
     if a.json {
         let mut s = s;
@@ -363,11 +390,8 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
 /// Largest campaign log `inject --merge` reads.
 const MAX_CAMPAIGN_LOG_BYTES: u64 = 256 << 20;
 
-fn merge(files: &[PathBuf], json_out: bool) -> Result<ExitCode> {
-    let mut total = Outcomes::default();
-    let (mut skipped, mut elapsed) = (0u64, 0f64);
-    let mut key: Option<(String, String, String)> = None;
-    let mut seed = u64::MAX;
+fn merge(files: &[PathBuf], json_out: bool, partial: bool) -> Result<ExitCode> {
+    let mut inputs = Vec::new();
     for f in files {
         let b = nl_memory::file::read_limited(f, "campaign log", MAX_CAMPAIGN_LOG_BYTES)
             .with_context(|| format!("cannot read {}", f.display()))?;
@@ -379,20 +403,16 @@ fn merge(files: &[PathBuf], json_out: bool) -> Result<ExitCode> {
                 serde_json::from_str::<Value>(l).ok().filter(|v| v.get("outcomes").is_some())
             })
             .with_context(|| format!("{}: no campaign summary line in it", f.display()))?;
-        let get = |k: &str| s[k].as_str().unwrap_or("").to_string();
-        let k = (get("fault"), get("setup"), get("recovery"));
-        match &key {
-            None => key = Some(k),
-            Some(k0) if *k0 != k => bail!(
-                "{}: fault/setup/recovery {:?} differ from {:?} of the first file",
-                f.display(),
-                k,
-                k0
-            ),
-            _ => {}
-        }
+        inputs.push(crate::shards::Input { name: f.display().to_string(), summary: s });
+    }
+    let (identity, missing) = crate::shards::check(&inputs, partial).map_err(anyhow::Error::msg)?;
+    let mut total = Outcomes::default();
+    let (mut skipped, mut elapsed) = (0u64, 0f64);
+    let mut seed = u64::MAX;
+    for inp in &inputs {
+        let s = &inp.summary;
         let o: Outcomes = serde_json::from_value(s["outcomes"].clone())
-            .with_context(|| format!("{}: malformed outcomes", f.display()))?;
+            .with_context(|| format!("{}: malformed outcomes", inp.name))?;
         total.non_manifested += o.non_manifested;
         total.sdc += o.sdc;
         total.detected += o.detected;
@@ -403,13 +423,25 @@ fn merge(files: &[PathBuf], json_out: bool) -> Result<ExitCode> {
         elapsed += s["elapsed_s"].as_f64().unwrap_or(0.0);
         seed = seed.min(s["seed"].as_u64().unwrap_or(0));
     }
-    let (f, su, r) = key.unwrap_or_default();
+    let get = |k: &str| inputs[0].summary[k].as_str().unwrap_or("").to_string();
     // runs_per_min of a merge: runs per minute of machine time, summed over the files.
-    let s = summary(&f, &su, &r, &total, skipped, elapsed, seed);
+    let mut s =
+        summary(&get("fault"), &get("setup"), &get("recovery"), &total, skipped, elapsed, seed);
+    if let Some(id) = identity {
+        s["campaign"] = id;
+    }
+    s["merged"] = json!({"files": inputs.len(), "missing": missing});
     if json_out {
         println!("{s}");
     } else {
         print_table(&s);
+        if !missing.shards.is_empty() || missing.runs > 0 {
+            println!(
+                "  partial: shard(s) not given: [{}]; runs not completed: {}",
+                missing.shards.join(", "),
+                missing.runs
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -24,4 +24,5 @@ pub mod kvload;
 pub mod netns;
 pub mod ping;
 pub mod process;
+pub mod shards;
 pub mod stats;
