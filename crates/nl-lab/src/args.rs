@@ -87,6 +87,10 @@ pub struct BenchArgs {
     /// Only these workloads (default: all).
     #[arg(long, value_enum, value_delimiter = ',')]
     pub workloads: Vec<WorkloadName>,
+    /// Repetitions of every cell, each a native run followed by its guest
+    /// run (interleaved, so both see the same load).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(3..=100))]
+    pub reps: u32,
     /// Boots measured for the boot-time entry.
     #[arg(long, default_value_t = 5)]
     pub boots: u32,

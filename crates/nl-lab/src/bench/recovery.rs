@@ -26,15 +26,15 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use crate::json_out::last_json;
 use crate::netns::Netns;
 use crate::process::{HostProc, RunDir};
-use crate::stats::median;
+use crate::stats::{median, ratio_interval};
 
 #[derive(Args, Clone, Debug)]
 pub struct BenchRecoveryArgs {
     /// Latency runs per mechanism.
     #[arg(long, default_value_t = 5)]
     pub runs: u32,
-    /// Overhead rounds per workload and configuration.
-    #[arg(long, default_value_t = 3)]
+    /// Overhead rounds per workload and configuration (interleaved).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(3..=100))]
     pub rounds: u32,
     /// Guest run time of each overhead measurement (seconds).
     #[arg(long, default_value_t = 3.0)]
@@ -118,12 +118,14 @@ fn overhead(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
                 cpu[i].push((t1 - t0) as f64 / ticks_per_sec() * 1e3);
             }
         }
-        let base = median(&cpu[0]);
-        let mut row = json!({"workload": w, "vmm_cpu_ms": {}, "ratio": {}});
+        let mut row = json!({"workload": w, "vmm_cpu_ms": {}, "ratio": {}, "ratio_ci95": {},
+            "vmm_cpu_ms_samples": {}});
         for (i, (name, _)) in CONFIGS.iter().enumerate() {
-            let m = median(&cpu[i]);
-            row["vmm_cpu_ms"][*name] = json!(m);
-            row["ratio"][*name] = json!(if base > 0.0 { m / base } else { f64::NAN });
+            let r = ratio_interval(&cpu[i], &cpu[0]);
+            row["vmm_cpu_ms"][*name] = json!(median(&cpu[i]));
+            row["vmm_cpu_ms_samples"][*name] = json!(cpu[i]);
+            row["ratio"][*name] = json!(r.ratio);
+            row["ratio_ci95"][*name] = json!([r.lo, r.hi]);
         }
         rows.push(row);
     }
@@ -192,6 +194,7 @@ fn latency(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
 
 pub fn bench_recovery(a: BenchRecoveryArgs) -> Result<ExitCode> {
     let dir = RunDir::new("bench-recovery")?;
+    let clock = crate::json_out::RunClock::start();
     let pb = indicatif::ProgressBar::new_spinner();
     pb.set_message("recovery: normal-operation overhead");
     pb.enable_steady_tick(Duration::from_millis(200));
@@ -204,17 +207,30 @@ pub fn bench_recovery(a: BenchRecoveryArgs) -> Result<ExitCode> {
     };
     pb.finish_and_clear();
     let v = json!({"bench": "recovery", "overhead": over, "latency": lat});
+    let p = clock.finish();
     if a.json {
-        println!("{v}");
+        println!("{}", crate::json_out::with_provenance(v, &p));
     } else {
-        println!("VMM CPU time with recovery support, relative to --recovery none:");
+        println!(
+            "VMM CPU time with recovery support, relative to --recovery none (median of {} interleaved rounds [95% bootstrap interval]):",
+            a.rounds
+        );
         for r in over.as_array().into_iter().flatten() {
+            let show = |k: &str| {
+                let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
+                format!(
+                    "{:.3} [{:.3}, {:.3}]",
+                    f(&r["ratio"][k]),
+                    f(&r["ratio_ci95"][k][0]),
+                    f(&r["ratio_ci95"][k][1])
+                )
+            };
             println!(
-                "  {:9} microreset {:.3}  (no undo log {:.3})  microreboot {:.3}   [none: {:.1} ms]",
+                "  {:9} microreset {}  (no undo log {})  microreboot {}   [none: {:.1} ms]",
                 r["workload"].as_str().unwrap_or("?"),
-                r["ratio"]["microreset"].as_f64().unwrap_or(f64::NAN),
-                r["ratio"]["microreset_no_undo_log"].as_f64().unwrap_or(f64::NAN),
-                r["ratio"]["microreboot"].as_f64().unwrap_or(f64::NAN),
+                show("microreset"),
+                show("microreset_no_undo_log"),
+                show("microreboot"),
                 r["vmm_cpu_ms"]["none"].as_f64().unwrap_or(f64::NAN),
             );
         }
@@ -249,9 +265,12 @@ pub fn bench_recovery(a: BenchRecoveryArgs) -> Result<ExitCode> {
             println!("  {m} steps (first run): {}", steps.join(", "));
         }
         println!(
-            "microreboot / microreset: {:.1}x (ping gap), {:.1}x (VMM time)",
+            "microreboot / microreset: {:.1}x (ping gap), {:.1}x (VMM time); loadavg {} → {}; revision {}",
             lat["factor_gap_microreboot_over_microreset"].as_f64().unwrap_or(f64::NAN),
-            lat["factor_internal_microreboot_over_microreset"].as_f64().unwrap_or(f64::NAN)
+            lat["factor_internal_microreboot_over_microreset"].as_f64().unwrap_or(f64::NAN),
+            p.loadavg_before,
+            p.loadavg_after,
+            p.git_revision
         );
     }
     Ok(ExitCode::SUCCESS)

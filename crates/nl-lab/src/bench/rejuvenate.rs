@@ -160,6 +160,7 @@ pub fn bench(a: BenchRejuvenateArgs) -> Result<ExitCode> {
     if a.vms.iter().any(|&n| n == 0 || n > 64) || a.model_max == 0 || a.model_max > 64 {
         bail!("VM counts must be between 1 and 64");
     }
+    let clock = crate::json_out::RunClock::start();
     // Before any thread starts: an interrupted bench still deletes its
     // namespace and stops its host.
     ping::cleanup_on_signals();
@@ -232,13 +233,11 @@ pub fn bench(a: BenchRejuvenateArgs) -> Result<ExitCode> {
         crate::bench::rejuvenate_cache::measure(&a.image_dir, a.plot.as_deref(), a.json)?
     };
     if a.json {
-        println!(
-            "{}",
-            json!({
-                "runs": runs, "model": model, "ping": ping_info, "filecache": filecache,
-                "not_measured": not_measured,
-            })
-        );
+        let v = json!({
+            "runs": runs, "model": model, "ping": ping_info, "filecache": filecache,
+            "not_measured": not_measured,
+        });
+        println!("{}", crate::json_out::with_provenance(v, &clock.finish()));
     }
     Ok(ExitCode::SUCCESS)
 }

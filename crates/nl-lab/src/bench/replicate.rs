@@ -732,6 +732,7 @@ fn kill_once(t: &Topo, i: u32, load: f64, seed: &mut u64) -> Result<Kill> {
 
 pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
     let t0 = Instant::now();
+    let clock = crate::json_out::RunClock::start();
     let mut rows = Vec::new();
     let mut all_ok = true;
     let topo = if a.kills > 0 || (!a.no_throughput && !a.no_kv) { Some(Topo::new()) } else { None };
@@ -851,7 +852,7 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
         "host_ms": t0.elapsed().as_secs_f64() * 1e3,
     });
     if a.json {
-        println!("{out}");
+        println!("{}", crate::json_out::with_provenance(out, &clock.finish()));
     }
     Ok(if all_ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
