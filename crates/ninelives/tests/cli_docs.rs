@@ -42,7 +42,7 @@ fn completions_and_man_pages_are_generated() {
 
 #[test]
 fn durations_take_bare_numbers_in_the_flags_unit_or_human_units() {
-    use ninelives::cli::{millis, millis_f64, secs};
+    use nl_launch::args::{millis, millis_f64, secs};
     assert_eq!(secs("2").unwrap(), 2.0);
     assert_eq!(secs("1.5s").unwrap(), 1.5);
     assert_eq!(secs("500ms").unwrap(), 0.5);

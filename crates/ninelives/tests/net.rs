@@ -162,7 +162,9 @@ fn net_bad_setups_are_clear_errors() {
     let o = run_cli(&["ping", "--target", "not an address", "--duration", "0.1"]);
     assert_clean_error(&o, "not an address");
     let o = run_cli(&["ping", "--target", "127.0.0.1", "--interval", "1h"]);
-    assert_clean_error(&o, "unknown unit");
+    assert_clean_error(&o, "longer than --duration");
+    let o = run_cli(&["ping", "--target", "127.0.0.1", "--interval", "3 fortnights"]);
+    assert_clean_error(&o, "not a duration");
 }
 
 #[test]

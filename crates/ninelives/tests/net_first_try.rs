@@ -16,14 +16,14 @@ fn net_host_ip_makes_the_guest_reachable_without_an_ip_step() {
     }
     // A namespace with only loopback: no TAP, no address (unlike Netns::new).
     let name = format!("nl-test-firsttry-{}", std::process::id());
-    if !ip(&["netns", "add", &name]) {
-        eprintln!(
-            "\n*** SKIPPED: cannot create a network namespace (needs root and iproute2) ***\n"
-        );
-        return;
-    }
-    let ns = Netns(name);
-    assert!(ip(&["netns", "exec", &ns.0, "ip", "link", "set", "lo", "up"]));
+    let ns = match nl_lab::netns::Netns::new(&name) {
+        Ok(n) => Netns(n),
+        Err(e) => {
+            eprintln!("\n*** SKIPPED: cannot create a network namespace: {e:#} ***\n");
+            return;
+        }
+    };
+    ns.0.ip(&["link", "set", "lo", "up"]).unwrap();
     let mut vm = ns
         .ninelives(&[
             "run",
@@ -45,7 +45,7 @@ fn net_host_ip_makes_the_guest_reachable_without_an_ip_step() {
     let answered = ns.wait_answering(Duration::from_secs(60));
     // Read while the VMM (which owns the TAP) still runs.
     let addr = Command::new("ip")
-        .args(["netns", "exec", &ns.0, "ip", "-4", "addr", "show", "dev", "nlfirst0"])
+        .args(["netns", "exec", ns.0.name(), "ip", "-4", "addr", "show", "dev", "nlfirst0"])
         .output()
         .unwrap();
     let addr = String::from_utf8_lossy(&addr.stdout).to_string();

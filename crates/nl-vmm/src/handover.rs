@@ -498,7 +498,7 @@ fn apply_states(
         .ok_or_else(|| bad(format!("expected the VM states, got {:?}", clip(line))))?;
     let states: DeferredStates =
         serde_json::from_str(body).map_err(|e| bad(format!("bad state message ({e})")))?;
-    if std::env::var_os("NINELIVES_HANDOVER_SELFTEST").is_some_and(|v| v == "refuse-state") {
+    if crate::selftest::handover_refuses_state() {
         return Err(bad("self-test: refusing the VM states".into()));
     }
     let mut by_id: std::collections::BTreeMap<u32, DeferredState> = Default::default();

@@ -41,6 +41,7 @@ pub mod progress;
 pub mod recovery;
 pub mod rejuvenate;
 pub mod seccomp;
+pub mod selftest;
 pub mod state;
 pub mod vcpu;
 pub mod vm;

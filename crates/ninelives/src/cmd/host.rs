@@ -11,7 +11,7 @@ use serde_json::Value;
 use crate::cli::{
     parse_size, ApiArgs, HostArgs, MachineArgs, PatternName, WorkloadArgs, WorkloadName,
 };
-use crate::guest;
+use nl_launch::guest;
 
 /// A size given as a number of bytes or a string such as "256M".
 #[derive(Deserialize, schemars::JsonSchema)]
@@ -194,9 +194,7 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
     let host = nl_vmm::host::Host::new()?;
     let limits = limits(&a, host.limits());
     host.set_limits(limits);
-    selftest();
-    device_fault_selftest();
-    api_fault_selftest();
+    nl_vmm::selftest::arm_from_env();
     eprintln!(
         "ninelives host: serving the API on {} (guest memory budget {} MiB, {} vCPUs, \
          {} connections)",
@@ -208,83 +206,6 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
     nl_vmm::api::serve(host, &a.api, Arc::new(build_config))
         .with_context(|| format!("host on {}", a.api.display()))?;
     Ok(ExitCode::SUCCESS)
-}
-
-/// The failure a self-test fault point runs: `segv`, `panic`, `hang` or
-/// `syscall` (one that seccomp forbids).
-fn fault_hook(kind: &str) -> Option<fn()> {
-    match kind {
-        // SAFETY: raising a signal on the calling thread has no memory effects.
-        "segv" => Some(|| unsafe {
-            libc::raise(libc::SIGSEGV);
-        }),
-        "panic" => Some(|| panic!("fault self-test")),
-        // A syscall no VMM thread's seccomp filter allows (a harmless query).
-        // SAFETY: personality(0xffffffff) only reads the process's persona.
-        "syscall" => Some(|| unsafe {
-            libc::personality(0xffff_ffff);
-        }),
-        "hang" => Some(|| loop {
-            std::hint::spin_loop();
-        }),
-        _ => None,
-    }
-}
-
-/// The count after `:` in a self-test variable's value, or `default`.
-fn fault_count(v: &str, default: u64) -> u64 {
-    v.split_once(':').and_then(|(_, n)| n.parse().ok()).unwrap_or(default)
-}
-
-/// `NINELIVES_API_FAULT=segv|panic:N` makes the API connection that reads
-/// the N-th request fail that way once it has read it (outside the
-/// request's handling). For tests.
-fn api_fault_selftest() {
-    let Ok(v) = std::env::var("NINELIVES_API_FAULT") else { return };
-    let kind = v.split(':').next().unwrap_or("");
-    let Some(hook) = fault_hook(kind).filter(|_| kind != "hang") else { return };
-    nl_vmm::api::arm_fault_hook(fault_count(&v, 1), hook);
-}
-
-/// `NINELIVES_DEVICE_FAULT=segv|panic|hang|syscall:N` makes the N-th device access
-/// of the host (counted from its start) fail that way inside the device,
-/// with the device's lock held; `KIND@MS` makes the first access after MS
-/// milliseconds fail. For tests and `bench recovery`.
-fn device_fault_selftest() {
-    let Ok(v) = std::env::var("NINELIVES_DEVICE_FAULT") else { return };
-    let Some(hook) = fault_hook(v.split([':', '@']).next().unwrap_or("")) else { return };
-    if let Some((_, ms)) = v.split_once('@') {
-        let ms = ms.parse::<u64>().unwrap_or(1000);
-        let _ = std::thread::Builder::new().name("fault-timer".into()).spawn(move || {
-            std::thread::sleep(std::time::Duration::from_millis(ms));
-            nl_devices::bus::arm_fault_hook(1, hook);
-        });
-    } else {
-        nl_devices::bus::arm_fault_hook(fault_count(&v, 1000), hook);
-    }
-}
-
-/// `NINELIVES_DETECT_SELFTEST=segv|panic|hang` makes a thread of the host
-/// fail that way, so tests can check each detector end to end.
-fn selftest() {
-    let Ok(what) = std::env::var("NINELIVES_DETECT_SELFTEST") else { return };
-    let _ = std::thread::Builder::new().name("selftest".into()).spawn(move || {
-        std::thread::sleep(std::time::Duration::from_millis(200));
-        match what.as_str() {
-            // SAFETY: raising a signal on the calling thread has no memory effects.
-            "segv" => unsafe {
-                libc::raise(libc::SIGSEGV);
-            },
-            "panic" => panic!("detector self-test"),
-            "hang" => {
-                let _p = nl_vmm::detect::track();
-                loop {
-                    std::hint::spin_loop();
-                }
-            }
-            _ => {}
-        }
-    });
 }
 
 pub fn api_client(a: ApiArgs) -> Result<ExitCode> {

@@ -1,24 +1,8 @@
-//! The subcommands.
+//! The subcommands that are the VMM front end itself; `run`, `checkpoint`,
+//! `restore` and `replicate` are in `nl-launch`, the lab's (`bench`,
+//! `inject`, `ping`, `kvload`) in `nl-lab`.
 
-pub mod bench;
-pub mod bench_checkpoint;
-pub mod bench_hostile;
-pub mod bench_net;
-pub mod bench_recovery;
-pub mod bench_rejuvenate;
-pub mod bench_rejuvenate_cache;
-pub mod bench_rejuvenate_ping;
-pub mod bench_replicate;
-pub mod bench_sandbox;
-pub mod bench_seccomp;
-pub mod checkpoint;
-pub mod echo_server;
 pub mod host;
-pub mod inject;
-pub mod kvload;
 pub mod manual;
-pub mod ping;
 pub mod rejuvenate;
-pub mod replicate;
-pub mod run;
 pub mod sandbox;

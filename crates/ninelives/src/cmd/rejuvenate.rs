@@ -45,7 +45,7 @@ pub struct RejuvenateArgs {
     pub image_dir: Option<PathBuf>,
     /// How long the new VMM may take to become ready before the handover is
     /// rolled back (a number of seconds, or e.g. 90s, 2min).
-    #[arg(long, default_value = "60", value_parser = crate::cli::secs)]
+    #[arg(long, default_value = "60", value_parser = nl_launch::args::secs)]
     pub timeout: f64,
     /// Warm: start the new VMM during the pause instead of before it (by
     /// default it starts first and builds the VMs while they still run, so

@@ -4,7 +4,6 @@
 //! isolation violations. The schema is in docs/sandboxes.md.
 
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -30,10 +29,7 @@ pub struct SandboxArgs {
 
 /// The embedded reference guest.
 pub fn images() -> Images {
-    Images {
-        kernel: Arc::new(nl_guest::KERNEL_ELF.to_vec()),
-        user: Arc::new(nl_guest::USER_ELF.to_vec()),
-    }
+    nl_launch::guest::sandbox_images()
 }
 
 pub fn run(a: SandboxArgs) -> Result<ExitCode> {

@@ -168,14 +168,11 @@ pub fn spawn_host_with(
     }
 }
 
-/// Runs `ip ARGS...` quietly (test network namespaces); true on success.
+/// Runs `ip ARGS...` (test network namespaces; [`nl_lab::netns::ip`]);
+/// true on success, its error text on stderr otherwise.
+#[allow(dead_code)]
 pub fn ip(args: &[&str]) -> bool {
-    Command::new("ip")
-        .args(args)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
+    nl_lab::netns::ip(args).map_err(|e| eprintln!("{e:#}")).is_ok()
 }
 
 /// Replays a completed VM's workload natively (its `stats` from the API) and
@@ -193,37 +190,25 @@ pub fn assert_stats_replay(id: u64, s: &serde_json::Value) {
 }
 
 /// A network namespace of the test's own with TAP `nltap0` at 10.0.0.1/24
-/// (the guest is 10.0.0.2), deleted on drop. Only addresses inside it are used.
-pub struct Netns(pub String);
+/// (the guest is 10.0.0.2), deleted on drop (the lab's helper,
+/// [`nl_lab::netns::Netns`]). Only addresses inside it are used.
+pub struct Netns(pub nl_lab::netns::Netns);
 
 impl Netns {
     /// None (with a loud SKIPPED line) without root or iproute2.
     pub fn new(tag: &str) -> Option<Netns> {
-        let name = format!("nl-test-{tag}-{}", std::process::id());
-        if !ip(&["netns", "add", &name]) {
-            eprintln!(
-                "\n*** SKIPPED: cannot create a network namespace (needs root and iproute2) ***\n"
-            );
+        if let Some(why) = nl_lab::netns::unavailable() {
+            eprintln!("\n*** SKIPPED: cannot create a network namespace ({why}) ***\n");
             return None;
         }
-        let ns = Netns(name);
-        for args in [
-            &["tuntap", "add", "dev", "nltap0", "mode", "tap"][..],
-            &["addr", "add", "10.0.0.1/24", "dev", "nltap0"],
-            &["link", "set", "nltap0", "up"],
-            &["link", "set", "lo", "up"],
-        ] {
-            let mut full = vec!["netns", "exec", &ns.0, "ip"];
-            full.extend_from_slice(args);
-            assert!(ip(&full), "ip {args:?} failed");
-        }
-        Some(ns)
+        let name = format!("nl-test-{tag}-{}", std::process::id());
+        Some(Netns(nl_lab::netns::Netns::with_tap(&name, "nltap0").expect("the test's namespace")))
     }
 
     /// This binary, run inside the namespace.
     pub fn ninelives(&self, args: &[&str]) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.0, env!("CARGO_BIN_EXE_ninelives")]).args(args);
+        let mut c = self.0.command(env!("CARGO_BIN_EXE_ninelives")).expect("the namespace opens");
+        c.args(args);
         c
     }
 
@@ -253,12 +238,6 @@ impl Netns {
             }
         }
         false
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
     }
 }
 

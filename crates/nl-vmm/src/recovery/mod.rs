@@ -388,9 +388,8 @@ pub struct Step {
 pub const INJECTOR_REPAIR_ENV: &str = "NINELIVES_INJECTOR_REPAIR_FLAG";
 pub const INJECTOR_REPAIR_WAIT: Duration = Duration::from_millis(500);
 
-/// Self-test: set, every recovery crashes while it holds the VMM; set to
-/// `other`, the API's accept loop crashes as a recovery starts.
-pub const FAULT_IN_RECOVERY_ENV: &str = "NINELIVES_FAULT_IN_RECOVERY";
+/// Self-test fault point of recovery (see [`crate::selftest`]).
+pub use crate::selftest::FAULT_IN_RECOVERY_ENV;
 
 /// The timed steps of one recovery: each step ends when it is recorded.
 pub(crate) struct Steps {

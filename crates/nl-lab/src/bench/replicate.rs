@@ -16,10 +16,10 @@
 //! (ageing 0), and a TAP with no VMM attached has no carrier, so frames
 //! reach whichever copy of the guest runs: the backup takes the guest's
 //! network identity over by attaching to its TAP. Only those addresses are
-//! used; the VMMs and kvload are this binary, started with `ip netns exec`.
+//! used; the VMMs and kvload are this binary, started inside their namespace (`setns`).
 
 use std::net::{SocketAddr, TcpListener};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -29,12 +29,14 @@ use nl_replicate::backup::{serve, BackupConfig, BackupEnd, HANDSHAKE_TIME};
 use nl_vmm::{Vm, VmOutcome};
 use serde::Serialize;
 
-use crate::cli::{MachineArgs, PatternName, WorkloadArgs, WorkloadName};
-use crate::cmd::ping::{gap_across, lost, PingRun};
-use crate::cmd::replicate::{run_primary, PrimaryArgs, PrimaryRun};
-use crate::guest;
-use crate::netns::ip;
-use crate::verify::verify_vcpus;
+use crate::netns::Netns;
+use crate::ping::{gap_across, lost, PingRun};
+use crate::process::Proc;
+use crate::stats::median;
+use nl_launch::args::{MachineArgs, PatternName, WorkloadArgs, WorkloadName};
+use nl_launch::guest;
+use nl_launch::replicate::{run_primary, PrimaryArgs, PrimaryRun};
+use nl_launch::verify::verify_vcpus;
 
 #[derive(Args, Clone, Debug)]
 pub struct BenchReplicateArgs {
@@ -347,9 +349,9 @@ impl Drop for BenchKey {
 /// The three namespaces (see the module documentation), deleted on drop,
 /// and the replication key of their primary and backup.
 struct Topo {
-    c: String,
-    p: String,
-    b: String,
+    c: Netns,
+    p: Netns,
+    b: Netns,
     key: BenchKey,
 }
 
@@ -358,127 +360,68 @@ const GUEST: &str = "10.0.0.2";
 
 impl Topo {
     fn new() -> Result<Topo, String> {
-        let id = std::process::id();
-        let t = Topo {
-            c: format!("nlrb-{id}-c"),
-            p: format!("nlrb-{id}-p"),
-            b: format!("nlrb-{id}-b"),
-            key: BenchKey::new().map_err(|e| format!("{e:#}"))?,
+        if let Some(why) = crate::netns::unavailable() {
+            return Err(why);
+        }
+        let build = || -> Result<Topo> {
+            let id = std::process::id();
+            let t = Topo {
+                c: Netns::new(&format!("nlrb-{id}-c"))?,
+                p: Netns::new(&format!("nlrb-{id}-p"))?,
+                b: Netns::new(&format!("nlrb-{id}-b"))?,
+                key: BenchKey::new()?,
+            };
+            let bridge = ["link", "add", "br0", "type", "bridge", "ageing_time", "0"];
+            t.c.ip(&bridge)?;
+            t.c.ip(&["addr", "add", "10.0.0.1/24", "dev", "br0"])?;
+            t.c.ip(&["link", "set", "br0", "up"])?;
+            t.p.veth(("rep0", Some("10.9.0.1/24")), &t.b, ("rep1", Some("10.9.0.2/24")))?;
+            for (n, peer) in [(&t.p, "cp"), (&t.b, "cb")] {
+                n.ip(&bridge)?;
+                n.ip(&["link", "set", "br0", "up"])?;
+                n.ip(&["tuntap", "add", "dev", TAP, "mode", "tap"])?;
+                n.ip(&["link", "set", TAP, "master", "br0"])?;
+                n.ip(&["link", "set", TAP, "up"])?;
+                n.veth(("up0", None), &t.c, (peer, None))?;
+                n.ip(&["link", "set", "up0", "master", "br0"])?;
+                t.c.ip(&["link", "set", peer, "master", "br0"])?;
+            }
+            Ok(t)
         };
-        if !ip(&["netns", "add", &t.c]) {
-            return Err("cannot create a network namespace (needs root and iproute2)".into());
-        }
-        for n in [&t.p, &t.b] {
-            if !ip(&["netns", "add", n]) {
-                return Err("cannot create a second network namespace".into());
-            }
-        }
-        let (c, p, b) = (t.c.as_str(), t.p.as_str(), t.b.as_str());
-        let mut steps: Vec<Vec<&str>> = vec![
-            vec!["-n", c, "link", "add", "br0", "type", "bridge", "ageing_time", "0"],
-            vec!["-n", c, "addr", "add", "10.0.0.1/24", "dev", "br0"],
-            vec!["-n", c, "link", "set", "br0", "up"],
-            vec!["-n", c, "link", "set", "lo", "up"],
-            vec!["-n", p, "link", "add", "rep0", "type", "veth", "peer", "name", "rep1"],
-            vec!["-n", p, "link", "set", "rep1", "netns", b],
-            vec!["-n", p, "addr", "add", "10.9.0.1/24", "dev", "rep0"],
-            vec!["-n", b, "addr", "add", "10.9.0.2/24", "dev", "rep1"],
-            vec!["-n", p, "link", "set", "rep0", "up"],
-            vec!["-n", b, "link", "set", "rep1", "up"],
-        ];
-        for (n, peer) in [(p, "cp"), (b, "cb")] {
-            steps.extend([
-                vec!["-n", n, "link", "set", "lo", "up"],
-                vec!["-n", n, "link", "add", "br0", "type", "bridge", "ageing_time", "0"],
-                vec!["-n", n, "link", "set", "br0", "up"],
-                vec!["-n", n, "tuntap", "add", "dev", TAP, "mode", "tap"],
-                vec!["-n", n, "link", "set", TAP, "master", "br0"],
-                vec!["-n", n, "link", "set", TAP, "up"],
-                vec!["-n", n, "link", "add", "up0", "type", "veth", "peer", "name", peer],
-                vec!["-n", n, "link", "set", peer, "netns", c],
-                vec!["-n", n, "link", "set", "up0", "master", "br0"],
-                vec!["-n", n, "link", "set", "up0", "up"],
-                vec!["-n", c, "link", "set", peer, "master", "br0"],
-                vec!["-n", c, "link", "set", peer, "up"],
-            ]);
-        }
-        for s in &steps {
-            if !ip(s) {
-                return Err(format!("ip {} failed", s.join(" ")));
-            }
-        }
-        Ok(t)
+        build().map_err(|e| format!("{e:#}"))
     }
 
-    fn exe(ns: &str, args: &[&str]) -> Result<Command> {
-        let me = std::env::current_exe().context("cannot find this binary")?;
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", ns]).arg(me).args(args);
+    fn exe(ns: &Netns, args: &[&str]) -> Result<Command> {
+        let mut c = ns.ninelives()?;
+        c.args(args);
         Ok(c)
     }
 
-    fn spawn(ns: &str, args: &[&str]) -> Result<Reap> {
-        let c = Self::exe(ns, args)?
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("cannot start a helper")?;
-        Ok(Reap(Some(c)))
+    fn spawn(ns: &Netns, args: &[&str]) -> Result<Proc> {
+        Proc::spawn(Self::exe(ns, args)?).context("cannot start a helper")
     }
 }
 
-impl Drop for Topo {
-    fn drop(&mut self) {
-        for n in [&self.c, &self.p, &self.b] {
-            let _ = ip(&["netns", "del", n]);
-        }
+/// Waits up to `secs` for a helper (then kills it); its exit and output.
+fn finish(mut p: Proc, secs: f64) -> Output {
+    let mut status = p.wait_for(Duration::from_secs_f64(secs));
+    if status.is_none() {
+        p.kill();
+        status = p.wait_for(Duration::from_secs(5));
     }
-}
-
-/// Kills a helper process still running when dropped.
-struct Reap(Option<Child>);
-
-impl Reap {
-    /// Waits up to `secs` (then kills it) and returns its output.
-    fn finish(mut self, secs: f64) -> Output {
-        let mut c = self.0.take().expect("a child");
-        let end = Instant::now() + Duration::from_secs_f64(secs);
-        while Instant::now() < end {
-            if c.try_wait().ok().flatten().is_some() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = c.kill();
-        c.wait_with_output().unwrap_or_else(|e| Output {
-            status: Default::default(),
-            stdout: Vec::new(),
-            stderr: e.to_string().into_bytes(),
-        })
-    }
-
-    fn kill(&mut self) {
-        if let Some(c) = self.0.as_mut() {
-            let _ = c.kill();
-        }
-    }
-}
-
-impl Drop for Reap {
-    fn drop(&mut self) {
-        if let Some(c) = self.0.as_mut() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+    Output {
+        status: status.unwrap_or_default(),
+        stdout: p.stdout.text().into_bytes(),
+        stderr: p.stderr.text().into_bytes(),
     }
 }
 
 fn last_json(o: &Output) -> Option<serde_json::Value> {
-    String::from_utf8_lossy(&o.stdout).lines().rev().find_map(|l| serde_json::from_str(l).ok())
+    crate::json_out::last_json(&String::from_utf8_lossy(&o.stdout))
 }
 
 /// kvload from C against the guest for `secs`; its JSON report.
-fn kvload(t: &Topo, secs: f64, connections: u32, timeout: &str) -> Result<Reap> {
+fn kvload(t: &Topo, secs: f64, connections: u32, timeout: &str) -> Result<Proc> {
     let d = format!("{secs}");
     let n = connections.to_string();
     Topo::spawn(
@@ -511,7 +454,7 @@ fn kv_rows(a: &BenchReplicateArgs, t: &Topo, rows: &mut Vec<Row>) -> Result<bool
     args.extend(KV_NET);
     let vm = Topo::spawn(&t.p, &args)?;
     std::thread::sleep(Duration::from_millis(800));
-    let o = kvload(t, load, 8, "5s")?.finish(load + 60.0);
+    let o = finish(kvload(t, load, 8, "5s")?, load + 60.0);
     drop(vm);
     let j = last_json(&o).context("kvload printed no report")?;
     let base = j["ops_per_sec"].as_f64().unwrap_or(0.0);
@@ -556,9 +499,9 @@ fn kv_rows(a: &BenchReplicateArgs, t: &Topo, rows: &mut Vec<Row>) -> Result<bool
         args.extend(KV_NET);
         let primary = Topo::spawn(&t.p, &args)?;
         std::thread::sleep(Duration::from_millis(800));
-        let ko = kvload(t, load, 8, "5s")?.finish(load + 90.0);
-        let po = primary.finish(load + 120.0);
-        let _ = backup.finish(10.0);
+        let ko = finish(kvload(t, load, 8, "5s")?, load + 90.0);
+        let po = finish(primary, load + 120.0);
+        let _ = finish(backup, 10.0);
         let kj = last_json(&ko).context("kvload printed no report")?;
         let pj = last_json(&po).with_context(|| {
             format!("the kv primary printed no report: {}", String::from_utf8_lossy(&po.stderr))
@@ -739,11 +682,11 @@ fn kill_once(t: &Topo, i: u32, load: f64, seed: &mut u64) -> Result<Kill> {
         primary.kill();
         Instant::now()
     };
-    let po = primary.finish(load + 30.0);
+    let po = finish(primary, load + 30.0);
     let exited = Instant::now();
-    let ko = client.finish(load + 90.0);
+    let ko = finish(client, load + 90.0);
     let pa = end_ping(ping, killed_at, exited);
-    let bo = backup.finish(load + 60.0);
+    let bo = finish(backup, load + 60.0);
     let kj = last_json(&ko).unwrap_or_default();
     let bj = last_json(&bo).unwrap_or_default();
     let killed = po.status.code().is_none();
@@ -791,6 +734,7 @@ fn kill_once(t: &Topo, i: u32, load: f64, seed: &mut u64) -> Result<Kill> {
 
 pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
     let t0 = Instant::now();
+    let clock = crate::json_out::RunClock::start();
     let mut rows = Vec::new();
     let mut all_ok = true;
     let topo = if a.kills > 0 || (!a.no_throughput && !a.no_kv) { Some(Topo::new()) } else { None };
@@ -910,7 +854,7 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
         "host_ms": t0.elapsed().as_secs_f64() * 1e3,
     });
     if a.json {
-        println!("{out}");
+        println!("{}", crate::json_out::with_provenance(out, &clock.finish()));
     }
     Ok(if all_ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
@@ -934,15 +878,6 @@ fn describe_ping(k: &Kill) -> String {
         (None, Some(n)) => format!("ping: {n}"),
         (None, None) => "ping: no result".into(),
     }
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 use std::process::ExitCode;

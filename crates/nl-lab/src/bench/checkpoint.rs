@@ -10,13 +10,13 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use serde_json::json;
 
-use crate::cli::{
-    BenchCheckpointArgs, CheckpointArgs, CkptMode, MachineArgs, PatternName, WorkloadArgs,
-    WorkloadName,
+use crate::args::BenchCheckpointArgs;
+use nl_launch::args::{
+    CheckpointArgs, CkptMode, MachineArgs, PatternName, WorkloadArgs, WorkloadName,
 };
-use crate::cmd::checkpoint::protected_run;
-use crate::cmd::run::run_vms;
-use crate::guest;
+use nl_launch::checkpoint::protected_run;
+use nl_launch::guest;
+use nl_launch::run::run_vms;
 
 /// Checkpoint interval of the fault-injection runs.
 const INJECT_INTERVAL_MS: f64 = 250.0;
@@ -367,7 +367,7 @@ impl Drop for Hogs {
 /// How a protected run ended: "ok" (digest verified), "SDC" (the guest
 /// finished with a wrong digest), "cut short" (it did not finish within the
 /// run's time limit) or "other failure" (a detected crash or error).
-fn run_class(r: &crate::cmd::checkpoint::ProtectedRun) -> &'static str {
+fn run_class(r: &nl_launch::checkpoint::ProtectedRun) -> &'static str {
     match (r.digest_ok, &r.report.outcome, r.error.as_deref()) {
         (true, ..) => "ok",
         (false, _, Some(e)) if e.contains("silent data corruption") => "SDC",

@@ -35,7 +35,7 @@ use nix::sys::ptrace;
 use nix::unistd::Pid;
 use serde_json::{json, Value};
 
-use super::{inject_traced, poke, wait_event, Alarm, Event, Injection, Plan, Traced};
+use crate::{inject_traced, poke, wait_event, Alarm, Event, Injection, Plan, Traced};
 
 /// The arguments of the hidden `ninelives inject sentinel` command.
 #[derive(clap::Args, Clone, Debug)]
@@ -135,7 +135,7 @@ pub fn run(a: SentinelArgs) -> Result<std::process::ExitCode> {
             // while we look, so look until no new one does (bounded).
             for _ in 0..5 {
                 let mut new = 0;
-                for (_, tid) in super::threads(a.pid) {
+                for (_, tid) in crate::threads(a.pid) {
                     let known =
                         traced.contains(&tid) || others.iter().any(|t| t.tid.as_raw() == tid);
                     if !known {
@@ -176,7 +176,7 @@ pub fn run(a: SentinelArgs) -> Result<std::process::ExitCode> {
     if let End::Signal(tid, _) = &end {
         // The faulting thread first: its error is the one the VMM should see.
         thread =
-            super::threads(a.pid).into_iter().find(|(_, t)| *t == tid.as_raw()).map(|(n, _)| n);
+            crate::threads(a.pid).into_iter().find(|(_, t)| *t == tid.as_raw()).map(|(n, _)| n);
         if let Some(mut t) = traced.remove(tid) {
             repair.through(t.tid);
             t.detach();

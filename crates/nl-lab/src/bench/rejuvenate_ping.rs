@@ -2,7 +2,7 @@
 //! interruption a client sees while the VMM process is replaced.
 //!
 //! The bench builds a network namespace of its own with a TAP
-//! ([`TAP`], 10.0.0.1/24), runs the host inside it (`ip netns exec`) so a
+//! ([`TAP`], 10.0.0.1/24), runs the host inside it (`setns`) so a
 //! netbench VM (10.0.0.2, UDP echo on port 7) can attach the TAP, and for
 //! each rejuvenation starts `ninelives ping --interval 1ms --until-stdin-eof`
 //! in the namespace (see [`across`]): it sends for a short window before the
@@ -17,7 +17,6 @@
 //! SIGTERM are caught by [`cleanup_on_signals`], which kills the host and
 //! deletes the namespace before exiting.
 
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -25,8 +24,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
-use crate::cmd::ping::{gap_across, last_json, lost, PingRun};
-use crate::netns::ip;
+use crate::json_out::last_json;
+use crate::netns::Netns;
+use crate::ping::{gap_across, lost, PingRun};
 
 /// The TAP the netbench VM attaches (inside the bench's namespace).
 pub const TAP: &str = "nlrjtap0";
@@ -60,15 +60,15 @@ fn on_signal() -> std::sync::MutexGuard<'static, OnSignal> {
 /// registered host process groups, deletes the registered namespaces and
 /// exits with status 130, whatever the bench is waiting for meanwhile.
 pub fn cleanup_on_signals() {
-    crate::cmd::inject::install_cancel_handler();
+    crate::process::install_cancel_handler();
     let _ = std::thread::Builder::new().name("bench-signals".into()).spawn(|| loop {
-        if crate::cmd::inject::cancelled() {
+        if crate::process::cancelled() {
             let todo = std::mem::take(&mut *on_signal());
             for pgid in todo.hosts {
                 kill_group(pgid);
             }
             for ns in &todo.namespaces {
-                let _ = ip(&["netns", "del", ns]);
+                let _ = crate::netns::ip(&["netns", "del", ns]);
             }
             eprintln!("bench rejuvenate: interrupted; host killed, namespaces deleted");
             std::process::exit(130);
@@ -102,22 +102,6 @@ fn kill_group(pgid: i32) {
             nix::sys::signal::Signal::SIGKILL,
         );
     }
-}
-
-/// Why the ping part cannot run on this machine, if it cannot.
-fn unavailable() -> Option<String> {
-    // /proc/self belongs to the process's effective user.
-    let root = std::fs::metadata("/proc/self").is_ok_and(|m| {
-        use std::os::unix::fs::MetadataExt;
-        m.uid() == 0
-    });
-    if !root {
-        return Some("not root (a network namespace and a TAP need root)".into());
-    }
-    if !Command::new("ip").arg("-V").output().is_ok_and(|o| o.status.success()) {
-        return Some("iproute2 (`ip`) is not installed".into());
-    }
-    None
 }
 
 /// The bench's ping namespace, or `None` and why not; with a JSON
@@ -154,28 +138,29 @@ pub fn baseline(net: Option<&PingNet>) -> Result<Option<Value>> {
 
 /// The bench's network namespace with the TAP; deleted on drop.
 pub struct PingNet {
-    ns: String,
-    exe: PathBuf,
+    ns: Netns,
 }
 
 impl PingNet {
     /// Builds the namespace, or says why the ping part is skipped.
     pub fn new() -> std::result::Result<PingNet, String> {
-        if let Some(why) = unavailable() {
+        if let Some(why) = crate::netns::unavailable() {
             return Err(why);
         }
-        let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
-        let ns = format!("nl-rejuv-{}", std::process::id());
-        crate::netns::add_with_tap(&ns, TAP)?;
-        on_signal().namespaces.push(ns.clone());
-        Ok(PingNet { ns, exe })
+        let name = format!("nl-rejuv-{}", std::process::id());
+        on_signal().namespaces.push(name.clone());
+        let ns = Netns::with_tap(&name, TAP).map_err(|e| format!("{e:#}"))?;
+        Ok(PingNet { ns })
     }
 
-    /// `ip netns exec NS <this binary>`: add the subcommand and its arguments.
-    pub fn command(&self) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.ns]).arg(&self.exe);
-        c
+    /// The namespace.
+    pub fn netns(&self) -> &Netns {
+        &self.ns
+    }
+
+    /// This binary inside the namespace: add the subcommand and its arguments.
+    pub fn command(&self) -> Result<Command> {
+        self.ns.ninelives()
     }
 
     /// The `create` request of the netbench VM on the TAP.
@@ -185,7 +170,7 @@ impl PingNet {
     }
 
     fn ping(&self, interval: &str, secs: &str) -> Result<std::process::Output> {
-        let mut c = self.command();
+        let mut c = self.command()?;
         c.args(["ping", "--target", GUEST, "--interval", interval, "--duration", secs, "--json"]);
         c.stdin(Stdio::null()).stderr(Stdio::null()).output().context("cannot run ninelives ping")
     }
@@ -221,7 +206,7 @@ impl PingNet {
     /// Starts a 1 ms ping and lets it run for a short window; the caller
     /// then rejuvenates between [`Probe::begin`] and [`Probe::end`].
     fn start_probe(&self) -> Result<Probe> {
-        let mut c = self.command();
+        let mut c = self.command()?;
         c.args(["ping", "--target", GUEST, "--interval", "1ms", "--duration", PROBE_MAX_SECS]);
         c.args(["--until-stdin-eof", "--json"]);
         let run = PingRun::start(c)?;
@@ -232,8 +217,8 @@ impl PingNet {
 
 impl Drop for PingNet {
     fn drop(&mut self) {
-        let _ = ip(&["netns", "del", &self.ns]);
-        on_signal().namespaces.retain(|n| n != &self.ns);
+        // The namespace itself is deleted when `ns` drops.
+        on_signal().namespaces.retain(|n| n != self.ns.name());
     }
 }
 

@@ -116,7 +116,7 @@ fn sandbox_run(
     seed: u64,
 ) -> Result<Vec<SizeNumbers>> {
     let set =
-        SandboxSet::create(kvm, config(cores, max_msg, seed)?, &crate::cmd::sandbox::images())?;
+        SandboxSet::create(kvm, config(cores, max_msg, seed)?, &nl_launch::guest::sandbox_images())?;
     set.start_all()?;
     let report = set.supervise(Duration::from_secs(300));
     if !report.all_ok() {
@@ -193,7 +193,7 @@ pub fn isolation(seeds: u64) -> Result<Isolation> {
     let host = nl_sandbox::affinity::host_cores()?;
     let cores = [host[0], *host.last().unwrap_or(&host[0])];
     let kvm = nl_vmm::open_kvm()?;
-    let images = crate::cmd::sandbox::images();
+    let images = nl_launch::guest::sandbox_images();
     let mut runs = Vec::new();
     for seed in 1..=seeds {
         runs.push(nl_sandbox::isolation::wildwrite_beside(&kvm, &images, seed, cores)?);

@@ -5,9 +5,11 @@
 use anyhow::{bail, Result};
 use serde::Serialize;
 
-use crate::cli::{MachineArgs, WorkloadArgs, WorkloadName};
-use crate::cmd::run::run_vms;
-use crate::guest;
+use crate::json_out::loadavg;
+use crate::stats::Summary;
+use nl_launch::args::{MachineArgs, WorkloadArgs, WorkloadName};
+use nl_launch::guest;
+use nl_launch::run::run_vms;
 
 /// Pairs measured (on, off, on, off, ...).
 pub const REPS: usize = 5;
@@ -27,10 +29,6 @@ pub struct SeccompOverhead {
     /// /proc/loadavg before and after.
     pub loadavg_before: String,
     pub loadavg_after: String,
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim().to_string()
 }
 
 fn one(m: &MachineArgs, duration: f64, on: bool) -> Result<f64> {
@@ -62,16 +60,15 @@ pub fn measure(m: &MachineArgs, duration: f64) -> Result<SeccompOverhead> {
     r?;
     let pair_ratios: Vec<f64> =
         on.iter().zip(&off).map(|(a, b)| if *b > 0.0 { a / b } else { 0.0 }).collect();
-    let mut sorted = pair_ratios.clone();
-    sorted.sort_by(f64::total_cmp);
+    let spread = Summary::of(&pair_ratios);
     Ok(SeccompOverhead {
         workload: "exits",
         reps: REPS,
         on_ops_per_sec: on,
         off_ops_per_sec: off,
-        ratio_median: sorted[sorted.len() / 2],
-        ratio_min: sorted[0],
-        ratio_max: sorted[sorted.len() - 1],
+        ratio_median: spread.median,
+        ratio_min: spread.min,
+        ratio_max: spread.max,
         pair_ratios,
         loadavg_before,
         loadavg_after: loadavg(),

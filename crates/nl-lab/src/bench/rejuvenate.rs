@@ -15,18 +15,16 @@
 //! Then the paper's Figure 8, `filecache` throughput after each kind of
 //! reboot (`bench_rejuvenate_cache`).
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ExitCode, Stdio};
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
 
-use crate::cli::parse_size;
-use crate::cmd::bench_rejuvenate_ping::{self as ping, PingNet};
+use crate::bench::rejuvenate_ping::{self as ping, PingNet};
+use nl_launch::args::parse_size;
 
 #[derive(Args, Clone, Debug)]
 pub struct BenchRejuvenateArgs {
@@ -53,64 +51,31 @@ pub struct BenchRejuvenateArgs {
     pub plot: Option<PathBuf>,
 }
 
-pub(crate) struct HostProc {
-    child: Child,
-    sock: PathBuf,
-}
+/// A host of this bench: a [`crate::process::HostProc`] whose process
+/// group (the host and the successors of its rejuvenations) an interrupted
+/// bench kills.
+pub(crate) struct HostProc(crate::process::HostProc);
 
 impl HostProc {
     /// Starts a host, inside the ping namespace if there is one (its VMs
-    /// attach the namespace's TAP), in a process group of its own (its
-    /// successors stay in it) that an interrupted bench kills.
+    /// attach the namespace's TAP).
     pub(crate) fn start(sock: &Path, net: Option<&PingNet>) -> Result<Self> {
-        use std::os::unix::process::CommandExt;
-        let exe = std::env::current_exe().context("cannot find the ninelives binary")?;
-        let mut cmd = match net {
-            Some(net) => net.command(),
-            None => std::process::Command::new(exe),
-        };
-        let child = cmd
-            .process_group(0)
-            .args(["host", "--api"])
-            .arg(sock)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
+        let h = crate::process::HostProc::start(sock, net.map(PingNet::netns), &[], &[])
             .context("cannot start a host")?;
-        ping::kill_host_on_signal(child.id());
-        let h = Self { child, sock: sock.to_path_buf() };
-        let t = Instant::now();
-        while UnixStream::connect(sock).is_err() {
-            if t.elapsed() > Duration::from_secs(20) {
-                bail!("the host did not start listening");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Ok(h)
+        ping::kill_host_on_signal(h.pid() as u32);
+        Ok(Self(h))
     }
 
     pub(crate) fn req(&self, v: Value) -> Result<Value> {
-        let mut s = UnixStream::connect(&self.sock).context("cannot reach the host")?;
-        s.set_read_timeout(Some(Duration::from_secs(3600)))?;
-        writeln!(s, "{v}")?;
-        let mut line = String::new();
-        BufReader::new(s).read_line(&mut line)?;
-        let r: Value = serde_json::from_str(&line).context("bad reply from the host")?;
-        if r["ok"] != true {
-            bail!("host: {}", r["error"]);
-        }
-        Ok(r)
+        self.0.req_within(v, Duration::from_secs(3600))
     }
 }
 
 impl Drop for HostProc {
     fn drop(&mut self) {
-        let _ = self.req(json!({"op":"shutdown"}));
-        // Whatever is left of the host's lineage (a successor of a
-        // rejuvenation that failed half-way) goes with its process group,
-        // killed before the first host is reaped (its pid names the group).
-        ping::kill_host_group(self.child.id());
-        let _ = self.child.wait();
+        let _ = self.0.req(json!({"op":"shutdown"}));
+        // Forgotten by the signal handler before the process is reaped.
+        ping::kill_host_group(self.0.pid() as u32);
     }
 }
 
@@ -195,6 +160,7 @@ pub fn bench(a: BenchRejuvenateArgs) -> Result<ExitCode> {
     if a.vms.iter().any(|&n| n == 0 || n > 64) || a.model_max == 0 || a.model_max > 64 {
         bail!("VM counts must be between 1 and 64");
     }
+    let clock = crate::json_out::RunClock::start();
     // Before any thread starts: an interrupted bench still deletes its
     // namespace and stops its host.
     ping::cleanup_on_signals();
@@ -264,16 +230,14 @@ pub fn bench(a: BenchRejuvenateArgs) -> Result<ExitCode> {
     let filecache = if a.no_filecache {
         Value::Null
     } else {
-        crate::cmd::bench_rejuvenate_cache::measure(&a.image_dir, a.plot.as_deref(), a.json)?
+        crate::bench::rejuvenate_cache::measure(&a.image_dir, a.plot.as_deref(), a.json)?
     };
     if a.json {
-        println!(
-            "{}",
-            json!({
-                "runs": runs, "model": model, "ping": ping_info, "filecache": filecache,
-                "not_measured": not_measured,
-            })
-        );
+        let v = json!({
+            "runs": runs, "model": model, "ping": ping_info, "filecache": filecache,
+            "not_measured": not_measured,
+        });
+        println!("{}", crate::json_out::with_provenance(v, &clock.finish()));
     }
     Ok(ExitCode::SUCCESS)
 }

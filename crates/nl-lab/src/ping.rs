@@ -12,7 +12,7 @@ use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::cli::PingArgs;
+use crate::args::PingArgs;
 
 /// A 1-second window (by send time) whose reception rate fell below 90%.
 #[derive(Clone, Debug, Serialize)]
@@ -185,7 +185,7 @@ pub fn ping(
     }
     let mut rtts: Vec<f64> = replied.iter().flatten().map(|d| d.as_secs_f64() * 1e3).collect();
     rtts.sort_by(f64::total_cmp);
-    let pick = |q: f64| (!rtts.is_empty()).then(|| rtts[((rtts.len() - 1) as f64 * q) as usize]);
+    let pick = |q: f64| (!rtts.is_empty()).then(|| crate::stats::percentile_sorted(&rtts, q));
     Ok(PingReport {
         target: target.to_string(),
         interval_ms: interval.as_secs_f64() * 1e3,
@@ -206,6 +206,13 @@ pub fn ping(
 pub fn run(a: PingArgs) -> Result<ExitCode> {
     if !(a.duration.is_finite() && a.duration > 0.0 && a.duration <= 86_400.0) {
         bail!("--duration {} must be between 0 and 86400 seconds", a.duration);
+    }
+    if a.interval.as_secs_f64() > a.duration {
+        bail!(
+            "--interval {:?} is longer than --duration {} s: no ping would be answered in time",
+            a.interval,
+            a.duration
+        );
     }
     let target = target_addr(&a.target)?;
     let stop = Arc::new(AtomicBool::new(false));
@@ -294,7 +301,8 @@ impl PingRun {
             o.read_to_string(&mut rest).context("reading the ping report")?;
         }
         let _ = self.child.wait();
-        let report = last_json(&rest).context("ninelives ping printed no result")?;
+        let report =
+            crate::json_out::last_json(&rest).context("ninelives ping printed no result")?;
         // How long before `t0` the report's clock started: the pinger starts
         // it right after saying `sending`, and this process may read that
         // late on a loaded machine. Both read the same wall clock; a result
@@ -341,11 +349,6 @@ pub fn gap_across(report: &Value, begin_ms: f64, end_ms: f64) -> Option<Gap> {
         .filter_map(|g| Some(Gap { start_ms: g["start_ms"].as_f64()?, ms: g["ms"].as_f64()? }))
         .filter(|g| g.start_ms < end_ms && g.start_ms + g.ms > begin_ms)
         .max_by(|x, y| x.ms.total_cmp(&y.ms))
-}
-
-/// The last line of `out` that is a JSON object (a ping's report).
-pub fn last_json(out: &str) -> Option<Value> {
-    out.lines().rev().find_map(|l| serde_json::from_str::<Value>(l).ok().filter(Value::is_object))
 }
 
 /// Pings sent and not answered, from a ping report (null if it lacks them).
@@ -447,6 +450,6 @@ mod tests {
         assert_eq!((g.start_ms, g.ms), (200.0, 90.0));
         assert!(gap_across(&r, 60.0, 90.0).is_none());
         assert_eq!(lost(&r), 3);
-        assert_eq!(last_json("x\n{\"a\": 1}\nreport\n").unwrap()["a"], 1);
+        assert_eq!(crate::json_out::last_json("x\n{\"a\": 1}\nreport\n").unwrap()["a"], 1);
     }
 }

@@ -1,16 +1,31 @@
 //! `ninelives bench`: each workload in a VM against the same code natively,
 //! measured in the same invocation and reported as ratios.
 
+pub mod checkpoint;
+pub mod hostile;
+pub mod net;
+pub mod recovery;
+pub mod rejuvenate;
+pub mod rejuvenate_cache;
+pub mod rejuvenate_ping;
+pub mod replicate;
+pub mod sandbox;
+pub mod seccomp;
+
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{bail, Result};
 use serde::Serialize;
 
-use crate::cli::{BenchArgs, BenchMechanism, MachineArgs, PatternName, WorkloadArgs, WorkloadName};
-use crate::cmd::run::run_vms;
-use crate::guest;
+use crate::args::{BenchArgs, BenchMechanism};
+use crate::json_out::{with_provenance, RunClock};
+use crate::stats::{ratio_interval, Summary};
+use nl_launch::args::{MachineArgs, PatternName, WorkloadArgs, WorkloadName};
+use nl_launch::guest;
+use nl_launch::run::run_vms;
 
+/// One cell: `reps` native runs interleaved with as many guest runs.
 #[derive(Serialize)]
 struct Entry {
     workload: &'static str,
@@ -20,9 +35,15 @@ struct Entry {
     unit: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pattern: Option<&'static str>,
+    /// Medians.
     guest_ops_per_sec: f64,
     native_ops_per_sec: f64,
+    /// median(guest) / median(native), with its 95% bootstrap interval.
     ratio: f64,
+    ratio_ci95: [f64; 2],
+    /// Every sample, in the order measured (native i ran just before guest i).
+    guest: Summary,
+    native: Summary,
     digest_ok: bool,
 }
 
@@ -32,14 +53,49 @@ struct BootStats {
     median_ms: f64,
     min_ms: f64,
     max_ms: f64,
+    samples_ms: Vec<f64>,
 }
 
+/// `reps` interleaved pairs (native, then guest) of one cell.
 fn measure(
     w: &WorkloadArgs,
     pattern: Option<&'static str>,
     duration: f64,
     m: &MachineArgs,
+    reps: u32,
 ) -> Result<Entry> {
+    let (mut guest, mut native, mut digest_ok) = (Vec::new(), Vec::new(), true);
+    let mut unit = None;
+    for _ in 0..reps {
+        let (g, n, ok, u) = measure_pair(w, duration, m)?;
+        guest.push(g);
+        native.push(n);
+        digest_ok &= ok;
+        unit = u;
+    }
+    let r = ratio_interval(&guest, &native);
+    let (guest, native) = (Summary::of(&guest), Summary::of(&native));
+    Ok(Entry {
+        workload: w.workload.name(),
+        unit,
+        pattern,
+        guest_ops_per_sec: guest.median,
+        native_ops_per_sec: native.median,
+        ratio: r.ratio,
+        ratio_ci95: [r.lo, r.hi],
+        guest,
+        native,
+        digest_ok,
+    })
+}
+
+/// One native run and then one guest run: (guest ops/s, native ops/s,
+/// digest ok, unit).
+fn measure_pair(
+    w: &WorkloadArgs,
+    duration: f64,
+    m: &MachineArgs,
+) -> Result<(f64, f64, bool, Option<&'static str>)> {
     let params = guest::workload_params(w, duration)?;
     let d = Duration::from_secs_f64(duration);
     let mut m = m.clone();
@@ -65,16 +121,8 @@ fn measure(
     if let Some(e) = &r.error {
         bail!("{} in the guest failed: {e}", w.workload.name());
     }
-    let native_ops = native.ops_per_sec();
-    Ok(Entry {
-        workload: w.workload.name(),
-        unit: guest::disk_needed(&params).map(|_| "bytes"),
-        pattern,
-        guest_ops_per_sec: r.ops_per_sec,
-        native_ops_per_sec: native_ops,
-        ratio: if native_ops > 0.0 { r.ops_per_sec / native_ops } else { 0.0 },
-        digest_ok: r.digest_ok,
-    })
+    let unit = guest::disk_needed(&params).map(|_| "bytes");
+    Ok((r.ops_per_sec, native.ops_per_sec(), r.digest_ok, unit))
 }
 
 fn boot_times(n: u32, m: &MachineArgs) -> Result<BootStats> {
@@ -91,23 +139,24 @@ fn boot_times(n: u32, m: &MachineArgs) -> Result<BootStats> {
     if v.is_empty() {
         bail!("no boot reached the workload");
     }
-    v.sort_by(f64::total_cmp);
-    Ok(BootStats { runs: v.len(), median_ms: v[v.len() / 2], min_ms: v[0], max_ms: v[v.len() - 1] })
+    let s = Summary::of(&v);
+    Ok(BootStats { runs: s.n, median_ms: s.median, min_ms: s.min, max_ms: s.max, samples_ms: v })
 }
 
 pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     match a.mechanism {
-        Some(BenchMechanism::Checkpoint(c)) => return crate::cmd::bench_checkpoint::bench(c),
-        Some(BenchMechanism::Rejuvenate(r)) => return crate::cmd::bench_rejuvenate::bench(r),
-        Some(BenchMechanism::Replicate(c)) => return crate::cmd::bench_replicate::bench(c),
-        Some(BenchMechanism::Recovery(c)) => return crate::cmd::bench_recovery::bench_recovery(c),
-        Some(BenchMechanism::Hostile(c)) => return crate::cmd::bench_hostile::bench(c),
-        Some(BenchMechanism::Sandbox(c)) => return crate::cmd::bench_sandbox::bench(c),
+        Some(BenchMechanism::Checkpoint(c)) => return crate::bench::checkpoint::bench(c),
+        Some(BenchMechanism::Rejuvenate(r)) => return crate::bench::rejuvenate::bench(r),
+        Some(BenchMechanism::Replicate(c)) => return crate::bench::replicate::bench(c),
+        Some(BenchMechanism::Recovery(c)) => return crate::bench::recovery::bench_recovery(c),
+        Some(BenchMechanism::Hostile(c)) => return crate::bench::hostile::bench(c),
+        Some(BenchMechanism::Sandbox(c)) => return crate::bench::sandbox::bench(c),
         None => {}
     }
     if !(a.duration.is_finite() && a.duration > 0.0) {
         bail!("--duration must be a positive number of seconds");
     }
+    let clock = RunClock::start();
     let m = MachineArgs::default();
     let wanted =
         if a.workloads.is_empty() { WorkloadName::ALL.to_vec() } else { a.workloads.clone() };
@@ -121,7 +170,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             continue;
         }
         if w == WorkloadName::Netbench {
-            match crate::cmd::bench_net::measure(a.duration)? {
+            match crate::bench::net::measure(a.duration)? {
                 Ok(e) => {
                     if !a.json {
                         println!(
@@ -160,22 +209,29 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             other => vec![(WorkloadArgs { workload: other, ..WorkloadArgs::default() }, None)],
         };
         for (args, pattern) in cases {
-            let e = measure(&args, pattern, a.duration, &m)?;
+            let e = measure(&args, pattern, a.duration, &m, a.reps)?;
             if !a.json {
                 println!(
-                    "{:<9} {:<11} guest {:>12.4e} ops/s  native {:>12.4e} ops/s  ratio {:.3}",
+                    "{:<9} {:<11} guest {:>10.3e} [{:.3e}–{:.3e}] ops/s  native {:>10.3e} [{:.3e}–{:.3e}] ops/s  ratio {:.3} [{:.3}, {:.3}] (n={})",
                     e.workload,
                     e.pattern.unwrap_or(""),
-                    e.guest_ops_per_sec,
-                    e.native_ops_per_sec,
-                    e.ratio
+                    e.guest.median,
+                    e.guest.min,
+                    e.guest.max,
+                    e.native.median,
+                    e.native.min,
+                    e.native.max,
+                    e.ratio,
+                    e.ratio_ci95[0],
+                    e.ratio_ci95[1],
+                    e.guest.n
                 );
             }
             results.push(serde_json::to_value(e)?);
         }
     }
     if a.workloads.is_empty() || a.workloads.contains(&WorkloadName::Exits) {
-        let s = crate::cmd::bench_seccomp::measure(&m, a.duration)?;
+        let s = crate::bench::seccomp::measure(&m, a.duration)?;
         if !a.json {
             println!(
                 "seccomp   exits       filters on/off ops/s ratio median {:.3} (min {:.3}, max {:.3}, {} interleaved pairs)  loadavg {}",
@@ -185,13 +241,19 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         results.push(serde_json::json!({ "workload": "seccomp", "seccomp": s }));
     }
     let boot = boot_times(a.boots, &m)?;
+    let p = clock.finish();
     if !a.json {
         println!(
             "boot to first workload instruction: median {:.2} ms (min {:.2}, max {:.2}, {} boots)",
             boot.median_ms, boot.min_ms, boot.max_ms, boot.runs
         );
+        println!(
+            "medians [min–max] of {} interleaved native/guest pairs; ratio [95% bootstrap interval]; loadavg {} → {}; revision {}",
+            a.reps, p.loadavg_before, p.loadavg_after, p.git_revision
+        );
     } else {
-        println!("{}", serde_json::json!({ "results": results, "skipped": skipped, "boot": boot }));
+        let v = serde_json::json!({ "reps": a.reps, "results": results, "skipped": skipped, "boot": boot });
+        println!("{}", with_provenance(v, &p));
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -73,7 +73,7 @@ impl Drop for TempDisk {
     }
 }
 
-use crate::cli::{MachineArgs, PatternName, WorkloadArgs, WorkloadName};
+use crate::args::{MachineArgs, PatternName, WorkloadArgs, WorkloadName};
 
 impl WorkloadName {
     pub fn abi(self) -> u64 {
@@ -244,4 +244,12 @@ pub fn vm_config(
     };
     c.validate().map_err(anyhow::Error::msg)?;
     Ok(c)
+}
+
+/// The embedded reference guest's images, for a sandbox set.
+pub fn sandbox_images() -> nl_sandbox::Images {
+    nl_sandbox::Images {
+        kernel: std::sync::Arc::new(nl_guest::KERNEL_ELF.to_vec()),
+        user: std::sync::Arc::new(nl_guest::USER_ELF.to_vec()),
+    }
 }

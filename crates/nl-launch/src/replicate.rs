@@ -12,7 +12,7 @@ use nl_replicate::primary::{Options, Primary, PrimaryConfig, PrimaryReport};
 use nl_vmm::{Vm, VmOutcome};
 use serde::Serialize;
 
-use crate::cli::{parse_size, MachineArgs, WorkloadArgs};
+use crate::args::{parse_size, MachineArgs, WorkloadArgs};
 use crate::guest;
 use crate::verify::verify_vcpus;
 
@@ -35,10 +35,10 @@ pub struct PrimaryArgs {
     #[arg(long)]
     pub backup: SocketAddr,
     /// Epoch length (a number of milliseconds, or e.g. 20ms, 1.5s).
-    #[arg(long, default_value = "20", value_parser = crate::cli::millis)]
+    #[arg(long, default_value = "20", value_parser = crate::args::millis)]
     pub epoch: u64,
     /// Without a frame from the backup for this long, the primary fences itself (a number of milliseconds, or e.g. 20ms, 1.5s).
-    #[arg(long, default_value = "1000", value_parser = crate::cli::millis)]
+    #[arg(long, default_value = "1000", value_parser = crate::args::millis)]
     pub lease_ms: u64,
     /// The replication key (from `replicate keygen`; the same file on both ends, mode
     /// 0600): both ends prove they hold it, and every frame is sealed under a key
@@ -58,7 +58,7 @@ pub struct PrimaryArgs {
     pub pipeline: u32,
     /// Output-triggered epochs: end an epoch early once the guest has sent frames
     /// and the epoch has run this long (0: off) (a number of milliseconds, or e.g. 20ms, 1.5s).
-    #[arg(long, default_value = "0", value_parser = crate::cli::millis)]
+    #[arg(long, default_value = "0", value_parser = crate::args::millis)]
     pub output_epoch_ms: u64,
     /// Write-fault prediction (needs --selective): pages really written in an epoch stay
     /// writable; unchanged ones are dropped as fake dirty and re-protected.
@@ -82,7 +82,7 @@ pub struct PrimaryArgs {
     #[command(flatten)]
     pub machine: MachineArgs,
     /// How long the workload runs (a number of seconds, or e.g. 1.5s, 500ms, 2min).
-    #[arg(long, default_value = "3", value_parser = crate::cli::secs)]
+    #[arg(long, default_value = "3", value_parser = crate::args::secs)]
     pub duration: f64,
     /// Write the guest's console output to this file.
     #[arg(long)]
@@ -111,7 +111,7 @@ pub struct BackupArgs {
     #[arg(long, default_value_t = 1)]
     pub vcpus: u32,
     /// The primary is declared gone after this long without a frame (a number of milliseconds, or e.g. 20ms, 1.5s).
-    #[arg(long, default_value = "1000", value_parser = crate::cli::millis)]
+    #[arg(long, default_value = "1000", value_parser = crate::args::millis)]
     pub lease_ms: u64,
     /// Where this backup keeps its copy of the primary's disk: created, or
     /// emptied and resized, when the primary attaches; the VM uses it after

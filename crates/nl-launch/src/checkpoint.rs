@@ -10,7 +10,7 @@ use nl_checkpoint::{CheckpointConfig, Mode, RunReport, Supervisor};
 use nl_vmm::Vm;
 use serde::Serialize;
 
-use crate::cli::{CheckpointArgs, CkptMode};
+use crate::args::{CheckpointArgs, CkptMode};
 use crate::guest;
 use crate::verify::verify_vm;
 
@@ -208,13 +208,13 @@ pub fn checkpoint(a: CheckpointArgs) -> Result<ExitCode> {
 }
 
 /// `ninelives restore FILE`: a VM from a disk checkpoint, run to completion.
-pub fn restore(a: crate::cli::RestoreArgs) -> Result<ExitCode> {
+pub fn restore(a: crate::args::RestoreArgs) -> Result<ExitCode> {
     // Everything is read and checked before a VM exists: a bad file never
     // leaves a half-restored VM.
     let key = a.key_file.as_deref().map(nl_checkpoint::disk::load_key).transpose()?;
     let ck = nl_checkpoint::disk::read(&a.file, key.as_ref())?;
     let h = &ck.header;
-    let m = crate::cli::MachineArgs {
+    let m = crate::args::MachineArgs {
         mem: h.mem_bytes,
         vcpus: h.vcpus,
         timer_hz: h.timer_hz,

@@ -7,13 +7,16 @@
 //! guest is 10.0.0.2) and the pinger; namespace B, reached from A over a
 //! veth pair (10.0.1.1 - 10.0.1.2), holds the echo responder. Only those
 //! addresses are ever used. The VMM, the pinger and the responder are this
-//! binary, started with `ip netns exec`.
+//! binary, started inside their namespace (`setns`).
 
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output};
+
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
+
+use crate::process::Proc;
 
 /// Round-trip times of one ping run (milliseconds).
 #[derive(Clone, Debug, Serialize)]
@@ -46,66 +49,37 @@ pub struct NetEntry {
 
 /// Two namespaces (A: TAP and pinger, B: echo responder), deleted on drop.
 struct Netns {
-    a: String,
-    b: String,
+    a: crate::netns::Netns,
+    b: crate::netns::Netns,
 }
 
-use crate::netns::ip;
-
 impl Netns {
-    /// None (with the reason) when namespaces cannot be made here.
+    /// The reason when namespaces cannot be made here.
     fn new() -> Result<Netns, String> {
-        let pid = std::process::id();
-        let (a, b) = (format!("nlbench-{pid}-a"), format!("nlbench-{pid}-b"));
-        if !ip(&["netns", "add", &a]) {
-            return Err("cannot create a network namespace (needs root and iproute2)".into());
+        if let Some(why) = crate::netns::unavailable() {
+            return Err(why);
         }
-        let ns = Netns { a, b };
-        if !ip(&["netns", "add", &ns.b]) {
-            return Err("cannot create a second network namespace".into());
-        }
-        let (a, b) = (ns.a.as_str(), ns.b.as_str());
-        let steps: [&[&str]; 13] = [
-            &["-n", a, "tuntap", "add", "dev", "nlbtap0", "mode", "tap"],
-            &["-n", a, "addr", "add", "10.0.0.1/24", "dev", "nlbtap0"],
-            &["-n", a, "link", "set", "nlbtap0", "up"],
-            &["-n", a, "link", "set", "lo", "up"],
-            &["-n", a, "link", "add", "nlbv0", "type", "veth", "peer", "name", "nlbv1"],
-            &["-n", a, "link", "set", "nlbv1", "netns", b],
-            &["-n", a, "addr", "add", "10.0.1.1/24", "dev", "nlbv0"],
-            &["-n", a, "link", "set", "nlbv0", "up"],
-            &["-n", b, "addr", "add", "10.0.1.2/24", "dev", "nlbv1"],
-            &["-n", b, "link", "set", "nlbv1", "up"],
-            &["-n", b, "link", "set", "lo", "up"],
-            &["-n", a, "link", "show", "nlbv0"],
-            &["-n", b, "link", "show", "nlbv1"],
-        ];
-        for s in steps {
-            if !ip(s) {
-                return Err(format!("ip {} failed", s.join(" ")));
-            }
-        }
-        Ok(ns)
+        let build = || -> Result<Netns> {
+            let pid = std::process::id();
+            let a = crate::netns::Netns::new(&format!("nlbench-{pid}-a"))?;
+            let b = crate::netns::Netns::new(&format!("nlbench-{pid}-b"))?;
+            a.add_tap("nlbtap0", "10.0.0.1/24")?;
+            a.veth(("nlbv0", Some("10.0.1.1/24")), &b, ("nlbv1", Some("10.0.1.2/24")))?;
+            Ok(Netns { a, b })
+        };
+        build().map_err(|e| format!("{e:#}"))
     }
 
     /// This binary with `args`, run inside namespace `ns`.
-    fn exe(ns: &str, args: &[&str]) -> Result<Command> {
-        let me = std::env::current_exe().context("cannot find this binary")?;
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", ns]).arg(me).args(args);
+    fn exe(ns: &crate::netns::Netns, args: &[&str]) -> Result<Command> {
+        let mut c = ns.ninelives()?;
+        c.args(args);
         Ok(c)
     }
 }
 
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = ip(&["netns", "del", &self.a]);
-        let _ = ip(&["netns", "del", &self.b]);
-    }
-}
-
 fn last_json(o: &Output) -> Option<serde_json::Value> {
-    String::from_utf8_lossy(&o.stdout).lines().rev().find_map(|l| serde_json::from_str(l).ok())
+    crate::json_out::last_json(&String::from_utf8_lossy(&o.stdout))
 }
 
 /// Pings `target` from namespace A until it answers (bounded: 10 s).
@@ -144,18 +118,6 @@ fn ping(ns: &Netns, target: &str, secs: f64) -> Result<Rtt> {
     })
 }
 
-/// Kills a helper process still running when the bench fails.
-struct Reap(Option<Child>);
-
-impl Drop for Reap {
-    fn drop(&mut self) {
-        if let Some(c) = self.0.as_mut() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 /// Measures the entry, or says why it cannot be measured here.
 pub fn measure(secs: f64) -> Result<Result<NetEntry, String>> {
     let ns = match Netns::new() {
@@ -166,18 +128,14 @@ pub fn measure(secs: f64) -> Result<Result<NetEntry, String>> {
     // The responder and the guest outlive the probe and the ping run.
     let life = format!("{}", secs + 3.0);
     // Baseline: the echo responder in B, pinged from A over the veth.
-    let mut echo = Reap(Some(
-        Netns::exe(&ns.b, &["echo-server", "--bind", "10.0.1.2:7", "--duration", &life])?
-            .stdout(Stdio::null())
-            .spawn()
-            .context("cannot start the echo responder")?,
-    ));
+    let echo = Proc::spawn(Netns::exe(
+        &ns.b,
+        &["echo-server", "--bind", "10.0.1.2:7", "--duration", &life],
+    )?)
+    .context("cannot start the echo responder")?;
     wait_for_echo(&ns, "10.0.1.2:7")?;
     let host = ping(&ns, "10.0.1.2:7", secs)?;
-    if let Some(mut c) = echo.0.take() {
-        let _ = c.kill();
-        let _ = c.wait();
-    }
+    drop(echo);
     // The guest: netbench on the TAP in A, polling, then interrupt-driven.
     let guest = guest_run(&ns, &life, secs, &[])?;
     let guest_rx_irq = guest_run(&ns, &life, secs, &["--net-rx-irq"])?;
@@ -213,20 +171,15 @@ fn guest_run(ns: &Netns, life: &str, secs: f64, extra: &[&str]) -> Result<Rtt> {
         "--json",
     ];
     args.extend_from_slice(extra);
-    let mut vm = Reap(Some(
-        Netns::exe(&ns.a, &args)?
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("cannot start the netbench VM")?,
-    ));
+    let mut vm = Proc::spawn(Netns::exe(&ns.a, &args)?).context("cannot start the netbench VM")?;
     wait_for_echo(ns, "10.0.0.2:7")?;
     let rtt = ping(ns, "10.0.0.2:7", secs)?;
-    let out = vm.0.take().context("the VM process is gone")?.wait_with_output()?;
-    let ok = out.status.success()
-        && last_json(&out).is_some_and(|j| j["vms"][0]["digest_ok"] == serde_json::json!(true));
+    let limit = Duration::from_secs_f64(life.parse::<f64>().unwrap_or(secs) + 30.0);
+    let status = vm.wait_for(limit);
+    let ok = status.is_some_and(|s| s.success())
+        && vm.last_json().is_some_and(|j| j["vms"][0]["digest_ok"] == serde_json::json!(true));
     if !ok {
-        bail!("the netbench VM failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+        bail!("the netbench VM failed ({status:?}): {}", vm.stderr.text().trim());
     }
     Ok(rtt)
 }

@@ -3,19 +3,18 @@
 //!
 //! Each run is an independent `ninelives host` process with the detectors
 //! on. The setup's VMs are created over its API, the injector
-//! ([`crate::injector`]) puts one fault into one of its threads, and the run
+//! ([`nl_inject`]) puts one fault into one of its threads, and the run
 //! is classified as in the NiLiHype paper: non-manifested, SDC (no detector
 //! fired but a digest is wrong, a VM failed, or the ping lost more than 10%
 //! in a 1-second window) or detected; a detected run is recovered (at most
 //! one VM affected and the VMM still creates and runs a new VM; for `1vm`,
 //! no VM affected), and among those no-VM-failure, or failed with a reason.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::process::CommandExt;
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::{Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -23,9 +22,12 @@ use clap::{Args, Subcommand, ValueEnum};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::cli::{RecoveryName, WorkloadArgs, WorkloadName};
-use crate::injector::sentinel::Sentinel;
-use crate::injector::{self, Fault, Injection, Plan, Target};
+use crate::netns::Netns;
+use crate::process::{install_cancel_handler, Proc, RunDir, CANCEL};
+use crate::stats::wilson;
+use nl_inject::sentinel::Sentinel;
+use nl_inject::{self as injector, Fault, Injection, Plan, Target};
+use nl_launch::args::{RecoveryName, WorkloadArgs, WorkloadName};
 
 #[derive(Args, Clone, Debug)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -43,9 +45,14 @@ pub struct InjectArgs {
     pub recovery: RecoveryName,
     /// The repairs of a microreset (all, none, or a list; see `host --repairs`):
     /// switched on one after another, they reproduce the paper's Table I.
-    #[arg(long, default_value = "all", value_parser = crate::cli::parse_repairs)]
+    #[arg(long, default_value = "all", value_parser = nl_launch::args::parse_repairs)]
     pub repairs: nl_vmm::recovery::Repairs,
-    /// Number of runs.
+    /// Run only shard I of N of the campaign (0 ≤ I < N): its runs j with
+    /// j mod N = I, each with the seed it has in the whole campaign; `inject
+    /// merge` puts the shards' summaries together (see docs/campaigns.md).
+    #[arg(long, value_parser = crate::shards::Shard::parse)]
+    pub shard: Option<crate::shards::Shard>,
+    /// Number of runs (of the whole campaign, over all its shards).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub runs: u32,
     /// Seed of the first run; run i uses seed S+i (replay a run with --runs 1 --seed its seed).
@@ -75,13 +82,16 @@ pub struct InjectArgs {
 pub enum InjectSub {
     /// (internal) Inject a code fault and repair it the moment it is detected.
     #[command(hide = true)]
-    Sentinel(crate::injector::sentinel::SentinelArgs),
-    /// Merge the summaries (last JSON line) of campaign outputs of the same
-    /// fault, setup and recovery into one.
+    Sentinel(nl_inject::sentinel::SentinelArgs),
+    /// Merge the summaries (last JSON line) of the shards of one campaign
+    /// into one; refuses mismatched, duplicate, overlapping or missing shards.
     Merge {
         /// Files holding `ninelives inject --json` output.
         #[arg(required = true)]
         files: Vec<PathBuf>,
+        /// Merge even if shards or runs are missing (they are listed).
+        #[arg(long)]
+        partial: bool,
         /// Print the merged summary as JSON.
         #[arg(long)]
         json: bool,
@@ -109,25 +119,6 @@ impl Setup {
 /// thread stalls its VM meanwhile; the 3vm ping tolerates a stall of about a
 /// second (the TAP queues 1000 frames, answered late but not lost).
 const STEP_BUDGET: Duration = Duration::from_millis(600);
-
-/// Set by SIGINT/SIGTERM: stop stepping, detach, clean up, report.
-static CANCEL: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_cancel(_: libc::c_int) {
-    CANCEL.store(true, Relaxed);
-}
-
-/// Whether SIGINT or SIGTERM arrived since [`install_cancel_handler`].
-pub(crate) fn cancelled() -> bool {
-    CANCEL.load(Relaxed)
-}
-
-pub(crate) fn install_cancel_handler() {
-    for sig in [libc::SIGINT, libc::SIGTERM] {
-        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-        unsafe { libc::signal(sig, on_cancel as *const () as libc::sighandler_t) };
-    }
-}
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Outcomes {
@@ -167,18 +158,6 @@ pub struct RunRecord {
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub vmm_tail: Vec<String>,
     pub elapsed_ms: u64,
-}
-
-/// Wilson score interval (95%) for k successes out of n.
-pub fn wilson(k: u64, n: u64) -> (f64, f64) {
-    if n == 0 {
-        return (0.0, 1.0);
-    }
-    let (n, p, z) = (n as f64, k as f64 / n as f64, 1.959_964f64);
-    let denom = 1.0 + z * z / n;
-    let centre = (p + z * z / (2.0 * n)) / denom;
-    let half = z * ((p * (1.0 - p) / n + z * z / (4.0 * n * n)).sqrt()) / denom;
-    ((centre - half).max(0.0), (centre + half).min(1.0))
 }
 
 fn round4(x: f64) -> f64 {
@@ -236,8 +215,8 @@ fn print_table(s: &Value) {
 
 pub fn inject(a: InjectArgs) -> Result<ExitCode> {
     match a.sub {
-        Some(InjectSub::Merge { files, json }) => return merge(&files, json),
-        Some(InjectSub::Sentinel(s)) => return crate::injector::sentinel::run(s),
+        Some(InjectSub::Merge { files, json, partial }) => return merge(&files, json, partial),
+        Some(InjectSub::Sentinel(s)) => return nl_inject::sentinel::run(s),
         None => {}
     }
     let Some(fault) = a.fault else {
@@ -258,8 +237,8 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
     if a.seed.checked_add(u64::from(a.runs)).is_none() {
         bail!("--seed {} is too large for {} runs", a.seed, a.runs);
     }
-    if a.setup == Setup::ThreeVm && !netns_available() {
-        bail!("the 3vm setup needs root and iproute2 (ip netns) for its network namespace");
+    if let (Setup::ThreeVm, Some(why)) = (a.setup, crate::netns::unavailable()) {
+        bail!("the 3vm setup needs root and iproute2 for its network namespace: {why}");
     }
     nl_vmm::open_kvm()?;
     let mut log = match &a.log {
@@ -282,12 +261,13 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
         duration,
         exe: std::env::current_exe().context("cannot find the ninelives binary")?,
     });
+    let shard = a.shard.unwrap_or(crate::shards::Shard::ALL);
     let start = Instant::now();
     let limit = a.time_limit.map(Duration::from_secs_f64);
     let pb = if a.json {
         indicatif::ProgressBar::hidden()
     } else {
-        indicatif::ProgressBar::new(u64::from(a.runs))
+        indicatif::ProgressBar::new(shard.runs(a.runs).len() as u64)
     };
     pb.set_style(
         indicatif::ProgressStyle::with_template(
@@ -295,20 +275,25 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
+    let indices = Arc::new(shard.runs(a.runs));
     let next = Arc::new(AtomicU32::new(0));
     let (tx, rx) = std::sync::mpsc::channel::<RunRecord>();
     let mut workers = Vec::new();
-    for slot in 0..a.jobs.min(a.runs) {
-        let (cfg, next, tx) = (cfg.clone(), next.clone(), tx.clone());
-        let (runs, seed0) = (a.runs, a.seed);
+    for slot in 0..a.jobs.min(indices.len() as u32) {
+        let (cfg, next, tx, indices) = (cfg.clone(), next.clone(), tx.clone(), indices.clone());
+        let seed0 = a.seed;
         workers.push(std::thread::spawn(move || -> Result<()> {
             let ns = match cfg.setup {
-                Setup::ThreeVm => Some(Netns::new(slot)?),
+                Setup::ThreeVm => Some(Netns::with_tap(
+                    &format!("nl-inj-{}-{slot}", std::process::id()),
+                    "nltap0",
+                )?),
                 Setup::OneVm => None,
             };
             loop {
-                let i = next.fetch_add(1, Relaxed);
-                if i >= runs || CANCEL.load(Relaxed) || limit.is_some_and(|l| start.elapsed() > l) {
+                let k = next.fetch_add(1, Relaxed) as usize;
+                let Some(&i) = indices.get(k) else { return Ok(()) };
+                if CANCEL.load(Relaxed) || limit.is_some_and(|l| start.elapsed() > l) {
                     return Ok(());
                 }
                 let rec = run_one(&cfg, i, seed0 + u64::from(i), slot, ns.as_ref());
@@ -322,7 +307,9 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
     drop(tx);
     let mut o = Outcomes::default();
     let mut skipped = 0;
+    let mut done = Vec::new();
     for rec in rx {
+        done.push(rec.run);
         match (rec.outcome, rec.result) {
             ("non_manifested", _) => o.non_manifested += 1,
             ("sdc", _) => o.sdc += 1,
@@ -362,11 +349,25 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
     }
     pb.finish_and_clear();
     let elapsed = start.elapsed().as_secs_f64();
-    let s = summary(fault.name(), a.setup.name(), a.recovery.name(), &o, skipped, elapsed, a.seed);
-    let mut s = s;
+    let mut s =
+        summary(fault.name(), a.setup.name(), a.recovery.name(), &o, skipped, elapsed, a.seed);
     if a.recovery == RecoveryName::Microreset {
         s["repairs"] = json!(a.repairs.describe());
     }
+    done.sort_unstable();
+    s["campaign"] = crate::shards::identity(
+        fault.name(),
+        a.setup.name(),
+        a.recovery.name(),
+        &a.repairs.describe(),
+        &format!("{:?}", a.target).to_lowercase(),
+        duration,
+        a.seed,
+        a.runs,
+    );
+    s["shard"] = json!(shard);
+    s["run_indices"] = json!(done);
+    s["loadavg"] = json!(crate::json_out::loadavg());
     let interrupted = CANCEL.load(Relaxed);
     if a.json {
         let mut s = s;
@@ -389,11 +390,8 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
 /// Largest campaign log `inject --merge` reads.
 const MAX_CAMPAIGN_LOG_BYTES: u64 = 256 << 20;
 
-fn merge(files: &[PathBuf], json_out: bool) -> Result<ExitCode> {
-    let mut total = Outcomes::default();
-    let (mut skipped, mut elapsed) = (0u64, 0f64);
-    let mut key: Option<(String, String, String)> = None;
-    let mut seed = u64::MAX;
+fn merge(files: &[PathBuf], json_out: bool, partial: bool) -> Result<ExitCode> {
+    let mut inputs = Vec::new();
     for f in files {
         let b = nl_memory::file::read_limited(f, "campaign log", MAX_CAMPAIGN_LOG_BYTES)
             .with_context(|| format!("cannot read {}", f.display()))?;
@@ -405,20 +403,16 @@ fn merge(files: &[PathBuf], json_out: bool) -> Result<ExitCode> {
                 serde_json::from_str::<Value>(l).ok().filter(|v| v.get("outcomes").is_some())
             })
             .with_context(|| format!("{}: no campaign summary line in it", f.display()))?;
-        let get = |k: &str| s[k].as_str().unwrap_or("").to_string();
-        let k = (get("fault"), get("setup"), get("recovery"));
-        match &key {
-            None => key = Some(k),
-            Some(k0) if *k0 != k => bail!(
-                "{}: fault/setup/recovery {:?} differ from {:?} of the first file",
-                f.display(),
-                k,
-                k0
-            ),
-            _ => {}
-        }
+        inputs.push(crate::shards::Input { name: f.display().to_string(), summary: s });
+    }
+    let (identity, missing) = crate::shards::check(&inputs, partial).map_err(anyhow::Error::msg)?;
+    let mut total = Outcomes::default();
+    let (mut skipped, mut elapsed) = (0u64, 0f64);
+    let mut seed = u64::MAX;
+    for inp in &inputs {
+        let s = &inp.summary;
         let o: Outcomes = serde_json::from_value(s["outcomes"].clone())
-            .with_context(|| format!("{}: malformed outcomes", f.display()))?;
+            .with_context(|| format!("{}: malformed outcomes", inp.name))?;
         total.non_manifested += o.non_manifested;
         total.sdc += o.sdc;
         total.detected += o.detected;
@@ -429,13 +423,25 @@ fn merge(files: &[PathBuf], json_out: bool) -> Result<ExitCode> {
         elapsed += s["elapsed_s"].as_f64().unwrap_or(0.0);
         seed = seed.min(s["seed"].as_u64().unwrap_or(0));
     }
-    let (f, su, r) = key.unwrap_or_default();
+    let get = |k: &str| inputs[0].summary[k].as_str().unwrap_or("").to_string();
     // runs_per_min of a merge: runs per minute of machine time, summed over the files.
-    let s = summary(&f, &su, &r, &total, skipped, elapsed, seed);
+    let mut s =
+        summary(&get("fault"), &get("setup"), &get("recovery"), &total, skipped, elapsed, seed);
+    if let Some(id) = identity {
+        s["campaign"] = id;
+    }
+    s["merged"] = json!({"files": inputs.len(), "missing": missing});
     if json_out {
         println!("{s}");
     } else {
         print_table(&s);
+        if !missing.shards.is_empty() || missing.runs > 0 {
+            println!(
+                "  partial: shard(s) not given: [{}]; runs not completed: {}",
+                missing.shards.join(", "),
+                missing.runs
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -450,122 +456,13 @@ struct Campaign {
     exe: PathBuf,
 }
 
-fn netns_available() -> bool {
-    // SAFETY: geteuid has no arguments and cannot fail.
-    let root = unsafe { libc::geteuid() } == 0;
-    root && Command::new("ip").arg("-V").output().is_ok_and(|o| o.status.success())
+/// The errors a host reported on stderr (its detection lines), first first.
+fn detections(host: &Proc) -> Vec<Value> {
+    host.stderr.records(nl_vmm::detect::REPORT_PREFIX)
 }
 
-/// A network namespace with TAP `nltap0` at 10.0.0.1/24, deleted on drop.
-struct Netns(String);
-
-impl Netns {
-    fn new(slot: u32) -> Result<Netns> {
-        let name = format!("nl-inj-{}-{slot}", std::process::id());
-        crate::netns::add_with_tap(&name, "nltap0").map_err(anyhow::Error::msg)?;
-        Ok(Netns(name))
-    }
-
-    fn command(&self, exe: &Path) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.0]).arg(exe);
-        c
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
-
-/// A child process in its own process group (a terminal's Ctrl-C does not
-/// reach it), killed and reaped on drop.
-struct Proc {
-    child: Child,
-    lines: Arc<Mutex<Vec<String>>>,
-    reader: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Proc {
-    fn spawn(mut cmd: Command, capture_stdout: bool) -> Result<Proc> {
-        cmd.process_group(0).stdin(Stdio::null()).stderr(Stdio::piped());
-        cmd.stdout(if capture_stdout { Stdio::piped() } else { Stdio::null() });
-        let mut child = cmd.spawn().context("cannot start a child process")?;
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let err = child.stderr.take();
-        let l = lines.clone();
-        let reader = std::thread::spawn(move || {
-            if let Some(e) = err {
-                for line in BufReader::new(e).lines().map_while(Result::ok) {
-                    l.lock().unwrap_or_else(|p| p.into_inner()).push(line);
-                }
-            }
-        });
-        Ok(Proc { child, lines, reader: Some(reader) })
-    }
-
-    fn pid(&self) -> i32 {
-        self.child.id() as i32
-    }
-
-    fn exited(&mut self) -> Option<std::process::ExitStatus> {
-        self.child.try_wait().ok().flatten()
-    }
-
-    /// Waits up to `limit` for the process to end.
-    fn wait_for(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
-        let t = Instant::now();
-        loop {
-            if let Some(s) = self.exited() {
-                if let Some(r) = self.reader.take() {
-                    let _ = r.join();
-                }
-                return Some(s);
-            }
-            if t.elapsed() > limit {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// Every detection line the process printed.
-    fn detections(&self) -> Vec<Value> {
-        let lines = self.lines.lock().unwrap_or_else(|p| p.into_inner());
-        lines
-            .iter()
-            .filter_map(|l| l.strip_prefix(nl_vmm::detect::REPORT_PREFIX))
-            .filter_map(|j| serde_json::from_str(j).ok())
-            .collect()
-    }
-
-    fn detection(&self) -> Option<Value> {
-        let lines = self.lines.lock().unwrap_or_else(|p| p.into_inner());
-        lines.iter().find_map(|l| {
-            l.strip_prefix(nl_vmm::detect::REPORT_PREFIX).and_then(|j| serde_json::from_str(j).ok())
-        })
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if self.exited().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-        if let Some(r) = self.reader.take() {
-            let _ = r.join();
-        }
-    }
-}
-
-struct RunDir(PathBuf);
-
-impl Drop for RunDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+fn first_detection(host: &Proc) -> Option<Value> {
+    detections(host).into_iter().next()
 }
 
 fn api(sock: &Path, req: Value) -> Result<Value> {
@@ -616,7 +513,7 @@ fn vm_problem(sock: &Path, vm: &RunVm) -> Option<String> {
         .map(|a| a.iter().filter_map(|v| serde_json::from_value(v["regs"].clone()).ok()).collect())
         .unwrap_or_default();
     let w = WorkloadArgs { workload: vm.workload, ..WorkloadArgs::default() };
-    let params = match crate::guest::workload_params(&w, vm.duration) {
+    let params = match nl_launch::guest::workload_params(&w, vm.duration) {
         Ok(p) => p,
         Err(e) => return Some(format!("vm{}: {e:#}", vm.id)),
     };
@@ -624,7 +521,7 @@ fn vm_problem(sock: &Path, vm: &RunVm) -> Option<String> {
         // netbench's digest covers only its poll rounds; what it answered is checked by the ping.
         return None;
     }
-    crate::verify::verify_vcpus(&params, &regs, 0)
+    nl_launch::verify::verify_vcpus(&params, &regs, 0)
         .into_iter()
         .find_map(|v| v.problem)
         .map(|p| format!("vm{} ({}): {p}", vm.id, vm.workload.name()))
@@ -699,16 +596,10 @@ fn run_body(
     ns: Option<&Netns>,
     rec: &mut RunRecord,
 ) -> Result<()> {
-    let dir = RunDir(std::env::temp_dir().join(format!(
-        "ninelives-inject-{}-{slot}-{}",
-        std::process::id(),
-        plan.seed
-    )));
-    let _ = std::fs::remove_dir_all(&dir.0);
-    std::fs::create_dir_all(&dir.0)?;
+    let dir = RunDir::new(&format!("inject-{slot}-{}", plan.seed))?;
     let sock = dir.0.join("api.sock");
     let mut cmd = match ns {
-        Some(ns) => ns.command(&cfg.exe),
+        Some(ns) => ns.command(&cfg.exe)?,
         None => Command::new(&cfg.exe),
     };
     cmd.arg("host").arg("--api").arg(&sock).args(["--recovery", cfg.recovery.name()]);
@@ -719,7 +610,7 @@ fn run_body(
     if cfg.fault == Fault::Code && cfg.recovery != RecoveryName::None {
         cmd.env(nl_vmm::recovery::INJECTOR_REPAIR_ENV, &repair_flag);
     }
-    let mut host = Proc::spawn(cmd, false)?;
+    let mut host = Proc::spawn(cmd)?;
     let t = Instant::now();
     while api(&sock, json!({"op":"list"})).is_err() {
         if host.exited().is_some() || t.elapsed() > Duration::from_secs(10) {
@@ -738,7 +629,7 @@ fn run_body(
         // Wait (bounded) until the guest answers, then ping for the rest of its run.
         let t = Instant::now();
         loop {
-            let mut c = ns.command(&cfg.exe);
+            let mut c = ns.command(&cfg.exe)?;
             c.args(["ping", "--target", "10.0.0.2", "--interval", "10ms", "--duration", "0.05"]);
             let o = c.stderr(Stdio::null()).output()?;
             if o.status.success() {
@@ -752,10 +643,10 @@ fn run_body(
         if left < 1.0 {
             bail!("--duration {d} leaves no time to ping");
         }
-        let mut c = ns.command(&cfg.exe);
+        let mut c = ns.command(&cfg.exe)?;
         c.args(["ping", "--target", "10.0.0.2", "--interval", "1ms", "--json", "--duration"])
             .arg(format!("{left:.2}"));
-        ping = Some(Proc::spawn(c, true)?);
+        ping = Some(Proc::spawn(c)?);
     }
     // First-level trigger.
     let at = window_start + Duration::from_millis(plan.trigger_ms);
@@ -821,17 +712,12 @@ fn run_body(
     // Tell the sentinel when the VMM reports an error it did not see as a
     // fault signal (a panic, a hang): it repairs the code then.
     let watcher = sentinel.as_ref().map(|sen| {
-        let (lines, pid) = (host.lines.clone(), sen.pid());
+        let (lines, pid) = (host.stderr.clone(), sen.pid());
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
         let t = std::thread::spawn(move || {
             while !s.load(Relaxed) {
-                let detected = lines
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .iter()
-                    .any(|l| l.starts_with(nl_vmm::detect::REPORT_PREFIX));
-                if detected {
+                if lines.any_starts_with(nl_vmm::detect::REPORT_PREFIX) {
                     Sentinel::repair_now(pid);
                     return;
                 }
@@ -846,7 +732,7 @@ fn run_body(
         stop.store(true, Relaxed);
         let _ = t.join();
     }
-    if api(&sock, json!({"op":"list"})).is_err() || host.detection().is_some() {
+    if api(&sock, json!({"op":"list"})).is_err() || first_detection(&host).is_some() {
         // A host that stopped answering or reported an error may be ending: let it.
         host.wait_for(Duration::from_secs(2));
     }
@@ -856,7 +742,9 @@ fn run_body(
             inj.repair = sen.finish(Duration::from_secs(10));
         }
     } else if let Some(inj) = &injection {
-        if inj.repair_addr.is_some() && (host.detection().is_some() || host.exited().is_none()) {
+        if inj.repair_addr.is_some()
+            && (first_detection(&host).is_some() || host.exited().is_none())
+        {
             // Without recovery: repaired at the run's end.
             injector::repair(host.pid(), inj);
         }
@@ -874,12 +762,7 @@ fn run_body(
     }
     if let Some(mut p) = ping.take() {
         p.wait_for(Duration::from_secs_f64(d + 5.0));
-        let mut out = String::new();
-        if let Some(o) = p.child.stdout.as_mut() {
-            let _ = std::io::Read::read_to_string(o, &mut out);
-        }
-        let j: Value =
-            out.lines().last().and_then(|l| serde_json::from_str(l).ok()).unwrap_or(Value::Null);
+        let j = p.last_json().unwrap_or(Value::Null);
         let bad = j["bad_windows"].as_array().is_none_or(|a| !a.is_empty());
         rec.ping = Some(json!({
             "sent": j["sent"], "received": j["received"],
@@ -902,7 +785,7 @@ fn run_body(
     let mut new_vm_ok = true;
     if cfg.setup == Setup::ThreeVm && host.exited().is_none() {
         let disk = dir.0.join("blk.img");
-        crate::guest::ensure_disk(&disk, crate::guest::DEFAULT_DISK_BYTES)?;
+        nl_launch::guest::ensure_disk(&disk, nl_launch::guest::DEFAULT_DISK_BYTES)?;
         match create_vm(&sock, WorkloadName::Blkbench, json!({"disk": disk}), 1.0) {
             Err(e) => {
                 problems.push(format!("new VM: {e:#}"));
@@ -918,14 +801,14 @@ fn run_body(
             }
         }
     }
-    let detection = host.detection();
+    let detection = first_detection(&host);
     // End the host: a clean shutdown if it is still there.
     if host.exited().is_none() {
         let _ = nl_vmm::api::request(&sock, &json!({"op":"shutdown"}));
         host.wait_for(Duration::from_secs(10));
     }
     let status = host.wait_for(Duration::from_millis(100));
-    let detection = detection.or_else(|| host.detection());
+    let detection = detection.or_else(|| first_detection(&host));
     if let Some(det) = detection {
         rec.outcome = "detected";
         rec.detector = Some(det.clone());
@@ -939,7 +822,7 @@ fn run_body(
             rec.reason =
                 format!("{what}: the VMM ended with its VMs (recovery {})", cfg.recovery.name());
             if let Some(f) =
-                host.detections().into_iter().find(|d| d["detector"] == "recovery_failed")
+                detections(&host).into_iter().find(|d| d["detector"] == "recovery_failed")
             {
                 rec.reason.push_str(&format!(": {}", f["message"].as_str().unwrap_or("?")));
             }
@@ -969,24 +852,7 @@ fn run_body(
         rec.reason = problems.join("; ");
     }
     if rec.result == Some("failed") {
-        let lines = host.lines.lock().unwrap_or_else(|p| p.into_inner());
-        rec.vmm_tail =
-            lines.iter().rev().take(6).rev().map(|l| l.chars().take(600).collect()).collect();
+        rec.vmm_tail = host.stderr.tail(6);
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn wilson_interval() {
-        let (lo, hi) = wilson(0, 0);
-        assert_eq!((lo, hi), (0.0, 1.0));
-        let (lo, hi) = wilson(50, 100);
-        assert!((lo - 0.4038).abs() < 1e-3 && (hi - 0.5962).abs() < 1e-3, "{lo} {hi}");
-        let (lo, hi) = wilson(100, 100);
-        assert!(lo > 0.96 && hi == 1.0);
-    }
 }

@@ -9,7 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use nl_vmm::{Vm, VmConfig, VmOutcome};
 use serde::Serialize;
 
-use crate::cli::RunArgs;
+use crate::args::RunArgs;
 use crate::guest;
 use crate::verify::verify_vm;
 

@@ -13,23 +13,28 @@
 //!   on (microreset with and without the exit undo log, microreboot) over
 //!   the same with `--recovery none`, measured in the same run.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::path::Path;
+use std::process::{ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
 
-use crate::netns::ip;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use crate::json_out::last_json;
+use crate::netns::Netns;
+use crate::process::{HostProc, RunDir};
+use crate::stats::{median, ratio_interval};
 
 #[derive(Args, Clone, Debug)]
 pub struct BenchRecoveryArgs {
     /// Latency runs per mechanism.
     #[arg(long, default_value_t = 5)]
     pub runs: u32,
-    /// Overhead rounds per workload and configuration.
-    #[arg(long, default_value_t = 3)]
+    /// Overhead rounds per workload and configuration (interleaved).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(3..=100))]
     pub rounds: u32,
     /// Guest run time of each overhead measurement (seconds).
     #[arg(long, default_value_t = 3.0)]
@@ -45,89 +50,18 @@ pub struct BenchRecoveryArgs {
     pub json: bool,
 }
 
-fn exe() -> Result<PathBuf> {
-    std::env::current_exe().context("cannot find this binary")
-}
-
-/// A host process, killed on drop.
-struct HostProc {
-    child: Child,
-    sock: PathBuf,
-    err: PathBuf,
-}
-
-impl Drop for HostProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl HostProc {
-    fn start(dir: &Path, ns: Option<&str>, recovery: &[&str], fault: Option<&str>) -> Result<Self> {
-        let sock = dir.join(format!("h{}.sock", rand_tag()));
-        let err = dir.join(format!("h{}.err", rand_tag()));
-        let mut c = match ns {
-            Some(ns) => {
-                let mut c = Command::new("ip");
-                c.args(["netns", "exec", ns]).arg(exe()?);
-                c
-            }
-            None => Command::new(exe()?),
-        };
-        c.arg("host").arg("--api").arg(&sock).args(recovery);
-        if let Some(f) = fault {
-            c.env("NINELIVES_DEVICE_FAULT", f);
-        }
-        let child = c.stdout(Stdio::null()).stderr(std::fs::File::create(&err)?).spawn()?;
-        let h = HostProc { child, sock, err };
-        let t = Instant::now();
-        while h.api(json!({"op":"list"})).is_err() {
-            if t.elapsed() > Duration::from_secs(10) {
-                bail!("the host did not come up");
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        Ok(h)
-    }
-
-    fn api(&self, req: Value) -> Result<Value> {
-        Ok(nl_vmm::api::request(&self.sock, &req)?)
-    }
-
-    fn pid(&self) -> Result<i32> {
-        let r = self.api(json!({"op":"info"}))?;
-        r["pid"].as_i64().map(|p| p as i32).context("no pid")
-    }
-
-    fn recovered(&self) -> Vec<Value> {
-        std::fs::read_to_string(&self.err)
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| l.strip_prefix(nl_vmm::recovery::RECOVERED_PREFIX))
-            .filter_map(|j| serde_json::from_str(j).ok())
-            .collect()
-    }
-
-    fn wait_done(&self, id: u64, limit: Duration) -> Result<Value> {
-        let t = Instant::now();
-        loop {
-            let r = self.api(json!({"op":"stats","id":id}))?;
-            if r["stats"]["state"] != "running" {
-                return Ok(r["stats"].clone());
-            }
-            if t.elapsed() > limit {
-                bail!("VM {id} did not finish");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-fn rand_tag() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+/// A host with `args` (and the device fault `fault` armed), in `ns` if given.
+fn start_host(
+    dir: &Path,
+    ns: Option<&Netns>,
+    args: &[&str],
+    fault: Option<&str>,
+) -> Result<HostProc> {
     static N: AtomicU64 = AtomicU64::new(0);
-    N.fetch_add(1, Relaxed)
+    let name = format!("h{}", N.fetch_add(1, Relaxed));
+    let env: Vec<(&str, &str)> =
+        fault.map(|f| (nl_vmm::selftest::DEVICE_FAULT_ENV, f)).into_iter().collect();
+    HostProc::start(&dir.join(format!("{name}.sock")), ns, args, &env)
 }
 
 /// user+system ticks minus guest ticks of process `pid` (clock ticks).
@@ -145,14 +79,6 @@ fn ticks_per_sec() -> f64 {
     (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).max(1) as f64
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 const CONFIGS: [(&str, &[&str]); 4] = [
     ("none", &["--recovery", "none"]),
     ("microreset", &["--recovery", "microreset"]),
@@ -166,7 +92,7 @@ const CONFIGS: [(&str, &[&str]); 4] = [
 fn overhead(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
     let mut rows = Vec::new();
     let disk = dir.join("blk.img");
-    crate::guest::ensure_disk(&disk, crate::guest::DEFAULT_DISK_BYTES)?;
+    nl_launch::guest::ensure_disk(&disk, nl_launch::guest::DEFAULT_DISK_BYTES)?;
     // The VMM's own CPU time is in clock ticks (10 ms): only exit-heavy
     // workloads give it enough to compare; compute shows the floor.
     for w in ["exits", "blkbench", "compute"] {
@@ -174,8 +100,8 @@ fn overhead(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
         let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); CONFIGS.len()];
         for _ in 0..a.rounds {
             for (i, (_, args)) in CONFIGS.iter().enumerate() {
-                let h = HostProc::start(dir, None, args, None)?;
-                let pid = h.pid()?;
+                let h = start_host(dir, None, args, None)?;
+                let pid = h.pid();
                 let mut req =
                     json!({"op":"create","workload":w,"mem":"64M","ws":"8M","duration":a.duration});
                 if w == "blkbench" {
@@ -192,12 +118,14 @@ fn overhead(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
                 cpu[i].push((t1 - t0) as f64 / ticks_per_sec() * 1e3);
             }
         }
-        let base = median(&mut cpu[0].clone());
-        let mut row = json!({"workload": w, "vmm_cpu_ms": {}, "ratio": {}});
+        let mut row = json!({"workload": w, "vmm_cpu_ms": {}, "ratio": {}, "ratio_ci95": {},
+            "vmm_cpu_ms_samples": {}});
         for (i, (name, _)) in CONFIGS.iter().enumerate() {
-            let m = median(&mut cpu[i]);
-            row["vmm_cpu_ms"][*name] = json!(m);
-            row["ratio"][*name] = json!(if base > 0.0 { m / base } else { f64::NAN });
+            let r = ratio_interval(&cpu[i], &cpu[0]);
+            row["vmm_cpu_ms"][*name] = json!(median(&cpu[i]));
+            row["vmm_cpu_ms_samples"][*name] = json!(cpu[i]);
+            row["ratio"][*name] = json!(r.ratio);
+            row["ratio_ci95"][*name] = json!([r.lo, r.hi]);
         }
         rows.push(row);
     }
@@ -205,25 +133,14 @@ fn overhead(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
 }
 
 /// `ninelives ping` of the guest (10.0.0.2) from namespace `ns`, its JSON on stdout.
-fn ping(ns: &str, interval: &str, secs: &str) -> Result<std::process::Output> {
-    let mut c = Command::new("ip");
-    c.args(["netns", "exec", ns]).arg(exe()?);
+fn ping(ns: &Netns, interval: &str, secs: &str) -> Result<std::process::Output> {
+    let mut c = ns.ninelives()?;
     c.args(["ping", "--target", "10.0.0.2", "--interval", interval, "--duration", secs, "--json"]);
     Ok(c.stderr(Stdio::null()).output()?)
 }
 
-/// One network namespace with a TAP, deleted on drop.
-struct Ns(String);
-
-impl Drop for Ns {
-    fn drop(&mut self) {
-        let _ = ip(&["netns", "del", &self.0]);
-    }
-}
-
 fn latency(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
-    let ns = Ns(format!("nlrec-{}", std::process::id()));
-    crate::netns::add_with_tap(&ns.0, "nlrtap0").map_err(anyhow::Error::msg)?;
+    let ns = Netns::with_tap(&format!("nlrec-{}", std::process::id()), "nlrtap0")?;
     let mut out = json!({});
     let fault_ms = 2500;
     for (name, args, fault) in [
@@ -233,25 +150,21 @@ fn latency(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
     ] {
         let (mut gaps, mut internal, mut runs) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..a.runs {
-            let h = HostProc::start(dir, Some(&ns.0), args, fault.as_deref())?;
+            let h = start_host(dir, Some(&ns), args, fault.as_deref())?;
             let r = h
                 .api(json!({"op":"create","workload":"netbench","mem":"64M","duration":5.0,
                 "net_tap":"nlrtap0","net_ip":"10.0.0.2/24"}))?;
             r["id"].as_u64().with_context(|| format!("create failed: {r}"))?;
             let t = Instant::now();
-            while !ping(&ns.0, "10ms", "0.05")?.status.success() {
+            while !ping(&ns, "10ms", "0.05")?.status.success() {
                 if t.elapsed() > Duration::from_secs(10) {
                     bail!("the netbench guest never answered");
                 }
             }
-            let o = ping(&ns.0, "1ms", "3")?;
-            let j: Value = String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .rev()
-                .find_map(|l| serde_json::from_str(l).ok())
-                .unwrap_or(Value::Null);
+            let o = ping(&ns, "1ms", "3")?;
+            let j = last_json(&String::from_utf8_lossy(&o.stdout)).unwrap_or(Value::Null);
             let gap = j["longest_gap_ms"].as_f64().unwrap_or(f64::NAN);
-            let rec = h.recovered();
+            let rec = h.proc.stderr.records(nl_vmm::recovery::RECOVERED_PREFIX);
             let total_ms = rec.first().and_then(|r| r["total_us"].as_f64()).map(|u| u / 1e3);
             if fault.is_some() && rec.is_empty() {
                 runs.push(json!({"gap_ms": gap, "recovered": false}));
@@ -266,8 +179,8 @@ fn latency(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
         }
         out[name] = json!({
             "runs": runs, "recovered_runs": gaps.len(),
-            "median_gap_ms": median(&mut gaps.clone()),
-            "median_vmm_recovery_ms": median(&mut internal.clone()),
+            "median_gap_ms": median(&gaps),
+            "median_vmm_recovery_ms": median(&internal),
         });
     }
     let r = out["microreboot"]["median_gap_ms"].as_f64().unwrap_or(f64::NAN)
@@ -280,15 +193,8 @@ fn latency(a: &BenchRecoveryArgs, dir: &Path) -> Result<Value> {
 }
 
 pub fn bench_recovery(a: BenchRecoveryArgs) -> Result<ExitCode> {
-    struct Dir(PathBuf);
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-    let dir =
-        Dir(std::env::temp_dir().join(format!("ninelives-bench-recovery-{}", std::process::id())));
-    std::fs::create_dir_all(&dir.0)?;
+    let dir = RunDir::new("bench-recovery")?;
+    let clock = crate::json_out::RunClock::start();
     let pb = indicatif::ProgressBar::new_spinner();
     pb.set_message("recovery: normal-operation overhead");
     pb.enable_steady_tick(Duration::from_millis(200));
@@ -301,17 +207,30 @@ pub fn bench_recovery(a: BenchRecoveryArgs) -> Result<ExitCode> {
     };
     pb.finish_and_clear();
     let v = json!({"bench": "recovery", "overhead": over, "latency": lat});
+    let p = clock.finish();
     if a.json {
-        println!("{v}");
+        println!("{}", crate::json_out::with_provenance(v, &p));
     } else {
-        println!("VMM CPU time with recovery support, relative to --recovery none:");
+        println!(
+            "VMM CPU time with recovery support, relative to --recovery none (median of {} interleaved rounds [95% bootstrap interval]):",
+            a.rounds
+        );
         for r in over.as_array().into_iter().flatten() {
+            let show = |k: &str| {
+                let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
+                format!(
+                    "{:.3} [{:.3}, {:.3}]",
+                    f(&r["ratio"][k]),
+                    f(&r["ratio_ci95"][k][0]),
+                    f(&r["ratio_ci95"][k][1])
+                )
+            };
             println!(
-                "  {:9} microreset {:.3}  (no undo log {:.3})  microreboot {:.3}   [none: {:.1} ms]",
+                "  {:9} microreset {}  (no undo log {})  microreboot {}   [none: {:.1} ms]",
                 r["workload"].as_str().unwrap_or("?"),
-                r["ratio"]["microreset"].as_f64().unwrap_or(f64::NAN),
-                r["ratio"]["microreset_no_undo_log"].as_f64().unwrap_or(f64::NAN),
-                r["ratio"]["microreboot"].as_f64().unwrap_or(f64::NAN),
+                show("microreset"),
+                show("microreset_no_undo_log"),
+                show("microreboot"),
                 r["vmm_cpu_ms"]["none"].as_f64().unwrap_or(f64::NAN),
             );
         }
@@ -346,9 +265,12 @@ pub fn bench_recovery(a: BenchRecoveryArgs) -> Result<ExitCode> {
             println!("  {m} steps (first run): {}", steps.join(", "));
         }
         println!(
-            "microreboot / microreset: {:.1}x (ping gap), {:.1}x (VMM time)",
+            "microreboot / microreset: {:.1}x (ping gap), {:.1}x (VMM time); loadavg {} → {}; revision {}",
             lat["factor_gap_microreboot_over_microreset"].as_f64().unwrap_or(f64::NAN),
-            lat["factor_internal_microreboot_over_microreset"].as_f64().unwrap_or(f64::NAN)
+            lat["factor_internal_microreboot_over_microreset"].as_f64().unwrap_or(f64::NAN),
+            p.loadavg_before,
+            p.loadavg_after,
+            p.git_revision
         );
     }
     Ok(ExitCode::SUCCESS)

@@ -19,12 +19,11 @@
 //!
 //! Every wait is bounded in count and time. Replication uses loopback only.
 
-use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
+use std::process::{Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -34,6 +33,9 @@ use nl_replicate::auth::{nonce, primary_handshake, Deadline, Key};
 use nl_replicate::protocol::{read_plain_frame, write_plain_frame, Hello, Kind, PROTOCOL_VERSION};
 use serde::Serialize;
 use serde_json::{json, Value};
+
+use crate::json_out::loadavg;
+use crate::process::{exe, Proc};
 
 #[derive(Args, Clone, Debug)]
 pub struct BenchHostileArgs {
@@ -138,86 +140,15 @@ impl Row {
     }
 }
 
-fn exe() -> Result<PathBuf> {
-    std::env::current_exe().context("cannot find this binary")
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim().to_string()
-}
-
 fn tail(s: &str) -> String {
     let lines: Vec<&str> = s.lines().collect();
     lines[lines.len().saturating_sub(3)..].join(" | ")
 }
 
-/// A child process with its stdout and stderr in files, killed on drop.
-struct Proc {
-    child: Child,
-    out: PathBuf,
-    err: PathBuf,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Proc {
-    fn spawn(dir: &Path, name: &str, mut cmd: Command) -> Result<Proc> {
-        let (out, err) = (dir.join(format!("{name}.out")), dir.join(format!("{name}.err")));
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(File::create(&out)?)
-            .stderr(File::create(&err)?)
-            .spawn()
-            .with_context(|| format!("cannot start {name}"))?;
-        Ok(Proc { child, out, err })
-    }
-
-    /// `ninelives ARGS...` as a child.
-    fn ninelives(dir: &Path, name: &str, args: &[&str]) -> Result<Proc> {
-        let mut c = Command::new(exe()?);
-        c.args(args);
-        Self::spawn(dir, name, c)
-    }
-
-    fn stdout(&self) -> String {
-        std::fs::read_to_string(&self.out).unwrap_or_default()
-    }
-
-    fn stderr(&self) -> String {
-        std::fs::read_to_string(&self.err).unwrap_or_default()
-    }
-
-    /// Some(why) once the process has ended.
-    fn exited(&mut self) -> Option<String> {
-        let st = self.child.try_wait().ok().flatten()?;
-        Some(format!("the target exited ({st}): {}", tail(&self.stderr())))
-    }
-
-    /// Waits up to `limit` for the process to end.
-    fn wait(&mut self, limit: Duration) -> Option<ExitStatus> {
-        let t = Instant::now();
-        for _ in 0..limit.as_millis() / 20 + 1 {
-            if let Ok(Some(st)) = self.child.try_wait() {
-                return Some(st);
-            }
-            if t.elapsed() > limit {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
-    }
-
-    /// The last line of stdout as JSON.
-    fn last_json(&self) -> Value {
-        let out = self.stdout();
-        out.lines().last().and_then(|l| serde_json::from_str(l).ok()).unwrap_or(Value::Null)
-    }
+/// Some(why) once the process has ended.
+fn ended(p: &mut Proc) -> Option<String> {
+    let st = p.exited()?;
+    Some(format!("the target exited ({st}): {}", tail(&p.stderr.text())))
 }
 
 /// Polls `f` every 50 ms until it gives Some, for at most `limit`.
@@ -360,9 +291,9 @@ impl Host {
         let sock = dir.join(format!("{name}.sock"));
         let mut args = vec!["host", "--api", sock.to_str().context("path")?];
         args.extend_from_slice(extra);
-        let mut p = Proc::ninelives(dir, name, &args)?;
+        let mut p = Proc::ninelives(None, &args)?;
         if poll(2 * BOUND, || connect(&sock).ok()).is_none() {
-            bail!("the host did not start listening: {}", p.exited().unwrap_or_default());
+            bail!("the host did not start listening: {}", ended(&mut p).unwrap_or_default());
         }
         let mut h = Host { p, sock, held: None, bystander: 0, beats: 0 };
         let r =
@@ -399,7 +330,7 @@ impl Host {
 
 impl Target for Host {
     fn exited(&mut self) -> Option<String> {
-        self.p.exited()
+        ended(&mut self.p)
     }
 
     fn probe(&mut self) -> Result<(), String> {
@@ -570,16 +501,16 @@ fn api_other_user(dir: &Path, tries: u32) -> Result<Row> {
     let mut h = Host::start(dir, "other", &[], "64M")?;
     h.chmod_sock(0o666)?;
     let sock = h.sock.clone();
-    campaign(&mut row, tries, 1, &mut h, |i| {
+    campaign(&mut row, tries, 1, &mut h, |_| {
         let Ok(exe) = exe() else { return Seen::Odd("no binary".into()) };
         let mut c = Command::new(exe);
         c.uid(65534).gid(65534).arg("api").arg("--api").arg(&sock).arg(r#"{"op":"list"}"#);
-        let mut p = match Proc::spawn(dir, &format!("nobody{i}"), c) {
+        let mut p = match Proc::spawn(c) {
             Ok(p) => p,
             Err(e) => return Seen::Odd(format!("{e:#}")),
         };
-        let all = |p: &Proc| format!("{}{}", p.stdout(), p.stderr());
-        match p.wait(BOUND) {
+        let all = |p: &Proc| format!("{}{}", p.stdout.text(), p.stderr.text());
+        match p.wait_for(BOUND) {
             None => Seen::Silent("the client got no answer".into()),
             Some(st) if st.success() => Seen::Got(format!("served: {}", all(&p))),
             Some(_) if all(&p).contains("may not use this host's API") => Seen::Refused,
@@ -616,13 +547,12 @@ struct Backup {
 }
 
 impl Backup {
-    fn start(dir: &Path, name: &str, key: &Path, lease_ms: u64) -> Result<Backup> {
+    fn start(key: &Path, lease_ms: u64) -> Result<Backup> {
         let addr = TcpListener::bind("127.0.0.1:0")?.local_addr()?;
         let (a, lease) = (addr.to_string(), lease_ms.to_string());
         let key = key.to_str().context("path")?;
         let p = Proc::ninelives(
-            dir,
-            name,
+            None,
             &[
                 "replicate",
                 "backup",
@@ -636,40 +566,43 @@ impl Backup {
             ],
         )?;
         let mut b = Backup { p, addr, real: false };
-        if poll(2 * BOUND, || b.p.stderr().contains("listening").then_some(())).is_none() {
-            bail!("the backup did not start listening: {}", b.p.exited().unwrap_or_default());
+        if poll(2 * BOUND, || b.p.stderr.text().contains("listening").then_some(())).is_none() {
+            bail!("the backup did not start listening: {}", ended(&mut b.p).unwrap_or_default());
         }
         Ok(b)
     }
 
     /// Runs a real primary (1 s of memwrite) against this backup to its end:
     /// clean if it finished with a verified digest and the backup stood down.
-    fn serve_real_primary(&mut self, dir: &Path, name: &str, key: &Path) -> (Outcome, String) {
+    fn serve_real_primary(&mut self, key: &Path) -> (Outcome, String) {
         self.real = true;
         let a = self.addr.to_string();
         let args = ["replicate", "primary", "--backup", &a, "--duration", "1", "--json"];
         let key = ["--key-file", key.to_str().unwrap_or_default()];
-        let mut p = match Proc::ninelives(dir, name, &[&args[..], &key[..]].concat()) {
+        let mut p = match Proc::ninelives(None, &[&args[..], &key[..]].concat()) {
             Ok(p) => p,
             Err(e) => return (Outcome::Unexpected, format!("{e:#}")),
         };
-        if p.wait(PRIMARY_BOUND).is_none() {
-            return (Outcome::Hang, format!("the primary did not finish: {}", tail(&p.stderr())));
+        if p.wait_for(PRIMARY_BOUND).is_none() {
+            return (
+                Outcome::Hang,
+                format!("the primary did not finish: {}", tail(&p.stderr.text())),
+            );
         }
-        self.p.wait(BOUND);
+        self.p.wait_for(BOUND);
         if let Some(why) = self.compromised() {
             return (Outcome::WrongSuccess, why);
         }
-        if p.last_json()["digest_ok"] != true {
+        if p.last_json().unwrap_or_default()["digest_ok"] != true {
             return (
                 Outcome::Harmed,
-                format!("the real primary was not served: {}", tail(&p.stderr())),
+                format!("the real primary was not served: {}", tail(&p.stderr.text())),
             );
         }
-        if self.p.last_json()["primary_finished"] != true {
+        if self.p.last_json().unwrap_or_default()["primary_finished"] != true {
             return (
                 Outcome::Crash,
-                format!("the backup did not stand down: {}", tail(&self.p.stderr())),
+                format!("the backup did not stand down: {}", tail(&self.p.stderr.text())),
             );
         }
         (Outcome::Clean, String::new())
@@ -678,7 +611,7 @@ impl Backup {
 
 impl Target for Backup {
     fn exited(&mut self) -> Option<String> {
-        self.p.exited()
+        ended(&mut self.p)
     }
 
     /// A hello is answered (challenge or refusal) within [`BOUND`].
@@ -690,7 +623,7 @@ impl Target for Backup {
     }
 
     fn compromised(&mut self) -> Option<String> {
-        let err = self.p.stderr();
+        let err = self.p.stderr.text();
         if err.contains("taking over") {
             return Some(format!("the backup activated: {}", tail(&err)));
         }
@@ -749,13 +682,13 @@ fn forged_frames(addr: SocketAddr) -> Seen {
     Seen::Odd("more than one challenge".into())
 }
 
-fn repl_forged(dir: &Path, key: &Path, tries: u32) -> Result<[Row; 2]> {
+fn repl_forged(key: &Path, tries: u32) -> Result<[Row; 2]> {
     let mut row = Row::new("repl-forged");
     row.note = Some(format!(
         "a wrong key (the real handshake), or a hand-made hello + random proof + random bytes, \
          in turn; then the backup's lease ({LEASE_MS} ms) waited out"
     ));
-    let mut b = Backup::start(dir, "forged-backup", key, LEASE_MS)?;
+    let mut b = Backup::start(key, LEASE_MS)?;
     let addr = b.addr;
     campaign(&mut row, tries, 1, &mut b, |i| {
         let seen = if i % 2 == 0 { wrong_key(addr) } else { forged_frames(addr) };
@@ -764,19 +697,19 @@ fn repl_forged(dir: &Path, key: &Path, tries: u32) -> Result<[Row; 2]> {
     });
     let mut real = Row::new("repl-real-primary-after-attacks");
     real.note = Some("the real primary (1 s of memwrite) then runs to a verified digest".into());
-    real.add(b.serve_real_primary(dir, "forged-primary", key));
+    real.add(b.serve_real_primary(key));
     Ok([row, real])
 }
 
-fn repl_slowloris(dir: &Path, key: &Path, tries: u32) -> Result<Row> {
+fn repl_slowloris(key: &Path, tries: u32) -> Result<Row> {
     let mut row = Row::new("repl-slowloris");
     row.note = Some(
         "3 clients at 1 byte per 300 ms while the real primary connects; a new backup per try \
          (a backup stands down once its primary finished)"
             .into(),
     );
-    for i in 0..tries {
-        let mut b = Backup::start(dir, &format!("slow-backup{i}"), key, LEASE_MS)?;
+    for _ in 0..tries {
+        let mut b = Backup::start(key, LEASE_MS)?;
         let (stop, addr) = (AtomicBool::new(false), b.addr);
         let outcome = std::thread::scope(|sc| {
             for _ in 0..3 {
@@ -791,7 +724,7 @@ fn repl_slowloris(dir: &Path, key: &Path, tries: u32) -> Result<Row> {
                 });
             }
             std::thread::sleep(Duration::from_millis(500));
-            let o = b.serve_real_primary(dir, &format!("slow-primary{i}"), key);
+            let o = b.serve_real_primary(key);
             stop.store(true, Ordering::SeqCst);
             o
         });
@@ -846,9 +779,9 @@ pub fn bench(a: BenchHostileArgs) -> Result<ExitCode> {
     step("api-other-user");
     rows.push(api_other_user(d, n)?);
     step("repl-forged");
-    rows.extend(repl_forged(d, &key, n)?);
+    rows.extend(repl_forged(&key, n)?);
     step("repl-slowloris");
-    rows.push(repl_slowloris(d, &key, a.slow_tries.unwrap_or(n))?);
+    rows.push(repl_slowloris(&key, a.slow_tries.unwrap_or(n))?);
     let loadavg_after = loadavg();
 
     println!(

@@ -42,7 +42,7 @@ pub struct KvloadArgs {
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Give up on a request (and reconnect) after this long, e.g. 2s, 500ms.
-    #[arg(long, default_value = "2s", value_parser = crate::cli::parse_duration)]
+    #[arg(long, default_value = "2s", value_parser = nl_launch::args::parse_duration)]
     pub timeout: Duration,
     /// Print one JSON object as the last line of stdout.
     #[arg(long)]
@@ -355,11 +355,13 @@ impl Worker {
     }
 }
 
-fn percentile(sorted: &[u64], q: f64) -> f64 {
-    if sorted.is_empty() {
+/// The `q`-quantile of latencies in ns, in µs (0 without samples).
+fn percentile_us(sorted_ns: &[u64], q: f64) -> f64 {
+    if sorted_ns.is_empty() {
         return 0.0;
     }
-    sorted[((sorted.len() - 1) as f64 * q).round() as usize] as f64 / 1e3
+    let v: Vec<f64> = sorted_ns.iter().map(|&n| n as f64).collect();
+    crate::stats::percentile_sorted(&v, q) / 1e3
 }
 
 /// Runs the load and the checks; `connect` opens a connection to the server.
@@ -425,8 +427,8 @@ pub fn load(cfg: &LoadConfig, connect: Connect) -> KvReport {
         if cfg.duration.is_zero() { 0.0 } else { r.ops as f64 / cfg.duration.as_secs_f64() };
     lat.sort_unstable();
     r.latency_us = Latency {
-        p50: percentile(&lat, 0.5),
-        p99: percentile(&lat, 0.99),
+        p50: percentile_us(&lat, 0.5),
+        p99: percentile_us(&lat, 0.99),
         max: lat.last().map_or(0.0, |&m| m as f64 / 1e3),
     };
     // The server's digest over this run's keys.

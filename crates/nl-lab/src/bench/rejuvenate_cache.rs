@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
-use super::bench_rejuvenate::HostProc;
+use super::rejuvenate::HostProc;
 
 /// Sampling period of the VM's counters.
 pub const SAMPLE_MS: u64 = 100;
@@ -353,7 +353,7 @@ fn one_mode(mode: &str, image_dir: &Option<PathBuf>, dir: &Path) -> Result<Value
     let ws = nl_workloads::filecache::ws_bytes_for(data);
     // The cache plus the guest's fixed areas (34 MiB) and some slack.
     let mem = ((ws + (40 << 20)).div_ceil(1 << 20) << 20).max(256 << 20);
-    crate::guest::ensure_disk(&disk, nl_workloads::filecache::disk_bytes(data))?;
+    nl_launch::guest::ensure_disk(&disk, nl_workloads::filecache::disk_bytes(data))?;
     let h = HostProc::start(&sock, None)?;
     let r = h.req(json!({"op":"create","workload":"filecache","data":data,"mem":mem,
         "disk":disk,"duration":86_000,"seed":8}))?;
