@@ -218,7 +218,7 @@ fn control_campaign(args: &[&str]) -> bool {
     all.extend_from_slice(args);
     let o = run_cli(&all);
     if !o.status.success() && stderr(&o).contains("needs root and iproute2") {
-        eprintln!("\n*** SKIPPED: {args:?}: {} ***\n", stderr(&o).trim());
+        common::skip(common::Prereq::Netns, &format!("{args:?}: {}", stderr(&o).trim()));
         return false;
     }
     assert!(o.status.success(), "{args:?}: {}", stderr(&o));

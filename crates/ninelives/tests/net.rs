@@ -175,7 +175,7 @@ fn bench_reports_netbench_next_to_a_host_baseline() {
     assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
     let j = last_json(&o);
     if let Some(s) = j["skipped"].as_array().filter(|s| !s.is_empty()) {
-        eprintln!("\n*** SKIPPED: bench netbench entry: {} ***\n", s[0]["reason"]);
+        common::skip(common::Prereq::Netns, &format!("bench netbench entry: {}", s[0]["reason"]));
         return;
     }
     let e = &j["results"][0];
