@@ -169,7 +169,7 @@ fn bad_state_is_refused_and_the_vm_is_left_untouched() {
     let two = Vm::create(&kvm, 1, config(params(nl_abi::WORKLOAD_MEMWRITE, 400), 2)).unwrap();
     let before = two.save_state().unwrap().to_bytes();
     let state = VmState::from_bytes(&bytes).unwrap();
-    let e = two.restore_state(&state).err().expect("a 1-vCPU state refused by a 2-vCPU VM");
+    let e = two.restore_state(&state).expect_err("a 1-vCPU state refused by a 2-vCPU VM");
     assert!(e.to_string().contains("vCPU"), "the error must name what differs: {e}");
     let after = two.save_state().unwrap().to_bytes();
     assert!(same_registers(&after, &before), "a refused restore changed the VM's registers");
