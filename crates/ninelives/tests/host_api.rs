@@ -54,21 +54,23 @@ fn host_serves_several_vms_and_survives_bad_requests() {
     let (ida, idb) = (a["id"].as_u64().unwrap(), b["id"].as_u64().unwrap());
     assert_ne!(ida, idb);
 
-    // Malformed requests of every kind: each gets an error reply.
-    for bad in [
-        &b"this is not json"[..],
-        b"{\"no_op\":1}",
-        b"{\"op\":\"frobnicate\"}",
-        b"{\"op\":\"pause\"}",
-        b"{\"op\":\"pause\",\"id\":999}",
-        b"{\"op\":\"create\",\"mem\":\"1M\"}",
-        b"{\"op\":\"create\",\"vcpus\":1000}",
-        b"{\"op\":\"create\",\"bogus_field\":1}",
-        b"[1,2,3]",
+    // Malformed requests of every kind: each gets the error naming what
+    // was wrong (not merely some error).
+    for (bad, why) in [
+        (&b"this is not json"[..], "malformed request"),
+        (b"{\"no_op\":1}", "needs an \"op\" string"),
+        (b"{\"op\":\"frobnicate\"}", "unknown op \"frobnicate\""),
+        (b"{\"op\":\"pause\"}", "needs a numeric \"id\""),
+        (b"{\"op\":\"pause\",\"id\":999}", "VM 999: no such VM"),
+        (b"{\"op\":\"create\",\"mem\":\"1M\"}", "1048576 bytes is too small"),
+        (b"{\"op\":\"create\",\"vcpus\":1000}", "vcpus 1000 is out of range"),
+        (b"{\"op\":\"create\",\"bogus_field\":1}", "unknown field `bogus_field`"),
+        (b"[1,2,3]", "needs an \"op\" string"),
     ] {
         let r = send_raw(&mut s, bad);
         assert_eq!(r["ok"], false, "{}: {r}", String::from_utf8_lossy(bad));
-        assert!(r["error"].as_str().is_some_and(|e| !e.is_empty()));
+        let e = r["error"].as_str().unwrap_or_default();
+        assert!(e.contains(why), "{}: expected '{why}' in: {r}", String::from_utf8_lossy(bad));
     }
     // An oversized request is refused and closes its connection (tests/api_limits.rs).
     {

@@ -218,7 +218,7 @@ fn control_campaign(args: &[&str]) -> bool {
     all.extend_from_slice(args);
     let o = run_cli(&all);
     if !o.status.success() && stderr(&o).contains("needs root and iproute2") {
-        eprintln!("\n*** SKIPPED: {args:?}: {} ***\n", stderr(&o).trim());
+        common::skip(common::Prereq::Netns, &format!("{args:?}: {}", stderr(&o).trim()));
         return false;
     }
     assert!(o.status.success(), "{args:?}: {}", stderr(&o));
@@ -296,9 +296,14 @@ fn code_faults_are_repaired_at_their_signal() {
         if repair["by"] == "signal" && run["detector"]["detector"] == "signal" {
             at_signal += 1;
             let result = run["result"].as_str().unwrap_or_default();
-            recovered_at_signal += usize::from(["recovered", "no_vm_failure"].contains(&result));
+            // Every run repaired at its signal recovers, not merely one.
+            assert!(
+                ["recovered", "no_vm_failure"].contains(&result),
+                "repaired at its signal but not recovered: {run}"
+            );
+            recovered_at_signal += 1;
         }
     }
     assert!(at_signal > 0, "no run was repaired at its fault signal: {out}");
-    assert!(recovered_at_signal > 0, "no run repaired at its signal recovered: {out}");
+    assert_eq!(recovered_at_signal, at_signal);
 }

@@ -19,7 +19,7 @@ fn net_host_ip_makes_the_guest_reachable_without_an_ip_step() {
     let ns = match nl_lab::netns::Netns::new(&name) {
         Ok(n) => Netns(n),
         Err(e) => {
-            eprintln!("\n*** SKIPPED: cannot create a network namespace: {e:#} ***\n");
+            skip(Prereq::Netns, &format!("cannot create a network namespace: {e:#}"));
             return;
         }
     };

@@ -42,8 +42,9 @@ impl Pair {
         let id = std::process::id();
         let (p, b) = (format!("nlr-p{tag}-{id}"), format!("nlr-b{tag}-{id}"));
         if !ip_ok(&["netns", "add", &p]) {
-            eprintln!(
-                "\n*** SKIPPED: cannot create a network namespace (needs root and iproute2) ***\n"
+            common::skip(
+                common::Prereq::Netns,
+                "cannot create a network namespace (needs root and iproute2)",
             );
             return None;
         }
@@ -482,7 +483,7 @@ fn killed_kv_primaries_lose_no_acknowledged_write_and_pings_are_answered_again()
     ]);
     let j = last_json(&o);
     if let Some(why) = j["kills_skipped"].as_str() {
-        eprintln!("\n*** SKIPPED: {why} ***\n");
+        common::skip(common::Prereq::Netns, why);
         return;
     }
     let kills = j["kills"].as_array().expect("kills");

@@ -29,6 +29,23 @@ fn assert_digests(vm: &Vm) {
     }
 }
 
+/// Whether two saved states hold the same general and special registers
+/// on every vCPU (the parts a restore sets exactly; the TSC and the APIC
+/// timer count move on by themselves).
+fn same_registers(a: &[u8], b: &[u8]) -> bool {
+    let (a, b): (serde_json::Value, serde_json::Value) =
+        (serde_json::from_slice(a).unwrap(), serde_json::from_slice(b).unwrap());
+    let regs = |s: &serde_json::Value| -> Vec<(serde_json::Value, serde_json::Value)> {
+        s["vcpus"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| (v["regs"].clone(), v["sregs"].clone()))
+            .collect()
+    };
+    regs(&a) == regs(&b)
+}
+
 #[test]
 fn pause_stops_progress_and_resume_continues() {
     if !kvm_available() {
@@ -51,20 +68,47 @@ fn pause_stops_progress_and_resume_continues() {
     assert_digests(&vm);
 }
 
+/// Saves state and RAM at point A, lets the guest run on to B, then puts
+/// A back into the same VM: the state saved again right after the restore
+/// is A's (not B's), and the guest, re-running from A, ends with the
+/// replayed digest. A `restore_state` that did nothing would leave B's
+/// registers over A's memory.
 #[test]
 fn save_restore_in_place_round_trip_keeps_the_digest() {
+    use std::os::unix::fs::FileExt;
     if !kvm_available() {
         return;
     }
     let kvm = nl_vmm::open_kvm().unwrap();
-    let vm = Vm::create(&kvm, 0, config(params(nl_abi::WORKLOAD_MEMWRITE, 500), 1)).unwrap();
+    let vm = Vm::create(&kvm, 0, config(params(nl_abi::WORKLOAD_MEMWRITE, 1500), 1)).unwrap();
     vm.start().unwrap();
     assert!(vm.save_state().is_err(), "saving a running VM must be refused");
     wait_phase(&vm, nl_abi::PHASE_MEASURE_START);
     vm.pause();
     let bytes = vm.save_state().unwrap().to_bytes();
+    let mut ram = vec![0u8; vm.memory().size() as usize];
+    vm.memory().fd().read_exact_at(&mut ram, 0).unwrap();
+    let beats_a = vm.control().total_beats();
+    // On to B: the guest makes progress (bounded: 100 slices of 10 ms) but
+    // does not finish.
+    for _ in 0..100 {
+        vm.resume();
+        std::thread::sleep(Duration::from_millis(10));
+        vm.pause();
+        if vm.control().total_beats() > beats_a {
+            break;
+        }
+    }
+    assert!(vm.control().total_beats() > beats_a, "the guest made no progress");
+    assert!(vm.control().vcpus[0].phase.load(Relaxed) < nl_abi::PHASE_DONE, "finished before B");
+    let at_b = vm.save_state().unwrap().to_bytes();
+    assert_ne!(at_b, bytes, "the state at B must differ from A's for this test to mean anything");
+    vm.memory().fd().write_all_at(&ram, 0).unwrap();
     let state = VmState::from_bytes(&bytes).unwrap();
     vm.restore_state(&state).unwrap();
+    let again = vm.save_state().unwrap().to_bytes();
+    assert!(same_registers(&again, &bytes), "the vCPU registers after the restore are not A's");
+    assert!(!same_registers(&again, &at_b), "the vCPU registers after the restore are B's");
     vm.resume();
     assert_eq!(vm.wait(Duration::from_secs(60)), VmOutcome::Completed);
     assert_digests(&vm);
@@ -120,10 +164,18 @@ fn bad_state_is_refused_and_the_vm_is_left_untouched() {
     );
 
     // A state for another shape of VM: refused before anything is loaded.
+    // The VM it was tried on is untouched: its state is what it was, and
+    // it still boots and runs its own workload to the right digest.
     let two = Vm::create(&kvm, 1, config(params(nl_abi::WORKLOAD_MEMWRITE, 400), 2)).unwrap();
+    let before = two.save_state().unwrap().to_bytes();
     let state = VmState::from_bytes(&bytes).unwrap();
-    assert!(two.restore_state(&state).is_err());
-    drop(two);
+    let e = two.restore_state(&state).expect_err("a 1-vCPU state refused by a 2-vCPU VM");
+    assert!(e.to_string().contains("vCPU"), "the error must name what differs: {e}");
+    let after = two.save_state().unwrap().to_bytes();
+    assert!(same_registers(&after, &before), "a refused restore changed the VM's registers");
+    two.start().unwrap();
+    assert_eq!(two.wait(Duration::from_secs(60)), VmOutcome::Completed);
+    assert_digests(&two);
 
     vm.resume();
     assert_eq!(vm.wait(Duration::from_secs(60)), VmOutcome::Completed);

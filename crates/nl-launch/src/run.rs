@@ -29,6 +29,12 @@ pub struct VmResult {
     pub cache_hits: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache_misses: Option<u64>,
+    /// virtio-net: interrupts the device raised and frames it moved (the
+    /// tests show `--net-rx-irq` delivers interrupts and the guest answered).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub net_interrupts: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub net: Option<nl_devices::virtio::net::NetStats>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
@@ -80,6 +86,8 @@ pub fn run_vms(configs: &[VmConfig], workload: &'static str, quiet: bool) -> Res
             boot_ms: report.boot_ms,
             cache_hits: filecache.then(|| report.vcpus.iter().map(|v| v.regs.cache_hits).sum()),
             cache_misses: filecache.then(|| report.vcpus.iter().map(|v| v.regs.cache_misses).sum()),
+            net_interrupts: vm.virtio_interrupts().1,
+            net: vm.net_stats().map(|(s, _, _)| s),
             error,
         });
     }

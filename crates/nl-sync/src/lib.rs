@@ -313,8 +313,17 @@ mod tests {
         a.owner.store(0, Relaxed);
         std::mem::forget(b.lock());
         let me = tid();
+        // Every live thread of this test binary is kept: the locks that
+        // tests running in parallel hold are theirs, not stale, and must
+        // not be released under them. Only the stale owner (0) is not kept.
+        let mut keep: Vec<i32> = std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+            .collect();
+        assert!(keep.contains(&me));
+        keep.push(me);
         // SAFETY: the locks this test forgot are never used through their guards again.
-        let released = unsafe { force_release_all_but(&[me]) };
+        let released = unsafe { force_release_all_but(&keep) };
         assert!(released.iter().any(|r| r.name == "test.stale"), "{released:?}");
         assert!(!a.is_locked() && b.is_locked());
         // SAFETY: the locks this test forgot are never used through their guards again.

@@ -11,15 +11,54 @@ use std::time::Duration;
 use nl_abi::WorkloadParams;
 use nl_vmm::VmConfig;
 
-/// Whether KVM can be used. Says so loudly when it cannot: the KVM tests are
-/// then skipped (they return early) and the line shows in the test output.
+/// A prerequisite a test may find missing on this machine.
+#[derive(Clone, Copy, Debug)]
+pub enum Prereq {
+    /// /dev/kvm (any KVM backend).
+    Kvm,
+    /// Root and iproute2: `ip netns add`, TAP and veth devices.
+    Netns,
+}
+
+impl Prereq {
+    /// The environment variable that turns a skip for this prerequisite
+    /// into a failure (`.ci/run` sets both).
+    pub fn require_var(self) -> &'static str {
+        match self {
+            Prereq::Kvm => "NINELIVES_REQUIRE_KVM",
+            Prereq::Netns => "NINELIVES_REQUIRE_NETNS",
+        }
+    }
+}
+
+/// Reports that the calling test cannot run here because `what` is missing.
+///
+/// With `NINELIVES_REQUIRE_KVM=1` / `NINELIVES_REQUIRE_NETNS=1` (CI) this
+/// panics: a missing prerequisite is a failure there, never a pass.
+/// Otherwise the SKIPPED line is written with `std::io::stderr().write_all`,
+/// which libtest's output capture does not intercept (it captures only the
+/// `print!`/`eprint!` macros), so plain `cargo test` shows it next to the
+/// test's `ok` line without `--nocapture`.
+pub fn skip(what: Prereq, why: &str) {
+    use std::io::Write;
+    let var = what.require_var();
+    let test = std::thread::current().name().unwrap_or("?").to_string();
+    if std::env::var(var).is_ok_and(|v| v == "1") {
+        panic!("{var}=1 but {what:?} is missing, so {test} cannot run: {why}");
+    }
+    let line = format!(
+        "\n*** SKIPPED {test}: {what:?} missing ({why}); set {var}=1 to fail instead ***\n"
+    );
+    let _ = std::io::stderr().write_all(line.as_bytes());
+}
+
+/// Whether KVM can be used. When it cannot, the test is skipped loudly
+/// (see [`skip`]: a failure under `NINELIVES_REQUIRE_KVM=1`).
 pub fn kvm_available() -> bool {
     match nl_vmm::open_kvm() {
         Ok(_) => true,
         Err(e) => {
-            eprintln!(
-                "\n*** SKIPPED: KVM is not available here ({e}); this KVM test did not run ***\n"
-            );
+            skip(Prereq::Kvm, &e.to_string());
             false
         }
     }
@@ -195,10 +234,11 @@ pub fn assert_stats_replay(id: u64, s: &serde_json::Value) {
 pub struct Netns(pub nl_lab::netns::Netns);
 
 impl Netns {
-    /// None (with a loud SKIPPED line) without root or iproute2.
+    /// None (after [`skip`]: a failure under `NINELIVES_REQUIRE_NETNS=1`)
+    /// without root or iproute2.
     pub fn new(tag: &str) -> Option<Netns> {
         if let Some(why) = nl_lab::netns::unavailable() {
-            eprintln!("\n*** SKIPPED: cannot create a network namespace ({why}) ***\n");
+            skip(Prereq::Netns, &format!("cannot create a network namespace ({why})"));
             return None;
         }
         let name = format!("nl-test-{tag}-{}", std::process::id());

@@ -115,8 +115,11 @@ fn sandbox_run(
     max_msg: u64,
     seed: u64,
 ) -> Result<Vec<SizeNumbers>> {
-    let set =
-        SandboxSet::create(kvm, config(cores, max_msg, seed)?, &nl_launch::guest::sandbox_images())?;
+    let set = SandboxSet::create(
+        kvm,
+        config(cores, max_msg, seed)?,
+        &nl_launch::guest::sandbox_images(),
+    )?;
     set.start_all()?;
     let report = set.supervise(Duration::from_secs(300));
     if !report.all_ok() {
