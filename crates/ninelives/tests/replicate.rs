@@ -140,6 +140,22 @@ impl Drop for Pair {
     }
 }
 
+/// Reads the primary's stderr (bounded by `within`) until it reports its
+/// first acknowledged epoch; the rest of its stderr is drained meanwhile.
+fn wait_protected(c: &mut Child, within: Duration) -> bool {
+    use std::io::BufRead;
+    let err = c.stderr.take().expect("stderr is piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+            if line.contains("the VM is protected") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    rx.recv_timeout(within).is_ok()
+}
+
 /// Waits for `c` up to `secs` (then kills it) and returns its output.
 fn finish(mut c: Child, secs: u64) -> Output {
     let end = Instant::now() + Duration::from_secs(secs);
@@ -240,7 +256,13 @@ fn disk_writes_are_replicated_and_survive_a_takeover() {
     // Killed mid-run: the backup's VM goes on with the disk as of its epoch.
     let backup = n.backup(&["--disk", bd, "--allow-primary", "10.9.0.1"]);
     let mut primary = n.primary(&[&work[..], &["--duration", "3"]].concat());
-    std::thread::sleep(Duration::from_millis(1800));
+    // Killed once the backup holds an acknowledged epoch (not after a fixed
+    // time: on a loaded host the first epoch can take longer than that).
+    assert!(
+        wait_protected(&mut primary, Duration::from_secs(60)),
+        "the primary never reported an acknowledged epoch"
+    );
+    std::thread::sleep(Duration::from_millis(300));
     primary.kill().expect("kill the primary");
     let _ = primary.wait();
     let o = finish(backup, 60);

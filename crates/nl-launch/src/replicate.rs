@@ -195,7 +195,9 @@ pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
         die_mid_send_after: a.test_die_mid_send_ms.map(Duration::from_millis),
     };
     let mut log = |m: String| {
-        if !quiet || m.contains("WARNING") || m.contains("FENCED") {
+        // Warnings, fencing and the moment the VM becomes protected are
+        // always shown (on stderr; --json keeps stdout for the report).
+        if !quiet || m.contains("WARNING") || m.contains("FENCED") || m.contains("is protected") {
             eprintln!("ninelives: {m}");
         }
     };

@@ -979,6 +979,9 @@ impl<'a> Primary<'a> {
         m.commit += ms(s.commit);
         m.commit_max = m.commit_max.max(ms(s.commit));
         m.acked += 1;
+        if m.acked == 1 {
+            (self.log)(format!("epoch {} acknowledged by the backup: the VM is protected", s.epoch));
+        }
         self.rep.bytes_sent += s.bytes;
         self.rep.frames_released += s.released;
         self.rep.disk_writes_released += s.disk_released;
@@ -1212,6 +1215,11 @@ impl<'a> Primary<'a> {
             self.sums.ack_wait += ms(t.elapsed());
             if result.is_ok() {
                 self.sums.acked += 1;
+                if self.sums.acked == 1 {
+                    (self.log)(format!(
+                        "epoch {epoch} acknowledged by the backup: the VM is protected"
+                    ));
+                }
                 self.rep.frames_released += out.len() as u64;
                 self.rep.disk_writes_released += disk.len() as u64;
                 self.rep.disk_bytes_written +=
