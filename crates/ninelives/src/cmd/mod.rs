@@ -19,3 +19,4 @@ pub mod ping;
 pub mod rejuvenate;
 pub mod replicate;
 pub mod run;
+pub mod run_linux;
