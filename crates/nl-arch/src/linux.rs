@@ -392,8 +392,10 @@ pub fn setup_boot_vcpu(vcpu: &VcpuFd, entry: u64, cpuid: &CpuId) -> Result<(), A
         ..Default::default()
     };
     vcpu.set_regs(&regs).map_err(fail("regs"))?;
-    // x2APIC enabled as firmware would: PVM faults xAPIC MMIO from ring 0.
-    let apic_base = 0xfee0_0000 | (1 << 11) | (1 << 10) | (1 << 8);
+    // xAPIC enabled, BSP. Not x2APIC: a kernel finding x2APIC enabled by
+    // firmware but no ACPI MADT keeps the xAPIC driver and reads its MMIO
+    // page, which it has not mapped (an oops in native_apic_mem_read).
+    let apic_base = 0xfee0_0000 | (1 << 11) | (1 << 8);
     let msrs = Msrs::from_entries(&[
         kvm_msr_entry { index: MSR_IA32_APICBASE, data: apic_base, ..Default::default() },
         // Fast strings enabled, as firmware leaves it.
@@ -403,7 +405,7 @@ pub fn setup_boot_vcpu(vcpu: &VcpuFd, entry: u64, cpuid: &CpuId) -> Result<(), A
     let n = vcpu.set_msrs(&msrs).map_err(fail("MSRs"))?;
     if n != 2 {
         return Err(ArchError::VcpuSetup {
-            what: "MSRs (APIC base with x2APIC, MISC_ENABLE)",
+            what: "MSRs (APIC base, MISC_ENABLE)",
             err: kvm_ioctls::Error::new(22),
         });
     }
