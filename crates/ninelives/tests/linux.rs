@@ -343,3 +343,32 @@ fn initramfs_builder_writes_newc_entries() {
         assert!(s.contains(name), "{name} missing");
     }
 }
+
+/// A bad kernel image or command line is refused with a clear error, not a
+/// crash: a bzImage whose payload points outside the file, a command line
+/// longer than Linux accepts, and more than one vCPU (no MP tables yet).
+#[test]
+fn bad_linux_input_is_refused_with_a_clear_error() {
+    if !common::kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut bz = vec![0u8; 0x2000];
+    bz[0x1fe] = 0x55;
+    bz[0x1ff] = 0xaa;
+    bz[0x202..0x206].copy_from_slice(b"HdrS");
+    bz[0x206..0x208].copy_from_slice(&0x20fu16.to_le_bytes());
+    bz[0x1f1] = 1;
+    bz[0x24c..0x250].copy_from_slice(&0x10_0000u32.to_le_bytes());
+    let k = common::write_file(dir.path(), "bzImage", &bz);
+    let o = common::run_cli(&["run", "--kernel", &k, "--duration", "5"]);
+    common::assert_clean_error(&o, "outside the bzImage");
+
+    let Some(kernel) = debian_kernel("bad_linux_input_is_refused") else { return };
+    let kernel = kernel.to_string_lossy().into_owned();
+    let long = "x".repeat(4096);
+    let o = common::run_cli(&["run", "--kernel", &kernel, "--cmdline", &long, "--duration", "5"]);
+    common::assert_clean_error(&o, "kernel command line");
+    let o = common::run_cli(&["run", "--kernel", &kernel, "--vcpus", "2", "--duration", "5"]);
+    common::assert_clean_error(&o, "one vCPU");
+}

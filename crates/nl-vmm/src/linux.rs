@@ -144,6 +144,20 @@ pub enum LinuxOutcome {
     TimedOut,
 }
 
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn xrstor_and_cmpxchg16b_get_a_hint() {
+        let xrstor = [0x48, 0x0f, 0xae, 0x2f, 0x31, 0xc0];
+        assert!(super::emulation_hint(&xrstor).unwrap().contains("noxsave"));
+        let lfence = [0x0f, 0xae, 0xe8];
+        assert_eq!(super::emulation_hint(&lfence), None);
+        let cx16 = [0xf0, 0x48, 0x0f, 0xc7, 0x0e];
+        assert_eq!(super::emulation_hint(&cx16), None, "lock prefix first: no guess");
+        assert!(super::emulation_hint(&cx16[1..]).unwrap().contains("cmpxchg"));
+    }
+}
+
 /// The number of `int3` instructions [`wait`] completed by injecting #BP.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct WaitStats {
@@ -217,6 +231,9 @@ pub fn describe_crash(vm: &Vm, outcome: &VmOutcome, map: Option<&SystemMap>) -> 
             Ok((rip, bytes)) => {
                 let hex: Vec<String> = bytes.iter().map(|b| format!("{b:02x}")).collect();
                 m.push_str(&format!("; instruction bytes at {rip:#x}: {}", hex.join(" ")));
+                if let Some(hint) = emulation_hint(&bytes) {
+                    m.push_str(&format!(" [{hint}]"));
+                }
                 match map.and_then(|s| s.symbolize(rip)) {
                     Some(sym) => m.push_str(&format!(" ({sym})")),
                     None if map.is_none() => m.push_str(" (give --system-map for the symbol)"),
@@ -227,6 +244,22 @@ pub fn describe_crash(vm: &Vm, outcome: &VmOutcome, map: Option<&SystemMap>) -> 
         }
     }
     m
+}
+
+/// What to do about an instruction PVM's ring-0 emulator is known to stop on.
+fn emulation_hint(code: &[u8]) -> Option<&'static str> {
+    // Skip a REX prefix; 0f ae /4 /5 (memory forms) are xsave and xrstor.
+    let c = if code.first().is_some_and(|b| b & 0xf0 == 0x40) { &code[1..] } else { code };
+    match c {
+        [0x0f, 0xae, modrm, ..] if modrm >> 6 != 3 && matches!((modrm >> 3) & 7, 4 | 5) => Some(
+            "xsave/xrstor, which PVM's emulator cannot run and CPUID does not hide there: \
+             add noxsave to --cmdline",
+        ),
+        [0x0f, 0xc7, modrm, ..] if (modrm >> 3) & 7 == 1 => {
+            Some("cmpxchg8b/16b, which PVM's emulator cannot run")
+        }
+        _ => None,
+    }
 }
 
 /// If the boot vCPU stopped on an emulation failure at an `int3` (0xcc),
