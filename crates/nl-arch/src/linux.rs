@@ -290,8 +290,10 @@ pub fn read_boot_params(mem: &nl_memory::GuestMem) -> Result<boot_params, ArchEr
 /// emulator cannot run `cmpxchg16b` (CX16) nor `xsave`/`xrstor` and the
 /// AVX family (XSAVE, OSXSAVE, AVX, FMA, F16C).
 const LEAF1_ECX_HIDDEN: u32 = (1 << 12) | (1 << 13) | (1 << 26) | (1 << 27) | (1 << 28) | (1 << 29);
-/// Leaf 7 EBX: AVX2, AVX-512 (F, DQ, IFMA, PF, ER, CD, BW, VL).
+/// Leaf 7 EBX: AVX2, SMAP (the emulator stops on `clac`), AVX-512 (F, DQ,
+/// IFMA, PF, ER, CD, BW, VL).
 const LEAF7_EBX_HIDDEN: u32 = (1 << 5)
+    | (1 << 20)
     | (1 << 16)
     | (1 << 17)
     | (1 << 21)

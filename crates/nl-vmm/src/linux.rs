@@ -155,6 +155,7 @@ mod tests {
         let cx16 = [0xf0, 0x48, 0x0f, 0xc7, 0x0e];
         assert_eq!(super::emulation_hint(&cx16), None, "lock prefix first: no guess");
         assert!(super::emulation_hint(&cx16[1..]).unwrap().contains("cmpxchg"));
+        assert!(super::emulation_hint(&[0x0f, 0x01, 0xca, 0xfc]).unwrap().contains("nosmap"));
     }
 }
 
@@ -255,6 +256,9 @@ fn emulation_hint(code: &[u8]) -> Option<&'static str> {
             "xsave/xrstor, which PVM's emulator cannot run and CPUID does not hide there: \
              add noxsave to --cmdline",
         ),
+        [0x0f, 0x01, 0xca | 0xcb, ..] => {
+            Some("clac/stac, which PVM's emulator cannot run: add nosmap to --cmdline")
+        }
         [0x0f, 0xc7, modrm, ..] if (modrm >> 3) & 7 == 1 => {
             Some("cmpxchg8b/16b, which PVM's emulator cannot run")
         }
