@@ -4,6 +4,8 @@
 //!   reference layout (see `nl_abi`).
 //! * [`gdt`]: per-vCPU GDT and 64-bit TSS.
 //! * [`image`]: loading kernel and user ELF images into fixed, bounded ranges.
+//! * [`linux`]: the Linux 64-bit boot protocol (bzImage/vmlinux, zero page,
+//!   e820, identity map and GDT, CPUID for PVM, System.map symbols).
 //! * [`regs`]: the initial vCPU state (sregs, regs, MSRs, CPUID), valid on
 //!   PVM and on VMX/SVM.
 //! * [`backend`]: which KVM backend serves /dev/kvm.
@@ -11,6 +13,7 @@
 pub mod backend;
 pub mod gdt;
 pub mod image;
+pub mod linux;
 pub mod paging;
 pub mod regs;
 

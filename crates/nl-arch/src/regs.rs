@@ -23,9 +23,18 @@ pub const MSR_SYSCALL_MASK: u32 = 0xc000_0084;
 pub const MSR_KERNEL_GS_BASE: u32 = 0xc000_0102;
 pub const MSR_TSC_AUX: u32 = 0xc000_0103;
 
+/// KVM paravirtual MSRs a Linux guest enables (kvm-clock, async page
+/// faults, steal time, PV EOI). Each is off while its bit 0 is clear, so
+/// restoring a zero into a guest that never used it is harmless. (The wall
+/// clock MSR is not saved: writing it makes KVM write guest memory.)
+pub const MSR_KVM_SYSTEM_TIME_NEW: u32 = 0x4b56_4d01;
+pub const MSR_KVM_ASYNC_PF_EN: u32 = 0x4b56_4d02;
+pub const MSR_KVM_STEAL_TIME: u32 = 0x4b56_4d03;
+pub const MSR_KVM_PV_EOI_EN: u32 = 0x4b56_4d04;
+
 /// MSRs saved and restored with a vCPU's state (those KVM does not keep in
 /// sregs or the LAPIC state).
-pub const SAVED_MSRS: [u32; 9] = [
+pub const SAVED_MSRS: [u32; 13] = [
     MSR_IA32_TSC,
     MSR_PAT,
     MSR_STAR,
@@ -35,6 +44,10 @@ pub const SAVED_MSRS: [u32; 9] = [
     MSR_KERNEL_GS_BASE,
     MSR_TSC_AUX,
     MSR_IA32_MISC_ENABLE,
+    MSR_KVM_SYSTEM_TIME_NEW,
+    MSR_KVM_ASYNC_PF_EN,
+    MSR_KVM_STEAL_TIME,
+    MSR_KVM_PV_EOI_EN,
 ];
 
 const CR0_PE: u64 = 1;

@@ -5,11 +5,13 @@
 //! * [`control`]: the paravirtual control device the reference guest reports
 //!   through (heartbeat, phase, result digest, errors).
 //! * [`echo`]: the port-I/O target of the `exits` workload.
+//! * [`i8042`]: the keyboard controller's CPU reset (a Linux guest's reboot).
 //! * [`serial`]: the 16550 console (vm-superio) and the console sink.
 
 pub mod bus;
 pub mod control;
 pub mod echo;
+pub mod i8042;
 pub mod serial;
 pub mod tap;
 

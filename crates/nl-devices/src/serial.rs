@@ -100,8 +100,9 @@ impl Write for Console {
     }
 }
 
-/// Interrupt trigger of the UART. The reference guest polls the UART, so the
-/// line is an eventfd nobody listens to yet (a later irqfd can).
+/// Interrupt trigger of the UART. The reference guest polls the UART, so its
+/// line is an eventfd nobody listens to; a Linux guest's is an irqfd on the
+/// in-kernel irqchip (GSI 4, see [`SerialDevice::with_irq`]).
 pub struct IrqLine(EventFd);
 
 impl Trigger for IrqLine {
@@ -163,12 +164,18 @@ impl From<SerialRegs> for SerialState {
 /// The 16550 UART on the port bus.
 pub struct SerialDevice {
     uart: Serial<IrqLine, NoEvents, Console>,
+    /// The interrupt line, kept across a restore.
+    irq: EventFd,
 }
 
 impl SerialDevice {
     pub fn new(console: Console) -> io::Result<Self> {
-        let irq = IrqLine(EventFd::new(libc_nonblock())?);
-        Ok(Self { uart: Serial::new(irq, console) })
+        Self::with_irq(console, EventFd::new(libc_nonblock())?)
+    }
+
+    /// A UART whose interrupt signals `irq` (an irqfd registered with KVM).
+    pub fn with_irq(console: Console, irq: EventFd) -> io::Result<Self> {
+        Ok(Self { uart: Serial::new(IrqLine(irq.try_clone()?), console), irq })
     }
 }
 
@@ -201,7 +208,8 @@ impl Device for SerialDevice {
             .map_err(|e| BusError::BadState { name: "serial".into(), why: e.to_string() })?;
         let console = self.uart.writer().clone();
         let irq = IrqLine(
-            EventFd::new(libc_nonblock())
+            self.irq
+                .try_clone()
                 .map_err(|e| BusError::BadState { name: "serial".into(), why: e.to_string() })?,
         );
         self.uart = Serial::from_state(&regs.into(), irq, NoEvents, console)

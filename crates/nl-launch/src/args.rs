@@ -252,6 +252,16 @@ pub struct RunArgs {
     /// Print one JSON object as the last line of stdout.
     #[arg(long)]
     pub json: bool,
+    /// Linux kernel command line, when --kernel is a Linux bzImage or
+    /// vmlinux (see docs/linux-guests.md; --duration is then its time limit).
+    #[arg(long, default_value = crate::run_linux::DEFAULT_CMDLINE)]
+    pub cmdline: String,
+    /// An initrd (initramfs) for a Linux kernel.
+    #[arg(long)]
+    pub initrd: Option<PathBuf>,
+    /// The Linux kernel's System.map: names the guest function where it stopped.
+    #[arg(long)]
+    pub system_map: Option<PathBuf>,
 }
 
 impl Default for RunArgs {
@@ -263,6 +273,9 @@ impl Default for RunArgs {
             duration: 3.0,
             console: None,
             json: false,
+            cmdline: crate::run_linux::DEFAULT_CMDLINE.into(),
+            initrd: None,
+            system_map: None,
         }
     }
 }

@@ -15,4 +15,5 @@ pub mod checkpoint;
 pub mod guest;
 pub mod replicate;
 pub mod run;
+pub mod run_linux;
 pub mod verify;

@@ -114,6 +114,9 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     }
     let params = guest::workload_params(&a.workload, a.duration)?;
     let kernel = guest::kernel_image(&a.machine)?;
+    if nl_arch::linux::image_kind(&kernel) != nl_arch::linux::ImageKind::Other {
+        return crate::run_linux::run(&a, kernel);
+    }
     if let Some(d) = &a.machine.disk {
         if a.vms > 1 && !a.machine.disk_readonly {
             anyhow::bail!("--disk with --vms {}: VMs cannot share a writable disk image", a.vms);

@@ -980,7 +980,10 @@ impl<'a> Primary<'a> {
         m.commit_max = m.commit_max.max(ms(s.commit));
         m.acked += 1;
         if m.acked == 1 {
-            (self.log)(format!("epoch {} acknowledged by the backup: the VM is protected", s.epoch));
+            (self.log)(format!(
+                "epoch {} acknowledged by the backup: the VM is protected",
+                s.epoch
+            ));
         }
         self.rep.bytes_sent += s.bytes;
         self.rep.frames_released += s.released;

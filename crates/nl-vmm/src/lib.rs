@@ -4,6 +4,8 @@
 //!   resume, save and restore state, stop.
 //! * [`vcpu`]: the per-vCPU thread and its exit loop, with the pause protocol
 //!   that stops every vCPU at a consistent point (no exit half-handled).
+//! * [`linux`]: Linux guests: their boot, platform devices, console-based
+//!   supervision and crash reports.
 //! * [`state`]: vCPU, device and VM state as versioned, serializable data.
 //! * [`detect`]: error detectors (fatal signals, panics, hang watchdog).
 //! * [`recovery`]: microreset and microreboot of the VMM after a detected error.
@@ -35,6 +37,7 @@ pub mod detect;
 pub mod event_log;
 pub mod events;
 pub mod kick;
+pub mod linux;
 mod memslots;
 mod netrx;
 pub mod progress;

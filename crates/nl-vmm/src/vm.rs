@@ -111,6 +111,8 @@ pub struct Vm {
     net: Option<Arc<Lock<MmioTransport<Net>>>>,
     /// The virtio-net receive thread (`NetConfig::rx_irq`).
     rx: Arc<Lock<Option<crate::netrx::RxThread>>>,
+    /// A Linux VM's i8042 reset request (see [`crate::linux`]).
+    guest_reset: Option<nl_devices::i8042::ResetFlag>,
     vm_fd: VmFd,
     memory: GuestMemory,
     /// Sandbox channel windows (their host mappings outlive the VM fd).
@@ -168,7 +170,7 @@ impl Vm {
             Some(m) => m,
             None => GuestMemory::new(&format!("vm{id}"), config.mem_bytes)?,
         };
-        let mut vm = Self::assemble(kvm, id, config, memory, created_at)?;
+        let mut vm = Self::assemble(kvm, id, config, memory, created_at, false)?;
         if let Some(w) = windows {
             w.register(&vm.vm_fd, vm.memory.regions().len() as u32)?;
             vm.windows = Some(Arc::new(w));
@@ -222,7 +224,7 @@ impl Vm {
     ) -> Result<Self, VmmError> {
         let created_at = Instant::now();
         config.validate().map_err(VmmError::Config)?;
-        let vm = Self::assemble(kvm, id, config, memory, created_at)?;
+        let vm = Self::assemble(kvm, id, config, memory, created_at, false)?;
         let cpuid = supported_cpuid(kvm)?;
         for (cpu, slot) in vm.slots().iter().enumerate() {
             let fd = slot.fd.lock();
@@ -232,13 +234,15 @@ impl Vm {
         Ok(vm)
     }
 
-    /// Memory slots, irqchip, devices and vCPU fds.
-    fn assemble(
+    /// Memory slots, irqchip, devices and vCPU fds. A `linux` VM also gets
+    /// the UART's interrupt, an i8042 and a PIT (see [`crate::linux`]).
+    pub(crate) fn assemble(
         kvm: &Kvm,
         id: u32,
         config: VmConfig,
         memory: GuestMemory,
         created_at: Instant,
+        linux: bool,
     ) -> Result<Self, VmmError> {
         kick::install();
         let vm_fd = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
@@ -265,11 +269,14 @@ impl Vm {
         let n = config.vcpus as usize;
         let control = ControlState::new(n);
         let mut io_bus = Bus::new();
-        io_bus.insert(
-            u64::from(SERIAL_PORT),
-            8,
-            Lock::new("dev.serial", SerialDevice::new(console.clone())?),
-        )?;
+        let serial = if linux {
+            SerialDevice::with_irq(console.clone(), irqfd(&vm_fd, crate::linux::SERIAL_GSI)?)?
+        } else {
+            SerialDevice::new(console.clone())?
+        };
+        io_bus.insert(u64::from(SERIAL_PORT), 8, Lock::new("dev.serial", serial))?;
+        let guest_reset =
+            if linux { crate::linux::add_platform_devices(&vm_fd, &mut io_bus)? } else { None };
         io_bus.insert(u64::from(EXITS_PORT), 4, Lock::new("dev.echo", EchoPort::new(n)))?;
         let mut mmio_bus = Bus::new();
         mmio_bus.insert(
@@ -343,6 +350,7 @@ impl Vm {
             blk,
             net,
             rx: Lock::new("vm.rx", None),
+            guest_reset,
             vm_fd,
             memory,
             windows: None,
@@ -974,6 +982,11 @@ impl Vm {
 
     pub fn id(&self) -> u32 {
         self.id
+    }
+
+    /// The guest asked for a reset (a Linux guest's reboot through the i8042).
+    pub fn guest_reset_requested(&self) -> bool {
+        self.guest_reset.as_ref().is_some_and(|f| f.requested())
     }
 
     pub fn config(&self) -> &VmConfig {

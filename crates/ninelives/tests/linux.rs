@@ -1,0 +1,374 @@
+//! Linux guests: a stock Debian kernel booted under ninelives.
+//!
+//! The kernel is the vmlinuz of Debian's `linux-image-6.1.0-*-amd64`, which
+//! `.ci/run` downloads and caches under `~/.cache/ninelives/kernel`
+//! (`NINELIVES_LINUX_KERNEL` names another). Without it these tests print a
+//! loud SKIPPED, and fail in CI (`CI` set) or with `NINELIVES_REQUIRE_LINUX=1`.
+//!
+//! On PVM the kernel's ring 0 is emulated: it reaches its banner after tens
+//! of seconds, so the waits are generous (bounded, never asserted on).
+
+mod common;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nl_vmm::linux::{LinuxBoot, LinuxOutcome, WaitStats};
+use nl_vmm::Vm;
+
+/// How long a boot may take to show what a test waits for.
+const BOOT_LIMIT: Duration = Duration::from_secs(600);
+
+/// The cached Debian kernel, or None after saying SKIPPED (a failure in CI).
+fn debian_kernel(test: &str) -> Option<PathBuf> {
+    if !common::kvm_available() {
+        return None;
+    }
+    if let Some(p) = std::env::var_os("NINELIVES_LINUX_KERNEL") {
+        return Some(PathBuf::from(p));
+    }
+    let dir = std::env::var_os("HOME")
+        .map(|h| PathBuf::from(h).join(".cache/ninelives/kernel"))
+        .unwrap_or_default();
+    let mut found: Vec<PathBuf> = walk(&dir, 4)
+        .into_iter()
+        .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-")))
+        .collect();
+    found.sort();
+    if let Some(k) = found.pop() {
+        return Some(k);
+    }
+    let why = format!(
+        "no Debian kernel under {} (run .ci/run, or set NINELIVES_LINUX_KERNEL)",
+        dir.display()
+    );
+    if std::env::var_os("CI").is_some() || std::env::var_os("NINELIVES_REQUIRE_LINUX").is_some() {
+        panic!("{test}: {why}");
+    }
+    eprintln!("\n*** SKIPPED: {test}: {why}; this Linux test did not run ***\n");
+    None
+}
+
+/// Files under `dir`, at most `depth` levels down.
+fn walk(dir: &std::path::Path, depth: u32) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(dir) else { return out };
+    for e in rd.flatten() {
+        let p = e.path();
+        if p.is_dir() && depth > 0 {
+            out.extend(walk(&p, depth - 1));
+        } else if p.is_file() {
+            out.push(p);
+        }
+    }
+    out
+}
+
+fn linux_config(kernel: &std::path::Path, console: Option<PathBuf>) -> nl_vmm::VmConfig {
+    let mut c = common::config(common::params(nl_abi::WORKLOAD_MEMWRITE, 1000), 1);
+    c.mem_bytes = 256 << 20;
+    c.kernel = Arc::new(std::fs::read(kernel).expect("read the kernel"));
+    c.console_path = console;
+    c
+}
+
+/// The exact command line the tests pass, with a marker of this run.
+fn test_cmdline(tag: &str) -> String {
+    format!(
+        "console=ttyS0 earlyprintk=serial,ttyS0,115200 reboot=k panic=-1 nokaslr \
+         ninelives.test={tag}-{}",
+        std::process::id()
+    )
+}
+
+/// `ninelives run --kernel <vmlinuz> --cmdline ...`: the console shows the
+/// kernel's banner and, on its "Command line:" line, exactly what was passed.
+#[test]
+fn stock_kernel_prints_its_banner_and_the_command_line_it_was_given() {
+    let Some(kernel) = debian_kernel("stock_kernel_prints_its_banner") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.txt");
+    let cmdline = test_cmdline("banner");
+    let mut child = common::ninelives()
+        .args(["run", "--kernel"])
+        .arg(&kernel)
+        .args(["--cmdline", &cmdline, "--duration", "900", "--console"])
+        .arg(&console)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn ninelives run");
+    // The console line is "[    0.000000] Command line: <cmdline>\r\n".
+    let want = format!("Command line: {cmdline}");
+    let echoed = |text: &str| {
+        text.lines().any(|l| {
+            l.trim_end_matches('\r').split_once("] ").is_some_and(|(_, rest)| rest == want)
+        })
+    };
+    let start = Instant::now();
+    let mut text = String::new();
+    while start.elapsed() < BOOT_LIMIT {
+        text = String::from_utf8_lossy(&std::fs::read(&console).unwrap_or_default()).into_owned();
+        // The kernel prints its command line right after the banner.
+        let shown = text.lines().any(|l| l.contains("Command line:"));
+        if shown || child.try_wait().unwrap().is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let head: String = text.chars().take(3000).collect();
+    assert!(text.contains("Linux version 6."), "no banner; console:\n{head}\nstderr: {err}");
+    assert!(echoed(&text), "command line not echoed exactly; console:\n{head}");
+    eprintln!("banner and command line after {:.1} s", start.elapsed().as_secs_f64());
+}
+
+/// Lines of the console that carry a kernel timestamp, in order.
+fn timestamps(text: &str) -> Vec<f64> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix('[')?.split(']').next()?.trim().parse().ok())
+        .collect()
+}
+
+/// Warm rejuvenation of a booting Linux VM, in process: pause it mid-boot,
+/// save its state (vCPU, irqchip, serial, i8042), build a new KVM VM over
+/// the same guest memory from that state, drop the old one, and run on.
+/// The console must go on where it was: the kernel prints more after the
+/// move, its timestamps keep increasing, and it never starts again.
+#[test]
+fn linux_vm_rejuvenated_while_booting_continues_its_console() {
+    let Some(kernel) = debian_kernel("linux_vm_rejuvenated_while_booting") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.txt");
+    let config = linux_config(&kernel, Some(console.clone()));
+    let boot = LinuxBoot { cmdline: test_cmdline("rejuvenate"), initrd: None };
+    let kvm = nl_vmm::open_kvm().unwrap();
+    let old = Vm::create_linux(&kvm, 0, config.clone(), &boot).expect("create the Linux VM");
+    old.start().unwrap();
+    let mut stats = WaitStats::default();
+    let o = nl_vmm::linux::wait(&old, BOOT_LIMIT, |t| t.contains("Command line:"), &mut stats);
+    assert_eq!(o, LinuxOutcome::Reached, "console: {}", old.console().tail());
+
+    // Pause: the console stands still while paused.
+    old.pause();
+    let before = std::fs::read(&console).unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(std::fs::read(&console).unwrap().len(), before.len(), "output while paused");
+    let state = old.save_state().unwrap();
+    let names: Vec<&str> = state.io_devices.iter().map(|d| d.name.as_str()).collect();
+    assert!(names.contains(&"serial") && names.contains(&"i8042"), "saved devices: {names:?}");
+    let last_before = *timestamps(&String::from_utf8_lossy(&before)).last().unwrap();
+
+    // The successor: a new KVM VM over the same memfd, from the saved state.
+    let memory = nl_memory::GuestMemory::from_fd(old.memory().fd().clone(), config.mem_bytes)
+        .expect("map the guest memory again");
+    old.stop();
+    drop(old);
+    let new = Vm::restore_linux(&kvm, 0, config, memory, &state).expect("restore the Linux VM");
+    new.start().unwrap();
+    let mark = before.len();
+    let o = nl_vmm::linux::wait(
+        &new,
+        BOOT_LIMIT,
+        |_| {
+            let now = std::fs::read(&console).unwrap_or_default();
+            timestamps(&String::from_utf8_lossy(&now[mark.min(now.len())..])).len() >= 3
+        },
+        &mut stats,
+    );
+    new.stop();
+    let text = String::from_utf8_lossy(&std::fs::read(&console).unwrap()).into_owned();
+    assert_eq!(
+        o,
+        LinuxOutcome::Reached,
+        "no output after the move; console tail:\n{}",
+        tail(&text)
+    );
+    assert_eq!(text.matches("Linux version").count(), 1, "the kernel started again:\n{text}");
+    let after = timestamps(&text[mark..]);
+    assert!(after[0] >= last_before, "time went back: {last_before} then {after:?}");
+    assert!(after.windows(2).all(|w| w[0] <= w[1]), "timestamps out of order: {after:?}");
+}
+
+fn tail(s: &str) -> String {
+    let n = s.len().saturating_sub(2000);
+    s[s.floor_char_boundary_compat(n)..].to_string()
+}
+
+trait FloorBoundary {
+    fn floor_char_boundary_compat(&self, i: usize) -> usize;
+}
+
+impl FloorBoundary for str {
+    fn floor_char_boundary_compat(&self, mut i: usize) -> usize {
+        while i > 0 && !self.is_char_boundary(i) {
+            i -= 1;
+        }
+        i
+    }
+}
+
+/// A static x86-64 executable that writes `msg` to stdout and reboots
+/// (`reboot(LINUX_REBOOT_CMD_RESTART)`: with `reboot=k` the i8042 reset).
+fn init_elf(msg: &[u8]) -> Vec<u8> {
+    let mut code: Vec<u8> = Vec::new();
+    code.extend_from_slice(&[0xb8, 1, 0, 0, 0]); // mov eax, 1 (write)
+    code.extend_from_slice(&[0xbf, 1, 0, 0, 0]); // mov edi, 1
+    code.extend_from_slice(&[0x48, 0x8d, 0x35]); // lea rsi, [rip + msg]
+    code.extend_from_slice(&31u32.to_le_bytes());
+    code.push(0xba); // mov edx, len
+    code.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+    code.extend_from_slice(&[0x0f, 0x05]); // syscall
+    code.extend_from_slice(&[0xb8, 169, 0, 0, 0]); // mov eax, 169 (reboot)
+    code.extend_from_slice(&[0xbf, 0xad, 0xde, 0xe1, 0xfe]); // magic 1
+    code.extend_from_slice(&[0xbe, 0x69, 0x19, 0x12, 0x28]); // magic 2
+    code.extend_from_slice(&[0xba, 0x67, 0x45, 0x23, 0x01]); // LINUX_REBOOT_CMD_RESTART
+    code.extend_from_slice(&[0x0f, 0x05]); // syscall
+    code.extend_from_slice(&[0xeb, 0xfe]); // jmp $
+    assert_eq!(code.len(), 48);
+    code.extend_from_slice(msg);
+    // One PT_LOAD whose file offset and address agree modulo the page size.
+    let vaddr = 0x40_0000u64 + 120;
+    let mut e = vec![0x7f, b'E', b'L', b'F', 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+    e.extend_from_slice(&2u16.to_le_bytes());
+    e.extend_from_slice(&0x3eu16.to_le_bytes());
+    e.extend_from_slice(&1u32.to_le_bytes());
+    e.extend_from_slice(&vaddr.to_le_bytes());
+    e.extend_from_slice(&64u64.to_le_bytes());
+    e.extend_from_slice(&0u64.to_le_bytes());
+    e.extend_from_slice(&0u32.to_le_bytes());
+    for v in [64u16, 56, 1, 64, 0, 0] {
+        e.extend_from_slice(&v.to_le_bytes());
+    }
+    e.extend_from_slice(&1u32.to_le_bytes());
+    e.extend_from_slice(&5u32.to_le_bytes()); // R+X
+    e.extend_from_slice(&120u64.to_le_bytes());
+    e.extend_from_slice(&vaddr.to_le_bytes());
+    e.extend_from_slice(&vaddr.to_le_bytes());
+    e.extend_from_slice(&(code.len() as u64).to_le_bytes());
+    e.extend_from_slice(&(code.len() as u64).to_le_bytes());
+    e.extend_from_slice(&0x1000u64.to_le_bytes());
+    e.extend_from_slice(&code);
+    e
+}
+
+/// A newc cpio archive: `/dev/console`, and `/init` running `init`.
+fn initramfs(init: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut entry = |ino: u32, name: &str, mode: u32, rdev: (u32, u32), data: &[u8]| {
+        let hdr = format!(
+            "070701{ino:08x}{mode:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}",
+            0,
+            0,
+            1,
+            0,
+            data.len(),
+            0,
+            0,
+            rdev.0,
+            rdev.1,
+            name.len() + 1,
+            0
+        );
+        out.extend_from_slice(hdr.as_bytes());
+        out.extend_from_slice(name.as_bytes());
+        out.push(0);
+        while out.len() % 4 != 0 {
+            out.push(0);
+        }
+        out.extend_from_slice(data);
+        while out.len() % 4 != 0 {
+            out.push(0);
+        }
+    };
+    entry(1, "dev", 0o040755, (0, 0), &[]);
+    entry(2, "dev/console", 0o020600, (5, 1), &[]);
+    entry(3, "init", 0o100755, (0, 0), init);
+    entry(0, "TRAILER!!!", 0, (0, 0), &[]);
+    out
+}
+
+/// On VMX/SVM: the stock kernel boots to an initramfs `/init` that prints a
+/// line and reboots; the i8042 reset ends the VM. On PVM the kernel stops
+/// long before user space (see docs/linux-guests.md): SKIPPED, loudly.
+#[test]
+fn stock_kernel_runs_an_initramfs_init_to_power_off_on_vmx_or_svm() {
+    let Some(kernel) = debian_kernel("stock_kernel_runs_an_initramfs_init") else { return };
+    let backend = nl_arch::backend::Backend::detect();
+    if backend == nl_arch::backend::Backend::Pvm {
+        eprintln!(
+            "\n*** SKIPPED: stock_kernel_runs_an_initramfs_init: the backend is PVM, where a \
+             stock kernel's ring 0 is emulated and stops before user space; this test needs \
+             VMX or SVM ***\n"
+        );
+        return;
+    }
+    let line = format!("ninelives-init: hello from pid 1 ({})\n", std::process::id());
+    let dir = tempfile::tempdir().unwrap();
+    let initrd = dir.path().join("initramfs.cpio");
+    std::fs::File::create(&initrd)
+        .unwrap()
+        .write_all(&initramfs(&init_elf(line.as_bytes())))
+        .unwrap();
+    let console = dir.path().join("console.txt");
+    let out = common::ninelives()
+        .args(["run", "--kernel"])
+        .arg(&kernel)
+        .args(["--cmdline", "console=ttyS0 reboot=k panic=-1 quiet", "--duration", "120"])
+        .arg("--initrd")
+        .arg(&initrd)
+        .arg("--console")
+        .arg(&console)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&std::fs::read(&console).unwrap_or_default()).into_owned();
+    let err = common::stderr(&out);
+    assert!(text.contains(line.trim_end()), "init's line missing; console:\n{text}\n{err}");
+    assert!(err.contains("the guest reset"), "the VM did not end by the i8042 reset: {err}");
+    assert!(out.status.success(), "{err}");
+}
+
+/// The CPIO and init builders above produce what the kernel expects.
+#[test]
+fn initramfs_builder_writes_newc_entries() {
+    let a = initramfs(&init_elf(b"x\n"));
+    assert!(a.starts_with(b"070701"));
+    assert_eq!(a.len() % 4, 0);
+    let s = String::from_utf8_lossy(&a);
+    for name in ["dev/console", "init", "TRAILER!!!"] {
+        assert!(s.contains(name), "{name} missing");
+    }
+}
+
+/// A bad kernel image or command line is refused with a clear error, not a
+/// crash: a bzImage whose payload points outside the file, a command line
+/// longer than Linux accepts, and more than one vCPU (no MP tables yet).
+#[test]
+fn bad_linux_input_is_refused_with_a_clear_error() {
+    if !common::kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut bz = vec![0u8; 0x2000];
+    bz[0x1fe] = 0x55;
+    bz[0x1ff] = 0xaa;
+    bz[0x202..0x206].copy_from_slice(b"HdrS");
+    bz[0x206..0x208].copy_from_slice(&0x20fu16.to_le_bytes());
+    bz[0x1f1] = 1;
+    bz[0x24c..0x250].copy_from_slice(&0x10_0000u32.to_le_bytes());
+    let k = common::write_file(dir.path(), "bzImage", &bz);
+    let o = common::run_cli(&["run", "--kernel", &k, "--duration", "5"]);
+    common::assert_clean_error(&o, "outside the bzImage");
+
+    let Some(kernel) = debian_kernel("bad_linux_input_is_refused") else { return };
+    let kernel = kernel.to_string_lossy().into_owned();
+    let long = "x".repeat(4096);
+    let o = common::run_cli(&["run", "--kernel", &kernel, "--cmdline", &long, "--duration", "5"]);
+    common::assert_clean_error(&o, "kernel command line");
+    let o = common::run_cli(&["run", "--kernel", &kernel, "--vcpus", "2", "--duration", "5"]);
+    common::assert_clean_error(&o, "one vCPU");
+}

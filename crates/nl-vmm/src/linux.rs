@@ -1,0 +1,297 @@
+//! Linux guests: creating a VM that boots a Linux kernel, supervising it by
+//! its console, and explaining how it stopped.
+//!
+//! A Linux VM is an ordinary [`Vm`] (so pause, resume, save and restore
+//! work unchanged) with a different boot ([`nl_arch::linux`]) and a few
+//! platform devices: the UART's interrupt on GSI 4 of the in-kernel irqchip,
+//! an i8042 whose reset command ends the VM, and the in-kernel PIT. The
+//! reference guest's heartbeat does not exist here: a Linux VM is watched
+//! through its console ([`wait`]).
+//!
+//! On PVM the kernel's ring 0 is emulated instruction by instruction; what
+//! the emulator cannot run is hidden from CPUID
+//! ([`nl_arch::linux::CpuidPolicy::PvmSafe`]), and an `int3` it stops on is
+//! completed here by injecting #BP ([`complete_int3`]).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
+use kvm_ioctls::{Kvm, VmFd};
+use nl_arch::backend::Backend;
+use nl_arch::linux::{CpuidPolicy, SystemMap};
+use nl_devices::i8042::{ResetFlag, I8042, I8042_LEN, I8042_PORT};
+use nl_devices::Bus;
+use nl_memory::GuestMemory;
+use nl_sync::Lock;
+
+use crate::config::VmConfig;
+use crate::error::{kvm as kvm_err, VmmError};
+use crate::state::VmState;
+use crate::vm::{Vm, VmOutcome};
+
+/// The UART's interrupt line (COM1's ISA IRQ).
+pub const SERIAL_GSI: u32 = 4;
+
+/// What a Linux kernel boots with besides its image (`VmConfig::kernel`).
+#[derive(Clone, Debug, Default)]
+pub struct LinuxBoot {
+    pub cmdline: String,
+    pub initrd: Option<Arc<Vec<u8>>>,
+}
+
+/// Adds the i8042 to a Linux VM's port bus and creates the in-kernel PIT.
+/// Returns the flag the i8042's reset command sets.
+pub(crate) fn add_platform_devices(
+    vm_fd: &VmFd,
+    io_bus: &mut Bus,
+) -> Result<Option<ResetFlag>, VmmError> {
+    let pit = kvm_bindings::kvm_pit_config {
+        flags: kvm_bindings::KVM_PIT_SPEAKER_DUMMY,
+        ..Default::default()
+    };
+    vm_fd.create_pit2(pit).map_err(kvm_err("KVM_CREATE_PIT2"))?;
+    let (dev, flag) = I8042::new();
+    io_bus.insert(I8042_PORT, I8042_LEN, Lock::new("dev.i8042", dev))?;
+    Ok(Some(flag))
+}
+
+/// What the backend cannot run, hidden from CPUID.
+pub fn cpuid_policy() -> CpuidPolicy {
+    if Backend::detect() == Backend::Pvm {
+        CpuidPolicy::PvmSafe
+    } else {
+        CpuidPolicy::AsSupported
+    }
+}
+
+fn check_config(config: &VmConfig) -> Result<(), VmmError> {
+    if config.vcpus != 1 {
+        return Err(VmmError::Config(format!(
+            "--vcpus {}: a Linux guest boots one vCPU for now (no MP or ACPI tables yet)",
+            config.vcpus
+        )));
+    }
+    GuestMemory::check_size(config.mem_bytes)?;
+    Ok(())
+}
+
+impl Vm {
+    /// Creates a VM that boots the Linux kernel in `config.kernel` (a
+    /// bzImage or vmlinux ELF) with `boot` (not started).
+    pub fn create_linux(
+        kvm: &Kvm,
+        id: u32,
+        config: VmConfig,
+        boot: &LinuxBoot,
+    ) -> Result<Self, VmmError> {
+        let created_at = Instant::now();
+        check_config(&config)?;
+        let kernel = nl_arch::linux::prepare(&config.kernel)?;
+        let memory = GuestMemory::new(&format!("vm{id}"), config.mem_bytes)?;
+        let vm = Self::assemble(kvm, id, config, memory, created_at, true)?;
+        let entry = nl_arch::linux::load(
+            vm.memory(),
+            &kernel,
+            &nl_arch::linux::BootConfig {
+                cmdline: boot.cmdline.clone(),
+                initrd: boot.initrd.as_ref().map(|i| i.to_vec()),
+            },
+        )?;
+        let cpuid = boot_cpuid(kvm)?;
+        vm.with_vcpu(0, |fd| nl_arch::linux::setup_boot_vcpu(fd, entry, &cpuid))??;
+        Ok(vm)
+    }
+
+    /// Re-creates a Linux VM over existing guest memory from saved state
+    /// (not started): the Linux counterpart of [`Vm::restore`].
+    pub fn restore_linux(
+        kvm: &Kvm,
+        id: u32,
+        config: VmConfig,
+        memory: GuestMemory,
+        state: &VmState,
+    ) -> Result<Self, VmmError> {
+        check_config(&config)?;
+        let vm = Self::assemble(kvm, id, config, memory, Instant::now(), true)?;
+        let cpuid = boot_cpuid(kvm)?;
+        vm.with_vcpu(0, |fd| fd.set_cpuid2(&cpuid))
+            .map(|r| r.map_err(kvm_err("KVM_SET_CPUID2")))??;
+        vm.restore_state(state)?;
+        Ok(vm)
+    }
+}
+
+/// The boot vCPU's CPUID: KVM's supported set under [`cpuid_policy`].
+fn boot_cpuid(kvm: &Kvm) -> Result<kvm_bindings::CpuId, VmmError> {
+    let supported = kvm
+        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+        .map_err(kvm_err("KVM_GET_SUPPORTED_CPUID"))?;
+    Ok(nl_arch::linux::linux_cpuid(&supported, 0, cpuid_policy()))
+}
+
+/// How waiting on a Linux VM ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LinuxOutcome {
+    /// The console showed what was waited for (the VM still runs).
+    Reached,
+    /// The guest reset through the i8042 (its reboot or power-off with
+    /// `reboot=k`); the VM is stopped.
+    Reset,
+    /// The VM stopped otherwise (crash, emulation failure, VMM stop).
+    Ended(VmOutcome),
+    /// `limit` passed; the VM still runs.
+    TimedOut,
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn xrstor_and_cmpxchg16b_get_a_hint() {
+        let xrstor = [0x48, 0x0f, 0xae, 0x2f, 0x31, 0xc0];
+        assert!(super::emulation_hint(&xrstor).unwrap().contains("noxsave"));
+        let lfence = [0x0f, 0xae, 0xe8];
+        assert_eq!(super::emulation_hint(&lfence), None);
+        let cx16 = [0xf0, 0x48, 0x0f, 0xc7, 0x0e];
+        assert_eq!(super::emulation_hint(&cx16), None, "lock prefix first: no guess");
+        assert!(super::emulation_hint(&cx16[1..]).unwrap().contains("cmpxchg"));
+        assert!(super::emulation_hint(&[0x0f, 0x01, 0xca, 0xfc]).unwrap().contains("nosmap"));
+    }
+}
+
+/// The number of `int3` instructions [`wait`] completed by injecting #BP.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct WaitStats {
+    pub int3_completed: u64,
+}
+
+/// Waits until the console satisfies `reached`, the guest resets, the VM
+/// ends, or `limit` passes. On PVM, a vCPU stopped by an emulation failure
+/// on `int3` is given its #BP and relaunched (counted in `stats`).
+pub fn wait(
+    vm: &Vm,
+    limit: Duration,
+    mut reached: impl FnMut(&str) -> bool,
+    stats: &mut WaitStats,
+) -> LinuxOutcome {
+    let start = Instant::now();
+    loop {
+        if vm.guest_reset_requested() {
+            vm.stop();
+            return LinuxOutcome::Reset;
+        }
+        if reached(&vm.console().tail()) {
+            return LinuxOutcome::Reached;
+        }
+        if let Some(o) = vm.poll_outcome() {
+            if matches!(o, VmOutcome::Crashed { .. }) && complete_int3(vm).unwrap_or(false) {
+                stats.int3_completed += 1;
+                continue;
+            }
+            return LinuxOutcome::Ended(o);
+        }
+        if start.elapsed() > limit {
+            return LinuxOutcome::TimedOut;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Up to 15 bytes of guest code at the boot vCPU's RIP, and the RIP.
+pub fn code_at_rip(vm: &Vm) -> Result<(u64, Vec<u8>), VmmError> {
+    let (rip, gpa) = vm.with_vcpu(0, |fd| -> Result<(u64, u64), VmmError> {
+        let rip = fd.get_regs().map_err(kvm_err("KVM_GET_REGS"))?.rip;
+        let t = fd.translate_gva(rip).map_err(kvm_err("KVM_TRANSLATE"))?;
+        if t.valid == 0 {
+            return Err(VmmError::State(format!("rip {rip:#x} is not mapped")));
+        }
+        Ok((rip, t.physical_address))
+    })??;
+    let mut bytes = Vec::new();
+    for i in 0..15u64 {
+        let mut b = [0u8];
+        use vm_memory::Bytes;
+        // Stop at the end of the page: the next one may map elsewhere.
+        if i > 0 && (gpa + i) % 4096 == 0 {
+            break;
+        }
+        if vm.memory().mem().read_slice(&mut b, vm_memory::GuestAddress(gpa + i)).is_err() {
+            break;
+        }
+        bytes.push(b[0]);
+    }
+    Ok((rip, bytes))
+}
+
+/// Explains a crashed Linux VM: the stop reason, the instruction bytes at
+/// RIP and, with a System.map, the guest symbol.
+pub fn describe_crash(vm: &Vm, outcome: &VmOutcome, map: Option<&SystemMap>) -> String {
+    let mut m = outcome.message();
+    if let VmOutcome::Crashed { .. } = outcome {
+        match code_at_rip(vm) {
+            Ok((rip, bytes)) => {
+                let hex: Vec<String> = bytes.iter().map(|b| format!("{b:02x}")).collect();
+                m.push_str(&format!("; instruction bytes at {rip:#x}: {}", hex.join(" ")));
+                if let Some(hint) = emulation_hint(&bytes) {
+                    m.push_str(&format!(" [{hint}]"));
+                }
+                match map.and_then(|s| s.symbolize(rip)) {
+                    Some(sym) => m.push_str(&format!(" ({sym})")),
+                    None if map.is_none() => m.push_str(" (give --system-map for the symbol)"),
+                    None => {}
+                }
+            }
+            Err(e) => m.push_str(&format!("; code at rip unreadable: {e}")),
+        }
+    }
+    m
+}
+
+/// What to do about an instruction PVM's ring-0 emulator is known to stop on.
+fn emulation_hint(code: &[u8]) -> Option<&'static str> {
+    // Skip a REX prefix; 0f ae /4 /5 (memory forms) are xsave and xrstor.
+    let c = if code.first().is_some_and(|b| b & 0xf0 == 0x40) { &code[1..] } else { code };
+    match c {
+        [0x0f, 0xae, modrm, ..] if modrm >> 6 != 3 && matches!((modrm >> 3) & 7, 4 | 5) => Some(
+            "xsave/xrstor, which PVM's emulator cannot run and CPUID does not hide there: \
+             add noxsave to --cmdline",
+        ),
+        [0x0f, 0x01, 0xca | 0xcb, ..] => {
+            Some("clac/stac, which PVM's emulator cannot run: add nosmap to --cmdline")
+        }
+        [0x0f, 0xc7, modrm, ..] if (modrm >> 3) & 7 == 1 => {
+            Some("cmpxchg8b/16b, which PVM's emulator cannot run")
+        }
+        _ => None,
+    }
+}
+
+/// If the boot vCPU stopped on an emulation failure at an `int3` (0xcc),
+/// completes it as the CPU would: RIP past the instruction and #BP
+/// injected, then relaunches the vCPU. Returns whether it did.
+pub fn complete_int3(vm: &Vm) -> Result<bool, VmmError> {
+    let report = vm.report();
+    let emulation_failure = report.vcpus.first().and_then(|v| v.stop.as_ref()).is_some_and(
+        |s| matches!(s, crate::vcpu::VcpuStop::Internal(m) if m.contains("emulation failed")),
+    );
+    if !emulation_failure {
+        return Ok(false);
+    }
+    let (_, bytes) = code_at_rip(vm)?;
+    if bytes.first() != Some(&0xcc) {
+        return Ok(false);
+    }
+    vm.with_vcpu(0, |fd| -> Result<(), VmmError> {
+        let mut regs = fd.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
+        regs.rip += 1;
+        fd.set_regs(&regs).map_err(kvm_err("KVM_SET_REGS"))?;
+        let mut ev = fd.get_vcpu_events().map_err(kvm_err("KVM_GET_VCPU_EVENTS"))?;
+        ev.exception.injected = 1;
+        ev.exception.nr = 3;
+        ev.exception.has_error_code = 0;
+        ev.exception.error_code = 0;
+        fd.set_vcpu_events(&ev).map_err(kvm_err("KVM_SET_VCPU_EVENTS"))
+    })??;
+    vm.relaunch()?;
+    Ok(true)
+}
