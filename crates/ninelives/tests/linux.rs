@@ -111,8 +111,10 @@ fn stock_kernel_prints_its_banner_and_the_command_line_it_was_given() {
     let mut text = String::new();
     while start.elapsed() < BOOT_LIMIT {
         text = String::from_utf8_lossy(&std::fs::read(&console).unwrap_or_default()).into_owned();
-        // The kernel prints its command line right after the banner.
-        let shown = text.lines().any(|l| l.contains("Command line:"));
+        // The kernel prints its command line right after the banner, one
+        // byte at a time (emulated ring 0): wait for the whole line.
+        let shown =
+            text.split_inclusive('\n').any(|l| l.contains("Command line:") && l.ends_with('\n'));
         if shown || child.try_wait().unwrap().is_some() {
             break;
         }

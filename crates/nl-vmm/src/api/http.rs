@@ -382,8 +382,14 @@ fn send(
 }
 
 /// Writes within `timeout` (a client that does not read is cut off); the
-/// thread waits for the hang watchdog meanwhile.
-fn write_all(stream: &UnixStream, mut rest: &[u8], timeout: Duration, progress: &Progress) -> bool {
+/// thread waits for the hang watchdog meanwhile. Both protocols reply
+/// through it. False if the bytes did not all go out.
+pub(super) fn write_all(
+    stream: &UnixStream,
+    mut rest: &[u8],
+    timeout: Duration,
+    progress: &Progress,
+) -> bool {
     let deadline = Instant::now() + timeout;
     progress.wait();
     let sent = crate::recovery::safe(|| {

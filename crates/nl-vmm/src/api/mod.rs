@@ -421,28 +421,7 @@ fn send_line(
 ) -> bool {
     let mut line = reply.to_string();
     line.push('\n');
-    let deadline = Instant::now() + timeout;
-    let mut rest = line.as_bytes();
-    progress.wait();
-    let sent = crate::recovery::safe(|| {
-        while !rest.is_empty() {
-            let Some(wait) = deadline.checked_duration_since(Instant::now()) else {
-                return false;
-            };
-            if wait.is_zero() || stream.set_write_timeout(Some(wait)).is_err() {
-                return false;
-            }
-            match (&*stream).write(rest) {
-                Ok(0) => return false,
-                Ok(n) => rest = &rest[n..],
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(_) => return false,
-            }
-        }
-        true
-    });
-    progress.resume();
-    sent
+    http::write_all(stream, line.as_bytes(), timeout, progress)
 }
 
 fn error_reply(error: String) -> Value {
