@@ -240,10 +240,24 @@ fn disk_writes_are_replicated_and_survive_a_takeover() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (pd, bd) = (dir.path().join("primary.img"), dir.path().join("backup.img"));
     let (pd, bd) = (pd.to_str().unwrap(), bd.to_str().unwrap());
-    let work = ["--workload", "blkbench", "--disk", pd, "--epoch", "20", "--selective"];
+    // A 3 s lease on both ends: a blkbench epoch carries tens of MiB of disk
+    // writes, which a loaded host can take longer than the default 1 s lease
+    // to send and apply (the primary then fences, correctly, but this test
+    // is about the disk copy, not the lease).
+    let work = [
+        "--workload",
+        "blkbench",
+        "--disk",
+        pd,
+        "--epoch",
+        "20",
+        "--selective",
+        "--lease-ms",
+        "3000",
+    ];
 
     // Not killed: both copies end equal.
-    let backup = n.backup(&["--disk", bd]);
+    let backup = n.backup(&["--disk", bd, "--lease-ms", "3000"]);
     let po = finish(n.primary(&[&work[..], &["--duration", "1.5"]].concat()), 60);
     let j = last_json(&po);
     assert_eq!(j["digest_ok"], true, "{}{}", stdout(&po), stderr(&po));
@@ -254,7 +268,7 @@ fn disk_writes_are_replicated_and_survive_a_takeover() {
     assert!(a == b, "the backup's disk copy differs from the primary's image");
 
     // Killed mid-run: the backup's VM goes on with the disk as of its epoch.
-    let backup = n.backup(&["--disk", bd, "--allow-primary", "10.9.0.1"]);
+    let backup = n.backup(&["--disk", bd, "--allow-primary", "10.9.0.1", "--lease-ms", "3000"]);
     let mut primary = n.primary(&[&work[..], &["--duration", "3"]].concat());
     // Killed once the backup holds an acknowledged epoch (not after a fixed
     // time: on a loaded host the first epoch can take longer than that).
@@ -272,7 +286,7 @@ fn disk_writes_are_replicated_and_survive_a_takeover() {
     assert_eq!(j["digest_ok"], true, "{}{}", stdout(&o), stderr(&o));
 
     // A backup without a place for the disk refuses such a primary.
-    let b = n.backup(&[]);
+    let b = n.backup(&["--lease-ms", "3000"]);
     let o = finish(n.primary(&[&work[..], &["--duration", "1"]].concat()), 30);
     assert_clean_error(&o, "start the backup with --disk FILE");
     let _ = finish(b, 0);
