@@ -314,6 +314,8 @@ pub fn workload_name(kind: u64) -> &'static str {
         WORKLOAD_NETBENCH => "netbench",
         WORKLOAD_KV => "kv",
         WORKLOAD_FILECACHE => "filecache",
+        WORKLOAD_CHANBENCH => "chanbench",
+        WORKLOAD_WILDWRITE => "wildwrite",
         _ => "unknown",
     }
 }

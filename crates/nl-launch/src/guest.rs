@@ -90,16 +90,7 @@ impl WorkloadName {
     }
 
     pub fn name(self) -> &'static str {
-        match self {
-            WorkloadName::Memwrite => "memwrite",
-            WorkloadName::Compute => "compute",
-            WorkloadName::Exits => "exits",
-            WorkloadName::Idle => "idle",
-            WorkloadName::Blkbench => "blkbench",
-            WorkloadName::Netbench => "netbench",
-            WorkloadName::Kv => "kv",
-            WorkloadName::Filecache => "filecache",
-        }
+        nl_abi::workload_name(self.abi())
     }
 
     /// What `ninelives bench` measures by default.

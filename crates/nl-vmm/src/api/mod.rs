@@ -667,54 +667,52 @@ fn handle_op(
     req: &Value,
     ctx: &ServeCtx,
 ) -> Result<Value, ApiError> {
-    {
-        let op = req.get("op").and_then(Value::as_str).ok_or("request needs an \"op\" string")?;
-        let e = ApiError::from;
-        if ctx.hold.load(Relaxed) && matches!(op, "create" | "pause" | "resume" | "destroy") {
-            return Err(ApiError {
-                status: 409,
-                message: format!("cannot {op} now: the host is being rejuvenated"),
-            });
-        }
-        Ok(match op {
-            "rejuvenate" => rejuvenate_op(host, req, ctx)?,
-            "info" => {
-                let (mem, vcpus) = host.committed();
-                json!({
-                    "pid": std::process::id(),
-                    "version": env!("CARGO_PKG_VERSION"),
-                    "generation": host.generation(),
-                    "limits": host.limits(),
-                    "committed": {"mem_bytes": mem, "vcpus": vcpus},
-                })
-            }
-            "create" => json!({"id": host.create(build(req)?).map_err(e)?}),
-            "list" => json!({"vms": host.list()}),
-            "pause" => {
-                host.pause(id_of(req)?).map_err(e)?;
-                json!({})
-            }
-            "resume" => {
-                host.resume(id_of(req)?).map_err(e)?;
-                json!({})
-            }
-            "stats" => json!({"stats": host.stats_value(id_of(req)?).map_err(e)?}),
-            "destroy" => {
-                host.destroy(id_of(req)?).map_err(e)?;
-                json!({})
-            }
-            "shutdown" => {
-                ctx.done.store(true, Relaxed);
-                json!({})
-            }
-            other => {
-                return Err(ApiError::bad(format!(
-                    "unknown op \"{other}\" (create, list, pause, resume, stats, destroy, \
-                     info, rejuvenate, shutdown)"
-                )))
-            }
-        })
+    let op = req.get("op").and_then(Value::as_str).ok_or("request needs an \"op\" string")?;
+    let e = ApiError::from;
+    if ctx.hold.load(Relaxed) && matches!(op, "create" | "pause" | "resume" | "destroy") {
+        return Err(ApiError {
+            status: 409,
+            message: format!("cannot {op} now: the host is being rejuvenated"),
+        });
     }
+    Ok(match op {
+        "rejuvenate" => rejuvenate_op(host, req, ctx)?,
+        "info" => {
+            let (mem, vcpus) = host.committed();
+            json!({
+                "pid": std::process::id(),
+                "version": env!("CARGO_PKG_VERSION"),
+                "generation": host.generation(),
+                "limits": host.limits(),
+                "committed": {"mem_bytes": mem, "vcpus": vcpus},
+            })
+        }
+        "create" => json!({"id": host.create(build(req)?).map_err(e)?}),
+        "list" => json!({"vms": host.list()}),
+        "pause" => {
+            host.pause(id_of(req)?).map_err(e)?;
+            json!({})
+        }
+        "resume" => {
+            host.resume(id_of(req)?).map_err(e)?;
+            json!({})
+        }
+        "stats" => json!({"stats": host.stats_value(id_of(req)?).map_err(e)?}),
+        "destroy" => {
+            host.destroy(id_of(req)?).map_err(e)?;
+            json!({})
+        }
+        "shutdown" => {
+            ctx.done.store(true, Relaxed);
+            json!({})
+        }
+        other => {
+            return Err(ApiError::bad(format!(
+                "unknown op \"{other}\" (create, list, pause, resume, stats, destroy, \
+                 info, rejuvenate, shutdown)"
+            )))
+        }
+    })
 }
 
 /// Sends one request to a host and returns its reply.
