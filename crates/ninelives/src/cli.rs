@@ -90,6 +90,11 @@ pub struct HostArgs {
     /// Unix socket to serve the API on.
     #[arg(long)]
     pub api: PathBuf,
+    /// Create the VMs this configuration file describes (JSON: {"vms":
+    /// [...]}, each VM as in POST /v1/vms; see docs/config.md) before
+    /// serving the API. The whole file is checked first.
+    #[arg(long, conflicts_with_all = ["handover_fd", "reboot_record"])]
+    pub config: Option<PathBuf>,
     /// Internal (rejuvenation): take VMs over from the handover record in this fd.
     #[arg(long, hide = true, requires = "handover_ctl")]
     pub handover_fd: Option<i32>,

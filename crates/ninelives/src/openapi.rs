@@ -6,7 +6,7 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::cmd::host::CreateRequest;
+use nl_launch::vm_spec::{ConfigFile, VmSpec};
 
 fn error_response(what: &str) -> Value {
     json!({"description": what, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}})
@@ -78,13 +78,22 @@ pub fn document() -> Value {
         let entry = paths.entry(r.path).or_insert_with(|| json!({}));
         entry[r.method.to_lowercase()] = operation(r.method, r.path, r.summary);
     }
-    let mut create = serde_json::to_value(schemars::schema_for!(CreateRequest)).expect("a schema");
+    let mut create = serde_json::to_value(schemars::schema_for!(VmSpec)).expect("a schema");
     let defs = create.as_object_mut().and_then(|o| o.remove("$defs")).unwrap_or(json!({}));
     if let Some(o) = create.as_object_mut() {
         o.remove("$schema");
     }
     let mut schemas = Map::new();
     schemas.insert("CreateVm".into(), create);
+    // Not an API body: the configuration file of `run --config` and
+    // `host --config`, published with the API's schemas.
+    let mut config = serde_json::to_value(schemars::schema_for!(ConfigFile)).expect("a schema");
+    if let Some(o) = config.as_object_mut() {
+        o.remove("$schema");
+        o.remove("$defs");
+        o.insert("description".into(), json!("The configuration file of `ninelives run --config` and `ninelives host --config` (docs/config.md)."));
+    }
+    schemas.insert("ConfigFile".into(), config);
     if let Value::Object(d) = defs {
         schemas.extend(d);
     }

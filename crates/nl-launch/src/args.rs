@@ -262,7 +262,39 @@ pub struct RunArgs {
     /// The Linux kernel's System.map: names the guest function where it stopped.
     #[arg(long)]
     pub system_map: Option<PathBuf>,
+    /// Run the VMs this configuration file describes instead (JSON:
+    /// {"vms": [...]}, each VM as in the host API's POST /v1/vms, its
+    /// duration 3 s unless given; see docs/config.md). The options that
+    /// describe a VM cannot be given with it.
+    #[arg(long, conflicts_with_all = CONFIG_CONFLICTS)]
+    pub config: Option<PathBuf>,
 }
+
+/// The `run` options a configuration file replaces.
+const CONFIG_CONFLICTS: [&str; 22] = [
+    "workload",
+    "seed",
+    "ws",
+    "write_pct",
+    "pattern",
+    "stride",
+    "hot_pct",
+    "data",
+    "mem",
+    "vcpus",
+    "kernel",
+    "timer_hz",
+    "heartbeat_timeout",
+    "disk",
+    "disk_readonly",
+    "net_tap",
+    "net_ip",
+    "net_host_ip",
+    "net_rx_irq",
+    "vms",
+    "duration",
+    "console",
+];
 
 impl Default for RunArgs {
     fn default() -> Self {
@@ -276,6 +308,7 @@ impl Default for RunArgs {
             cmdline: crate::run_linux::DEFAULT_CMDLINE.into(),
             initrd: None,
             system_map: None,
+            config: None,
         }
     }
 }

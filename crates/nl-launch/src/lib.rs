@@ -4,6 +4,8 @@
 //! - [`args`]: the arguments that describe a workload and a machine, and the
 //!   `run`, `checkpoint` and `restore` commands' arguments;
 //! - [`guest`]: from those arguments to [`nl_vmm::VmConfig`]s;
+//! - [`vm_spec`]: a VM described declaratively (the API's `create` and
+//!   configuration files);
 //! - [`verify`]: checking the guests' digests against the host's own run of
 //!   the same workload;
 //! - [`run`], [`checkpoint`], [`replicate`]: running VMs plainly, under
@@ -17,3 +19,4 @@ pub mod replicate;
 pub mod run;
 pub mod run_linux;
 pub mod verify;
+pub mod vm_spec;

@@ -41,7 +41,7 @@ pub struct VmResult {
 
 /// Creates, starts and waits for `configs.len()` VMs in this process, then
 /// verifies their digests.
-pub fn run_vms(configs: &[VmConfig], workload: &'static str, quiet: bool) -> Result<Vec<VmResult>> {
+pub fn run_vms(configs: &[VmConfig], quiet: bool) -> Result<Vec<VmResult>> {
     let kvm = nl_vmm::open_kvm()?;
     let mut vms = Vec::new();
     for (id, c) in configs.iter().enumerate() {
@@ -78,7 +78,7 @@ pub fn run_vms(configs: &[VmConfig], workload: &'static str, quiet: bool) -> Res
         }
         results.push(VmResult {
             id: vm.id(),
-            workload,
+            workload: nl_abi::workload_name(vm.config().workload.kind),
             ok: outcome == VmOutcome::Completed && digest_ok,
             digest_ok,
             ops,
@@ -107,8 +107,54 @@ fn progress(duration_ms: u64, quiet: bool) -> ProgressBar {
     bar
 }
 
+/// The VM configurations of `run --config FILE`, with the temporary disks
+/// their workloads need.
+fn configs_from_file(path: &std::path::Path) -> Result<(Vec<VmConfig>, Vec<guest::TempDisk>)> {
+    let file = crate::vm_spec::ConfigFile::load(path, RUN_DEFAULT_DURATION)?;
+    let mut temp_disks = Vec::new();
+    let mut configs = Vec::new();
+    for (i, spec) in file.vms.iter().enumerate() {
+        let what = || format!("{}: vms[{i}]", path.display());
+        let mut s =
+            spec.args(RUN_DEFAULT_DURATION).map_err(anyhow::Error::msg).with_context(what)?;
+        let params = guest::workload_params(&s.workload, s.duration).with_context(what)?;
+        match &s.machine.disk {
+            Some(d) => guest::ensure_disk(d, guest::disk_size_for(&params)).with_context(what)?,
+            None if guest::disk_needed(&params).is_some() => {
+                let t = guest::TempDisk::with_size(
+                    s.workload.workload.name(),
+                    guest::disk_size_for(&params),
+                )?;
+                s.machine.disk = Some(t.0.clone());
+                temp_disks.push(t);
+            }
+            None => {}
+        }
+        let kernel = guest::kernel_image(&s.machine).with_context(what)?;
+        configs.push(guest::vm_config(&s.machine, params, kernel, s.console).with_context(what)?);
+    }
+    let disks: Vec<_> = configs.iter().filter_map(|c| c.disk.as_ref()).map(|d| &d.path).collect();
+    for (i, d) in disks.iter().enumerate() {
+        if disks[..i].contains(d) {
+            anyhow::bail!(
+                "{}: two VMs use the disk {}; VMs cannot share a disk image",
+                path.display(),
+                d.display()
+            );
+        }
+    }
+    Ok((configs, temp_disks))
+}
+
+/// A configuration file's VM that names no duration runs this long (s).
+pub const RUN_DEFAULT_DURATION: f64 = 3.0;
+
 pub fn run(a: RunArgs) -> Result<ExitCode> {
     let t0 = Instant::now();
+    if let Some(path) = &a.config {
+        let (configs, _temp_disks) = configs_from_file(path)?;
+        return report(&a, run_vms(&configs, a.json)?, t0);
+    }
     if a.vms == 0 || a.vms > 64 {
         anyhow::bail!("--vms {} is out of range 1..=64", a.vms);
     }
@@ -138,7 +184,12 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         }
         configs.push(guest::vm_config(&m, params, kernel.clone(), a.console.clone())?);
     }
-    let results = run_vms(&configs, a.workload.workload.name(), a.json)?;
+    let results = run_vms(&configs, a.json)?;
+    report(&a, results, t0)
+}
+
+/// Prints the results (and the JSON line with --json); the exit status.
+fn report(a: &RunArgs, results: Vec<VmResult>, t0: Instant) -> Result<ExitCode> {
     let host_ms = t0.elapsed().as_secs_f64() * 1e3;
     let all_ok = results.iter().all(|r| r.ok);
 

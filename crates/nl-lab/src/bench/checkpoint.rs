@@ -94,7 +94,7 @@ fn baseline(w: &WorkloadArgs, duration: f64) -> Result<f64> {
     let m = MachineArgs::default();
     let config =
         guest::vm_config(&m, guest::workload_params(w, duration)?, guest::kernel_image(&m)?, None)?;
-    let r = run_vms(&[config], w.workload.name(), true)?.remove(0);
+    let r = run_vms(&[config], true)?.remove(0);
     if let Some(e) = r.error {
         bail!("baseline {} failed: {e}", w.workload.name());
     }

@@ -117,7 +117,7 @@ fn measure_pair(
     }
     .map_err(anyhow::Error::msg)?;
     let config = guest::vm_config(&m, params, guest::kernel_image(&m)?, None)?;
-    let r = run_vms(&[config], w.workload.name(), true)?.remove(0);
+    let r = run_vms(&[config], true)?.remove(0);
     if let Some(e) = &r.error {
         bail!("{} in the guest failed: {e}", w.workload.name());
     }
@@ -131,7 +131,7 @@ fn boot_times(n: u32, m: &MachineArgs) -> Result<BootStats> {
     let mut v = Vec::new();
     for _ in 0..n.max(1) {
         let config = guest::vm_config(m, params, guest::kernel_image(m)?, None)?;
-        let r = run_vms(&[config], "idle", true)?.remove(0);
+        let r = run_vms(&[config], true)?.remove(0);
         if let Some(b) = r.boot_ms {
             v.push(b);
         }

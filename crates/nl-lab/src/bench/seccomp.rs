@@ -37,7 +37,7 @@ fn one(m: &MachineArgs, duration: f64, on: bool) -> Result<f64> {
     let config = guest::vm_config(m, params, guest::kernel_image(m)?, None)?;
     // vCPU threads install their filter at start: the switch applies to this run.
     nl_vmm::seccomp::set_enabled(on);
-    let r = run_vms(&[config], "exits", true);
+    let r = run_vms(&[config], true);
     let r = r?.remove(0);
     if let Some(e) = &r.error {
         bail!("exits in the guest failed: {e}");
