@@ -79,6 +79,7 @@ fn failstop_in_a_vcpu_thread_is_detected() {
     assert_eq!(s["outcomes"]["detected"], 1);
     assert_eq!(s["outcomes"]["failed"], 1);
     assert_eq!(s["success_rate"], 0.0);
+    assert_eq!(s["success_ci95"][0], 0.0, "{s}");
 }
 
 fn status_field(pid: i32, field: &str) -> Option<String> {

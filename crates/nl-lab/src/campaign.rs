@@ -174,43 +174,71 @@ fn summary(
     seed: u64,
 ) -> Value {
     let runs = o.non_manifested + o.sdc + o.detected;
-    let rate = if o.detected > 0 { o.recovered as f64 / o.detected as f64 } else { 0.0 };
-    let (lo, hi) = wilson(o.recovered, o.detected);
+    // With nothing detected there is no rate to give (not 0, not 1): the
+    // JSON says null and the table says so in words.
+    let (rate, ci) = if o.detected > 0 {
+        let (lo, hi) = wilson(o.recovered, o.detected);
+        (json!(round4(o.recovered as f64 / o.detected as f64)), json!([round4(lo), round4(hi)]))
+    } else {
+        (Value::Null, Value::Null)
+    };
     json!({
         "runs": runs, "fault": fault, "setup": setup, "recovery": recovery,
         "outcomes": o,
-        "success_rate": round4(rate), "success_ci95": [round4(lo), round4(hi)],
+        "success_rate": rate, "success_ci95": ci,
         "runs_per_min": round4(if elapsed_s > 0.0 { (runs + skipped) as f64 * 60.0 / elapsed_s } else { 0.0 }),
         "skipped": skipped, "elapsed_s": round4(elapsed_s), "seed": seed,
     })
 }
 
-fn print_table(s: &Value) {
+/// The campaign's table: each outcome class indented under the class it
+/// refines (detected: recovered or not; recovered: with no VM failing).
+fn table(s: &Value) -> String {
+    use std::fmt::Write;
     let o = &s["outcomes"];
-    let runs = s["runs"].as_u64().unwrap_or(0).max(1) as f64;
-    let pct = |k: &str| 100.0 * o[k].as_u64().unwrap_or(0) as f64 / runs;
-    println!(
+    let n = |k: &str| o[k].as_u64().unwrap_or(0);
+    let runs = s["runs"].as_u64().unwrap_or(0);
+    let pct = |k: &str| 100.0 * n(k) as f64 / runs.max(1) as f64;
+    let mut t = String::new();
+    let _ = writeln!(
+        t,
         "campaign: fault {} setup {} recovery {}: {} runs ({} skipped), {:.1} runs/min",
         s["fault"].as_str().unwrap_or("?"),
         s["setup"].as_str().unwrap_or("?"),
         s["recovery"].as_str().unwrap_or("?"),
-        s["runs"],
+        runs,
         s["skipped"],
         s["runs_per_min"].as_f64().unwrap_or(0.0)
     );
-    println!("  {:<16} {:>6} {:>7}", "outcome", "runs", "share");
-    for k in ["non_manifested", "sdc", "detected"] {
-        println!("  {k:<16} {:>6} {:>6.1}%", o[k].as_u64().unwrap_or(0), pct(k));
+    let _ = writeln!(t, "  {:<30} {:>6} {:>7}", "outcome", "runs", "share");
+    let row = |t: &mut String, depth: usize, label: &str, k: &str| {
+        let label = format!("{}{label}", "  ".repeat(depth));
+        let _ = writeln!(t, "  {label:<30} {:>6} {:>6.1}%", n(k), pct(k));
+    };
+    row(&mut t, 0, "fault not manifested", "non_manifested");
+    row(&mut t, 0, "silent data corruption", "sdc");
+    row(&mut t, 0, "detected", "detected");
+    row(&mut t, 1, "recovered", "recovered");
+    row(&mut t, 2, "of which no VM failed", "no_vm_failure");
+    row(&mut t, 1, "not recovered", "failed");
+    match (s["success_rate"].as_f64(), s["success_ci95"][0].as_f64(), s["success_ci95"][1].as_f64())
+    {
+        (Some(r), Some(lo), Some(hi)) => {
+            let _ = writeln!(
+                t,
+                "  recovered / detected: {r:.3}, 95% Wilson interval [{lo:.3}, {hi:.3}] over {} detected",
+                n("detected")
+            );
+        }
+        _ => {
+            let _ = writeln!(t, "  no fault was detected, so there is no recovery rate");
+        }
     }
-    for k in ["recovered", "no_vm_failure", "failed"] {
-        println!("    {k:<14} {:>6}", o[k].as_u64().unwrap_or(0));
-    }
-    println!(
-        "  success rate (recovered/detected) {:.3}, 95% CI [{:.3}, {:.3}]",
-        s["success_rate"].as_f64().unwrap_or(0.0),
-        s["success_ci95"][0].as_f64().unwrap_or(0.0),
-        s["success_ci95"][1].as_f64().unwrap_or(0.0)
-    );
+    t
+}
+
+fn print_table(s: &Value) {
+    print!("{}", table(s));
 }
 
 pub fn inject(a: InjectArgs) -> Result<ExitCode> {
@@ -855,4 +883,48 @@ fn run_body(
         rec.vmm_tail = host.stderr.tail(6);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nothing_detected_gives_no_rate() {
+        let o = Outcomes { non_manifested: 7, sdc: 1, ..Default::default() };
+        let s = summary("register", "1vm", "microreset", &o, 0, 10.0, 1);
+        assert!(s["success_rate"].is_null() && s["success_ci95"].is_null(), "{s}");
+        let t = table(&s);
+        assert!(t.contains("no fault was detected, so there is no recovery rate"), "{t}");
+        assert!(!t.contains("0.000"), "{t}");
+    }
+
+    #[test]
+    fn refinements_are_indented_under_their_class() {
+        let o = Outcomes {
+            non_manifested: 5,
+            detected: 10,
+            recovered: 9,
+            no_vm_failure: 6,
+            failed: 1,
+            ..Default::default()
+        };
+        let s = summary("code", "3vm", "microreset", &o, 0, 10.0, 1);
+        assert_eq!(s["success_rate"], 0.9);
+        let t = table(&s);
+        let indent = |label: &str| {
+            let line =
+                t.lines().find(|l| l.contains(label)).unwrap_or_else(|| panic!("{label}: {t}"));
+            line.len() - line.trim_start().len()
+        };
+        assert!(indent("recovered") > indent("detected"), "{t}");
+        assert!(indent("of which no VM failed") > indent("recovered"), "{t}");
+        assert_eq!(indent("not recovered"), indent("recovered"), "{t}");
+        assert!(
+            t.contains(
+                "recovered / detected: 0.900, 95% Wilson interval [0.596, 0.982] over 10 detected"
+            ),
+            "{t}"
+        );
+    }
 }
