@@ -23,6 +23,12 @@ pub struct Cli {
     /// fatal signal. `off` turns them off.
     #[arg(long, global = true, value_enum, default_value_t = OnOff::On)]
     pub seccomp: OnOff,
+    /// The least severe log events written to stderr.
+    #[arg(long, global = true, value_enum, default_value_t = crate::logging::LogLevel::Info)]
+    pub log_level: crate::logging::LogLevel,
+    /// How log events are written: text lines, or one JSON object per line.
+    #[arg(long, global = true, value_enum, default_value_t = crate::logging::LogFormat::Text)]
+    pub log_format: crate::logging::LogFormat,
 }
 
 /// A switch.

@@ -11,6 +11,7 @@ fn main() -> ExitCode {
     // SAFETY: restoring the default disposition of one signal before any thread starts.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = cli::Cli::parse();
+    ninelives::logging::init(cli.log_level, cli.log_format);
     nl_vmm::seccomp::set_enabled(cli.seccomp == cli::OnOff::On);
     let result = match cli.command.unwrap_or_default() {
         cli::Command::Run(a) => nl_launch::run::run(a),

@@ -130,7 +130,7 @@ pub fn protected_run(a: &CheckpointArgs, quiet: bool) -> Result<ProtectedRun> {
         disk_key,
     };
     if !quiet {
-        eprintln!(
+        tracing::info!(
             "checkpointing every {:.0} ms with {}{}",
             interval.as_secs_f64() * 1e3,
             cfg.mode.name(),

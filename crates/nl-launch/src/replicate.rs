@@ -198,7 +198,11 @@ pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
         // Warnings, fencing and the moment the VM becomes protected are
         // always shown (on stderr; --json keeps stdout for the report).
         if !quiet || m.contains("WARNING") || m.contains("FENCED") || m.contains("is protected") {
-            eprintln!("ninelives: {m}");
+            if m.contains("WARNING") || m.contains("FENCED") {
+                tracing::warn!("{m}");
+            } else {
+                tracing::info!("{m}");
+            }
         }
     };
     let report = Primary::new(&vm, cfg, &mut log).run().map_err(anyhow::Error::msg)?;
@@ -262,7 +266,7 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
         handshake: HANDSHAKE_TIME,
     };
     nl_memory::GuestMemory::check_size(a.mem)?;
-    let mut log = |m: String| eprintln!("ninelives: {m}");
+    let mut log = |m: String| tracing::info!("{m}");
     let end = serve(&cfg, &mut log).map_err(anyhow::Error::msg)?;
     let (epoch, memory, state, reason, detected, last_heard) = match end {
         BackupEnd::PrimaryFinished { message } => {
@@ -292,7 +296,7 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
             (epoch, memory, state, reason, detected, last_heard)
         }
     };
-    eprintln!("ninelives: primary gone ({reason}); taking over from epoch {epoch}");
+    tracing::info!("primary gone ({reason}); taking over from epoch {epoch}");
     let m = MachineArgs {
         mem: state.mem_bytes,
         vcpus: state.num_vcpus,
@@ -308,8 +312,8 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
     vm.start()?;
     let takeover_ms = detected.elapsed().as_secs_f64() * 1e3;
     let since_last_frame_ms = last_heard.elapsed().as_secs_f64() * 1e3;
-    eprintln!(
-        "ninelives: VM running on the backup {takeover_ms:.1} ms after detection \
+    tracing::info!(
+        "VM running on the backup {takeover_ms:.1} ms after detection \
          ({since_last_frame_ms:.1} ms after the last frame from the primary)"
     );
     let started = Instant::now();

@@ -60,6 +60,7 @@ fn log() -> &'static Log {
 
 /// Appends an event.
 pub fn publish(kind: &'static str, data: serde_json::Value) {
+    tracing::debug!(target: "ninelives::event", kind, data = %data);
     let l = log();
     let ts_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
     let Some(mut events) = l.events.try_lock_for(PUBLISH_WAIT) else {

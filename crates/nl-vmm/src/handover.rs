@@ -737,7 +737,7 @@ fn prepare_record(
                 // A standby successor has time: fill the page tables now,
                 // not by one fault per page after the VM resumes.
                 if let Err(e) = mem.populate_allocated() {
-                    eprintln!("ninelives: VM {}: {e} (pages will fault in on use)", rec.id);
+                    tracing::warn!("VM {}: {e} (pages will fault in on use)", rec.id);
                 }
                 Vm::prepare(host.kvm(), rec.id, rec.config(images), mem)
             }

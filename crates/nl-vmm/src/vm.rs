@@ -306,8 +306,8 @@ impl Vm {
                     tap.configure_host(ip, prefix).map_err(VmmError::Config)?;
                 } else if !tap.host_up() {
                     let [a, b, c, _] = n.ipv4;
-                    eprintln!(
-                        "ninelives: warning: TAP {0} is down on the host, so the guest at {1} \
+                    tracing::warn!(
+                        "TAP {0} is down on the host, so the guest at {1} \
                          is unreachable: pass --net-host-ip {a}.{b}.{c}.1/{2} (or run \
                          `ip addr add {a}.{b}.{c}.1/{2} dev {0} && ip link set {0} up`)",
                         n.tap,

@@ -66,8 +66,8 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
         let t = nl_vmm::handover::take_over(record, ctl, &images, main_ns)
             .context("cannot take over from the previous VMM")?;
         let n = t.host.list().len();
-        eprintln!(
-            "ninelives host (pid {}): took over {n} VMs, serving the API on {}",
+        tracing::info!(
+            "host (pid {}): took over {n} VMs, serving the API on {}",
             std::process::id(),
             a.api.display()
         );
@@ -91,14 +91,14 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
             let vm = spec.vm_config(HOST_DEFAULT_DURATION).map_err(anyhow::Error::msg);
             let id = vm.and_then(|vm| host.create(vm).map_err(anyhow::Error::from));
             let id = id.with_context(|| format!("cannot create vms[{i}] of {}", path.display()))?;
-            eprintln!(
-                "ninelives host: created VM {id} ({}) from the configuration",
+            tracing::info!(
+                "host: created VM {id} ({}) from the configuration",
                 spec.workload.name()
             );
         }
     }
-    eprintln!(
-        "ninelives host: serving the API on {} (guest memory budget {} MiB, {} vCPUs, \
+    tracing::info!(
+        "host: serving the API on {} (guest memory budget {} MiB, {} vCPUs, \
          {} connections)",
         a.api.display(),
         limits.mem_budget >> 20,
