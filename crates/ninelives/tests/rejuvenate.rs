@@ -449,7 +449,10 @@ fn a_vm_on_a_tap_answers_pings_across_warm_cold_and_save_restore() {
         assert_eq!(r["new_pid"].as_u64(), Some(new_pid), "{r}");
         assert_eq!(r["vms"][0]["id"].as_u64(), Some(id), "{r}");
         assert_eq!(ino(&h), ino0, "the same guest memory");
-        assert_eq!(h.stats(id)["state"], "running");
+        let st = h.stats(id);
+        assert_eq!(st["state"], "running");
+        // The successor announced the guest (a gratuitous ARP on its TAP).
+        assert_eq!(st["net"]["announcements"], 1, "{}", st["net"]);
     }
     // Cold (the guest boots again and re-opens the TAP by name) and
     // save-restore (restored from a memory image): connectivity comes back.
@@ -460,7 +463,9 @@ fn a_vm_on_a_tap_answers_pings_across_warm_cold_and_save_restore() {
     let img = dir.path().to_str().unwrap();
     let r = rejuvenate_under_ping(&h, &ns, &["--mode", "save-restore", "--image-dir", img]);
     assert_eq!(r["vms"][0]["image_bytes"], 64 << 20, "{r}");
-    assert_eq!(h.stats(id)["state"], "running");
+    let st = h.stats(id);
+    assert_eq!(st["state"], "running");
+    assert_eq!(st["net"]["announcements"], 1, "{}", st["net"]);
     let list = h.req(json!({"op":"list"}));
     assert_eq!(list["vms"].as_array().unwrap().len(), 1, "{list}");
     assert_eq!(list["vms"][0]["id"].as_u64(), Some(id), "{list}");

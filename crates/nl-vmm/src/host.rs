@@ -75,6 +75,10 @@ pub struct VmStats {
     pub memfd_ino: u64,
     /// The workload's parameters (to replay and verify it on the host).
     pub workload: nl_abi::WorkloadParams,
+    /// The virtio-net device's counters (frames, drops, announcements), if
+    /// the VM has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub net: Option<nl_devices::virtio::net::NetStats>,
     #[serde(flatten)]
     pub report: VmReport,
 }
@@ -483,6 +487,7 @@ impl Host {
             outcome,
             memfd_ino,
             workload: h.vm.config().workload,
+            net: h.vm.net_stats().map(|(s, _, _)| s),
             report: h.vm.report(),
         })
     }

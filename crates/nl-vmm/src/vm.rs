@@ -614,7 +614,19 @@ impl Vm {
         for (s, v) in self.slots().iter().zip(&state.vcpus) {
             v.restore(&s.fd.lock())?;
         }
+        // The guest may now answer from another process or host (a
+        // takeover, failover or restore): tell the network where it is.
+        self.announce();
         Ok(())
+    }
+
+    /// Sends a gratuitous ARP for the guest's address on its TAP (no-op
+    /// without a network device); whether the TAP took it.
+    pub fn announce(&self) -> bool {
+        match (&self.net, &self.config.net) {
+            (Some(t), Some(n)) => t.lock().device_mut().announce(n.ipv4),
+            _ => false,
+        }
     }
 
     fn require_stopped_vcpus(&self) -> Result<(), VmmError> {

@@ -27,6 +27,30 @@ pub struct NetStats {
     pub rx_frames: u64,
     /// Frames dropped: malformed or oversized from the guest, TAP errors.
     pub dropped: u64,
+    /// Gratuitous ARPs sent for the guest after a restore, failover or
+    /// takeover ([`Net::announce`]).
+    pub announcements: u64,
+}
+
+/// An ARP announcement (RFC 5227 section 2.3, a "gratuitous ARP"): a
+/// broadcast ARP request from `mac` whose sender and target address are
+/// both `ip`. Switches learn where `mac` now is and neighbours refresh
+/// `ip`'s entry, as QEMU's announce does after a migration.
+pub fn gratuitous_arp(mac: [u8; 6], ip: [u8; 4]) -> [u8; 42] {
+    let mut f = [0u8; 42];
+    f[0..6].copy_from_slice(&[0xff; 6]); // broadcast
+    f[6..12].copy_from_slice(&mac);
+    f[12..14].copy_from_slice(&0x0806u16.to_be_bytes()); // ARP
+    f[14..16].copy_from_slice(&1u16.to_be_bytes()); // Ethernet
+    f[16..18].copy_from_slice(&0x0800u16.to_be_bytes()); // IPv4
+    f[18] = 6;
+    f[19] = 4;
+    f[20..22].copy_from_slice(&1u16.to_be_bytes()); // request
+    f[22..28].copy_from_slice(&mac);
+    f[28..32].copy_from_slice(&ip);
+    // Target hardware address zero, target protocol address the same IP.
+    f[38..42].copy_from_slice(&ip);
+    f
 }
 
 pub struct Net {
@@ -78,6 +102,19 @@ impl Net {
 
     pub fn stats(&self) -> NetStats {
         self.stats
+    }
+
+    /// Announces the guest at `ip` on the TAP with a gratuitous ARP from
+    /// its MAC, straight to the TAP (never held: it is the VMM's frame, not
+    /// guest output). False if the TAP did not take it.
+    pub fn announce(&mut self, ip: [u8; 4]) -> bool {
+        let ok = self.tap.send(&gratuitous_arp(self.mac, ip));
+        if ok {
+            self.stats.announcements += 1;
+        } else {
+            self.stats.dropped += 1;
+        }
+        ok
     }
 
     /// The TAP's file descriptor (to wait for frames on).
@@ -424,7 +461,7 @@ mod tests {
             assert_eq!(r.sent(), Some(f), "the frame, without the 12-byte header");
             assert_eq!(r.sent(), None, "one frame per chain");
             assert_eq!(r.used(1, 0).0, 0, "the used element names the chain's head");
-            assert_eq!(r.t.device().stats(), NetStats { tx_frames: 1, rx_frames: 0, dropped: 0 });
+            assert_eq!(r.t.device().stats(), NetStats { tx_frames: 1, ..Default::default() });
             // The MAC in the config space.
             let mut mac = [0u8; 6];
             r.t.read(0, regs::CONFIG, &mut mac);
@@ -507,7 +544,7 @@ mod tests {
             r.notify(1);
             assert_eq!(r.used_idx(1), 4, "dropped frames are used all the same");
             assert_eq!(r.sent(), None);
-            assert_eq!(r.t.device().stats(), NetStats { tx_frames: 0, rx_frames: 0, dropped: 4 });
+            assert_eq!(r.t.device().stats(), NetStats { dropped: 4, ..Default::default() });
             let ok = frame(8, MAX_FRAME);
             assert!(r.transmit(&ok));
             assert_eq!(r.sent(), Some(ok));
@@ -554,6 +591,29 @@ mod tests {
             assert!(r.transmit(&f));
             assert_eq!(r.used_idx(1), 2);
             assert_eq!(r.sent(), Some(f));
+        }
+        /// A gratuitous ARP goes to the TAP even while guest output is held
+        /// (it is the VMM's frame), from the guest's MAC, with the guest's
+        /// address as both sender and target.
+        #[test]
+        fn announce_sends_a_gratuitous_arp_past_held_output() {
+            let mut r = rig();
+            r.t.device_mut().hold_output(true);
+            assert!(r.transmit(&frame(21, 60)));
+            assert_eq!(r.sent(), None, "guest output is held");
+            assert!(r.t.device_mut().announce([10, 0, 0, 2]));
+            let f = r.sent().expect("the announcement went out");
+            assert_eq!(f.len(), 42);
+            assert_eq!(&f[0..6], &[0xff; 6], "broadcast");
+            assert_eq!(&f[6..12], &MAC, "from the guest's MAC");
+            assert_eq!(&f[12..14], &[0x08, 0x06], "ARP");
+            assert_eq!(&f[14..22], &[0, 1, 0x08, 0x00, 6, 4, 0, 1], "Ethernet/IPv4 request");
+            assert_eq!(&f[22..28], &MAC, "sender hardware address");
+            assert_eq!(&f[28..32], &[10, 0, 0, 2], "sender protocol address");
+            assert_eq!(&f[32..38], &[0; 6], "target hardware address");
+            assert_eq!(&f[38..42], &[10, 0, 0, 2], "target protocol address");
+            assert_eq!(r.t.device().stats().announcements, 1);
+            assert_eq!(r.sent(), None, "the held guest frame is still held");
         }
     }
 }
