@@ -206,6 +206,45 @@ fn histase_primary_killed_mid_run_backup_takes_over_and_the_digest_verifies() {
     killed_primary_is_taken_over("h", &["--histase", "--pattern", "sequential"]);
 }
 
+/// After a failover the new primary is protected again by a fresh backup
+/// (`backup --next-backup`), without stopping the guest: the first backup
+/// takes over while its own next backup is not there yet (the VM runs
+/// unprotected), attaches it when it appears, and when this second primary
+/// is killed too, the second backup takes over and the guest's digest (a
+/// hash of its whole working set) verifies across both failovers.
+#[test]
+fn a_failed_over_vm_is_protected_again_and_survives_a_second_failover() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(n) = Pair::new("2") else { return };
+    let mut backup1 = n.backup(&["--allow-primary", "10.9.0.1", "--next-backup", "10.9.0.1:7071"]);
+    let mut primary = n.primary(&["--epoch", "20", "--duration", "8", "--selective"]);
+    assert!(
+        wait_protected(&mut primary, Duration::from_secs(30)),
+        "the first primary was never protected"
+    );
+    primary.kill().expect("kill the primary");
+    let _ = primary.wait();
+    // The first backup takes over and runs the VM unprotected, retrying
+    // its next backup; that one starts only now.
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut a = vec!["replicate", "backup", "--listen", "10.9.0.1:7071", "--json"];
+    a.extend_from_slice(&["--allow-primary", "10.9.0.2", "--key-file", &n.key]);
+    let backup2 = Pair::spawn(&n.p, &a);
+    assert!(
+        wait_protected(&mut backup1, Duration::from_secs(30)),
+        "the VM that failed over was never protected again"
+    );
+    backup1.kill().expect("kill the second primary");
+    let o1 = backup1.wait_with_output().expect("output");
+    let o = finish(backup2, 60);
+    let j = last_json(&o);
+    assert_eq!(j["activated"], true, "{}\n{}", stdout(&o), stderr(&o));
+    assert_eq!(j["digest_ok"], true, "{}{}\nfirst backup: {}", stdout(&o), stderr(&o), stdout(&o1));
+    assert!(j["epoch"].as_u64().unwrap() > 0, "{j}");
+}
+
 #[test]
 fn partition_fences_the_primary_and_the_backup_takes_over() {
     if !kvm_available() {

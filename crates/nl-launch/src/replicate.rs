@@ -127,6 +127,12 @@ pub struct BackupArgs {
     /// Write the guest's console output (after a takeover) to this file.
     #[arg(long)]
     pub console: Option<std::path::PathBuf>,
+    /// After a takeover, protect the VM again: become its primary towards a
+    /// fresh backup at this address (same key; 20 ms epochs with selective
+    /// re-protection). The VM runs at once, unprotected until that backup
+    /// answers, and is never stopped for it.
+    #[arg(long)]
+    pub next_backup: Option<SocketAddr>,
     /// Print the backup's report as one JSON object (last line of stdout).
     #[arg(long)]
     pub json: bool,
@@ -309,15 +315,68 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
     let config = guest::vm_config(&m, state.workload, guest::kernel_image(&m)?, a.console.clone())?;
     let kvm = nl_vmm::open_kvm()?;
     let vm = Vm::restore(&kvm, 0, config, memory, &state).context("cannot activate the VM")?;
-    vm.start()?;
     let takeover_ms = detected.elapsed().as_secs_f64() * 1e3;
     let since_last_frame_ms = last_heard.elapsed().as_secs_f64() * 1e3;
+    let limit = Duration::from_millis(state.workload.duration_ms * 4 + 120_000);
+    if let Some(next) = a.next_backup {
+        // Re-paired: this process is now the VM's primary (it starts the VM).
+        let cfg = PrimaryConfig {
+            backup: next,
+            epoch: Duration::from_millis(20),
+            lease: Duration::from_millis(a.lease_ms.max(200)),
+            key: Key::load(&a.key_file).map_err(anyhow::Error::msg)?,
+            opts: Options { selective: true, ..Default::default() },
+            time_limit: limit,
+            reattach: true,
+            die_mid_send_after: None,
+        };
+        tracing::info!(
+            "VM restored {takeover_ms:.1} ms after detection; protecting it with the backup at {next}"
+        );
+        let mut log = |m: String| {
+            if m.contains("WARNING") || m.contains("FENCED") {
+                tracing::warn!("{m}");
+            } else {
+                tracing::info!("{m}");
+            }
+        };
+        let report = Primary::new(&vm, cfg, &mut log).run().map_err(anyhow::Error::msg)?;
+        let (digest_ok, ops_per_sec, error) = match &report.outcome {
+            Some(VmOutcome::Completed) => verdict(&vm)?,
+            Some(o) => (false, 0.0, Some(o.message())),
+            None => (false, 0.0, Some("fenced: the VM was stopped".into())),
+        };
+        println!(
+            "took over from epoch {epoch}, then replicated {} epochs to the backup at {next}: digest {}",
+            report.epochs,
+            if digest_ok { "verified" } else { "NOT verified" },
+        );
+        if a.json {
+            println!(
+                "{}",
+                serde_json::json!({"activated": true, "epoch": epoch, "reason": reason, "ok": digest_ok,
+                    "digest_ok": digest_ok, "ops_per_sec": ops_per_sec, "takeover_ms": takeover_ms,
+                    "since_last_frame_ms": since_last_frame_ms, "error": error,
+                    "next_backup": {"address": next.to_string(), "epochs": report.epochs,
+                        "reattached": report.reattached, "fenced": report.fenced,
+                        "unprotected": report.unprotected}})
+            );
+        }
+        return Ok(if digest_ok {
+            ExitCode::SUCCESS
+        } else if report.fenced {
+            ExitCode::from(4)
+        } else {
+            ExitCode::FAILURE
+        });
+    }
+    vm.start()?;
     tracing::info!(
         "VM running on the backup {takeover_ms:.1} ms after detection \
          ({since_last_frame_ms:.1} ms after the last frame from the primary)"
     );
     let started = Instant::now();
-    let outcome = vm.wait(Duration::from_millis(state.workload.duration_ms * 4 + 120_000));
+    let outcome = vm.wait(limit);
     let (digest_ok, ops_per_sec, error) = if outcome == VmOutcome::Completed {
         verdict(&vm)?
     } else {

@@ -721,7 +721,24 @@ impl<'a> Primary<'a> {
     /// the time limit passes, or the primary fences itself.
     pub fn run(mut self) -> Result<PrimaryReport, String> {
         let vm = self.vm;
-        let conn = connect(&self.cfg, vm)?;
+        // With reattach, a backup that is not there yet does not hold the
+        // VM back: it starts unprotected and the backup is attached (full
+        // copy) once it answers, as after a lost backup. This is how a VM
+        // that failed over is protected again by a fresh backup.
+        let conn = match connect(&self.cfg, vm) {
+            Ok(c) => Some(c),
+            Err(e) if self.cfg.reattach => {
+                (self.log)(format!(
+                    "WARNING: {e}; the VM starts UNPROTECTED and is protected once a backup \
+                     answers at {}",
+                    self.cfg.backup
+                ));
+                self.rep.unprotected = true;
+                self.rep.backup_lost = Some(e);
+                None
+            }
+            Err(e) => return Err(e),
+        };
         if self.cfg.opts.histase {
             if self.cfg.opts.selective || self.cfg.opts.predict {
                 return Err("--histase tracks writes with userfaultfd: it replaces --selective \
@@ -736,8 +753,10 @@ impl<'a> Primary<'a> {
             vm.set_dirty_logging(true).map_err(|e| e.to_string())?;
         }
         vm.track_vmm_writes(true);
-        vm.hold_net_output(true);
-        vm.hold_disk_writes(true).map_err(|e| e.to_string())?;
+        if conn.is_some() {
+            vm.hold_net_output(true);
+            vm.hold_disk_writes(true).map_err(|e| e.to_string())?;
+        }
         vm.start().map_err(|e| e.to_string())?;
         self.die = self.cfg.die_mid_send_after.map(|d| Instant::now() + d);
         if self.cfg.opts.predict {
@@ -759,23 +778,28 @@ impl<'a> Primary<'a> {
     fn run_in<'s>(
         &mut self,
         sc: &'s std::thread::Scope<'s, '_>,
-        mut conn: Conn,
+        conn: Option<Conn>,
     ) -> Result<Option<VmOutcome>, String>
     where
         'a: 's,
     {
         let vm = self.vm;
-        vm.pause();
-        let r = self.full_copy(&mut conn);
-        vm.resume();
-        let mut link = match r {
-            Ok(()) => self.link_up(sc, conn),
-            Err(l) => {
-                let lost = classify(&conn, l, self.cfg.lease);
-                if self.lost(Failure { lost, held: Vec::new() }) {
-                    return Ok(None);
+        let mut link = match conn {
+            None => Link::Down,
+            Some(mut conn) => {
+                vm.pause();
+                let r = self.full_copy(&mut conn);
+                vm.resume();
+                match r {
+                    Ok(()) => self.link_up(sc, conn),
+                    Err(l) => {
+                        let lost = classify(&conn, l, self.cfg.lease);
+                        if self.lost(Failure { lost, held: Vec::new() }) {
+                            return Ok(None);
+                        }
+                        Link::Down
+                    }
                 }
-                Link::Down
             }
         };
         let start = Instant::now();
