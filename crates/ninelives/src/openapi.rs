@@ -30,6 +30,9 @@ fn operation(method: &str, path: &str, summary: &str) -> Value {
     if path.contains("{id}") {
         r.insert("404".into(), error_response("No such VM"));
     }
+    if path.contains("{name}") {
+        r.insert("404".into(), error_response("No such sandbox set"));
+    }
     match (method, path) {
         ("POST", "/v1/vms") => {
             r.insert("201".into(), json!({"description": "Created", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Created"}}}}));
@@ -40,6 +43,21 @@ fn operation(method: &str, path: &str, summary: &str) -> Value {
                 ),
             );
             op["requestBody"] = json_body(json!({"$ref": "#/components/schemas/CreateVm"}));
+        }
+        ("POST", "/v1/sandboxes") => {
+            r.insert("201".into(), json!({"description": "Created and started", "content": {"application/json": {"schema": {"type": "object", "properties": {"name": {"type": "string"}, "sandboxes": {"type": "array", "items": {"type": "string"}}}}}}}));
+            r.insert(
+                "409".into(),
+                error_response(
+                    "The name is taken, or the host's memory budget or a rejuvenation refuses it",
+                ),
+            );
+            op["requestBody"] = json_body(
+                json!({"type": "object", "required": ["name", "set"], "properties": {
+                "name": {"type": "string", "description": "The set's name: 1 to 64 of [A-Za-z0-9_-]"},
+                "set": {"type": "object", "description": "A sandbox configuration as `ninelives sandbox --config` reads it (docs/sandboxes.md)"},
+                "timeout_secs": {"type": "number", "exclusiveMinimum": 0, "maximum": 604800, "description": "Sandboxes still running after this are stopped (default 3600)"}}}),
+            );
         }
         ("GET", "/v1/vms") => {
             r.insert("200".into(), ok(json!({"type": "object", "properties": {"vms": {"type": "array", "items": {"$ref": "#/components/schemas/VmSummary"}}}})));
@@ -66,6 +84,10 @@ fn operation(method: &str, path: &str, summary: &str) -> Value {
     }
     if path.contains("{id}") {
         op["parameters"] = json!([{"name": "id", "in": "path", "required": true, "schema": {"type": "integer", "minimum": 0}}]);
+    }
+    if path.contains("{name}") {
+        op["parameters"] =
+            json!([{"name": "name", "in": "path", "required": true, "schema": {"type": "string"}}]);
     }
     op["responses"] = Value::Object(r);
     op

@@ -13,53 +13,6 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::{json, Value};
 
-/// One HTTP exchange on a fresh connection: (status, body).
-fn http(sock: &Path, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
-    let mut s = UnixStream::connect(sock).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let body = body.unwrap_or("");
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut r = BufReader::new(s);
-    let mut status_line = String::new();
-    r.read_line(&mut status_line).unwrap();
-    let status: u16 = status_line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or_else(|| panic!("no status in '{status_line}'"));
-    let mut length = None;
-    let mut version = None;
-    loop {
-        let mut h = String::new();
-        r.read_line(&mut h).unwrap();
-        let h = h.trim_end();
-        if h.is_empty() {
-            break;
-        }
-        let (name, value) = h.split_once(':').unwrap();
-        if name.eq_ignore_ascii_case("content-length") {
-            length = value.trim().parse::<usize>().ok();
-        }
-        if name.eq_ignore_ascii_case("ninelives-api-version") {
-            version = Some(value.trim().to_string());
-        }
-    }
-    assert_eq!(version.as_deref(), Some("1"), "{method} {path}: no API version header");
-    let mut b = vec![0; length.expect("Content-Length")];
-    r.read_exact(&mut b).unwrap();
-    (status, String::from_utf8(b).unwrap())
-}
-
-fn http_json(sock: &Path, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
-    let (status, b) = http(sock, method, path, body);
-    (status, serde_json::from_str(&b).unwrap_or_else(|e| panic!("{method} {path}: {e}: {b}")))
-}
-
 /// Reads server-sent events until one of `kind` about VM `vm` (bounded).
 fn wait_event(r: &mut BufReader<UnixStream>, kind: &str, vm: u64, seen: &mut Vec<String>) -> Value {
     let t = Instant::now();

@@ -7,8 +7,9 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use serde_json::Value;
 
+use super::host_sandboxes::HostFrontend;
 use crate::cli::{ApiArgs, HostArgs};
-use nl_launch::vm_spec::{build_config, ConfigFile, HOST_DEFAULT_DURATION};
+use nl_launch::vm_spec::{ConfigFile, HOST_DEFAULT_DURATION};
 
 /// The host's budgets and API limits: the options given, `base` for the
 /// others (the machine's defaults, or what a previous process handed over).
@@ -51,8 +52,10 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
         };
         t.host.set_limits(limits(&a, t.host.limits()));
         match t.listener {
-            Some(l) => nl_vmm::api::serve_listener(t.host, l, &a.api, Arc::new(build_config)),
-            None => nl_vmm::api::serve(t.host, &a.api, Arc::new(build_config)),
+            Some(l) => {
+                nl_vmm::api::serve_listener(t.host, l, &a.api, Arc::new(HostFrontend::default()))
+            }
+            None => nl_vmm::api::serve(t.host, &a.api, Arc::new(HostFrontend::default())),
         }
         .with_context(|| format!("host on {}", a.api.display()))?;
         return Ok(ExitCode::SUCCESS);
@@ -73,8 +76,10 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
         );
         t.host.set_limits(limits(&a, t.host.limits()));
         match t.listener {
-            Some(l) => nl_vmm::api::serve_listener(t.host, l, &a.api, Arc::new(build_config)),
-            None => nl_vmm::api::serve(t.host, &a.api, Arc::new(build_config)),
+            Some(l) => {
+                nl_vmm::api::serve_listener(t.host, l, &a.api, Arc::new(HostFrontend::default()))
+            }
+            None => nl_vmm::api::serve(t.host, &a.api, Arc::new(HostFrontend::default())),
         }
         .with_context(|| format!("host on {}", a.api.display()))?;
         return Ok(ExitCode::SUCCESS);
@@ -105,7 +110,7 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
         limits.vcpu_budget,
         limits.max_connections
     );
-    nl_vmm::api::serve(host, &a.api, Arc::new(build_config))
+    nl_vmm::api::serve(host, &a.api, Arc::new(HostFrontend::default()))
         .with_context(|| format!("host on {}", a.api.display()))?;
     Ok(ExitCode::SUCCESS)
 }

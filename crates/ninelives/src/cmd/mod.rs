@@ -3,6 +3,7 @@
 //! `inject`, `ping`, `kvload`) in `nl-lab`.
 
 pub mod host;
+pub mod host_sandboxes;
 pub mod manual;
 pub mod rejuvenate;
 pub mod sandbox;

@@ -84,6 +84,31 @@ pub const ROUTES: &[Route] = &[
     },
     Route {
         method: "GET",
+        path: "/v1/sandboxes",
+        summary: "List the sandbox sets with each sandbox's state and violations",
+        op: Some("sandbox_list"),
+    },
+    Route {
+        method: "POST",
+        path: "/v1/sandboxes",
+        summary:
+            "Create and start a sandbox set: {\"name\": ..., \"set\": <sandbox configuration>}",
+        op: Some("sandbox_create"),
+    },
+    Route {
+        method: "GET",
+        path: "/v1/sandboxes/{name}",
+        summary: "A sandbox set's statistics: per sandbox and per channel",
+        op: None,
+    },
+    Route {
+        method: "DELETE",
+        path: "/v1/sandboxes/{name}",
+        summary: "Stop and forget a sandbox set",
+        op: None,
+    },
+    Route {
+        method: "GET",
         path: "/v1/events",
         summary: "Server-sent events: detections, recoveries, VM lifecycle, rejuvenations",
         op: None,
@@ -265,6 +290,13 @@ fn to_op(req: &Request) -> Result<Value, ApiError> {
         status: 405,
         message: format!("{} {} is not served (allowed: {allowed})", req.method, req.path),
     };
+    if let Some(name) = req.path.strip_prefix("/v1/sandboxes/") {
+        return match req.method.as_str() {
+            "GET" => Ok(json!({"op": "sandbox_stats", "name": name})),
+            "DELETE" => Ok(json!({"op": "sandbox_destroy", "name": name})),
+            _ => Err(not_allowed("GET, DELETE")),
+        };
+    }
     if let Some(id) = vm_id(&req.path) {
         let id = id?;
         return match req.method.as_str() {
@@ -323,7 +355,7 @@ fn route(
         Err(e) => return (e.status, json!({ "error": e.message }), None),
     };
     match run_op(host, build, &op, ctx, progress) {
-        Ok(v) if op["op"] == "create" => (201, v, None),
+        Ok(v) if op["op"] == "create" || op["op"] == "sandbox_create" => (201, v, None),
         Ok(v) => (200, v, None),
         Err(e) if e.status == 503 => (503, json!({"error": e.message, "interrupted": true}), None),
         Err(e) => (e.status, json!({ "error": e.message }), None),

@@ -88,8 +88,42 @@ pub mod http;
 /// Longest request line accepted, newline included.
 pub const MAX_REQUEST: usize = 64 * 1024;
 
-/// Turns the parameters of a `create` request into a VM configuration.
-pub type ConfigBuilder = dyn Fn(&Value) -> Result<VmConfig, String> + Send + Sync;
+/// What the front end (the `ninelives` binary) adds to the host's API:
+/// turning `create` parameters into a VM configuration, and resources the
+/// VMM layer does not know itself (sandbox sets). A plain closure is a
+/// front end that only builds VM configurations.
+pub trait Frontend: Send + Sync {
+    /// The VM configuration a `create` request asks for.
+    fn build_config(&self, req: &Value) -> Result<VmConfig, String>;
+    /// Handles an operation the host does not know (`None`: not the front
+    /// end's either).
+    fn op(&self, _host: &Host, _op: &str, _req: &Value) -> Option<Result<Value, ApiError>> {
+        None
+    }
+    /// The front end's operations, for the unknown-op error.
+    fn op_names(&self) -> &'static str {
+        ""
+    }
+    /// Why the host cannot hand over to a new process now (resources that
+    /// would not follow), if it cannot.
+    fn handover_blocker(&self) -> Option<String> {
+        None
+    }
+    /// Stops what the front end runs (the host is shutting down).
+    fn shutdown(&self) {}
+}
+
+impl<F> Frontend for F
+where
+    F: Fn(&Value) -> Result<VmConfig, String> + Send + Sync,
+{
+    fn build_config(&self, req: &Value) -> Result<VmConfig, String> {
+        self(req)
+    }
+}
+
+/// The front end a host serves with.
+pub type ConfigBuilder = dyn Frontend;
 
 /// Serves the API on `path` until a `shutdown` request.
 pub fn serve(host: Arc<Host>, path: &Path, build: Arc<ConfigBuilder>) -> Result<(), VmmError> {
@@ -520,7 +554,8 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn bad(message: impl Into<String>) -> Self {
+    /// A 400 with this message.
+    pub fn bad(message: impl Into<String>) -> Self {
         Self { status: 400, message: message.into() }
     }
 }
@@ -564,7 +599,7 @@ fn run_op(
     // slots can block in synchronize_srcu for long on a loaded host).
     if matches!(
         req.get("op").and_then(Value::as_str),
-        Some("create" | "pause" | "destroy" | "rejuvenate")
+        Some("create" | "pause" | "destroy" | "rejuvenate" | "sandbox_create" | "sandbox_destroy")
     ) {
         progress.wait();
     }
@@ -676,7 +711,12 @@ fn handle_op(
         });
     }
     Ok(match op {
-        "rejuvenate" => rejuvenate_op(host, req, ctx)?,
+        "rejuvenate" => {
+            if let Some(why) = build.handover_blocker() {
+                return Err(ApiError { status: 409, message: format!("cannot rejuvenate: {why}") });
+            }
+            rejuvenate_op(host, req, ctx)?
+        }
         "info" => {
             let (mem, vcpus) = host.committed();
             json!({
@@ -687,7 +727,7 @@ fn handle_op(
                 "committed": {"mem_bytes": mem, "vcpus": vcpus},
             })
         }
-        "create" => json!({"id": host.create(build(req)?).map_err(e)?}),
+        "create" => json!({"id": host.create(build.build_config(req)?).map_err(e)?}),
         "list" => json!({"vms": host.list()}),
         "pause" => {
             host.pause(id_of(req)?).map_err(e)?;
@@ -703,15 +743,20 @@ fn handle_op(
             json!({})
         }
         "shutdown" => {
+            build.shutdown();
             ctx.done.store(true, Relaxed);
             json!({})
         }
-        other => {
-            return Err(ApiError::bad(format!(
-                "unknown op \"{other}\" (create, list, pause, resume, stats, destroy, \
-                 info, rejuvenate, shutdown)"
-            )))
-        }
+        other => match build.op(host, other, req) {
+            Some(r) => r?,
+            None => {
+                return Err(ApiError::bad(format!(
+                    "unknown op \"{other}\" (create, list, pause, resume, stats, destroy, \
+                     info, rejuvenate, shutdown{})",
+                    build.op_names()
+                )))
+            }
+        },
     })
 }
 
