@@ -20,6 +20,7 @@
 //! * [`set`]: creating, starting (pinned), supervising and reporting a set.
 //! * [`verify`]: checking a finished sandbox's result.
 //! * [`affinity`]: host cores and pinning.
+//! * [`budget`]: CPU budgets (a CFS bandwidth cgroup per sandbox).
 //!
 //! Isolation: each sandbox's RAM is its own memfd, so no guest-physical
 //! address of one reaches another's RAM; the audit checks exactly that for
@@ -30,6 +31,7 @@
 
 pub mod affinity;
 pub mod audit;
+pub mod budget;
 pub mod chanbench;
 pub mod channel;
 pub mod config;

@@ -40,6 +40,8 @@ pub struct SandboxSet {
     pub channels: Vec<HostChannel>,
     /// What the audit checked.
     pub mappings: Vec<Mapping>,
+    /// Each sandbox's CPU budget once applied (by sandbox index).
+    budgets: std::sync::Mutex<Vec<Option<crate::budget::AppliedBudget>>>,
 }
 
 /// How one sandbox's run ended, and what its monitor saw.
@@ -60,6 +62,8 @@ pub struct SandboxReport {
     pub violation_log: Vec<ViolationReport>,
     /// The sandbox was stopped because of an isolation violation.
     pub stopped_for_violation: bool,
+    /// Its CPU budget's throttling counters (with a budget).
+    pub throttling: Option<crate::budget::Throttling>,
     pub console: String,
 }
 
@@ -195,7 +199,8 @@ impl SandboxSet {
                 .map_err(|e| SandboxError::Vm(s.name.clone(), e.to_string()))?;
             sandboxes.push(Sandbox { index: i, config: s.clone(), params, vm, monitor });
         }
-        Ok(Self { config, sandboxes, channels, mappings })
+        let budgets = std::sync::Mutex::new(sandboxes.iter().map(|_| None).collect());
+        Ok(Self { config, sandboxes, channels, mappings, budgets })
     }
 
     /// The sandbox called `name`.
@@ -211,20 +216,43 @@ impl SandboxSet {
         let started = sb.vm.start();
         affinity::pin(0, &before)?;
         started.map_err(|e| SandboxError::Vm(sb.config.name.clone(), e.to_string()))?;
-        if sb.config.cores.len() > 1 {
-            // vCPU i on cores[i % len] once its thread is up.
-            for _ in 0..1000 {
-                let threads = sb.vm.vcpu_threads();
-                if threads.iter().all(|t| t.as_ref().is_some_and(|t| t.tid > 0)) {
-                    for (i, t) in threads.iter().flatten().enumerate() {
-                        affinity::pin(t.tid, &[sb.config.cores[i % sb.config.cores.len()]])?;
-                    }
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(1));
+        if sb.config.cores.len() == 1 && sb.config.budget.is_none() {
+            return Ok(());
+        }
+        // The vCPU threads' ids, once they are up (bounded: 1 s).
+        let mut tids = Vec::new();
+        for _ in 0..1000 {
+            let threads = sb.vm.vcpu_threads();
+            if threads.iter().all(|t| t.as_ref().is_some_and(|t| t.tid > 0)) {
+                tids = threads.iter().flatten().map(|t| t.tid).collect();
+                break;
             }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if tids.is_empty() {
+            sb.vm.stop();
+            return Err(SandboxError::Vm(
+                sb.config.name.clone(),
+                "its vCPU threads did not start within 1 s".into(),
+            ));
+        }
+        // vCPU i on cores[i % len].
+        for (i, tid) in tids.iter().enumerate() {
+            affinity::pin(*tid, &[sb.config.cores[i % sb.config.cores.len()]])?;
+        }
+        if let Some(b) = sb.config.budget {
+            let applied = crate::budget::AppliedBudget::apply(&sb.config.name, b, &tids);
+            let applied = applied.inspect_err(|_| sb.vm.stop())?;
+            self.budgets.lock().unwrap_or_else(std::sync::PoisonError::into_inner)[sb.index] =
+                Some(applied);
         }
         Ok(())
+    }
+
+    /// How often sandbox `index`'s budget held it back (`None`: no budget).
+    pub fn throttling(&self, index: usize) -> Option<crate::budget::Throttling> {
+        let b = self.budgets.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        b.get(index)?.as_ref().map(|b| b.throttling())
     }
 
     /// Starts every sandbox.
@@ -292,6 +320,7 @@ impl SandboxSet {
                     violations: sb.monitor.violations(),
                     violation_log: sb.monitor.violation_log(),
                     stopped_for_violation,
+                    throttling: self.throttling(sb.index),
                     console: sb.vm.console().tail(),
                 }
             })
