@@ -42,11 +42,18 @@ pub fn run(a: &RunArgs, kernel: Arc<Vec<u8>>) -> Result<ExitCode> {
     };
     let map = match &a.system_map {
         Some(p) => {
-            let text = std::fs::read_to_string(p)
-                .with_context(|| format!("cannot read --system-map {}", p.display()))?;
+            let bytes = nl_memory::file::read_limited(p, "System.map", 64 << 20)
+                .context("cannot read --system-map")?;
+            let text = String::from_utf8_lossy(&bytes);
             let m = nl_arch::linux::SystemMap::parse(&text);
             if m.is_empty() {
-                anyhow::bail!("--system-map {}: no code symbols in it", p.display());
+                // Debian ships a one-line placeholder that says where the real map is.
+                let first = text.lines().next().unwrap_or("").trim();
+                anyhow::bail!(
+                    "--system-map {}: no code symbols in it (its first line: \"{}\")",
+                    p.display(),
+                    first.chars().take(120).collect::<String>()
+                );
             }
             Some(m)
         }
