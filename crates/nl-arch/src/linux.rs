@@ -308,6 +308,33 @@ const LEAF7_ECX_HIDDEN: u32 =
 /// Leaf 7 EDX: AVX-512 4VNNIW, 4FMAPS, VP2INTERSECT, FP16; AMX.
 const LEAF7_EDX_HIDDEN: u32 = (1 << 2) | (1 << 3) | (1 << 8) | (1 << 22) | (1 << 23) | (1 << 24);
 
+/// Kernel parameters a Linux guest needs on PVM, whose ring-0 emulator
+/// cannot run `xsave`/`xrstor`, `clac`/`stac`, `popcnt` nor `cmpxchg16b`,
+/// and where the VMM's CPUID mask does not reach the kernel's view of
+/// those features (measured: with SMAP hidden from CPUID the kernel still
+/// patched in `clac`). `clearcpuid=` (Linux 5.19 and later take names) and
+/// `noxsave` make the kernel itself not use them. (`nosmap` is not a 6.1
+/// parameter: the kernel lists it as unknown.)
+pub const PVM_CMDLINE: &str = "noxsave clearcpuid=smap,smep,popcnt,cx16";
+
+/// The command line a Linux guest boots with: `user`, plus on PVM the
+/// parameters of [`PVM_CMDLINE`] it does not already name.
+pub fn boot_cmdline(user: &str, backend: crate::backend::Backend) -> String {
+    if backend != crate::backend::Backend::Pvm {
+        return user.to_string();
+    }
+    let mut s = user.trim_end().to_string();
+    for p in PVM_CMDLINE.split(' ') {
+        let key = p.split('=').next().unwrap_or(p);
+        let named = s.split_whitespace().any(|w| w == key || w.starts_with(&format!("{key}=")));
+        if !named {
+            s.push(' ');
+            s.push_str(p);
+        }
+    }
+    s.trim_start().to_string()
+}
+
 /// Whether to hide what the PVM ring-0 emulator cannot run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CpuidPolicy {
@@ -449,6 +476,21 @@ impl SystemMap {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pvm_parameters_are_added_once_and_only_on_pvm() {
+        use crate::backend::Backend;
+        assert_eq!(boot_cmdline("console=ttyS0", Backend::Vmx), "console=ttyS0");
+        assert_eq!(
+            boot_cmdline("console=ttyS0", Backend::Pvm),
+            "console=ttyS0 noxsave clearcpuid=smap,smep,popcnt,cx16"
+        );
+        // A parameter the user gave is kept as given.
+        assert_eq!(
+            boot_cmdline("noxsave clearcpuid=smap console=ttyS0", Backend::Pvm),
+            "noxsave clearcpuid=smap console=ttyS0"
+        );
+    }
 
     #[test]
     fn kinds_are_told_apart() {

@@ -62,7 +62,12 @@ pub fn run(a: &RunArgs, kernel: Arc<Vec<u8>>) -> Result<ExitCode> {
     let params = guest::workload_params(&a.workload, a.duration)?;
     let console = a.console.clone().unwrap_or_else(|| "/dev/stdout".into());
     let config = guest::vm_config(&a.machine, params, kernel, Some(console))?;
-    let boot = LinuxBoot { cmdline: a.cmdline.clone(), initrd };
+    let backend = nl_arch::backend::Backend::detect();
+    let cmdline = nl_arch::linux::boot_cmdline(&a.cmdline, backend);
+    if cmdline != a.cmdline {
+        tracing::info!("on {backend} the kernel boots with: {cmdline}");
+    }
+    let boot = LinuxBoot { cmdline, initrd };
 
     let kvm = nl_vmm::open_kvm()?;
     let t0 = Instant::now();
@@ -96,12 +101,12 @@ pub fn run(a: &RunArgs, kernel: Arc<Vec<u8>>) -> Result<ExitCode> {
     let secs = |d: Option<Duration>| d.map_or("-".into(), |d| format!("{:.1} s", d.as_secs_f64()));
     eprintln!(
         "linux: {message}; first console byte after {}, banner after {} (from the first KVM_RUN; \
-         VM built in {:.0} ms); int3 completed by #BP: {}; backend {}",
+         VM built in {:.0} ms); int3 completed by #BP: {}; fwait completed: {}; backend {backend}",
         secs(first_byte),
         secs(banner),
         (started - t0).as_secs_f64() * 1e3,
         stats.int3_completed,
-        nl_arch::backend::Backend::detect()
+        stats.fwait_completed,
     );
     let ok = matches!(outcome, LinuxOutcome::Reset | LinuxOutcome::TimedOut);
     Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })

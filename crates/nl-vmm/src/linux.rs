@@ -155,14 +155,20 @@ mod tests {
         let cx16 = [0xf0, 0x48, 0x0f, 0xc7, 0x0e];
         assert_eq!(super::emulation_hint(&cx16), None, "lock prefix first: no guess");
         assert!(super::emulation_hint(&cx16[1..]).unwrap().contains("cmpxchg"));
-        assert!(super::emulation_hint(&[0x0f, 0x01, 0xca, 0xfc]).unwrap().contains("nosmap"));
+        assert!(super::emulation_hint(&[0x0f, 0x01, 0xca, 0xfc])
+            .unwrap()
+            .contains("clearcpuid=smap"));
+        let popcnt = [0xf3, 0x48, 0x0f, 0xb8, 0xc7];
+        assert!(super::emulation_hint(&popcnt).unwrap().contains("clearcpuid=popcnt"));
     }
 }
 
-/// The number of `int3` instructions [`wait`] completed by injecting #BP.
+/// The instructions PVM's emulator stopped on that [`wait`] completed:
+/// `int3` by injecting #BP, `fwait` as the no-op it is.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct WaitStats {
     pub int3_completed: u64,
+    pub fwait_completed: u64,
 }
 
 /// Waits until the console satisfies `reached`, the guest resets, the VM
@@ -184,9 +190,18 @@ pub fn wait(
             return LinuxOutcome::Reached;
         }
         if let Some(o) = vm.poll_outcome() {
-            if matches!(o, VmOutcome::Crashed { .. }) && complete_int3(vm).unwrap_or(false) {
-                stats.int3_completed += 1;
-                continue;
+            if matches!(o, VmOutcome::Crashed { .. }) {
+                match complete_unemulated(vm) {
+                    Ok(Some(Completed::Int3)) => {
+                        stats.int3_completed += 1;
+                        continue;
+                    }
+                    Ok(Some(Completed::Fwait)) => {
+                        stats.fwait_completed += 1;
+                        continue;
+                    }
+                    _ => {}
+                }
             }
             return LinuxOutcome::Ended(o);
         }
@@ -257,13 +272,63 @@ fn emulation_hint(code: &[u8]) -> Option<&'static str> {
              add noxsave to --cmdline",
         ),
         [0x0f, 0x01, 0xca | 0xcb, ..] => {
-            Some("clac/stac, which PVM's emulator cannot run: add nosmap to --cmdline")
+            Some("clac/stac, which PVM's emulator cannot run: add clearcpuid=smap to --cmdline")
+        }
+        [0xf3, 0x0f, 0xb8, ..] | [0xf3, 0x40..=0x4f, 0x0f, 0xb8, ..] => {
+            Some("popcnt, which PVM's emulator cannot run: add clearcpuid=popcnt to --cmdline")
         }
         [0x0f, 0xc7, modrm, ..] if (modrm >> 3) & 7 == 1 => {
             Some("cmpxchg8b/16b, which PVM's emulator cannot run")
         }
         _ => None,
     }
+}
+
+/// An instruction [`complete_unemulated`] completed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Completed {
+    Int3,
+    Fwait,
+}
+
+/// If the boot vCPU stopped on an emulation failure at an instruction whose
+/// effect the VMM can give, completes it as the CPU would and relaunches
+/// the vCPU: `int3` (0xcc) moves RIP past it and injects #BP; `fwait`
+/// (0x9b) moves RIP past it, or injects #NM when CR0.TS and CR0.MP are set
+/// (pending x87 exceptions are not modelled: the kernel masks them).
+pub fn complete_unemulated(vm: &Vm) -> Result<Option<Completed>, VmmError> {
+    let report = vm.report();
+    let emulation_failure = report.vcpus.first().and_then(|v| v.stop.as_ref()).is_some_and(
+        |s| matches!(s, crate::vcpu::VcpuStop::Internal(m) if m.contains("emulation failed")),
+    );
+    if !emulation_failure {
+        return Ok(None);
+    }
+    let (_, bytes) = code_at_rip(vm)?;
+    let done = match bytes.first() {
+        Some(0xcc) => {
+            complete_int3(vm)?;
+            return Ok(Some(Completed::Int3));
+        }
+        Some(0x9b) => Completed::Fwait,
+        _ => return Ok(None),
+    };
+    vm.with_vcpu(0, |fd| -> Result<(), VmmError> {
+        let sregs = fd.get_sregs().map_err(kvm_err("KVM_GET_SREGS"))?;
+        if sregs.cr0 & 0b1010 == 0b1010 {
+            let mut ev = fd.get_vcpu_events().map_err(kvm_err("KVM_GET_VCPU_EVENTS"))?;
+            ev.exception.injected = 1;
+            ev.exception.nr = 7;
+            ev.exception.has_error_code = 0;
+            fd.set_vcpu_events(&ev).map_err(kvm_err("KVM_SET_VCPU_EVENTS"))
+        } else {
+            let mut regs = fd.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
+            regs.rip += 1;
+            fd.set_regs(&regs).map_err(kvm_err("KVM_SET_REGS"))
+        }
+    })??;
+    vm.relaunch()?;
+    Ok(Some(done))
 }
 
 /// If the boot vCPU stopped on an emulation failure at an `int3` (0xcc),
