@@ -200,24 +200,33 @@ pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
         reattach: a.reattach,
         die_mid_send_after: a.test_die_mid_send_ms.map(Duration::from_millis),
     };
+    let (report, (digest_ok, ops_per_sec, error)) = run_as_primary(&vm, cfg, quiet)?;
+    Ok(PrimaryRun { ok: digest_ok, digest_ok, ops_per_sec, report, error })
+}
+
+/// Runs `vm` as a replicated primary (it starts the VM) to its end, and
+/// verifies it. With `quiet`, only warnings, fencing and the moment the VM
+/// becomes protected are logged (--json keeps stdout for the report).
+fn run_as_primary(
+    vm: &Vm,
+    cfg: PrimaryConfig,
+    quiet: bool,
+) -> Result<(PrimaryReport, (bool, f64, Option<String>))> {
     let mut log = |m: String| {
-        // Warnings, fencing and the moment the VM becomes protected are
-        // always shown (on stderr; --json keeps stdout for the report).
-        if !quiet || m.contains("WARNING") || m.contains("FENCED") || m.contains("is protected") {
-            if m.contains("WARNING") || m.contains("FENCED") {
-                tracing::warn!("{m}");
-            } else {
-                tracing::info!("{m}");
-            }
+        let alarm = m.contains("WARNING") || m.contains("FENCED");
+        if alarm {
+            tracing::warn!("{m}");
+        } else if !quiet || m.contains("is protected") {
+            tracing::info!("{m}");
         }
     };
-    let report = Primary::new(&vm, cfg, &mut log).run().map_err(anyhow::Error::msg)?;
-    let (digest_ok, ops_per_sec, error) = match &report.outcome {
-        Some(VmOutcome::Completed) => verdict(&vm)?,
+    let report = Primary::new(vm, cfg, &mut log).run().map_err(anyhow::Error::msg)?;
+    let verdict = match &report.outcome {
+        Some(VmOutcome::Completed) => verdict(vm)?,
         Some(o) => (false, 0.0, Some(o.message())),
         None => (false, 0.0, Some("fenced: the VM was stopped".into())),
     };
-    Ok(PrimaryRun { ok: digest_ok, digest_ok, ops_per_sec, report, error })
+    Ok((report, verdict))
 }
 
 fn verdict(vm: &Vm) -> Result<(bool, f64, Option<String>)> {
@@ -333,19 +342,7 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
         tracing::info!(
             "VM restored {takeover_ms:.1} ms after detection; protecting it with the backup at {next}"
         );
-        let mut log = |m: String| {
-            if m.contains("WARNING") || m.contains("FENCED") {
-                tracing::warn!("{m}");
-            } else {
-                tracing::info!("{m}");
-            }
-        };
-        let report = Primary::new(&vm, cfg, &mut log).run().map_err(anyhow::Error::msg)?;
-        let (digest_ok, ops_per_sec, error) = match &report.outcome {
-            Some(VmOutcome::Completed) => verdict(&vm)?,
-            Some(o) => (false, 0.0, Some(o.message())),
-            None => (false, 0.0, Some("fenced: the VM was stopped".into())),
-        };
+        let (report, (digest_ok, ops_per_sec, error)) = run_as_primary(&vm, cfg, false)?;
         println!(
             "took over from epoch {epoch}, then replicated {} epochs to the backup at {next}: digest {}",
             report.epochs,
