@@ -204,6 +204,9 @@ pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
     Ok(PrimaryRun { ok: digest_ok, digest_ok, ops_per_sec, report, error })
 }
 
+/// Whether the guest's digest verified, its ops/s, and what went wrong.
+type Verdict = (bool, f64, Option<String>);
+
 /// Runs `vm` as a replicated primary (it starts the VM) to its end, and
 /// verifies it. With `quiet`, only warnings, fencing and the moment the VM
 /// becomes protected are logged (--json keeps stdout for the report).
@@ -211,7 +214,7 @@ fn run_as_primary(
     vm: &Vm,
     cfg: PrimaryConfig,
     quiet: bool,
-) -> Result<(PrimaryReport, (bool, f64, Option<String>))> {
+) -> Result<(PrimaryReport, Verdict)> {
     let mut log = |m: String| {
         let alarm = m.contains("WARNING") || m.contains("FENCED");
         if alarm {
@@ -229,7 +232,7 @@ fn run_as_primary(
     Ok((report, verdict))
 }
 
-fn verdict(vm: &Vm) -> Result<(bool, f64, Option<String>)> {
+fn verdict(vm: &Vm) -> Result<Verdict> {
     let regs: Vec<_> = vm.control().vcpus.iter().map(|r| r.snapshot()).collect();
     let tsc_khz = nl_arch::read_boot_info(vm.memory().mem())?.tsc_khz;
     let v = verify_vcpus(&vm.config().workload, &regs, tsc_khz);
