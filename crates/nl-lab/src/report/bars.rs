@@ -98,7 +98,7 @@ fn draw(
             let v = s.values.get(i).copied().unwrap_or(Val::point(f64::NAN));
             if stack {
                 top += fin(v.value);
-                y1 = y1.max(top + fin(v.hi - v.value));
+                y1 = y1.max(top);
             } else {
                 y1 = y1.max(fin(v.value)).max(fin(v.hi));
             }
@@ -144,6 +144,12 @@ fn draw(
     let k = series.len().max(1) as f64;
     let w = if stack { 0.6 } else { 0.8 / k };
     let mut bottoms = vec![0.0; n];
+    // A stacked part's interval is drawn at its top, clipped to the stack
+    // (shares cannot pass the whole), each part's bar a little to the right
+    // of the one below it so they do not overlap.
+    let totals: Vec<f64> = (0..n)
+        .map(|i| series.iter().filter_map(|s| s.values.get(i)).map(|v| fin(v.value)).sum())
+        .collect();
     for (j, s) in series.iter().enumerate() {
         let color = PALETTE[j % PALETTE.len()];
         for (i, v) in s.values.iter().enumerate().take(n) {
@@ -160,8 +166,12 @@ fn draw(
                 )))
                 .map_err(|e| err(&e))?;
             if v.lo.is_finite() && v.hi.is_finite() {
-                let xc = x0 + w / 2.0;
-                let (lo, hi) = (top - (v.value - v.lo), top + (v.hi - v.value));
+                let (xc, ceiling) = if stack {
+                    (x0 + w * (0.2 + 0.6 * j as f64 / (k - 1.0).max(1.0)), totals[i])
+                } else {
+                    (x0 + w / 2.0, f64::INFINITY)
+                };
+                let (lo, hi) = (top - (v.value - v.lo), (top + (v.hi - v.value)).min(ceiling));
                 chart
                     .draw_series(std::iter::once(ErrorBar::new_vertical(
                         xc,

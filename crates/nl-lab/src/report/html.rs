@@ -197,6 +197,23 @@ pub fn page(m: &Machine, sections: &[Section], measured_here: bool) -> String {
             String::new()
         }
     );
+    if !m.steps.is_empty() {
+        h.push_str("<table><tr><th>step</th><th>command</th><th>seconds</th><th>result</th><th>load average before / after</th></tr>\n");
+        let order = super::steps::STEPS.iter().map(|s| s.name);
+        for name in order.filter(|n| m.steps.contains_key(*n)) {
+            let r = &m.steps[name];
+            let _ = writeln!(
+                h,
+                "<tr><td>{name}</td><td><code>{}</code></td><td>{:.0}</td><td>{}</td><td>{} / {}</td></tr>",
+                esc(&r.command),
+                r.elapsed_s,
+                if r.exit_ok { "ok" } else { "failed or stopped (see the rows it feeds)" },
+                esc(&r.loadavg_before),
+                esc(&r.loadavg_after)
+            );
+        }
+        h.push_str("</table>\n");
+    }
     if !measured_here {
         h.push_str("<p>The results were read from an earlier run (<code>--from</code>); the machine above is the one that measured them where <code>machine.json</code> was given.</p>\n");
     }

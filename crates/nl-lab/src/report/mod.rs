@@ -45,8 +45,8 @@ pub struct ReportArgs {
     /// Directory to write index.html, the figures and their JSON into.
     #[arg(long, default_value = "report")]
     pub out: PathBuf,
-    /// Only these steps (comma-separated names; default: all). `--help-steps`
-    /// is not needed: an unknown name is refused with the list.
+    /// Only these steps (comma-separated names; default: all; an unknown
+    /// name is refused with the list of steps).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
 }

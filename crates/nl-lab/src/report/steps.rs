@@ -2,9 +2,10 @@
 //! child process of this binary with `--json`; its last JSON line is the
 //! step's result, kept as `data/<step>.json`.
 
+use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::Instant;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 
@@ -59,6 +60,36 @@ macro_rules! inject {
     };
 }
 
+/// The most one step may run with `--quick` (a hung step is stopped and
+/// shown as not measured; the whole quick run stays bounded).
+pub const QUICK_STEP_LIMIT: Duration = Duration::from_secs(8 * 60);
+/// The same with `--full`.
+pub const FULL_STEP_LIMIT: Duration = Duration::from_secs(4 * 3600);
+
+/// Waits for `child` (leader of its own process group) up to `limit`; past
+/// it, SIGTERM to the group (the benches clean their namespaces and hosts
+/// up on it), then SIGKILL 10 s later. None when it was stopped.
+fn wait_or_stop(child: &mut Child, limit: Duration) -> Result<Option<ExitStatus>> {
+    let t = Instant::now();
+    let group = nix::unistd::Pid::from_raw(child.id() as i32);
+    loop {
+        if let Some(s) = child.try_wait()? {
+            return Ok(Some(s));
+        }
+        if t.elapsed() > limit {
+            let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGTERM);
+            let grace = Instant::now();
+            while child.try_wait()?.is_none() && grace.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+            child.wait()?;
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 /// Every step, in the order they run.
 pub const STEPS: &[Step] = &[
     Step {
@@ -103,6 +134,38 @@ pub const STEPS: &[Step] = &[
     inject!("inject-register-none", "register", "none", "all", "20", "200"),
     inject!("inject-code-none", "code", "none", "all", "20", "200"),
     inject!("inject-failstop-microreset-norepairs", "failstop", "microreset", "none", "6", "100"),
+    inject!(
+        "inject-failstop-microreset-counters",
+        "failstop",
+        "microreset",
+        "counters",
+        "5",
+        "100"
+    ),
+    inject!(
+        "inject-failstop-microreset-rehype",
+        "failstop",
+        "microreset",
+        "counters,locks,retry",
+        "5",
+        "100"
+    ),
+    inject!(
+        "inject-failstop-microreset-metadata",
+        "failstop",
+        "microreset",
+        "counters,locks,retry,metadata",
+        "5",
+        "100"
+    ),
+    inject!(
+        "inject-failstop-microreset-timers",
+        "failstop",
+        "microreset",
+        "counters,locks,retry,metadata,timers",
+        "5",
+        "100"
+    ),
     inject!("inject-failstop-microreset", "failstop", "microreset", "all", "8", "100"),
     inject!("inject-failstop-microreboot", "failstop", "microreboot", "all", "8", "100"),
     inject!("inject-register-microreset", "register", "microreset", "all", "8", "200"),
@@ -171,21 +234,37 @@ pub fn run_all(size: Size, only: &[String], data_dir: &Path) -> Result<(Data, Ma
         let t = Instant::now();
         let load0 = loadavg();
         let log = std::fs::File::create(logs.join(format!("{}.log", s.name)))?;
-        let out = Command::new(&exe)
+        // stdout to a file, not a pipe: a grandchild still holding it open
+        // after a time-out cannot keep the report waiting.
+        let out_path = logs.join(format!("{}.out", s.name));
+        let stdout = std::fs::File::create(&out_path)?;
+        let mut child = Command::new(&exe)
             .args(args)
             .arg("--json")
             .stdin(Stdio::null())
+            .stdout(Stdio::from(stdout))
             .stderr(Stdio::from(log))
-            .output()
+            .process_group(0)
+            .spawn()
             .with_context(|| format!("cannot start {command}"))?;
+        let limit = match size {
+            Size::Quick => QUICK_STEP_LIMIT,
+            Size::Full => FULL_STEP_LIMIT,
+        };
+        let status = wait_or_stop(&mut child, limit)?;
         let run = StepRun {
             command,
             elapsed_s: t.elapsed().as_secs_f64(),
-            exit_ok: out.status.success(),
+            exit_ok: status.is_some_and(|s| s.success()),
             loadavg_before: load0,
             loadavg_after: loadavg(),
         };
-        let result = last_json(&String::from_utf8_lossy(&out.stdout));
+        let stdout = std::fs::read(&out_path).unwrap_or_default();
+        let status = match status {
+            Some(s) => s.to_string(),
+            None => format!("stopped at its time limit ({} s)", limit.as_secs()),
+        };
+        let result = last_json(&String::from_utf8_lossy(&stdout));
         eprintln!(
             "report: [{}/{}] {} {} in {:.0} s, loadavg {}",
             i + 1,
@@ -193,8 +272,8 @@ pub fn run_all(size: Size, only: &[String], data_dir: &Path) -> Result<(Data, Ma
             s.name,
             match (&result, run.exit_ok) {
                 (Some(_), true) => "done".to_string(),
-                (Some(_), false) => format!("ended with {} (result kept)", out.status),
-                (None, _) => format!("ended with {} and no JSON result (see its log)", out.status),
+                (Some(_), false) => format!("ended with {status} (result kept)"),
+                (None, _) => format!("ended with {status} and no JSON result (see its log)"),
             },
             run.elapsed_s,
             run.loadavg_after
