@@ -2,7 +2,6 @@
 //! child process of this binary with `--json`; its last JSON line is the
 //! step's result, kept as `data/<step>.json`.
 
-use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -66,23 +65,24 @@ pub const QUICK_STEP_LIMIT: Duration = Duration::from_secs(8 * 60);
 /// The same with `--full`.
 pub const FULL_STEP_LIMIT: Duration = Duration::from_secs(4 * 3600);
 
-/// Waits for `child` (leader of its own process group) up to `limit`; past
-/// it, SIGTERM to the group (the benches clean their namespaces and hosts
-/// up on it), then SIGKILL 10 s later. None when it was stopped.
+/// Waits for `child` up to `limit`; past it, SIGTERM (the benches stop
+/// their hosts and delete their namespaces on it), then SIGKILL 10 s later.
+/// None when it was stopped. The child stays in the report's process
+/// group, so a Ctrl-C on the report stops the step too.
 fn wait_or_stop(child: &mut Child, limit: Duration) -> Result<Option<ExitStatus>> {
     let t = Instant::now();
-    let group = nix::unistd::Pid::from_raw(child.id() as i32);
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
     loop {
         if let Some(s) = child.try_wait()? {
             return Ok(Some(s));
         }
         if t.elapsed() > limit {
-            let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGTERM);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
             let grace = Instant::now();
             while child.try_wait()?.is_none() && grace.elapsed() < Duration::from_secs(10) {
                 std::thread::sleep(Duration::from_millis(100));
             }
-            let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
             child.wait()?;
             return Ok(None);
         }
@@ -131,15 +131,15 @@ pub const STEPS: &[Step] = &[
         quick: &["bench", "recovery", "--runs", "3", "--rounds", "3", "--duration", "1"],
         full: &["bench", "recovery", "--runs", "5", "--rounds", "5"],
     },
-    inject!("inject-register-none", "register", "none", "all", "20", "200"),
-    inject!("inject-code-none", "code", "none", "all", "20", "200"),
-    inject!("inject-failstop-microreset-norepairs", "failstop", "microreset", "none", "6", "100"),
+    inject!("inject-register-none", "register", "none", "all", "16", "200"),
+    inject!("inject-code-none", "code", "none", "all", "16", "200"),
+    inject!("inject-failstop-microreset-norepairs", "failstop", "microreset", "none", "4", "100"),
     inject!(
         "inject-failstop-microreset-counters",
         "failstop",
         "microreset",
         "counters",
-        "5",
+        "4",
         "100"
     ),
     inject!(
@@ -147,7 +147,7 @@ pub const STEPS: &[Step] = &[
         "failstop",
         "microreset",
         "counters,locks,retry",
-        "5",
+        "4",
         "100"
     ),
     inject!(
@@ -155,7 +155,7 @@ pub const STEPS: &[Step] = &[
         "failstop",
         "microreset",
         "counters,locks,retry,metadata",
-        "5",
+        "4",
         "100"
     ),
     inject!(
@@ -163,15 +163,15 @@ pub const STEPS: &[Step] = &[
         "failstop",
         "microreset",
         "counters,locks,retry,metadata,timers",
-        "5",
+        "4",
         "100"
     ),
-    inject!("inject-failstop-microreset", "failstop", "microreset", "all", "8", "100"),
-    inject!("inject-failstop-microreboot", "failstop", "microreboot", "all", "8", "100"),
-    inject!("inject-register-microreset", "register", "microreset", "all", "8", "200"),
-    inject!("inject-register-microreboot", "register", "microreboot", "all", "8", "200"),
-    inject!("inject-code-microreset", "code", "microreset", "all", "8", "200"),
-    inject!("inject-code-microreboot", "code", "microreboot", "all", "8", "200"),
+    inject!("inject-failstop-microreset", "failstop", "microreset", "all", "6", "100"),
+    inject!("inject-failstop-microreboot", "failstop", "microreboot", "all", "6", "100"),
+    inject!("inject-register-microreset", "register", "microreset", "all", "6", "200"),
+    inject!("inject-register-microreboot", "register", "microreboot", "all", "6", "200"),
+    inject!("inject-code-microreset", "code", "microreset", "all", "6", "200"),
+    inject!("inject-code-microreboot", "code", "microreboot", "all", "6", "200"),
     Step {
         name: "replicate",
         quick: &[
@@ -244,7 +244,6 @@ pub fn run_all(size: Size, only: &[String], data_dir: &Path) -> Result<(Data, Ma
             .stdin(Stdio::null())
             .stdout(Stdio::from(stdout))
             .stderr(Stdio::from(log))
-            .process_group(0)
             .spawn()
             .with_context(|| format!("cannot start {command}"))?;
         let limit = match size {
