@@ -66,6 +66,9 @@ pub enum Command {
     /// Load and check a kv server: ops/s, latency percentiles, and every
     /// read checked against the last acknowledged write.
     Kvload(nl_lab::kvload::KvloadArgs),
+    /// Run every bench and campaign (or read their JSON) and write an HTML
+    /// report with SVG figures, the papers' numbers beside ours.
+    Report(nl_lab::report::ReportArgs),
     /// Start a set of sandboxes (isolated VMs joined by shared-memory
     /// channels) from a configuration file and supervise them.
     Sandbox(crate::cmd::sandbox::SandboxArgs),

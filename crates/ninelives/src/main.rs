@@ -25,6 +25,7 @@ fn main() -> ExitCode {
         cli::Command::Replicate(c) => nl_launch::replicate::replicate(c),
         cli::Command::Inject(a) => nl_lab::campaign::inject(a),
         cli::Command::Kvload(a) => nl_lab::kvload::run(a),
+        cli::Command::Report(a) => nl_lab::report::report(a),
         cli::Command::EchoServer(a) => nl_lab::echo_server::run(a),
         cli::Command::Completions { shell } => cmd::manual::completions(shell),
         cli::Command::Man { dir } => cmd::manual::man_pages(&dir),

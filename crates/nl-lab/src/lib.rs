@@ -7,6 +7,8 @@
 //!   (the injector itself is the `nl-inject` crate);
 //! - [`ping`], [`kvload`], [`echo_server`]: the external load generators
 //!   and checkers the benches run as processes;
+//! - [`report`]: `ninelives report`, every bench and campaign with the
+//!   papers' numbers beside ours, as an HTML page with SVG figures;
 //! - the harness: [`netns`] (network namespaces), [`figures`] (SVG plots).
 //!
 //! The `ninelives` binary dispatches its `bench`, `inject`, `ping`,
@@ -24,5 +26,6 @@ pub mod kvload;
 pub mod netns;
 pub mod ping;
 pub mod process;
+pub mod report;
 pub mod shards;
 pub mod stats;

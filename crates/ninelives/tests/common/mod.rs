@@ -18,6 +18,8 @@ pub enum Prereq {
     Kvm,
     /// Root and iproute2: `ip netns add`, TAP and veth devices.
     Netns,
+    /// A headless browser (Debian's `chromium`) for the report page.
+    Browser,
 }
 
 impl Prereq {
@@ -27,6 +29,7 @@ impl Prereq {
         match self {
             Prereq::Kvm => "NINELIVES_REQUIRE_KVM",
             Prereq::Netns => "NINELIVES_REQUIRE_NETNS",
+            Prereq::Browser => "NINELIVES_REQUIRE_BROWSER",
         }
     }
 }
