@@ -521,6 +521,24 @@ mod tests {
     }
 
     #[test]
+    fn the_bounds_of_vcpus_and_duration_are_inclusive() {
+        let mut s = state();
+        s.vcpus.clear();
+        s.num_vcpus = 0;
+        let h = DiskHeader { vcpus: 0, ..header(&s) };
+        let e = check_header(&h, &s).unwrap_err().to_string();
+        assert!(e.contains("header field vcpus is 0: between 1 and"), "{e}");
+        let mut s = state();
+        s.vcpus = (0..nl_abi::MAX_VCPUS).map(|_| state().vcpus.remove(0)).collect();
+        s.num_vcpus = nl_abi::MAX_VCPUS;
+        s.workload.duration_ms = MAX_DURATION_MS;
+        check_header(&header(&s), &s).unwrap();
+        s.workload.duration_ms = MAX_DURATION_MS + 1;
+        let e = check_header(&header(&s), &s).unwrap_err().to_string();
+        assert!(e.contains("workload.duration_ms is 604800001: the limit is"), "{e}");
+    }
+
+    #[test]
     fn short_keys_are_refused() {
         let e = Key::from_bytes(&[1; 31]).unwrap_err().to_string();
         assert!(e.contains("at least 32 bytes (got 31)"), "{e}");
@@ -605,6 +623,8 @@ mod tests {
         changed[100] ^= 1;
         assert!(err(Some(&key), &changed).contains("failed authentication"));
         assert!(err(Some(&key), &b[..20]).contains("f is truncated (no room for its MAC)"));
+        // Room for magic, CRC and MAC (44 bytes) is enough to be checked.
+        assert!(err(Some(&key), &b[..44]).contains("f failed authentication"));
         // An unauthenticated file is refused when a key is given.
         let (_d2, plain, _) = written(None);
         let e = read(&plain, Some(&key)).err().unwrap().to_string();
