@@ -623,6 +623,7 @@ mod tests {
         changed[100] ^= 1;
         assert!(err(Some(&key), &changed).contains("failed authentication"));
         assert!(err(Some(&key), &b[..20]).contains("f is truncated (no room for its MAC)"));
+        assert!(err(Some(&key), &b[..43]).contains("f is truncated (no room for its MAC)"));
         // Room for magic, CRC and MAC (44 bytes) is enough to be checked.
         assert!(err(Some(&key), &b[..44]).contains("f failed authentication"));
         // An unauthenticated file is refused when a key is given.

@@ -884,6 +884,18 @@ mod tests {
             err(&mut rx, &epoch(2, MEM, 3)[0]),
             format!("bad frame: page run {MEM:#x}+0x1000 is outside guest RAM")
         );
+        // An end that counts one page more than was sent (frames agree).
+        let mut short = epoch(2, 0x1000, 3);
+        let mut end = EpochEnd::decode(&short[1].payload).unwrap();
+        end.pages = 2;
+        let mut endp = end.encode_head().to_vec();
+        endp.extend(end.state);
+        short[1].payload = endp;
+        assert_eq!(rx.on_frame(short[0].clone()).unwrap(), None);
+        assert_eq!(
+            err(&mut rx, &short[1]),
+            "bad frame: epoch 2 is incomplete: 1 frames / 1 pages received, 1 / 2 sent"
+        );
         // Through all of it the last good epoch stayed, untouched.
         assert_eq!(rx.committed().unwrap().0, 1);
         assert_eq!(page(&rx, 0x1000), 2);
@@ -892,6 +904,28 @@ mod tests {
             rx.on_frame(f).unwrap();
         }
         assert_eq!((rx.committed().unwrap().0, page(&rx, 0x2000)), (2, 7));
+    }
+
+    /// An epoch may carry up to twice the guest memory (pages sent again
+    /// within it), and not a byte more.
+    #[test]
+    fn an_epoch_carries_at_most_twice_the_guest_memory() {
+        let mut rx = Receiver::new(MEM, 1).unwrap();
+        // 16 MiB runs at gpa 0: seven fit in 2 * 64 MiB, the eighth's
+        // run headers take the epoch over.
+        let pages = 4096u32;
+        let mut payload = run_header(0, pages).to_vec();
+        payload.extend(vec![1u8; pages as usize * PAGE]);
+        for seq in 0..7 {
+            let f = Frame { kind: Kind::Pages, epoch: 0, seq, payload: payload.clone() };
+            assert_eq!(rx.on_frame(f).unwrap(), None, "frame {seq}");
+        }
+        let f = Frame { kind: Kind::Pages, epoch: 0, seq: 7, payload };
+        assert_eq!(
+            rx.on_frame(f).unwrap_err().to_string(),
+            "bad frame: epoch 0 carries more data than twice the guest memory and disk"
+        );
+        assert!(rx.committed().is_none());
     }
 
     /// An epoch writing `byte` into page `gpa` and `sectors` of the disk.
