@@ -161,7 +161,9 @@ impl ApiHost {
     }
 
     /// Waits (bounded) for the VM to complete and checks it by host replay.
-    fn assert_completes_verified(&self, id: u64) -> Value {
+    /// `seed` and `secs` are what the VM was created with (a filecache of
+    /// `DATA` bytes, one vCPU).
+    fn assert_completes_verified(&self, id: u64, seed: u64, secs: f64) -> Value {
         let t = Instant::now();
         let s = loop {
             let r = self.req(json!({"op":"stats","id":id}));
@@ -172,7 +174,9 @@ impl ApiHost {
             std::thread::sleep(Duration::from_millis(50));
         };
         assert_eq!(s["state"], "completed", "{s}");
-        assert_stats_replay(id, &s);
+        let asked = json!({"kind": nl_abi::WORKLOAD_FILECACHE, "seed": seed,
+            "data_bytes": DATA, "duration_ms": (secs * 1000.0) as u64, "vcpus": 1});
+        assert_stats_replay(id, &asked, &s);
         let regs = &s["vcpus"][0]["regs"];
         let p: nl_abi::WorkloadParams = serde_json::from_value(s["workload"].clone()).unwrap();
         let rounds = regs["rounds"].as_u64().unwrap();
@@ -205,7 +209,7 @@ fn hits_and_misses_are_live_in_stats_and_the_result_verifies() {
     let id = r["id"].as_u64().unwrap();
     let live = h.wait_hits(id);
     assert_eq!(live["phase"], nl_abi::PHASE_MEASURE_START, "{live}");
-    let done = h.assert_completes_verified(id);
+    let done = h.assert_completes_verified(id, 3, 1.5);
     assert!(done["cache_hits"].as_u64() >= live["cache_hits"].as_u64(), "{done} {live}");
     assert!(done["cache_misses"].as_u64().unwrap() > 0, "{done}");
 }
@@ -235,6 +239,6 @@ fn a_filecache_vm_survives_a_warm_rejuvenation_and_verifies() {
     for k in ["heartbeat", "cache_hits", "cache_misses"] {
         assert!(after[k].as_u64() >= before[k].as_u64(), "{k} went back: {after} {before}");
     }
-    let done = h.assert_completes_verified(id);
+    let done = h.assert_completes_verified(id, 4, 3.0);
     assert!(done["cache_hits"].as_u64() > before["cache_hits"].as_u64(), "{done}");
 }

@@ -80,7 +80,9 @@ fn host_serves_several_vms_and_survives_bad_requests() {
         let mut r = String::new();
         BufReader::new(s2).read_line(&mut r).unwrap();
         let r: Value = serde_json::from_str(&r).unwrap();
-        assert_eq!(r["ok"], false);
+        assert_eq!(r["ok"], false, "{r}");
+        let e = r["error"].as_str().unwrap_or_default();
+        assert!(e.contains("request longer than 65536 bytes"), "{r}");
     }
 
     // A second connection dropped mid-request does not disturb the host.
@@ -112,7 +114,10 @@ fn host_serves_several_vms_and_survives_bad_requests() {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert_eq!(send(&mut s, json!({"op":"destroy","id":ida}))["ok"], true);
-    assert_eq!(send(&mut s, json!({"op":"destroy","id":ida}))["ok"], false);
+    let again = send(&mut s, json!({"op":"destroy","id":ida}));
+    assert_eq!(again["ok"], false, "{again}");
+    let e = again["error"].as_str().unwrap_or_default();
+    assert!(e.contains(&format!("VM {ida}: no such VM")), "a destroyed VM is gone: {again}");
     let list = send(&mut s, json!({"op":"list"}));
     assert_eq!(list["vms"].as_array().unwrap().len(), 1);
 

@@ -57,7 +57,7 @@ fn the_http_api_serves_every_route_with_named_errors_events_and_metrics() {
     assert_eq!(st, 200, "{info}");
     assert_eq!(info["pid"], child.id());
 
-    let create = r#"{"workload":"compute","duration":1,"mem":"64M"}"#;
+    let create = r#"{"workload":"compute","duration":1,"mem":"64M","seed":5}"#;
     let (st, c) = http_json(&sock, "POST", "/v1/vms", Some(create));
     assert_eq!(st, 201, "{c}");
     let id = c["id"].as_u64().unwrap();
@@ -85,7 +85,9 @@ fn the_http_api_serves_every_route_with_named_errors_events_and_metrics() {
 
     let (st, s) = http_json(&sock, "GET", &format!("/v1/vms/{id}"), None);
     assert_eq!(st, 200);
-    assert_stats_replay(id, &s["stats"]);
+    let asked =
+        json!({"kind": nl_abi::WORKLOAD_COMPUTE, "seed": 5, "duration_ms": 1000, "vcpus": 1});
+    assert_stats_replay(id, &asked, &s["stats"]);
 
     // The JSON-lines protocol on the same socket (the connection the
     // helper opened).

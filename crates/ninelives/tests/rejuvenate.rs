@@ -26,6 +26,9 @@ struct Host {
     child: Child,
     sock: PathBuf,
     _dir: tempfile::TempDir,
+    /// The workload each VM was created with, as the test asked for it
+    /// (what its replay is checked against).
+    asked: std::cell::RefCell<std::collections::HashMap<u64, Value>>,
 }
 
 impl Host {
@@ -33,7 +36,7 @@ impl Host {
         let dir = tempfile::tempdir().unwrap();
         let sock = dir.path().join("api.sock");
         let (child, _) = spawn_host(&sock);
-        Host { child, sock, _dir: dir }
+        Host { child, sock, _dir: dir, asked: Default::default() }
     }
 
     /// A host inside network namespace `ns` (its VMs attach the TAP there).
@@ -55,7 +58,7 @@ impl Host {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        Host { child, sock, _dir: dir }
+        Host { child, sock, _dir: dir, asked: Default::default() }
     }
 
     fn req(&self, v: Value) -> Value {
@@ -93,10 +96,16 @@ impl Drop for Host {
 }
 
 fn create(h: &Host, vcpus: u32, secs: f64) -> u64 {
+    // A seed other than the default (1), so a create that ignored it fails.
+    let seed = 40 + vcpus;
     let r = h.req(json!({"op":"create","workload":"memwrite","ws":"8M","mem":"64M",
-        "vcpus":vcpus,"duration":secs,"seed":vcpus}));
+        "vcpus":vcpus,"duration":secs,"seed":seed}));
     assert_eq!(r["ok"], true, "{r}");
-    r["id"].as_u64().unwrap()
+    let id = r["id"].as_u64().unwrap();
+    let asked = json!({"kind": nl_abi::WORKLOAD_MEMWRITE, "seed": seed, "ws_bytes": 8 << 20,
+        "duration_ms": (secs * 1000.0) as u64, "vcpus": vcpus});
+    h.asked.borrow_mut().insert(id, asked);
+    id
 }
 
 /// Waits until every vCPU of a VM heartbeats in its measured phase.
@@ -126,7 +135,8 @@ fn assert_completes_verified(h: &Host, id: u64) {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert_eq!(s["state"], "completed", "{s}");
-    assert_stats_replay(id, &s);
+    let asked = h.asked.borrow().get(&id).cloned().expect("a VM this test created");
+    assert_stats_replay(id, &asked, &s);
 }
 
 fn script(dir: &Path, name: &str, body: &str) -> String {
@@ -142,9 +152,10 @@ fn warm_rejuvenation_keeps_guest_memory_and_the_socket() {
         return;
     }
     let h = Host::start();
-    // Long enough to still run at the handover on a loaded machine.
-    let a = create(&h, 1, 6.0);
-    let b = create(&h, 2, 7.0);
+    // Long enough to still run at the handover on a loaded machine (the
+    // test fails below if either had finished before it).
+    let a = create(&h, 1, 12.0);
+    let b = create(&h, 2, 14.0);
     // A VM that ended before the handover: its result must stay available.
     let done = create(&h, 1, 0.2);
     assert_completes_verified(&h, done);
@@ -182,11 +193,15 @@ fn warm_rejuvenation_keeps_guest_memory_and_the_socket() {
     let new_pid = h.pid();
     assert_ne!(new_pid, old_pid, "a new process serves the socket");
     assert_eq!(r["new_pid"].as_u64(), Some(new_pid));
-    // Both still ran at the handover unless the machine is very slow; a VM
-    // that ended meanwhile is listed as not carried (and still answered for).
-    let carried = r["vms"].as_array().unwrap().len();
-    assert!(carried >= 1, "{r}");
-    assert_eq!(carried + r["not_carried"].as_array().unwrap().len(), 3, "{r}");
+    // Both were still running at the handover: each was paused and carried
+    // over (a VM that had finished is listed as not carried instead, and
+    // this test would prove nothing about it); only the VM that ended
+    // before is not carried.
+    let mut carried: Vec<u64> =
+        r["vms"].as_array().unwrap().iter().map(|v| v["id"].as_u64().unwrap()).collect();
+    carried.sort_unstable();
+    assert_eq!(carried, vec![a, b], "both VMs ran at the handover and were carried: {r}");
+    assert_eq!(r["not_carried"], json!([done]), "{r}");
     for v in r["vms"].as_array().unwrap() {
         assert_eq!(v["image_bytes"], 0, "warm writes no memory image: {v}");
         assert!(v["downtime_ms"].is_number(), "{v}");

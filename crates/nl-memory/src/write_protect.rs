@@ -214,3 +214,125 @@ fn fault_loop(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! On a plain memfd guest memory, no KVM: the test thread's writes take
+    //! the faults a vCPU would.
+    use super::*;
+    use std::sync::mpsc;
+    use std::time::Duration;
+    use vm_memory::{Bytes, GuestAddress};
+
+    /// Records every fault (gpa, region gpa); unprotects the page, or
+    /// fails without unprotecting anything when `fail` is set.
+    struct Record {
+        tx: mpsc::Sender<(u64, u64)>,
+        fail: bool,
+    }
+
+    impl FaultHandler for Record {
+        fn fault(&mut self, p: &Protector, gpa: u64, r: Range) -> Result<(), String> {
+            let _ = self.tx.send((gpa, r.gpa));
+            if self.fail {
+                return Err(format!("handler refused {gpa:#x}"));
+            }
+            p.unprotect(gpa, PAGE)
+        }
+    }
+
+    fn setup(mem: u64, fail: bool) -> (GuestMemory, WriteProtect, mpsc::Receiver<(u64, u64)>) {
+        let m = GuestMemory::new("wp-test", mem).unwrap();
+        let (tx, rx) = mpsc::channel();
+        let wp = WriteProtect::new(&m, "wp-test", Record { tx, fail }).unwrap();
+        (m, wp, rx)
+    }
+
+    /// Writes one byte at `gpa` on another thread; waits at most 30 s.
+    fn write(m: &GuestMemory, gpa: u64, v: u8) {
+        let mem = m.mem().clone();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            mem.write_obj(v, GuestAddress(gpa)).unwrap();
+            let _ = tx.send(());
+        });
+        rx.recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| panic!("the write to {gpa:#x} stayed blocked"));
+    }
+
+    fn read(m: &GuestMemory, gpa: u64) -> u8 {
+        m.mem().read_obj(GuestAddress(gpa)).unwrap()
+    }
+
+    #[test]
+    fn a_write_to_a_protected_page_reaches_the_handler_with_its_guest_address() {
+        let (m, wp, rx) = setup(64 << 20, false);
+        let p = wp.protector();
+        p.protect(0x3000, 2 * PAGE).unwrap();
+        write(&m, 0x1234, 1); // not protected
+        assert!(rx.try_recv().is_err());
+        write(&m, 0x3123, 2);
+        assert_eq!(rx.try_recv(), Ok((0x3000, 0)), "page-aligned gpa, region at 0");
+        write(&m, 0x3456, 3); // that page is unprotected now
+        write(&m, 0x4000, 4);
+        assert_eq!(rx.try_recv(), Ok((0x4000, 0)));
+        assert!(rx.try_recv().is_err());
+        assert_eq!((read(&m, 0x3123), read(&m, 0x3456), read(&m, 0x4000)), (2, 3, 4));
+        p.protect_all().unwrap();
+        p.unprotect_all().unwrap();
+        write(&m, 0x5000, 5);
+        assert!(rx.try_recv().is_err(), "unprotect_all lifted everything");
+        assert_eq!(wp.error(), None);
+    }
+
+    #[test]
+    fn faults_above_the_mmio_hole_name_the_high_region() {
+        let mem = nl_abi::MMIO_HOLE_START + (64 << 20);
+        let (m, wp, rx) = setup(mem, false);
+        let p = wp.protector();
+        let high = nl_abi::HIGH_RAM_GPA;
+        assert_eq!(p.ranges().len(), 2);
+        assert_eq!(p.region_of(high + 0x5000).map(|r| (r.gpa, r.size)), Some((high, 64 << 20)));
+        assert_eq!(p.region_of(0x5000).map(|r| r.gpa), Some(0));
+        assert!(p.region_of(nl_abi::MMIO_HOLE_START).is_none(), "the hole is not RAM");
+        assert!(p.region_of(high + (64 << 20)).is_none());
+        p.protect_all().unwrap();
+        write(&m, high + 0x5008, 9);
+        assert_eq!(rx.try_recv(), Ok((high + 0x5000, high)));
+        write(&m, nl_abi::MMIO_HOLE_START - 1, 8);
+        assert_eq!(rx.try_recv(), Ok((nl_abi::MMIO_HOLE_START - PAGE, 0)));
+        assert_eq!(read(&m, high + 0x5008), 9);
+    }
+
+    #[test]
+    fn ranges_outside_guest_ram_are_refused() {
+        let (_m, wp, _rx) = setup(64 << 20, false);
+        let p = wp.protector();
+        for (gpa, len) in [(64 << 20, PAGE), ((64 << 20) - PAGE, 2 * PAGE), (1 << 40, PAGE)] {
+            let want = format!("{gpa:#x}+{len:#x} is not within guest RAM");
+            assert_eq!(p.protect(gpa, len).unwrap_err(), want);
+            assert_eq!(p.unprotect(gpa, len).unwrap_err(), want);
+        }
+        p.protect((64 << 20) - PAGE, PAGE).unwrap();
+    }
+
+    #[test]
+    fn a_failing_handler_is_recorded_and_the_writer_still_goes_on() {
+        let (m, wp, rx) = setup(64 << 20, true);
+        wp.protector().protect(0x7000, PAGE).unwrap();
+        write(&m, 0x7010, 7);
+        assert_eq!(rx.try_recv(), Ok((0x7000, 0)));
+        assert_eq!(read(&m, 0x7010), 7);
+        assert_eq!(wp.error().as_deref(), Some("handler refused 0x7000"));
+    }
+
+    #[test]
+    fn dropping_the_registration_lifts_every_protection() {
+        let (m, wp, rx) = setup(64 << 20, true);
+        wp.protector().protect_all().unwrap();
+        drop(wp);
+        write(&m, 0x9000, 1);
+        write(&m, (64 << 20) - 1, 2);
+        assert!(rx.try_recv().is_err(), "no fault after the drop");
+    }
+}

@@ -855,21 +855,47 @@ mod tests {
             assert_eq!(rx.on_frame(f.clone()).unwrap(), (i == 1).then_some(1));
         }
         assert_eq!(page(&rx, 0x1000), 2);
+        // Each bad input is refused for its own reason, by name.
+        let err = |rx: &mut Receiver, f: &Frame| rx.on_frame(f.clone()).unwrap_err().to_string();
         // Truncated: the end arrives without its pages.
         let e2 = epoch(2, 0x1000, 3);
-        assert!(rx.on_frame(e2[1].clone()).is_err());
+        assert_eq!(
+            err(&mut rx, &e2[1]),
+            "bad frame: epoch 2 is incomplete: 0 frames / 0 pages received, 1 / 1 sent"
+        );
         // Corrupted page data (frame checksums pass, the epoch's does not).
         let mut bad = epoch(2, 0x1000, 3);
         bad[0].payload[100] ^= 1;
-        assert!(rx.on_frame(bad[0].clone()).is_ok());
-        assert!(rx.on_frame(bad[1].clone()).unwrap_err().to_string().contains("checksum"));
+        assert_eq!(rx.on_frame(bad[0].clone()).unwrap(), None);
+        assert_eq!(err(&mut rx, &bad[1]), "bad frame: epoch 2: page data checksum mismatch");
         // Reordered / replayed: an old epoch, a frame out of sequence.
-        assert!(rx.on_frame(epoch(1, 0x1000, 9)[0].clone()).is_err());
+        assert_eq!(
+            err(&mut rx, &epoch(1, 0x1000, 9)[0]),
+            "bad frame: Pages frame for epoch 1 while receiving epoch 2 (reordered or replayed)"
+        );
         let mut skip = epoch(2, 0x1000, 3);
         skip[0].seq = 1;
-        assert!(rx.on_frame(skip[0].clone()).is_err());
+        assert_eq!(
+            err(&mut rx, &skip[0]),
+            "bad frame: frame 1 of epoch 2 arrived where frame 0 was due (reordered)"
+        );
         // Outside RAM.
-        assert!(rx.on_frame(epoch(2, MEM, 3)[0].clone()).is_err());
+        assert_eq!(
+            err(&mut rx, &epoch(2, MEM, 3)[0]),
+            format!("bad frame: page run {MEM:#x}+0x1000 is outside guest RAM")
+        );
+        // An end that counts one page more than was sent (frames agree).
+        let mut short = epoch(2, 0x1000, 3);
+        let mut end = EpochEnd::decode(&short[1].payload).unwrap();
+        end.pages = 2;
+        let mut endp = end.encode_head().to_vec();
+        endp.extend(end.state);
+        short[1].payload = endp;
+        assert_eq!(rx.on_frame(short[0].clone()).unwrap(), None);
+        assert_eq!(
+            err(&mut rx, &short[1]),
+            "bad frame: epoch 2 is incomplete: 1 frames / 1 pages received, 1 / 2 sent"
+        );
         // Through all of it the last good epoch stayed, untouched.
         assert_eq!(rx.committed().unwrap().0, 1);
         assert_eq!(page(&rx, 0x1000), 2);
@@ -878,6 +904,28 @@ mod tests {
             rx.on_frame(f).unwrap();
         }
         assert_eq!((rx.committed().unwrap().0, page(&rx, 0x2000)), (2, 7));
+    }
+
+    /// An epoch may carry up to twice the guest memory (pages sent again
+    /// within it), and not a byte more.
+    #[test]
+    fn an_epoch_carries_at_most_twice_the_guest_memory() {
+        let mut rx = Receiver::new(MEM, 1).unwrap();
+        // 16 MiB runs at gpa 0: seven fit in 2 * 64 MiB, the eighth's
+        // run headers take the epoch over.
+        let pages = 4096u32;
+        let mut payload = run_header(0, pages).to_vec();
+        payload.extend(vec![1u8; pages as usize * PAGE]);
+        for seq in 0..7 {
+            let f = Frame { kind: Kind::Pages, epoch: 0, seq, payload: payload.clone() };
+            assert_eq!(rx.on_frame(f).unwrap(), None, "frame {seq}");
+        }
+        let f = Frame { kind: Kind::Pages, epoch: 0, seq: 7, payload };
+        assert_eq!(
+            rx.on_frame(f).unwrap_err().to_string(),
+            "bad frame: epoch 0 carries more data than twice the guest memory and disk"
+        );
+        assert!(rx.committed().is_none());
     }
 
     /// An epoch writing `byte` into page `gpa` and `sectors` of the disk.

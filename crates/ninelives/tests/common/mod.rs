@@ -217,11 +217,36 @@ pub fn ip(args: &[&str]) -> bool {
     nl_lab::netns::ip(args).map_err(|e| eprintln!("{e:#}")).is_ok()
 }
 
-/// Replays a completed VM's workload natively (its `stats` from the API) and
-/// checks every vCPU's digest and op count.
+/// Replays a completed VM's workload natively and checks every vCPU's
+/// digest and op count. The replay's parameters are what the TEST asked
+/// for (`requested`: `WorkloadParams` fields by name, plus `vcpus`), not
+/// what the VMM under test reports: each requested field is first compared
+/// with the VMM's `stats.workload`, so a create that dropped or changed a
+/// field fails here by its name; the fields the test left to the defaults
+/// are taken from the report.
 #[allow(dead_code)]
-pub fn assert_stats_replay(id: u64, s: &serde_json::Value) {
-    let params: nl_abi::WorkloadParams = serde_json::from_value(s["workload"].clone()).unwrap();
+pub fn assert_stats_replay(id: u64, requested: &serde_json::Value, s: &serde_json::Value) {
+    let reported = &s["workload"];
+    let mut asked = reported.clone();
+    for (k, v) in requested.as_object().expect("the requested fields as a JSON object") {
+        if k == "vcpus" {
+            let n = s["vcpus"].as_array().map_or(0, Vec::len) as u64;
+            assert_eq!(
+                Some(n),
+                v.as_u64(),
+                "VM {id} reports {n} vCPUs, but the test asked for {v}"
+            );
+            continue;
+        }
+        assert!(reported.get(k).is_some(), "VM {id} reports no workload.{k}: {reported}");
+        assert_eq!(
+            &reported[k], v,
+            "VM {id} runs with workload.{k} = {}, but the test asked for {v}",
+            reported[k]
+        );
+        asked[k] = v.clone();
+    }
+    let params: nl_abi::WorkloadParams = serde_json::from_value(asked).unwrap();
     for (cpu, v) in s["vcpus"].as_array().unwrap().iter().enumerate() {
         let r = &v["regs"];
         let rounds = r["rounds"].as_u64().unwrap();

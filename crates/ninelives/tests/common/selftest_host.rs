@@ -17,6 +17,8 @@ pub struct SelftestHost {
     pub sock: PathBuf,
     err: PathBuf,
     _dir: tempfile::TempDir,
+    /// The workload each VM was created with, as the test asked for it.
+    asked: std::cell::RefCell<std::collections::HashMap<u64, Value>>,
 }
 
 impl SelftestHost {
@@ -33,7 +35,7 @@ impl SelftestHost {
             .stderr(std::fs::File::create(&err).unwrap())
             .spawn()
             .unwrap();
-        let h = SelftestHost { child, sock, err, _dir: dir };
+        let h = SelftestHost { child, sock, err, _dir: dir, asked: Default::default() };
         let t = Instant::now();
         while UnixStream::connect(&h.sock).is_err() {
             assert!(t.elapsed() < Duration::from_secs(20), "the host did not start");
@@ -79,11 +81,21 @@ impl SelftestHost {
 
     /// Creates a 64M VM running `workload` for `secs`; its id.
     pub fn create(&self, workload: &str, secs: f64) -> u64 {
+        // A seed other than the default (1), so a create that ignored it fails.
+        let seed = 9;
         let r = self
-            .req(json!({"op":"create","workload":workload,"mem":"64M","duration":secs}))
+            .req(json!({"op":"create","workload":workload,"mem":"64M","duration":secs,
+                "seed":seed}))
             .expect("create answered");
         assert_eq!(r["ok"], true, "{r}");
-        r["id"].as_u64().unwrap()
+        let id = r["id"].as_u64().unwrap();
+        let kind = (1..=nl_abi::WORKLOAD_WILDWRITE)
+            .find(|&k| nl_abi::workload_name(k) == workload)
+            .expect("a known workload name");
+        let asked = json!({"kind": kind, "seed": seed,
+            "duration_ms": (secs * 1000.0) as u64, "vcpus": 1});
+        self.asked.borrow_mut().insert(id, asked);
+        id
     }
 
     /// Waits (bounded) for a VM to complete, then replays its workload
@@ -105,7 +117,8 @@ impl SelftestHost {
             std::thread::sleep(Duration::from_millis(50));
         };
         assert_eq!(s["state"], "completed", "{s}\n{}", self.stderr());
-        assert_stats_replay(id, &s);
+        let asked = self.asked.borrow().get(&id).cloned().expect("a VM this host created");
+        assert_stats_replay(id, &asked, &s);
     }
 }
 

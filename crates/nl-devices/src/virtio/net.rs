@@ -499,6 +499,7 @@ mod tests {
             assert!(r.transmit(&d));
             assert_eq!(r.sent(), Some(d), "not held any more");
             assert_eq!(r.t.device().stats().tx_frames, 4);
+            assert_eq!(r.t.device().stats().dropped, 0, "every released frame was sent");
         }
 
         #[test]
