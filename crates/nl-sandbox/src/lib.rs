@@ -20,6 +20,8 @@
 //!   recoveries.
 //! * [`detect`]: the per-sandbox detectors (violation, guest error and
 //!   crash, lost heartbeat on vCPU time, channel lag).
+//! * [`faults`]: fault injection into one sandbox (bit flips, violating
+//!   writes, a broken driver).
 //! * [`recovery`]: the local recovery policies (`stop`, `restart`,
 //!   `replace`, `rollback`).
 //! * [`set`]: creating, starting (pinned), supervising and reporting a set.
@@ -39,6 +41,7 @@ pub mod chanbench;
 pub mod channel;
 pub mod config;
 pub mod detect;
+pub mod faults;
 pub mod isolation;
 pub mod monitor;
 pub mod recovery;
