@@ -188,7 +188,7 @@ fn policy_run(policy: &str) -> Result<PolicyRun> {
         s.get("svc").expect("svc").set_script(vec![(scripted, BAD_RIP)]);
     }
     let sup_start = s.elapsed_ms();
-    supervised(&s, |s| -> Result<PolicyRun> {
+    let (w, p_errors, q_errors) = supervised(&s, |s| -> Result<(Window, u64, u64)> {
         let svc = s.get("svc").expect("svc");
         if !wait_for(Duration::from_secs(60), || service_mark(s).1 > 1000 && healthy_mark(s) > 1000)
         {
@@ -211,11 +211,20 @@ fn policy_run(policy: &str) -> Result<PolicyRun> {
                 let t = s.elapsed_ms();
                 s.inject("svc", &BAD_RIP).map(|_| t)
             };
+            // A rollback sandbox's detections are reported when its
+            // supervised run ends: watch the service for 3 s instead.
+            let rollback = policy == "rollback";
             let detected = injected.is_ok()
-                && wait_for(Duration::from_secs(30), || !svc.monitor.detections().is_empty());
+                && (rollback
+                    || wait_for(Duration::from_secs(30), || !svc.monitor.detections().is_empty()));
             let h0 = healthy_mark(s);
-            let recovered =
-                detected && wait_for(Duration::from_secs(30), || svc.monitor.recovery_count() >= 1);
+            let recovered = detected
+                && (rollback
+                    || wait_for(Duration::from_secs(30), || svc.monitor.recovery_count() >= 1));
+            if rollback {
+                let until = sup_start + scripted.as_secs_f64() * 1e3 + 3000.0;
+                wait_for(Duration::from_secs(30), || s.elapsed_ms() >= until);
+            }
             let h1 = healthy_mark(s);
             std::thread::sleep(Duration::from_millis(300));
             stop.store(true, Ordering::Relaxed);
@@ -229,19 +238,22 @@ fn policy_run(policy: &str) -> Result<PolicyRun> {
                 recovered,
             })
         })?;
-        let det = svc.monitor.detections();
-        let rec = svc.monitor.recoveries();
-        Ok(PolicyRun {
-            recovered: w.recovered,
-            service_gap_ms: longest_gap(&w.samples),
-            detection_ms: det.first().map_or(f64::NAN, |d| d.at_ms - w.inject_ms),
-            detector: det.first().map_or(String::new(), |d| d.detector.name().to_string()),
-            phases: rec.first().map(|r| r.phases.clone()).unwrap_or_default(),
-            healthy_progress_words: w.healthy_progress_words,
-            p_errors: regs(s, "p").digest,
-            q_errors: regs(s, "q").digest,
-        })
-    })?
+        Ok((w, regs(s, "p").digest, regs(s, "q").digest))
+    })??;
+    // Read after supervision ended (a rollback sandbox reports then).
+    let svc = s.get("svc").expect("svc");
+    let det = svc.monitor.detections();
+    let rec = svc.monitor.recoveries();
+    Ok(PolicyRun {
+        recovered: w.recovered && rec.first().is_some_and(|r| r.ok),
+        service_gap_ms: longest_gap(&w.samples),
+        detection_ms: det.first().map_or(f64::NAN, |d| d.at_ms - w.inject_ms),
+        detector: det.first().map_or(String::new(), |d| d.detector.name().to_string()),
+        phases: rec.first().map(|r| r.phases.clone()).unwrap_or_default(),
+        healthy_progress_words: w.healthy_progress_words,
+        p_errors,
+        q_errors,
+    })
 }
 
 /// Per policy: the runs and their summaries.
@@ -322,7 +334,7 @@ fn campaign(n: u64, seed: u64) -> Result<Campaign> {
             let gen0 = s.channels[0].header(0).generation;
             faults::apply(s, "svc", &fault)?;
             let detected =
-                wait_for(Duration::from_millis(600), || svc.monitor.detections().len() > d0);
+                wait_for(Duration::from_millis(800), || svc.monitor.detections().len() > d0);
             let mut detector = None;
             let mut detail = None;
             let outcome = if detected {
@@ -362,11 +374,13 @@ fn campaign(n: u64, seed: u64) -> Result<Campaign> {
             let harmed = !moved || others_det > others_det0 || regs(s, "q").digest > q0;
             let outcome = if harmed { "other_harmed" } else { outcome };
             runs.push(Injection { fault, outcome, detector, detail });
-            if svc.monitor.gave_up_reason().is_some() || svc.vm().poll_outcome().is_some() {
-                // The service is gone for good: the rest cannot be measured.
-                if !wait_for(Duration::from_secs(2), || svc.vm().poll_outcome().is_none()) {
-                    break;
-                }
+            // The next fault goes into a serving sandbox; a service gone for
+            // good ends the campaign (the rest cannot be measured).
+            let m = service_mark(s);
+            if svc.monitor.gave_up_reason().is_some()
+                || !wait_for(Duration::from_secs(30), || service_mark(s) != m)
+            {
+                break;
             }
         }
         let count = |o: &str| runs.iter().filter(|r| r.outcome == o).count() as u64;
