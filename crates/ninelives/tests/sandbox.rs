@@ -34,7 +34,8 @@ fn set(text: &str) -> SandboxSet {
 /// The whole of a sandbox's RAM, read from its memfd.
 fn ram(set: &SandboxSet, name: &str) -> Vec<u8> {
     let sb = set.get(name).expect("sandbox");
-    let mut f = sb.vm.memory().fd().as_ref();
+    let vm = sb.vm();
+    let mut f = vm.memory().fd().as_ref();
     let mut v = Vec::new();
     std::io::Seek::rewind(&mut f).expect("rewind");
     f.read_to_end(&mut v).expect("read the memfd");
@@ -100,13 +101,13 @@ fn wildwrite_beside(seed: u64) {
     ));
     let (a, b) = (s.get("a").unwrap(), s.get("b").unwrap());
     s.start(b).expect("start b");
-    b.vm.pause();
+    b.vm().pause();
     let b_ram = ram(&s, "b");
     let b_region = s.channels[0].read_region(1);
     let a_region = s.channels[0].read_region(0);
     s.start(a).expect("start a");
-    let out = a.vm.wait(Duration::from_secs(120));
-    assert_eq!(out, VmOutcome::Completed, "a: {}\n{}", out.message(), a.vm.console().tail());
+    let out = a.vm().wait(Duration::from_secs(120));
+    assert_eq!(out, VmOutcome::Completed, "a: {}\n{}", out.message(), a.vm().console().tail());
     let after = ram(&s, "b");
     assert_eq!(first_difference(&b_ram, &after), None, "seed {seed}: sandbox b's RAM changed");
     assert_eq!(
@@ -118,8 +119,8 @@ fn wildwrite_beside(seed: u64) {
         first_difference(&a_region, &s.channels[0].read_region(0)).is_some(),
         "a's own window was written"
     );
-    b.vm.resume();
-    let outb = b.vm.wait(Duration::from_secs(120));
+    b.vm().resume();
+    let outb = b.vm().wait(Duration::from_secs(120));
     let r = s.report(&[out, outb]);
     let (ra, rb) = (&r.sandboxes[0], &r.sandboxes[1]);
     assert!(ra.verified, "seed {seed}: {:?}", ra.problem);

@@ -36,7 +36,7 @@ fn a_budget_caps_the_sandbox_and_is_removed_with_it() {
     let dir = format!("/sys/fs/cgroup/cpu/ninelives-{}-capped", std::process::id());
     let tasks = std::fs::read_to_string(format!("{dir}/tasks")).expect("the budget's cgroup");
     let tids: Vec<i32> =
-        set.get("capped").unwrap().vm.vcpu_threads().iter().flatten().map(|t| t.tid).collect();
+        set.get("capped").unwrap().vm().vcpu_threads().iter().flatten().map(|t| t.tid).collect();
     assert_eq!(tasks.lines().map(|l| l.parse::<i32>().unwrap()).collect::<Vec<_>>(), tids);
     let quota = std::fs::read_to_string(format!("{dir}/cpu.cfs_quota_us")).unwrap();
     assert_eq!(quota.trim(), "1000");

@@ -301,6 +301,11 @@ pub const WORKLOAD_CHANBENCH: u64 = 9;
 /// (test-only: the VMM must trap and count every write to a read-only
 /// window, and nothing may reach another sandbox).
 pub const WORKLOAD_WILDWRITE: u64 = 10;
+/// A message service over every channel of the sandbox
+/// (`nl_workloads::chanstream`): sends a checkable message every
+/// `stride` µs and receives every `data_bytes` µs, for `duration_ms`
+/// (0: until stopped).
+pub const WORKLOAD_CHANSTREAM: u64 = 11;
 
 /// The name of a workload kind (`WORKLOAD_*`), as the CLI and the API
 /// spell it; "unknown" for anything else.
@@ -316,6 +321,7 @@ pub fn workload_name(kind: u64) -> &'static str {
         WORKLOAD_FILECACHE => "filecache",
         WORKLOAD_CHANBENCH => "chanbench",
         WORKLOAD_WILDWRITE => "wildwrite",
+        WORKLOAD_CHANSTREAM => "chanstream",
         _ => "unknown",
     }
 }

@@ -44,6 +44,9 @@ pub enum BenchMechanism {
     /// Sandboxes (Quest-V): channel message passing (Fig. 9) against the
     /// same channel code between two host threads.
     Sandbox(crate::bench::sandbox::BenchSandboxArgs),
+    /// Sandbox fault recovery (Quest-V): service gap and phases per policy
+    /// (Table 1), a fault-injection campaign, Fig. 10.
+    SandboxRecovery(crate::bench::sandbox_recovery::BenchSandboxRecoveryArgs),
 }
 
 #[derive(Args, Clone, Debug)]

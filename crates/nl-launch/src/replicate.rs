@@ -210,11 +210,7 @@ type Verdict = (bool, f64, Option<String>);
 /// Runs `vm` as a replicated primary (it starts the VM) to its end, and
 /// verifies it. With `quiet`, only warnings, fencing and the moment the VM
 /// becomes protected are logged (--json keeps stdout for the report).
-fn run_as_primary(
-    vm: &Vm,
-    cfg: PrimaryConfig,
-    quiet: bool,
-) -> Result<(PrimaryReport, Verdict)> {
+fn run_as_primary(vm: &Vm, cfg: PrimaryConfig, quiet: bool) -> Result<(PrimaryReport, Verdict)> {
     let mut log = |m: String| {
         let alarm = m.contains("WARNING") || m.contains("FENCED");
         if alarm {

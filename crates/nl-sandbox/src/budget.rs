@@ -75,6 +75,17 @@ impl AppliedBudget {
         Ok(applied)
     }
 
+    /// Moves more threads (a restarted sandbox's new vCPUs) into the cgroup;
+    /// the quota stays the sandbox's (threads that ended left it).
+    pub fn attach(&self, tids: &[i32]) -> Result<(), SandboxError> {
+        let n = tids.len().max(1) as u64;
+        write(&self.dir.join("cpu.cfs_quota_us"), &(self.budget.runtime_us * n).to_string())?;
+        for tid in tids {
+            write(&self.dir.join("tasks"), &tid.to_string())?;
+        }
+        Ok(())
+    }
+
     /// The cgroup's directory.
     pub fn dir(&self) -> &Path {
         &self.dir

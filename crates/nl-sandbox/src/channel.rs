@@ -1,6 +1,7 @@
 //! A channel's host side: one memfd holding the two output regions, mapped
 //! once in the VMM, and the windows each end's VM gets over it.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
@@ -30,6 +31,8 @@ pub struct RegionStats {
     pub generation: u64,
     /// Words published by the writer.
     pub head_words: u64,
+    /// The peer generation `ack_words` refers to.
+    pub ack_generation: u64,
     /// Words of the peer's stream this end has consumed.
     pub ack_words: u64,
 }
@@ -128,17 +131,50 @@ impl HostChannel {
         v
     }
 
+    fn word(&self, region: usize, w: u64) -> u64 {
+        let at = MemoryRegionAddress(region as u64 * CHANNEL_REGION_BYTES + w * 8);
+        self.map.load::<u64>(at, Ordering::Acquire).unwrap_or(0)
+    }
+
+    /// Region `region`'s header (see `nl_workloads::channel`).
+    pub fn header(&self, region: usize) -> RegionStats {
+        RegionStats {
+            generation: self.word(region, 1),
+            head_words: self.word(region, 2),
+            ack_generation: self.word(region, 3),
+            ack_words: self.word(region, 4),
+        }
+    }
+
+    /// Withdraws region `region` (its writer was stopped for a restart), as
+    /// `nl_workloads::channel::withdraw` does: generation 0 first (the
+    /// peer stops reading it), head 0, the ring zeroed; the
+    /// acknowledgement words stay so the restarted writer rejoins the
+    /// peer's stream where it left it.
+    pub fn withdraw(&self, region: usize) {
+        let base = region as u64 * CHANNEL_REGION_BYTES;
+        // Both words and the ring lie inside the mapping: these cannot fail.
+        let _ = self.map.store(0u64, MemoryRegionAddress(base + 8), Ordering::Release);
+        let _ = self.map.store(0u64, MemoryRegionAddress(base + 16), Ordering::Release);
+        let header = (nl_workloads::channel::HEADER_WORDS * 8) as u64;
+        let zeros = vec![0u8; (CHANNEL_REGION_BYTES - header) as usize];
+        let _ = self.map.write_slice(&zeros, MemoryRegionAddress(base + header));
+    }
+
+    /// Overwrites `bytes` of region `region`'s ring at `offset` with
+    /// `value` (fault injection: a broken driver scribbling over its own
+    /// output region).
+    pub fn scribble(&self, region: usize, offset: u64, value: &[u8]) {
+        let header = (nl_workloads::channel::HEADER_WORDS * 8) as u64;
+        let room = CHANNEL_REGION_BYTES - header;
+        let at = region as u64 * CHANNEL_REGION_BYTES + header + offset % room;
+        let n = (value.len() as u64).min(room - offset % room) as usize;
+        let _ = self.map.write_slice(&value[..n], MemoryRegionAddress(at));
+    }
+
     /// The regions' headers.
     pub fn stats(&self, names: &[String]) -> ChannelStats {
-        let word = |region: usize, w: u64| -> u64 {
-            let at = MemoryRegionAddress(region as u64 * CHANNEL_REGION_BYTES + w * 8);
-            self.map.read_obj::<u64>(at).unwrap_or(0)
-        };
-        let region = |r: usize| RegionStats {
-            generation: word(r, 1),
-            head_words: word(r, 2),
-            ack_words: word(r, 4),
-        };
+        let region = |r: usize| self.header(r);
         let name = |i: usize| names.get(i).cloned().unwrap_or_default();
         ChannelStats {
             name: self.name.clone(),

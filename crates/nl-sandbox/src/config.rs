@@ -46,6 +46,118 @@ pub struct SandboxConfig {
     /// What a write to a read-only channel page does.
     #[serde(default)]
     pub on_violation: ViolationPolicy,
+    /// The sandbox monitor's detectors.
+    #[serde(default)]
+    pub detect: DetectConfig,
+    /// What the monitor does when a detector fires.
+    #[serde(default)]
+    pub recovery: RecoveryConfig,
+}
+
+/// The per-sandbox detectors' bounds (see `detect`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DetectConfig {
+    /// Lost heartbeat: no guest progress while every live vCPU ran this
+    /// long on a CPU (guest time, not wall time).
+    #[serde(default = "default_heartbeat_cpu_ms")]
+    pub heartbeat_cpu_ms: u64,
+    /// Channel lag (Quest-V's ring-index check): words a peer has published
+    /// on a channel that this sandbox has not consumed; `None`: off.
+    #[serde(default)]
+    pub channel_lag_words: Option<u64>,
+    /// ... for at least this much of this sandbox's vCPU time without its
+    /// consumption advancing.
+    #[serde(default = "default_channel_lag_cpu_ms")]
+    pub channel_lag_cpu_ms: u64,
+}
+
+fn default_heartbeat_cpu_ms() -> u64 {
+    1000
+}
+fn default_channel_lag_cpu_ms() -> u64 {
+    100
+}
+
+impl Default for DetectConfig {
+    fn default() -> Self {
+        Self {
+            heartbeat_cpu_ms: default_heartbeat_cpu_ms(),
+            channel_lag_words: None,
+            channel_lag_cpu_ms: default_channel_lag_cpu_ms(),
+        }
+    }
+}
+
+/// The local recovery policy of a sandbox.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecoveryPolicy {
+    /// Stop the sandbox and report (the default).
+    #[default]
+    Stop,
+    /// Fresh memory, images reloaded, vCPUs and devices new; the channels
+    /// stay (the sandbox's own output regions are withdrawn and it starts a
+    /// new channel generation).
+    Restart,
+    /// `restart` with the workload `replace_with`.
+    Replace,
+    /// In-place μCheckpoint rollback (nl-checkpoint): the sandbox keeps its
+    /// state.
+    Rollback,
+}
+
+impl RecoveryPolicy {
+    pub fn name(self) -> &'static str {
+        match self {
+            RecoveryPolicy::Stop => "stop",
+            RecoveryPolicy::Restart => "restart",
+            RecoveryPolicy::Replace => "replace",
+            RecoveryPolicy::Rollback => "rollback",
+        }
+    }
+}
+
+/// What the monitor does when a detector fires, and its bounds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RecoveryConfig {
+    #[serde(default)]
+    pub policy: RecoveryPolicy,
+    /// `replace`: the workload the sandbox restarts with.
+    #[serde(default)]
+    pub replace_with: Option<WorkloadConfig>,
+    /// At most this many recoveries within `window_ms`; one more fault
+    /// stops the sandbox with a report instead of recovering again.
+    #[serde(default = "default_max_recoveries")]
+    pub max_recoveries: u32,
+    #[serde(default = "default_window_ms")]
+    pub window_ms: u64,
+    /// `rollback`: the checkpoint interval.
+    #[serde(default = "default_checkpoint_interval_ms")]
+    pub checkpoint_interval_ms: u64,
+}
+
+fn default_max_recoveries() -> u32 {
+    5
+}
+fn default_window_ms() -> u64 {
+    10_000
+}
+fn default_checkpoint_interval_ms() -> u64 {
+    100
+}
+
+impl Default for RecoveryConfig {
+    fn default() -> Self {
+        Self {
+            policy: RecoveryPolicy::Stop,
+            replace_with: None,
+            max_recoveries: default_max_recoveries(),
+            window_ms: default_window_ms(),
+            checkpoint_interval_ms: default_checkpoint_interval_ms(),
+        }
+    }
 }
 
 fn default_mem_mib() -> u64 {
@@ -97,6 +209,17 @@ pub struct WorkloadConfig {
     /// chanbench: the largest message in bytes (a power of two, 8..=65536).
     #[serde(default = "default_max_msg")]
     pub max_msg: u64,
+    /// chanstream: a message on every channel every this many µs (0: as
+    /// fast as the peers consume).
+    #[serde(default = "default_send_every_us")]
+    pub send_every_us: u64,
+    /// chanstream: drain the receive side every this many µs (0: always).
+    #[serde(default)]
+    pub recv_every_us: u64,
+}
+
+fn default_send_every_us() -> u64 {
+    1000
 }
 
 fn default_seed() -> u64 {
@@ -134,9 +257,10 @@ impl WorkloadConfig {
             "idle" => WORKLOAD_IDLE,
             "chanbench" => WORKLOAD_CHANBENCH,
             "wildwrite" => WORKLOAD_WILDWRITE,
+            "chanstream" => WORKLOAD_CHANSTREAM,
             k => {
                 return Err(format!(
-                    "unknown workload kind '{k}' (memwrite, compute, idle, chanbench, wildwrite)"
+                    "unknown workload kind '{k}' (memwrite, compute, idle, chanbench, wildwrite, chanstream)"
                 ))
             }
         };
@@ -155,10 +279,14 @@ impl WorkloadConfig {
             ws_bytes: if kind == WORKLOAD_MEMWRITE { self.ws_mib << 20 } else { 0 },
             write_pct: self.write_pct,
             pattern: PATTERN_RANDOM,
-            stride: if kind == WORKLOAD_CHANBENCH { self.max_msg } else { 8 },
+            stride: match kind {
+                WORKLOAD_CHANBENCH => self.max_msg,
+                WORKLOAD_CHANSTREAM => self.send_every_us,
+                _ => 8,
+            },
             hot_pct: 10,
             duration_ms: self.duration_ms,
-            data_bytes: 0,
+            data_bytes: if kind == WORKLOAD_CHANSTREAM { self.recv_every_us } else { 0 },
         };
         nl_workloads::validate(&p).map_err(str::to_string)?;
         Ok(p)
@@ -169,6 +297,55 @@ impl SandboxConfig {
     pub fn vcpus(&self) -> u32 {
         self.vcpus.unwrap_or(self.cores.len() as u32)
     }
+}
+
+/// The recovery and detector settings of one sandbox.
+fn check_recovery(s: &SandboxConfig) -> Result<(), SandboxError> {
+    let bad = |m: String| Err(SandboxError::Config(format!("sandbox '{}': {m}", s.name)));
+    let r = &s.recovery;
+    match (r.policy, &r.replace_with) {
+        (RecoveryPolicy::Replace, None) => {
+            return bad("recovery policy 'replace' needs recovery.replace_with (a workload)".into())
+        }
+        (RecoveryPolicy::Replace, Some(w)) => {
+            let p = w.params().map_err(|e| {
+                SandboxError::Config(format!("sandbox '{}': recovery.replace_with: {e}", s.name))
+            })?;
+            if p.kind == nl_abi::WORKLOAD_MEMWRITE
+                && u64::from(s.vcpus()) * p.ws_bytes + nl_abi::MIN_MEM_BYTES > s.mem_mib << 20
+            {
+                return bad("recovery.replace_with's working sets do not fit its memory".into());
+            }
+        }
+        (_, Some(_)) => return bad("recovery.replace_with is only for the policy 'replace'".into()),
+        _ => {}
+    }
+    if r.max_recoveries == 0 || r.max_recoveries > 1000 {
+        return bad(format!("recovery.max_recoveries {} is not in 1..=1000", r.max_recoveries));
+    }
+    if r.window_ms == 0 {
+        return bad("recovery.window_ms must be nonzero".into());
+    }
+    if !(5..=10_000).contains(&r.checkpoint_interval_ms) {
+        return bad(format!(
+            "recovery.checkpoint_interval_ms {} is not in 5..=10000",
+            r.checkpoint_interval_ms
+        ));
+    }
+    let d = &s.detect;
+    if !(10..=600_000).contains(&d.heartbeat_cpu_ms) {
+        return bad(format!(
+            "detect.heartbeat_cpu_ms {} is not in 10..=600000",
+            d.heartbeat_cpu_ms
+        ));
+    }
+    if d.channel_lag_words == Some(0) {
+        return bad("detect.channel_lag_words must be nonzero (leave it out to turn it off)".into());
+    }
+    if d.channel_lag_cpu_ms == 0 {
+        return bad("detect.channel_lag_cpu_ms must be nonzero".into());
+    }
+    Ok(())
 }
 
 impl SetConfig {
@@ -231,8 +408,12 @@ impl SetConfig {
                 .workload
                 .params()
                 .map_err(|e| SandboxError::Config(format!("sandbox '{}': {e}", s.name)))?;
-            if matches!(p.kind, nl_abi::WORKLOAD_CHANBENCH | nl_abi::WORKLOAD_WILDWRITE)
-                && vcpus != 1
+            if matches!(
+                p.kind,
+                nl_abi::WORKLOAD_CHANBENCH
+                    | nl_abi::WORKLOAD_WILDWRITE
+                    | nl_abi::WORKLOAD_CHANSTREAM
+            ) && vcpus != 1
             {
                 return bad(format!(
                     "sandbox '{}': {} runs on exactly one vCPU",
@@ -259,6 +440,7 @@ impl SetConfig {
                     s.name, s.workload.ws_mib, s.mem_mib
                 ));
             }
+            check_recovery(s)?;
             if let Some(b) = s.budget {
                 if b.period_us == 0 || b.runtime_us == 0 || b.runtime_us > b.period_us {
                     return bad(format!(
@@ -319,10 +501,10 @@ impl SetConfig {
         }
         for s in &self.sandboxes {
             let kind = s.workload.kind.as_str();
-            if matches!(kind, "chanbench")
+            if matches!(kind, "chanbench" | "chanstream")
                 && !self.channels.iter().any(|c| c.between.contains(&s.name))
             {
-                return bad(format!("sandbox '{}' runs chanbench but is in no channel", s.name));
+                return bad(format!("sandbox '{}' runs {kind} but is in no channel", s.name));
             }
         }
         Ok(())

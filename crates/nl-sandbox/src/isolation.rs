@@ -39,7 +39,8 @@ impl WildwriteResult {
 
 fn ram(set: &SandboxSet, name: &str) -> Result<Vec<u8>, SandboxError> {
     let sb = set.get(name).ok_or_else(|| SandboxError::Config(format!("no sandbox '{name}'")))?;
-    let mut f = sb.vm.memory().fd().as_ref();
+    let vm = sb.vm();
+    let mut f = vm.memory().fd().as_ref();
     let mut v = Vec::new();
     f.rewind().and_then(|_| f.read_to_end(&mut v)).map_err(|e| {
         SandboxError::Resource(format!("cannot read sandbox '{name}''s memory: {e}"))
@@ -71,18 +72,18 @@ pub fn wildwrite_beside(
     let set = SandboxSet::create(kvm, SetConfig::parse(&text)?, images)?;
     let (wild, calm) = (&set.sandboxes[0], &set.sandboxes[1]);
     set.start(calm)?;
-    calm.vm.pause();
+    calm.vm().pause();
     let ram_before = ram(&set, "calm")?;
     let region_before = set.channels[0].read_region(1);
     set.start(wild)?;
-    let wild_out = wild.vm.wait(Duration::from_secs(120));
+    let wild_out = wild.vm().wait(Duration::from_secs(120));
     let changed = differing(&ram_before, &ram(&set, "calm")?)
         + differing(&region_before, &set.channels[0].read_region(1));
-    calm.vm.resume();
-    let calm_out = calm.vm.wait(Duration::from_secs(120));
+    calm.vm().resume();
+    let calm_out = calm.vm().wait(Duration::from_secs(120));
     let report = set.report(&[wild_out.clone(), calm_out]);
     let (w, c) = (&report.sandboxes[0], &report.sandboxes[1]);
-    let heap = nl_arch::read_boot_info(wild.vm.memory().mem())
+    let heap = nl_arch::read_boot_info(wild.vm().memory().mem())
         .map(|b| b.heap_end.saturating_sub(b.heap_start))
         .map_err(|e| SandboxError::Resource(format!("boot info: {e}")))?;
     let aimed = nl_workloads::wildwrite::Plan::new(

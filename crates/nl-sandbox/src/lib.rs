@@ -16,7 +16,14 @@
 //!   benchmark between two host threads (the bench's baseline).
 //! * [`channel`]: a channel's memfd and the windows each end maps.
 //! * [`isolation`]: the wildwrite isolation check (test and bench).
-//! * [`monitor`]: the per-sandbox monitor: violation reports and policy.
+//! * [`monitor`]: the per-sandbox monitor: violation reports, detections,
+//!   recoveries.
+//! * [`detect`]: the per-sandbox detectors (violation, guest error and
+//!   crash, lost heartbeat on vCPU time, channel lag).
+//! * [`faults`]: fault injection into one sandbox (bit flips, violating
+//!   writes, a broken driver).
+//! * [`recovery`]: the local recovery policies (`stop`, `restart`,
+//!   `replace`, `rollback`).
 //! * [`set`]: creating, starting (pinned), supervising and reporting a set.
 //! * [`verify`]: checking a finished sandbox's result.
 //! * [`affinity`]: host cores and pinning.
@@ -35,8 +42,11 @@ pub mod budget;
 pub mod chanbench;
 pub mod channel;
 pub mod config;
+pub mod detect;
+pub mod faults;
 pub mod isolation;
 pub mod monitor;
+pub mod recovery;
 pub mod set;
 pub mod verify;
 

@@ -1,6 +1,7 @@
 //! The per-sandbox monitor: receives its sandbox's isolation violations
-//! from the VMM and applies the sandbox's policy. It is where per-sandbox
-//! detectors and recovery policies attach (issue 19).
+//! from the VMM, and records what its detectors found ([`crate::detect`])
+//! and what its recoveries did ([`crate::recovery`]). Each detection is
+//! also printed on stderr and published in nl-vmm's event log.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -10,6 +11,8 @@ use nl_vmm::windows::{GuardAction, Violation, WriteGuard};
 use serde::Serialize;
 
 use crate::config::ViolationPolicy;
+use crate::detect::{Detection, Detector};
+use crate::recovery::RecoveryRecord;
 
 /// Violations kept in full per sandbox (all are counted).
 pub const VIOLATION_LOG: usize = 64;
@@ -20,7 +23,14 @@ pub struct Monitor {
     pub policy: ViolationPolicy,
     count: AtomicU64,
     log: Arc<Lock<Vec<Violation>>>,
+    detections: Arc<Lock<Vec<Detection>>>,
+    recoveries: Arc<Lock<Vec<RecoveryRecord>>>,
+    gave_up: Arc<Lock<Option<String>>>,
 }
+
+/// Detections and recoveries kept in full per sandbox (all are counted in
+/// the campaign's own records).
+pub const DETECTION_LOG: usize = 10_000;
 
 /// A violation as reported: which sandbox, where, from which instruction.
 #[derive(Clone, Debug, Serialize)]
@@ -39,7 +49,73 @@ impl Monitor {
             policy,
             count: AtomicU64::new(0),
             log: Lock::new("sandbox.violations", Vec::new()),
+            detections: Lock::new("sandbox.detections", Vec::new()),
+            recoveries: Lock::new("sandbox.recoveries", Vec::new()),
+            gave_up: Lock::new("sandbox.gave_up", None),
         })
+    }
+
+    /// Records a detection: in the log, on stderr and in the event log.
+    pub fn detected(&self, detector: Detector, detail: String, at_ms: f64) -> Detection {
+        let d = Detection { sandbox: self.sandbox.clone(), detector, detail, at_ms };
+        eprintln!(
+            "ninelives: sandbox '{}': detector {} fired at {:.1} ms: {}",
+            d.sandbox,
+            detector.name(),
+            at_ms,
+            d.detail
+        );
+        nl_vmm::event_log::publish(
+            "sandbox_detection",
+            serde_json::json!({"sandbox": d.sandbox, "detector": detector.name(), "detail": d.detail}),
+        );
+        let mut log = self.detections.lock();
+        if log.len() < DETECTION_LOG {
+            log.push(d.clone());
+        }
+        d
+    }
+
+    /// Records a recovery (also on stderr when it failed).
+    pub fn recovered(&self, r: RecoveryRecord) {
+        if let Some(e) = &r.error {
+            eprintln!("ninelives: sandbox '{}': recovery failed: {e}", self.sandbox);
+        }
+        nl_vmm::event_log::publish(
+            "sandbox_recovery",
+            serde_json::json!({"sandbox": self.sandbox, "policy": r.policy, "ok": r.ok, "error": r.error}),
+        );
+        let mut log = self.recoveries.lock();
+        if log.len() < DETECTION_LOG {
+            log.push(r);
+        }
+    }
+
+    /// The sandbox is stopped for good: a fault recurred beyond its bound.
+    pub fn give_up(&self, why: String) {
+        eprintln!("ninelives: sandbox '{}': {why}", self.sandbox);
+        nl_vmm::event_log::publish(
+            "sandbox_gave_up",
+            serde_json::json!({"sandbox": self.sandbox, "why": why}),
+        );
+        *self.gave_up.lock() = Some(why);
+    }
+
+    pub fn detections(&self) -> Vec<Detection> {
+        self.detections.lock().clone()
+    }
+
+    pub fn recoveries(&self) -> Vec<RecoveryRecord> {
+        self.recoveries.lock().clone()
+    }
+
+    /// Successful recoveries so far.
+    pub fn recovery_count(&self) -> usize {
+        self.recoveries.lock().iter().filter(|r| r.ok).count()
+    }
+
+    pub fn gave_up_reason(&self) -> Option<String> {
+        self.gave_up.lock().clone()
     }
 
     /// Violations so far.

@@ -1,20 +1,26 @@
 //! A set of sandboxes: creation (checks, audit, VMs), start with pinning,
-//! supervision by one monitor thread per sandbox, and reports.
+//! supervision by one monitor thread per sandbox (detection and recovery,
+//! see [`crate::recovery`]), and reports.
 
 use std::fs::OpenOptions;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nl_abi::WorkloadParams;
+use nl_checkpoint::inject::GuestFault;
 use nl_memory::GuestMemory;
+use nl_sync::Lock;
 use nl_vmm::windows::VmWindows;
 use nl_vmm::{Vm, VmConfig, VmOutcome};
 use serde::Serialize;
 
 use crate::audit::{audit, Backing, Mapping};
 use crate::channel::{ChannelStats, HostChannel};
-use crate::config::{SandboxConfig, SetConfig};
+use crate::config::{RecoveryPolicy, SandboxConfig, SetConfig};
+use crate::detect::Detection;
 use crate::monitor::{Monitor, ViolationReport};
+use crate::recovery::{Phases, RecoveryRecord};
 use crate::{affinity, verify, SandboxError};
 
 /// The guest images every sandbox boots.
@@ -24,13 +30,43 @@ pub struct Images {
     pub user: Arc<Vec<u8>>,
 }
 
-/// One sandbox: its VM, its monitor, its configuration.
+/// One sandbox: its VM (replaced by a new one when it restarts), its
+/// monitor, its configuration.
 pub struct Sandbox {
     pub index: usize,
     pub config: SandboxConfig,
-    pub params: WorkloadParams,
-    pub vm: Vm,
+    vm: Arc<Lock<Arc<Vm>>>,
     pub monitor: Arc<Monitor>,
+    /// What every VM of this sandbox is built from.
+    vm_config: VmConfig,
+    windows: VmWindows,
+    /// The backing of its RAM the audit checked (a `memory_file` must
+    /// still be that file when the sandbox restarts).
+    ram_backing: Backing,
+    /// `rollback`: faults its checkpoint supervisor injects (tests, bench).
+    script: Arc<Lock<Vec<(Duration, GuestFault)>>>,
+}
+
+impl Sandbox {
+    /// The sandbox's current VM.
+    pub fn vm(&self) -> Arc<Vm> {
+        self.vm.lock().clone()
+    }
+
+    /// The workload its current VM runs.
+    pub fn params(&self) -> WorkloadParams {
+        self.vm().config().workload
+    }
+
+    /// `rollback` sandboxes: faults to inject at these times after its
+    /// supervision starts (before [`SandboxSet::supervise`]).
+    pub fn set_script(&self, script: Vec<(Duration, GuestFault)>) {
+        *self.script.lock() = script;
+    }
+
+    pub(crate) fn take_script(&self) -> Vec<(Duration, GuestFault)> {
+        std::mem::take(&mut *self.script.lock())
+    }
 }
 
 /// A running set of sandboxes and their channels.
@@ -40,6 +76,9 @@ pub struct SandboxSet {
     pub channels: Vec<HostChannel>,
     /// What the audit checked.
     pub mappings: Vec<Mapping>,
+    kvm: kvm_ioctls::Kvm,
+    created: Instant,
+    stop: AtomicBool,
     /// Each sandbox's CPU budget once applied (by sandbox index).
     budgets: std::sync::Mutex<Vec<Option<crate::budget::AppliedBudget>>>,
 }
@@ -62,6 +101,12 @@ pub struct SandboxReport {
     pub violation_log: Vec<ViolationReport>,
     /// The sandbox was stopped because of an isolation violation.
     pub stopped_for_violation: bool,
+    /// What its detectors found, and what its recoveries did.
+    pub detections: Vec<Detection>,
+    pub recoveries: Vec<RecoveryRecord>,
+    /// Why the monitor stopped recovering it (a fault recurring beyond
+    /// its bound, a failed rollback supervision).
+    pub gave_up: Option<String>,
     /// Its CPU budget's throttling counters (with a budget).
     pub throttling: Option<crate::budget::Throttling>,
     pub console: String,
@@ -109,6 +154,9 @@ impl SandboxSet {
     ) -> Result<Self, SandboxError> {
         let host = affinity::host_cores()?;
         config.validate(host.len())?;
+        // An owned handle: restarts create VMs long after `kvm` is gone.
+        let own_kvm = nl_vmm::open_kvm()
+            .map_err(|e| SandboxError::Resource(format!("cannot open /dev/kvm: {e}")))?;
         let index_of = |n: &str| config.sandboxes.iter().position(|s| s.name == n);
         let mut channels = Vec::new();
         for (i, c) in config.channels.iter().enumerate() {
@@ -161,12 +209,14 @@ impl SandboxSet {
                 windows.keep.push(channels[ci].keepalive());
                 mappings.extend(m);
             }
-            plans.push((memory, windows));
+            plans.push((memory, windows, backing));
         }
         let names: Vec<String> = config.sandboxes.iter().map(|s| s.name.clone()).collect();
         audit(&mappings, &names)?;
         let mut sandboxes = Vec::new();
-        for ((i, s), (memory, mut windows)) in config.sandboxes.iter().enumerate().zip(plans) {
+        for ((i, s), (memory, mut windows, ram_backing)) in
+            config.sandboxes.iter().enumerate().zip(plans)
+        {
             let params = s.workload.params().map_err(SandboxError::Config)?;
             let mem_bytes = s.mem_mib << 20;
             let memory = match memory {
@@ -195,12 +245,160 @@ impl SandboxSet {
                 disk: None,
                 net: None,
             };
-            let vm = Vm::create_with_windows(kvm, i as u32, vm_config, Some(memory), Some(windows))
-                .map_err(|e| SandboxError::Vm(s.name.clone(), e.to_string()))?;
-            sandboxes.push(Sandbox { index: i, config: s.clone(), params, vm, monitor });
+            let vm = Vm::create_with_windows(
+                kvm,
+                i as u32,
+                vm_config.clone(),
+                Some(memory),
+                Some(windows.clone()),
+            )
+            .map_err(|e| SandboxError::Vm(s.name.clone(), e.to_string()))?;
+            sandboxes.push(Sandbox {
+                index: i,
+                config: s.clone(),
+                vm: Lock::new("sandbox.vm", Arc::new(vm)),
+                monitor,
+                vm_config,
+                windows,
+                ram_backing,
+                script: Lock::new("sandbox.script", Vec::new()),
+            });
         }
         let budgets = std::sync::Mutex::new(sandboxes.iter().map(|_| None).collect());
-        Ok(Self { config, sandboxes, channels, mappings, budgets })
+        Ok(Self {
+            config,
+            sandboxes,
+            channels,
+            mappings,
+            kvm: own_kvm,
+            created: Instant::now(),
+            stop: AtomicBool::new(false),
+            budgets,
+        })
+    }
+
+    /// Milliseconds since the set was created.
+    pub fn elapsed_ms(&self) -> f64 {
+        self.created.elapsed().as_secs_f64() * 1e3
+    }
+
+    /// Ends supervision: every sandbox is stopped and its monitor returns
+    /// (for service workloads that run until stopped).
+    pub fn request_stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        for sb in &self.sandboxes {
+            sb.vm().stop();
+        }
+    }
+
+    pub fn stop_requested(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+
+    /// Injects `fault` into sandbox `name`'s running VM (paused around it).
+    pub fn inject(&self, name: &str, fault: &GuestFault) -> Result<Option<u64>, SandboxError> {
+        let sb =
+            self.get(name).ok_or_else(|| SandboxError::Config(format!("no sandbox '{name}'")))?;
+        nl_checkpoint::inject::apply(&sb.vm(), fault)
+            .map_err(|e| SandboxError::Vm(name.into(), format!("fault injection: {e}")))
+    }
+
+    /// Sandbox `i`'s channels it receives on: (channel index, the peer's
+    /// region).
+    pub fn receives_of(&self, i: usize) -> Vec<(usize, usize)> {
+        self.channels
+            .iter()
+            .enumerate()
+            .filter_map(|(ci, c)| c.ends.iter().position(|&e| e == i).map(|end| (ci, 1 - end)))
+            .collect()
+    }
+
+    /// Sandbox `i`'s own output regions: (channel index, region).
+    pub fn own_regions_of(&self, i: usize) -> Vec<(usize, usize)> {
+        self.receives_of(i).into_iter().map(|(c, peer)| (c, 1 - peer)).collect()
+    }
+
+    /// Whether a restarted sandbox serves again: a message published in one
+    /// of its (withdrawn, so new) own regions, or for a sandbox without
+    /// channels a heartbeat (`beats` of its vCPU 0).
+    pub(crate) fn replied(&self, sb: &Sandbox, beats: u64) -> bool {
+        let own = self.own_regions_of(sb.index);
+        if own.is_empty() {
+            return beats > 0;
+        }
+        own.iter().any(|&(c, r)| {
+            let h = self.channels[c].header(r);
+            h.generation != 0 && h.head_words > 0
+        })
+    }
+
+    /// Fresh RAM for sandbox `sb`: a new memfd, or its `memory_file`
+    /// reopened (it must still be the audited file) and zeroed.
+    fn fresh_memory(&self, sb: &Sandbox) -> Result<GuestMemory, SandboxError> {
+        let s = &sb.config;
+        let bytes = s.mem_mib << 20;
+        let err = |e: String| SandboxError::Resource(format!("sandbox '{}': {e}", s.name));
+        match open_memory_file(s)? {
+            None => GuestMemory::new(&format!("sandbox-{}", s.name), bytes)
+                .map_err(|e| err(e.to_string())),
+            Some(f) => {
+                if Backing::of(&f)? != sb.ram_backing {
+                    return Err(SandboxError::Isolation(format!(
+                        "sandbox '{}': memory_file is no longer the file the audit checked",
+                        s.name
+                    )));
+                }
+                f.set_len(0)
+                    .and_then(|_| f.set_len(bytes))
+                    .map_err(|e| err(format!("memory_file: {e}")))?;
+                GuestMemory::from_fd(Arc::new(f), bytes).map_err(|e| err(e.to_string()))
+            }
+        }
+    }
+
+    /// `restart` / `replace` after the sandbox's vCPUs were stopped: its
+    /// own channel regions withdrawn, a new VM over fresh memory (the
+    /// images reloaded; the workload of `recovery.replace_with` for
+    /// `replace`), the same windows and monitor, started pinned. On error
+    /// nothing runs: the old VM stays the (stopped) current one.
+    pub(crate) fn rebuild(
+        &self,
+        sb: &Sandbox,
+        policy: RecoveryPolicy,
+        t0: Instant,
+        phases: &mut Phases,
+    ) -> Result<(), SandboxError> {
+        let ms = || Some(t0.elapsed().as_secs_f64() * 1e3);
+        for (c, r) in self.own_regions_of(sb.index) {
+            self.channels[c].withdraw(r);
+        }
+        phases.notified_ms = ms();
+        let mut config = sb.vm_config.clone();
+        if policy == RecoveryPolicy::Replace {
+            if let Some(w) = &sb.config.recovery.replace_with {
+                config.workload = w.params().map_err(SandboxError::Config)?;
+            }
+        }
+        let memory = self.fresh_memory(sb)?;
+        let vm = Vm::create_with_windows(
+            &self.kvm,
+            sb.index as u32,
+            config,
+            Some(memory),
+            Some(sb.windows.clone()),
+        )
+        .map_err(|e| SandboxError::Vm(sb.config.name.clone(), format!("restart: {e}")))?;
+        phases.image_ms = ms();
+        let old = std::mem::replace(&mut *sb.vm.lock(), Arc::new(vm));
+        if let Err(e) = self.start_vm(sb) {
+            sb.vm().stop();
+            *sb.vm.lock() = old;
+            return Err(e);
+        }
+        phases.reentry_ms = ms();
+        // The old VM (stopped) is released after the new one runs.
+        drop(old);
+        Ok(())
     }
 
     /// The sandbox called `name`.
@@ -208,12 +406,22 @@ impl SandboxSet {
         self.sandboxes.iter().find(|s| s.config.name == name)
     }
 
-    /// Starts one sandbox with its vCPU threads pinned to its cores.
+    /// Starts one sandbox with its vCPU threads pinned to its cores. A
+    /// `rollback` sandbox starts under its checkpoint supervisor when
+    /// [`SandboxSet::supervise`] begins.
     pub fn start(&self, sb: &Sandbox) -> Result<(), SandboxError> {
+        if sb.config.recovery.policy == RecoveryPolicy::Rollback {
+            return Ok(());
+        }
+        self.start_vm(sb)
+    }
+
+    fn start_vm(&self, sb: &Sandbox) -> Result<(), SandboxError> {
+        let vm = sb.vm();
         // The vCPU threads inherit the affinity of the thread creating them.
         let before = affinity::host_cores()?;
         affinity::pin(0, &sb.config.cores)?;
-        let started = sb.vm.start();
+        let started = vm.start();
         affinity::pin(0, &before)?;
         started.map_err(|e| SandboxError::Vm(sb.config.name.clone(), e.to_string()))?;
         if sb.config.cores.len() == 1 && sb.config.budget.is_none() {
@@ -222,7 +430,7 @@ impl SandboxSet {
         // The vCPU threads' ids, once they are up (bounded: 1 s).
         let mut tids = Vec::new();
         for _ in 0..1000 {
-            let threads = sb.vm.vcpu_threads();
+            let threads = vm.vcpu_threads();
             if threads.iter().all(|t| t.as_ref().is_some_and(|t| t.tid > 0)) {
                 tids = threads.iter().flatten().map(|t| t.tid).collect();
                 break;
@@ -230,7 +438,7 @@ impl SandboxSet {
             std::thread::sleep(Duration::from_millis(1));
         }
         if tids.is_empty() {
-            sb.vm.stop();
+            vm.stop();
             return Err(SandboxError::Vm(
                 sb.config.name.clone(),
                 "its vCPU threads did not start within 1 s".into(),
@@ -241,10 +449,15 @@ impl SandboxSet {
             affinity::pin(*tid, &[sb.config.cores[i % sb.config.cores.len()]])?;
         }
         if let Some(b) = sb.config.budget {
-            let applied = crate::budget::AppliedBudget::apply(&sb.config.name, b, &tids);
-            let applied = applied.inspect_err(|_| sb.vm.stop())?;
-            self.budgets.lock().unwrap_or_else(std::sync::PoisonError::into_inner)[sb.index] =
-                Some(applied);
+            let mut budgets =
+                self.budgets.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            // A restarted sandbox's new threads join the cgroup it has.
+            let r = match &budgets[sb.index] {
+                Some(applied) => applied.attach(&tids),
+                None => crate::budget::AppliedBudget::apply(&sb.config.name, b, &tids)
+                    .map(|a| budgets[sb.index] = Some(a)),
+            };
+            r.inspect_err(|_| vm.stop())?;
         }
         Ok(())
     }
@@ -263,9 +476,11 @@ impl SandboxSet {
         Ok(())
     }
 
-    /// Waits for every sandbox (one monitor thread each) until it completes,
-    /// fails or `limit` passes; a failed sandbox is stopped and reported
-    /// while the others run on.
+    /// Supervises every sandbox (one monitor thread each: detection and
+    /// its recovery policy) until it completes, is stopped for good, the set
+    /// is asked to stop ([`SandboxSet::request_stop`]) or `limit` passes; a
+    /// failed sandbox is recovered or stopped and reported while the others
+    /// run on.
     pub fn supervise(&self, limit: Duration) -> SetReport {
         let outcomes: Vec<VmOutcome> = std::thread::scope(|s| {
             let handles: Vec<_> = self
@@ -274,7 +489,7 @@ impl SandboxSet {
                 .map(|sb| {
                     std::thread::Builder::new()
                         .name(format!("monitor-{}", sb.config.name))
-                        .spawn_scoped(s, move || sb.vm.wait(limit))
+                        .spawn_scoped(s, move || crate::recovery::run(self, sb, limit))
                 })
                 .collect();
             handles
@@ -301,7 +516,8 @@ impl SandboxSet {
             .iter()
             .zip(outcomes)
             .map(|(sb, o)| {
-                let regs: Vec<_> = sb.vm.control().vcpus.iter().map(|r| r.snapshot()).collect();
+                let vm = sb.vm();
+                let regs: Vec<_> = vm.control().vcpus.iter().map(|r| r.snapshot()).collect();
                 let (verified, problem) = match o {
                     VmOutcome::Completed => verify::check(self, sb, &regs),
                     o => (false, Some(o.message())),
@@ -320,8 +536,11 @@ impl SandboxSet {
                     violations: sb.monitor.violations(),
                     violation_log: sb.monitor.violation_log(),
                     stopped_for_violation,
+                    detections: sb.monitor.detections(),
+                    recoveries: sb.monitor.recoveries(),
+                    gave_up: sb.monitor.gave_up_reason(),
                     throttling: self.throttling(sb.index),
-                    console: sb.vm.console().tail(),
+                    console: vm.console().tail(),
                 }
             })
             .collect();
@@ -337,7 +556,7 @@ impl SandboxSet {
     /// Stops every sandbox.
     pub fn stop_all(&self) {
         for sb in &self.sandboxes {
-            sb.vm.stop();
+            sb.vm().stop();
         }
     }
 }

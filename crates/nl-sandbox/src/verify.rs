@@ -1,13 +1,13 @@
 //! Checking a completed sandbox's result.
 
-use nl_abi::{WORKLOAD_CHANBENCH, WORKLOAD_WILDWRITE};
+use nl_abi::{WORKLOAD_CHANBENCH, WORKLOAD_CHANSTREAM, WORKLOAD_WILDWRITE};
 use nl_devices::control::VcpuRegsSnapshot;
 
 use crate::set::{Sandbox, SandboxSet};
 
 /// Whether the sandbox's result is right, and what is wrong if not.
 pub fn check(set: &SandboxSet, sb: &Sandbox, regs: &[VcpuRegsSnapshot]) -> (bool, Option<String>) {
-    let p = &sb.params;
+    let p = &sb.params();
     let r0 = regs.first().copied().unwrap_or_default();
     match p.kind {
         WORKLOAD_CHANBENCH => {
@@ -17,6 +17,19 @@ pub fn check(set: &SandboxSet, sb: &Sandbox, regs: &[VcpuRegsSnapshot]) -> (bool
                 (true, None)
             } else {
                 (false, Some(format!("chanbench digest {:#x}, expected {want:#x}", r0.digest)))
+            }
+        }
+        WORKLOAD_CHANSTREAM => {
+            if r0.digest == 0 && r0.ops > 0 {
+                (true, None)
+            } else {
+                (
+                    false,
+                    Some(format!(
+                        "chanstream: {} messages received, {} corrupt, lost or duplicated",
+                        r0.ops, r0.digest
+                    )),
+                )
             }
         }
         WORKLOAD_WILDWRITE => {
@@ -68,6 +81,6 @@ pub fn check(set: &SandboxSet, sb: &Sandbox, regs: &[VcpuRegsSnapshot]) -> (bool
 }
 
 fn nl_vmm_boot_info(sb: &Sandbox) -> Result<nl_abi::BootInfo, String> {
-    nl_arch::read_boot_info(sb.vm.memory().mem())
+    nl_arch::read_boot_info(sb.vm().memory().mem())
         .map_err(|e| format!("cannot read the boot info: {e}"))
 }

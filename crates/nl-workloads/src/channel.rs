@@ -185,6 +185,38 @@ impl<'a> Endpoint<'a> {
         })
     }
 
+    /// [`Endpoint::new`] for an end that restarts while its peer runs on:
+    /// when this end's region still acknowledges the peer's current
+    /// generation (the host kept the acknowledgement words, see
+    /// [`withdraw`]), the receiver resumes at that position instead of the
+    /// beginning of the peer's stream, so it neither re-reads records the
+    /// peer has since overwritten nor stalls the peer's sender. Without such
+    /// an acknowledgement (a first start) it is [`Endpoint::new`].
+    pub fn rejoin(
+        own: &'a [AtomicU64],
+        peer: &'a [AtomicU64],
+        gen: u64,
+    ) -> Result<Self, &'static str> {
+        let ack_gen = own.get(W_ACK_GEN).map_or(0, |w| w.load(Acquire));
+        let ack = own.get(W_ACK).map_or(0, |w| w.load(Acquire));
+        let mut ep = Self::new(own, peer, gen)?;
+        let peer_gen = peer[W_GEN].load(Acquire);
+        let head = peer[W_HEAD].load(Acquire);
+        if ack_gen != 0
+            && ack_gen == peer_gen
+            && peer[W_MAGIC].load(Relaxed) == MAGIC
+            && ack <= head
+            && head - ack <= Self::ring_words(peer)
+        {
+            ep.peer_gen = peer_gen;
+            ep.pos = ack;
+            // The next record's sequence number is taken as it comes.
+            ep.next_seq = u64::MAX;
+            ep.ack();
+        }
+        Ok(ep)
+    }
+
     fn ring_words(r: &[AtomicU64]) -> u64 {
         (r.len() - HEADER_WORDS) as u64
     }
@@ -366,6 +398,23 @@ impl<'a> Endpoint<'a> {
     }
 }
 
+/// Withdraws a region whose writer has stopped (the host does this when it
+/// restarts a sandbox): generation 0 (readers stop reading it at once),
+/// head 0 and the ring cleared. The acknowledgement words stay, so the
+/// restarted writer can [`Endpoint::rejoin`] the peer's stream where it
+/// left it.
+pub fn withdraw(own: &[AtomicU64]) {
+    if let Some(g) = own.get(W_GEN) {
+        g.store(0, Release);
+    }
+    if let Some(h) = own.get(W_HEAD) {
+        h.store(0, Release);
+    }
+    for w in own.iter().skip(HEADER_WORDS) {
+        w.store(0, Relaxed);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -536,6 +585,38 @@ mod tests {
         assert_eq!(y.recv(&mut buf), Some(16), "the new y reads x's stream from its start");
         assert_eq!(y.recv(&mut buf), Some(8));
         assert_eq!(y.stats().rejected(), 0);
+    }
+
+    #[test]
+    fn a_restarted_end_rejoins_the_peers_stream_at_its_acknowledgement() {
+        let (a, b) = (region(HEADER_WORDS + 128), region(HEADER_WORDS + 128));
+        let mut x = Endpoint::new(&a, &b, 1).unwrap();
+        let mut y = Endpoint::new(&b, &a, 2).unwrap();
+        let mut buf = [0u8; 64];
+        // Many wraps, so position 0 of x's stream is long overwritten.
+        for i in 0..500u64 {
+            x.send(&payload(i, 40)).unwrap();
+            assert_eq!(y.recv(&mut buf), Some(40));
+        }
+        x.send(&payload(500, 40)).unwrap();
+        // y dies; the host withdraws its region (keeping the ack); it restarts.
+        withdraw(&b);
+        assert_eq!(b[W_GEN].load(Relaxed), 0);
+        let mut y = Endpoint::rejoin(&b, &a, 3).unwrap();
+        assert_eq!(y.recv(&mut buf), Some(40));
+        assert_eq!(&buf[..40], &payload(500, 40)[..]);
+        for i in 501..700u64 {
+            x.send(&payload(i, 40)).unwrap();
+            assert_eq!(y.recv(&mut buf), Some(40), "record {i}");
+        }
+        assert_eq!((y.stats().rejected(), y.stats().resyncs), (0, 0));
+        // Without the kept ack (a plain new endpoint) the stale ring is read
+        // from position 0 and records are rejected.
+        withdraw(&b);
+        b[W_ACK_GEN].store(0, Relaxed);
+        let mut z = Endpoint::rejoin(&b, &a, 4).unwrap();
+        while z.recv(&mut buf).is_some() {}
+        assert!(z.stats().rejected() > 0);
     }
 
     #[test]

@@ -188,3 +188,89 @@ pub fn wildwrite(cpu: u64, boot: &BootInfo) -> ! {
     );
     done(cpu, heap_w + own_w + peer_w, cycles, peer_w)
 }
+
+/// chanstream (`nl_workloads::chanstream`): on every channel, a message
+/// every `stride` µs out and a drain every `data_bytes` µs in, for
+/// `duration_ms` (0: until the VMM stops it). Each heartbeat (about every
+/// 2 ms) writes HEARTBEAT = messages sent, OPS = messages received and
+/// DIGEST = corrupt, lost or duplicated messages plus records the channel
+/// code rejected (0 when healthy), so the
+/// host watches the service while it runs.
+pub fn chanstream(cpu: u64, boot: &BootInfo) -> ! {
+    use nl_workloads::chanstream::{drain, send, Counters, Lane};
+    if cpu != 0 {
+        done(cpu, 0, 0, 0);
+    }
+    let n = boot.num_channels.min(nl_abi::MAX_CHANNELS as u64) as usize;
+    let gen = rdtsc() | 1;
+    let mut eps: [Option<Endpoint<'static>>; nl_abi::MAX_CHANNELS] = Default::default();
+    let mut lanes = [Lane::default(); nl_abi::MAX_CHANNELS];
+    for i in 0..n {
+        let (own, peer) = regions(cpu, boot, i);
+        eps[i] = match Endpoint::rejoin(own, peer, gen) {
+            Ok(e) => Some(e),
+            Err(_) => fail(cpu, ERR_BAD_BOOT_INFO, own.len() as u64),
+        };
+        lanes[i] = Lane::new(boot.channels[i].peer);
+    }
+    let p = boot.workload;
+    let khz = boot.tsc_khz.max(1);
+    let send_every = p.stride.saturating_mul(khz) / 1000;
+    let recv_every = p.data_bytes.saturating_mul(khz) / 1000;
+    let beat_every = 2 * khz;
+    let end = if p.duration_ms == 0 { u64::MAX } else { p.duration_ms.saturating_mul(khz) };
+    let mut c = Counters::default();
+    ctl_write(cpu, reg::PHASE, PHASE_MEASURE_START);
+    let start = rdtsc();
+    let (mut next_send, mut next_recv, mut next_beat) = (start, start, start);
+    loop {
+        let now = rdtsc();
+        if now.wrapping_sub(start) >= end {
+            break;
+        }
+        if now >= next_send {
+            for ep in eps.iter_mut().flatten() {
+                send(ep, boot.sandbox, &mut c);
+            }
+            next_send = if send_every == 0 {
+                now
+            } else {
+                next_send.saturating_add(send_every).max(now.saturating_sub(send_every))
+            };
+        }
+        if now >= next_recv {
+            for (ep, lane) in eps.iter_mut().zip(lanes.iter_mut()) {
+                if let Some(ep) = ep {
+                    drain(ep, lane, &mut c, 4096);
+                }
+            }
+            next_recv = if recv_every == 0 {
+                now
+            } else {
+                next_recv.saturating_add(recv_every).max(now.saturating_sub(recv_every))
+            };
+        }
+        if now >= next_beat {
+            ctl_write(cpu, reg::OPS, c.received);
+            ctl_write(cpu, reg::DIGEST, c.errors() + rejected(&eps));
+            ctl_write(cpu, reg::HEARTBEAT, c.sent);
+            next_beat = now + beat_every;
+        }
+        core::hint::spin_loop();
+    }
+    let cycles = rdtsc().wrapping_sub(start);
+    let bad = rejected(&eps);
+    print(
+        cpu,
+        format_args!(
+            "chanstream: sent={} received={} corrupt={} lost={} duplicate={} rejected={bad} full={} peer_restarts={}\n",
+            c.sent, c.received, c.corrupt, c.lost, c.duplicate, c.full, c.peer_restarts
+        ),
+    );
+    done(cpu, c.received, cycles, c.errors() + bad)
+}
+
+/// Records the channel code rejected (bad header, length, sequence, CRC).
+fn rejected(eps: &[Option<Endpoint<'static>>]) -> u64 {
+    eps.iter().flatten().map(|e| e.stats().rejected()).sum()
+}

@@ -25,8 +25,8 @@ use nl_abi::{
 };
 use nl_abi::{
     BLK_TEST_MALFORMED, DEVERR_NET_INIT, DEVERR_NO_NET, DMA_NET_BUFS, DMA_NET_RXQ, DMA_NET_TXQ,
-    NET_RX_IRQ, SYS_HALT_IF, VIRTIO_NET_MMIO_GPA, WORKLOAD_CHANBENCH, WORKLOAD_KV,
-    WORKLOAD_NETBENCH, WORKLOAD_WILDWRITE,
+    NET_RX_IRQ, SYS_HALT_IF, VIRTIO_NET_MMIO_GPA, WORKLOAD_CHANBENCH, WORKLOAD_CHANSTREAM,
+    WORKLOAD_KV, WORKLOAD_NETBENCH, WORKLOAD_WILDWRITE,
 };
 use nl_workloads::{Platform, Workload};
 
@@ -321,6 +321,7 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
     match params.kind {
         WORKLOAD_CHANBENCH => chan::chanbench(cpu, boot),
         WORKLOAD_WILDWRITE => chan::wildwrite(cpu, boot),
+        WORKLOAD_CHANSTREAM => chan::chanstream(cpu, boot),
         _ => {}
     }
 

@@ -184,7 +184,7 @@ impl HostFrontend {
             .sandboxes
             .iter()
             .map(|s| {
-                let outcome = s.vm.poll_outcome();
+                let outcome = s.vm().poll_outcome();
                 json!({
                     "name": s.config.name,
                     "state": if outcome.is_some() { "ended" } else { "running" },
@@ -192,7 +192,7 @@ impl HostFrontend {
                     "cores": s.config.cores,
                     "violations": s.monitor.violations(),
                     "violation_log": s.monitor.violation_log(),
-                    "beats": s.vm.control().vcpus.iter().map(|c| c.snapshot().beats).sum::<u64>(),
+                    "beats": s.vm().control().vcpus.iter().map(|c| c.snapshot().beats).sum::<u64>(),
                 })
             })
             .collect();

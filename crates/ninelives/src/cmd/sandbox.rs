@@ -42,7 +42,7 @@ pub fn run(a: SandboxArgs) -> Result<ExitCode> {
         .with_context(|| format!("sandbox configuration {}", a.config.display()))?;
     for sb in &set.sandboxes {
         println!(
-            "sandbox {}: {} MiB, {} vCPU(s) on cores {:?}, workload {}, {} channel(s), on violation: {:?}",
+            "sandbox {}: {} MiB, {} vCPU(s) on cores {:?}, workload {}, {} channel(s), on violation: {:?}, recovery: {}",
             sb.config.name,
             sb.config.mem_mib,
             sb.config.vcpus(),
@@ -50,6 +50,7 @@ pub fn run(a: SandboxArgs) -> Result<ExitCode> {
             sb.config.workload.kind,
             set.config.channels_of(&sb.config.name).len(),
             sb.config.on_violation,
+            sb.config.recovery.policy.name(),
         );
     }
     println!("isolation audit: {} memory slots checked, passed", set.mappings.len());
@@ -67,6 +68,26 @@ pub fn run(a: SandboxArgs) -> Result<ExitCode> {
                 "  violation: sandbox {} vCPU {} wrote {} byte(s) at gpa {:#x} (rip {:#x})",
                 v.sandbox, v.cpu, v.len, v.gpa, v.rip
             );
+        }
+        for r in &s.recoveries {
+            let ph = &r.phases;
+            let at = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}"));
+            println!(
+                "  recovery ({}) after {} at {:.1} ms: {}; phases (ms after detection): stopped {}, peers notified {}, new image {}, re-entry {}, guest init {}, first message {}",
+                r.policy,
+                r.detection.detector.name(),
+                r.detection.at_ms,
+                if r.ok { "ok".to_string() } else { format!("FAILED: {}", r.error.clone().unwrap_or_default()) },
+                at(ph.stopped_ms),
+                at(ph.notified_ms),
+                at(ph.image_ms),
+                at(ph.reentry_ms),
+                at(ph.guest_init_ms),
+                at(ph.first_reply_ms)
+            );
+        }
+        if let Some(why) = &s.gave_up {
+            println!("  {why}");
         }
     }
     for c in &report.channels {

@@ -10,6 +10,7 @@ pub mod rejuvenate_cache;
 pub mod rejuvenate_ping;
 pub mod replicate;
 pub mod sandbox;
+pub mod sandbox_recovery;
 pub mod seccomp;
 
 use std::process::ExitCode;
@@ -151,6 +152,9 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         Some(BenchMechanism::Recovery(c)) => return crate::bench::recovery::bench_recovery(c),
         Some(BenchMechanism::Hostile(c)) => return crate::bench::hostile::bench(c),
         Some(BenchMechanism::Sandbox(c)) => return crate::bench::sandbox::bench(c),
+        Some(BenchMechanism::SandboxRecovery(c)) => {
+            return crate::bench::sandbox_recovery::bench(c)
+        }
         None => {}
     }
     if !(a.duration.is_finite() && a.duration > 0.0) {

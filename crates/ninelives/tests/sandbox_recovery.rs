@@ -1,0 +1,354 @@
+//! Sandbox fault recovery (Quest-V): per-sandbox detection and the local
+//! recovery policies, with healthy sandboxes running on untouched.
+//!
+//! Every wait is bounded in count and time; nothing asserts on timing.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::kvm_available;
+use nl_checkpoint::inject::GuestFault;
+use nl_sandbox::detect::Detector;
+use nl_sandbox::{Images, SandboxSet, SetConfig, SetReport};
+use nl_vmm::VmOutcome;
+
+fn images() -> Images {
+    Images {
+        kernel: Arc::new(nl_guest::KERNEL_ELF.to_vec()),
+        user: Arc::new(nl_guest::USER_ELF.to_vec()),
+    }
+}
+
+fn cores() -> [usize; 2] {
+    let c = nl_sandbox::affinity::host_cores().expect("affinity");
+    [c[0], *c.last().expect("a core")]
+}
+
+fn set(text: &str) -> SandboxSet {
+    let kvm = nl_vmm::open_kvm().expect("kvm");
+    SandboxSet::create(&kvm, SetConfig::parse(text).expect("config"), &images())
+        .expect("sandbox set")
+}
+
+/// Polls `f` every 2 ms until it holds or `limit` passes.
+fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    for _ in 0..(limit.as_millis() / 2 + 1) {
+        if f() {
+            return;
+        }
+        if t.elapsed() > limit {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    panic!("timed out after {limit:?} waiting for {what}");
+}
+
+/// Words both ends of channel `c` have consumed of each other's stream.
+fn consumed(s: &SandboxSet, c: usize) -> u64 {
+    let st = s.channel_stats();
+    st[c].regions[0].ack_words + st[c].regions[1].ack_words
+}
+
+/// Runs `body` while the set is supervised; then stops the set and
+/// returns its report.
+fn supervised(s: &SandboxSet, limit: Duration, body: impl FnOnce(&SandboxSet)) -> SetReport {
+    s.start_all().expect("start");
+    std::thread::scope(|scope| {
+        let h = scope.spawn(|| s.supervise(limit));
+        // A failed check still stops the set, so the test ends at once.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(s)));
+        s.request_stop();
+        let report = h.join().expect("supervision");
+        if let Err(p) = r {
+            std::panic::resume_unwind(p);
+        }
+        report
+    })
+}
+
+/// An unmapped RIP: the next instruction faults (#PF) in guest ring 3.
+const BAD_RIP: GuestFault = GuestFault::Register { cpu: 0, reg: "rip", bit: 40 };
+
+fn three(svc_extra: &str) -> String {
+    three_at(svc_extra, 1000)
+}
+
+/// svc, p, q; p sends every `p_every_us`.
+fn three_at(svc_extra: &str, p_every_us: u64) -> String {
+    let [c0, c1] = cores();
+    format!(
+        r#"{{"sandboxes": [
+            {{"name": "svc", "cores": [{c0}], "mem_mib": 48, {svc_extra}
+              "workload": {{"kind": "chanstream", "duration_ms": 0, "send_every_us": 1000}}}},
+            {{"name": "p", "cores": [{c1}], "mem_mib": 48, "workload": {{"kind": "chanstream", "duration_ms": 0, "send_every_us": {p_every_us}}}}},
+            {{"name": "q", "cores": [{c0}], "mem_mib": 48, "workload": {{"kind": "chanstream", "duration_ms": 0, "send_every_us": 1000}}}}
+        ], "channels": [{{"name": "sp", "between": ["svc", "p"]}}, {{"name": "pq", "between": ["p", "q"]}}]}}"#
+    )
+}
+
+/// The healthy sandboxes lost, corrupted or rejected nothing and kept
+/// going (`names` ending in '?' have a peer that may never send).
+fn healthy(r: &SetReport, names: &[&str]) {
+    for n in names {
+        let quiet_peer = n.ends_with('?');
+        let n = &n.trim_end_matches('?');
+        let sb = r.sandboxes.iter().find(|s| s.name == *n).expect("sandbox");
+        assert_eq!(sb.outcome, VmOutcome::Stopped, "{n}: {}", sb.message);
+        assert!(quiet_peer || sb.ops > 0, "{n} received nothing");
+        assert_eq!(
+            sb.digest, 0,
+            "{n}: messages corrupt, lost, duplicated or rejected\n{}",
+            sb.console
+        );
+        assert!(sb.detections.is_empty(), "{n}: {:?}", sb.detections);
+        assert!(sb.recoveries.is_empty(), "{n}");
+    }
+}
+
+#[test]
+fn restart_recovers_a_faulted_sandbox_while_its_peers_run_on_untouched() {
+    if !kvm_available() {
+        return;
+    }
+    // p sends fast, so its stream to svc wraps the ring before the fault:
+    // the restarted svc must resume at its acknowledgement, not re-read
+    // overwritten records.
+    let s = set(&three_at(r#""recovery": {"policy": "restart"},"#, 50));
+    let r = supervised(&s, Duration::from_secs(120), |s| {
+        let svc = s.get("svc").expect("svc");
+        wait_for("p's stream to svc wrapping its ring", Duration::from_secs(90), || {
+            consumed(s, 0) > 1000
+                && consumed(s, 1) > 1000
+                && s.channel_stats()[0].regions[1].head_words > nl_abi::CHANNEL_REGION_BYTES / 8
+        });
+        let tids = |n: &str| {
+            s.get(n)
+                .expect("sb")
+                .vm()
+                .vcpu_threads()
+                .iter()
+                .map(|t| t.map(|t| t.tid))
+                .collect::<Vec<_>>()
+        };
+        let (p_tids, q_tids) = (tids("p"), tids("q"));
+        s.inject("svc", &BAD_RIP).expect("inject");
+        wait_for("the detection", Duration::from_secs(30), || !svc.monitor.detections().is_empty());
+        let at_detection = consumed(s, 1);
+        let mut progressed = false;
+        wait_for("the recovery", Duration::from_secs(60), || {
+            progressed |= consumed(s, 1) > at_detection;
+            assert!(!s.get("p").expect("p").vm().is_paused());
+            assert!(!s.get("q").expect("q").vm().is_paused());
+            svc.monitor.recovery_count() == 1
+        });
+        progressed |= consumed(s, 1) > at_detection;
+        assert!(progressed, "the healthy pair made no progress during the recovery");
+        assert_eq!(
+            (tids("p"), tids("q")),
+            (p_tids, q_tids),
+            "the peers' vCPU threads are the same"
+        );
+        // The restarted sandbox serves again on its channel.
+        let before = consumed(s, 0);
+        wait_for("svc streaming again", Duration::from_secs(30), || consumed(s, 0) > before + 500);
+    });
+    healthy(&r, &["p", "q"]);
+    let svc = &r.sandboxes[0];
+    assert_eq!(svc.detections.len(), 1, "{:?}", svc.detections);
+    let d = &svc.detections[0];
+    assert_eq!(d.sandbox, "svc");
+    assert_eq!(d.detector, Detector::GuestException, "{}", d.detail);
+    let rec = &svc.recoveries[0];
+    assert!(rec.ok && rec.policy == "restart", "{rec:?}");
+    let ph = &rec.phases;
+    assert!(ph.stopped_ms.is_some() && ph.image_ms.is_some() && ph.reentry_ms.is_some());
+    assert!(ph.guest_init_ms.is_some() && ph.first_reply_ms.is_some(), "{ph:?}");
+    // The new incarnation rejoined p's stream: nothing rejected or lost.
+    assert_eq!(svc.digest, 0, "{}", svc.console);
+    assert!(svc.ops > 0);
+    assert!(svc.gave_up.is_none());
+}
+
+#[test]
+fn replace_restarts_a_violating_sandbox_with_its_alternative_workload() {
+    if !kvm_available() {
+        return;
+    }
+    let [c0, c1] = cores();
+    let s = set(&format!(
+        r#"{{"sandboxes": [
+            {{"name": "a", "cores": [{c0}], "mem_mib": 48, "workload": {{"kind": "wildwrite", "seed": 3}},
+              "recovery": {{"policy": "replace", "replace_with": {{"kind": "chanstream", "duration_ms": 0}}}}}},
+            {{"name": "b", "cores": [{c1}], "mem_mib": 48, "workload": {{"kind": "chanstream", "duration_ms": 0}}}}
+        ], "channels": [{{"name": "ab", "between": ["a", "b"]}}]}}"#
+    ));
+    let r = supervised(&s, Duration::from_secs(120), |s| {
+        let a = s.get("a").expect("a");
+        wait_for("the replacement", Duration::from_secs(60), || a.monitor.recovery_count() == 1);
+        let before = consumed(s, 0);
+        wait_for("a streaming", Duration::from_secs(30), || consumed(s, 0) > before + 500);
+    });
+    let a = &r.sandboxes[0];
+    assert_eq!(a.detections.len(), 1, "{:?}", a.detections);
+    assert_eq!(a.detections[0].detector, Detector::ChannelViolation);
+    assert_eq!(a.recoveries[0].policy, "replace");
+    assert_eq!(a.violations, 1, "stopped at its first stray write");
+    assert!(a.console.contains("chanstream") || a.ops > 0, "a runs chanstream now");
+    assert_eq!(a.digest, 0);
+    assert!(a.ops > 0);
+    healthy(&r, &["b"]);
+}
+
+#[test]
+fn a_fault_that_recurs_beyond_its_bound_ends_in_a_report_not_a_loop() {
+    if !kvm_available() {
+        return;
+    }
+    let [c0, c1] = cores();
+    let s = set(&format!(
+        r#"{{"sandboxes": [
+            {{"name": "a", "cores": [{c0}], "mem_mib": 48, "workload": {{"kind": "wildwrite", "seed": 5}},
+              "recovery": {{"policy": "restart", "max_recoveries": 3, "window_ms": 600000}}}},
+            {{"name": "b", "cores": [{c1}], "mem_mib": 48, "workload": {{"kind": "chanstream", "duration_ms": 0}}}}
+        ], "channels": [{{"name": "ab", "between": ["a", "b"]}}]}}"#
+    ));
+    let r = supervised(&s, Duration::from_secs(120), |s| {
+        let a = s.get("a").expect("a");
+        wait_for("a to give up", Duration::from_secs(90), || a.monitor.gave_up_reason().is_some());
+    });
+    let a = &r.sandboxes[0];
+    assert_eq!(a.recoveries.len(), 3, "{:?}", a.recoveries);
+    assert_eq!(a.detections.len(), 4);
+    assert!(a.detections.iter().all(|d| d.detector == Detector::ChannelViolation));
+    let why = a.gave_up.as_deref().expect("gave up");
+    assert!(why.contains("gave up") && why.contains("max_recoveries"), "{why}");
+    assert!(a.stopped_for_violation, "{}", a.message);
+    healthy(&r, &["b?"]);
+}
+
+#[test]
+fn lost_heartbeat_is_judged_on_vcpu_time_not_wall_time() {
+    if !kvm_available() {
+        return;
+    }
+    let s =
+        set(&three(r#""recovery": {"policy": "restart"}, "detect": {"heartbeat_cpu_ms": 300},"#));
+    let r = supervised(&s, Duration::from_secs(120), |s| {
+        wait_for("streaming", Duration::from_secs(60), || consumed(s, 1) > 500);
+        // q paused for far longer than the heartbeat bound in wall time:
+        // its vCPU does not run, so it is not hung.
+        let q = s.get("q").expect("q");
+        q.vm().pause();
+        std::thread::sleep(Duration::from_millis(1500));
+        q.vm().resume();
+        // svc spins in place: its vCPU runs but never beats.
+        s.inject("svc", &GuestFault::Spin { cpu: 0 }).expect("inject");
+        let svc = s.get("svc").expect("svc");
+        wait_for("the restart", Duration::from_secs(60), || svc.monitor.recovery_count() == 1);
+    });
+    let svc = &r.sandboxes[0];
+    assert_eq!(svc.detections[0].detector, Detector::LostHeartbeat, "{:?}", svc.detections);
+    healthy(&r, &["p", "q"]);
+}
+
+#[test]
+fn a_receiver_that_stops_consuming_is_caught_by_the_channel_lag_detector() {
+    if !kvm_available() {
+        return;
+    }
+    let [c0, c1] = cores();
+    let s = set(&format!(
+        r#"{{"sandboxes": [
+            {{"name": "slow", "cores": [{c0}], "mem_mib": 48,
+              "workload": {{"kind": "memwrite", "ws_mib": 4, "duration_ms": 600000}},
+              "detect": {{"channel_lag_words": 2000, "channel_lag_cpu_ms": 100}}}},
+            {{"name": "fast", "cores": [{c1}], "mem_mib": 48, "workload": {{"kind": "chanstream", "duration_ms": 0, "send_every_us": 100}}}}
+        ], "channels": [{{"name": "sf", "between": ["slow", "fast"]}}]}}"#
+    ));
+    let r = supervised(&s, Duration::from_secs(120), |s| {
+        let slow = s.get("slow").expect("slow");
+        wait_for("the lag detection", Duration::from_secs(60), || {
+            !slow.monitor.detections().is_empty()
+        });
+        // The policy is stop: the sandbox ends.
+        wait_for("slow stopped", Duration::from_secs(30), || slow.vm().poll_outcome().is_some());
+    });
+    let slow = &r.sandboxes[0];
+    let d = &slow.detections[0];
+    assert_eq!((d.sandbox.as_str(), d.detector), ("slow", Detector::ChannelLag), "{}", d.detail);
+    assert!(d.detail.contains("channel 'sf'"), "{}", d.detail);
+    assert!(slow.recoveries.is_empty());
+    assert!(
+        matches!(&slow.outcome, VmOutcome::Crashed { message, .. } if message.contains("channel-lag"))
+    );
+    healthy(&r, &["fast?"]);
+}
+
+#[test]
+fn rollback_recovers_in_place_and_the_sandbox_keeps_its_state() {
+    if !kvm_available() {
+        return;
+    }
+    let [c0, c1] = cores();
+    let s = set(&format!(
+        r#"{{"sandboxes": [
+            {{"name": "m", "cores": [{c0}], "mem_mib": 48,
+              "workload": {{"kind": "memwrite", "ws_mib": 2, "duration_ms": 2000}},
+              "recovery": {{"policy": "rollback", "checkpoint_interval_ms": 100}}}},
+            {{"name": "p", "cores": [{c1}], "mem_mib": 48, "workload": {{"kind": "chanstream", "duration_ms": 0}}}},
+            {{"name": "q", "cores": [{c0}], "mem_mib": 48, "workload": {{"kind": "chanstream", "duration_ms": 0}}}}
+        ], "channels": [{{"name": "pq", "between": ["p", "q"]}}]}}"#
+    ));
+    s.get("m").expect("m").set_script(vec![(Duration::from_millis(1000), BAD_RIP)]);
+    let r = supervised(&s, Duration::from_secs(120), |s| {
+        let m = s.get("m").expect("m");
+        // Its detections are reported when its supervised run ends.
+        wait_for("m to complete", Duration::from_secs(100), || m.monitor.recovery_count() == 1);
+    });
+    let m = &r.sandboxes[0];
+    assert_eq!(m.outcome, VmOutcome::Completed, "{}\n{}", m.message, m.console);
+    assert!(m.verified, "state kept across the rollback: {:?}", m.problem);
+    assert_eq!(m.recoveries.len(), 1, "{:?}", m.recoveries);
+    assert_eq!(m.recoveries[0].policy, "rollback");
+    assert_eq!(m.detections[0].sandbox, "m");
+    healthy(&r, &["p", "q"]);
+}
+
+#[test]
+fn a_failed_restart_leaves_the_sandbox_stopped_and_reported() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ram = dir.path().join("svc-ram");
+    let s = set(&three(&format!(
+        r#""recovery": {{"policy": "restart"}}, "memory_file": "{}","#,
+        ram.display()
+    )));
+    let r = supervised(&s, Duration::from_secs(120), |s| {
+        wait_for("streaming", Duration::from_secs(60), || consumed(s, 1) > 500);
+        // Someone replaced the audited memory file: the restart must refuse it.
+        std::fs::remove_file(&ram).expect("remove");
+        s.inject("svc", &BAD_RIP).expect("inject");
+        let svc = s.get("svc").expect("svc");
+        wait_for("the failed recovery", Duration::from_secs(60), || {
+            !svc.monitor.recoveries().is_empty()
+        });
+        let before = consumed(s, 1);
+        wait_for("the peers running on", Duration::from_secs(30), || consumed(s, 1) > before + 200);
+    });
+    let svc = &r.sandboxes[0];
+    let rec = &svc.recoveries[0];
+    assert!(!rec.ok, "{rec:?}");
+    assert!(
+        rec.error.as_deref().unwrap_or("").contains("no longer the file the audit checked"),
+        "{rec:?}"
+    );
+    assert!(matches!(svc.outcome, VmOutcome::GuestError { .. }), "{}", svc.message);
+    assert!(s.get("svc").expect("svc").vm().poll_outcome().is_some(), "stopped, not half-restored");
+    healthy(&r, &["p", "q"]);
+}

@@ -1,0 +1,251 @@
+//! The per-sandbox detectors. Each detection names the sandbox and the
+//! detector that fired; the monitor logs it, prints it on stderr, publishes
+//! it in nl-vmm's event log and applies the sandbox's recovery policy.
+//!
+//! * `channel-violation`: a write to a read-only channel page (reported by
+//!   the VMM through [`crate::monitor::Monitor`]'s write guard; policy
+//!   `on_violation: stop` ends the vCPU with `ERR_CHANNEL_VIOLATION`).
+//! * `guest-error`, `guest-exception`: the guest reported an error or an
+//!   unhandled exception through the control device.
+//! * `triple-fault`, `emulation-failure`, `vcpu-crash`: the vCPU loop ended
+//!   on KVM_EXIT_SHUTDOWN, KVM_EXIT_INTERNAL_ERROR or another crash.
+//! * `lost-heartbeat`: no guest progress (heartbeats or control events)
+//!   while every live vCPU ran `detect.heartbeat_cpu_ms` on a CPU; judged
+//!   on the vCPU threads' guest time ([`nl_vmm::progress::HangJudge`]), so
+//!   a sandbox that is merely descheduled on a loaded host is never blamed.
+//! * `channel-lag`: a peer published more than `detect.channel_lag_words`
+//!   words on a channel that this sandbox did not consume while its vCPUs
+//!   ran `detect.channel_lag_cpu_ms` (Quest-V's ring-index check).
+
+use std::time::{Duration, Instant};
+
+use nl_vmm::progress::{GuestClock, HangJudge};
+use nl_vmm::{Vm, VmOutcome};
+use serde::Serialize;
+
+use crate::channel::HostChannel;
+use crate::config::DetectConfig;
+
+/// Which detector fired.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Detector {
+    ChannelViolation,
+    GuestError,
+    GuestException,
+    TripleFault,
+    EmulationFailure,
+    VcpuCrash,
+    LostHeartbeat,
+    ChannelLag,
+}
+
+impl Detector {
+    pub fn name(self) -> &'static str {
+        match self {
+            Detector::ChannelViolation => "channel-violation",
+            Detector::GuestError => "guest-error",
+            Detector::GuestException => "guest-exception",
+            Detector::TripleFault => "triple-fault",
+            Detector::EmulationFailure => "emulation-failure",
+            Detector::VcpuCrash => "vcpu-crash",
+            Detector::LostHeartbeat => "lost-heartbeat",
+            Detector::ChannelLag => "channel-lag",
+        }
+    }
+
+    /// The detector behind a rollback reason of nl-checkpoint's supervisor
+    /// (an outcome's message or its hang verdict).
+    pub fn of_reason(reason: &str) -> Self {
+        if reason.contains("isolation violation") {
+            Detector::ChannelViolation
+        } else if reason.contains("heartbeating") {
+            Detector::LostHeartbeat
+        } else if reason.contains("triple fault") {
+            Detector::TripleFault
+        } else if reason.contains("emulat") || reason.contains("internal error") {
+            Detector::EmulationFailure
+        } else if reason.contains("crashed") {
+            Detector::VcpuCrash
+        } else if reason.contains("exception") {
+            Detector::GuestException
+        } else {
+            Detector::GuestError
+        }
+    }
+}
+
+/// One detection.
+#[derive(Clone, Debug, Serialize)]
+pub struct Detection {
+    pub sandbox: String,
+    pub detector: Detector,
+    pub detail: String,
+    /// Since the set started supervising.
+    pub at_ms: f64,
+}
+
+/// The detector for a finished VM's outcome (`None`: not a fault).
+pub fn of_outcome(o: &VmOutcome) -> Option<(Detector, String)> {
+    let d = match o {
+        VmOutcome::Completed | VmOutcome::Stopped | VmOutcome::TimedOut { .. } => return None,
+        VmOutcome::GuestError { code, .. } if *code == nl_abi::ERR_CHANNEL_VIOLATION => {
+            Detector::ChannelViolation
+        }
+        VmOutcome::GuestError { code, .. }
+            if (nl_abi::ERR_EXCEPTION_BASE..nl_abi::ERR_EXCEPTION_BASE + 256).contains(code) =>
+        {
+            Detector::GuestException
+        }
+        VmOutcome::GuestError { .. } => Detector::GuestError,
+        VmOutcome::Crashed { message, .. } => Detector::of_reason(message),
+        VmOutcome::Hung { .. } => Detector::LostHeartbeat,
+    };
+    Some((d, o.message()))
+}
+
+/// A channel this sandbox receives on: which channel, and which region is
+/// the peer's (the sandbox acknowledges in the other one).
+#[derive(Clone, Copy, Debug)]
+struct LagWatch {
+    channel: usize,
+    peer_region: usize,
+    /// The acknowledgement and the sandbox's clock when the lag was first
+    /// seen above the bound (or the ack last moved).
+    since: Option<(u64, u64)>,
+}
+
+/// The running detectors of one sandbox's VM (outcome, heartbeat, channel
+/// lag). Reset after each recovery.
+pub struct Detectors {
+    cfg: DetectConfig,
+    clock: GuestClock,
+    judge: HangJudge,
+    lag: Vec<LagWatch>,
+    next_slow: Instant,
+}
+
+/// How often the detectors that read /proc and the channel headers run.
+pub const SLOW_PERIOD: Duration = Duration::from_millis(5);
+
+impl Detectors {
+    /// `receives`: (channel index, the peer's region) for each of the
+    /// sandbox's channels.
+    pub fn new(cfg: &DetectConfig, vcpus: usize, receives: &[(usize, usize)]) -> Self {
+        Self {
+            cfg: cfg.clone(),
+            clock: GuestClock::new(vcpus),
+            judge: HangJudge::new(cfg.heartbeat_cpu_ms.saturating_mul(1_000_000)),
+            lag: receives
+                .iter()
+                .map(|&(channel, peer_region)| LagWatch { channel, peer_region, since: None })
+                .collect(),
+            next_slow: Instant::now(),
+        }
+    }
+
+    /// Forgets all history (a new VM, or a rollback).
+    pub fn reset(&mut self, vcpus: usize) {
+        self.clock = GuestClock::new(vcpus);
+        self.judge.reset();
+        for l in &mut self.lag {
+            l.since = None;
+        }
+    }
+
+    /// One round: the VM's outcome if it ended (`Err`: not a fault, e.g.
+    /// completed), else the heartbeat and channel-lag detectors.
+    pub fn poll(
+        &mut self,
+        vm: &Vm,
+        channels: &[HostChannel],
+    ) -> Option<Result<(Detector, String), VmOutcome>> {
+        if let Some(o) = vm.poll_outcome() {
+            return Some(of_outcome(&o).ok_or(o));
+        }
+        if Instant::now() < self.next_slow {
+            return None;
+        }
+        self.next_slow = Instant::now() + SLOW_PERIOD;
+        let clock = self.clock.update(&vm.vcpu_threads()).to_vec();
+        let live = self.clock.live();
+        if vm.is_paused() {
+            self.judge.reset();
+            return None;
+        }
+        if let Some(h) = self.judge.observe(vm.progress_marker(), &clock, &live) {
+            return Some(Ok((
+                Detector::LostHeartbeat,
+                format!("no heartbeat while its vCPUs ran {} ms", h.ran_ns / 1_000_000),
+            )));
+        }
+        let bound = self.cfg.channel_lag_words?;
+        let now = clock.iter().zip(&live).filter(|(_, l)| **l).map(|(c, _)| *c).min()?;
+        let grace = self.cfg.channel_lag_cpu_ms.saturating_mul(1_000_000);
+        for l in &mut self.lag {
+            let Some(c) = channels.get(l.channel) else { continue };
+            let peer = c.header(l.peer_region);
+            let own = c.header(1 - l.peer_region);
+            if peer.generation == 0 {
+                l.since = None;
+                continue;
+            }
+            let ack = if own.ack_generation == peer.generation { own.ack_words } else { 0 };
+            let lag = peer.head_words.saturating_sub(ack);
+            if lag <= bound {
+                l.since = None;
+                continue;
+            }
+            match l.since {
+                Some((a, t)) if a == ack => {
+                    if now.saturating_sub(t) >= grace {
+                        return Some(Ok((
+                            Detector::ChannelLag,
+                            format!(
+                                "channel '{}': {lag} words published by the peer not consumed (bound {bound}) while the sandbox ran {} ms",
+                                c.name,
+                                now.saturating_sub(t) / 1_000_000
+                            ),
+                        )));
+                    }
+                }
+                _ => l.since = Some((ack, now)),
+            }
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcomes_map_to_their_detectors() {
+        let ge = |code| VmOutcome::GuestError { cpu: 0, code, info: 0, message: "x".into() };
+        assert_eq!(
+            of_outcome(&ge(nl_abi::ERR_CHANNEL_VIOLATION)).unwrap().0,
+            Detector::ChannelViolation
+        );
+        assert_eq!(
+            of_outcome(&ge(nl_abi::ERR_EXCEPTION_BASE + 13)).unwrap().0,
+            Detector::GuestException
+        );
+        assert_eq!(of_outcome(&ge(nl_abi::ERR_SELF_CHECK)).unwrap().0, Detector::GuestError);
+        let crash = |m: &str| VmOutcome::Crashed { cpu: 0, message: m.into() };
+        assert_eq!(
+            of_outcome(&crash("guest triple fault (last rip 0x1)")).unwrap().0,
+            Detector::TripleFault
+        );
+        assert_eq!(
+            of_outcome(&crash("KVM_EXIT_INTERNAL_ERROR: emulation failure")).unwrap().0,
+            Detector::EmulationFailure
+        );
+        assert_eq!(
+            of_outcome(&VmOutcome::Hung { silent_ms: 5 }).unwrap().0,
+            Detector::LostHeartbeat
+        );
+        assert!(of_outcome(&VmOutcome::Completed).is_none());
+        assert!(of_outcome(&VmOutcome::Stopped).is_none());
+    }
+}

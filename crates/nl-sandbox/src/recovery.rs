@@ -1,0 +1,248 @@
+//! Local recovery of one sandbox, run by its monitor thread while every
+//! other sandbox runs on its own threads, untouched.
+//!
+//! * `stop`: the faulty sandbox is stopped and reported (the default).
+//! * `restart`: its vCPUs are stopped and joined; its own output region of
+//!   every channel is withdrawn (generation 0, ring cleared, the
+//!   acknowledgement kept), which tells the peers at once; a new VM is built
+//!   over fresh memory with the images reloaded and new vCPUs and devices,
+//!   over the same channel windows and write guard; it starts pinned to the
+//!   sandbox's cores and its guest rejoins its channels with a new
+//!   generation (`nl_workloads::channel::Endpoint::rejoin`).
+//! * `replace`: `restart` with the workload `recovery.replace_with`.
+//! * `rollback`: the sandbox runs under nl-checkpoint's [`Supervisor`]
+//!   (CoW-P μCheckpoints in 16-page blocks every
+//!   `recovery.checkpoint_interval_ms`); a detected
+//!   error rolls it back in place, so it keeps its state.
+//!
+//! A recovery that fails leaves the sandbox stopped and reported, never
+//! half-restored. More than `recovery.max_recoveries` faults within
+//! `recovery.window_ms` stop the sandbox with a report instead of another
+//! recovery.
+
+use std::time::{Duration, Instant};
+
+use nl_checkpoint::{CheckpointConfig, Mode, Supervisor};
+use nl_vmm::VmOutcome;
+use serde::Serialize;
+
+use crate::config::RecoveryPolicy;
+use crate::detect::{Detection, Detector, Detectors};
+use crate::set::{Sandbox, SandboxSet};
+
+/// When each phase of a recovery ended, in ms after the detection (Quest-V's
+/// Table 1). `None`: not reached (yet).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Phases {
+    /// The faulty sandbox's vCPUs stopped and joined.
+    pub stopped_ms: Option<f64>,
+    /// Its own channel regions withdrawn: the peers see it at once.
+    pub notified_ms: Option<f64>,
+    /// A new VM over fresh memory, images loaded (restart, replace).
+    pub image_ms: Option<f64>,
+    /// Its vCPU threads started again (re-entry).
+    pub reentry_ms: Option<f64>,
+    /// The guest reinitialised: its workload began (channels rejoined).
+    pub guest_init_ms: Option<f64>,
+    /// The first message it published again (a heartbeat for a sandbox
+    /// without channels).
+    pub first_reply_ms: Option<f64>,
+}
+
+/// One recovery.
+#[derive(Clone, Debug, Serialize)]
+pub struct RecoveryRecord {
+    pub detection: Detection,
+    pub policy: &'static str,
+    pub ok: bool,
+    pub error: Option<String>,
+    pub phases: Phases,
+}
+
+fn ms_since(t: Instant) -> Option<f64> {
+    Some(t.elapsed().as_secs_f64() * 1e3)
+}
+
+/// The monitor loop of one sandbox: detect, recover, until the sandbox
+/// completes, is stopped, gives up or `limit` passes.
+pub(crate) fn run(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome {
+    if sb.config.recovery.policy == RecoveryPolicy::Rollback {
+        return run_rollback(set, sb, limit);
+    }
+    let deadline = Instant::now() + limit;
+    let vcpus = sb.config.vcpus() as usize;
+    let mut det = Detectors::new(&sb.config.detect, vcpus, &set.receives_of(sb.index));
+    // The recovery whose late phases (guest init, first reply) are pending.
+    let mut pending: Option<Pending> = None;
+    let mut recent: Vec<Instant> = Vec::new();
+    loop {
+        let vm = sb.vm();
+        if set.stop_requested() {
+            vm.stop();
+            finish(sb, &mut pending);
+            return VmOutcome::Stopped;
+        }
+        if Instant::now() > deadline {
+            vm.stop();
+            finish(sb, &mut pending);
+            return VmOutcome::TimedOut { limit_ms: limit.as_millis() as u64 };
+        }
+        if let Some(p) = &mut pending {
+            let regs = vm.control().vcpus[0].snapshot();
+            let ph = &mut p.record.phases;
+            if ph.guest_init_ms.is_none() && regs.phase >= nl_abi::PHASE_MEASURE_START {
+                ph.guest_init_ms = ms_since(p.t0);
+            }
+            if ph.first_reply_ms.is_none() && set.replied(sb, regs.beats) {
+                ph.first_reply_ms = ms_since(p.t0);
+            }
+            if ph.first_reply_ms.is_some() && ph.guest_init_ms.is_some() {
+                finish(sb, &mut pending);
+            }
+        }
+        let found = match det.poll(&vm, &set.channels) {
+            None => {
+                let nap = if pending.is_some() { 100 } else { 1000 };
+                std::thread::sleep(Duration::from_micros(nap));
+                continue;
+            }
+            Some(Err(o)) => {
+                finish(sb, &mut pending);
+                return o;
+            }
+            Some(Ok(f)) => f,
+        };
+        let t0 = Instant::now();
+        finish(sb, &mut pending);
+        let (detector, detail) = found;
+        let detection = sb.monitor.detected(detector, detail.clone(), set.elapsed_ms());
+        // Only this sandbox's vCPUs stop; the others run on their threads.
+        vm.stop();
+        let stopped_ms = ms_since(t0);
+        let outcome = match vm.poll_outcome() {
+            Some(o) if o != VmOutcome::Stopped && o != VmOutcome::Completed => o,
+            _ => match detector {
+                Detector::LostHeartbeat => VmOutcome::Hung { silent_ms: 0 },
+                _ => {
+                    VmOutcome::Crashed { cpu: 0, message: format!("{}: {detail}", detector.name()) }
+                }
+            },
+        };
+        let policy = sb.config.recovery.policy;
+        if policy == RecoveryPolicy::Stop {
+            return outcome;
+        }
+        let window = Duration::from_millis(sb.config.recovery.window_ms);
+        recent.retain(|t| t.elapsed() < window);
+        if recent.len() >= sb.config.recovery.max_recoveries as usize {
+            sb.monitor.give_up(format!(
+                "gave up: fault {} within {} ms after {} recoveries (recovery.max_recoveries); last: {} ({detail})",
+                recent.len() + 1,
+                window.as_millis(),
+                recent.len(),
+                detector.name()
+            ));
+            return outcome;
+        }
+        recent.push(t0);
+        let mut phases = Phases { stopped_ms, ..Default::default() };
+        match set.rebuild(sb, policy, t0, &mut phases) {
+            Ok(()) => {
+                det.reset(vcpus);
+                let record = RecoveryRecord {
+                    detection,
+                    policy: policy.name(),
+                    ok: true,
+                    error: None,
+                    phases,
+                };
+                pending = Some(Pending { t0, record });
+            }
+            Err(e) => {
+                sb.monitor.recovered(RecoveryRecord {
+                    detection,
+                    policy: policy.name(),
+                    ok: false,
+                    error: Some(e.to_string()),
+                    phases,
+                });
+                // The old VM is stopped; no new one runs: stopped and reported.
+                sb.vm().stop();
+                return outcome;
+            }
+        }
+    }
+}
+
+/// A recovery whose sandbox runs again, waiting for its late phases.
+struct Pending {
+    t0: Instant,
+    record: RecoveryRecord,
+}
+
+/// Records the pending recovery (with the phases reached so far).
+fn finish(sb: &Sandbox, pending: &mut Option<Pending>) {
+    if let Some(p) = pending.take() {
+        sb.monitor.recovered(p.record);
+    }
+}
+
+/// `rollback`: the sandbox runs under nl-checkpoint's supervisor, which
+/// checkpoints it, detects (outcome, vCPU-time heartbeat) and rolls back.
+fn run_rollback(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome {
+    let vm = sb.vm();
+    let r = &sb.config.recovery;
+    let cfg = CheckpointConfig {
+        // CoW-P in 16-page blocks: write faults cannot starve a writing
+        // guest on a loaded host (nl-checkpoint's own tests do the same).
+        mode: Mode::CowP,
+        block_pages: 16,
+        interval: Duration::from_millis(r.checkpoint_interval_ms),
+        inject: 0,
+        script: sb.take_script(),
+        seed: 1,
+        hang_timeout: Duration::from_millis(sb.config.detect.heartbeat_cpu_ms),
+        latency_bound: None,
+        max_rollbacks: r.max_recoveries,
+        time_limit: limit,
+        disk_every: 0,
+        disk_path: None,
+        disk_key: None,
+    };
+    let start_ms = set.elapsed_ms();
+    // The vCPU threads inherit this thread's affinity.
+    if let Err(e) = crate::affinity::pin(0, &sb.config.cores) {
+        return VmOutcome::Crashed { cpu: 0, message: e.to_string() };
+    }
+    let report = Supervisor::start(&vm, cfg).and_then(|s| s.run());
+    let report = match report {
+        Ok(r) => r,
+        Err(e) => {
+            vm.stop();
+            let message = format!("rollback supervision failed: {e}");
+            sb.monitor.give_up(message.clone());
+            return VmOutcome::Crashed { cpu: 0, message };
+        }
+    };
+    for rb in &report.rollbacks {
+        let detector = Detector::of_reason(&rb.reason);
+        let detection = sb.monitor.detected(detector, rb.reason.clone(), start_ms + rb.at_ms);
+        sb.monitor.recovered(RecoveryRecord {
+            detection,
+            policy: "rollback",
+            ok: true,
+            error: None,
+            phases: Phases {
+                reentry_ms: Some(rb.rollback_ms),
+                first_reply_ms: None,
+                ..Default::default()
+            },
+        });
+    }
+    if let VmOutcome::Crashed { message, .. } = &report.outcome {
+        if message.starts_with("gave up") {
+            sb.monitor.give_up(message.clone());
+        }
+    }
+    report.outcome
+}
