@@ -11,6 +11,7 @@ pub mod rejuvenate_ping;
 pub mod replicate;
 pub mod sandbox;
 pub mod seccomp;
+pub mod unit_costs;
 
 use std::process::ExitCode;
 use std::time::Duration;
