@@ -457,6 +457,7 @@ impl ShadowEngine {
 
     fn checkpoint(&mut self, vm: &Vm) -> Result<IntervalStats, CheckpointError> {
         let (ranges, candidates) = self.candidates(vm)?;
+        let t0 = std::time::Instant::now();
         let mut undo = PageSet::new();
         let st = self.shadow.scan(
             &self.view,
@@ -469,6 +470,10 @@ impl ShadowEngine {
         self.history.push_back(undo);
         let captured = self.capture;
         if let Some(p) = &mut self.policy {
+            // The scan's cost as measured now (the host's load changes it):
+            // per page visited, on one thread.
+            let us = t0.elapsed().as_secs_f64() * 1e6 * self.threads as f64;
+            p.observe_scan(captured, us, st.visited, st.changed);
             // Faults are paid per page written, changed or not: the log's
             // count; the compare capture sees the pages that changed.
             let dirty = if captured == Capture::DirtyLog { candidates } else { st.changed };

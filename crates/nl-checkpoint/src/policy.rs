@@ -131,6 +131,24 @@ impl Policy {
         }
     }
 
+    /// Folds a checkpoint scan's measured cost (`us` of thread time for
+    /// `visited` pages, `changed` of them copied) into the copy or compare
+    /// cost: the start-up calibration runs on a quiet cache, the scans on
+    /// the host as it is. Scans of fewer than 256 pages say too little.
+    pub fn observe_scan(&mut self, capture: Capture, us: f64, visited: usize, changed: usize) {
+        if visited < 256 || !us.is_finite() {
+            return;
+        }
+        let c = &mut self.costs;
+        match capture {
+            Capture::DirtyLog => c.copy_us = 0.5 * c.copy_us + 0.5 * us / visited as f64,
+            Capture::Compare => {
+                let cmp = (us - changed as f64 * c.copy_us).max(0.0) / visited as f64;
+                c.compare_us = 0.5 * c.compare_us + 0.5 * cmp;
+            }
+        }
+    }
+
     /// The interval that just ended wrote `dirty` pages (as far as its
     /// capture saw) out of `allocated`; returns the capture for the next.
     pub fn next(&mut self, dirty: usize, allocated: usize) -> Capture {
@@ -182,6 +200,19 @@ mod tests {
         let alloc = 20000;
         let d = (1..alloc).find(|&d| c.compare_cost_us(alloc, d) < c.log_cost_us(d)).unwrap();
         assert_eq!(p.next(d, alloc), Capture::DirtyLog);
+    }
+
+    #[test]
+    fn a_slow_compare_scan_moves_the_choice_back_to_the_log() {
+        let mut p = Policy::new(costs());
+        // 2000 of 20000 pages: compare (5.5 ms) beats the log (16.5 ms).
+        assert_eq!(p.next(2000, 20000), Capture::Compare);
+        // The scans take 4 us per page on this host as loaded now.
+        for _ in 0..4 {
+            p.observe_scan(Capture::Compare, 20000.0 * 4.0 + 2000.0 * 0.5, 20000, 2000);
+        }
+        assert!(p.costs.compare_us > 3.0, "{}", p.costs.compare_us);
+        assert_eq!(p.next(2000, 20000), Capture::DirtyLog);
     }
 
     #[test]
