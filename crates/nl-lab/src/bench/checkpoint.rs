@@ -387,7 +387,7 @@ pub(crate) fn loadavg() -> f64 {
 }
 
 /// `bench checkpoint --loaded`: the default `checkpoint` configuration
-/// (CoW-P, 50 ms interval, 1 s hang timeout, memwrite) on a host loaded with
+/// (auto, 50 ms interval, 1 s hang timeout, memwrite) on a host loaded with
 /// CPU hogs: fault-free runs must not roll back, and runs with one injected
 /// guest fault must not end in silent data corruption.
 fn loaded(a: &BenchCheckpointArgs) -> Result<ExitCode> {
@@ -397,7 +397,7 @@ fn loaded(a: &BenchCheckpointArgs) -> Result<ExitCode> {
         machine: MachineArgs::default(),
         duration: a.duration.unwrap_or(3.0),
         interval: None,
-        mode: CkptMode::CowP,
+        mode: CkptMode::Auto,
         block_pages: 16,
         inject_guest_fault: inject,
         latency_bound: None,
