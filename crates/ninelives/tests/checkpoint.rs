@@ -83,7 +83,7 @@ fn every_mode_rolls_back_a_memory_fault_and_the_digest_is_right() {
         return;
     }
     let kvm = nl_vmm::open_kvm().unwrap();
-    for mode in [Mode::CowB, Mode::CowP, Mode::DirtyLog] {
+    for mode in [Mode::CowB, Mode::CowP, Mode::DirtyLog, Mode::Compare, Mode::Auto] {
         let vm = Vm::create(&kvm, 0, config(readonly_params(1200), 1)).unwrap();
         let report =
             Supervisor::start(&vm, ckpt(mode, vec![memory_flip()])).unwrap().run().unwrap();
@@ -125,7 +125,7 @@ fn protected_writing_workloads_keep_their_digest_on_two_vcpus() {
         return;
     }
     let kvm = nl_vmm::open_kvm().unwrap();
-    for mode in [Mode::CowB, Mode::CowP, Mode::DirtyLog] {
+    for mode in [Mode::CowB, Mode::CowP, Mode::DirtyLog, Mode::Compare, Mode::Auto] {
         let p =
             nl_abi::WorkloadParams { ws_bytes: 2 << 20, ..params(nl_abi::WORKLOAD_MEMWRITE, 600) };
         let vm = Vm::create(&kvm, 0, config(p, 2)).unwrap();
@@ -363,7 +363,23 @@ fn every_engine_restores_guest_written_memory_byte_for_byte() {
         }
         panic!("the guest wrote fewer than {min} pages in 200 slices");
     };
-    for (mode, block) in [(Mode::CowB, 1), (Mode::CowP, 1), (Mode::DirtyLog, 1), (Mode::CowB, 16)] {
+    // The auto engine is also run with its capture forced to alternate
+    // (compare, dirty log, compare), so both switches lie inside the ring.
+    use nl_checkpoint::policy::Capture;
+    let flip = |engine: &mut Engine, vm: &Vm, c: Capture, on: bool| {
+        if on {
+            engine.set_capture(vm, c).unwrap();
+        }
+    };
+    for (mode, block, alternate) in [
+        (Mode::CowB, 1, false),
+        (Mode::CowP, 1, false),
+        (Mode::DirtyLog, 1, false),
+        (Mode::CowB, 16, false),
+        (Mode::Compare, 1, false),
+        (Mode::Auto, 1, false),
+        (Mode::Auto, 1, true),
+    ] {
         let p = nl_abi::WorkloadParams {
             ws_bytes: 2 << 20,
             ..params(nl_abi::WORKLOAD_MEMWRITE, 60_000)
@@ -372,12 +388,15 @@ fn every_engine_restores_guest_written_memory_byte_for_byte() {
         vm.start().unwrap();
         vm.pause();
         let mut engine = Engine::start(mode, &vm, block).unwrap();
+        flip(&mut engine, &vm, Capture::Compare, alternate);
         let at0 = ram(&vm);
         run_until_written(&vm, &at0, 64);
         engine.checkpoint(&vm).unwrap();
+        flip(&mut engine, &vm, Capture::DirtyLog, alternate);
         let at1 = ram(&vm);
         run_until_written(&vm, &at1, 64);
         engine.checkpoint(&vm).unwrap();
+        flip(&mut engine, &vm, Capture::Compare, alternate);
         let at2 = ram(&vm);
         run_until_written(&vm, &at2, 64);
         // CoW-P pre-saves the pages the last interval wrote: the guest
@@ -385,10 +404,10 @@ fn every_engine_restores_guest_written_memory_byte_for_byte() {
         let written = differing_pages(&at2, &ram(&vm)).len();
         let rb = engine.rollback(&vm, 0).unwrap();
         let left = differing_pages(&at2, &ram(&vm));
-        assert!(left.is_empty(), "{mode:?}/{block}: rollback to the newest checkpoint left pages {left:?} of {written} written");
+        assert!(left.is_empty(), "{mode:?}/{block}/{alternate}: rollback to the newest checkpoint left pages {left:?} of {written} written");
         assert!(
             rb.pages >= written,
-            "{mode:?}/{block}: {} pages restored, {written} written",
+            "{mode:?}/{block}/{alternate}: {} pages restored, {written} written",
             rb.pages
         );
         // Back one more interval (the guest wrote since at1 too).
@@ -396,7 +415,7 @@ fn every_engine_restores_guest_written_memory_byte_for_byte() {
         let left = differing_pages(&at1, &ram(&vm));
         assert!(
             left.is_empty(),
-            "{mode:?}/{block}: rollback one interval back left pages {left:?}"
+            "{mode:?}/{block}/{alternate}: rollback one interval back left pages {left:?}"
         );
         assert_eq!(rb.levels, 2);
         // The restored VM runs on and is tracked again: one more interval
@@ -404,7 +423,10 @@ fn every_engine_restores_guest_written_memory_byte_for_byte() {
         run_until_written(&vm, &at1, 16);
         engine.rollback(&vm, 0).unwrap();
         let left = differing_pages(&at1, &ram(&vm));
-        assert!(left.is_empty(), "{mode:?}/{block}: rollback after a rollback left pages {left:?}");
+        assert!(
+            left.is_empty(),
+            "{mode:?}/{block}/{alternate}: rollback after a rollback left pages {left:?}"
+        );
         vm.resume();
         vm.stop();
     }

@@ -18,9 +18,12 @@ use nl_vmm::{Vm, VmOutcome};
 /// latency far above the hang timeout).
 const SPARE_GPA: u64 = nl_abi::USER_HEAP_GPA + (1 << 20);
 
-fn cfg(script: Vec<(Duration, GuestFault)>, max_rollbacks: u32) -> CheckpointConfig {
+/// Every test runs under CoW-P and under auto (the default mode).
+const MODES: [Mode; 2] = [Mode::CowP, Mode::Auto];
+
+fn cfg(mode: Mode, script: Vec<(Duration, GuestFault)>, max_rollbacks: u32) -> CheckpointConfig {
     CheckpointConfig {
-        mode: Mode::CowP,
+        mode,
         block_pages: 16,
         interval: Duration::from_millis(50),
         inject: 0,
@@ -48,37 +51,40 @@ fn an_error_found_late_is_rolled_back_until_the_fault_is_gone() {
         return;
     }
     let kvm = nl_vmm::open_kvm().unwrap();
-    let vm = Vm::create(&kvm, 0, config(params(nl_abi::WORKLOAD_COMPUTE, 2500), 1)).unwrap();
-    let clean = spare_word(&vm);
-    let flip = GuestFault::Memory { gpa: SPARE_GPA, bit: 9 };
-    let mut checks = 0u32;
-    let report = Supervisor::start(&vm, cfg(vec![(Duration::from_millis(300), flip)], 10))
-        .unwrap()
-        .with_result_check(Box::new(|vm: &Vm| {
-            checks += 1;
-            if spare_word(vm) == clean {
-                Ok(())
-            } else {
-                Err("the spare word is corrupted".into())
-            }
-        }))
-        .run()
-        .unwrap();
-    assert_eq!(report.outcome, VmOutcome::Completed, "{report:#?}");
-    assert_eq!(spare_word(&vm), clean, "completed with the fault still in memory");
-    let rbs = &report.rollbacks;
-    assert!(!rbs.is_empty(), "the result check never failed: {report:#?}");
-    assert!(rbs.iter().all(|r| r.reason.contains("result check failed")), "{rbs:#?}");
-    // The last rollback removed the fault; the first, L back, could not
-    // (the fault was seconds of guest time older), so the look-back grew.
-    let last = rbs.last().unwrap();
-    assert!(!last.checkpoint_after_fault, "{rbs:#?}");
-    assert!(
-        rbs.len() == 1 && last.target_is_first || last.recurrence >= 1,
-        "recovered without the look-back growing: {rbs:#?}"
-    );
-    assert_eq!(checks as usize, rbs.len() + 1);
-    assert!(digest_ok_after(&vm));
+    for mode in MODES {
+        let vm = Vm::create(&kvm, 0, config(params(nl_abi::WORKLOAD_COMPUTE, 2500), 1)).unwrap();
+        let clean = spare_word(&vm);
+        let flip = GuestFault::Memory { gpa: SPARE_GPA, bit: 9 };
+        let mut checks = 0u32;
+        let report =
+            Supervisor::start(&vm, cfg(mode, vec![(Duration::from_millis(300), flip)], 10))
+                .unwrap()
+                .with_result_check(Box::new(|vm: &Vm| {
+                    checks += 1;
+                    if spare_word(vm) == clean {
+                        Ok(())
+                    } else {
+                        Err("the spare word is corrupted".into())
+                    }
+                }))
+                .run()
+                .unwrap();
+        assert_eq!(report.outcome, VmOutcome::Completed, "{report:#?}");
+        assert_eq!(spare_word(&vm), clean, "{mode:?}: completed with the fault still in memory");
+        let rbs = &report.rollbacks;
+        assert!(!rbs.is_empty(), "the result check never failed: {report:#?}");
+        assert!(rbs.iter().all(|r| r.reason.contains("result check failed")), "{rbs:#?}");
+        // The last rollback removed the fault; the first, L back, could not
+        // (the fault was seconds of guest time older), so the look-back grew.
+        let last = rbs.last().unwrap();
+        assert!(!last.checkpoint_after_fault, "{rbs:#?}");
+        assert!(
+            rbs.len() == 1 && last.target_is_first || last.recurrence >= 1,
+            "recovered without the look-back growing: {rbs:#?}"
+        );
+        assert_eq!(checks as usize, rbs.len() + 1);
+        assert!(digest_ok_after(&vm));
+    }
 }
 
 #[test]
@@ -87,24 +93,26 @@ fn a_result_that_keeps_failing_its_check_is_never_reported_completed() {
         return;
     }
     let kvm = nl_vmm::open_kvm().unwrap();
-    let vm = Vm::create(&kvm, 0, config(params(nl_abi::WORKLOAD_COMPUTE, 400), 1)).unwrap();
-    let report = Supervisor::start(&vm, cfg(Vec::new(), 3))
-        .unwrap()
-        .with_result_check(Box::new(|_: &Vm| Err("always wrong".into())))
-        .run()
-        .unwrap();
-    match &report.outcome {
-        VmOutcome::Crashed { message, .. } => {
-            assert!(message.contains("gave up after 3 rollbacks"), "{message}");
-            assert!(message.contains("always wrong"), "{message}");
+    for mode in MODES {
+        let vm = Vm::create(&kvm, 0, config(params(nl_abi::WORKLOAD_COMPUTE, 400), 1)).unwrap();
+        let report = Supervisor::start(&vm, cfg(mode, Vec::new(), 3))
+            .unwrap()
+            .with_result_check(Box::new(|_: &Vm| Err("always wrong".into())))
+            .run()
+            .unwrap();
+        match &report.outcome {
+            VmOutcome::Crashed { message, .. } => {
+                assert!(message.contains("gave up after 3 rollbacks"), "{message}");
+                assert!(message.contains("always wrong"), "{message}");
+            }
+            other => panic!("expected the run to give up, got {other:?}"),
         }
-        other => panic!("expected the run to give up, got {other:?}"),
+        assert_eq!(report.rollbacks.len(), 3);
+        // Each recurrence looks further back; the first rollback looks L back.
+        let rec: Vec<u32> = report.rollbacks.iter().map(|r| r.recurrence).collect();
+        assert_eq!(rec[0], 0, "{rec:?}");
+        assert!(rec.windows(2).all(|w| w[1] == w[0] + 1), "{rec:?}");
     }
-    assert_eq!(report.rollbacks.len(), 3);
-    // Each recurrence looks further back; the first rollback looks L back.
-    let rec: Vec<u32> = report.rollbacks.iter().map(|r| r.recurrence).collect();
-    assert_eq!(rec[0], 0, "{rec:?}");
-    assert!(rec.windows(2).all(|w| w[1] == w[0] + 1), "{rec:?}");
 }
 
 /// The guest's digest, replayed on the host.

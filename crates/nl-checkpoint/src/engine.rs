@@ -1,4 +1,5 @@
-//! The checkpoint engines: CoW-B, CoW-P and the dirty-log baseline.
+//! The checkpoint engines: CoW-B, CoW-P, and the shadow-image engines
+//! (dirty-log baseline, fault-free compare, auto).
 //!
 //! Each keeps a ring of checkpoints: DP_cur (pre-write copies from the
 //! interval running now) and a history DP_0 .. DP_n-1 of the intervals
@@ -18,7 +19,9 @@ use nl_vmm::Vm;
 use serde::{Deserialize, Serialize};
 use vm_memory::{Bytes, GuestAddress};
 
-use crate::pages::PageSet;
+use crate::pages::{PagePool, PageSet};
+use crate::policy::{Capture, Policy, UnitCosts};
+use crate::shadow::Shadow;
 use crate::tracker::WriteTracker;
 use crate::{CheckpointError, PAGE};
 
@@ -32,6 +35,13 @@ pub enum Mode {
     CowP,
     /// KVM dirty logging, copying dirty pages into a full shadow image.
     DirtyLog,
+    /// Fault-free: no write tracking; each checkpoint compares every
+    /// allocated page with a full shadow image, on all host cores, while the
+    /// vCPUs are stopped.
+    Compare,
+    /// Dirty log or compare, chosen interval by interval from the dirty rate
+    /// and this host's unit costs ([`crate::policy`]).
+    Auto,
 }
 
 impl Mode {
@@ -40,6 +50,8 @@ impl Mode {
             Mode::CowB => "cow-b",
             Mode::CowP => "cow-p",
             Mode::DirtyLog => "dirty-log",
+            Mode::Compare => "compare",
+            Mode::Auto => "auto",
         }
     }
 }
@@ -53,6 +65,10 @@ pub struct IntervalStats {
     pub faults: u64,
     /// Pages pre-saved at the start of the next interval (CoW-P).
     pub presaved: usize,
+    /// The shadow engines: how the interval was captured.
+    pub capture: Option<Capture>,
+    /// The shadow engines: pages the checkpoint's scan visited.
+    pub scanned: usize,
 }
 
 /// What a rollback did.
@@ -66,7 +82,8 @@ pub struct RollbackStats {
 
 pub enum Engine {
     Cow(CowEngine),
-    DirtyLog(DirtyLogEngine),
+    /// The dirty-log, compare and auto modes.
+    Shadow(ShadowEngine),
 }
 
 impl Engine {
@@ -90,7 +107,9 @@ impl Engine {
                     faults_at_start: 0,
                 })
             }
-            Mode::DirtyLog => Engine::DirtyLog(DirtyLogEngine::start(vm, view)?),
+            Mode::DirtyLog | Mode::Compare | Mode::Auto => {
+                Engine::Shadow(ShadowEngine::start(vm, view, mode)?)
+            }
         })
     }
 
@@ -98,7 +117,7 @@ impl Engine {
     pub fn checkpoint(&mut self, vm: &Vm) -> Result<IntervalStats, CheckpointError> {
         match self {
             Engine::Cow(e) => e.checkpoint(),
-            Engine::DirtyLog(e) => e.checkpoint(vm),
+            Engine::Shadow(e) => e.checkpoint(vm),
         }
     }
 
@@ -114,21 +133,14 @@ impl Engine {
         }
         match self {
             Engine::Cow(e) => e.rollback(undo),
-            Engine::DirtyLog(e) => e.rollback(vm, undo),
+            Engine::Shadow(e) => e.rollback(vm, undo),
         }
     }
 
     fn history(&self) -> &VecDeque<PageSet> {
         match self {
             Engine::Cow(e) => &e.history,
-            Engine::DirtyLog(e) => &e.history,
-        }
-    }
-
-    fn history_mut(&mut self) -> &mut VecDeque<PageSet> {
-        match self {
-            Engine::Cow(e) => &mut e.history,
-            Engine::DirtyLog(e) => &mut e.history,
+            Engine::Shadow(e) => &e.history,
         }
     }
 
@@ -146,7 +158,10 @@ impl Engine {
     /// rolled back to, and the pages both saved are held once (the older
     /// copy, which is what checkpoint 0 needs). Returns the pages freed.
     pub fn merge_oldest(&mut self) -> usize {
-        merge_oldest(self.history_mut())
+        match self {
+            Engine::Shadow(e) => merge_oldest(&mut e.history, Some(&mut e.pool)),
+            Engine::Cow(e) => merge_oldest(&mut e.history, None),
+        }
     }
 
     /// The content page `gpa` had at kept checkpoint `idx` (0 = the oldest
@@ -162,7 +177,7 @@ impl Engine {
     /// so the dirty-log engine must add these; the CoW engines already saw
     /// the write through the write-protected mapping.
     pub fn note_vmm_write(&mut self, gpa: u64) {
-        if let Engine::DirtyLog(e) = self {
+        if let Engine::Shadow(e) = self {
             e.vmm_dirty.insert(gpa & !(PAGE as u64 - 1));
         }
     }
@@ -171,7 +186,28 @@ impl Engine {
     pub fn current_pages(&self) -> usize {
         match self {
             Engine::Cow(e) => e.tracker.current().len(),
-            Engine::DirtyLog(_) => 0,
+            Engine::Shadow(_) => 0,
+        }
+    }
+
+    /// The auto mode's choices so far (None for the other modes).
+    pub fn policy(&self) -> Option<&Policy> {
+        match self {
+            Engine::Shadow(e) => e.policy.as_ref(),
+            Engine::Cow(_) => None,
+        }
+    }
+
+    /// Makes the shadow engines capture the running interval with `capture`
+    /// (the auto mode then goes on choosing from there). Only right after
+    /// [`Engine::start`] or a checkpoint or rollback, with the VM paused:
+    /// writes made before the switch would not be in the new capture's view.
+    pub fn set_capture(&mut self, vm: &Vm, capture: Capture) -> Result<(), CheckpointError> {
+        match self {
+            Engine::Shadow(e) => e.switch(vm, capture),
+            Engine::Cow(_) => Err(CheckpointError::Config(
+                "copy-on-write engines have no capture to choose".into(),
+            )),
         }
     }
 
@@ -179,7 +215,7 @@ impl Engine {
     pub fn error(&self) -> Option<String> {
         match self {
             Engine::Cow(e) => e.tracker.error(),
-            Engine::DirtyLog(_) => None,
+            Engine::Shadow(_) => None,
         }
     }
 }
@@ -187,16 +223,20 @@ impl Engine {
 /// Merges history entry 1 into entry 0 (see [`Engine::merge_oldest`]):
 /// entry 0's copy of a page is the older one and wins; pages only entry 1
 /// saved join it. Returns the pages freed.
-fn merge_oldest(h: &mut VecDeque<PageSet>) -> usize {
+/// Pages are moved, not copied; the duplicates' buffers go to `pool`.
+fn merge_oldest(h: &mut VecDeque<PageSet>, mut pool: Option<&mut PagePool>) -> usize {
     if h.len() < 2 {
         return 0;
     }
-    let newer = h.remove(1).expect("checked");
+    let mut newer = h.remove(1).expect("checked");
     let older = &mut h[0];
     let mut freed = 0;
-    for (gpa, data) in newer.iter() {
-        if !older.save_once(gpa, data) {
+    for (gpa, page) in newer.drain() {
+        if let Some(dup) = older.insert_page(gpa, page) {
             freed += 1;
+            if let Some(p) = pool.as_deref_mut() {
+                p.give(dup);
+            }
         }
     }
     freed
@@ -282,6 +322,8 @@ impl CowEngine {
             pages: ended.len(),
             faults: faults - self.faults_at_start,
             presaved: if self.predict { ended.len() } else { 0 },
+            capture: None,
+            scanned: 0,
         };
         self.faults_at_start = faults;
         let predicted = if self.predict { ended.gpas() } else { Vec::new() };
@@ -331,89 +373,178 @@ fn runs(gpas: &[u64]) -> Vec<(u64, u64)> {
     out
 }
 
-/// The baseline: KVM dirty logging and a full shadow copy of guest memory,
-/// brought up to date at every checkpoint (with an undo log per interval of
-/// the pages it overwrote, to reach back along the ring like the CoW engines).
-pub struct DirtyLogEngine {
-    shadow: Vec<Vec<u8>>,
+/// The shadow-image engines: the dirty-log baseline, the fault-free compare
+/// capture and the auto mode that switches between them interval by
+/// interval ([`crate::policy`]). A full shadow of guest memory is brought up
+/// to date at every checkpoint by a parallel scan ([`crate::shadow`]) of the
+/// dirty log's pages or of every allocated page, with an undo set per
+/// interval of the pages it overwrote, to reach back along the ring like the
+/// CoW engines.
+pub struct ShadowEngine {
+    shadow: Shadow,
     /// Per interval between kept checkpoints, oldest first: the shadow's
     /// pages before that interval's checkpoint overwrote them.
     history: VecDeque<PageSet>,
     /// Pages the VMM wrote since the last checkpoint (not in KVM's log).
     vmm_dirty: std::collections::BTreeSet<u64>,
     view: GuestMemory,
+    /// The running interval's capture.
+    capture: Capture,
+    /// Auto mode: chooses each interval's capture.
+    policy: Option<Policy>,
+    threads: usize,
+    /// Buffers of dropped undo pages, filled again by later checkpoints.
+    pool: PagePool,
 }
 
-impl DirtyLogEngine {
-    fn start(vm: &Vm, view: GuestMemory) -> Result<Self, CheckpointError> {
-        vm.set_dirty_logging(true)?;
-        let mut shadow = Vec::new();
-        for r in view.regions() {
-            let mut img = vec![0u8; r.size as usize];
-            view.mem()
-                .read_slice(&mut img, GuestAddress(r.gpa))
-                .map_err(|e| CheckpointError::GuestMemory { gpa: r.gpa, why: e.to_string() })?;
-            shadow.push(img);
+impl ShadowEngine {
+    fn start(vm: &Vm, view: GuestMemory, mode: Mode) -> Result<Self, CheckpointError> {
+        let threads = crate::shadow::scan_threads();
+        let (capture, policy) = match mode {
+            Mode::Compare => (Capture::Compare, None),
+            Mode::Auto => {
+                let p = Policy::new(UnitCosts::calibrate(crate::policy::LOG_FAULT_US, threads));
+                (p.current, Some(p))
+            }
+            _ => (Capture::DirtyLog, None),
+        };
+        if capture == Capture::DirtyLog {
+            vm.set_dirty_logging(true)?;
         }
-        vm.dirty_bitmaps()?; // clears the log: tracking starts now
-        Ok(Self { shadow, history: VecDeque::new(), vmm_dirty: Default::default(), view })
+        let shadow = Shadow::capture(&view)?;
+        if capture == Capture::DirtyLog {
+            vm.dirty_bitmaps()?; // clears the log: tracking starts now
+        }
+        Ok(Self {
+            shadow,
+            history: VecDeque::new(),
+            vmm_dirty: Default::default(),
+            view,
+            capture,
+            policy,
+            threads,
+            pool: PagePool::default(),
+        })
     }
 
-    /// Pages written since the last checkpoint, by the guest (KVM's log) or
-    /// by the VMM, as (region, page index); clears both.
-    fn dirty_pages(&mut self, vm: &Vm) -> Result<Vec<(usize, usize)>, CheckpointError> {
-        let mut out = Vec::new();
-        for gpa in std::mem::take(&mut self.vmm_dirty) {
-            if let Some(region) =
-                self.view.regions().iter().position(|r| gpa >= r.gpa && gpa < r.gpa + r.size)
-            {
-                out.push((region, ((gpa - self.view.regions()[region].gpa) as usize) / PAGE));
-            }
+    /// The pages that may differ from the shadow, as ranges: the dirty log's
+    /// (clearing it) and the VMM's own writes, or with the compare capture
+    /// every allocated page.
+    fn candidates(&mut self, vm: &Vm) -> Result<(Vec<(u64, u64)>, usize), CheckpointError> {
+        if self.capture == Capture::Compare {
+            self.vmm_dirty.clear();
+            let r = self.view.allocated_ranges()?;
+            let n = r.iter().map(|(s, e)| ((e - s) / PAGE as u64) as usize).sum();
+            return Ok((r, n));
         }
+        let mut gpas: Vec<u64> = std::mem::take(&mut self.vmm_dirty).into_iter().collect();
         for (region, bitmap) in vm.dirty_bitmaps()?.iter().enumerate() {
+            let base = self.view.regions()[region].gpa;
             for (w, word) in bitmap.iter().enumerate() {
                 let mut bits = *word;
                 while bits != 0 {
                     let b = bits.trailing_zeros() as usize;
-                    out.push((region, w * 64 + b));
+                    gpas.push(base + ((w * 64 + b) * PAGE) as u64);
                     bits &= bits - 1;
                 }
             }
         }
-        out.sort_unstable();
-        out.dedup();
-        Ok(out)
+        gpas.sort_unstable();
+        gpas.dedup();
+        let n = gpas.len();
+        Ok((runs(&gpas).into_iter().map(|(s, l)| (s, s + l)).collect(), n))
     }
 
     fn checkpoint(&mut self, vm: &Vm) -> Result<IntervalStats, CheckpointError> {
-        let dirty = self.dirty_pages(vm)?;
+        let (ranges, candidates) = self.candidates(vm)?;
+        let t0 = std::time::Instant::now();
         let mut undo = PageSet::new();
-        let mut buf = vec![0u8; PAGE];
-        for &(region, page) in &dirty {
-            let gpa = self.view.regions()[region].gpa + (page * PAGE) as u64;
-            let off = page * PAGE;
-            undo.save_once(gpa, &self.shadow[region][off..off + PAGE]);
-            read_page(&self.view, gpa, &mut buf)?;
-            self.shadow[region][off..off + PAGE].copy_from_slice(&buf);
-        }
+        let st = self.shadow.scan(
+            &self.view,
+            &ranges,
+            self.threads,
+            Some(&mut self.pool),
+            &mut undo,
+            &mut Vec::new(),
+        )?;
         self.history.push_back(undo);
-        Ok(IntervalStats { pages: dirty.len(), faults: 0, presaved: 0 })
+        let captured = self.capture;
+        if let Some(p) = &mut self.policy {
+            // The scan's cost as measured now (the host's load changes it):
+            // per page visited, on one thread.
+            let us = t0.elapsed().as_secs_f64() * 1e6 * self.threads as f64;
+            p.observe_scan(captured, us, st.visited, st.changed);
+            // Faults are paid per page written, changed or not: the log's
+            // count; the compare capture sees the pages that changed.
+            let dirty = if captured == Capture::DirtyLog { candidates } else { st.changed };
+            let allocated = if captured == Capture::Compare {
+                candidates
+            } else {
+                self.view
+                    .allocated_ranges()?
+                    .iter()
+                    .map(|(s, e)| ((e - s) / PAGE as u64) as usize)
+                    .sum()
+            };
+            let next = p.next(dirty, allocated);
+            self.switch(vm, next)?;
+        }
+        Ok(IntervalStats {
+            pages: st.changed,
+            faults: 0,
+            presaved: 0,
+            capture: Some(captured),
+            scanned: st.visited,
+        })
     }
 
     fn rollback(&mut self, vm: &Vm, undo_n: usize) -> Result<RollbackStats, CheckpointError> {
-        let dirty = self.dirty_pages(vm)?;
-        let mut pages = 0;
-        for &(region, page) in &dirty {
-            let gpa = self.view.regions()[region].gpa + (page * PAGE) as u64;
-            let off = page * PAGE;
-            write_page(&self.view, gpa, &self.shadow[region][off..off + PAGE])?;
-            pages += 1;
+        // The pages written since the newest checkpoint get their shadow
+        // copies back: all the dirty log names, or those a compare finds.
+        let (ranges, _) = self.candidates(vm)?;
+        let mut changed = Vec::new();
+        if self.capture == Capture::Compare {
+            self.shadow.scan(
+                &self.view,
+                &ranges,
+                self.threads,
+                None,
+                &mut PageSet::new(),
+                &mut changed,
+            )?;
+        } else {
+            for (s, e) in ranges {
+                changed.extend((s..e).step_by(PAGE));
+            }
         }
+        self.shadow.restore(&self.view, &changed)?;
+        let mut pages = changed.len();
         for _ in 0..undo_n {
-            let undo = self.history.pop_back().expect("checked by Engine::rollback");
+            let mut undo = self.history.pop_back().expect("checked by Engine::rollback");
             pages += self.undo_one(&undo)?;
+            self.pool.give_all(undo.drain().map(|(_, p)| p));
         }
         Ok(RollbackStats { pages, levels: undo_n as u32 + 1 })
+    }
+
+    /// Switches the running interval's capture (at a checkpoint: the shadow
+    /// equals memory now).
+    fn switch(&mut self, vm: &Vm, next: Capture) -> Result<(), CheckpointError> {
+        if next != self.capture {
+            match next {
+                Capture::Compare => vm.set_dirty_logging(false)?,
+                Capture::DirtyLog => {
+                    vm.set_dirty_logging(true)?;
+                    vm.dirty_bitmaps()?; // clears the log: tracking starts now
+                }
+            }
+            self.vmm_dirty.clear();
+            self.capture = next;
+        }
+        if let Some(p) = &mut self.policy {
+            p.current = next;
+        }
+        Ok(())
     }
 
     /// Writes one interval's undo log back to memory and the shadow.
@@ -421,14 +552,7 @@ impl DirtyLogEngine {
         let mut pages = 0;
         for (gpa, data) in undo.iter() {
             write_page(&self.view, gpa, data)?;
-            let region = self
-                .view
-                .regions()
-                .iter()
-                .position(|r| gpa >= r.gpa && gpa < r.gpa + r.size)
-                .ok_or(CheckpointError::GuestMemory { gpa, why: "not guest RAM".into() })?;
-            let off = (gpa - self.view.regions()[region].gpa) as usize;
-            self.shadow[region][off..off + PAGE].copy_from_slice(data);
+            self.shadow.set_page(gpa, data)?;
             pages += 1;
         }
         Ok(pages)
@@ -509,7 +633,7 @@ mod tests {
             for undo in 0..kept.len() {
                 let mut r = run();
                 for _ in 0..merges {
-                    merge_oldest(&mut r.history);
+                    merge_oldest(&mut r.history, None);
                 }
                 assert_eq!(r.history.len() + 1, kept.len());
                 roll_back(&mut r, undo);
@@ -536,11 +660,11 @@ mod tests {
         b.save_once(PAGE as u64, &[3u8; PAGE]);
         h.push_back(a);
         h.push_back(b);
-        assert_eq!(merge_oldest(&mut h), 1);
+        assert_eq!(merge_oldest(&mut h, None), 1);
         assert_eq!(h.len(), 1);
         assert_eq!(h[0].get(0).unwrap()[0], 1);
         assert_eq!(h[0].get(PAGE as u64).unwrap()[0], 3);
-        assert_eq!(merge_oldest(&mut h), 0);
+        assert_eq!(merge_oldest(&mut h, None), 0);
     }
 
     #[test]

@@ -7,8 +7,13 @@
 //! * [`pages`]: the pre-write page copies of one interval (DP_i in the paper).
 //! * [`tracker`]: userfaultfd write-protection of guest RAM and the fault
 //!   thread that saves a page before its first write.
-//! * [`engine`]: the three ways to take checkpoints: CoW-B, CoW-P and the
-//!   KVM dirty-log baseline; each can roll memory back two intervals.
+//! * [`engine`]: the ways to take checkpoints: CoW-B, CoW-P, the KVM
+//!   dirty-log baseline, the fault-free compare capture and `auto`, which
+//!   picks dirty log or compare interval by interval; each rolls memory back
+//!   along a ring of checkpoints.
+//! * [`shadow`]: the full shadow image of the dirty-log/compare/auto engines
+//!   and its parallel scan.
+//! * [`policy`]: the auto mode's choice from the dirty rate and unit costs.
 //! * [`supervisor`]: runs a VM under checkpointing: the interval timer,
 //!   error detection, rollback, statistics.
 //! * [`inject`]: guest fault injection (bit flips in memory or registers).
@@ -20,6 +25,8 @@ pub mod disk;
 pub mod engine;
 pub mod inject;
 pub mod pages;
+pub mod policy;
+pub mod shadow;
 pub mod supervisor;
 pub mod tracker;
 

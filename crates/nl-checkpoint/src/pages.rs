@@ -4,10 +4,52 @@ use std::collections::HashMap;
 
 use crate::PAGE;
 
+/// One saved page.
+pub type Page = Box<[u8; PAGE]>;
+
+/// Page buffers to reuse. On a host whose own page faults are slow (a PVM
+/// host is itself a guest under shadow paging), a freshly allocated buffer
+/// costs a fault and a page clear per page saved, several times the copy:
+/// buffers of dropped checkpoints are kept here and filled again.
+#[derive(Default)]
+pub struct PagePool {
+    free: Vec<Page>,
+}
+
+impl PagePool {
+    /// A buffer (content unspecified).
+    pub fn take(&mut self) -> Page {
+        self.free.pop().unwrap_or_else(|| Box::new([0u8; PAGE]))
+    }
+
+    /// Up to `n` buffers for a worker thread.
+    pub fn take_many(&mut self, n: usize) -> Vec<Page> {
+        let at = self.free.len().saturating_sub(n);
+        self.free.split_off(at)
+    }
+
+    pub fn give(&mut self, page: Page) {
+        self.free.push(page);
+    }
+
+    pub fn give_all(&mut self, pages: impl IntoIterator<Item = Page>) {
+        self.free.extend(pages);
+    }
+
+    /// Buffers held.
+    pub fn len(&self) -> usize {
+        self.free.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.free.is_empty()
+    }
+}
+
 /// Saved page contents keyed by guest physical address (page aligned).
 #[derive(Default)]
 pub struct PageSet {
-    pages: HashMap<u64, Box<[u8; PAGE]>>,
+    pages: HashMap<u64, Page>,
 }
 
 impl PageSet {
@@ -49,6 +91,23 @@ impl PageSet {
 
     pub fn iter(&self) -> impl Iterator<Item = (u64, &[u8; PAGE])> {
         self.pages.iter().map(|(g, b)| (*g, &**b))
+    }
+
+    /// Inserts an already filled page for `gpa` unless a copy is there;
+    /// gives `page` back if it was not inserted.
+    pub fn insert_page(&mut self, gpa: u64, page: Page) -> Option<Page> {
+        match self.pages.entry(gpa) {
+            std::collections::hash_map::Entry::Occupied(_) => Some(page),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(page);
+                None
+            }
+        }
+    }
+
+    /// Takes every page out, leaving the set empty.
+    pub fn drain(&mut self) -> impl Iterator<Item = (u64, Page)> + '_ {
+        self.pages.drain()
     }
 
     pub fn gpas(&self) -> Vec<u64> {

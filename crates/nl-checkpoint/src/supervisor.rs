@@ -167,6 +167,15 @@ pub struct RunReport {
     pub checkpoint_pages_max: usize,
     pub checkpoint_pct_of_memory: f64,
     pub presaved_pages_avg: f64,
+    /// The shadow engines: pages the checkpoints' scans visited, on average.
+    pub scanned_pages_avg: f64,
+    /// Intervals captured with the dirty log and with the fault-free
+    /// compare, and the auto mode's switches between them.
+    pub intervals_dirty_log: u64,
+    pub intervals_compare: u64,
+    pub capture_switches: u64,
+    /// The auto mode's unit costs (its start-up calibration).
+    pub unit_costs: Option<crate::policy::UnitCosts>,
     /// VM paused per checkpoint.
     pub pause_ms_avg: f64,
     pub pause_ms_max: f64,
@@ -251,6 +260,8 @@ pub struct Supervisor<'a> {
     pages_sum: u64,
     pages_max: usize,
     presaved_sum: u64,
+    scanned_sum: u64,
+    captures: [u64; 2],
     pauses: Vec<f64>,
     /// Consecutive checkpoints that took longer than the interval.
     overruns: u32,
@@ -316,6 +327,8 @@ impl<'a> Supervisor<'a> {
             pages_sum: 0,
             pages_max: 0,
             presaved_sum: 0,
+            scanned_sum: 0,
+            captures: [0; 2],
             pauses: Vec::new(),
             overruns: 0,
             disk_writes: 0,
@@ -379,6 +392,12 @@ impl<'a> Supervisor<'a> {
         self.pages_sum += stats.pages as u64;
         self.pages_max = self.pages_max.max(stats.pages);
         self.presaved_sum += stats.presaved as u64;
+        self.scanned_sum += stats.scanned as u64;
+        match stats.capture {
+            Some(crate::policy::Capture::DirtyLog) => self.captures[0] += 1,
+            Some(crate::policy::Capture::Compare) => self.captures[1] += 1,
+            None => {}
+        }
         self.states.push_back(Kept { state, taken: t0, clock, first: false });
         self.trim_ring();
         Ok(())
@@ -669,6 +688,11 @@ impl<'a> Supervisor<'a> {
             checkpoint_pages_max: self.pages_max,
             checkpoint_pct_of_memory: 100.0 * pages_avg / mem_pages,
             presaved_pages_avg: self.presaved_sum as f64 / n,
+            scanned_pages_avg: self.scanned_sum as f64 / n,
+            intervals_dirty_log: self.captures[0],
+            intervals_compare: self.captures[1],
+            capture_switches: self.engine.policy().map_or(0, |p| p.switches),
+            unit_costs: self.engine.policy().map(|p| p.costs),
             pause_ms_avg: self.pauses.iter().sum::<f64>() / self.pauses.len().max(1) as f64,
             pause_ms_max: self.pauses.iter().copied().fold(0.0, f64::max),
             rollbacks: self.rollbacks,

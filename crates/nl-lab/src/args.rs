@@ -78,6 +78,15 @@ pub struct BenchCheckpointArgs {
     /// --loaded: runs with one injected guest fault (seeds 1..=N).
     #[arg(long, default_value_t = 20)]
     pub seeds: u32,
+    /// Instead of the matrix: the worst cases (every memwrite pattern, 1 to
+    /// 64 MiB, at 50 ms) under auto, dirty-log and CoW-P, --reps times,
+    /// with this host's unit costs and each row's lower bound; with
+    /// --loaded, beside --hogs busy-loop threads.
+    #[arg(long)]
+    pub worst: bool,
+    /// --worst: repetitions of each row.
+    #[arg(long, default_value_t = 3)]
+    pub reps: u32,
     /// Print one JSON object as the last line of stdout.
     #[arg(long)]
     pub json: bool,

@@ -351,6 +351,12 @@ pub enum CkptMode {
     CowP,
     /// KVM dirty logging into a full shadow image (the baseline).
     DirtyLog,
+    /// Fault-free: no write tracking; each checkpoint compares every
+    /// allocated page with a full shadow image on all host cores.
+    Compare,
+    /// Dirty log or compare, chosen each interval from the dirty rate and
+    /// this host's unit costs (measured at start-up).
+    Auto,
 }
 
 #[derive(Args, Clone, Debug)]
@@ -366,7 +372,7 @@ pub struct CheckpointArgs {
     #[arg(long, value_parser = millis_f64)]
     pub interval: Option<f64>,
     /// How checkpoints are taken.
-    #[arg(long, value_enum, default_value_t = CkptMode::CowP)]
+    #[arg(long, value_enum, default_value_t = CkptMode::Auto)]
     pub mode: CkptMode,
     /// CoW modes: pages saved and unprotected per write fault (a power of
     /// two; 1 = page-granular copy-on-write exactly as in the paper).

@@ -20,6 +20,8 @@ impl CkptMode {
             CkptMode::CowB => Mode::CowB,
             CkptMode::CowP => Mode::CowP,
             CkptMode::DirtyLog => Mode::DirtyLog,
+            CkptMode::Compare => Mode::Compare,
+            CkptMode::Auto => Mode::Auto,
         }
     }
 }

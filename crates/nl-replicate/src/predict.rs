@@ -83,6 +83,64 @@ impl Shadow {
     }
 }
 
+/// Turns prediction off when its guesses stop being right, and on again
+/// once they would be right again.
+///
+/// A predicted page that is not written in the epoch still costs a copy
+/// (and a comparison) at the boundary; when the guest's pattern changes, or
+/// it slows down so much (under load) that a page is written only once in
+/// many epochs, nearly every predicted page is such a waste, and the copies
+/// slow the guest further. The gate follows the precision of each epoch
+/// (predicted pages really written, over predicted pages), smoothed; below
+/// [`Gate::OFF_BELOW`] prediction stops (every page is re-protected at each
+/// boundary, and a write costs its fault again). While off, it follows the
+/// precision prediction *would* have had (pages written in two epochs in a
+/// row, over pages written in the first) and turns back on above
+/// [`Gate::ON_ABOVE`].
+#[derive(Clone, Debug)]
+pub(crate) struct Gate {
+    pub(crate) on: bool,
+    precision: f64,
+    pub(crate) switches: u64,
+    pub(crate) epochs_off: u64,
+}
+
+impl Gate {
+    pub(crate) const OFF_BELOW: f64 = 0.25;
+    pub(crate) const ON_ABOVE: f64 = 0.6;
+    /// Epochs with fewer predictions than this say nothing about precision.
+    const MIN_SAMPLE: u64 = 32;
+    /// Weight of the newest epoch in the smoothed precision.
+    const WEIGHT: f64 = 0.5;
+
+    pub(crate) fn new() -> Self {
+        Gate { on: true, precision: 1.0, switches: 0, epochs_off: 0 }
+    }
+
+    /// One epoch: `predicted` pages guessed (or that would have been), of
+    /// which `hits` were written. Returns whether prediction is on for the
+    /// next epoch.
+    pub(crate) fn observe(&mut self, predicted: u64, hits: u64) -> bool {
+        if !self.on {
+            self.epochs_off += 1;
+        }
+        if predicted >= Self::MIN_SAMPLE {
+            let p = hits.min(predicted) as f64 / predicted as f64;
+            self.precision = Self::WEIGHT * p + (1.0 - Self::WEIGHT) * self.precision;
+            let next = if self.on {
+                self.precision >= Self::OFF_BELOW
+            } else {
+                self.precision > Self::ON_ABOVE
+            };
+            if next != self.on {
+                self.switches += 1;
+                self.on = next;
+            }
+        }
+        self.on
+    }
+}
+
 /// Write-fault prediction over KVM's dirty log (see [`crate::primary::Options::predict`]).
 pub(crate) struct Predictor {
     shadow: Shadow,
@@ -92,6 +150,11 @@ pub(crate) struct Predictor {
     pub(crate) to_clear: Vec<u64>,
     /// Consecutive epochs each writable page was found unchanged.
     idle: Vec<u8>,
+    /// Pages really written in the last epoch (what prediction would leave
+    /// writable), for the gate's precision while prediction is off.
+    last_written: Vec<bool>,
+    last_written_list: Vec<usize>,
+    pub(crate) gate: Gate,
     pub(crate) counts: Counts,
 }
 
@@ -114,6 +177,9 @@ impl Predictor {
             writable: vec![false; n],
             to_clear: Vec::new(),
             idle: vec![0; n],
+            last_written: vec![false; n],
+            last_written_list: Vec::new(),
+            gate: Gate::new(),
             counts: Counts::default(),
         }
     }
@@ -152,7 +218,17 @@ impl Predictor {
         }
         let (writable, idle, to_clear, c) =
             (&mut self.writable, &mut self.idle, &mut self.to_clear, &mut self.counts);
-        self.shadow.sift(view, runs, buf, |g, i, changed| {
+        let (before_predicted, before_hits) = (c.predicted, c.hits);
+        // Would-be precision: pages written last epoch and again in this one.
+        let would_predict = self.last_written_list.len() as u64;
+        let (last_written, mut written_now, mut would_hit) =
+            (&mut self.last_written, Vec::new(), 0u64);
+        let mut now_writable = Vec::new();
+        let kept = self.shadow.sift(view, runs, buf, |g, i, changed| {
+            if changed {
+                would_hit += u64::from(last_written[i]);
+                written_now.push(i);
+            }
             // Writable through the epoch: predicted (left writable at the
             // last boundary, or cleared only now, after the copy).
             let predicted = writable[i];
@@ -163,6 +239,9 @@ impl Predictor {
             }
             // Logged and not re-protected now: writable for the next epoch.
             writable[i] = in_log[i] && !was_cleared[i];
+            if writable[i] {
+                now_writable.push((i, g));
+            }
             if changed {
                 idle[i] = 0;
             } else {
@@ -174,7 +253,32 @@ impl Predictor {
                     to_clear.push(g);
                 }
             }
-        })
+        });
+        for &i in &self.last_written_list {
+            self.last_written[i] = false;
+        }
+        for &i in &written_now {
+            self.last_written[i] = true;
+        }
+        self.last_written_list = written_now;
+        let (predicted, hits) = if self.gate.on {
+            (self.counts.predicted - before_predicted, self.counts.hits - before_hits)
+        } else {
+            (would_predict, would_hit)
+        };
+        if !self.gate.observe(predicted, hits) {
+            // Off: nothing stays writable; every page logged now is
+            // re-protected at the next boundary.
+            for (i, g) in now_writable {
+                if self.writable[i] {
+                    self.writable[i] = false;
+                    self.to_clear.push(g);
+                }
+            }
+            self.to_clear.sort_unstable();
+            self.to_clear.dedup();
+        }
+        kept
     }
 }
 
@@ -430,6 +534,35 @@ impl Histase {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Precision collapses (the guest stopped rewriting what it wrote):
+    /// prediction turns itself off within a few epochs, stays off while the
+    /// would-be guesses are wrong, and turns back on once they are right.
+    #[test]
+    fn a_collapsed_predictor_turns_off_and_back_on() {
+        let mut g = Gate::new();
+        // Good guesses: on.
+        for _ in 0..5 {
+            assert!(g.observe(1000, 900));
+        }
+        // Collapse: 1% precision. Off within three epochs.
+        let off_after = (1..=3).find(|_| !g.observe(10_000, 100));
+        assert!(off_after.is_some(), "still on after three collapsed epochs");
+        // Still wrong: stays off; tiny samples change nothing.
+        for _ in 0..10 {
+            assert!(!g.observe(10_000, 500));
+            assert!(!g.observe(3, 3));
+        }
+        // A middling precision (between the thresholds) keeps it off.
+        for _ in 0..5 {
+            assert!(!g.observe(1000, 400));
+        }
+        // Right again: back on within three epochs.
+        let on_after = (1..=3).find(|_| g.observe(1000, 950));
+        assert!(on_after.is_some(), "still off after three good epochs");
+        assert_eq!(g.switches, 2);
+        assert!(g.epochs_off >= 25);
+    }
 
     const P: u64 = PAGE as u64;
 

@@ -131,6 +131,10 @@ pub struct PrimaryReport {
     pub precision: Option<f64>,
     pub recall: Option<f64>,
     pub fake_dirty_per_epoch: f64,
+    /// Write-fault prediction: times it turned itself off or back on (its
+    /// precision collapsed or recovered), and epochs it spent off.
+    pub prediction_switches: u64,
+    pub prediction_off_epochs: u64,
     /// Set when the backup was lost: why, and whether the primary went on
     /// unprotected or fenced itself.
     pub backup_lost: Option<String>,
@@ -1042,6 +1046,10 @@ impl<'a> Primary<'a> {
             r.fake_dirty_per_epoch = p.fake as f64 / n;
             r.precision = (p.predicted > 0).then(|| p.hits as f64 / p.predicted as f64);
             r.recall = (p.written > 0).then(|| p.hits as f64 / p.written as f64);
+        }
+        if let Some(p) = &self.pred {
+            r.prediction_switches = p.gate.switches;
+            r.prediction_off_epochs = p.gate.epochs_off;
         }
         if let (Some(a), Some(b)) = (m.first_boundary, m.last_boundary) {
             if m.pauses.len() > 1 {

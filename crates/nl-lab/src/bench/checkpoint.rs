@@ -90,7 +90,7 @@ fn ckpt_args(
     }
 }
 
-fn baseline(w: &WorkloadArgs, duration: f64) -> Result<f64> {
+pub(crate) fn baseline(w: &WorkloadArgs, duration: f64) -> Result<f64> {
     let m = MachineArgs::default();
     let config =
         guest::vm_config(&m, guest::workload_params(w, duration)?, guest::kernel_image(&m)?, None)?;
@@ -114,6 +114,9 @@ pub fn bench(mut a: BenchCheckpointArgs) -> Result<ExitCode> {
     a.duration = Some(duration);
     if !(duration.is_finite() && duration > 0.1) {
         bail!("--duration must be more than 0.1 seconds");
+    }
+    if a.worst {
+        return worst(&a);
     }
     if a.loaded {
         return loaded(&a);
@@ -329,13 +332,13 @@ pub fn bench(mut a: BenchCheckpointArgs) -> Result<ExitCode> {
 }
 
 /// CPU hogs: busy-loop threads, stopped (and joined) on drop.
-struct Hogs {
+pub(crate) struct Hogs {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     threads: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl Hogs {
-    fn start(n: u32) -> Result<Self> {
+    pub(crate) fn start(n: u32) -> Result<Self> {
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let mut threads = Vec::new();
         for i in 0..n {
@@ -376,7 +379,7 @@ fn run_class(r: &nl_launch::checkpoint::ProtectedRun) -> &'static str {
     }
 }
 
-fn loadavg() -> f64 {
+pub(crate) fn loadavg() -> f64 {
     std::fs::read_to_string("/proc/loadavg")
         .ok()
         .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
@@ -384,7 +387,7 @@ fn loadavg() -> f64 {
 }
 
 /// `bench checkpoint --loaded`: the default `checkpoint` configuration
-/// (CoW-P, 50 ms interval, 1 s hang timeout, memwrite) on a host loaded with
+/// (auto, 50 ms interval, 1 s hang timeout, memwrite) on a host loaded with
 /// CPU hogs: fault-free runs must not roll back, and runs with one injected
 /// guest fault must not end in silent data corruption.
 fn loaded(a: &BenchCheckpointArgs) -> Result<ExitCode> {
@@ -394,7 +397,7 @@ fn loaded(a: &BenchCheckpointArgs) -> Result<ExitCode> {
         machine: MachineArgs::default(),
         duration: a.duration.unwrap_or(3.0),
         interval: None,
-        mode: CkptMode::CowP,
+        mode: CkptMode::Auto,
         block_pages: 16,
         inject_guest_fault: inject,
         latency_bound: None,
@@ -514,4 +517,170 @@ fn loaded(a: &BenchCheckpointArgs) -> Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// Median, least and greatest of `v`.
+pub(crate) fn spread(v: &[f64]) -> (f64, f64, f64) {
+    let mut s: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    if s.is_empty() {
+        return (f64::NAN, f64::NAN, f64::NAN);
+    }
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    let med = if n % 2 == 1 { s[n / 2] } else { (s[n / 2 - 1] + s[n / 2]) / 2.0 };
+    (med, s[0], s[n - 1])
+}
+
+#[derive(Serialize)]
+struct WorstRow {
+    workload: String,
+    mode: &'static str,
+    reps: usize,
+    normalized_time_median: f64,
+    normalized_time_min: f64,
+    normalized_time_max: f64,
+    lower_bound: f64,
+    to_bound: f64,
+    pages_per_interval: f64,
+    intervals_compare_share: f64,
+    pause_ms_avg: f64,
+    rollbacks: usize,
+    digest_failures: usize,
+}
+
+/// Per mode: normalized times, pages, compare share, pauses, rollbacks,
+/// wrong digests.
+type Samples = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, usize, usize);
+
+/// `bench checkpoint --worst`: see [`BenchCheckpointArgs::worst`].
+fn worst(a: &BenchCheckpointArgs) -> Result<ExitCode> {
+    let duration = a.duration.unwrap_or(1.5);
+    let reps = a.reps.max(1);
+    let d = WorkloadArgs::default();
+    let mib = |m: u64| Some(m << 20);
+    let w = |pattern, ws| WorkloadArgs { pattern, ws, ..d.clone() };
+    let cases: Vec<(String, WorkloadArgs)> = vec![
+        ("locality seq 1M".into(), w(PatternName::Sequential, mib(1))),
+        ("sequential 8M".into(), w(PatternName::Sequential, mib(8))),
+        ("sequential 64M".into(), w(PatternName::Sequential, mib(64))),
+        ("strided 64M".into(), w(PatternName::Strided, mib(64))),
+        ("random 64M".into(), w(PatternName::Random, mib(64))),
+        ("hotcold 64M".into(), w(PatternName::Hotcold, mib(64))),
+    ];
+    let modes = [(CkptMode::Auto, 1), (CkptMode::DirtyLog, 1), (CkptMode::CowP, 16)];
+    let hogs = if a.loaded { Some(Hogs::start(a.hogs)?) } else { None };
+    let mut load = vec![loadavg()];
+    let costs = super::unit_costs::UnitCosts::measure()?;
+    if !a.json {
+        super::unit_costs::print(&costs);
+    }
+    let bar = ProgressBar::new(cases.len() as u64 * u64::from(reps) * (modes.len() as u64 + 1));
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} runs {msg} [{elapsed}]")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mut rows = Vec::new();
+    for (name, args) in &cases {
+        // Per mode: normalized times, pages, compare share, pause, rollbacks, bad digests.
+        let mut per: Vec<Samples> = modes.iter().map(|_| Default::default()).collect();
+        let (mut logged, mut allocated) = (Vec::new(), Vec::new());
+        for _ in 0..reps {
+            bar.set_message(format!("{name} baseline"));
+            let base = baseline(args, duration)?;
+            bar.inc(1);
+            for (i, &(mode, block)) in modes.iter().enumerate() {
+                bar.set_message(format!("{name} {}", mode.mode().name()));
+                let r = protected_run(&ckpt_args(args, duration, 50.0, mode, block, 0), true)?;
+                bar.inc(1);
+                let rep = &r.report;
+                let p = &mut per[i];
+                p.0.push(if r.ops_per_sec > 0.0 { base / r.ops_per_sec } else { f64::INFINITY });
+                p.1.push(rep.checkpoint_pages_avg);
+                let n = (rep.intervals_compare + rep.intervals_dirty_log).max(1) as f64;
+                p.2.push(rep.intervals_compare as f64 / n);
+                p.3.push(rep.pause_ms_avg);
+                p.4 += rep.rollbacks.len();
+                p.5 += usize::from(!r.digest_ok);
+                if mode == CkptMode::DirtyLog {
+                    logged.push(rep.scanned_pages_avg);
+                }
+                if mode == CkptMode::Auto && rep.intervals_compare > 0 {
+                    allocated.push(rep.scanned_pages_avg);
+                }
+            }
+            load.push(loadavg());
+        }
+        // Pages written per interval: what the dirty log saw; allocated:
+        // what the compare capture scanned (else as many as were written).
+        let dirty = spread(&logged).0;
+        let alloc = if allocated.is_empty() { dirty } else { spread(&allocated).0 };
+        let bound = costs.checkpoint_bound(dirty, alloc, 50.0);
+        for (i, &(mode, _)) in modes.iter().enumerate() {
+            let p = &per[i];
+            let (med, lo, hi) = spread(&p.0);
+            rows.push(WorstRow {
+                workload: name.clone(),
+                mode: mode.mode().name(),
+                reps: p.0.len(),
+                normalized_time_median: med,
+                normalized_time_min: lo,
+                normalized_time_max: hi,
+                lower_bound: bound,
+                to_bound: med / bound,
+                pages_per_interval: spread(&p.1).0,
+                intervals_compare_share: spread(&p.2).0,
+                pause_ms_avg: spread(&p.3).0,
+                rollbacks: p.4,
+                digest_failures: p.5,
+            });
+        }
+    }
+    bar.finish_and_clear();
+    drop(hogs);
+    let (lo, hi) = load.iter().fold((f64::MAX, f64::MIN), |(l, h), x| (l.min(*x), h.max(*x)));
+    if !a.json {
+        println!(
+            "checkpoints at 50 ms, {reps} reps, {}; load average {lo:.1}..{hi:.1}",
+            if a.loaded { format!("loaded ({} hogs)", a.hogs) } else { "quiet".into() }
+        );
+        println!(
+            "{:<16} {:<9} {:>9} {:>17} {:>7} {:>8} {:>9} {:>8} {:>8} {:>4}",
+            "workload",
+            "mode",
+            "norm.med",
+            "(min..max)",
+            "bound",
+            "x bound",
+            "pages/iv",
+            "compare",
+            "pause ms",
+            "rb"
+        );
+        for r in &rows {
+            println!(
+                "{:<16} {:<9} {:>9.3} {:>17} {:>7.3} {:>8.2} {:>9.0} {:>7.0}% {:>8.2} {:>4}{}",
+                r.workload,
+                r.mode,
+                r.normalized_time_median,
+                format!("({:.3}..{:.3})", r.normalized_time_min, r.normalized_time_max),
+                r.lower_bound,
+                r.to_bound,
+                r.pages_per_interval,
+                r.intervals_compare_share * 100.0,
+                r.pause_ms_avg,
+                r.rollbacks,
+                if r.digest_failures > 0 { "  DIGEST WRONG" } else { "" }
+            );
+        }
+    }
+    println!(
+        "{}",
+        json!({"checkpoint_worst": {
+            "interval_ms": 50.0, "reps": reps, "duration_s": duration,
+            "loaded": a.loaded, "hogs": if a.loaded { a.hogs } else { 0 },
+            "loadavg_min": lo, "loadavg_max": hi, "unit_costs": costs, "rows": rows,
+        }})
+    );
+    let bad = rows.iter().any(|r| r.digest_failures > 0 || r.rollbacks > 0);
+    Ok(if bad { ExitCode::FAILURE } else { ExitCode::SUCCESS })
 }

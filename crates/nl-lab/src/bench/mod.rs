@@ -12,6 +12,7 @@ pub mod replicate;
 pub mod sandbox;
 pub mod sandbox_recovery;
 pub mod seccomp;
+pub mod unit_costs;
 
 use std::process::ExitCode;
 use std::time::Duration;
