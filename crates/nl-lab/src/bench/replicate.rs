@@ -311,7 +311,26 @@ fn replicated(
         handshake: HANDSHAKE_TIME,
     };
     let backup = std::thread::spawn(move || serve(&cfg, &mut |_| {}));
-    std::thread::sleep(Duration::from_millis(50));
+    // The primary connects once: wait (bounded, 10 s) until the backup
+    // listens. The probe never authenticates, so it never takes the slot.
+    // A fixed sleep lost this race on a loaded host and left the backup
+    // waiting for a primary that had given up.
+    let listening = (0..200).any(|_| {
+        if backup.is_finished() {
+            return true;
+        }
+        let ok = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok();
+        if !ok {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        ok
+    });
+    if backup.is_finished() || !listening {
+        match backup.is_finished().then(|| backup.join()) {
+            Some(Ok(Err(e))) => bail!("bench backup: {e}"),
+            _ => bail!("the bench backup did not listen on {addr} within 10 s"),
+        }
+    }
     let r = run_primary(&primary_args(addr, &key.0, w, duration, c, disks.map(|d| d.0)), true);
     match backup.join() {
         Ok(Ok(BackupEnd::PrimaryFinished { .. })) => {}
