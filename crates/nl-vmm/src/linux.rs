@@ -159,16 +159,47 @@ mod tests {
             .unwrap()
             .contains("clearcpuid=smap"));
         let popcnt = [0xf3, 0x48, 0x0f, 0xb8, 0xc7];
+        let regs = kvm_bindings::kvm_regs {
+            rsp: 0x1000,
+            rbx: 0x2000,
+            r12: 0x3000,
+            rip: 0x100,
+            ..Default::default()
+        };
+        // ldmxcsr [rsp+4] (the kernel's kernel_fpu_begin): SIB, disp8.
+        assert_eq!(
+            super::decode_mxcsr(&[0x0f, 0xae, 0x54, 0x24, 0x04, 0x83], &regs),
+            Some((true, 0x1004, None, 5))
+        );
+        // stmxcsr [rbx]; ldmxcsr [r12+0x10] (REX.B); ldmxcsr [rip+0x20].
+        assert_eq!(super::decode_mxcsr(&[0x0f, 0xae, 0x1b], &regs), Some((false, 0x2000, None, 3)));
+        assert_eq!(
+            super::decode_mxcsr(&[0x41, 0x0f, 0xae, 0x54, 0x24, 0x10], &regs),
+            Some((true, 0x3010, None, 6))
+        );
+        assert_eq!(
+            super::decode_mxcsr(&[0x0f, 0xae, 0x15, 0x20, 0, 0, 0], &regs),
+            Some((true, 0x100 + 7 + 0x20, None, 7))
+        );
+        // gs-relative; and other 0f ae forms are not ours.
+        assert_eq!(
+            super::decode_mxcsr(&[0x65, 0x0f, 0xae, 0x13], &regs),
+            Some((true, 0x2000, Some(0x65), 4))
+        );
+        assert_eq!(super::decode_mxcsr(&[0x0f, 0xae, 0xe8], &regs), None, "lfence");
+        assert_eq!(super::decode_mxcsr(&[0x0f, 0xae, 0x2f], &regs), None, "xrstor");
         assert!(super::emulation_hint(&popcnt).unwrap().contains("clearcpuid=popcnt"));
     }
 }
 
 /// The instructions PVM's emulator stopped on that [`wait`] completed:
-/// `int3` by injecting #BP, `fwait` as the no-op it is.
+/// `int3` by injecting #BP, `fwait` as the no-op it is, `ldmxcsr` and
+/// `stmxcsr` through the vCPU's FPU state.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct WaitStats {
     pub int3_completed: u64,
     pub fwait_completed: u64,
+    pub mxcsr_completed: u64,
 }
 
 /// Waits until the console satisfies `reached`, the guest resets, the VM
@@ -198,6 +229,10 @@ pub fn wait(
                     }
                     Ok(Some(Completed::Fwait)) => {
                         stats.fwait_completed += 1;
+                        continue;
+                    }
+                    Ok(Some(Completed::Mxcsr)) => {
+                        stats.mxcsr_completed += 1;
                         continue;
                     }
                     _ => {}
@@ -289,6 +324,101 @@ fn emulation_hint(code: &[u8]) -> Option<&'static str> {
 pub enum Completed {
     Int3,
     Fwait,
+    /// `ldmxcsr m32` (MXCSR loaded from memory) or `stmxcsr m32`.
+    Mxcsr,
+}
+
+/// The general registers in ModRM/SIB order (rax, rcx, rdx, rbx, rsp, rbp,
+/// rsi, rdi, r8..r15).
+fn gpr(regs: &kvm_bindings::kvm_regs, n: u8) -> u64 {
+    [
+        regs.rax, regs.rcx, regs.rdx, regs.rbx, regs.rsp, regs.rbp, regs.rsi, regs.rdi, regs.r8,
+        regs.r9, regs.r10, regs.r11, regs.r12, regs.r13, regs.r14, regs.r15,
+    ][usize::from(n & 15)]
+}
+
+/// An `ldmxcsr`/`stmxcsr` with a memory operand at `code` (64-bit mode):
+/// (`true` for ldmxcsr, the operand's linear address before any FS/GS
+/// base, the segment prefix, the instruction's length). `None` for any
+/// other instruction or form.
+fn decode_mxcsr(
+    code: &[u8],
+    regs: &kvm_bindings::kvm_regs,
+) -> Option<(bool, u64, Option<u8>, u64)> {
+    let mut i = 0;
+    let mut seg = None;
+    while let Some(&b) = code.get(i) {
+        match b {
+            0x64 | 0x65 => seg = Some(b),
+            0x2e | 0x36 | 0x3e | 0x26 => {}
+            _ => break,
+        }
+        i += 1;
+    }
+    let rex = match code.get(i) {
+        Some(&b) if b & 0xf0 == 0x40 => {
+            i += 1;
+            b
+        }
+        _ => 0,
+    };
+    if code.get(i..i + 2)? != [0x0f, 0xae] {
+        return None;
+    }
+    let modrm = *code.get(i + 2)?;
+    i += 3;
+    let (md, reg, rm) = (modrm >> 6, (modrm >> 3) & 7, modrm & 7);
+    let load = match (md, reg) {
+        (3, _) => return None,
+        (_, 2) => true,
+        (_, 3) => false,
+        _ => return None,
+    };
+    let (rex_b, rex_x) = ((rex & 1) << 3, (rex & 2) << 2);
+    let mut rip_relative = false;
+    let base = if rm == 4 {
+        let sib = *code.get(i)?;
+        i += 1;
+        let (scale, index, b) = (sib >> 6, ((sib >> 3) & 7) | rex_x, sib & 7);
+        let idx = if index == 4 { 0 } else { gpr(regs, index) << scale };
+        let base = if b == 5 && md == 0 { 0 } else { gpr(regs, b | rex_b) };
+        if b == 5 && md == 0 {
+            let d = i32::from_le_bytes(code.get(i..i + 4)?.try_into().ok()?);
+            i += 4;
+            return Some((load, idx.wrapping_add(d as i64 as u64), seg, i as u64));
+        }
+        base.wrapping_add(idx)
+    } else if rm == 5 && md == 0 {
+        rip_relative = true;
+        0
+    } else {
+        gpr(regs, rm | rex_b)
+    };
+    let disp: i64 = match md {
+        0 if rip_relative => {
+            let d = i32::from_le_bytes(code.get(i..i + 4)?.try_into().ok()?);
+            i += 4;
+            i64::from(d)
+        }
+        1 => {
+            let d = *code.get(i)? as i8;
+            i += 1;
+            i64::from(d)
+        }
+        2 => {
+            let d = i32::from_le_bytes(code.get(i..i + 4)?.try_into().ok()?);
+            i += 4;
+            i64::from(d)
+        }
+        _ => 0,
+    };
+    let len = i as u64;
+    let addr = if rip_relative {
+        regs.rip.wrapping_add(len).wrapping_add(disp as u64)
+    } else {
+        base.wrapping_add(disp as u64)
+    };
+    Some((load, addr, seg, len))
 }
 
 /// If the boot vCPU stopped on an emulation failure at an instruction whose
@@ -311,7 +441,7 @@ pub fn complete_unemulated(vm: &Vm) -> Result<Option<Completed>, VmmError> {
             return Ok(Some(Completed::Int3));
         }
         Some(0x9b) => Completed::Fwait,
-        _ => return Ok(None),
+        _ => return complete_mxcsr(vm, &bytes),
     };
     vm.with_vcpu(0, |fd| -> Result<(), VmmError> {
         let sregs = fd.get_sregs().map_err(kvm_err("KVM_GET_SREGS"))?;
@@ -329,6 +459,61 @@ pub fn complete_unemulated(vm: &Vm) -> Result<Option<Completed>, VmmError> {
     })??;
     vm.relaunch()?;
     Ok(Some(done))
+}
+
+/// Completes an `ldmxcsr`/`stmxcsr` with a memory operand: the 4 bytes
+/// at its address loaded into (or stored from) MXCSR through
+/// `KVM_GET/SET_FPU`, RIP moved past it, the vCPU relaunched. A load of a
+/// value with reserved bits set gets #GP, as on the CPU.
+fn complete_mxcsr(vm: &Vm, code: &[u8]) -> Result<Option<Completed>, VmmError> {
+    use vm_memory::Bytes;
+    let done = vm.with_vcpu(0, |fd| -> Result<bool, VmmError> {
+        let mut regs = fd.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
+        let Some((load, addr, seg, len)) = decode_mxcsr(code, &regs) else {
+            return Ok(false);
+        };
+        let sregs = fd.get_sregs().map_err(kvm_err("KVM_GET_SREGS"))?;
+        let addr = match seg {
+            Some(0x64) => addr.wrapping_add(sregs.fs.base),
+            Some(0x65) => addr.wrapping_add(sregs.gs.base),
+            _ => addr,
+        };
+        let t = fd.translate_gva(addr).map_err(kvm_err("KVM_TRANSLATE"))?;
+        // Within one page: an aligned 4-byte operand never crosses one.
+        if t.valid == 0 || addr % 4096 > 4092 {
+            return Ok(false);
+        }
+        let gpa = vm_memory::GuestAddress(t.physical_address);
+        let mut fpu = fd.get_fpu().map_err(kvm_err("KVM_GET_FPU"))?;
+        if load {
+            let mut b = [0u8; 4];
+            if vm.memory().mem().read_slice(&mut b, gpa).is_err() {
+                return Ok(false);
+            }
+            let v = u32::from_le_bytes(b);
+            if v & 0xffff_0000 != 0 {
+                let mut ev = fd.get_vcpu_events().map_err(kvm_err("KVM_GET_VCPU_EVENTS"))?;
+                ev.exception.injected = 1;
+                ev.exception.nr = 13;
+                ev.exception.has_error_code = 1;
+                ev.exception.error_code = 0;
+                fd.set_vcpu_events(&ev).map_err(kvm_err("KVM_SET_VCPU_EVENTS"))?;
+                return Ok(true);
+            }
+            fpu.mxcsr = v;
+            fd.set_fpu(&fpu).map_err(kvm_err("KVM_SET_FPU"))?;
+        } else if vm.memory().mem().write_slice(&fpu.mxcsr.to_le_bytes(), gpa).is_err() {
+            return Ok(false);
+        }
+        regs.rip += len;
+        fd.set_regs(&regs).map_err(kvm_err("KVM_SET_REGS"))?;
+        Ok(true)
+    })??;
+    if !done {
+        return Ok(None);
+    }
+    vm.relaunch()?;
+    Ok(Some(Completed::Mxcsr))
 }
 
 /// If the boot vCPU stopped on an emulation failure at an `int3` (0xcc),
