@@ -4,32 +4,13 @@
 mod common;
 
 use std::io::Read;
-use std::sync::Arc;
 use std::time::Duration;
 
-use common::{assert_clean_error, kvm_available, last_json, run_cli, write_file};
-use nl_sandbox::{Images, SandboxSet, SetConfig};
+use common::{
+    assert_clean_error, kvm_available, last_json, run_cli, sandbox_set, two_cores, write_file,
+};
+use nl_sandbox::SandboxSet;
 use nl_vmm::VmOutcome;
-
-fn images() -> Images {
-    Images {
-        kernel: Arc::new(nl_guest::KERNEL_ELF.to_vec()),
-        user: Arc::new(nl_guest::USER_ELF.to_vec()),
-    }
-}
-
-/// Two cores the test may use: the host's first and last (the same one on
-/// a one-core host).
-fn cores() -> [usize; 2] {
-    let c = nl_sandbox::affinity::host_cores().expect("affinity");
-    [c[0], *c.last().expect("a core")]
-}
-
-fn set(text: &str) -> SandboxSet {
-    let kvm = nl_vmm::open_kvm().expect("kvm");
-    SandboxSet::create(&kvm, SetConfig::parse(text).expect("config"), &images())
-        .expect("sandbox set")
-}
 
 /// The whole of a sandbox's RAM, read from its memfd.
 fn ram(set: &SandboxSet, name: &str) -> Vec<u8> {
@@ -54,8 +35,8 @@ fn two_sandboxes_run_chanbench_over_a_channel_and_verify() {
     if !kvm_available() {
         return;
     }
-    let [c0, c1] = cores();
-    let s = set(&format!(
+    let [c0, c1] = two_cores();
+    let s = sandbox_set(&format!(
         r#"{{"sandboxes": [
             {{"name": "a", "cores": [{c0}], "workload": {{"kind": "chanbench", "seed": 5, "max_msg": 1024}}}},
             {{"name": "b", "cores": [{c1}], "workload": {{"kind": "chanbench", "seed": 5, "max_msg": 1024}}}}
@@ -92,8 +73,8 @@ fn two_sandboxes_run_chanbench_over_a_channel_and_verify() {
 /// unchanged byte for byte, every write A aimed at B's read-only region
 /// reported, and B must then finish with its digest verified.
 fn wildwrite_beside(seed: u64) {
-    let [c0, c1] = cores();
-    let s = set(&format!(
+    let [c0, c1] = two_cores();
+    let s = sandbox_set(&format!(
         r#"{{"sandboxes": [
             {{"name": "a", "cores": [{c0}], "on_violation": "report", "workload": {{"kind": "wildwrite", "seed": {seed}}}}},
             {{"name": "b", "cores": [{c1}], "workload": {{"kind": "memwrite", "seed": {seed}, "ws_mib": 4, "duration_ms": 200}}}}
@@ -159,8 +140,8 @@ fn a_write_to_a_readonly_channel_page_stops_the_sandbox_by_default() {
     if !kvm_available() {
         return;
     }
-    let [c0, c1] = cores();
-    let s = set(&format!(
+    let [c0, c1] = two_cores();
+    let s = sandbox_set(&format!(
         r#"{{"sandboxes": [
             {{"name": "a", "cores": [{c0}], "workload": {{"kind": "wildwrite", "seed": 3}}}},
             {{"name": "b", "cores": [{c1}], "workload": {{"kind": "memwrite", "ws_mib": 4, "duration_ms": 300}}}}
@@ -189,7 +170,7 @@ fn the_cli_runs_a_sandbox_set_and_reports_json() {
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
-    let [c0, c1] = cores();
+    let [c0, c1] = two_cores();
     let cfg = write_file(
         dir.path(),
         "set.json",

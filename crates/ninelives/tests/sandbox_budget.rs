@@ -5,11 +5,10 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::kvm_available;
-use nl_sandbox::{Images, SandboxSet, SetConfig};
+use nl_sandbox::{SandboxSet, SetConfig};
 use nl_vmm::VmOutcome;
 
 #[test]
@@ -27,11 +26,8 @@ fn a_budget_caps_the_sandbox_and_is_removed_with_it() {
         {{"name": "free", "cores": [{c1}], "workload": {{"kind": "compute", "duration_ms": 1000}}}}]}}"#
     );
     let kvm = nl_vmm::open_kvm().expect("kvm");
-    let images = Images {
-        kernel: Arc::new(nl_guest::KERNEL_ELF.to_vec()),
-        user: Arc::new(nl_guest::USER_ELF.to_vec()),
-    };
-    let set = SandboxSet::create(&kvm, SetConfig::parse(&text).unwrap(), &images).expect("set");
+    let set = SandboxSet::create(&kvm, SetConfig::parse(&text).unwrap(), &common::sandbox_images())
+        .expect("set");
     set.start_all().expect("start");
     let dir = format!("/sys/fs/cgroup/cpu/ninelives-{}-capped", std::process::id());
     let tasks = std::fs::read_to_string(format!("{dir}/tasks")).expect("the budget's cgroup");

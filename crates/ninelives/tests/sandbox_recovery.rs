@@ -5,32 +5,13 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::kvm_available;
+use common::{kvm_available, sandbox_set, two_cores};
 use nl_checkpoint::inject::GuestFault;
 use nl_sandbox::detect::Detector;
-use nl_sandbox::{Images, SandboxSet, SetConfig, SetReport};
+use nl_sandbox::{SandboxSet, SetReport};
 use nl_vmm::VmOutcome;
-
-fn images() -> Images {
-    Images {
-        kernel: Arc::new(nl_guest::KERNEL_ELF.to_vec()),
-        user: Arc::new(nl_guest::USER_ELF.to_vec()),
-    }
-}
-
-fn cores() -> [usize; 2] {
-    let c = nl_sandbox::affinity::host_cores().expect("affinity");
-    [c[0], *c.last().expect("a core")]
-}
-
-fn set(text: &str) -> SandboxSet {
-    let kvm = nl_vmm::open_kvm().expect("kvm");
-    SandboxSet::create(&kvm, SetConfig::parse(text).expect("config"), &images())
-        .expect("sandbox set")
-}
 
 /// Polls `f` every 2 ms until it holds or `limit` passes.
 fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
@@ -79,7 +60,7 @@ fn three(svc_extra: &str) -> String {
 
 /// svc, p, q; p sends every `p_every_us`.
 fn three_at(svc_extra: &str, p_every_us: u64) -> String {
-    let [c0, c1] = cores();
+    let [c0, c1] = two_cores();
     format!(
         r#"{{"sandboxes": [
             {{"name": "svc", "cores": [{c0}], "mem_mib": 48, {svc_extra}
@@ -117,7 +98,7 @@ fn restart_recovers_a_faulted_sandbox_while_its_peers_run_on_untouched() {
     // p sends fast, so its stream to svc wraps the ring before the fault:
     // the restarted svc must resume at its acknowledgement, not re-read
     // overwritten records.
-    let s = set(&three_at(r#""recovery": {"policy": "restart"},"#, 50));
+    let s = sandbox_set(&three_at(r#""recovery": {"policy": "restart"},"#, 50));
     let r = supervised(&s, Duration::from_secs(120), |s| {
         let svc = s.get("svc").expect("svc");
         wait_for("p's stream to svc wrapping its ring", Duration::from_secs(90), || {
@@ -178,8 +159,8 @@ fn replace_restarts_a_violating_sandbox_with_its_alternative_workload() {
     if !kvm_available() {
         return;
     }
-    let [c0, c1] = cores();
-    let s = set(&format!(
+    let [c0, c1] = two_cores();
+    let s = sandbox_set(&format!(
         r#"{{"sandboxes": [
             {{"name": "a", "cores": [{c0}], "mem_mib": 48, "workload": {{"kind": "wildwrite", "seed": 3}},
               "recovery": {{"policy": "replace", "replace_with": {{"kind": "chanstream", "duration_ms": 0}}}}}},
@@ -208,8 +189,8 @@ fn a_fault_that_recurs_beyond_its_bound_ends_in_a_report_not_a_loop() {
     if !kvm_available() {
         return;
     }
-    let [c0, c1] = cores();
-    let s = set(&format!(
+    let [c0, c1] = two_cores();
+    let s = sandbox_set(&format!(
         r#"{{"sandboxes": [
             {{"name": "a", "cores": [{c0}], "mem_mib": 48, "workload": {{"kind": "wildwrite", "seed": 5}},
               "recovery": {{"policy": "restart", "max_recoveries": 3, "window_ms": 600000}}}},
@@ -235,8 +216,9 @@ fn lost_heartbeat_is_judged_on_vcpu_time_not_wall_time() {
     if !kvm_available() {
         return;
     }
-    let s =
-        set(&three(r#""recovery": {"policy": "restart"}, "detect": {"heartbeat_cpu_ms": 300},"#));
+    let s = sandbox_set(&three(
+        r#""recovery": {"policy": "restart"}, "detect": {"heartbeat_cpu_ms": 300},"#,
+    ));
     let r = supervised(&s, Duration::from_secs(120), |s| {
         wait_for("streaming", Duration::from_secs(60), || consumed(s, 1) > 500);
         // q paused for far longer than the heartbeat bound in wall time:
@@ -260,8 +242,8 @@ fn a_receiver_that_stops_consuming_is_caught_by_the_channel_lag_detector() {
     if !kvm_available() {
         return;
     }
-    let [c0, c1] = cores();
-    let s = set(&format!(
+    let [c0, c1] = two_cores();
+    let s = sandbox_set(&format!(
         r#"{{"sandboxes": [
             {{"name": "slow", "cores": [{c0}], "mem_mib": 48,
               "workload": {{"kind": "memwrite", "ws_mib": 4, "duration_ms": 600000}},
@@ -293,8 +275,8 @@ fn rollback_recovers_in_place_and_the_sandbox_keeps_its_state() {
     if !kvm_available() {
         return;
     }
-    let [c0, c1] = cores();
-    let s = set(&format!(
+    let [c0, c1] = two_cores();
+    let s = sandbox_set(&format!(
         r#"{{"sandboxes": [
             {{"name": "m", "cores": [{c0}], "mem_mib": 48,
               "workload": {{"kind": "memwrite", "ws_mib": 2, "duration_ms": 2000}},
@@ -325,7 +307,7 @@ fn a_failed_restart_leaves_the_sandbox_stopped_and_reported() {
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let ram = dir.path().join("svc-ram");
-    let s = set(&three(&format!(
+    let s = sandbox_set(&three(&format!(
         r#""recovery": {{"policy": "restart"}}, "memory_file": "{}","#,
         ram.display()
     )));

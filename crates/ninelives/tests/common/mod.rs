@@ -385,3 +385,28 @@ pub fn http_json(
     let (status, b) = http(sock, method, path, body);
     (status, serde_json::from_str(&b).unwrap_or_else(|e| panic!("{method} {path}: {e}: {b}")))
 }
+
+/// The reference guest's images, for sandbox sets built in a test.
+#[allow(dead_code)]
+pub fn sandbox_images() -> nl_sandbox::Images {
+    nl_sandbox::Images {
+        kernel: Arc::new(nl_guest::KERNEL_ELF.to_vec()),
+        user: Arc::new(nl_guest::USER_ELF.to_vec()),
+    }
+}
+
+/// Two cores a sandbox test may use: the host's first and last (the same
+/// one on a one-core host).
+#[allow(dead_code)]
+pub fn two_cores() -> [usize; 2] {
+    let c = nl_sandbox::affinity::host_cores().expect("affinity");
+    [c[0], *c.last().expect("a core")]
+}
+
+/// A sandbox set from a configuration text (not started).
+#[allow(dead_code)]
+pub fn sandbox_set(text: &str) -> nl_sandbox::SandboxSet {
+    let kvm = nl_vmm::open_kvm().expect("kvm");
+    let config = nl_sandbox::SetConfig::parse(text).expect("config");
+    nl_sandbox::SandboxSet::create(&kvm, config, &sandbox_images()).expect("sandbox set")
+}
