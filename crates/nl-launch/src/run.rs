@@ -120,15 +120,9 @@ fn configs_from_file(path: &std::path::Path) -> Result<(Vec<VmConfig>, Vec<guest
         let params = guest::workload_params(&s.workload, s.duration).with_context(what)?;
         match &s.machine.disk {
             Some(d) => guest::ensure_disk(d, guest::disk_size_for(&params)).with_context(what)?,
-            None if guest::disk_needed(&params).is_some() => {
-                let t = guest::TempDisk::with_size(
-                    s.workload.workload.name(),
-                    guest::disk_size_for(&params),
-                )?;
-                s.machine.disk = Some(t.0.clone());
-                temp_disks.push(t);
+            None => {
+                temp_disk_if_needed(&mut s.machine, &params, s.workload.workload, &mut temp_disks)?
             }
-            None => {}
         }
         let kernel = guest::kernel_image(&s.machine).with_context(what)?;
         configs.push(guest::vm_config(&s.machine, params, kernel, s.console).with_context(what)?);
@@ -144,6 +138,22 @@ fn configs_from_file(path: &std::path::Path) -> Result<(Vec<VmConfig>, Vec<guest
         }
     }
     Ok((configs, temp_disks))
+}
+
+/// blkbench and filecache without a disk: a temporary image for this VM,
+/// kept in `temp_disks` (removed when they are dropped, at the end).
+fn temp_disk_if_needed(
+    m: &mut crate::args::MachineArgs,
+    params: &nl_abi::WorkloadParams,
+    workload: crate::args::WorkloadName,
+    temp_disks: &mut Vec<guest::TempDisk>,
+) -> Result<()> {
+    if guest::disk_needed(params).is_some() && m.disk.is_none() {
+        let t = guest::TempDisk::with_size(workload.name(), guest::disk_size_for(params))?;
+        m.disk = Some(t.0.clone());
+        temp_disks.push(t);
+    }
+    Ok(())
 }
 
 /// A configuration file's VM that names no duration runs this long (s).
@@ -174,14 +184,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     let mut configs = Vec::new();
     for _ in 0..a.vms {
         let mut m = a.machine.clone();
-        if guest::disk_needed(&params).is_some() && m.disk.is_none() {
-            let t = guest::TempDisk::with_size(
-                a.workload.workload.name(),
-                guest::disk_size_for(&params),
-            )?;
-            m.disk = Some(t.0.clone());
-            temp_disks.push(t);
-        }
+        temp_disk_if_needed(&mut m, &params, a.workload.workload, &mut temp_disks)?;
         configs.push(guest::vm_config(&m, params, kernel.clone(), a.console.clone())?);
     }
     let results = run_vms(&configs, a.json)?;

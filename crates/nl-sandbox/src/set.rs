@@ -80,7 +80,7 @@ pub struct SandboxSet {
     created: Instant,
     stop: AtomicBool,
     /// Each sandbox's CPU budget once applied (by sandbox index).
-    budgets: std::sync::Mutex<Vec<Option<crate::budget::AppliedBudget>>>,
+    budgets: Arc<Lock<Vec<Option<crate::budget::AppliedBudget>>>>,
 }
 
 /// How one sandbox's run ended, and what its monitor saw.
@@ -264,7 +264,7 @@ impl SandboxSet {
                 script: Lock::new("sandbox.script", Vec::new()),
             });
         }
-        let budgets = std::sync::Mutex::new(sandboxes.iter().map(|_| None).collect());
+        let budgets = Lock::new("sandbox.budgets", sandboxes.iter().map(|_| None).collect());
         Ok(Self {
             config,
             sandboxes,
@@ -449,8 +449,7 @@ impl SandboxSet {
             affinity::pin(*tid, &[sb.config.cores[i % sb.config.cores.len()]])?;
         }
         if let Some(b) = sb.config.budget {
-            let mut budgets =
-                self.budgets.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut budgets = self.budgets.lock();
             // A restarted sandbox's new threads join the cgroup it has.
             let r = match &budgets[sb.index] {
                 Some(applied) => applied.attach(&tids),
@@ -464,7 +463,7 @@ impl SandboxSet {
 
     /// How often sandbox `index`'s budget held it back (`None`: no budget).
     pub fn throttling(&self, index: usize) -> Option<crate::budget::Throttling> {
-        let b = self.budgets.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let b = self.budgets.lock();
         b.get(index)?.as_ref().map(|b| b.throttling())
     }
 

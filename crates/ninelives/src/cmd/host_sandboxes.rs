@@ -8,10 +8,11 @@
 //! losing them.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nl_sandbox::{SandboxSet, SetConfig, SetReport};
+use nl_sync::Lock;
 use nl_vmm::api::{ApiError, Frontend};
 use nl_vmm::host::Host;
 use nl_vmm::VmConfig;
@@ -27,20 +28,21 @@ struct RunningSet {
     mem_bytes: u64,
     started: Instant,
     /// The supervisor's report once every sandbox has ended.
-    report: Arc<Mutex<Option<SetReport>>>,
+    report: Arc<Lock<Option<SetReport>>>,
     supervisor: Option<std::thread::JoinHandle<()>>,
 }
 
 /// The `ninelives host` front end: VM configurations from `create`
-/// requests, and sandbox sets.
-#[derive(Default)]
+/// requests, and sandbox sets. Its locks are `nl_sync` locks, so a
+/// microreset that discards an API thread holding one releases it.
 pub struct HostFrontend {
-    sets: Mutex<BTreeMap<String, RunningSet>>,
+    sets: Arc<Lock<BTreeMap<String, RunningSet>>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // A panic while holding it left plain data behind: go on with it.
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+impl Default for HostFrontend {
+    fn default() -> Self {
+        Self { sets: Lock::new("host.sandbox_sets", BTreeMap::new()) }
+    }
 }
 
 fn not_found(name: &str) -> ApiError {
@@ -85,7 +87,7 @@ impl HostFrontend {
             .fold(0u64, u64::saturating_add);
         // Held for the whole creation: two creates cannot both pass the
         // budget, nor take one name.
-        let mut sets = lock(&self.sets);
+        let mut sets = self.sets.lock();
         if sets.contains_key(&name) {
             return Err(ApiError {
                 status: 409,
@@ -121,7 +123,7 @@ impl HostFrontend {
             return Err(ApiError::bad(format!("sandbox set '{name}': {e}")));
         }
         let names: Vec<String> = set.sandboxes.iter().map(|s| s.config.name.clone()).collect();
-        let report = Arc::new(Mutex::new(None));
+        let report = Lock::new("host.sandbox_report", None);
         let supervisor = {
             let (s, report, name) = (set.clone(), report.clone(), name.clone());
             std::thread::Builder::new()
@@ -132,7 +134,7 @@ impl HostFrontend {
                         "sandbox_set_ended",
                         json!({"name": name, "all_ok": r.all_ok()}),
                     );
-                    *lock(&report) = Some(r);
+                    *report.lock() = Some(r);
                 })
                 .map_err(|e| {
                     set.stop_all();
@@ -160,7 +162,7 @@ impl HostFrontend {
     }
 
     fn summary(name: &str, r: &RunningSet) -> Value {
-        let done = lock(&r.report).is_some();
+        let done = r.report.lock().is_some();
         json!({
             "name": name,
             "state": if done { "ended" } else { "running" },
@@ -172,10 +174,10 @@ impl HostFrontend {
     }
 
     fn stats(&self, name: &str) -> Result<Value, ApiError> {
-        let sets = lock(&self.sets);
+        let sets = self.sets.lock();
         let r = sets.get(name).ok_or_else(|| not_found(name))?;
         let mut v = Self::summary(name, r);
-        if let Some(report) = lock(&r.report).as_ref() {
+        if let Some(report) = r.report.lock().as_ref() {
             v["report"] = serde_json::to_value(report).unwrap_or(Value::Null);
             return Ok(v);
         }
@@ -201,7 +203,7 @@ impl HostFrontend {
     }
 
     fn destroy(&self, name: &str) -> Result<Value, ApiError> {
-        let r = lock(&self.sets).remove(name).ok_or_else(|| not_found(name))?;
+        let r = self.sets.lock().remove(name).ok_or_else(|| not_found(name))?;
         Self::end(r);
         nl_vmm::event_log::publish("sandbox_set_destroyed", json!({"name": name}));
         Ok(json!({}))
@@ -224,7 +226,7 @@ impl Frontend for HostFrontend {
         Some(match op {
             "sandbox_create" => self.create(host, req),
             "sandbox_list" => {
-                let sets = lock(&self.sets);
+                let sets = self.sets.lock();
                 Ok(
                     json!({"sets": sets.iter().map(|(n, r)| Self::summary(n, r)).collect::<Vec<_>>()}),
                 )
@@ -240,7 +242,7 @@ impl Frontend for HostFrontend {
     }
 
     fn handover_blocker(&self) -> Option<String> {
-        let sets = lock(&self.sets);
+        let sets = self.sets.lock();
         (!sets.is_empty()).then(|| {
             format!(
                 "the host runs sandbox set(s) {}, which a new VMM process cannot take over yet; \
@@ -251,7 +253,7 @@ impl Frontend for HostFrontend {
     }
 
     fn shutdown(&self) {
-        let sets = std::mem::take(&mut *lock(&self.sets));
+        let sets = std::mem::take(&mut *self.sets.lock());
         for (_, r) in sets {
             Self::end(r);
         }
