@@ -46,6 +46,20 @@ impl From<LogLevel> for Level {
     }
 }
 
+/// The options that give a successor process (warm rejuvenation,
+/// microreboot) this process's log settings.
+pub fn successor_args(level: LogLevel, format: LogFormat) -> Vec<String> {
+    let name = |v: Option<clap::builder::PossibleValue>| {
+        v.map(|v| v.get_name().to_string()).expect("no skipped log values")
+    };
+    vec![
+        "--log-level".into(),
+        name(level.to_possible_value()),
+        "--log-format".into(),
+        name(format.to_possible_value()),
+    ]
+}
+
 /// The text format: `ninelives: [warning: ]message field=value`.
 struct Text;
 

@@ -12,6 +12,8 @@ fn main() -> ExitCode {
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = cli::Cli::parse();
     ninelives::logging::init(cli.log_level, cli.log_format);
+    // A rejuvenated or microrebooted host logs as the one it replaces.
+    nl_vmm::successor::inherit(ninelives::logging::successor_args(cli.log_level, cli.log_format));
     nl_vmm::seccomp::set_enabled(cli.seccomp == cli::OnOff::On);
     let result = match cli.command.unwrap_or_default() {
         cli::Command::Run(a) => nl_launch::run::run(a),

@@ -46,6 +46,7 @@ pub mod rejuvenate;
 pub mod seccomp;
 pub mod selftest;
 pub mod state;
+pub mod successor;
 pub mod vcpu;
 pub mod vm;
 pub mod windows;

@@ -372,7 +372,7 @@ impl Successor {
             "--handover-ctl".into(),
             theirs.as_raw_fd().to_string(),
         ];
-        let args: Vec<String> = args.into_iter().chain(crate::seccomp::successor_args()).collect();
+        let args: Vec<String> = args.into_iter().chain(crate::successor::args()).collect();
         let spawn_ns = mono_ns();
         let mut child = handover::spawn_with_fds(&opts.binary, &args, inherit)
             .map_err(|e| format!("cannot start {}: {e}", opts.binary.display()))?;

@@ -152,7 +152,7 @@ fn build_and_exec(what: &str, t0: Instant, steps: &mut Steps) -> Result<Never, S
         "--reboot-checksum".into(),
         format!("{checksum:x}"),
     ];
-    let args: Vec<String> = args.into_iter().chain(crate::seccomp::successor_args()).collect();
+    let args: Vec<String> = args.into_iter().chain(crate::successor::args()).collect();
     let cargs: Vec<CString> = args
         .iter()
         .map(|a| CString::new(a.as_str()).map_err(|e| e.to_string()))
