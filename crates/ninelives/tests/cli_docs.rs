@@ -36,7 +36,7 @@ fn completions_and_man_pages_are_generated() {
     let o = run_cli(&["man", dir.path().to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
     let page = std::fs::read_to_string(dir.path().join("ninelives-checkpoint.1")).unwrap();
-    assert!(page.contains(".SH OPTIONS") && page.contains("hang\\-timeout"), "{page}");
+    assert!(page.contains(".SH OPTIONS") && page.contains("heartbeat\\-timeout"), "{page}");
     assert_clean_error(&run_cli(&["completions", "tcsh"]), "invalid value");
 }
 
@@ -58,4 +58,34 @@ fn durations_take_bare_numbers_in_the_flags_unit_or_human_units() {
     assert!(millis("0.5").unwrap_err().contains("whole number of milliseconds"));
     // Through the command line, a bad duration is one clean error.
     assert_clean_error(&run_cli(&["run", "--duration", "soon"]), "not a duration");
+}
+
+/// Options once duplicated are one option: `checkpoint` had both
+/// `--heartbeat-timeout` and `--hang-timeout`. No subcommand offers both
+/// names as separate options, and the checkpoint supervisor takes its hang
+/// timeout from the merged one under either name.
+#[test]
+fn merged_options_are_one_option_under_every_name() {
+    fn longs(cmd: &clap::Command, path: &str, out: &mut Vec<(String, Vec<String>)>) {
+        out.push((
+            path.to_string(),
+            cmd.get_arguments().filter_map(|a| a.get_long().map(str::to_string)).collect(),
+        ));
+        for s in cmd.get_subcommands() {
+            longs(s, &format!("{path} {}", s.get_name()), out);
+        }
+    }
+    let mut all = Vec::new();
+    longs(&ninelives::cli::Cli::command(), "ninelives", &mut all);
+    for (path, names) in &all {
+        assert!(
+            !(names.iter().any(|n| n == "heartbeat-timeout")
+                && names.iter().any(|n| n == "hang-timeout")),
+            "{path} has both --heartbeat-timeout and --hang-timeout"
+        );
+    }
+    for flag in ["--heartbeat-timeout", "--hang-timeout"] {
+        let o = run_cli(&["checkpoint", flag, "2h", "--duration", "0.1"]);
+        assert_clean_error(&o, "--heartbeat-timeout 7200 s is out of range");
+    }
 }

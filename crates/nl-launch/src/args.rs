@@ -186,9 +186,13 @@ pub struct MachineArgs {
     /// Guest timer frequency in Hz.
     #[arg(long, default_value_t = 100)]
     pub timer_hz: u64,
-    /// Declare a VM hung after this long without a heartbeat (a number of seconds, or e.g. 1.5s, 500ms, 2min).
-    #[arg(long, default_value = "10", value_parser = secs)]
-    pub heartbeat_timeout: f64,
+    /// How long a guest may go without a heartbeat before it counts as hung
+    /// (a number of seconds, or e.g. 1.5s, 500ms, 2min). A VM's supervisor
+    /// counts wall time and ends the run (default 10 s); under `checkpoint`
+    /// it is guest CPU time and a hang is rolled back (default 1 s).
+    /// `--hang-timeout` is the same option (its former name under checkpoint).
+    #[arg(long, alias = "hang-timeout", value_parser = secs)]
+    pub heartbeat_timeout: Option<f64>,
     /// A raw disk image for a virtio-blk device (created sparse, 256 MiB or
     /// what filecache's data set needs, if missing). blkbench and filecache
     /// without --disk use a temporary image per VM.
@@ -223,7 +227,7 @@ impl Default for MachineArgs {
             vcpus: 1,
             kernel: None,
             timer_hz: 100,
-            heartbeat_timeout: 10.0,
+            heartbeat_timeout: None,
             disk: None,
             disk_readonly: false,
             net_tap: None,
@@ -388,10 +392,6 @@ pub struct CheckpointArgs {
     /// File of measured error latencies (ms, one per line); T_B is their 95th percentile.
     #[arg(long)]
     pub latency_file: Option<PathBuf>,
-    /// Guest CPU time without a heartbeat that counts as a detected error (a hang) (a number of seconds, or e.g. 1.5s, 500ms, 2min).
-    /// The VM-wide --heartbeat-timeout does not apply under checkpointing.
-    #[arg(long, default_value = "1", value_parser = secs)]
-    pub hang_timeout: f64,
     /// Write the committed checkpoint to --disk-path every N checkpoints.
     #[arg(long, default_value_t = 0)]
     pub disk_every: u32,
@@ -409,6 +409,27 @@ pub struct CheckpointArgs {
     /// Print one JSON object as the last line of stdout.
     #[arg(long)]
     pub json: bool,
+}
+
+impl MachineArgs {
+    /// A VM supervisor's heartbeat timeout (s): wall time without a heartbeat.
+    pub const HEARTBEAT_TIMEOUT: f64 = 10.0;
+
+    /// `--heartbeat-timeout`, or the VM supervisor's default.
+    pub fn heartbeat_timeout(&self) -> f64 {
+        self.heartbeat_timeout.unwrap_or(Self::HEARTBEAT_TIMEOUT)
+    }
+}
+
+impl CheckpointArgs {
+    /// The checkpoint supervisor's default hang timeout (s of guest CPU time).
+    pub const HANG_TIMEOUT: f64 = 1.0;
+
+    /// Guest CPU time without a heartbeat that counts as a hang, rolled
+    /// back (`--heartbeat-timeout`, alias `--hang-timeout`).
+    pub fn hang_timeout(&self) -> f64 {
+        self.machine.heartbeat_timeout.unwrap_or(Self::HANG_TIMEOUT)
+    }
 }
 
 #[derive(Args, Clone, Debug)]

@@ -73,8 +73,8 @@ pub fn choose_interval(a: &CheckpointArgs) -> Result<(Duration, Option<f64>)> {
             bail!("--latency-bound {b} ms is out of range 0..=3600000");
         }
     }
-    if !(a.hang_timeout.is_finite() && (0.001..=3600.0).contains(&a.hang_timeout)) {
-        bail!("--hang-timeout {} s is out of range 0.001..=3600", a.hang_timeout);
+    if !(a.hang_timeout().is_finite() && (0.001..=3600.0).contains(&a.hang_timeout())) {
+        bail!("--heartbeat-timeout {} s is out of range 0.001..=3600", a.hang_timeout());
     }
     // An interval below T_B (or the hang timeout) is fine: rollbacks go to
     // the newest kept checkpoint at least that much guest time older (see
@@ -123,7 +123,7 @@ pub fn protected_run(a: &CheckpointArgs, quiet: bool) -> Result<ProtectedRun> {
         inject: a.inject_guest_fault,
         script: Vec::new(),
         seed: a.workload.seed ^ 0xC4E0,
-        hang_timeout: Duration::from_secs_f64(a.hang_timeout),
+        hang_timeout: Duration::from_secs_f64(a.hang_timeout()),
         latency_bound: bound.map(|b| Duration::from_secs_f64(b / 1000.0)),
         max_rollbacks: 50,
         time_limit: Duration::from_secs_f64(a.duration * 4.0 + 60.0),

@@ -167,7 +167,7 @@ pub fn vm_config(
     kernel: Arc<Vec<u8>>,
     console: Option<std::path::PathBuf>,
 ) -> Result<VmConfig> {
-    if !(m.heartbeat_timeout.is_finite() && m.heartbeat_timeout > 0.0) {
+    if !(m.heartbeat_timeout().is_finite() && m.heartbeat_timeout() > 0.0) {
         bail!("--heartbeat-timeout must be a positive number of seconds");
     }
     if workload.kind == nl_abi::WORKLOAD_NETBENCH || workload.kind == nl_abi::WORKLOAD_KV {
@@ -230,7 +230,7 @@ pub fn vm_config(
         user: Arc::new(nl_guest::USER_ELF.to_vec()),
         console_path: console,
         timer_hz: m.timer_hz,
-        heartbeat_timeout: Duration::from_secs_f64(m.heartbeat_timeout),
+        heartbeat_timeout: Duration::from_secs_f64(m.heartbeat_timeout()),
         disk: m.disk.as_ref().map(|p| DiskConfig { path: p.clone(), readonly: m.disk_readonly }),
     };
     c.validate().map_err(anyhow::Error::msg)?;

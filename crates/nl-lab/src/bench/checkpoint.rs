@@ -70,7 +70,13 @@ fn ckpt_args(
 ) -> CheckpointArgs {
     CheckpointArgs {
         workload: w.clone(),
-        machine: MachineArgs::default(),
+        // Hangs are judged on the vCPUs' CPU time, so a slow run is not one.
+        // Injection runs: a hang is found after 100 ms of guest time (10
+        // missed heartbeats), and rollbacks go back at least that far.
+        machine: MachineArgs {
+            heartbeat_timeout: Some(if inject > 0 { 0.1 } else { CheckpointArgs::HANG_TIMEOUT }),
+            ..MachineArgs::default()
+        },
         duration,
         interval: Some(interval),
         mode,
@@ -78,10 +84,6 @@ fn ckpt_args(
         inject_guest_fault: inject,
         latency_bound: None,
         latency_file: None,
-        // Hangs are judged on the vCPUs' CPU time, so a slow run is not one.
-        // Injection runs: a hang is found after 100 ms of guest time (10
-        // missed heartbeats), and rollbacks go back at least that far.
-        hang_timeout: if inject > 0 { 0.1 } else { 1.0 },
         disk_every: 0,
         disk_path: "unused".into(),
         key_file: None,
@@ -402,7 +404,6 @@ fn loaded(a: &BenchCheckpointArgs) -> Result<ExitCode> {
         inject_guest_fault: inject,
         latency_bound: None,
         latency_file: None,
-        hang_timeout: 1.0,
         disk_every: 0,
         disk_path: "unused".into(),
         key_file: None,

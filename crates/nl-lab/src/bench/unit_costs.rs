@@ -192,7 +192,6 @@ fn log_fault_us() -> Result<f64> {
         inject_guest_fault: 0,
         latency_bound: None,
         latency_file: None,
-        hang_timeout: 1.0,
         disk_every: 0,
         disk_path: "unused".into(),
         key_file: None,
