@@ -146,6 +146,11 @@ pub struct HostArgs {
     /// An API connection with no request for this long is closed [default: 600s].
     #[arg(long, value_parser = parse_duration)]
     pub idle_timeout: Option<std::time::Duration>,
+    /// Also serve the JSON-lines protocol of earlier releases on the API
+    /// socket (deprecated: kept for one release; HTTP is always served).
+    /// Carries over to the process that takes over, like the limits above.
+    #[arg(long)]
+    pub api_legacy: bool,
 }
 
 fn parse_hex(s: &str) -> Result<u64, String> {
@@ -157,8 +162,9 @@ pub struct ApiArgs {
     /// Unix socket of the host.
     #[arg(long, required_unless_present = "openapi")]
     pub api: Option<PathBuf>,
-    /// The request, a JSON object such as '{"op":"list"}' (the JSON-lines
-    /// protocol; the host also serves HTTP on the same socket, see docs/api.md).
+    /// The request, a JSON object such as '{"op":"list"}' or
+    /// '{"op":"stats","id":0}', sent as the HTTP request it stands for
+    /// (docs/api.md lists both forms); the reply is printed with "ok".
     #[arg(required_unless_present = "openapi")]
     pub request: Option<String>,
     /// Print the OpenAPI document of the host's HTTP API (docs/api.yaml) and exit.

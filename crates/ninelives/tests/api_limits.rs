@@ -29,7 +29,9 @@ impl Drop for HostProcess {
 
 impl HostProcess {
     fn start(sock: &Path, extra: &[&str]) -> (Self, UnixStream) {
-        let (child, s) = spawn_host_with(sock, extra);
+        // These tests drive the JSON-lines protocol's limits byte by byte.
+        let extra: Vec<&str> = ["--api-legacy"].iter().chain(extra).copied().collect();
+        let (child, s) = spawn_host_with(sock, &extra);
         (Self { child }, s)
     }
 
@@ -408,7 +410,15 @@ fn limits_carry_over_a_rejuvenation() {
     let sock = dir.path().join("api.sock");
     let (mut child, mut s) = spawn_host_with(
         &sock,
-        &["--mem-budget", "96M", "--max-connections", "5", "--request-timeout", "2s"],
+        &[
+            "--api-legacy",
+            "--mem-budget",
+            "96M",
+            "--max-connections",
+            "5",
+            "--request-timeout",
+            "2s",
+        ],
     );
     let check = |sock: &Path| {
         let info = request(sock, json!({"op":"info"}));
@@ -446,7 +456,7 @@ fn limits_carry_over_a_microreboot() {
     // and the host microreboots in place.
     let child = ninelives()
         .args(["host", "--api", sock.to_str().unwrap(), "--recovery", "microreboot"])
-        .args(["--mem-budget", "96M", "--max-connections", "5"])
+        .args(["--mem-budget", "96M", "--max-connections", "5", "--api-legacy"])
         .env("NINELIVES_API_FAULT", "segv:2")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())

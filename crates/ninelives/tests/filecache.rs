@@ -5,8 +5,6 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::time::{Duration, Instant};
@@ -132,12 +130,8 @@ impl ApiHost {
     }
 
     fn req(&self, v: Value) -> Value {
-        let mut s = UnixStream::connect(&self.sock).expect("the API socket is always there");
-        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-        writeln!(s, "{v}").unwrap();
-        let mut line = String::new();
-        BufReader::new(s).read_line(&mut line).unwrap();
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("reply is not JSON ({e}): {line}"))
+        nl_vmm::api::request_timeout(&self.sock, &v, Duration::from_secs(120))
+            .unwrap_or_else(|e| panic!("no reply to {v}: {e}"))
     }
 
     fn regs(&self, id: u64) -> (String, Value) {

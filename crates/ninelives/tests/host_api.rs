@@ -41,7 +41,8 @@ fn host_serves_several_vms_and_survives_bad_requests() {
     }
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("api.sock");
-    let (child, mut s) = spawn_host(&sock);
+    // This test drives the JSON-lines protocol (HTTP: tests/http_api.rs).
+    let (child, mut s) = spawn_host_with(&sock, &["--api-legacy"]);
     let mut host = HostProcess { child };
 
     let a = send(&mut s, json!({"op":"create","workload":"idle","duration":600}));

@@ -89,13 +89,25 @@ fn the_http_api_serves_every_route_with_named_errors_events_and_metrics() {
         json!({"kind": nl_abi::WORKLOAD_COMPUTE, "seed": 5, "duration_ms": 1000, "vcpus": 1});
     assert_stats_replay(id, &asked, &s["stats"]);
 
-    // The JSON-lines protocol on the same socket (the connection the
-    // helper opened).
+    // The JSON-lines protocol of earlier releases is refused with its
+    // reason (the connection the helper opened) ...
     writeln!(legacy, "{}", json!({"op": "list"})).unwrap();
     let mut line = String::new();
     BufReader::new(legacy.try_clone().unwrap()).read_line(&mut line).unwrap();
     let v: Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(v["ok"], false, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("--api-legacy"), "{v}");
+    // ... and served, beside HTTP, by a host started with --api-legacy.
+    let dir2 = tempfile::tempdir().unwrap();
+    let sock2 = dir2.path().join("legacy.sock");
+    let (mut legacy_host, mut l2) = spawn_host_with(&sock2, &["--api-legacy"]);
+    writeln!(l2, "{}", json!({"op": "list"})).unwrap();
+    let mut line = String::new();
+    BufReader::new(l2.try_clone().unwrap()).read_line(&mut line).unwrap();
+    let v: Value = serde_json::from_str(&line).unwrap();
     assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(http_json(&sock2, "GET", "/v1/vms", None).0, 200);
+    stop_host(&sock2, &mut legacy_host);
 
     // Named errors.
     let cases: &[(&str, &str, Option<&str>, u16, &str)] = &[

@@ -4,8 +4,6 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -13,12 +11,8 @@ use common::*;
 use serde_json::{json, Value};
 
 fn request(sock: &Path, req: Value) -> Value {
-    let mut s = UnixStream::connect(sock).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    writeln!(s, "{req}").unwrap();
-    let mut line = String::new();
-    BufReader::new(s).read_line(&mut line).unwrap();
-    serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"))
+    nl_vmm::api::request_timeout(sock, &req, Duration::from_secs(120))
+        .unwrap_or_else(|e| panic!("no reply to {req}: {e}"))
 }
 
 fn comm(pid: u64) -> String {
@@ -29,14 +23,9 @@ fn comm(pid: u64) -> String {
 fn serving_pid(sock: &Path, not: u64) -> u64 {
     let t = Instant::now();
     while t.elapsed() < Duration::from_secs(60) {
-        if let Ok(mut s) = UnixStream::connect(sock) {
-            let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-            let _ = writeln!(s, "{}", json!({"op": "info"}));
-            let mut line = String::new();
-            let _ = BufReader::new(s).read_line(&mut line);
-            if let Some(pid) =
-                serde_json::from_str::<Value>(&line).ok().and_then(|v| v["pid"].as_u64())
-            {
+        let info = json!({"op": "info"});
+        if let Ok(v) = nl_vmm::api::request_timeout(sock, &info, Duration::from_secs(10)) {
+            if let Some(pid) = v["pid"].as_u64() {
                 if pid != not {
                     return pid;
                 }

@@ -90,8 +90,8 @@ fn an_error_inside_the_recovery_ends_in_a_clean_reported_failure() {
             std::thread::sleep(Duration::from_millis(10));
         }
         let mut s = UnixStream::connect(&sock).unwrap();
-        writeln!(s, "{}", json!({"op":"create","workload":"exits","mem":"64M","duration":3}))
-            .unwrap();
+        let body = json!({"workload":"exits","mem":"64M","duration":3}).to_string();
+        write!(s, "POST /v1/vms HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
         let o = o.wait_with_output().unwrap();
         // Exit 86, not a signal (no core dump), with both errors reported.
         assert_eq!(o.status.code(), Some(86), "{policy}: {o:?}");

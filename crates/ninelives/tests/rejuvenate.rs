@@ -8,7 +8,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -62,12 +62,8 @@ impl Host {
     }
 
     fn req(&self, v: Value) -> Value {
-        let mut s = UnixStream::connect(&self.sock).expect("the API socket is always there");
-        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-        writeln!(s, "{v}").unwrap();
-        let mut line = String::new();
-        BufReader::new(s).read_line(&mut line).unwrap();
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("reply is not JSON ({e}): {line}"))
+        nl_vmm::api::request_timeout(&self.sock, &v, Duration::from_secs(120))
+            .unwrap_or_else(|e| panic!("no reply to {v}: {e}"))
     }
 
     fn pid(&self) -> u64 {
@@ -172,12 +168,11 @@ fn warm_rejuvenation_keeps_guest_memory_and_the_socket() {
     let hammer = std::thread::spawn(move || {
         let mut answered = 0;
         while !stop2.load(Relaxed) {
-            let mut s = UnixStream::connect(&sock).expect("socket vanished during handover");
-            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-            writeln!(s, "{}", json!({"op":"list"})).unwrap();
-            let mut line = String::new();
-            // EOF is allowed for a connection the old process accepted just before it exited.
-            if BufReader::new(s).read_line(&mut line).unwrap_or(0) > 0 {
+            let _s = UnixStream::connect(&sock).expect("socket vanished during handover");
+            // No reply is allowed for a connection the old process accepted
+            // just before it exited.
+            let list = json!({"op":"list"});
+            if nl_vmm::api::request_timeout(&sock, &list, Duration::from_secs(30)).is_ok() {
                 answered += 1;
             }
         }

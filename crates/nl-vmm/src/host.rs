@@ -97,6 +97,10 @@ pub struct Limits {
     pub request_timeout: Duration,
     /// An API connection with no request for this long is closed.
     pub idle_timeout: Duration,
+    /// Also serve the deprecated JSON-lines protocol (`host --api-legacy`).
+    /// Absent from the records of older processes: off.
+    #[serde(default)]
+    pub json_lines: bool,
 }
 
 /// Guest memory kept out of the default budget: this much, or a tenth of
@@ -126,6 +130,7 @@ impl Limits {
             max_connections: MAX_CONNECTIONS,
             request_timeout: REQUEST_TIMEOUT,
             idle_timeout: IDLE_TIMEOUT,
+            json_lines: false,
         }
     }
 }

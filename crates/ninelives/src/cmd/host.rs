@@ -20,6 +20,7 @@ fn limits(a: &HostArgs, base: nl_vmm::host::Limits) -> nl_vmm::host::Limits {
         max_connections: a.max_connections.map_or(base.max_connections, |n| n as usize),
         request_timeout: a.request_timeout.unwrap_or(base.request_timeout),
         idle_timeout: a.idle_timeout.unwrap_or(base.idle_timeout),
+        json_lines: a.api_legacy || base.json_lines,
     }
 }
 

@@ -312,15 +312,9 @@ impl Netns {
 /// Ends a host started by a test, and the process serving its socket now if
 /// a rejuvenation replaced it (a new pid the test did not start).
 pub fn stop_host(sock: &Path, child: &mut std::process::Child) {
-    use std::io::{BufRead, BufReader, Write};
-    if let Ok(mut s) = std::os::unix::net::UnixStream::connect(sock) {
-        let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-        let _ = writeln!(s, "{}", serde_json::json!({"op":"info"}));
-        let mut line = String::new();
-        let _ = BufReader::new(s).read_line(&mut line);
-        if let Some(pid) =
-            serde_json::from_str::<serde_json::Value>(&line).ok().and_then(|v| v["pid"].as_u64())
-        {
+    let info = serde_json::json!({"op":"info"});
+    if let Ok(v) = nl_vmm::api::request_timeout(sock, &info, Duration::from_secs(5)) {
+        if let Some(pid) = v["pid"].as_u64() {
             if pid != u64::from(child.id()) {
                 let _ = Command::new("kill").arg(pid.to_string()).status();
             }

@@ -2,7 +2,6 @@
 //! with options and environment, its stderr kept for the detection and
 //! recovery lines, killed on drop.
 
-use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::{Child, Stdio};
@@ -46,12 +45,7 @@ impl SelftestHost {
 
     /// One request on a new connection; None if it was not answered.
     pub fn req(&self, v: Value) -> Option<Value> {
-        let mut s = UnixStream::connect(&self.sock).ok()?;
-        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-        writeln!(s, "{v}").ok()?;
-        let mut line = String::new();
-        BufReader::new(s).read_line(&mut line).ok()?;
-        serde_json::from_str(&line).ok()
+        nl_vmm::api::request_timeout(&self.sock, &v, Duration::from_secs(30)).ok()
     }
 
     pub fn stderr(&self) -> String {

@@ -289,7 +289,8 @@ struct Host {
 impl Host {
     fn start(dir: &Path, name: &str, extra: &[&str], bystander_mem: &str) -> Result<Host> {
         let sock = dir.join(format!("{name}.sock"));
-        let mut args = vec!["host", "--api", sock.to_str().context("path")?];
+        // The attacks below speak the JSON-lines protocol byte by byte.
+        let mut args = vec!["host", "--api", sock.to_str().context("path")?, "--api-legacy"];
         args.extend_from_slice(extra);
         let mut p = Proc::ninelives(None, &args)?;
         if poll(2 * BOUND, || connect(&sock).ok()).is_none() {

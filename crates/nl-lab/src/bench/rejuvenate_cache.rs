@@ -10,8 +10,6 @@
 //! guest time) over host time; a cold reboot restarts the guest's counters,
 //! which the series handles by counting from the restarted value.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -190,13 +188,7 @@ fn recovery_s(
 /// host busy with a handover, a connection the old process accepted just
 /// before it exited).
 fn ask(sock: &Path, req: &Value) -> Option<Value> {
-    let mut s = UnixStream::connect(sock).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    s.set_write_timeout(Some(Duration::from_secs(5))).ok()?;
-    writeln!(s, "{req}").ok()?;
-    let mut line = String::new();
-    BufReader::new(s).read_line(&mut line).ok()?;
-    let v: Value = serde_json::from_str(&line).ok()?;
+    let v = nl_vmm::api::request_timeout(sock, req, Duration::from_secs(5)).ok()?;
     (v["ok"] == true).then_some(v)
 }
 

@@ -605,6 +605,37 @@ mod tests {
         }
     }
 
+    /// The client's HTTP request for every operation is the one the server
+    /// maps back to that same operation: the two tables agree.
+    #[test]
+    fn every_operation_round_trips_through_its_route() {
+        let ops = [
+            json!({"op": "info"}),
+            json!({"op": "list"}),
+            json!({"op": "create", "workload": "idle", "mem": "64M"}),
+            json!({"op": "stats", "id": 3}),
+            json!({"op": "pause", "id": 3}),
+            json!({"op": "resume", "id": 3}),
+            json!({"op": "destroy", "id": 3}),
+            json!({"op": "rejuvenate", "mode": "warm"}),
+            json!({"op": "shutdown"}),
+            json!({"op": "sandbox_list"}),
+            json!({"op": "sandbox_create", "name": "a", "set": {}}),
+            json!({"op": "sandbox_stats", "name": "a"}),
+            json!({"op": "sandbox_destroy", "name": "a"}),
+        ];
+        for op in ops {
+            let c = super::super::client::route_of(&op).unwrap();
+            let body = c.body.as_ref().map(Value::to_string).unwrap_or_default();
+            assert_eq!(to_op(&req(c.method, &c.path, &body)).unwrap(), op, "{c:?}");
+        }
+        let served: Vec<&str> = ROUTES.iter().filter_map(|r| r.op).collect();
+        for op in served {
+            let e = super::super::client::route_of(&json!({"op": op, "id": 1, "name": "a"}));
+            assert!(e.is_ok(), "the client has no route for {op}");
+        }
+    }
+
     #[test]
     fn requests_parse_whole_partial_and_bad() {
         let r = b"POST /v1/vms HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}GET";

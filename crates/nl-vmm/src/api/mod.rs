@@ -1,11 +1,13 @@
 //! The Unix-socket API of `ninelives host`.
 //!
-//! The socket speaks two protocols, told apart by a connection's first
-//! byte: HTTP/1.1 ([`http`]: REST resources under `/v1`, an event stream,
-//! Prometheus metrics; what new clients should use, documented in
-//! `docs/api.md` and `docs/api.yaml`), and the original JSON-lines protocol
-//! below (a connection whose first byte is `{`), kept for one release for
-//! existing clients (`ninelives api`, the injector, scripts).
+//! The socket speaks HTTP/1.1 ([`http`]: REST resources under `/v1`, an
+//! event stream, Prometheus metrics; documented in `docs/api.md` and
+//! `docs/api.yaml`). A host started with `--api-legacy` also speaks the
+//! original JSON-lines protocol below, told apart by a connection's first
+//! byte (`{`), for one more release; without it such a connection gets one
+//! error line saying so. The clients of this repository (`ninelives api`,
+//! the lab, the injector, the tests) send operations in the JSON-lines
+//! shape through [`client::request`], which speaks HTTP.
 //!
 //! JSON lines: one JSON object per line in each direction. Requests name an
 //! operation and, where it applies, a VM id:
@@ -65,7 +67,7 @@
 //!   online CPU, at least 32). A VM counts until it is destroyed. A VM has 1
 //!   to [`nl_abi::MAX_VCPUS`] vCPUs.
 
-use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -83,7 +85,10 @@ use crate::host::{Host, Limits};
 use crate::rejuvenate;
 use crate::{VmConfig, VmmError};
 
+pub mod client;
 pub mod http;
+
+pub use client::{request, request_timeout};
 
 /// Longest request line accepted, newline included.
 pub const MAX_REQUEST: usize = 64 * 1024;
@@ -491,6 +496,12 @@ fn serve_requests(
     if first.is_ascii_uppercase() {
         return http::serve(stream, host, build, ctx, progress, limits, &mut requests);
     }
+    if !limits.json_lines {
+        let why = "this host serves HTTP only (docs/api.md); the JSON-lines protocol of \
+                   earlier releases needs `ninelives host --api-legacy`";
+        send_line(stream, &error_reply(why.into()), limits.request_timeout, progress);
+        return;
+    }
     loop {
         // Waiting on the client is never a hang of this thread: each wait
         // is bounded by the request or idle time limit instead.
@@ -760,29 +771,6 @@ fn handle_op(
     })
 }
 
-/// Sends one request to a host and returns its reply.
-pub fn request(path: &Path, req: &Value) -> Result<Value, VmmError> {
-    request_timeout(path, req, Duration::from_secs(60))
-}
-
-/// [`request`] with a reply timeout of its own (rejuvenation can take long).
-pub fn request_timeout(path: &Path, req: &Value, timeout: Duration) -> Result<Value, VmmError> {
-    let mut s = UnixStream::connect(path)
-        .map_err(|e| VmmError::Config(format!("cannot connect to {}: {e}", path.display())))?;
-    s.set_read_timeout(Some(timeout))?;
-    // A host that refuses this client (another user, too many connections)
-    // writes its reason and closes without reading the request: the write
-    // may then fail (EPIPE), and the reason is still there to read.
-    let sent = writeln!(s, "{req}");
-    let mut line = String::new();
-    match (BufReader::new(s).read_line(&mut line), sent) {
-        (Ok(n), _) if n > 0 => {}
-        (_, Err(e)) | (Err(e), Ok(())) => return Err(e.into()),
-        (Ok(_), Ok(())) => {}
-    }
-    serde_json::from_str(&line).map_err(|e| VmmError::Config(format!("bad reply from host: {e}")))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -802,7 +790,7 @@ mod tests {
             let (mut c, _) = l.accept().unwrap();
             writeln!(c, r#"{{"ok":false,"error":"too many connections"}}"#).unwrap();
         });
-        let big = serde_json::json!({"op":"list","pad":"x".repeat(8 << 20)});
+        let big = serde_json::json!({"op":"create","pad":"x".repeat(8 << 20)});
         let r = request_timeout(&path, &big, Duration::from_secs(30));
         host.join().unwrap();
         let _ = std::fs::remove_dir_all(&dir);
