@@ -30,12 +30,13 @@ use nl_inject::{self as injector, Fault, Injection, Plan, Target};
 use nl_launch::args::{RecoveryName, WorkloadArgs, WorkloadName};
 
 #[derive(Args, Clone, Debug)]
-#[command(args_conflicts_with_subcommands = true)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct InjectArgs {
     #[command(subcommand)]
     pub sub: Option<InjectSub>,
-    /// The fault to inject (`none`: control runs without a fault).
-    #[arg(long, value_enum)]
+    /// The fault to inject (`none`: control runs without a fault). Required
+    /// for a campaign (not for `inject merge`).
+    #[arg(long, value_enum, required = true)]
     pub fault: Option<Fault>,
     /// 1vm: one VM (exits); 3vm: exits + netbench with a 1 ms ping, then a new blkbench VM.
     #[arg(long, value_enum, default_value_t = Setup::OneVm)]
