@@ -96,3 +96,80 @@ fn a_host_runs_sandbox_sets_beside_its_vms() {
     assert_eq!(st, 404);
     stop_host(&sock, &mut child);
 }
+
+/// A VMM fault while serving the host API, recovered by a microreset, leaves
+/// a running sandbox set and its channel alone: the set keeps running
+/// through the recovery, and its sandboxes finish with their channel
+/// traffic verified.
+#[test]
+fn a_microreset_of_the_host_keeps_its_sandbox_sets_running() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    // Request 1 creates the set, 2 reads its stats, and the connection that
+    // reads request 3 faults (SIGSEGV); the host recovers by a microreset.
+    let mut child = ninelives()
+        .args(["host", "--api", sock.to_str().unwrap(), "--recovery", "microreset"])
+        .env("NINELIVES_API_FAULT", "segv:3")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+        assert!(child.try_wait().unwrap().is_none(), "the host exited");
+        assert!(t.elapsed() < Duration::from_secs(20), "the host did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let cores = nl_sandbox::affinity::host_cores().expect("affinity");
+    let (c0, c1) = (cores[0], *cores.last().unwrap());
+    let body = json!({"name": "pair", "set": pair_set(c0, c1)}).to_string();
+    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&body));
+    assert_eq!(st, 201, "{v}");
+    let (st, before) = http_json(&sock, "GET", "/v1/sandboxes/pair", None);
+    assert_eq!(st, 200, "{before}");
+    assert_eq!(before["state"], "running", "the set ended before the fault: {before}");
+    // Request 3: its connection fails; no answer comes back on it.
+    let r = nl_vmm::api::request_timeout(
+        &sock,
+        &json!({"op": "sandbox_list"}),
+        Duration::from_secs(30),
+    );
+    assert!(
+        r.is_err() || r.as_ref().unwrap()["ok"] != true,
+        "the faulting request was answered: {r:?}"
+    );
+    // The same process serves on (a microreset, not a restart), and the set
+    // ran through the recovery to a verified end.
+    let (_, info) = http_json(&sock, "GET", "/v1/info", None);
+    assert_eq!(info["pid"], child.id(), "{info}");
+    let t = Instant::now();
+    let report = loop {
+        let (st, v) = http_json(&sock, "GET", "/v1/sandboxes/pair", None);
+        assert_eq!(st, 200, "{v}");
+        if v["state"] == "ended" {
+            break v["report"].clone();
+        }
+        assert!(t.elapsed() < Duration::from_secs(120), "the set never ended: {v}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    for s in report["sandboxes"].as_array().unwrap() {
+        assert_eq!(s["outcome"]["kind"], "completed", "{s}");
+        assert_eq!(s["verified"], true, "{s}");
+        assert!(s["recoveries"].as_array().is_none_or(Vec::is_empty), "{s}");
+    }
+    for r in report["channels"][0]["regions"].as_array().unwrap() {
+        assert!(r["head_words"].as_u64().unwrap() > 0, "no traffic on the channel: {report}");
+    }
+    stop_host(&sock, &mut child);
+    let err = {
+        use std::io::Read;
+        let mut e = String::new();
+        child.stderr.take().unwrap().read_to_string(&mut e).unwrap();
+        e
+    };
+    assert_eq!(err.matches("NINELIVES-DETECTED").count(), 1, "{err}");
+    assert_eq!(err.matches("NINELIVES-RECOVERED").count(), 1, "{err}");
+}
