@@ -17,6 +17,27 @@ fn pair_set(c0: usize, c1: usize) -> Value {
     ], "channels": [{"name": "ab", "between": ["a", "b"]}]})
 }
 
+/// The report of set `pair` once it has ended (bounded), checking each
+/// running state on the way; every sandbox must have completed, verified.
+fn wait_ended(sock: &std::path::Path, running: impl Fn(&Value)) -> Value {
+    let t = Instant::now();
+    let report = loop {
+        let (st, v) = http_json(sock, "GET", "/v1/sandboxes/pair", None);
+        assert_eq!(st, 200, "{v}");
+        if v["state"] == "ended" {
+            break v["report"].clone();
+        }
+        running(&v);
+        assert!(t.elapsed() < Duration::from_secs(120), "the set never ended: {v}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    for s in report["sandboxes"].as_array().unwrap() {
+        assert_eq!(s["outcome"]["kind"], "completed", "{s}");
+        assert_eq!(s["verified"], true, "{s}");
+    }
+    report
+}
+
 #[test]
 fn a_host_runs_sandbox_sets_beside_its_vms() {
     if !kvm_available() {
@@ -68,22 +89,10 @@ fn a_host_runs_sandbox_sets_beside_its_vms() {
     let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
     assert_eq!(list["sets"][0]["name"], "pair", "{list}");
     // Running: live per-sandbox and per-channel statistics; then the report.
-    let t = Instant::now();
-    let report = loop {
-        let (st, v) = http_json(&sock, "GET", "/v1/sandboxes/pair", None);
-        assert_eq!(st, 200, "{v}");
-        if v["state"] == "ended" {
-            break v["report"].clone();
-        }
+    let report = wait_ended(&sock, |v| {
         assert_eq!(v["sandbox_stats"].as_array().map(Vec::len), Some(2), "{v}");
         assert_eq!(v["channel_stats"][0]["between"], json!(["a", "b"]), "{v}");
-        assert!(t.elapsed() < Duration::from_secs(120), "the set never ended: {v}");
-        std::thread::sleep(Duration::from_millis(200));
-    };
-    for s in report["sandboxes"].as_array().unwrap() {
-        assert_eq!(s["outcome"]["kind"], "completed", "{s}");
-        assert_eq!(s["verified"], true, "{s}");
-    }
+    });
     // The ordinary VM ran on, untouched.
     let (_, vms) = http_json(&sock, "GET", "/v1/vms", None);
     assert_eq!(vms["vms"][0]["state"], "running", "{vms}");
@@ -145,19 +154,8 @@ fn a_microreset_of_the_host_keeps_its_sandbox_sets_running() {
     // ran through the recovery to a verified end.
     let (_, info) = http_json(&sock, "GET", "/v1/info", None);
     assert_eq!(info["pid"], child.id(), "{info}");
-    let t = Instant::now();
-    let report = loop {
-        let (st, v) = http_json(&sock, "GET", "/v1/sandboxes/pair", None);
-        assert_eq!(st, 200, "{v}");
-        if v["state"] == "ended" {
-            break v["report"].clone();
-        }
-        assert!(t.elapsed() < Duration::from_secs(120), "the set never ended: {v}");
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let report = wait_ended(&sock, |_| {});
     for s in report["sandboxes"].as_array().unwrap() {
-        assert_eq!(s["outcome"]["kind"], "completed", "{s}");
-        assert_eq!(s["verified"], true, "{s}");
         assert!(s["recoveries"].as_array().is_none_or(Vec::is_empty), "{s}");
     }
     for r in report["channels"][0]["regions"].as_array().unwrap() {
