@@ -89,7 +89,7 @@ fn a_host_runs_sandbox_sets_beside_its_vms() {
     let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
     assert_eq!(list["sets"][0]["name"], "pair", "{list}");
     // Running: live per-sandbox and per-channel statistics; then the report.
-    let report = wait_ended(&sock, |v| {
+    wait_ended(&sock, |v| {
         assert_eq!(v["sandbox_stats"].as_array().map(Vec::len), Some(2), "{v}");
         assert_eq!(v["channel_stats"][0]["between"], json!(["a", "b"]), "{v}");
     });
