@@ -245,6 +245,19 @@ pub struct ChannelConfig {
     pub name: String,
     /// The two ends: end 0 first.
     pub between: [String; 2],
+    /// A doorbell each way: a write by one end to its doorbell page raises
+    /// an interrupt in the other (an ioeventfd in the sender's VM sharing
+    /// its eventfd with an irqfd in the receiver's).
+    #[serde(default)]
+    pub doorbell: bool,
+    /// Diagnostic: `false` leaves the receivers' irqfds unregistered, so a
+    /// ring reaches nobody (the `doorbell` workload then fails its check).
+    #[serde(default = "yes")]
+    pub doorbell_irqfd: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl WorkloadConfig {
@@ -258,9 +271,10 @@ impl WorkloadConfig {
             "chanbench" => WORKLOAD_CHANBENCH,
             "wildwrite" => WORKLOAD_WILDWRITE,
             "chanstream" => WORKLOAD_CHANSTREAM,
+            "doorbell" => WORKLOAD_DOORBELL,
             k => {
                 return Err(format!(
-                    "unknown workload kind '{k}' (memwrite, compute, idle, chanbench, wildwrite, chanstream)"
+                    "unknown workload kind '{k}' (memwrite, compute, idle, chanbench, wildwrite, chanstream, doorbell)"
                 ))
             }
         };
@@ -413,6 +427,7 @@ impl SetConfig {
                 nl_abi::WORKLOAD_CHANBENCH
                     | nl_abi::WORKLOAD_WILDWRITE
                     | nl_abi::WORKLOAD_CHANSTREAM
+                    | nl_abi::WORKLOAD_DOORBELL
             ) && vcpus != 1
             {
                 return bad(format!(
@@ -439,6 +454,15 @@ impl SetConfig {
                     "sandbox '{}': {vcpus} working sets of {} MiB do not fit in {} MiB",
                     s.name, s.workload.ws_mib, s.mem_mib
                 ));
+            }
+            if p.kind == nl_abi::WORKLOAD_DOORBELL {
+                let first = self.channels_of(&s.name).first().map(|c| &self.channels[c.0]);
+                if !first.is_some_and(|c| c.doorbell) {
+                    return bad(format!(
+                        "sandbox '{}': the doorbell workload needs its first channel to have \"doorbell\": true",
+                        s.name
+                    ));
+                }
             }
             check_recovery(s)?;
             if let Some(b) = s.budget {
@@ -558,6 +582,9 @@ mod tests {
         assert!(err(&two("", ch), 1).contains("names core 1, the host has 1"));
         assert!(err(&two(r#", "budget": {"runtime_us": 9600, "period_us": 10000}"#, ch), 2)
             .contains("96% of a core"));
+        let doorbell = r#""workload": {"kind": "doorbell"}"#;
+        let no_bell = two("", ch).replace(r#""workload": {"kind": "chanbench"}"#, doorbell);
+        assert!(err(&no_bell, 2).contains("needs its first channel to have \"doorbell\": true"));
         assert!(err(&two(r#", "vcpus": 1, "mem_mib": 1"#, ch), 2).contains("mem_mib 1"));
         assert!(err(&two(r#", "typo": 1"#, ch), 2).contains("unknown field `typo`"));
         assert!(err(&two("", ""), 2).contains("in no channel"));

@@ -66,6 +66,7 @@ pub mod blk;
 pub mod chanbench;
 pub mod channel;
 pub mod chanstream;
+pub mod doorbell;
 pub mod filecache;
 pub mod kv;
 pub mod wildwrite;
@@ -76,8 +77,8 @@ mod tests;
 use nl_abi::{
     WorkloadParams, MAX_MEM_BYTES, PATTERN_HOTCOLD, PATTERN_RANDOM, PATTERN_SEQUENTIAL,
     PATTERN_STRIDED, WORKLOAD_BLKBENCH, WORKLOAD_CHANBENCH, WORKLOAD_CHANSTREAM, WORKLOAD_COMPUTE,
-    WORKLOAD_EXITS, WORKLOAD_FILECACHE, WORKLOAD_IDLE, WORKLOAD_KV, WORKLOAD_MEMWRITE,
-    WORKLOAD_NETBENCH, WORKLOAD_WILDWRITE,
+    WORKLOAD_DOORBELL, WORKLOAD_EXITS, WORKLOAD_FILECACHE, WORKLOAD_IDLE, WORKLOAD_KV,
+    WORKLOAD_MEMWRITE, WORKLOAD_NETBENCH, WORKLOAD_WILDWRITE,
 };
 
 /// What a workload needs from the machine it runs on.
@@ -144,7 +145,7 @@ pub fn validate(params: &WorkloadParams) -> Result<(), &'static str> {
         WORKLOAD_MEMWRITE => validate_memwrite(params),
         WORKLOAD_COMPUTE | WORKLOAD_EXITS | WORKLOAD_IDLE | WORKLOAD_NETBENCH => Ok(()),
         // Run by the guest's channel code, not by the round engine.
-        WORKLOAD_CHANBENCH | WORKLOAD_WILDWRITE | WORKLOAD_CHANSTREAM => Ok(()),
+        WORKLOAD_CHANBENCH | WORKLOAD_WILDWRITE | WORKLOAD_CHANSTREAM | WORKLOAD_DOORBELL => Ok(()),
         WORKLOAD_BLKBENCH if params.ws_bytes == blk::BLKBENCH_WS_BYTES => Ok(()),
         WORKLOAD_BLKBENCH => Err("blkbench: ws_bytes must be blk::BLKBENCH_WS_BYTES"),
         WORKLOAD_KV if params.ws_bytes == kv::KV_WS_BYTES => Ok(()),

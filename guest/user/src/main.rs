@@ -322,6 +322,7 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
         WORKLOAD_CHANBENCH => chan::chanbench(cpu, boot),
         WORKLOAD_WILDWRITE => chan::wildwrite(cpu, boot),
         WORKLOAD_CHANSTREAM => chan::chanstream(cpu, boot),
+        nl_abi::WORKLOAD_DOORBELL => chan::doorbell(cpu, boot),
         _ => {}
     }
 
