@@ -127,6 +127,9 @@ pub const SYS_TICKS: u64 = 3;
 /// vCPU's timer ticks during the halt (0: another interrupt, such as a
 /// doorbell, ended it), or `u64::MAX` when it did not halt.
 pub const SYS_HALT_IF: u64 = 4;
+/// The null syscall (what the `syscall` workload times): not a syscall
+/// number, so the kernel answers [`SYS_ENOSYS`] at once.
+pub const SYS_NULL: u64 = 0x4e55_4c4c;
 /// Unknown syscall numbers return this.
 pub const SYS_ENOSYS: u64 = u64::MAX;
 

@@ -193,7 +193,8 @@ pub enum ViolationPolicy {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkloadConfig {
-    /// memwrite, compute, idle, chanbench, wildwrite.
+    /// memwrite, compute, idle, chanbench, wildwrite, chanstream, doorbell,
+    /// syscall, tlbwalk.
     pub kind: String,
     #[serde(default = "default_seed")]
     pub seed: u64,
@@ -216,6 +217,14 @@ pub struct WorkloadConfig {
     /// chanstream: drain the receive side every this many µs (0: always).
     #[serde(default)]
     pub recv_every_us: u64,
+    /// tlbwalk: pages walked (1..=65536), one access each at a 4,160-byte
+    /// stride.
+    #[serde(default = "default_pages")]
+    pub pages: u64,
+}
+
+fn default_pages() -> u64 {
+    64
 }
 
 fn default_send_every_us() -> u64 {
@@ -272,9 +281,11 @@ impl WorkloadConfig {
             "wildwrite" => WORKLOAD_WILDWRITE,
             "chanstream" => WORKLOAD_CHANSTREAM,
             "doorbell" => WORKLOAD_DOORBELL,
+            "syscall" => WORKLOAD_SYSCALL,
+            "tlbwalk" => WORKLOAD_TLBWALK,
             k => {
                 return Err(format!(
-                    "unknown workload kind '{k}' (memwrite, compute, idle, chanbench, wildwrite, chanstream, doorbell)"
+                    "unknown workload kind '{k}' (memwrite, compute, idle, chanbench, wildwrite, chanstream, doorbell, syscall, tlbwalk)"
                 ))
             }
         };
@@ -287,15 +298,30 @@ impl WorkloadConfig {
                 self.max_msg
             ));
         }
+        if kind == WORKLOAD_TLBWALK && !(1..=nl_workloads::TLBWALK_MAX_PAGES).contains(&self.pages)
+        {
+            return Err(format!(
+                "tlbwalk pages {} must be in 1..={}",
+                self.pages,
+                nl_workloads::TLBWALK_MAX_PAGES
+            ));
+        }
         let p = WorkloadParams {
             kind,
             seed: self.seed,
-            ws_bytes: if kind == WORKLOAD_MEMWRITE { self.ws_mib << 20 } else { 0 },
+            ws_bytes: match kind {
+                WORKLOAD_MEMWRITE => self.ws_mib << 20,
+                WORKLOAD_TLBWALK => {
+                    nl_workloads::tlbwalk_ws_bytes(self.pages.min(nl_workloads::TLBWALK_MAX_PAGES))
+                }
+                _ => 0,
+            },
             write_pct: self.write_pct,
             pattern: PATTERN_RANDOM,
             stride: match kind {
                 WORKLOAD_CHANBENCH => self.max_msg,
                 WORKLOAD_CHANSTREAM => self.send_every_us,
+                WORKLOAD_TLBWALK => self.pages,
                 _ => 8,
             },
             hot_pct: 10,
@@ -447,12 +473,14 @@ impl SetConfig {
                     nl_abi::MMIO_HOLE_START >> 20
                 ));
             }
-            if p.kind == nl_abi::WORKLOAD_MEMWRITE
+            if (p.kind == nl_abi::WORKLOAD_MEMWRITE || p.kind == nl_abi::WORKLOAD_TLBWALK)
                 && u64::from(vcpus) * p.ws_bytes + nl_abi::MIN_MEM_BYTES > mem
             {
                 return bad(format!(
-                    "sandbox '{}': {vcpus} working sets of {} MiB do not fit in {} MiB",
-                    s.name, s.workload.ws_mib, s.mem_mib
+                    "sandbox '{}': {vcpus} working sets of {} KiB do not fit in {} MiB",
+                    s.name,
+                    p.ws_bytes >> 10,
+                    s.mem_mib
                 ));
             }
             if p.kind == nl_abi::WORKLOAD_DOORBELL {
