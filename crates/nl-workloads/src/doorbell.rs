@@ -66,7 +66,7 @@ pub struct Summary {
 }
 
 fn seed_digest(seed: u64, end: u64) -> u64 {
-    mix64(seed ^ 0xD00B_E11 ^ end)
+    mix64(seed ^ 0x0D00_BE11 ^ end)
 }
 
 /// The digest an end reports after a clean run.
@@ -144,7 +144,7 @@ pub fn run<B: Bell>(
     }
     fill_reference(seed, SIZE, reference);
     let mut s = Summary { digest: seed_digest(seed, end), ..Summary::default() };
-    for i in 0..ITERS {
+    for (i, rtt) in rtts[..ITERS].iter_mut().enumerate() {
         let seq = i as u64;
         msg[..SIZE].copy_from_slice(&reference[..SIZE]);
         msg[..8].copy_from_slice(&seq.to_le_bytes());
@@ -159,7 +159,7 @@ pub fn run<B: Bell>(
         s.messages += 1;
         s.digest = fold(s.digest, seq);
         if end == 0 {
-            rtts[i] = bell.now().wrapping_sub(t0);
+            *rtt = bell.now().wrapping_sub(t0);
         } else {
             send(ep, bell, &rx[..n], seq)?;
         }
