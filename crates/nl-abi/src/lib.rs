@@ -123,8 +123,13 @@ pub const SYS_OUTL: u64 = 2;
 pub const SYS_TICKS: u64 = 3;
 /// SYS_HALT unless the u16 at RDI (user memory, e.g. a used-ring index)
 /// differs from SI: checked with interrupts off, so an interrupt that
-/// changed it just before cannot be missed (a lost wake-up).
+/// changed it just before cannot be missed (a lost wake-up). Returns the
+/// vCPU's timer ticks during the halt (0: another interrupt, such as a
+/// doorbell, ended it), or `u64::MAX` when it did not halt.
 pub const SYS_HALT_IF: u64 = 4;
+/// The null syscall (what the `syscall` workload times): not a syscall
+/// number, so the kernel answers [`SYS_ENOSYS`] at once.
+pub const SYS_NULL: u64 = 0x4e55_4c4c;
 /// Unknown syscall numbers return this.
 pub const SYS_ENOSYS: u64 = u64::MAX;
 
@@ -306,6 +311,21 @@ pub const WORKLOAD_WILDWRITE: u64 = 10;
 /// `stride` µs and receives every `data_bytes` µs, for `duration_ms`
 /// (0: until stopped).
 pub const WORKLOAD_CHANSTREAM: u64 = 11;
+/// Ping-pong over the sandbox's first channel without polling: each end
+/// rings the channel's doorbell after it sends and halts until the peer's
+/// head moves (`nl_workloads::doorbell`). Needs a channel with a doorbell.
+pub const WORKLOAD_DOORBELL: u64 = 12;
+/// A syscall-heavy loop (Quest-V's forkwait analogue): `SYS_TICKS` round
+/// trips through the guest kernel interleaved with ring-3 work
+/// (`nl_workloads::syscall`).
+pub const WORKLOAD_SYSCALL: u64 = 13;
+/// Data and instruction accesses over `ws_bytes / TLBWALK_STRIDE` pages at
+/// a [`TLBWALK_STRIDE`]-byte stride (Quest-V's TLB experiment,
+/// `nl_workloads::tlbwalk`).
+pub const WORKLOAD_TLBWALK: u64 = 14;
+/// The stride of `tlbwalk`: one page and one cache line, so every access
+/// is on another page and another cache set.
+pub const TLBWALK_STRIDE: u64 = 4160;
 
 /// The name of a workload kind (`WORKLOAD_*`), as the CLI and the API
 /// spell it; "unknown" for anything else.
@@ -322,6 +342,9 @@ pub fn workload_name(kind: u64) -> &'static str {
         WORKLOAD_CHANBENCH => "chanbench",
         WORKLOAD_WILDWRITE => "wildwrite",
         WORKLOAD_CHANSTREAM => "chanstream",
+        WORKLOAD_DOORBELL => "doorbell",
+        WORKLOAD_SYSCALL => "syscall",
+        WORKLOAD_TLBWALK => "tlbwalk",
         _ => "unknown",
     }
 }
@@ -409,7 +432,31 @@ pub struct ChannelWindow {
     pub end: u64,
     /// The peer sandbox's index in its set.
     pub peer: u64,
+    /// Guest-physical address of this end's doorbell
+    /// ([`channel_doorbell_gpa`]): an 8-byte write there raises
+    /// [`DOORBELL_VECTOR`] in the peer. 0: the channel has no doorbell.
+    pub doorbell: u64,
 }
+
+// Channel doorbells: a write by ring 3 to `channel_doorbell_gpa(i)` (no
+// memory slot there) is matched by KVM against an ioeventfd and signals an
+// eventfd that the peer's VM has registered as an irqfd on [`DOORBELL_GSI`],
+// whose IOAPIC pin the VMM routes to [`DOORBELL_VECTOR`] on vCPU 0. Neither
+// VMM runs on that path.
+
+/// Where the doorbell pages start (one 2 MiB user-writable page-table entry
+/// above the channel windows; no memory behind it).
+pub const DOORBELLS_GPA: u64 = channel_own_gpa(MAX_CHANNELS as u64);
+/// Bytes of the doorbell area.
+pub const DOORBELLS_BYTES: u64 = 2 << 20;
+/// Channel `i`'s doorbell (its own 4 KiB page).
+pub const fn channel_doorbell_gpa(i: u64) -> u64 {
+    DOORBELLS_GPA + i * 4096
+}
+/// The GSI every doorbell irqfd of a sandbox is registered on.
+pub const DOORBELL_GSI: u32 = 20;
+/// The vector the VMM routes [`DOORBELL_GSI`] to.
+pub const DOORBELL_VECTOR: u8 = 0x22;
 
 /// Seed of vCPU `cpu` derived from the run seed.
 pub const fn seed_for_cpu(seed: u64, cpu: u64) -> u64 {
@@ -502,4 +549,6 @@ const _: () = {
     assert!(MIN_MEM_BYTES >= USER_HEAP_GPA + DMA_BYTES);
     assert!(channel_peer_gpa(MAX_CHANNELS as u64 - 1) + CHANNEL_REGION_BYTES <= CONTROL_MMIO_GPA);
     assert!(CHANNEL_WINDOWS_GPA.is_multiple_of(CHANNEL_REGION_BYTES));
+    assert!(DOORBELLS_GPA + DOORBELLS_BYTES <= CONTROL_MMIO_GPA);
+    assert!(channel_doorbell_gpa(MAX_CHANNELS as u64) <= DOORBELLS_GPA + DOORBELLS_BYTES);
 };

@@ -24,6 +24,34 @@ pub struct SizeNumbers {
     pub stream_bytes_per_sec: f64,
 }
 
+/// A `doorbell` run as its leader printed it.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct DoorbellNumbers {
+    pub rtt_median_ns: f64,
+    pub rtt_min_ns: f64,
+    pub rtt_p90_ns: f64,
+    /// Halts, and those the doorbell ended (no timer tick during them).
+    pub halts: u64,
+    pub woken: u64,
+}
+
+/// Parses the leader's `doorbell end=0 ...` console line.
+pub fn parse_doorbell(console: &str) -> Option<DoorbellNumbers> {
+    let line = console.lines().find(|l| l.starts_with("doorbell end=0 "))?;
+    let field = |k: &str| -> Option<u64> {
+        line.split_whitespace().find_map(|w| w.strip_prefix(k)?.strip_prefix('=')?.parse().ok())
+    };
+    let khz = field("tsc_khz").filter(|&k| k > 0)? as f64;
+    let ns = |c: u64| c as f64 * 1e6 / khz;
+    Some(DoorbellNumbers {
+        rtt_median_ns: ns(field("rtt_median")?),
+        rtt_min_ns: ns(field("rtt_min")?),
+        rtt_p90_ns: ns(field("rtt_p90")?),
+        halts: field("halts")?,
+        woken: field("woken")?,
+    })
+}
+
 /// Parses the leader's `chanbench size=...` console lines.
 pub fn parse_console(console: &str) -> Vec<SizeNumbers> {
     let mut out = Vec::new();
@@ -127,6 +155,16 @@ mod tests {
         assert!((v[0].rtt_median_ns - 1000.0).abs() < 1e-9);
         assert!((v[0].one_way_median_ns - 500.0).abs() < 1e-9);
         assert!((v[0].stream_bytes_per_sec - 4e9).abs() < 1.0);
+    }
+
+    #[test]
+    fn the_doorbell_line_parses_into_nanoseconds() {
+        let c = "doorbell end=1 rtt_median=0\ndoorbell end=0 rtt_median=40000 rtt_min=20000 rtt_p90=80000 halts=9 woken=7 messages=400 tsc_khz=2000000\n";
+        let d = parse_doorbell(c).unwrap();
+        assert!((d.rtt_median_ns - 20_000.0).abs() < 1e-9);
+        assert!((d.rtt_min_ns - 10_000.0).abs() < 1e-9);
+        assert_eq!((d.halts, d.woken), (9, 7));
+        assert!(parse_doorbell("doorbell end=1 rtt_median=1 tsc_khz=1").is_none());
     }
 
     #[test]

@@ -5,10 +5,13 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
-use nl_abi::{channel_own_gpa, channel_peer_gpa, ChannelWindow, CHANNEL_REGION_BYTES};
-use nl_vmm::windows::Window;
+use nl_abi::{
+    channel_doorbell_gpa, channel_own_gpa, channel_peer_gpa, ChannelWindow, CHANNEL_REGION_BYTES,
+};
+use nl_vmm::windows::{Doorbell, Window};
 use serde::Serialize;
 use vm_memory::{Bytes, FileOffset, GuestAddress, GuestRegionMmap, MemoryRegionAddress};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::audit::{Backing, Mapping};
 use crate::SandboxError;
@@ -22,6 +25,20 @@ pub struct HostChannel {
     pub ends: [usize; 2],
     pub backing: Backing,
     map: Arc<GuestRegionMmap>,
+    /// With a doorbell: `bells[e]` is rung by end `e` and raises the
+    /// interrupt in the other end.
+    bells: Option<[Arc<EventFd>; 2]>,
+    /// Whether the receivers register their irqfds (the diagnostic
+    /// `doorbell_irqfd: false` leaves them out).
+    irqfd: bool,
+}
+
+/// The windows, boot-info entry, audited mappings and doorbells of one end.
+pub struct EndWindows {
+    pub windows: Vec<Window>,
+    pub info: ChannelWindow,
+    pub mappings: Vec<Mapping>,
+    pub doorbells: Vec<Doorbell>,
 }
 
 /// A region's header as the host reads it (see `nl_workloads::channel`).
@@ -46,8 +63,15 @@ pub struct ChannelStats {
 }
 
 impl HostChannel {
-    /// Creates the channel's memfd (two zeroed regions) and maps it.
-    pub fn create(name: &str, index: usize, ends: [usize; 2]) -> Result<Self, SandboxError> {
+    /// Creates the channel's memfd (two zeroed regions) and maps it, and
+    /// with `doorbell` one eventfd per direction.
+    pub fn create(
+        name: &str,
+        index: usize,
+        ends: [usize; 2],
+        doorbell: bool,
+        irqfd: bool,
+    ) -> Result<Self, SandboxError> {
         let cname = std::ffi::CString::new(format!("chan-{name}")).map_err(|_| {
             SandboxError::Config(format!("channel name '{name}' contains a NUL byte"))
         })?;
@@ -68,7 +92,19 @@ impl HostChannel {
         .map_err(|e| {
             SandboxError::Resource(format!("channel '{name}': cannot map its memfd: {e}"))
         })?;
-        Ok(Self { name: name.into(), index, ends, backing, map: Arc::new(map) })
+        let bells = if doorbell {
+            let bell = || {
+                EventFd::new(EFD_NONBLOCK).map(Arc::new).map_err(|e| {
+                    SandboxError::Resource(format!(
+                        "channel '{name}': cannot create its doorbell eventfd: {e}"
+                    ))
+                })
+            };
+            Some([bell()?, bell()?])
+        } else {
+            None
+        };
+        Ok(Self { name: name.into(), index, ends, backing, map: Arc::new(map), bells, irqfd })
     }
 
     fn host_addr(&self, region: usize) -> u64 {
@@ -77,12 +113,10 @@ impl HostChannel {
 
     /// The two windows end `end` maps as its channel number `index`
     /// (own region read-write, the peer's read-only), what its boot info
-    /// says, and the mappings the audit checks.
-    pub fn windows_for(
-        &self,
-        end: usize,
-        index: u64,
-    ) -> (Vec<Window>, ChannelWindow, Vec<Mapping>) {
+    /// says, the mappings the audit checks, and its doorbells (it rings
+    /// its own eventfd at `channel_doorbell_gpa(index)`; the peer's rings
+    /// its irqfd).
+    pub fn windows_for(&self, end: usize, index: u64) -> EndWindows {
         let peer = 1 - end;
         let windows = vec![
             Window {
@@ -104,7 +138,15 @@ impl HostChannel {
             bytes: CHANNEL_REGION_BYTES,
             end: end as u64,
             peer: self.ends[peer] as u64,
+            doorbell: if self.bells.is_some() { channel_doorbell_gpa(index) } else { 0 },
         };
+        let mut doorbells = Vec::new();
+        if let Some(b) = &self.bells {
+            doorbells.push(Doorbell::Ring { gpa: channel_doorbell_gpa(index), fd: b[end].clone() });
+            if self.irqfd {
+                doorbells.push(Doorbell::Irq { fd: b[peer].clone() });
+            }
+        }
         let mapping = |region: usize, writable: bool| Mapping {
             sandbox: self.ends[end],
             backing: self.backing,
@@ -114,7 +156,12 @@ impl HostChannel {
             channel: Some((self.index, region)),
             what: format!("channel '{}' region {region}", self.name),
         };
-        (windows, info, vec![mapping(end, true), mapping(peer, false)])
+        EndWindows {
+            windows,
+            info,
+            mappings: vec![mapping(end, true), mapping(peer, false)],
+            doorbells,
+        }
     }
 
     /// Keeps the host mapping alive as long as a VM uses it.

@@ -193,7 +193,8 @@ pub enum ViolationPolicy {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkloadConfig {
-    /// memwrite, compute, idle, chanbench, wildwrite.
+    /// memwrite, compute, idle, chanbench, wildwrite, chanstream, doorbell,
+    /// syscall, tlbwalk.
     pub kind: String,
     #[serde(default = "default_seed")]
     pub seed: u64,
@@ -216,6 +217,14 @@ pub struct WorkloadConfig {
     /// chanstream: drain the receive side every this many µs (0: always).
     #[serde(default)]
     pub recv_every_us: u64,
+    /// tlbwalk: pages walked (1..=65536), one access each at a 4,160-byte
+    /// stride.
+    #[serde(default = "default_pages")]
+    pub pages: u64,
+}
+
+fn default_pages() -> u64 {
+    64
 }
 
 fn default_send_every_us() -> u64 {
@@ -245,6 +254,19 @@ pub struct ChannelConfig {
     pub name: String,
     /// The two ends: end 0 first.
     pub between: [String; 2],
+    /// A doorbell each way: a write by one end to its doorbell page raises
+    /// an interrupt in the other (an ioeventfd in the sender's VM sharing
+    /// its eventfd with an irqfd in the receiver's).
+    #[serde(default)]
+    pub doorbell: bool,
+    /// Diagnostic: `false` leaves the receivers' irqfds unregistered, so a
+    /// ring reaches nobody (the `doorbell` workload then fails its check).
+    #[serde(default = "yes")]
+    pub doorbell_irqfd: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl WorkloadConfig {
@@ -258,9 +280,12 @@ impl WorkloadConfig {
             "chanbench" => WORKLOAD_CHANBENCH,
             "wildwrite" => WORKLOAD_WILDWRITE,
             "chanstream" => WORKLOAD_CHANSTREAM,
+            "doorbell" => WORKLOAD_DOORBELL,
+            "syscall" => WORKLOAD_SYSCALL,
+            "tlbwalk" => WORKLOAD_TLBWALK,
             k => {
                 return Err(format!(
-                    "unknown workload kind '{k}' (memwrite, compute, idle, chanbench, wildwrite, chanstream)"
+                    "unknown workload kind '{k}' (memwrite, compute, idle, chanbench, wildwrite, chanstream, doorbell, syscall, tlbwalk)"
                 ))
             }
         };
@@ -273,15 +298,30 @@ impl WorkloadConfig {
                 self.max_msg
             ));
         }
+        if kind == WORKLOAD_TLBWALK && !(1..=nl_workloads::TLBWALK_MAX_PAGES).contains(&self.pages)
+        {
+            return Err(format!(
+                "tlbwalk pages {} must be in 1..={}",
+                self.pages,
+                nl_workloads::TLBWALK_MAX_PAGES
+            ));
+        }
         let p = WorkloadParams {
             kind,
             seed: self.seed,
-            ws_bytes: if kind == WORKLOAD_MEMWRITE { self.ws_mib << 20 } else { 0 },
+            ws_bytes: match kind {
+                WORKLOAD_MEMWRITE => self.ws_mib << 20,
+                WORKLOAD_TLBWALK => {
+                    nl_workloads::tlbwalk_ws_bytes(self.pages.min(nl_workloads::TLBWALK_MAX_PAGES))
+                }
+                _ => 0,
+            },
             write_pct: self.write_pct,
             pattern: PATTERN_RANDOM,
             stride: match kind {
                 WORKLOAD_CHANBENCH => self.max_msg,
                 WORKLOAD_CHANSTREAM => self.send_every_us,
+                WORKLOAD_TLBWALK => self.pages,
                 _ => 8,
             },
             hot_pct: 10,
@@ -413,6 +453,7 @@ impl SetConfig {
                 nl_abi::WORKLOAD_CHANBENCH
                     | nl_abi::WORKLOAD_WILDWRITE
                     | nl_abi::WORKLOAD_CHANSTREAM
+                    | nl_abi::WORKLOAD_DOORBELL
             ) && vcpus != 1
             {
                 return bad(format!(
@@ -432,13 +473,24 @@ impl SetConfig {
                     nl_abi::MMIO_HOLE_START >> 20
                 ));
             }
-            if p.kind == nl_abi::WORKLOAD_MEMWRITE
+            if (p.kind == nl_abi::WORKLOAD_MEMWRITE || p.kind == nl_abi::WORKLOAD_TLBWALK)
                 && u64::from(vcpus) * p.ws_bytes + nl_abi::MIN_MEM_BYTES > mem
             {
                 return bad(format!(
-                    "sandbox '{}': {vcpus} working sets of {} MiB do not fit in {} MiB",
-                    s.name, s.workload.ws_mib, s.mem_mib
+                    "sandbox '{}': {vcpus} working sets of {} KiB do not fit in {} MiB",
+                    s.name,
+                    p.ws_bytes >> 10,
+                    s.mem_mib
                 ));
+            }
+            if p.kind == nl_abi::WORKLOAD_DOORBELL {
+                let first = self.channels_of(&s.name).first().map(|c| &self.channels[c.0]);
+                if !first.is_some_and(|c| c.doorbell) {
+                    return bad(format!(
+                        "sandbox '{}': the doorbell workload needs its first channel to have \"doorbell\": true",
+                        s.name
+                    ));
+                }
             }
             check_recovery(s)?;
             if let Some(b) = s.budget {
@@ -558,6 +610,9 @@ mod tests {
         assert!(err(&two("", ch), 1).contains("names core 1, the host has 1"));
         assert!(err(&two(r#", "budget": {"runtime_us": 9600, "period_us": 10000}"#, ch), 2)
             .contains("96% of a core"));
+        let doorbell = r#""workload": {"kind": "doorbell"}"#;
+        let no_bell = two("", ch).replace(r#""workload": {"kind": "chanbench"}"#, doorbell);
+        assert!(err(&no_bell, 2).contains("needs its first channel to have \"doorbell\": true"));
         assert!(err(&two(r#", "vcpus": 1, "mem_mib": 1"#, ch), 2).contains("mem_mib 1"));
         assert!(err(&two(r#", "typo": 1"#, ch), 2).contains("unknown field `typo`"));
         assert!(err(&two("", ""), 2).contains("in no channel"));

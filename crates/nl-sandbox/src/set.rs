@@ -167,7 +167,7 @@ impl SandboxSet {
                     c.name
                 )));
             };
-            channels.push(HostChannel::create(&c.name, i, [a, b])?);
+            channels.push(HostChannel::create(&c.name, i, [a, b], c.doorbell, c.doorbell_irqfd)?);
         }
         // Memory and windows of every sandbox, audited before any VM exists.
         let mut mappings = Vec::new();
@@ -203,11 +203,12 @@ impl SandboxSet {
             });
             let mut windows = VmWindows { sandbox: i as u64, ..Default::default() };
             for (k, (ci, end)) in config.channels_of(&s.name).into_iter().enumerate() {
-                let (w, info, m) = channels[ci].windows_for(end as usize, k as u64);
-                windows.windows.extend(w);
-                windows.channels.push(info);
+                let e = channels[ci].windows_for(end as usize, k as u64);
+                windows.windows.extend(e.windows);
+                windows.channels.push(e.info);
+                windows.doorbells.extend(e.doorbells);
                 windows.keep.push(channels[ci].keepalive());
-                mappings.extend(m);
+                mappings.extend(e.mappings);
             }
             plans.push((memory, windows, backing));
         }

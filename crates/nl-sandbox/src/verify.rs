@@ -19,6 +19,15 @@ pub fn check(set: &SandboxSet, sb: &Sandbox, regs: &[VcpuRegsSnapshot]) -> (bool
                 (false, Some(format!("chanbench digest {:#x}, expected {want:#x}", r0.digest)))
             }
         }
+        nl_abi::WORKLOAD_DOORBELL => {
+            let end = set.config.channels_of(&sb.config.name).first().map_or(0, |c| c.1);
+            let want = nl_workloads::doorbell::expected_digest(p.seed, end);
+            if r0.digest == want {
+                (true, None)
+            } else {
+                (false, Some(format!("doorbell digest {:#x}, expected {want:#x}", r0.digest)))
+            }
+        }
         WORKLOAD_CHANSTREAM => {
             if r0.digest == 0 && r0.ops > 0 {
                 (true, None)

@@ -176,8 +176,8 @@ impl Vm {
             vm.windows = Some(Arc::new(w));
         }
         vm.write_boot_structures()?;
-        for win in vm.windows.iter().flat_map(|w| &w.windows) {
-            nl_arch::paging::map_user_window(vm.memory.mem(), win.gpa, win.size)?;
+        for (gpa, size) in vm.windows.iter().flat_map(|w| w.user_ranges()) {
+            nl_arch::paging::map_user_window(vm.memory.mem(), gpa, size)?;
         }
         if vm.rx_irq() {
             vm.route_net_interrupt()?;

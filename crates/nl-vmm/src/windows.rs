@@ -11,8 +11,9 @@
 use std::sync::Arc;
 
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_READONLY};
-use kvm_ioctls::VmFd;
+use kvm_ioctls::{IoEventAddress, NoDatamatch, VmFd};
 use nl_abi::ChannelWindow;
+use vmm_sys_util::eventfd::EventFd;
 
 use crate::error::VmmError;
 
@@ -26,6 +27,18 @@ pub struct Window {
     /// VM: its owner is in [`VmWindows::keep`].
     pub host_addr: u64,
     pub readonly: bool,
+}
+
+/// One end of a channel doorbell (see [`nl_abi::channel_doorbell_gpa`]).
+/// The sender's VM registers the eventfd as an ioeventfd, the receiver's
+/// as an irqfd on [`nl_abi::DOORBELL_GSI`]: KVM carries the ring from one
+/// VM to the other without either VMM.
+#[derive(Clone, Debug)]
+pub enum Doorbell {
+    /// A guest write at `gpa` (any length) signals `fd`.
+    Ring { gpa: u64, fd: Arc<EventFd> },
+    /// `fd` raises [`nl_abi::DOORBELL_VECTOR`] on vCPU 0.
+    Irq { fd: Arc<EventFd> },
 }
 
 /// A write a guest made to a read-only window.
@@ -64,6 +77,8 @@ pub struct VmWindows {
     /// [`nl_abi::BootInfo::sandbox`].
     pub sandbox: u64,
     pub guard: Option<Arc<dyn WriteGuard>>,
+    /// Doorbells rung by this VM and doorbells ringing into it.
+    pub doorbells: Vec<Doorbell>,
 }
 
 impl std::fmt::Debug for VmWindows {
@@ -72,6 +87,7 @@ impl std::fmt::Debug for VmWindows {
             .field("windows", &self.windows)
             .field("channels", &self.channels)
             .field("sandbox", &self.sandbox)
+            .field("doorbells", &self.doorbells)
             .finish_non_exhaustive()
     }
 }
@@ -103,7 +119,25 @@ impl VmWindows {
                 }
             }
         }
+        for d in &self.doorbells {
+            if let Doorbell::Ring { gpa, .. } = d {
+                let area = nl_abi::DOORBELLS_GPA..nl_abi::DOORBELLS_GPA + nl_abi::DOORBELLS_BYTES;
+                if !area.contains(gpa) {
+                    return Err(format!("doorbell {gpa:#x} is outside the doorbell area"));
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// The guest-physical ranges the guest page tables map user-writable:
+    /// every window, and the doorbell area when a doorbell is rung from here.
+    pub fn user_ranges(&self) -> Vec<(u64, u64)> {
+        let mut v: Vec<(u64, u64)> = self.windows.iter().map(|w| (w.gpa, w.size)).collect();
+        if self.doorbells.iter().any(|d| matches!(d, Doorbell::Ring { .. })) {
+            v.push((nl_abi::DOORBELLS_GPA, nl_abi::DOORBELLS_BYTES));
+        }
+        v
     }
 
     /// The read-only window holding `gpa`, if any.
@@ -122,6 +156,43 @@ impl VmWindows {
                 userspace_addr: w.host_addr,
             };
             crate::memslots::set_region(vm, r)?;
+        }
+        self.register_doorbells(vm)
+    }
+
+    /// Registers the doorbells with KVM (the VM's in-kernel irqchip exists)
+    /// and routes [`nl_abi::DOORBELL_GSI`] to [`nl_abi::DOORBELL_VECTOR`].
+    fn register_doorbells(&self, vm: &VmFd) -> Result<(), VmmError> {
+        let err = |what: &'static str| {
+            move |e: kvm_ioctls::Error| VmmError::Config(format!("doorbell: {what} failed: {e}"))
+        };
+        let mut irq = false;
+        for d in &self.doorbells {
+            match d {
+                Doorbell::Ring { gpa, fd } => vm
+                    .register_ioevent(fd.as_ref(), &IoEventAddress::Mmio(*gpa), NoDatamatch)
+                    .map_err(err("KVM_IOEVENTFD"))?,
+                Doorbell::Irq { fd } => {
+                    vm.register_irqfd(fd.as_ref(), nl_abi::DOORBELL_GSI)
+                        .map_err(err("KVM_IRQFD"))?;
+                    irq = true;
+                }
+            }
+        }
+        if irq {
+            let mut c = kvm_bindings::kvm_irqchip {
+                chip_id: kvm_bindings::KVM_IRQCHIP_IOAPIC,
+                ..Default::default()
+            };
+            vm.get_irqchip(&mut c).map_err(err("KVM_GET_IRQCHIP"))?;
+            // SAFETY: chip_id is KVM_IRQCHIP_IOAPIC, so `ioapic` is the member
+            // KVM filled in; `bits` covers the whole redirection entry (edge,
+            // fixed, physical destination 0 = vCPU 0, unmasked).
+            unsafe {
+                c.chip.ioapic.redirtbl[nl_abi::DOORBELL_GSI as usize].bits =
+                    u64::from(nl_abi::DOORBELL_VECTOR);
+            }
+            vm.set_irqchip(&c).map_err(err("KVM_SET_IRQCHIP"))?;
         }
         Ok(())
     }

@@ -236,6 +236,12 @@ impl<'a> Endpoint<'a> {
         self.stats
     }
 
+    /// The peer's head word (it changes whenever the peer publishes): what
+    /// a receiver that halts instead of polling waits on.
+    pub fn peer_head(&self) -> &AtomicU64 {
+        &self.peer[W_HEAD]
+    }
+
     /// Records sent so far in this generation.
     pub fn sent(&self) -> u64 {
         self.seq

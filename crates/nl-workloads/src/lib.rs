@@ -66,6 +66,7 @@ pub mod blk;
 pub mod chanbench;
 pub mod channel;
 pub mod chanstream;
+pub mod doorbell;
 pub mod filecache;
 pub mod kv;
 pub mod wildwrite;
@@ -76,8 +77,8 @@ mod tests;
 use nl_abi::{
     WorkloadParams, MAX_MEM_BYTES, PATTERN_HOTCOLD, PATTERN_RANDOM, PATTERN_SEQUENTIAL,
     PATTERN_STRIDED, WORKLOAD_BLKBENCH, WORKLOAD_CHANBENCH, WORKLOAD_CHANSTREAM, WORKLOAD_COMPUTE,
-    WORKLOAD_EXITS, WORKLOAD_FILECACHE, WORKLOAD_IDLE, WORKLOAD_KV, WORKLOAD_MEMWRITE,
-    WORKLOAD_NETBENCH, WORKLOAD_WILDWRITE,
+    WORKLOAD_DOORBELL, WORKLOAD_EXITS, WORKLOAD_FILECACHE, WORKLOAD_IDLE, WORKLOAD_KV,
+    WORKLOAD_MEMWRITE, WORKLOAD_NETBENCH, WORKLOAD_SYSCALL, WORKLOAD_TLBWALK, WORKLOAD_WILDWRITE,
 };
 
 /// What a workload needs from the machine it runs on.
@@ -109,6 +110,11 @@ pub trait Platform {
     fn net_poll(&mut self) -> u64 {
         0
     }
+    /// The null syscall ([`nl_abi::SYS_NULL`]): a round trip through the
+    /// guest kernel, which answers [`nl_abi::SYS_ENOSYS`].
+    fn null_syscall(&mut self) -> u64 {
+        nl_abi::SYS_ENOSYS
+    }
 }
 
 /// Bytes in a page: the granularity of the VMM's dirty tracking.
@@ -134,6 +140,23 @@ pub const COMPUTE_ITERS_PER_ROUND: u64 = 1 << 19;
 pub const EXITS_PORT_PER_ROUND: u64 = 32;
 /// exits: `mmio_echo` calls per round.
 pub const EXITS_MMIO_PER_ROUND: u64 = 32;
+/// syscall: null syscalls per round, each followed by
+/// [`SYSCALL_WORK_ITERS`] ring-3 mixing iterations.
+pub const SYSCALL_PER_ROUND: u64 = 64;
+/// syscall: ring-3 mixing iterations after each syscall.
+pub const SYSCALL_WORK_ITERS: u64 = 64;
+/// tlbwalk: accesses per measured round (whole passes over the pages, at
+/// least one).
+pub const TLBWALK_ACCESSES_PER_ROUND: u64 = 1 << 16;
+/// tlbwalk: most pages.
+pub const TLBWALK_MAX_PAGES: u64 = 65_536;
+
+/// tlbwalk: the working set of `pages` accesses at a
+/// [`nl_abi::TLBWALK_STRIDE`]-byte stride (whole 4 KiB pages).
+pub const fn tlbwalk_ws_bytes(pages: u64) -> u64 {
+    (pages * nl_abi::TLBWALK_STRIDE).div_ceil(PAGE_BYTES) * PAGE_BYTES
+}
+
 /// exits: rounds `r` with `r % EXITS_HALT_EVERY == EXITS_HALT_EVERY - 1`
 /// also make one `halt()` call.
 pub const EXITS_HALT_EVERY: u64 = 8;
@@ -144,9 +167,19 @@ pub fn validate(params: &WorkloadParams) -> Result<(), &'static str> {
         WORKLOAD_MEMWRITE => validate_memwrite(params),
         WORKLOAD_COMPUTE | WORKLOAD_EXITS | WORKLOAD_IDLE | WORKLOAD_NETBENCH => Ok(()),
         // Run by the guest's channel code, not by the round engine.
-        WORKLOAD_CHANBENCH | WORKLOAD_WILDWRITE | WORKLOAD_CHANSTREAM => Ok(()),
+        WORKLOAD_CHANBENCH | WORKLOAD_WILDWRITE | WORKLOAD_CHANSTREAM | WORKLOAD_DOORBELL => Ok(()),
         WORKLOAD_BLKBENCH if params.ws_bytes == blk::BLKBENCH_WS_BYTES => Ok(()),
         WORKLOAD_BLKBENCH => Err("blkbench: ws_bytes must be blk::BLKBENCH_WS_BYTES"),
+        WORKLOAD_SYSCALL => Ok(()),
+        WORKLOAD_TLBWALK
+            if (1..=TLBWALK_MAX_PAGES).contains(&params.stride)
+                && params.ws_bytes == tlbwalk_ws_bytes(params.stride) =>
+        {
+            Ok(())
+        }
+        WORKLOAD_TLBWALK => {
+            Err("tlbwalk: stride (pages) must be 1..=65536 and ws_bytes tlbwalk_ws_bytes(pages)")
+        }
         WORKLOAD_KV if params.ws_bytes == kv::KV_WS_BYTES => Ok(()),
         WORKLOAD_KV => Err("kv: ws_bytes must be kv::KV_WS_BYTES"),
         WORKLOAD_FILECACHE => filecache::validate(params),
@@ -201,6 +234,8 @@ enum Kind {
     Netbench,
     Kv,
     Filecache,
+    Syscall,
+    Tlbwalk,
 }
 
 /// One vCPU's workload: its state between rounds.
@@ -264,6 +299,8 @@ impl<'m> Workload<'m> {
             WORKLOAD_NETBENCH => Kind::Netbench,
             WORKLOAD_KV => Kind::Kv,
             WORKLOAD_FILECACHE => Kind::Filecache,
+            WORKLOAD_SYSCALL => Kind::Syscall,
+            WORKLOAD_TLBWALK => Kind::Tlbwalk,
             _ => Kind::Idle,
         };
         let seed = nl_abi::seed_for_cpu(params.seed, cpu);
@@ -275,6 +312,16 @@ impl<'m> Workload<'m> {
         }
         if kind == Kind::Filecache && (mem.len() as u64).checked_mul(8) != Some(params.ws_bytes) {
             return Err("filecache: the memory slice must be exactly ws_bytes long");
+        }
+        if kind == Kind::Tlbwalk {
+            if (mem.len() as u64).checked_mul(8) != Some(params.ws_bytes) {
+                return Err("tlbwalk: the memory slice must be exactly ws_bytes long");
+            }
+            // `stride` holds the pages; the walk's stride is in words.
+            stride = (nl_abi::TLBWALK_STRIDE / 8) as usize;
+            let passes = (TLBWALK_ACCESSES_PER_ROUND / params.stride).max(1);
+            ops_per_round = passes * params.stride;
+            hot_words = params.stride as usize;
         }
         if kind == Kind::Memwrite {
             if (mem.len() as u64).checked_mul(8) != Some(params.ws_bytes) {
@@ -331,6 +378,9 @@ impl<'m> Workload<'m> {
             Kind::Memwrite => self.memwrite_round(),
             Kind::Compute => self.compute_round(),
             Kind::Exits => self.exits_round(p),
+            Kind::Syscall => self.syscall_round(p),
+            Kind::Tlbwalk if self.rounds == 0 => self.tlbwalk_warm_up(),
+            Kind::Tlbwalk => self.tlbwalk_round(),
             Kind::Idle => {
                 p.halt();
                 1
@@ -448,6 +498,12 @@ impl<'m> Workload<'m> {
             Kind::Filecache => {
                 h = fold(h, self.cache.as_ref().map_or(0, |c| c.state_digest()));
             }
+            Kind::Syscall => {
+                for l in self.lanes {
+                    h = fold(h, l);
+                }
+            }
+            Kind::Tlbwalk => h = fold(h, sweep(self.mem)),
             Kind::Exits | Kind::Idle | Kind::Netbench | Kind::Kv => {}
         }
         mix64(h)
@@ -606,6 +662,59 @@ impl<'m> Workload<'m> {
         ];
         self.lanes = core::hint::black_box(l);
         COMPUTE_ITERS_PER_ROUND
+    }
+
+    /// syscall: [`SYSCALL_PER_ROUND`] null syscalls, each checked and
+    /// followed by a little ring-3 work. Ops = syscalls.
+    fn syscall_round<P: Platform>(&mut self, p: &mut P) -> u64 {
+        let mut l = self.lanes;
+        let base = self.rounds.wrapping_mul(SYSCALL_PER_ROUND);
+        for k in 0..SYSCALL_PER_ROUND {
+            let r = p.null_syscall();
+            if r != nl_abi::SYS_ENOSYS {
+                self.mismatches += 1;
+            }
+            l[0] ^= r ^ base.wrapping_add(k);
+            for i in 0..SYSCALL_WORK_ITERS {
+                l[i as usize & 3] = (l[i as usize & 3] ^ (l[(i as usize + 1) & 3] >> 29) ^ i)
+                    .wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            }
+        }
+        self.lanes = core::hint::black_box(l);
+        SYSCALL_PER_ROUND
+    }
+
+    /// tlbwalk round 0: one sealed word at every access position (maps
+    /// every page). Ops = pages.
+    fn tlbwalk_warm_up(&mut self) -> u64 {
+        let (n, step) = (self.hot_words, self.stride);
+        for i in 0..n {
+            let h = mix64(self.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            if let Some(w) = self.mem.get_mut(i * step) {
+                *w = seal(h);
+            }
+        }
+        n as u64
+    }
+
+    /// tlbwalk: whole passes over the pages, one 8-byte load per page at a
+    /// `TLBWALK_STRIDE`-byte stride, each checked against its seal.
+    fn tlbwalk_round(&mut self) -> u64 {
+        let (n, step) = (self.hot_words, self.stride);
+        let passes = self.ops_per_round / n as u64;
+        let (mut d, mut bad) = (self.digest, 0);
+        for _ in 0..passes {
+            let mut acc = 0u64;
+            for i in 0..n {
+                let w = self.mem.get(i * step).copied().unwrap_or(0);
+                bad += u64::from(!sealed_ok(w));
+                acc = acc.wrapping_add(w).rotate_left(1);
+            }
+            d = fold(d, acc);
+        }
+        self.digest = d;
+        self.mismatches += bad;
+        self.ops_per_round
     }
 
     fn exits_round<P: Platform>(&mut self, p: &mut P) -> u64 {

@@ -61,6 +61,11 @@ impl Platform for NativePlatform {
         v
     }
 
+    fn null_syscall(&mut self) -> u64 {
+        exit_analog();
+        nl_abi::SYS_ENOSYS
+    }
+
     fn halt(&mut self) {
         if let Some(tick) = self.tick {
             std::thread::sleep(tick);
@@ -170,7 +175,9 @@ impl Replay {
 /// allocation maps pages lazily, so the warm-up round faults them in just as
 /// in the guest.
 fn working_set(params: &WorkloadParams) -> Vec<u64> {
-    if [WORKLOAD_MEMWRITE, WORKLOAD_BLKBENCH, WORKLOAD_FILECACHE].contains(&params.kind) {
+    if [WORKLOAD_MEMWRITE, WORKLOAD_BLKBENCH, WORKLOAD_FILECACHE, nl_abi::WORKLOAD_TLBWALK]
+        .contains(&params.kind)
+    {
         std::vec![0u64; (params.ws_bytes / 8) as usize]
     } else {
         Vec::new()

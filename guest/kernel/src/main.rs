@@ -31,7 +31,7 @@ use core::ptr::{addr_of, read_volatile, write_volatile};
 
 use nl_abi::{
     control_reg, reg, user_stack_top, BootInfo, PerCpu, BOOT_INFO_GPA, BOOT_MAGIC, BOOT_VERSION,
-    CONTROL_BLOCK_SIZE, CONTROL_MMIO_GPA, ERR_BAD_BOOT_INFO, ERR_EXCEPTION_BASE, ERR_KERNEL_PANIC,
+    CONTROL_BLOCK_SIZE, CONTROL_MMIO_GPA, DOORBELL_VECTOR, ERR_BAD_BOOT_INFO, ERR_EXCEPTION_BASE, ERR_KERNEL_PANIC,
     IDT_GPA, KERNEL_STACKS_GPA, KERNEL_STACK_SIZE, NET_VECTOR, PHASE_KERNEL_UP, SEL_KERNEL_CODE,
     SEL_SYSRET_BASE, SEL_USER_CODE, SEL_USER_DATA, SPURIOUS_VECTOR, SYS_ENOSYS, SYS_EXIT, SYS_HALT,
     SYS_HALT_IF, SYS_OUTL, SYS_TICKS, TIMER_VECTOR,
@@ -231,6 +231,23 @@ nl_device_entry:
     pop rax
     iretq
 
+    // Channel doorbell (DOORBELL_VECTOR): it only wakes a halted vCPU (the
+    // ring-3 receiver waits in SYS_HALT_IF); EOI, return.
+    .balign 16
+    .global nl_doorbell_entry
+nl_doorbell_entry:
+    push rax
+    push rcx
+    push rdx
+    mov ecx, {eoi}
+    xor eax, eax
+    xor edx, edx
+    wrmsr
+    pop rdx
+    pop rcx
+    pop rax
+    iretq
+
     // Spurious interrupt (SPURIOUS_VECTOR): no EOI.
     .balign 16
     .global nl_spurious_entry
@@ -310,10 +327,21 @@ nl_int3_entry:
     hlt
     jmp 6b
     // SYS_HALT_IF: halt (as SYS_HALT) only while the u16 at RDI equals SI.
+    // Returns the timer ticks seen during the halt (0: another interrupt
+    // woke it), or -1 when it did not halt. RDX is a syscall scratch register.
 9:  movzx eax, word ptr [rdi]
     cmp ax, si
-    je 3b
-    xor eax, eax
+    jne 10f
+    swapgs
+    mov rdx, gs:[{ticks}]
+    sti
+    hlt
+    cli
+    mov rax, gs:[{ticks}]
+    sub rax, rdx
+    swapgs
+    iretq
+10: mov rax, -1
     iretq
 8:  push 0
     push 3
@@ -368,6 +396,7 @@ extern "C" {
     fn nl_timer_entry();
     fn nl_spurious_entry();
     fn nl_device_entry();
+    fn nl_doorbell_entry();
     fn nl_syscall_entry();
     fn nl_int3_entry();
 }
@@ -435,6 +464,10 @@ extern "C" fn kmain(cpu: u64, boot: *const BootInfo) -> ! {
         write_volatile(
             idt.add(2 * NET_VECTOR as usize),
             gate_low(nl_device_entry as *const () as u64),
+        );
+        write_volatile(
+            idt.add(2 * DOORBELL_VECTOR as usize),
+            gate_low(nl_doorbell_entry as *const () as u64),
         );
         write_volatile(
             idt.add(2 * SPURIOUS_VECTOR as usize),

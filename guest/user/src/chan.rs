@@ -13,7 +13,7 @@ use nl_workloads::chanbench::{self, ChanError, Env};
 use nl_workloads::channel::Endpoint;
 use nl_workloads::wildwrite::{Plan, Target, WRITES};
 
-use crate::{ctl_write, exit, fail, print, rdtsc};
+use crate::{ctl_write, exit, fail, print, rdtsc, syscall2};
 
 /// Channel `i`'s two regions, checked against the boot info's layout.
 fn regions(cpu: u64, boot: &BootInfo, i: usize) -> (&'static [AtomicU64], &'static [AtomicU64]) {
@@ -273,4 +273,123 @@ pub fn chanstream(cpu: u64, boot: &BootInfo) -> ! {
 /// Records the channel code rejected (bad header, length, sequence, CRC).
 fn rejected(eps: &[Option<Endpoint<'static>>]) -> u64 {
     eps.iter().flatten().map(|e| e.stats().rejected()).sum()
+}
+
+struct GuestBell {
+    cpu: u64,
+    doorbell: u64,
+    patience: u64,
+    beats: u64,
+    last_beat: u64,
+}
+
+impl nl_workloads::doorbell::Bell for GuestBell {
+    fn now(&mut self) -> u64 {
+        rdtsc()
+    }
+    fn ring(&mut self) {
+        // SAFETY: the doorbell page is mapped user-writable with no memory
+        // behind it: the write exits into KVM, which signals the peer's
+        // irqfd (an ioeventfd of this VM) and drops it.
+        unsafe { write_volatile(self.doorbell as *mut u64, 1) };
+    }
+    fn wait(&mut self, head: &AtomicU64, seen: u64) -> nl_workloads::doorbell::Wait {
+        use nl_workloads::doorbell::Wait;
+        let addr = head as *const AtomicU64 as u64;
+        match syscall2(nl_abi::SYS_HALT_IF, addr, seen & 0xffff) {
+            u64::MAX => Wait::NoHalt,
+            0 => Wait::Woken,
+            _ => Wait::Ticked,
+        }
+    }
+    fn beat(&mut self) {
+        let now = rdtsc();
+        if now.wrapping_sub(self.last_beat) > 1 << 21 {
+            self.beats += 1;
+            ctl_write(self.cpu, reg::HEARTBEAT, self.beats);
+            self.last_beat = now;
+        }
+    }
+    fn patience(&self) -> u64 {
+        self.patience
+    }
+}
+
+/// doorbell (`nl_workloads::doorbell`) over channel 0, which must have a
+/// doorbell: ping-pong that halts instead of polling. Prints the round
+/// trips and the halts; fails its self-check when no halt was ended by the
+/// doorbell (only the timer woke it: the doorbell was not delivered).
+pub fn doorbell(cpu: u64, boot: &BootInfo) -> ! {
+    use nl_workloads::doorbell::{run, ITERS, SIZE};
+    if cpu != 0 {
+        done(cpu, 0, 0, 0);
+    }
+    let (own, peer) = regions(cpu, boot, 0);
+    let c = boot.channels[0];
+    if c.doorbell != nl_abi::channel_doorbell_gpa(0) {
+        print(cpu, format_args!("doorbell: channel 0 has no doorbell\n"));
+        fail(cpu, ERR_BAD_BOOT_INFO, c.doorbell);
+    }
+    let mut ep = match Endpoint::new(own, peer, rdtsc() | 1) {
+        Ok(e) => e,
+        Err(_) => fail(cpu, ERR_BAD_BOOT_INFO, own.len() as u64),
+    };
+    let need = 3 * SIZE as u64 + 8 * ITERS as u64;
+    if boot.heap_start + need > boot.heap_end {
+        fail(cpu, ERR_BAD_BOOT_INFO, boot.heap_end);
+    }
+    let base = boot.heap_start;
+    let m = SIZE as u64;
+    // SAFETY: four disjoint ranges inside the user heap, mapped user-writable
+    // and used by nothing else (vCPU 0 runs alone in this workload).
+    let (msg, reference, rx, rtts) = unsafe {
+        (
+            core::slice::from_raw_parts_mut(base as *mut u8, SIZE),
+            core::slice::from_raw_parts_mut((base + m) as *mut u8, SIZE),
+            core::slice::from_raw_parts_mut((base + 2 * m) as *mut u8, SIZE),
+            core::slice::from_raw_parts_mut((base + 3 * m) as *mut u64, ITERS),
+        )
+    };
+    let mut bell = GuestBell {
+        cpu,
+        doorbell: c.doorbell,
+        patience: boot.tsc_khz.saturating_mul(60_000),
+        beats: 0,
+        last_beat: 0,
+    };
+    ctl_write(cpu, reg::PHASE, PHASE_MEASURE_START);
+    let start = rdtsc();
+    let r = run(&mut ep, &mut bell, c.end, boot.workload.seed, msg, reference, rx, rtts);
+    let cycles = rdtsc().wrapping_sub(start);
+    match r {
+        Ok(s) => {
+            print(
+                cpu,
+                format_args!(
+                    "doorbell end={} rtt_median={} rtt_min={} rtt_p90={} halts={} woken={} messages={} tsc_khz={}\n",
+                    c.end, s.rtt_median, s.rtt_min, s.rtt_p90, s.halts, s.woken, s.messages, boot.tsc_khz
+                ),
+            );
+            if s.woken == 0 {
+                print(
+                    cpu,
+                    format_args!(
+                        "doorbell: none of {} halts ended before a timer tick: the doorbell was not delivered\n",
+                        s.halts
+                    ),
+                );
+                fail(cpu, ERR_SELF_CHECK, s.halts);
+            }
+            done(cpu, s.messages, cycles, s.digest)
+        }
+        Err(e) => {
+            let (what, seq) = match e {
+                ChanError::PeerSilent { seq, .. } => ("peer silent", seq),
+                ChanError::BadPayload { seq, .. } => ("bad payload", seq),
+                ChanError::TooLarge { .. } => ("message too large", 0),
+            };
+            print(cpu, format_args!("doorbell: {what} at message {seq}\n"));
+            fail(cpu, ERR_SELF_CHECK, seq)
+        }
+    }
 }

@@ -181,6 +181,10 @@ impl Platform for Guest<'_> {
         syscall2(SYS_HALT, 0, 0);
     }
 
+    fn null_syscall(&mut self) -> u64 {
+        syscall2(nl_abi::SYS_NULL, 0, 0)
+    }
+
     fn blk_read(&mut self, sector: u64, buf: &mut [u64]) -> bool {
         self.blk.as_mut().is_some_and(|b| b.read(sector, buf))
     }
@@ -322,6 +326,7 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
         WORKLOAD_CHANBENCH => chan::chanbench(cpu, boot),
         WORKLOAD_WILDWRITE => chan::wildwrite(cpu, boot),
         WORKLOAD_CHANSTREAM => chan::chanstream(cpu, boot),
+        nl_abi::WORKLOAD_DOORBELL => chan::doorbell(cpu, boot),
         _ => {}
     }
 
@@ -330,7 +335,10 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
     let filecache = params.kind == WORKLOAD_FILECACHE;
     let disk = params.kind == WORKLOAD_BLKBENCH || filecache;
     let name = if filecache { "filecache" } else { "blkbench" };
-    let ws: &mut [u64] = if params.kind == WORKLOAD_MEMWRITE || disk {
+    let ws: &mut [u64] = if params.kind == WORKLOAD_MEMWRITE
+        || params.kind == nl_abi::WORKLOAD_TLBWALK
+        || disk
+    {
         let base = boot.ws_base(cpu);
         let end = base.checked_add(params.ws_bytes);
         if end.is_none_or(|end| base < boot.heap_start || end > boot.heap_end) {

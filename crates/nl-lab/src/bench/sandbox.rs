@@ -4,7 +4,15 @@
 //! way, measured in the same run, `--reps` times each (interleaved).
 //! Reported per message size: one-way latency (half the median round trip)
 //! and streaming throughput, each the median over the repetitions with its
-//! minimum and maximum, and the load average before and after.
+//! minimum and maximum, and the load average before and after. Beside it
+//! the doorbell round trip (the `doorbell` workload: halting receivers
+//! woken by an ioeventfd-to-irqfd doorbell) and the polled 64-byte round
+//! trip of the same repetition.
+//!
+//! Table 2 (`syscall` in a sandbox against the same guest in a plain VM)
+//! and Figs. 7/8 (`tlbwalk` in a sandbox against the same engine run
+//! natively on the same core, per page count), interleaved per repetition,
+//! each with the paper's figure beside ours.
 //!
 //! Uses only `nl_sandbox`'s API (the bench code is being moved into its
 //! own crate; this file is self-contained on purpose).
@@ -29,6 +37,16 @@ pub struct BenchSandboxArgs {
     /// wildwrite seeds of the isolation check (0: skip it).
     #[arg(long, default_value_t = 20)]
     pub seeds: u64,
+    /// Page counts of the TLB rows (Figs. 7/8), 1..=65536 each.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![8, 64, 512, 2048, 8192])]
+    pub pages: Vec<u64>,
+    /// What to measure: any of fig9 (with the doorbell), table2, tlb,
+    /// isolation.
+    #[arg(long, value_delimiter = ',', default_values_t = ["fig9".to_string(), "table2".to_string(), "tlb".to_string(), "isolation".to_string()])]
+    pub parts: Vec<String>,
+    /// Measured milliseconds of each syscall and tlbwalk run.
+    #[arg(long, default_value_t = 1000)]
+    pub duration_ms: u64,
     /// Print one JSON object as the last line of stdout.
     #[arg(long)]
     pub json: bool,
@@ -75,6 +93,19 @@ pub struct SizeRow {
     pub stream_ratio: f64,
 }
 
+/// The doorbell's round trip over the repetitions, beside the polled one.
+#[derive(Clone, Debug, Serialize)]
+pub struct DoorbellRow {
+    pub doorbell_rtt_us: Spread,
+    pub doorbell_rtt_min_us: Spread,
+    /// Per repetition: halts the doorbell ended / halts.
+    pub woken_share: Spread,
+    /// The polled 64-byte round trip of the same repetitions.
+    pub polled_rtt_64b_us: Spread,
+    pub target_doorbell_rtt_us: f64,
+    pub samples: Vec<nl_sandbox::chanbench::DoorbellNumbers>,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct Fig9 {
     pub reps: usize,
@@ -84,14 +115,63 @@ pub struct Fig9 {
     /// a plot with no values in its text).
     pub target_one_way_64b_ns: f64,
     pub target_stream_4k_gbps: f64,
+    pub doorbell: Option<DoorbellRow>,
+    pub loadavg_before: String,
+    pub loadavg_after: String,
+}
+
+/// Table 2: the syscall workload, sandbox against plain VM.
+#[derive(Clone, Debug, Serialize)]
+pub struct Table2 {
+    pub reps: usize,
+    /// Syscalls (with their ring-3 work) per second.
+    pub sandbox_ops_per_sec: Spread,
+    pub plain_ops_per_sec: Spread,
+    /// Per repetition: sandbox / plain (throughput; 1.0 = no overhead).
+    pub ratio: Spread,
+    pub sandbox_samples: Vec<f64>,
+    pub plain_samples: Vec<f64>,
+    /// The paper's Table 2: forkwait in a sandbox takes 1.9% longer than
+    /// without sandboxing (throughput ratio 1/1.019).
+    pub paper_ratio: f64,
+    /// The issue's target: within 2%.
+    pub target_within: f64,
+    pub loadavg_before: String,
+    pub loadavg_after: String,
+}
+
+/// Figs. 7/8: one page count.
+#[derive(Clone, Debug, Serialize)]
+pub struct TlbRow {
+    pub pages: u64,
+    /// Nanoseconds per access.
+    pub sandbox_ns: Spread,
+    pub native_ns: Spread,
+    /// Per repetition: sandbox / native time per access (1.0 = native).
+    pub ratio: Spread,
+    pub sandbox_samples: Vec<f64>,
+    pub native_samples: Vec<f64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Tlb {
+    pub reps: usize,
+    pub core: usize,
+    pub stride_bytes: u64,
+    pub rows: Vec<TlbRow>,
+    /// The issue's reading of the paper's Figs. 7/8: within 5% of native up
+    /// to 512 pages.
+    pub target_within: f64,
     pub loadavg_before: String,
     pub loadavg_after: String,
 }
 
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchSandbox {
-    pub fig9: Fig9,
-    pub isolation: Isolation,
+    pub fig9: Option<Fig9>,
+    pub table2: Option<Table2>,
+    pub tlb: Option<Tlb>,
+    pub isolation: Option<Isolation>,
 }
 
 fn loadavg() -> String {
@@ -139,6 +219,47 @@ fn sandbox_run(
     Ok(parse_console(&lead))
 }
 
+/// Runs a set to its end; every sandbox must complete and verify. Returns
+/// the report and the guests' TSC frequency (kHz).
+fn run_set(kvm: &nl_sandbox::Kvm, text: &str, what: &str) -> Result<(nl_sandbox::SetReport, u64)> {
+    let set =
+        SandboxSet::create(kvm, SetConfig::parse(text)?, &nl_launch::guest::sandbox_images())?;
+    let khz = set
+        .sandboxes
+        .first()
+        .and_then(|sb| nl_arch::read_boot_info(sb.vm().memory().mem()).ok())
+        .map_or(0, |b| b.tsc_khz);
+    set.start_all()?;
+    let report = set.supervise(Duration::from_secs(300));
+    if !report.all_ok() {
+        let why: Vec<String> = report
+            .sandboxes
+            .iter()
+            .map(|s| format!("{}: {} {:?}", s.name, s.message, s.problem))
+            .collect();
+        bail!("{what} in the sandboxes failed: {}", why.join("; "));
+    }
+    Ok((report, khz))
+}
+
+fn doorbell_run(
+    kvm: &nl_sandbox::Kvm,
+    cores: [usize; 2],
+    seed: u64,
+) -> Result<nl_sandbox::chanbench::DoorbellNumbers> {
+    let text = format!(
+        r#"{{"sandboxes": [
+            {{"name": "lead", "cores": [{}], "workload": {{"kind": "doorbell", "seed": {seed}}}}},
+            {{"name": "follow", "cores": [{}], "workload": {{"kind": "doorbell", "seed": {seed}}}}}
+        ], "channels": [{{"name": "c", "between": ["lead", "follow"], "doorbell": true}}]}}"#,
+        cores[0], cores[1]
+    );
+    let (report, _) = run_set(kvm, &text, "doorbell")?;
+    let lead = report.sandboxes.iter().find(|s| s.name == "lead").map(|s| s.console.as_str());
+    nl_sandbox::chanbench::parse_doorbell(lead.unwrap_or_default())
+        .ok_or_else(|| anyhow::anyhow!("the doorbell leader printed no result"))
+}
+
 pub fn measure(a: &BenchSandboxArgs) -> Result<Fig9> {
     if a.reps < 3 {
         bail!("--reps must be at least 3");
@@ -150,13 +271,28 @@ pub fn measure(a: &BenchSandboxArgs) -> Result<Fig9> {
     let cores = [host[0], host[1]];
     let kvm = nl_vmm::open_kvm()?;
     let loadavg_before = loadavg();
-    let (mut guest, mut host_runs) = (Vec::new(), Vec::new());
+    let (mut guest, mut host_runs, mut bells) = (Vec::new(), Vec::new(), Vec::new());
     for rep in 0..a.reps {
         let seed = 11 + rep as u64;
         eprintln!("bench sandbox: repetition {}/{}", rep + 1, a.reps);
         guest.push(sandbox_run(&kvm, cores, a.max_msg, seed)?);
         host_runs.push(native(cores, seed, a.max_msg as usize)?);
+        bells.push(doorbell_run(&kvm, cores, seed)?);
     }
+    let doorbell = Some(DoorbellRow {
+        doorbell_rtt_us: spread(bells.iter().map(|b| b.rtt_median_ns / 1e3).collect()),
+        doorbell_rtt_min_us: spread(bells.iter().map(|b| b.rtt_min_ns / 1e3).collect()),
+        woken_share: spread(bells.iter().map(|b| b.woken as f64 / b.halts.max(1) as f64).collect()),
+        polled_rtt_64b_us: spread(
+            guest
+                .iter()
+                .filter_map(|g| g.iter().find(|s| s.size == 64))
+                .map(|s| s.rtt_median_ns / 1e3)
+                .collect(),
+        ),
+        target_doorbell_rtt_us: 100.0,
+        samples: bells,
+    });
     let loadavg_after = loadavg();
     let sizes: Vec<usize> =
         guest.first().map(|g| g.iter().map(|s| s.size).collect()).unwrap_or_default();
@@ -187,8 +323,159 @@ pub fn measure(a: &BenchSandboxArgs) -> Result<Fig9> {
         rows,
         target_one_way_64b_ns: 1000.0,
         target_stream_4k_gbps: 2.0,
+        doorbell,
         loadavg_before,
         loadavg_after,
+    })
+}
+
+/// A plain VM (no windows, not pinned) running `params` to its end:
+/// ops per TSC cycle, its digest checked against the host's replay.
+/// Its vCPU thread runs on `core` (the thread that starts it is pinned
+/// there meanwhile, as the sandbox set does), so both sides of Table 2 get
+/// the same core and only the sandbox features differ.
+fn plain_vm_ops_per_cycle(
+    kvm: &nl_sandbox::Kvm,
+    core: usize,
+    params: nl_abi::WorkloadParams,
+) -> Result<f64> {
+    let images = nl_launch::guest::sandbox_images();
+    let config = nl_vmm::VmConfig {
+        mem_bytes: 64 << 20,
+        vcpus: 1,
+        workload: params,
+        kernel: images.kernel,
+        user: images.user,
+        console_path: None,
+        timer_hz: 100,
+        heartbeat_timeout: Duration::from_secs(20),
+        disk: None,
+        net: None,
+    };
+    let vm = nl_vmm::Vm::create(kvm, 0, config)?;
+    let before = nl_sandbox::affinity::host_cores()?;
+    nl_sandbox::affinity::pin(0, &[core])?;
+    let started = vm.start();
+    nl_sandbox::affinity::pin(0, &before)?;
+    started?;
+    let out = vm.wait(Duration::from_secs(300));
+    let r = vm.control().vcpus[0].snapshot();
+    vm.stop();
+    if out != nl_vmm::VmOutcome::Completed {
+        bail!("the plain VM did not complete: {out:?}");
+    }
+    let rep = nl_workloads::native::replay(&params, 0, r.rounds, 0)
+        .map_err(|e| anyhow::anyhow!("cannot replay: {e}"))?;
+    if rep.digest != r.digest {
+        bail!("the plain VM's digest {:#x} is not the replay's {:#x}", r.digest, rep.digest);
+    }
+    Ok(r.ops as f64 / r.cycles.max(1) as f64)
+}
+
+/// One sandbox on `core` running `workload` (JSON): ops per TSC cycle and
+/// the TSC frequency.
+fn sandbox_ops_per_cycle(
+    kvm: &nl_sandbox::Kvm,
+    core: usize,
+    mem_mib: u64,
+    workload: &str,
+) -> Result<(f64, u64, nl_abi::WorkloadParams)> {
+    let text = format!(
+        r#"{{"sandboxes": [{{"name": "s", "cores": [{core}], "mem_mib": {mem_mib}, "workload": {workload}}}], "channels": []}}"#
+    );
+    let config = SetConfig::parse(&text)?;
+    let params = config.sandboxes[0].workload.params().map_err(anyhow::Error::msg)?;
+    let (report, khz) = run_set(kvm, &text, "the workload")?;
+    let s = &report.sandboxes[0];
+    Ok((s.ops as f64 / s.cycles.max(1) as f64, khz, params))
+}
+
+pub fn table2(a: &BenchSandboxArgs) -> Result<Table2> {
+    let host = nl_sandbox::affinity::host_cores()?;
+    let kvm = nl_vmm::open_kvm()?;
+    let loadavg_before = loadavg();
+    let (mut sb, mut plain, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
+    for rep in 0..a.reps {
+        eprintln!("bench sandbox: Table 2 repetition {}/{}", rep + 1, a.reps);
+        let w = format!(
+            r#"{{"kind": "syscall", "seed": {}, "duration_ms": {}}}"#,
+            21 + rep,
+            a.duration_ms
+        );
+        let (s, khz, params) = sandbox_ops_per_cycle(&kvm, host[0], 64, &w)?;
+        let p = plain_vm_ops_per_cycle(&kvm, host[0], params)?;
+        let per_sec = |x: f64| x * khz as f64 * 1e3;
+        sb.push(per_sec(s));
+        plain.push(per_sec(p));
+        ratio.push(s / p);
+    }
+    Ok(Table2 {
+        reps: a.reps,
+        sandbox_ops_per_sec: spread(sb.clone()),
+        plain_ops_per_sec: spread(plain.clone()),
+        ratio: spread(ratio),
+        sandbox_samples: sb,
+        plain_samples: plain,
+        paper_ratio: 1.0 / 1.019,
+        target_within: 0.02,
+        loadavg_before,
+        loadavg_after: loadavg(),
+    })
+}
+
+/// The same tlbwalk natively on `core` (a thread pinned there): ns per access.
+fn native_tlbwalk_ns(core: usize, params: nl_abi::WorkloadParams, ms: u64) -> Result<f64> {
+    let t = std::thread::spawn(move || -> Result<f64> {
+        nl_sandbox::affinity::pin(0, &[core])?;
+        let r = nl_workloads::native::run_for(&params, 0, Duration::from_millis(ms), 0)
+            .map_err(|e| anyhow::anyhow!("native tlbwalk refused: {e}"))?;
+        Ok(r.measured_ns as f64 / r.ops.max(1) as f64)
+    });
+    t.join().map_err(|_| anyhow::anyhow!("the native tlbwalk thread panicked"))?
+}
+
+pub fn tlb(a: &BenchSandboxArgs) -> Result<Tlb> {
+    let host = nl_sandbox::affinity::host_cores()?;
+    let core = host[0];
+    let kvm = nl_vmm::open_kvm()?;
+    let loadavg_before = loadavg();
+    let n = a.pages.len();
+    let (mut sb, mut nat) = (vec![Vec::new(); n], vec![Vec::new(); n]);
+    for rep in 0..a.reps {
+        eprintln!("bench sandbox: Figs. 7/8 repetition {}/{}", rep + 1, a.reps);
+        for (i, &pages) in a.pages.iter().enumerate() {
+            let w = format!(
+                r#"{{"kind": "tlbwalk", "seed": {}, "pages": {pages}, "duration_ms": {}}}"#,
+                31 + rep,
+                a.duration_ms
+            );
+            let mem_mib = 64 + (nl_workloads::tlbwalk_ws_bytes(pages) >> 20) + 1;
+            let (per_cycle, khz, params) = sandbox_ops_per_cycle(&kvm, core, mem_mib, &w)?;
+            sb[i].push(1e6 / (per_cycle * khz.max(1) as f64));
+            nat[i].push(native_tlbwalk_ns(core, params, a.duration_ms)?);
+        }
+    }
+    let rows = a
+        .pages
+        .iter()
+        .enumerate()
+        .map(|(i, &pages)| TlbRow {
+            pages,
+            sandbox_ns: spread(sb[i].clone()),
+            native_ns: spread(nat[i].clone()),
+            ratio: spread(sb[i].iter().zip(&nat[i]).map(|(s, n)| s / n).collect()),
+            sandbox_samples: sb[i].clone(),
+            native_samples: nat[i].clone(),
+        })
+        .collect();
+    Ok(Tlb {
+        reps: a.reps,
+        core,
+        stride_bytes: nl_abi::TLBWALK_STRIDE,
+        rows,
+        target_within: 0.05,
+        loadavg_before,
+        loadavg_after: loadavg(),
     })
 }
 
@@ -212,7 +499,83 @@ pub fn isolation(seeds: u64) -> Result<Isolation> {
 }
 
 pub fn bench(a: BenchSandboxArgs) -> Result<ExitCode> {
-    let f = measure(&a)?;
+    const PARTS: [&str; 4] = ["fig9", "table2", "tlb", "isolation"];
+    if let Some(p) = a.parts.iter().find(|p| !PARTS.contains(&p.as_str())) {
+        bail!("unknown part '{p}' (fig9, table2, tlb, isolation)");
+    }
+    if let Some(&p) = a.pages.iter().find(|&&p| !(1..=nl_workloads::TLBWALK_MAX_PAGES).contains(&p))
+    {
+        bail!("--pages {p} is not in 1..={}", nl_workloads::TLBWALK_MAX_PAGES);
+    }
+    let part = |p: &str| a.parts.iter().any(|x| x == p);
+    let s = |x: Spread, p: usize| format!("{:.p$} [{:.p$}, {:.p$}]", x.median, x.min, x.max);
+    let fig9 = if part("fig9") { Some(measure(&a)?) } else { None };
+    if let Some(f) = &fig9 {
+        print_fig9(f);
+    }
+    let t2 = if part("table2") { Some(table2(&a)?) } else { None };
+    if let Some(t2) = &t2 {
+        println!(
+            "Table 2, syscall workload ({} null syscalls per round with ring-3 work), core {}, {} repetitions interleaved (median [min, max]):",
+            nl_workloads::SYSCALL_PER_ROUND,
+            nl_sandbox::affinity::host_cores()?[0],
+            t2.reps
+        );
+        println!(
+            "  sandbox {} syscalls/s, plain VM {} syscalls/s, sandbox/plain {} (paper: {:.3}, +1.9% time; target within {:.0}%)",
+            s(t2.sandbox_ops_per_sec, 0),
+            s(t2.plain_ops_per_sec, 0),
+            s(t2.ratio, 3),
+            t2.paper_ratio,
+            t2.target_within * 100.0
+        );
+        println!("  load average before: {}; after: {}", t2.loadavg_before, t2.loadavg_after);
+    }
+    let tl = if part("tlb") { Some(tlb(&a)?) } else { None };
+    if let Some(tl) = &tl {
+        println!(
+            "Figs. 7/8, tlbwalk (one load per page at a {}-byte stride) on core {}, sandbox against native, {} repetitions interleaved (median [min, max]):",
+            tl.stride_bytes, tl.core, tl.reps
+        );
+        println!(
+            "{:>7}  {:>24}  {:>24}  {:>24}",
+            "pages", "ns/access sandbox", "ns/access native", "sandbox/native"
+        );
+        for r in &tl.rows {
+            println!(
+                "{:>7}  {:>24}  {:>24}  {:>24}",
+                r.pages,
+                s(r.sandbox_ns, 2),
+                s(r.native_ns, 2),
+                s(r.ratio, 3)
+            );
+        }
+        println!(
+            "  paper (Figs. 7/8, plots): sandboxes within {:.0}% of native up to 512 pages; load average before: {}; after: {}",
+            tl.target_within * 100.0,
+            tl.loadavg_before,
+            tl.loadavg_after
+        );
+    }
+    let iso = if part("isolation") { Some(isolation(a.seeds)?) } else { None };
+    if let Some(iso) = &iso {
+        println!(
+            "Isolation (Fig. 10): {} wildwrite seeds, {} clean; {} bytes changed in the neighbour; {} writes aimed at read-only pages, {} reported",
+            iso.seeds, iso.clean_seeds, iso.changed_bytes, iso.aimed_readonly, iso.reported
+        );
+        for r in iso.runs.iter().filter(|r| !r.clean()) {
+            println!("  seed {}: not clean: {r:?}", r.seed);
+        }
+    }
+    let clean = iso.as_ref().is_none_or(|i| i.clean_seeds == i.seeds);
+    if a.json {
+        let all = BenchSandbox { fig9, table2: t2, tlb: tl, isolation: iso };
+        println!("{}", serde_json::to_string(&all)?);
+    }
+    Ok(if clean { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
+
+fn print_fig9(f: &Fig9) {
     println!(
         "Fig. 9, message passing: polled channel between sandboxes on cores {} and {}, {} repetitions (median [min, max])",
         f.cores[0], f.cores[1], f.reps
@@ -253,17 +616,15 @@ pub fn bench(a: BenchSandboxArgs) -> Result<ExitCode> {
             r.sandbox_stream_gbps.median, f.target_stream_4k_gbps
         );
     }
+    if let Some(d) = &f.doorbell {
+        println!(
+            "doorbell round trip (64 B, halting receivers woken by ioeventfd->irqfd): {} us median [min, max over reps]; best single {:.1} us; {:.0}% of halts ended by the doorbell; polled 64 B round trip {} us (target < {:.0} us)",
+            s(d.doorbell_rtt_us, 1),
+            d.doorbell_rtt_min_us.min,
+            d.woken_share.median * 100.0,
+            s(d.polled_rtt_64b_us, 2),
+            d.target_doorbell_rtt_us
+        );
+    }
     println!("load average before: {}; after: {}", f.loadavg_before, f.loadavg_after);
-    let iso = isolation(a.seeds)?;
-    println!(
-        "Isolation (Fig. 10): {} wildwrite seeds, {} clean; {} bytes changed in the neighbour; {} writes aimed at read-only pages, {} reported",
-        iso.seeds, iso.clean_seeds, iso.changed_bytes, iso.aimed_readonly, iso.reported
-    );
-    for r in iso.runs.iter().filter(|r| !r.clean()) {
-        println!("  seed {}: not clean: {r:?}", r.seed);
-    }
-    if a.json {
-        println!("{}", serde_json::to_string(&BenchSandbox { fig9: f, isolation: iso.clone() })?);
-    }
-    Ok(if iso.clean_seeds == iso.seeds { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
