@@ -70,6 +70,10 @@ pub struct PrimaryArgs {
     /// dirty, dropped if unchanged). Replaces --selective and --predict.
     #[arg(long, conflicts_with_all = ["selective", "predict"])]
     pub histase: bool,
+    /// Copy each epoch's dirty pages into the staging buffer on one thread during the
+    /// pause (default: spread over the host's cores while the vCPUs are stopped).
+    #[arg(long)]
+    pub no_parallel_copy: bool,
     /// After losing the backup, attach a new one at the same address when it appears.
     #[arg(long)]
     pub reattach: bool,
@@ -195,6 +199,7 @@ pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
             output_epoch_ms: a.output_epoch_ms,
             predict: a.predict,
             histase: a.histase,
+            serial_copy: a.no_parallel_copy,
         },
         time_limit: Duration::from_secs_f64(a.duration * 4.0 + 60.0),
         reattach: a.reattach,

@@ -187,6 +187,8 @@ struct Case {
     direct: bool,
     /// Histase per fault over userfaultfd (instead of selective + predict).
     histase: bool,
+    /// The epoch's copy on one thread (`--no-parallel-copy`).
+    serial_copy: bool,
 }
 
 /// Every row of a workload: the paper's optimizations added one by one at
@@ -206,6 +208,7 @@ fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
         predict,
         direct: false,
         histase: false,
+        serial_copy: false,
     };
     let p = a.pipeline;
     let mut v = vec![
@@ -217,6 +220,12 @@ fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
         Case { histase: true, ..c("+histase", 20, false, 0, false) },
     ];
     let epochs: Vec<u64> = if quick { vec![20] } else { a.epochs.clone() };
+    // The same at 20 ms with the epoch's copy on one thread, against the
+    // parallel copy (the default) of the row after it.
+    v.push(Case {
+        serial_copy: true,
+        ..c("+selective+predict+pipeline serial-copy", 20, true, p, true)
+    });
     for &e in &epochs {
         v.push(c("+selective+predict+pipeline", e, true, p, true));
     }
@@ -278,6 +287,7 @@ fn primary_args(
         output_epoch_ms: c.output,
         predict: c.predict,
         histase: c.histase,
+        no_parallel_copy: c.serial_copy,
         reattach: false,
         test_die_mid_send_ms: None,
         workload: w.clone(),
