@@ -553,7 +553,11 @@ impl ShadowEngine {
             self.pool.trim(2 * want);
         }
         self.pool.fill_to(want, deadline);
-        self.shadow.prefault(deadline);
+        if std::time::Instant::now() < deadline {
+            if let Ok(r) = self.view.allocated_ranges() {
+                self.shadow.prefault(&r, deadline);
+            }
+        }
     }
 
     /// Switches the running interval's capture (at a checkpoint: the shadow

@@ -666,10 +666,10 @@ impl<'a> Supervisor<'a> {
                     next = Instant::now() + self.cfg.interval;
                 }
                 // Work for the next checkpoint, while the guest runs (on
-                // another core: the guest loses nothing), until just before
-                // it. Detection waits at most that long; its latency is the
-                // hang timeout anyway.
-                let until = next.checked_sub(Duration::from_millis(1)).unwrap_or(next);
+                // another core when the host has one free), for at most a
+                // quarter of the time to it: on a busy host this thread
+                // competes with the vCPUs for the cores.
+                let until = Instant::now() + next.saturating_duration_since(Instant::now()) / 4;
                 self.engine.prepare(until, self.ring_budget_pages());
             }
             std::thread::sleep(
