@@ -534,8 +534,17 @@ fn stage_copy_on(
         rest = tail;
     }
     std::thread::scope(|sc| {
-        let handles: Vec<_> =
-            jobs.into_iter().map(|(p, out)| sc.spawn(move || copy(p, out))).collect();
+        let handles: Vec<_> = jobs
+            .into_iter()
+            .map(|(p, out)| {
+                sc.spawn(move || {
+                    // Filters are per thread: a copy thread gets the
+                    // replication threads' own (its parent may have none).
+                    nl_vmm::seccomp::apply(nl_vmm::seccomp::Kind::Replication);
+                    copy(p, out)
+                })
+            })
+            .collect();
         handles
             .into_iter()
             .try_for_each(|h| h.join().unwrap_or_else(|_| Err("a copy thread panicked".into())))
