@@ -182,6 +182,17 @@ impl Engine {
         }
     }
 
+    /// Work done between checkpoints, while the guest runs, so that the next
+    /// pause does less (until `deadline`): the shadow engines back their
+    /// shadow image and fill their buffer pool for the next checkpoint's
+    /// undo copies, up to what the last interval needed, within
+    /// `budget_pages` (the ring's page budget).
+    pub fn prepare(&mut self, deadline: std::time::Instant, budget_pages: usize) {
+        if let Engine::Shadow(e) = self {
+            e.prepare(deadline, budget_pages);
+        }
+    }
+
     /// Pages held right now for the running interval.
     pub fn current_pages(&self) -> usize {
         match self {
@@ -395,6 +406,8 @@ pub struct ShadowEngine {
     threads: usize,
     /// Buffers of dropped undo pages, filled again by later checkpoints.
     pool: PagePool,
+    /// Pages the last checkpoint saved (what the next may need from `pool`).
+    last_changed: usize,
 }
 
 impl ShadowEngine {
@@ -424,6 +437,7 @@ impl ShadowEngine {
             policy,
             threads,
             pool: PagePool::default(),
+            last_changed: 0,
         })
     }
 
@@ -468,6 +482,7 @@ impl ShadowEngine {
             &mut Vec::new(),
         )?;
         self.history.push_back(undo);
+        self.last_changed = st.changed;
         let captured = self.capture;
         if let Some(p) = &mut self.policy {
             // The scan's cost as measured now (the host's load changes it):
@@ -525,6 +540,24 @@ impl ShadowEngine {
             self.pool.give_all(undo.drain().map(|(_, p)| p));
         }
         Ok(RollbackStats { pages, levels: undo_n as u32 + 1 })
+    }
+
+    /// See [`Engine::prepare`]. The pool is filled first (the next pause
+    /// needs it), to the last interval's pages and a quarter more; it holds
+    /// at most `budget_pages` less what the ring holds, plus one interval.
+    fn prepare(&mut self, deadline: std::time::Instant, budget_pages: usize) {
+        let held: usize = self.history.iter().map(PageSet::len).sum();
+        let room = budget_pages.saturating_sub(held) + self.last_changed;
+        let want = (self.last_changed + self.last_changed / 4 + 64).min(room);
+        if self.pool.len() > 2 * want {
+            self.pool.trim(2 * want);
+        }
+        self.pool.fill_to(want, deadline);
+        if std::time::Instant::now() < deadline {
+            if let Ok(r) = self.view.allocated_ranges() {
+                self.shadow.prefault(&r, deadline);
+            }
+        }
     }
 
     /// Switches the running interval's capture (at a checkpoint: the shadow

@@ -412,7 +412,7 @@ impl<'a> Supervisor<'a> {
     /// ring holds more than [`ring_capacity`] checkpoints or more pages than
     /// twice the guest's memory (see the module doc).
     fn trim_ring(&mut self) {
-        let budget = 2 * (self.vm.memory().size() / crate::PAGE as u64) as usize;
+        let budget = self.ring_budget_pages();
         let cap = ring_capacity(Duration::from_nanos(self.latency_ns), self.cfg.interval);
         while (self.engine.history_pages() > budget || self.states.len() > cap)
             && self.engine.history_len() >= 2
@@ -424,6 +424,11 @@ impl<'a> Supervisor<'a> {
         debug_assert_eq!(self.engine.history_len() + 1, self.states.len());
         self.ring_checkpoints_max = self.ring_checkpoints_max.max(self.states.len());
         self.ring_pages_max = self.ring_pages_max.max(self.engine.history_pages());
+    }
+
+    /// The most pages the ring holds: twice the guest's memory.
+    fn ring_budget_pages(&self) -> usize {
+        2 * (self.vm.memory().size() / crate::PAGE as u64) as usize
     }
 
     /// Every `disk_every` checkpoints, with the VM paused right after a
@@ -660,6 +665,12 @@ impl<'a> Supervisor<'a> {
                 if next < Instant::now() {
                     next = Instant::now() + self.cfg.interval;
                 }
+                // Work for the next checkpoint, while the guest runs (on
+                // another core when the host has one free), for at most a
+                // quarter of the time to it: on a busy host this thread
+                // competes with the vCPUs for the cores.
+                let until = Instant::now() + next.saturating_duration_since(Instant::now()) / 4;
+                self.engine.prepare(until, self.ring_budget_pages());
             }
             std::thread::sleep(
                 next.saturating_duration_since(Instant::now()).min(Duration::from_millis(2)),

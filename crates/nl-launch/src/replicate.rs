@@ -70,6 +70,11 @@ pub struct PrimaryArgs {
     /// dirty, dropped if unchanged). Replaces --selective and --predict.
     #[arg(long, conflicts_with_all = ["selective", "predict"])]
     pub histase: bool,
+    /// Spread the copy of each epoch's dirty pages into the staging buffer over the
+    /// host's cores while the vCPUs are stopped (default: one thread). Experimental:
+    /// the copy threads run briefly before their seccomp filter is installed.
+    #[arg(long)]
+    pub parallel_copy: bool,
     /// After losing the backup, attach a new one at the same address when it appears.
     #[arg(long)]
     pub reattach: bool,
@@ -195,6 +200,7 @@ pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
             output_epoch_ms: a.output_epoch_ms,
             predict: a.predict,
             histase: a.histase,
+            serial_copy: !a.parallel_copy,
         },
         time_limit: Duration::from_secs_f64(a.duration * 4.0 + 60.0),
         reattach: a.reattach,

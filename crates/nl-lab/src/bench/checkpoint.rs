@@ -60,7 +60,8 @@ struct Cell {
     digest_ok: bool,
 }
 
-fn ckpt_args(
+/// The checkpoint arguments of a bench run (the lab's one place for them).
+pub(crate) fn ckpt_args(
     w: &WorkloadArgs,
     duration: f64,
     interval: f64,
@@ -394,21 +395,19 @@ pub(crate) fn loadavg() -> f64 {
 /// guest fault must not end in silent data corruption.
 fn loaded(a: &BenchCheckpointArgs) -> Result<ExitCode> {
     let d = WorkloadArgs::default();
-    let args = |seed: u64, inject: u32| CheckpointArgs {
-        workload: WorkloadArgs { seed, ..d.clone() },
-        machine: MachineArgs::default(),
-        duration: a.duration.unwrap_or(3.0),
-        interval: None,
-        mode: CkptMode::Auto,
-        block_pages: 16,
-        inject_guest_fault: inject,
-        latency_bound: None,
-        latency_file: None,
-        disk_every: 0,
-        disk_path: "unused".into(),
-        key_file: None,
-        console: None,
-        json: true,
+    let args = |seed: u64, inject: u32| {
+        let w = WorkloadArgs { seed, ..d.clone() };
+        let duration = a.duration.unwrap_or(3.0);
+        CheckpointArgs {
+            // The default interval, and the default 1 s hang timeout even
+            // with a fault injected (the default configuration is checked).
+            interval: None,
+            machine: MachineArgs {
+                heartbeat_timeout: Some(CheckpointArgs::HANG_TIMEOUT),
+                ..MachineArgs::default()
+            },
+            ..ckpt_args(&w, duration, 50.0, CkptMode::Auto, 16, inject)
+        }
     };
     let hogs = Hogs::start(a.hogs)?;
     let mut loads = vec![loadavg()];

@@ -69,6 +69,39 @@ pub struct BenchReplicateArgs {
     /// Print the results as one JSON object (last line of stdout).
     #[arg(long)]
     pub json: bool,
+    /// Runs of each throughput row (each against its own unreplicated
+    /// baseline); a summary line per row gives the median and spread.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub reps: u32,
+    /// Run the throughput rows beside busy-loop threads of the bench's own.
+    #[arg(long)]
+    pub loaded: bool,
+    /// --loaded: busy-loop threads started for the load.
+    #[arg(long, default_value_t = 2)]
+    pub hogs: u32,
+}
+
+/// A throughput row over its repetitions: the ratio's median and spread,
+/// the lower bound this host's unit costs imply at the row's pages per
+/// epoch, and the median's share of that bound.
+#[derive(Serialize)]
+struct Summary {
+    workload: &'static str,
+    config: &'static str,
+    epoch_ms: u64,
+    reps: usize,
+    verified: usize,
+    ratio_median: f64,
+    ratio_min: f64,
+    ratio_max: f64,
+    pages_per_epoch: f64,
+    /// [`super::unit_costs::UnitCosts::replication_bound`] with the row's
+    /// median pages per epoch as both the pages written and the pages
+    /// allocated (so the compare capture's scan is underestimated: the
+    /// bound stays a bound).
+    bound: f64,
+    /// ratio_median / bound (1: at the bound).
+    of_bound: f64,
 }
 
 #[derive(Serialize)]
@@ -187,6 +220,8 @@ struct Case {
     direct: bool,
     /// Histase per fault over userfaultfd (instead of selective + predict).
     histase: bool,
+    /// The epoch's copy on one thread (the default; `--parallel-copy` spreads it).
+    serial_copy: bool,
 }
 
 /// Every row of a workload: the paper's optimizations added one by one at
@@ -206,6 +241,7 @@ fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
         predict,
         direct: false,
         histase: false,
+        serial_copy: true,
     };
     let p = a.pipeline;
     let mut v = vec![
@@ -217,6 +253,13 @@ fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
         Case { histase: true, ..c("+histase", 20, false, 0, false) },
     ];
     let epochs: Vec<u64> = if quick { vec![20] } else { a.epochs.clone() };
+    // The same at 20 ms with the epoch's copy spread over the cores
+    // (`--parallel-copy`), against the one-thread copy (the default) of the
+    // row after it.
+    v.push(Case {
+        serial_copy: false,
+        ..c("+selective+predict+pipeline parallel-copy", 20, true, p, true)
+    });
     for &e in &epochs {
         v.push(c("+selective+predict+pipeline", e, true, p, true));
     }
@@ -278,6 +321,7 @@ fn primary_args(
         output_epoch_ms: c.output,
         predict: c.predict,
         histase: c.histase,
+        parallel_copy: !c.serial_copy,
         reattach: false,
         test_die_mid_send_ms: None,
         workload: w.clone(),
@@ -757,7 +801,18 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
     let mut rows = Vec::new();
     let mut all_ok = true;
     let topo = if a.kills > 0 || (!a.no_throughput && !a.no_kv) { Some(Topo::new()) } else { None };
-    if !a.no_throughput {
+    let mut summaries = Vec::new();
+    let hogs = if a.loaded && !a.no_throughput {
+        Some(super::checkpoint::Hogs::start(a.hogs)?)
+    } else {
+        None
+    };
+    let mut load = vec![super::checkpoint::loadavg()];
+    let costs = if a.no_throughput { None } else { Some(super::unit_costs::UnitCosts::measure()?) };
+    if let Some(c) = &costs {
+        super::unit_costs::print(c);
+    }
+    if let Some(costs) = costs.as_ref().filter(|_| !a.no_throughput) {
         // blkbench: the guest's disk writes replicated too (its own images).
         let pdisk = guest::TempDisk::with_size("bench-primary", guest::DEFAULT_DISK_BYTES)?;
         let bdisk = guest::TempDisk::with_size("bench-backup", guest::DEFAULT_DISK_BYTES)?;
@@ -782,18 +837,61 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
             ),
             ("blkbench", blk, Some((pdisk.0.as_path(), bdisk.0.as_path()))),
         ] {
-            let base = unreplicated(&w, a.duration, disks.map(|d| d.0))?;
-            eprintln!("{name}: unreplicated {base:.3e} ops/s");
-            for c in cases(&a, false, disks.is_some()) {
-                let r = replicated(&w, a.duration, c, disks)?;
-                all_ok &= r.ok;
-                let rep = serde_json::to_value(&r.report)?;
-                let row = row(name, c.name, c.epoch, r.ok, r.ops_per_sec, base, &rep);
-                print_row(&row);
-                rows.push(row);
+            let cs = cases(&a, false, disks.is_some());
+            let mut per: Vec<Vec<(f64, f64, bool)>> = cs.iter().map(|_| Vec::new()).collect();
+            for _ in 0..a.reps {
+                let base = unreplicated(&w, a.duration, disks.map(|d| d.0))?;
+                eprintln!("{name}: unreplicated {base:.3e} ops/s");
+                for (i, &c) in cs.iter().enumerate() {
+                    let r = replicated(&w, a.duration, c, disks)?;
+                    all_ok &= r.ok;
+                    let rep = serde_json::to_value(&r.report)?;
+                    let row = row(name, c.name, c.epoch, r.ok, r.ops_per_sec, base, &rep);
+                    print_row(&row);
+                    per[i].push((row.ratio, row.pages_per_epoch, row.ok));
+                    rows.push(row);
+                }
+                load.push(super::checkpoint::loadavg());
+            }
+            for (c, p) in cs.iter().zip(&per) {
+                let ratios: Vec<f64> = p.iter().map(|x| x.0).collect();
+                let pages: Vec<f64> = p.iter().map(|x| x.1).collect();
+                let (med, lo, hi) = super::checkpoint::spread(&ratios);
+                let pages = super::checkpoint::spread(&pages).0;
+                let bound = costs.replication_bound(pages, pages, c.epoch as f64);
+                let s = Summary {
+                    workload: name,
+                    config: c.name,
+                    epoch_ms: c.epoch,
+                    reps: p.len(),
+                    verified: p.iter().filter(|x| x.2).count(),
+                    ratio_median: med,
+                    ratio_min: lo,
+                    ratio_max: hi,
+                    pages_per_epoch: pages,
+                    bound,
+                    of_bound: if bound > 0.0 { med / bound } else { 0.0 },
+                };
+                eprintln!(
+                    "SUMMARY {} {} @{} ms: {:.3} ({:.3}..{:.3}) of unreplicated over {} reps \
+                     ({} verified), {:.0} pages/epoch, bound {:.3}, {:.2} of the bound",
+                    s.workload,
+                    s.config,
+                    s.epoch_ms,
+                    s.ratio_median,
+                    s.ratio_min,
+                    s.ratio_max,
+                    s.reps,
+                    s.verified,
+                    s.pages_per_epoch,
+                    s.bound,
+                    s.of_bound
+                );
+                summaries.push(s);
             }
         }
     }
+    drop(hogs);
     let mut kv_skipped = None;
     if !a.no_throughput && !a.no_kv {
         match topo.as_ref().expect("made above") {
@@ -850,8 +948,22 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
             answered_again
         );
     }
+    let (load_lo, load_hi) =
+        load.iter().fold((f64::MAX, f64::MIN), |(l, h), x| (l.min(*x), h.max(*x)));
+    eprintln!(
+        "throughput rows: {} reps, {}; load average {load_lo:.1}..{load_hi:.1}",
+        a.reps,
+        if a.loaded { format!("loaded ({} hogs)", a.hogs) } else { "quiet".into() }
+    );
     let out = serde_json::json!({
         "rows": rows,
+        "summary": summaries,
+        "reps": a.reps,
+        "loaded": a.loaded,
+        "hogs": if a.loaded { a.hogs } else { 0 },
+        "loadavg_min": load_lo,
+        "loadavg_max": load_hi,
+        "unit_costs": costs,
         "kv_skipped": kv_skipped,
         "kills": kills,
         "kills_skipped": kills_skipped,

@@ -23,7 +23,7 @@ use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use nl_launch::args::{CheckpointArgs, CkptMode, MachineArgs, PatternName, WorkloadArgs};
+use nl_launch::args::{CkptMode, PatternName, WorkloadArgs};
 use nl_memory::write_protect::{FaultHandler, Protector, Range, WriteProtect};
 use nl_memory::GuestMemory;
 use serde::Serialize;
@@ -182,22 +182,7 @@ fn log_fault_us() -> Result<f64> {
     };
     let duration = 1.5;
     let base = super::checkpoint::baseline(&w, duration)?;
-    let a = CheckpointArgs {
-        workload: w,
-        machine: MachineArgs::default(),
-        duration,
-        interval: Some(20.0),
-        mode: CkptMode::DirtyLog,
-        block_pages: 1,
-        inject_guest_fault: 0,
-        latency_bound: None,
-        latency_file: None,
-        disk_every: 0,
-        disk_path: "unused".into(),
-        key_file: None,
-        console: None,
-        json: true,
-    };
+    let a = super::checkpoint::ckpt_args(&w, duration, 20.0, CkptMode::DirtyLog, 1, 0);
     let r = nl_launch::checkpoint::protected_run(&a, true)?;
     let rep = &r.report;
     if !r.digest_ok || rep.checkpoint_pages_avg < 1.0 || r.ops_per_sec <= 0.0 {
