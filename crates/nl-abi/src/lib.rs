@@ -100,6 +100,8 @@ pub struct PerCpu {
     pub cpu: u64,
     /// Timer interrupts taken on this vCPU.
     pub ticks: u64,
+    /// Device interrupts ([`NET_VECTOR`]) taken on this vCPU.
+    pub net_irqs: u64,
 }
 
 // ---------------------------------------------------------------------------
@@ -123,8 +125,19 @@ pub const SYS_OUTL: u64 = 2;
 pub const SYS_TICKS: u64 = 3;
 /// SYS_HALT unless the u16 at RDI (user memory, e.g. a used-ring index)
 /// differs from SI: checked with interrupts off, so an interrupt that
-/// changed it just before cannot be missed (a lost wake-up).
+/// changed it just before cannot be missed (a lost wake-up). Returns
+/// [`HALT_SKIPPED`], [`HALT_WOKEN_BY_NET`] or [`HALT_WOKEN_OTHERWISE`].
 pub const SYS_HALT_IF: u64 = 4;
+/// [`PerCpu::net_irqs`]: device interrupts ([`NET_VECTOR`]) this vCPU took.
+pub const SYS_NET_IRQS: u64 = 5;
+/// SYS_HALT_IF: the u16 had changed, the vCPU did not halt.
+pub const HALT_SKIPPED: u64 = 0;
+/// SYS_HALT_IF: halted, and no [`NET_VECTOR`] interrupt was taken before
+/// it woke (the timer tick woke it).
+pub const HALT_WOKEN_OTHERWISE: u64 = 1;
+/// SYS_HALT_IF: halted, and a [`NET_VECTOR`] interrupt was taken before it
+/// woke.
+pub const HALT_WOKEN_BY_NET: u64 = 2;
 /// Unknown syscall numbers return this.
 pub const SYS_ENOSYS: u64 = u64::MAX;
 
@@ -171,6 +184,18 @@ pub mod reg {
     /// W: filecache: requests read from the disk so far (measured period),
     /// written with every heartbeat and at the end.
     pub const CACHE_MISSES: u64 = 0x68;
+    /// W: netbench, kv: [`super::NET_VECTOR`] interrupts this vCPU took so
+    /// far (written at the end of the run).
+    pub const NET_IRQS: u64 = 0x70;
+    /// W: with [`super::NET_RX_IRQ`]: the idle halts of the net poll that a
+    /// [`super::NET_VECTOR`] interrupt ended with a frame received during
+    /// the halt, i.e. woken by the VMM's receive path (written at the end
+    /// of the run).
+    pub const NET_IRQ_WAKES: u64 = 0x78;
+    /// W: with [`super::NET_RX_IRQ`]: the other idle halts (ended by the
+    /// timer tick, or by the interrupt of the guest's own notify; written
+    /// at the end of the run).
+    pub const NET_OTHER_WAKES: u64 = 0x80;
 }
 
 // ---------------------------------------------------------------------------

@@ -32,9 +32,10 @@ use core::ptr::{addr_of, read_volatile, write_volatile};
 use nl_abi::{
     control_reg, reg, user_stack_top, BootInfo, PerCpu, BOOT_INFO_GPA, BOOT_MAGIC, BOOT_VERSION,
     CONTROL_BLOCK_SIZE, CONTROL_MMIO_GPA, ERR_BAD_BOOT_INFO, ERR_EXCEPTION_BASE, ERR_KERNEL_PANIC,
-    IDT_GPA, KERNEL_STACKS_GPA, KERNEL_STACK_SIZE, NET_VECTOR, PHASE_KERNEL_UP, SEL_KERNEL_CODE,
-    SEL_SYSRET_BASE, SEL_USER_CODE, SEL_USER_DATA, SPURIOUS_VECTOR, SYS_ENOSYS, SYS_EXIT, SYS_HALT,
-    SYS_HALT_IF, SYS_OUTL, SYS_TICKS, TIMER_VECTOR,
+    HALT_SKIPPED, HALT_WOKEN_BY_NET, HALT_WOKEN_OTHERWISE, IDT_GPA, KERNEL_STACKS_GPA,
+    KERNEL_STACK_SIZE, NET_VECTOR, PHASE_KERNEL_UP, SEL_KERNEL_CODE, SEL_SYSRET_BASE,
+    SEL_USER_CODE, SEL_USER_DATA, SPURIOUS_VECTOR, SYS_ENOSYS, SYS_EXIT, SYS_HALT, SYS_HALT_IF,
+    SYS_NET_IRQS, SYS_OUTL, SYS_TICKS, TIMER_VECTOR,
 };
 
 // MSRs.
@@ -76,11 +77,14 @@ const PERCPU_KERNEL_RSP: usize = 0;
 const PERCPU_USER_RSP: usize = 8;
 const PERCPU_CPU: usize = 16;
 const PERCPU_TICKS: usize = 24;
+const PERCPU_NET_IRQS: usize = 32;
 const _: () = {
     assert!(core::mem::offset_of!(PerCpu, kernel_rsp) == PERCPU_KERNEL_RSP);
     assert!(core::mem::offset_of!(PerCpu, user_rsp) == PERCPU_USER_RSP);
     assert!(core::mem::offset_of!(PerCpu, cpu) == PERCPU_CPU);
     assert!(core::mem::offset_of!(PerCpu, ticks) == PERCPU_TICKS);
+    assert!(core::mem::offset_of!(PerCpu, net_irqs) == PERCPU_NET_IRQS);
+    assert!(HALT_SKIPPED == 0 && HALT_WOKEN_OTHERWISE == 1 && HALT_WOKEN_BY_NET == 2);
     assert!(CONTROL_BLOCK_SIZE.is_power_of_two());
     assert!(KERNEL_STACK_SIZE.is_power_of_two());
     // The gates of all 32 exception stubs share bits 16..63 of their
@@ -215,11 +219,19 @@ nl_timer_entry:
     swapgs
 2:  iretq
 
-    // Device interrupt (NET_VECTOR): it only wakes a halted vCPU; EOI, return.
+    // Device interrupt (NET_VECTOR): it only wakes a halted vCPU; count it
+    // (SYS_NET_IRQS, SYS_HALT_IF), EOI, return.
     .balign 16
     .global nl_device_entry
 nl_device_entry:
-    push rax
+    test byte ptr [rsp + 8], 3
+    jz 7f
+    swapgs
+7:  inc qword ptr gs:[{net_irqs}]
+    test byte ptr [rsp + 8], 3
+    jz 8f
+    swapgs
+8:  push rax
     push rcx
     push rdx
     mov ecx, {eoi}
@@ -245,6 +257,7 @@ nl_spurious_entry:
     error = const reg::ERROR,
     err_base = const ERR_EXCEPTION_BASE,
     ticks = const PERCPU_TICKS,
+    net_irqs = const PERCPU_NET_IRQS,
     eoi = const MSR_X2APIC_EOI,
 );
 
@@ -284,6 +297,8 @@ nl_int3_entry:
     je 6f
     cmp rax, {sys_halt_if}
     je 9f
+    cmp rax, {sys_net_irqs}
+    je 10f
     mov rax, {enosys}
     iretq
     // SYS_HALT (already on the kernel stack).
@@ -309,11 +324,29 @@ nl_int3_entry:
 6:  cli
     hlt
     jmp 6b
-    // SYS_HALT_IF: halt (as SYS_HALT) only while the u16 at RDI equals SI.
+    // SYS_HALT_IF: halt (as SYS_HALT) only while the u16 at RDI equals SI;
+    // say whether a device interrupt came before the wake-up (RDX is
+    // clobbered by every syscall).
 9:  movzx eax, word ptr [rdi]
     cmp ax, si
-    je 3b
-    xor eax, eax
+    jne 11f
+    swapgs
+    mov rdx, gs:[{net_irqs}]
+    sti
+    hlt
+    cli
+    mov eax, {woken_otherwise}
+    cmp rdx, gs:[{net_irqs}]
+    je 12f
+    mov eax, {woken_by_net}
+12: swapgs
+    iretq
+11: mov eax, {skipped}
+    iretq
+    // SYS_NET_IRQS
+10: swapgs
+    mov rax, gs:[{net_irqs}]
+    swapgs
     iretq
 8:  push 0
     push 3
@@ -356,8 +389,13 @@ nl_syscall_entry:
     sys_outl = const SYS_OUTL,
     sys_ticks = const SYS_TICKS,
     sys_halt_if = const SYS_HALT_IF,
+    sys_net_irqs = const SYS_NET_IRQS,
     sys_exit = const SYS_EXIT,
     enosys = const SYS_ENOSYS as i64,
+    skipped = const HALT_SKIPPED,
+    woken_otherwise = const HALT_WOKEN_OTHERWISE,
+    woken_by_net = const HALT_WOKEN_BY_NET,
+    net_irqs = const PERCPU_NET_IRQS,
     user_rsp = const PERCPU_USER_RSP,
     kernel_rsp = const PERCPU_KERNEL_RSP,
     ticks = const PERCPU_TICKS,
