@@ -574,6 +574,9 @@ fn report_recovered(v: &serde_json::Value) {
 }
 
 #[cfg(test)]
+mod mutation_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
