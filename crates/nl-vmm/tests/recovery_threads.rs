@@ -3,7 +3,8 @@
 //! names, the recovery barrier, and a recovery started by the watchdog's
 //! entry point that holds threads of this test process with the recovery
 //! signal. A thread running VMM code must be discarded to its recovery
-//! point; a thread at a safe point and a "vCPU" in guest code must be kept.
+//! point (also one that enters its recovery point after the first signal);
+//! a thread at a safe point and a "vCPU" in guest code must be kept.
 //!
 //! Everything runs in one test function: a recovery acts on every
 //! registered thread of the process, so nothing else may run beside it.
@@ -139,6 +140,23 @@ fn a_microreset_discards_running_threads_and_keeps_safe_and_guest_ones() {
         });
         matches!(r, Outcome::Done(()))
     });
+    // A thread that enters its recovery point only once the recovery has
+    // started: the first signal finds it outside one, so only the
+    // coordinator's repeated signal discards it.
+    let s = stop.clone();
+    let (_, late) = registered("nl-late", false, move || {
+        let t = Instant::now();
+        while !threads::IN_PROGRESS.load(SeqCst) && t.elapsed() < BOUND {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+        let r = recovery::protected(|| {
+            while !s.load(SeqCst) && t.elapsed() < BOUND {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        matches!(r, Outcome::Recovered { .. })
+    });
     wait_for("the threads to take their places", || {
         slot_state(safe_tid) == Some(threads::SAFE)
             && slot_state(guest_tid) == Some(threads::IN_GUEST)
@@ -147,7 +165,11 @@ fn a_microreset_discards_running_threads_and_keeps_safe_and_guest_ones() {
     let seq = nl_vmm::event_log::last_seq();
     let completed = threads::COMPLETED.load(SeqCst);
 
+    // The coordinator is a registered thread too (a vCPU or the API in
+    // the VMM): it must not signal itself.
+    let coordinator = recovery::enter(false).expect("a free registry slot");
     recovery::recover_from_watchdog("mutation test");
+    drop(coordinator);
 
     assert_eq!(threads::COMPLETED.load(SeqCst), completed + 1);
     assert!(!threads::IN_PROGRESS.load(SeqCst));
@@ -157,13 +179,21 @@ fn a_microreset_discards_running_threads_and_keeps_safe_and_guest_ones() {
     assert_eq!(hold["step"], "hold_threads", "{}", rec.data);
     // Only the thread that ran VMM code was discarded (named from the
     // registry); the safe one and the vCPU were kept.
-    assert_eq!(hold["detail"]["abandoned"], serde_json::json!(["nl-running"]), "{}", rec.data);
+    let mut abandoned: Vec<&str> = hold["detail"]["abandoned"]
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|v| v.as_str())
+        .collect();
+    abandoned.sort_unstable();
+    assert_eq!(abandoned, ["nl-late", "nl-running"], "{}", rec.data);
     assert_eq!(rec.data["cause"], "mutation test");
 
     // The discarded thread came back through its recovery point, and only
     // once the recovery had ended (it waited at the barrier).
     stop.store(true, SeqCst);
     assert_eq!(running.join().unwrap(), (true, false));
+    assert!(late.join().unwrap(), "the late thread was not discarded");
     // The vCPU left guest code, waited, and finished its call normally.
     assert!(in_guest.join().unwrap(), "the vCPU in guest code was discarded");
     // The safe thread still waits where it was, undisturbed.
