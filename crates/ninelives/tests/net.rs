@@ -16,8 +16,12 @@ fn netbench_answers_pings() {
 /// The same with the VMM's receive thread and the net interrupt: the guest
 /// halts whenever it is idle and is woken by the interrupt of each frame.
 /// The test checks the device raised at least one interrupt per answered
-/// ping (the guest's timer tick would also wake it, so this shows the
-/// interrupt is raised, not that it alone woke the guest).
+/// ping, and, from the guest's own counts, that the guest took net
+/// interrupts and that some of its idle halts were ended by one with a
+/// frame received during the halt, which only the receive thread can put
+/// there (the timer tick also wakes it and answers the pings by polling,
+/// and its own notify raises the interrupt too; those wake-ups are counted
+/// apart and do not count here).
 #[test]
 fn netbench_with_rx_interrupts_answers_pings_and_raises_interrupts() {
     netbench_ping("irq", true);
@@ -79,6 +83,20 @@ fn netbench_ping(tag: &str, rx_irq: bool) {
         // The receive thread raised an interrupt for each frame it moved.
         let irqs = v["net_interrupts"].as_u64().unwrap();
         assert!(irqs >= received, "{irqs} interrupts for {received} answered pings: {j}");
+        // The guest took them, and they, not only its timer tick, ended
+        // its idle halts.
+        let g = &v["guest_net"];
+        assert!(g["irqs"].as_u64().unwrap() > 0, "the guest took no net interrupt: {j}");
+        assert!(
+            g["irq_wakes"].as_u64().unwrap() > 0,
+            "no idle halt of the guest was ended by a net interrupt: {j}"
+        );
+    } else {
+        // Without --net-rx-irq the guest never halts to wait for frames
+        // and takes no net interrupt (the pins stay masked).
+        let g = &v["guest_net"];
+        assert_eq!(g["irqs"], 0, "{j}");
+        assert_eq!((g["irq_wakes"].as_u64(), g["other_wakes"].as_u64()), (Some(0), Some(0)), "{j}");
     }
 }
 

@@ -100,6 +100,8 @@ pub struct PerCpu {
     pub cpu: u64,
     /// Timer interrupts taken on this vCPU.
     pub ticks: u64,
+    /// Device interrupts ([`NET_VECTOR`]) taken on this vCPU.
+    pub net_irqs: u64,
 }
 
 // ---------------------------------------------------------------------------
@@ -125,8 +127,13 @@ pub const SYS_TICKS: u64 = 3;
 /// differs from SI: checked with interrupts off, so an interrupt that
 /// changed it just before cannot be missed (a lost wake-up). Returns the
 /// vCPU's timer ticks during the halt (0: another interrupt, such as a
-/// doorbell, ended it), or `u64::MAX` when it did not halt.
+/// doorbell or a received frame, ended it), or `u64::MAX` when it did not
+/// halt.
 pub const SYS_HALT_IF: u64 = 4;
+/// [`PerCpu::net_irqs`]: device interrupts ([`NET_VECTOR`]) this vCPU took.
+/// Read before and after [`SYS_HALT_IF`], it says whether one came during
+/// the halt.
+pub const SYS_NET_IRQS: u64 = 5;
 /// The null syscall (what the `syscall` workload times): not a syscall
 /// number, so the kernel answers [`SYS_ENOSYS`] at once.
 pub const SYS_NULL: u64 = 0x4e55_4c4c;
@@ -176,6 +183,18 @@ pub mod reg {
     /// W: filecache: requests read from the disk so far (measured period),
     /// written with every heartbeat and at the end.
     pub const CACHE_MISSES: u64 = 0x68;
+    /// W: netbench, kv: [`super::NET_VECTOR`] interrupts this vCPU took so
+    /// far (written at the end of the run).
+    pub const NET_IRQS: u64 = 0x70;
+    /// W: with [`super::NET_RX_IRQ`]: the idle halts of the net poll that a
+    /// [`super::NET_VECTOR`] interrupt ended with a frame received during
+    /// the halt, i.e. woken by the VMM's receive path (written at the end
+    /// of the run).
+    pub const NET_IRQ_WAKES: u64 = 0x78;
+    /// W: with [`super::NET_RX_IRQ`]: the other idle halts (ended by the
+    /// timer tick, or by the interrupt of the guest's own notify; written
+    /// at the end of the run).
+    pub const NET_OTHER_WAKES: u64 = 0x80;
 }
 
 // ---------------------------------------------------------------------------

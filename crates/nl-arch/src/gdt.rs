@@ -52,7 +52,8 @@ pub fn setup_cpu_area(mem: &nl_memory::GuestMem, cpu: u64) -> Result<(), ArchErr
     let tss = tss_addr(cpu);
     mem.write_obj(kernel_stack_top(cpu), GuestAddress(tss + 4)).map_err(err)?;
     mem.write_obj(0x68u16, GuestAddress(tss + 0x66)).map_err(err)?;
-    let percpu = PerCpu { kernel_rsp: kernel_stack_top(cpu), user_rsp: 0, cpu, ticks: 0 };
+    let percpu =
+        PerCpu { kernel_rsp: kernel_stack_top(cpu), user_rsp: 0, cpu, ..PerCpu::default() };
     mem.write_obj(Pod(percpu), GuestAddress(percpu_addr(cpu))).map_err(err)
 }
 

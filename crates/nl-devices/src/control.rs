@@ -33,6 +33,9 @@ pub struct VcpuRegs {
     pub scratch: AtomicU64,
     pub cache_hits: AtomicU64,
     pub cache_misses: AtomicU64,
+    pub net_irqs: AtomicU64,
+    pub net_irq_wakes: AtomicU64,
+    pub net_other_wakes: AtomicU64,
 }
 
 /// Serializable copy of [`VcpuRegs`].
@@ -55,6 +58,14 @@ pub struct VcpuRegsSnapshot {
     pub cache_hits: u64,
     #[serde(default)]
     pub cache_misses: u64,
+    /// netbench, kv: net interrupts the guest took, and its idle halts
+    /// ended by one or by something else (absent in older states).
+    #[serde(default)]
+    pub net_irqs: u64,
+    #[serde(default)]
+    pub net_irq_wakes: u64,
+    #[serde(default)]
+    pub net_other_wakes: u64,
 }
 
 impl VcpuRegs {
@@ -73,6 +84,9 @@ impl VcpuRegs {
             scratch: self.scratch.load(Relaxed),
             cache_hits: self.cache_hits.load(Relaxed),
             cache_misses: self.cache_misses.load(Relaxed),
+            net_irqs: self.net_irqs.load(Relaxed),
+            net_irq_wakes: self.net_irq_wakes.load(Relaxed),
+            net_other_wakes: self.net_other_wakes.load(Relaxed),
         }
     }
 
@@ -90,6 +104,9 @@ impl VcpuRegs {
         self.scratch.store(s.scratch, Relaxed);
         self.cache_hits.store(s.cache_hits, Relaxed);
         self.cache_misses.store(s.cache_misses, Relaxed);
+        self.net_irqs.store(s.net_irqs, Relaxed);
+        self.net_irq_wakes.store(s.net_irq_wakes, Relaxed);
+        self.net_other_wakes.store(s.net_other_wakes, Relaxed);
     }
 }
 
@@ -298,6 +315,9 @@ impl Device for ControlDevice {
             reg::SCRATCH => r.scratch.store(v, Relaxed),
             reg::CACHE_HITS => r.cache_hits.store(v, Relaxed),
             reg::CACHE_MISSES => r.cache_misses.store(v, Relaxed),
+            reg::NET_IRQS => r.net_irqs.store(v, Relaxed),
+            reg::NET_IRQ_WAKES => r.net_irq_wakes.store(v, Relaxed),
+            reg::NET_OTHER_WAKES => r.net_other_wakes.store(v, Relaxed),
             reg::PRINT => self.console.write_bytes(&[v as u8]),
             _ => {}
         }

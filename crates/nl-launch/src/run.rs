@@ -35,8 +35,24 @@ pub struct VmResult {
     pub net_interrupts: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub net: Option<nl_devices::virtio::net::NetStats>,
+    /// virtio-net: what the guest reported taking (the net interrupts, and
+    /// with `--net-rx-irq` which of its idle halts one of them ended).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub guest_net: Option<GuestNet>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+}
+
+/// The guest's own count of its net interrupts (all vCPUs; written by the
+/// guest at the end of its run, `nl_abi::reg::NET_IRQS` and after).
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct GuestNet {
+    /// Net interrupts (`NET_VECTOR`) the guest took.
+    pub irqs: u64,
+    /// Idle halts a net interrupt ended.
+    pub irq_wakes: u64,
+    /// Idle halts that ended without one (the timer tick).
+    pub other_wakes: u64,
 }
 
 /// Creates, starts and waits for `configs.len()` VMs in this process, then
@@ -88,6 +104,16 @@ pub fn run_vms(configs: &[VmConfig], quiet: bool) -> Result<Vec<VmResult>> {
             cache_misses: filecache.then(|| report.vcpus.iter().map(|v| v.regs.cache_misses).sum()),
             net_interrupts: vm.virtio_interrupts().1,
             net: vm.net_stats().map(|(s, _, _)| s),
+            guest_net: vm.net_stats().is_some().then(|| {
+                let sum = |f: fn(&nl_devices::control::VcpuRegsSnapshot) -> u64| {
+                    report.vcpus.iter().map(|v| f(&v.regs)).sum()
+                };
+                GuestNet {
+                    irqs: sum(|r| r.net_irqs),
+                    irq_wakes: sum(|r| r.net_irq_wakes),
+                    other_wakes: sum(|r| r.net_other_wakes),
+                }
+            }),
             error,
         });
     }

@@ -31,10 +31,10 @@ use core::ptr::{addr_of, read_volatile, write_volatile};
 
 use nl_abi::{
     control_reg, reg, user_stack_top, BootInfo, PerCpu, BOOT_INFO_GPA, BOOT_MAGIC, BOOT_VERSION,
-    CONTROL_BLOCK_SIZE, CONTROL_MMIO_GPA, DOORBELL_VECTOR, ERR_BAD_BOOT_INFO, ERR_EXCEPTION_BASE, ERR_KERNEL_PANIC,
-    IDT_GPA, KERNEL_STACKS_GPA, KERNEL_STACK_SIZE, NET_VECTOR, PHASE_KERNEL_UP, SEL_KERNEL_CODE,
-    SEL_SYSRET_BASE, SEL_USER_CODE, SEL_USER_DATA, SPURIOUS_VECTOR, SYS_ENOSYS, SYS_EXIT, SYS_HALT,
-    SYS_HALT_IF, SYS_OUTL, SYS_TICKS, TIMER_VECTOR,
+    CONTROL_BLOCK_SIZE, CONTROL_MMIO_GPA, DOORBELL_VECTOR, ERR_BAD_BOOT_INFO, ERR_EXCEPTION_BASE,
+    ERR_KERNEL_PANIC, IDT_GPA, KERNEL_STACKS_GPA, KERNEL_STACK_SIZE, NET_VECTOR, PHASE_KERNEL_UP,
+    SEL_KERNEL_CODE, SEL_SYSRET_BASE, SEL_USER_CODE, SEL_USER_DATA, SPURIOUS_VECTOR, SYS_ENOSYS,
+    SYS_EXIT, SYS_HALT, SYS_HALT_IF, SYS_NET_IRQS, SYS_OUTL, SYS_TICKS, TIMER_VECTOR,
 };
 
 // MSRs.
@@ -76,11 +76,13 @@ const PERCPU_KERNEL_RSP: usize = 0;
 const PERCPU_USER_RSP: usize = 8;
 const PERCPU_CPU: usize = 16;
 const PERCPU_TICKS: usize = 24;
+const PERCPU_NET_IRQS: usize = 32;
 const _: () = {
     assert!(core::mem::offset_of!(PerCpu, kernel_rsp) == PERCPU_KERNEL_RSP);
     assert!(core::mem::offset_of!(PerCpu, user_rsp) == PERCPU_USER_RSP);
     assert!(core::mem::offset_of!(PerCpu, cpu) == PERCPU_CPU);
     assert!(core::mem::offset_of!(PerCpu, ticks) == PERCPU_TICKS);
+    assert!(core::mem::offset_of!(PerCpu, net_irqs) == PERCPU_NET_IRQS);
     assert!(CONTROL_BLOCK_SIZE.is_power_of_two());
     assert!(KERNEL_STACK_SIZE.is_power_of_two());
     // The gates of all 32 exception stubs share bits 16..63 of their
@@ -215,11 +217,19 @@ nl_timer_entry:
     swapgs
 2:  iretq
 
-    // Device interrupt (NET_VECTOR): it only wakes a halted vCPU; EOI, return.
+    // Device interrupt (NET_VECTOR): it only wakes a halted vCPU; count it
+    // (SYS_NET_IRQS, SYS_HALT_IF), EOI, return.
     .balign 16
     .global nl_device_entry
 nl_device_entry:
-    push rax
+    test byte ptr [rsp + 8], 3
+    jz 7f
+    swapgs
+7:  inc qword ptr gs:[{net_irqs}]
+    test byte ptr [rsp + 8], 3
+    jz 8f
+    swapgs
+8:  push rax
     push rcx
     push rdx
     mov ecx, {eoi}
@@ -262,6 +272,7 @@ nl_spurious_entry:
     error = const reg::ERROR,
     err_base = const ERR_EXCEPTION_BASE,
     ticks = const PERCPU_TICKS,
+    net_irqs = const PERCPU_NET_IRQS,
     eoi = const MSR_X2APIC_EOI,
 );
 
@@ -301,6 +312,8 @@ nl_int3_entry:
     je 6f
     cmp rax, {sys_halt_if}
     je 9f
+    cmp rax, {sys_net_irqs}
+    je 11f
     mov rax, {enosys}
     iretq
     // SYS_HALT (already on the kernel stack).
@@ -343,6 +356,11 @@ nl_int3_entry:
     iretq
 10: mov rax, -1
     iretq
+    // SYS_NET_IRQS
+11: swapgs
+    mov rax, gs:[{net_irqs}]
+    swapgs
+    iretq
 8:  push 0
     push 3
     jmp nl_exc_common
@@ -384,8 +402,10 @@ nl_syscall_entry:
     sys_outl = const SYS_OUTL,
     sys_ticks = const SYS_TICKS,
     sys_halt_if = const SYS_HALT_IF,
+    sys_net_irqs = const SYS_NET_IRQS,
     sys_exit = const SYS_EXIT,
     enosys = const SYS_ENOSYS as i64,
+    net_irqs = const PERCPU_NET_IRQS,
     user_rsp = const PERCPU_USER_RSP,
     kernel_rsp = const PERCPU_KERNEL_RSP,
     ticks = const PERCPU_TICKS,

@@ -25,8 +25,8 @@ use nl_abi::{
 };
 use nl_abi::{
     BLK_TEST_MALFORMED, DEVERR_NET_INIT, DEVERR_NO_NET, DMA_NET_BUFS, DMA_NET_RXQ, DMA_NET_TXQ,
-    NET_RX_IRQ, SYS_HALT_IF, VIRTIO_NET_MMIO_GPA, WORKLOAD_CHANBENCH, WORKLOAD_CHANSTREAM,
-    WORKLOAD_KV, WORKLOAD_NETBENCH, WORKLOAD_WILDWRITE,
+    NET_RX_IRQ, SYS_HALT_IF, SYS_NET_IRQS, VIRTIO_NET_MMIO_GPA,
+    WORKLOAD_CHANBENCH, WORKLOAD_CHANSTREAM, WORKLOAD_KV, WORKLOAD_NETBENCH, WORKLOAD_WILDWRITE,
 };
 use nl_workloads::{Platform, Workload};
 
@@ -137,6 +137,13 @@ struct Guest<'s> {
     /// Received frames arrive without a notify and raise an interrupt:
     /// halt when a poll found nothing to do.
     rx_irq: bool,
+    /// Idle halts of the net poll that a net interrupt ended with a frame
+    /// received during the halt (the receive path woke the guest), and the
+    /// other idle halts (the timer tick, or the interrupt of the guest's own
+    /// transmit: frames the guest's notify delivers are in the ring before
+    /// it halts).
+    irq_wakes: u64,
+    other_wakes: u64,
     tsc_khz: u64,
     /// Ring 3 runs with IOPL 3 and may use `in`/`out` itself (BootInfo asked
     /// for it and RFLAGS shows it).
@@ -207,7 +214,17 @@ impl Platform for Guest<'_> {
         if let (true, Some((addr, used))) = (self.rx_irq, watch) {
             // Halt until the next frame's interrupt or timer tick, unless a
             // frame arrived since the check (its interrupt may be gone).
-            syscall2(SYS_HALT_IF, addr, u64::from(used));
+            let irqs = syscall2(SYS_NET_IRQS, 0, 0);
+            let halted = syscall2(SYS_HALT_IF, addr, u64::from(used)) != u64::MAX;
+            let net_irq = syscall2(SYS_NET_IRQS, 0, 0) != irqs;
+            // SAFETY: `addr` is the receive used ring's index, in this
+            // vCPU's DMA area, mapped user-readable.
+            let received = unsafe { core::ptr::read_volatile(addr as *const u16) } != used;
+            match (halted, net_irq && received) {
+                (false, _) => {}
+                (true, true) => self.irq_wakes += 1,
+                (true, false) => self.other_wakes += 1,
+            }
         }
         served
     }
@@ -395,6 +412,8 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
         net,
         kv,
         rx_irq: boot.has_net == NET_RX_IRQ,
+        irq_wakes: 0,
+        other_wakes: 0,
         tsc_khz: boot.tsc_khz,
         iopl: boot.user_iopl != 0 && rflags() & RFLAGS_IOPL3 == RFLAGS_IOPL3,
         blk,
@@ -454,6 +473,11 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
 
     if params.kind == WORKLOAD_NETBENCH {
         print(cpu, format_args!("netbench: answered {} packets\n", w.net_answered()));
+    }
+    if platform.net.is_some() || platform.kv.is_some() {
+        ctl_write(cpu, reg::NET_IRQS, syscall2(SYS_NET_IRQS, 0, 0));
+        ctl_write(cpu, reg::NET_IRQ_WAKES, platform.irq_wakes);
+        ctl_write(cpu, reg::NET_OTHER_WAKES, platform.other_wakes);
     }
     if let Some(k) = &platform.kv {
         let c = k.counts;

@@ -212,6 +212,14 @@ extern "C" fn on_recovery_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mu
     }
     if point::active() {
         slot.abandoned.store(true, SeqCst);
+        // Held from here on: the coordinator re-sends the signal every
+        // millisecond to threads still RUNNING, and one arriving once it
+        // is unblocked below would nest another handler before the jump
+        // (tests/recovery_threads.rs crashed with SIGSEGV inside the nested
+        // handler's pthread_sigmask in about 1 run in 50; 0 in 300 with
+        // this). The barrier the thread goes to after the jump keeps this
+        // state.
+        slot.state.store(threads::BARRIER, SeqCst);
         unblock(recovery_signal());
         point::jump();
     }
@@ -572,6 +580,9 @@ fn report_recovered(v: &serde_json::Value) {
     let _ = writeln!(std::io::stderr(), "{RECOVERED_PREFIX}{v}");
     crate::event_log::publish("recovery", v.clone());
 }
+
+#[cfg(test)]
+mod mutation_tests;
 
 #[cfg(test)]
 mod tests {
