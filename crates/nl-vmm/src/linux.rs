@@ -33,6 +33,40 @@ use crate::vm::{Vm, VmOutcome};
 /// The UART's interrupt line (COM1's ISA IRQ).
 pub const SERIAL_GSI: u32 = 4;
 
+/// The virtio-blk and virtio-net interrupts of a Linux VM: ISA lines, since
+/// without MP or ACPI tables the kernel routes interrupts through the 8259
+/// PIC only (the reference guest's GSIs 16 and 17 are IOAPIC-only pins).
+pub const VIRTIO_BLK_GSI: u32 = 5;
+pub const VIRTIO_NET_GSI: u32 = 6;
+
+/// The virtio-mmio devices a Linux VM with `config` has, as its kernel is
+/// told about them on the command line.
+pub fn virtio_devices(config: &VmConfig) -> Vec<nl_arch::linux::VirtioMmio> {
+    let mut d = Vec::new();
+    let size = nl_abi::VIRTIO_MMIO_SIZE;
+    if config.disk.is_some() {
+        d.push(nl_arch::linux::VirtioMmio {
+            base: nl_abi::VIRTIO_BLK_MMIO_GPA,
+            size,
+            irq: VIRTIO_BLK_GSI,
+        });
+    }
+    if config.net.is_some() {
+        d.push(nl_arch::linux::VirtioMmio {
+            base: nl_abi::VIRTIO_NET_MMIO_GPA,
+            size,
+            irq: VIRTIO_NET_GSI,
+        });
+    }
+    d
+}
+
+/// The command line a Linux VM with `config` boots with: `boot.cmdline`
+/// and its virtio-mmio devices ([`virtio_devices`]).
+pub fn kernel_cmdline(config: &VmConfig, boot: &LinuxBoot) -> Result<String, VmmError> {
+    Ok(nl_arch::linux::with_virtio_mmio(&boot.cmdline, &virtio_devices(config))?)
+}
+
 /// What a Linux kernel boots with besides its image (`VmConfig::kernel`).
 #[derive(Clone, Debug, Default)]
 pub struct LinuxBoot {
@@ -88,13 +122,17 @@ impl Vm {
         let created_at = Instant::now();
         check_config(&config)?;
         let kernel = nl_arch::linux::prepare(&config.kernel)?;
+        let cmdline = kernel_cmdline(&config, boot)?;
+        if cmdline != boot.cmdline {
+            tracing::info!("the kernel's virtio-mmio devices are on its command line: {cmdline}");
+        }
         let memory = GuestMemory::new(&format!("vm{id}"), config.mem_bytes)?;
         let vm = Self::assemble(kvm, id, config, memory, created_at, true)?;
         let entry = nl_arch::linux::load(
             vm.memory(),
             &kernel,
             &nl_arch::linux::BootConfig {
-                cmdline: boot.cmdline.clone(),
+                cmdline,
                 initrd: boot.initrd.as_ref().map(|i| i.to_vec()),
             },
         )?;

@@ -278,6 +278,12 @@ impl Vm {
         let guest_reset =
             if linux { crate::linux::add_platform_devices(&vm_fd, &mut io_bus)? } else { None };
         io_bus.insert(u64::from(EXITS_PORT), 4, Lock::new("dev.echo", EchoPort::new(n)))?;
+        // A Linux kernel sees no IOAPIC without MP/ACPI tables: ISA lines.
+        let (blk_gsi, net_gsi) = if linux {
+            (crate::linux::VIRTIO_BLK_GSI, crate::linux::VIRTIO_NET_GSI)
+        } else {
+            (nl_abi::VIRTIO_BLK_GSI, nl_abi::VIRTIO_NET_GSI)
+        };
         let mut mmio_bus = Bus::new();
         mmio_bus.insert(
             CONTROL_MMIO_GPA,
@@ -288,7 +294,7 @@ impl Vm {
             Some(d) => {
                 let dev = Block::open(&d.path, d.readonly).map_err(VmmError::Config)?;
                 let mut t = MmioTransport::new(dev, memory.mem().clone());
-                t.set_irq(irqfd(&vm_fd, nl_abi::VIRTIO_BLK_GSI)?);
+                t.set_irq(irqfd(&vm_fd, blk_gsi)?);
                 let t = Lock::new("dev.virtio-blk", t);
                 mmio_bus.insert(VIRTIO_BLK_MMIO_GPA, VIRTIO_MMIO_SIZE, t.clone())?;
                 Some(t)
@@ -318,7 +324,7 @@ impl Vm {
                 let mac = [0x52, 0x54, 0x00, 0x4e, 0x4c, id as u8];
                 let dev = Net::new(tap, mac);
                 let mut t = MmioTransport::new(dev, memory.mem().clone());
-                t.set_irq(irqfd(&vm_fd, nl_abi::VIRTIO_NET_GSI)?);
+                t.set_irq(irqfd(&vm_fd, net_gsi)?);
                 let t = Lock::new("dev.virtio-net", t);
                 mmio_bus.insert(VIRTIO_NET_MMIO_GPA, VIRTIO_MMIO_SIZE, t.clone())?;
                 Some(t)
