@@ -213,7 +213,11 @@ fn assert_continues(stage: &str, console: &std::path::Path, mark: usize, last_be
 ///    state), a run of at least a second of kernel time, a rollback. The
 ///    kernel's clock goes back to the checkpoint's and it prints again what
 ///    it printed after the checkpoint.
-/// 5. save to a file and restore from it: the VM is saved (state and
+/// 5. a warm handover record (what `ninelives host` hands a successor
+///    process): it carries the Linux boot (kernel file, command line) and
+///    the state; written and read back, it alone rebuilds the VM over the
+///    same memfd (`handover::build_vm`), and the console goes on.
+/// 6. save to a file and restore from it: the VM is saved (state and
 ///    memory) to a checkpoint file, stopped and dropped; a new VM is built
 ///    from the file alone, and the console goes on.
 #[test]
@@ -225,7 +229,11 @@ fn linux_vm_mid_boot_mechanisms_continue_its_console() {
     std::fs::File::create(&disk).unwrap().set_len(16 << 20).unwrap();
     let mut config = linux_config(&kernel, Some(console.clone()));
     config.disk = Some(nl_vmm::config::DiskConfig { path: disk, readonly: false });
-    let boot = LinuxBoot { cmdline: test_cmdline("mechanisms"), initrd: None };
+    let boot = LinuxBoot {
+        cmdline: test_cmdline("mechanisms"),
+        kernel_path: Some(kernel.clone()),
+        ..Default::default()
+    };
     let kvm = nl_vmm::open_kvm().unwrap();
     let old = Vm::create_linux(&kvm, 0, config.clone(), &boot).expect("create the Linux VM");
     old.start().unwrap();
@@ -259,12 +267,17 @@ fn linux_vm_mid_boot_mechanisms_continue_its_console() {
     // 3. The successor: a new KVM VM over the same memfd, from the saved state.
     let memory = nl_memory::GuestMemory::from_fd(old.memory().fd().clone(), config.mem_bytes)
         .expect("map the guest memory again");
+    let record = old.linux_record().cloned().expect("a Linux VM");
     old.stop();
     drop(old);
-    let vm = Vm::restore_linux(&kvm, 0, config.clone(), memory, &state).expect("restore");
+    let vm = Vm::restore_linux(&kvm, 0, config.clone(), memory, &state, &record).expect("restore");
     vm.start().unwrap();
     let mark = before.len();
-    run_until(&vm, &console, mark, "after rejuvenation", &mut stats, |l| l.len() >= 3);
+    // Until the kernel's clock runs (the earliest lines all say 0.000000),
+    // so that the checkpoint below has a time of its own.
+    run_until(&vm, &console, mark, "after rejuvenation", &mut stats, |l| {
+        l.len() >= 3 && l.last().is_some_and(|x| x.0 > 0.0)
+    });
     assert_continues("rejuvenation", &console, mark, last_before);
 
     // 4. μCheckpoint, a second or more of kernel time, rollback.
@@ -287,6 +300,7 @@ fn linux_vm_mid_boot_mechanisms_continue_its_console() {
         run_until(&vm, &console, mark_r, "after the rollback", &mut stats, |l| l.len() >= 2);
     drop(engine);
     let t_max = ran.last().unwrap().0;
+    assert!(t_c > 0.0, "the checkpoint came before the kernel's clock ran");
     assert!(
         again[0].0 >= t_c && again[0].0 < t_max,
         "the kernel's clock did not go back to the checkpoint's ({t_c} s; it had reached \
@@ -299,8 +313,47 @@ fn linux_vm_mid_boot_mechanisms_continue_its_console() {
         r.pages
     );
     assert!(again.windows(2).all(|w| w[0].0 <= w[1].0), "timestamps out of order: {again:?}");
+    eprintln!(
+        "rollback: checkpoint at kernel time {t_c} s, ran to {t_max} s, {} pages rolled back; \
+         then {} s: {}",
+        r.pages, again[0].0, again[0].1
+    );
 
-    // 5. Save to a file, drop the VM, restore from the file alone.
+    // 5. A warm handover record: the VM described as a successor process
+    //    reads it (its Linux boot, its state), written and read back; the
+    //    VM is rebuilt from the record alone over the same memfd.
+    vm.pause();
+    let state = vm.save_state().unwrap();
+    let mut rec = nl_vmm::handover::VmRecord::describe_vm(&vm, false);
+    let linux = rec.linux.clone().expect("the record says how the Linux VM was booted");
+    assert_eq!(
+        (linux.cmdline.as_str(), linux.kernel.as_deref()),
+        (boot.cmdline.as_str(), Some(kernel.as_path()))
+    );
+    rec.state = Some(String::from_utf8(state.to_bytes()).unwrap());
+    let mut record =
+        nl_vmm::handover::HandoverRecord::new(nl_vmm::handover::Mode::Warm, 1, None, 1);
+    record.vms.push(rec);
+    let record = nl_vmm::handover::HandoverRecord::from_bytes(&record.to_bytes()).unwrap();
+    let memory = nl_memory::GuestMemory::from_fd(vm.memory().fd().clone(), config.mem_bytes)
+        .expect("map the guest memory again");
+    let mark = read_console(&console).len();
+    let last_before =
+        *timestamps(&String::from_utf8_lossy(&read_console(&console))).last().unwrap();
+    vm.stop();
+    drop(vm);
+    // What a successor binary supplies: its own reference-guest images.
+    let images = nl_vmm::handover::Images {
+        kernel: Arc::new(nl_guest::KERNEL_ELF.to_vec()),
+        user: Arc::new(nl_guest::USER_ELF.to_vec()),
+    };
+    let vm = nl_vmm::handover::build_vm(&kvm, &record.vms[0], &images, Some(memory))
+        .expect("rebuild the Linux VM from its handover record");
+    vm.start().unwrap();
+    run_until(&vm, &console, mark, "after the handover record", &mut stats, |l| l.len() >= 3);
+    assert_continues("handover record", &console, mark, last_before);
+
+    // 6. Save to a file, drop the VM, restore from the file alone.
     vm.pause();
     let state = vm.save_state().unwrap();
     let header = nl_checkpoint::disk::DiskHeader {
@@ -322,7 +375,8 @@ fn linux_vm_mid_boot_mechanisms_continue_its_console() {
     drop(vm);
     let ck = nl_checkpoint::disk::read(&file, None).expect("read the file back");
     let memory = ck.memory("restored").unwrap();
-    let vm = Vm::restore_linux(&kvm, 0, config, memory, &ck.state).expect("restore from file");
+    let vm =
+        Vm::restore_linux(&kvm, 0, config, memory, &ck.state, &linux).expect("restore from file");
     vm.start().unwrap();
     run_until(&vm, &console, mark, "after restore from file", &mut stats, |l| l.len() >= 3);
     vm.stop();

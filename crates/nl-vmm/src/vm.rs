@@ -113,6 +113,8 @@ pub struct Vm {
     rx: Arc<Lock<Option<crate::netrx::RxThread>>>,
     /// A Linux VM's i8042 reset request (see [`crate::linux`]).
     guest_reset: Option<nl_devices::i8042::ResetFlag>,
+    /// A Linux VM: how it was booted ([`crate::linux`]), for a successor.
+    pub(crate) linux: std::sync::OnceLock<crate::linux::LinuxRecord>,
     vm_fd: VmFd,
     memory: GuestMemory,
     /// Sandbox channel windows (their host mappings outlive the VM fd).
@@ -357,6 +359,7 @@ impl Vm {
             net,
             rx: Lock::new("vm.rx", None),
             guest_reset,
+            linux: std::sync::OnceLock::new(),
             vm_fd,
             memory,
             windows: None,
@@ -711,15 +714,23 @@ impl Vm {
     /// One non-blocking step of supervision: how the VM's run has ended,
     /// including a guest that stopped beating (hung) or ran out of time.
     pub fn supervise(&self, s: &mut Supervision) -> Option<VmOutcome> {
-        if let Some(o) = self.poll_outcome() {
-            return Some(o);
-        }
-        let now_activity = (self.control.total_beats(), self.control.generation());
-        if now_activity != s.activity || self.run.paused() {
-            s.activity = now_activity;
-            s.last_alive = Instant::now();
-        } else if s.last_alive.elapsed() > self.config.heartbeat_timeout {
-            return Some(VmOutcome::Hung { silent_ms: s.last_alive.elapsed().as_millis() as u64 });
+        if self.linux.get().is_some() {
+            // A Linux VM has no heartbeat: see crate::linux::supervise.
+            if let Some(o) = crate::linux::supervise(self) {
+                return Some(o);
+            }
+        } else {
+            if let Some(o) = self.poll_outcome() {
+                return Some(o);
+            }
+            let now_activity = (self.control.total_beats(), self.control.generation());
+            if now_activity != s.activity || self.run.paused() {
+                s.activity = now_activity;
+                s.last_alive = Instant::now();
+            } else if s.last_alive.elapsed() > self.config.heartbeat_timeout {
+                let silent_ms = s.last_alive.elapsed().as_millis() as u64;
+                return Some(VmOutcome::Hung { silent_ms });
+            }
         }
         if s.start.elapsed() > s.limit {
             return Some(VmOutcome::TimedOut { limit_ms: s.limit.as_millis() as u64 });
