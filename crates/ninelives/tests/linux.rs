@@ -83,19 +83,25 @@ fn test_cmdline(tag: &str) -> String {
     )
 }
 
-/// `ninelives run --kernel <vmlinuz> --cmdline ...`: the console shows the
-/// kernel's banner and, on its "Command line:" line, exactly what was passed.
+/// `ninelives run --kernel <vmlinuz> --cmdline ... --disk FILE`: the console
+/// shows the kernel's banner and, on its "Command line:" line, exactly what
+/// was passed, followed by the disk's `virtio_mmio.device=` announcement.
 #[test]
 fn stock_kernel_prints_its_banner_and_the_command_line_it_was_given() {
     let Some(kernel) = debian_kernel("stock_kernel_prints_its_banner") else { return };
     let dir = tempfile::tempdir().unwrap();
     let console = dir.path().join("console.txt");
     let cmdline = test_cmdline("banner");
+    // A virtio-blk disk: the VMM announces it on the command line.
+    let disk = dir.path().join("disk.img");
+    std::fs::File::create(&disk).unwrap().set_len(16 << 20).unwrap();
     let mut child = common::ninelives()
         .args(["run", "--kernel"])
         .arg(&kernel)
         .args(["--cmdline", &cmdline, "--duration", "900", "--console"])
         .arg(&console)
+        .arg("--disk")
+        .arg(&disk)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -104,7 +110,7 @@ fn stock_kernel_prints_its_banner_and_the_command_line_it_was_given() {
     // On PVM the VMM adds the parameters its emulator needs (PVM_CMDLINE).
     let booted = nl_arch::linux::boot_cmdline(&cmdline, nl_arch::backend::Backend::detect());
     assert!(booted.starts_with(&cmdline));
-    let want = format!("Command line: {booted}");
+    let want = format!("Command line: {booted} virtio_mmio.device=4K@0xd0004000:5");
     let echoed = |text: &str| {
         text.lines().any(|l| {
             l.trim_end_matches('\r').split_once("] ").is_some_and(|(_, rest)| rest == want)
@@ -134,69 +140,247 @@ fn stock_kernel_prints_its_banner_and_the_command_line_it_was_given() {
 
 /// Lines of the console that carry a kernel timestamp, in order.
 fn timestamps(text: &str) -> Vec<f64> {
-    text.lines()
-        .filter_map(|l| l.strip_prefix('[')?.split(']').next()?.trim().parse().ok())
+    stamped(text).into_iter().map(|(t, _)| t).collect()
+}
+
+/// The complete lines of `text` that carry a kernel timestamp: (time, message).
+fn stamped(text: &str) -> Vec<(f64, String)> {
+    text.split_inclusive('\n')
+        .filter(|l| l.ends_with('\n'))
+        .filter_map(|l| {
+            let (ts, msg) = l.strip_prefix('[')?.split_once("] ")?;
+            Some((ts.trim().parse().ok()?, msg.trim_end().to_string()))
+        })
         .collect()
 }
 
-/// Warm rejuvenation of a booting Linux VM, in process: pause it mid-boot,
-/// save its state (vCPU, irqchip, serial, i8042), build a new KVM VM over
-/// the same guest memory from that state, drop the old one, and run on.
-/// The console must go on where it was: the kernel prints more after the
-/// move, its timestamps keep increasing, and it never starts again.
+fn read_console(p: &std::path::Path) -> Vec<u8> {
+    std::fs::read(p).unwrap_or_default()
+}
+
+/// The timestamped lines the console got after byte `mark`.
+fn stamped_after(console: &std::path::Path, mark: usize) -> Vec<(f64, String)> {
+    let now = read_console(console);
+    stamped(&String::from_utf8_lossy(&now[mark.min(now.len())..]))
+}
+
+/// Runs `vm` (completing what PVM's emulator stops on) until the lines
+/// after `mark` satisfy `enough`; fails the test otherwise.
+fn run_until(
+    vm: &Vm,
+    console: &std::path::Path,
+    mark: usize,
+    stage: &str,
+    stats: &mut WaitStats,
+    enough: impl Fn(&[(f64, String)]) -> bool,
+) -> Vec<(f64, String)> {
+    let o = nl_vmm::linux::wait(vm, BOOT_LIMIT, |_| enough(&stamped_after(console, mark)), stats);
+    let text = String::from_utf8_lossy(&read_console(console)).into_owned();
+    assert_eq!(
+        o,
+        LinuxOutcome::Reached,
+        "{stage}: the kernel did not go on; console tail:\n{}",
+        tail(&text)
+    );
+    stamped_after(console, mark)
+}
+
+/// After a move to a new VM: the console goes on where it was (more
+/// lines, timestamps from `last_before` on and in order, no second boot).
+fn assert_continues(stage: &str, console: &std::path::Path, mark: usize, last_before: f64) {
+    let text = String::from_utf8_lossy(&read_console(console)).into_owned();
+    assert_eq!(
+        text.matches("Linux version").count(),
+        1,
+        "{stage}: the kernel started again:\n{text}"
+    );
+    let after = timestamps(&text[mark..]);
+    assert!(after[0] >= last_before, "{stage}: time went back: {last_before} then {after:?}");
+    assert!(after.windows(2).all(|w| w[0] <= w[1]), "{stage}: timestamps out of order: {after:?}");
+}
+
+/// A Linux VM's mechanisms mid-boot, on one boot (each stage boots nothing
+/// again; on PVM a boot to the command line takes a minute or more):
+///
+/// 1. virtio-mmio: the VM has a virtio-blk disk, and the kernel's command
+///    line announces it (`virtio_mmio.device=4K@0xd0004000:5`).
+/// 2. pause: the console stands still while paused; the saved state holds
+///    the serial and i8042 devices.
+/// 3. warm rejuvenation in process: a new KVM VM over the same memfd from
+///    the saved state (`Vm::restore_linux`), the old one dropped; the
+///    console goes on (more lines, time never back, one banner).
+/// 4. μCheckpoint rollback: a checkpoint (dirty-log engine and the VM
+///    state), a run of at least a second of kernel time, a rollback. The
+///    kernel's clock goes back to the checkpoint's and it prints again what
+///    it printed after the checkpoint.
+/// 5. a warm handover record (what `ninelives host` hands a successor
+///    process): it carries the Linux boot (kernel file, command line) and
+///    the state; written and read back, it alone rebuilds the VM over the
+///    same memfd (`handover::build_vm`), and the console goes on.
+/// 6. save to a file and restore from it: the VM is saved (state and
+///    memory) to a checkpoint file, stopped and dropped; a new VM is built
+///    from the file alone, and the console goes on.
 #[test]
-fn linux_vm_rejuvenated_while_booting_continues_its_console() {
-    let Some(kernel) = debian_kernel("linux_vm_rejuvenated_while_booting") else { return };
+fn linux_vm_mid_boot_mechanisms_continue_its_console() {
+    let Some(kernel) = debian_kernel("linux_vm_mid_boot_mechanisms") else { return };
     let dir = tempfile::tempdir().unwrap();
     let console = dir.path().join("console.txt");
-    let config = linux_config(&kernel, Some(console.clone()));
-    let boot = LinuxBoot { cmdline: test_cmdline("rejuvenate"), initrd: None };
+    let disk = dir.path().join("disk.img");
+    std::fs::File::create(&disk).unwrap().set_len(16 << 20).unwrap();
+    let mut config = linux_config(&kernel, Some(console.clone()));
+    config.disk = Some(nl_vmm::config::DiskConfig { path: disk, readonly: false });
+    let boot = LinuxBoot {
+        cmdline: test_cmdline("mechanisms"),
+        kernel_path: Some(kernel.clone()),
+        ..Default::default()
+    };
     let kvm = nl_vmm::open_kvm().unwrap();
     let old = Vm::create_linux(&kvm, 0, config.clone(), &boot).expect("create the Linux VM");
     old.start().unwrap();
     let mut stats = WaitStats::default();
-    let o = nl_vmm::linux::wait(&old, BOOT_LIMIT, |t| t.contains("Command line:"), &mut stats);
+    let o = nl_vmm::linux::wait(
+        &old,
+        BOOT_LIMIT,
+        |t| t.split_inclusive('\n').any(|l| l.contains("Command line:") && l.ends_with('\n')),
+        &mut stats,
+    );
     assert_eq!(o, LinuxOutcome::Reached, "console: {}", old.console().tail());
 
-    // Pause: the console stands still while paused.
+    // 1. The disk is announced on the command line.
+    let text = String::from_utf8_lossy(&read_console(&console)).into_owned();
+    let line = text.lines().find(|l| l.contains("Command line:")).unwrap();
+    assert!(
+        line.trim_end().ends_with(" virtio_mmio.device=4K@0xd0004000:5"),
+        "virtio-blk not announced: {line}"
+    );
+
+    // 2. Pause: the console stands still while paused.
     old.pause();
-    let before = std::fs::read(&console).unwrap();
+    let before = read_console(&console);
     std::thread::sleep(Duration::from_secs(2));
-    assert_eq!(std::fs::read(&console).unwrap().len(), before.len(), "output while paused");
+    assert_eq!(read_console(&console).len(), before.len(), "output while paused");
     let state = old.save_state().unwrap();
     let names: Vec<&str> = state.io_devices.iter().map(|d| d.name.as_str()).collect();
     assert!(names.contains(&"serial") && names.contains(&"i8042"), "saved devices: {names:?}");
     let last_before = *timestamps(&String::from_utf8_lossy(&before)).last().unwrap();
 
-    // The successor: a new KVM VM over the same memfd, from the saved state.
+    // 3. The successor: a new KVM VM over the same memfd, from the saved state.
     let memory = nl_memory::GuestMemory::from_fd(old.memory().fd().clone(), config.mem_bytes)
         .expect("map the guest memory again");
+    let record = old.linux_record().cloned().expect("a Linux VM");
     old.stop();
     drop(old);
-    let new = Vm::restore_linux(&kvm, 0, config, memory, &state).expect("restore the Linux VM");
-    new.start().unwrap();
+    let vm = Vm::restore_linux(&kvm, 0, config.clone(), memory, &state, &record).expect("restore");
+    vm.start().unwrap();
     let mark = before.len();
-    let o = nl_vmm::linux::wait(
-        &new,
-        BOOT_LIMIT,
-        |_| {
-            let now = std::fs::read(&console).unwrap_or_default();
-            timestamps(&String::from_utf8_lossy(&now[mark.min(now.len())..])).len() >= 3
-        },
-        &mut stats,
+    // Until the kernel's clock runs (the earliest lines all say 0.000000),
+    // so that the checkpoint below has a time of its own.
+    run_until(&vm, &console, mark, "after rejuvenation", &mut stats, |l| {
+        l.len() >= 3 && l.last().is_some_and(|x| x.0 > 0.0)
+    });
+    assert_continues("rejuvenation", &console, mark, last_before);
+
+    // 4. μCheckpoint, a second or more of kernel time, rollback.
+    vm.pause();
+    let at_checkpoint = vm.save_state().unwrap();
+    let mut engine =
+        nl_checkpoint::engine::Engine::start(nl_checkpoint::Mode::DirtyLog, &vm, 1).unwrap();
+    let mark_c = read_console(&console).len();
+    let t_c = *timestamps(&String::from_utf8_lossy(&read_console(&console))).last().unwrap();
+    vm.resume();
+    let ran = run_until(&vm, &console, mark_c, "after the checkpoint", &mut stats, |l| {
+        l.len() >= 3 && l.last().is_some_and(|x| x.0 >= t_c + 1.0)
+    });
+    vm.halt_vcpus();
+    let r = engine.rollback(&vm, 0).expect("roll memory back");
+    vm.restore_state(&at_checkpoint).expect("restore the checkpoint's state");
+    let mark_r = read_console(&console).len();
+    vm.relaunch().unwrap();
+    let again =
+        run_until(&vm, &console, mark_r, "after the rollback", &mut stats, |l| l.len() >= 2);
+    drop(engine);
+    let t_max = ran.last().unwrap().0;
+    assert!(t_c > 0.0, "the checkpoint came before the kernel's clock ran");
+    assert!(
+        again[0].0 >= t_c && again[0].0 < t_max,
+        "the kernel's clock did not go back to the checkpoint's ({t_c} s; it had reached \
+         {t_max} s): after the rollback {:?}",
+        again
     );
-    new.stop();
-    let text = String::from_utf8_lossy(&std::fs::read(&console).unwrap()).into_owned();
     assert_eq!(
-        o,
-        LinuxOutcome::Reached,
-        "no output after the move; console tail:\n{}",
-        tail(&text)
+        again[0].1, ran[0].1,
+        "not the same kernel path after the rollback ({} pages)",
+        r.pages
     );
-    assert_eq!(text.matches("Linux version").count(), 1, "the kernel started again:\n{text}");
-    let after = timestamps(&text[mark..]);
-    assert!(after[0] >= last_before, "time went back: {last_before} then {after:?}");
-    assert!(after.windows(2).all(|w| w[0] <= w[1]), "timestamps out of order: {after:?}");
+    assert!(again.windows(2).all(|w| w[0].0 <= w[1].0), "timestamps out of order: {again:?}");
+    eprintln!(
+        "rollback: checkpoint at kernel time {t_c} s, ran to {t_max} s, {} pages rolled back; \
+         then {} s: {}",
+        r.pages, again[0].0, again[0].1
+    );
+
+    // 5. A warm handover record: the VM described as a successor process
+    //    reads it (its Linux boot, its state), written and read back; the
+    //    VM is rebuilt from the record alone over the same memfd.
+    vm.pause();
+    let state = vm.save_state().unwrap();
+    let mut rec = nl_vmm::handover::VmRecord::describe_vm(&vm, false);
+    let linux = rec.linux.clone().expect("the record says how the Linux VM was booted");
+    assert_eq!(
+        (linux.cmdline.as_str(), linux.kernel.as_deref()),
+        (boot.cmdline.as_str(), Some(kernel.as_path()))
+    );
+    rec.state = Some(String::from_utf8(state.to_bytes()).unwrap());
+    let mut record =
+        nl_vmm::handover::HandoverRecord::new(nl_vmm::handover::Mode::Warm, 1, None, 1);
+    record.vms.push(rec);
+    let record = nl_vmm::handover::HandoverRecord::from_bytes(&record.to_bytes()).unwrap();
+    let memory = nl_memory::GuestMemory::from_fd(vm.memory().fd().clone(), config.mem_bytes)
+        .expect("map the guest memory again");
+    let mark = read_console(&console).len();
+    let last_before =
+        *timestamps(&String::from_utf8_lossy(&read_console(&console))).last().unwrap();
+    vm.stop();
+    drop(vm);
+    // What a successor binary supplies: its own reference-guest images.
+    let images = nl_vmm::handover::Images {
+        kernel: Arc::new(nl_guest::KERNEL_ELF.to_vec()),
+        user: Arc::new(nl_guest::USER_ELF.to_vec()),
+    };
+    let vm = nl_vmm::handover::build_vm(&kvm, &record.vms[0], &images, Some(memory))
+        .expect("rebuild the Linux VM from its handover record");
+    vm.start().unwrap();
+    run_until(&vm, &console, mark, "after the handover record", &mut stats, |l| l.len() >= 3);
+    assert_continues("handover record", &console, mark, last_before);
+
+    // 6. Save to a file, drop the VM, restore from the file alone.
+    vm.pause();
+    let state = vm.save_state().unwrap();
+    let header = nl_checkpoint::disk::DiskHeader {
+        version: nl_checkpoint::disk::DISK_VERSION,
+        mem_bytes: config.mem_bytes,
+        vcpus: config.vcpus,
+        timer_hz: config.timer_hz,
+        workload: config.workload,
+        pages: 0,
+    };
+    let file = dir.path().join("linux.ckpt");
+    nl_checkpoint::disk::capture(&header, &state, vm.memory(), &|_| None)
+        .and_then(|img| img.write(&file, None))
+        .expect("save to a file");
+    let mark = read_console(&console).len();
+    let last_before =
+        *timestamps(&String::from_utf8_lossy(&read_console(&console))).last().unwrap();
+    vm.stop();
+    drop(vm);
+    let ck = nl_checkpoint::disk::read(&file, None).expect("read the file back");
+    let memory = ck.memory("restored").unwrap();
+    let vm =
+        Vm::restore_linux(&kvm, 0, config, memory, &ck.state, &linux).expect("restore from file");
+    vm.start().unwrap();
+    run_until(&vm, &console, mark, "after restore from file", &mut stats, |l| l.len() >= 3);
+    vm.stop();
+    assert_continues("restore from file", &console, mark, last_before);
 }
 
 fn tail(s: &str) -> String {

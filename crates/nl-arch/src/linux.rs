@@ -173,6 +173,32 @@ pub fn cmdline(s: &str) -> Result<Cmdline, ArchError> {
         .map_err(|e| ArchError::GuestMemory(format!("kernel command line {s:?}: {e}")))
 }
 
+/// A virtio-mmio device the kernel is told about on its command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VirtioMmio {
+    pub base: u64,
+    pub size: u64,
+    pub irq: u32,
+}
+
+/// `cmdline` with one `virtio_mmio.device=<size>@<base>:<irq>` per device
+/// (linux-loader's `Cmdline::add_virtio_mmio_device`, Firecracker's
+/// convention; the kernel needs `CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES`).
+pub fn with_virtio_mmio(cmdline: &str, devices: &[VirtioMmio]) -> Result<String, ArchError> {
+    let mut c = self::cmdline(cmdline)?;
+    for d in devices {
+        c.add_virtio_mmio_device(d.size, GuestAddress(d.base), d.irq, None).map_err(|e| {
+            ArchError::GuestMemory(format!(
+                "kernel command line: virtio-mmio device at {:#x}: {e}",
+                d.base
+            ))
+        })?;
+    }
+    let s =
+        c.as_cstring().map_err(|e| ArchError::GuestMemory(format!("kernel command line: {e}")))?;
+    Ok(s.to_string_lossy().into_owned())
+}
+
 /// The e820 map of guest RAM: low memory below the EBDA, then every RAM
 /// region from 1 MiB on (the MMIO hole is left out).
 pub fn e820_map(regions: &[nl_memory::RegionInfo]) -> Vec<boot_e820_entry> {
@@ -476,6 +502,21 @@ impl SystemMap {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn virtio_mmio_devices_are_announced_on_the_command_line() {
+        let d = [
+            VirtioMmio { base: 0xd000_4000, size: 0x1000, irq: 5 },
+            VirtioMmio { base: 0xd000_5000, size: 0x1000, irq: 6 },
+        ];
+        assert_eq!(
+            with_virtio_mmio("console=ttyS0", &d).unwrap(),
+            "console=ttyS0 virtio_mmio.device=4K@0xd0004000:5 virtio_mmio.device=4K@0xd0005000:6"
+        );
+        assert_eq!(with_virtio_mmio("quiet", &[]).unwrap(), "quiet");
+        let long = "x".repeat(CMDLINE_MAX - 10);
+        assert!(with_virtio_mmio(&long, &d).unwrap_err().to_string().contains("virtio-mmio"));
+    }
 
     #[test]
     fn pvm_parameters_are_added_once_and_only_on_pvm() {

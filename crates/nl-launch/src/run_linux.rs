@@ -67,7 +67,13 @@ pub fn run(a: &RunArgs, kernel: Arc<Vec<u8>>) -> Result<ExitCode> {
     if cmdline != a.cmdline {
         tracing::info!("on {backend} the kernel boots with: {cmdline}");
     }
-    let boot = LinuxBoot { cmdline, initrd };
+    let boot = LinuxBoot {
+        cmdline,
+        initrd,
+        // Absolute, for a successor process that boots the VM again.
+        kernel_path: a.machine.kernel.as_deref().map(absolute),
+        initrd_path: a.initrd.as_deref().map(absolute),
+    };
 
     let kvm = nl_vmm::open_kvm()?;
     let t0 = Instant::now();
@@ -111,4 +117,8 @@ pub fn run(a: &RunArgs, kernel: Arc<Vec<u8>>) -> Result<ExitCode> {
     );
     let ok = matches!(outcome, LinuxOutcome::Reset | LinuxOutcome::TimedOut);
     Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+fn absolute(p: &std::path::Path) -> std::path::PathBuf {
+    std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
 }

@@ -115,6 +115,9 @@ pub struct VmRecord {
     /// An attached TAP descriptor kept open across a microreboot's exec.
     #[serde(default)]
     pub tap_fd: Option<i32>,
+    /// A Linux VM: how it was booted (absent for the reference guest).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub linux: Option<crate::linux::LinuxRecord>,
 }
 
 impl VmRecord {
@@ -135,7 +138,13 @@ impl VmRecord {
             disk: c.disk.clone(),
             net: c.net.clone(),
             tap_fd: None,
+            linux: None,
         }
+    }
+
+    /// [`VmRecord::describe`] of a VM, with how a Linux VM was booted.
+    pub fn describe_vm(vm: &Vm, paused: bool) -> Self {
+        Self { linux: vm.linux_record().cloned(), ..Self::describe(vm.id(), vm.config(), paused) }
     }
 
     /// Every field of the record that the VM's saved state also holds must
@@ -432,14 +441,21 @@ pub fn build_vm(
     memory: Option<GuestMemory>,
 ) -> Result<Vm, VmmError> {
     let config = rec.config(images);
-    match (&rec.state, memory) {
-        (Some(s), Some(mem)) => {
+    match (&rec.state, memory, &rec.linux) {
+        (Some(s), Some(mem), linux) => {
             let state = VmState::from_bytes(s.as_bytes())?;
             rec.check_state(&state)?;
-            Vm::restore(kvm, rec.id, config, mem, &state)
+            match linux {
+                Some(l) => Vm::restore_linux(kvm, rec.id, config, mem, &state, l),
+                None => Vm::restore(kvm, rec.id, config, mem, &state),
+            }
         }
-        (None, _) => Vm::create(kvm, rec.id, config),
-        (Some(_), None) => Err(VmmError::State(format!("VM {}: state without memory", rec.id))),
+        (None, _, Some(l)) => {
+            let (kernel, boot) = l.load()?;
+            Vm::create_linux(kvm, rec.id, VmConfig { kernel, ..config }, &boot)
+        }
+        (None, _, None) => Vm::create(kvm, rec.id, config),
+        (Some(_), None, _) => Err(VmmError::State(format!("VM {}: state without memory", rec.id))),
     }
 }
 

@@ -13,6 +13,7 @@
 //! ([`nl_arch::linux::CpuidPolicy::PvmSafe`]), and an `int3` it stops on is
 //! completed here by injecting #BP ([`complete_int3`]).
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,6 +25,7 @@ use nl_devices::i8042::{ResetFlag, I8042, I8042_LEN, I8042_PORT};
 use nl_devices::Bus;
 use nl_memory::GuestMemory;
 use nl_sync::Lock;
+use serde::{Deserialize, Serialize};
 
 use crate::config::VmConfig;
 use crate::error::{kvm as kvm_err, VmmError};
@@ -33,11 +35,102 @@ use crate::vm::{Vm, VmOutcome};
 /// The UART's interrupt line (COM1's ISA IRQ).
 pub const SERIAL_GSI: u32 = 4;
 
+/// The virtio-blk and virtio-net interrupts of a Linux VM: ISA lines, since
+/// without MP or ACPI tables the kernel routes interrupts through the 8259
+/// PIC only (the reference guest's GSIs 16 and 17 are IOAPIC-only pins).
+pub const VIRTIO_BLK_GSI: u32 = 5;
+pub const VIRTIO_NET_GSI: u32 = 6;
+
+/// The virtio-mmio devices a Linux VM with `config` has, as its kernel is
+/// told about them on the command line.
+pub fn virtio_devices(config: &VmConfig) -> Vec<nl_arch::linux::VirtioMmio> {
+    let mut d = Vec::new();
+    let size = nl_abi::VIRTIO_MMIO_SIZE;
+    if config.disk.is_some() {
+        d.push(nl_arch::linux::VirtioMmio {
+            base: nl_abi::VIRTIO_BLK_MMIO_GPA,
+            size,
+            irq: VIRTIO_BLK_GSI,
+        });
+    }
+    if config.net.is_some() {
+        d.push(nl_arch::linux::VirtioMmio {
+            base: nl_abi::VIRTIO_NET_MMIO_GPA,
+            size,
+            irq: VIRTIO_NET_GSI,
+        });
+    }
+    d
+}
+
+/// The command line a Linux VM with `config` boots with: `boot.cmdline`
+/// and its virtio-mmio devices ([`virtio_devices`]).
+pub fn kernel_cmdline(config: &VmConfig, boot: &LinuxBoot) -> Result<String, VmmError> {
+    Ok(nl_arch::linux::with_virtio_mmio(&boot.cmdline, &virtio_devices(config))?)
+}
+
 /// What a Linux kernel boots with besides its image (`VmConfig::kernel`).
 #[derive(Clone, Debug, Default)]
 pub struct LinuxBoot {
     pub cmdline: String,
     pub initrd: Option<Arc<Vec<u8>>>,
+    /// The files the kernel and initrd came from, for a successor process
+    /// that boots the VM again ([`LinuxRecord`]).
+    pub kernel_path: Option<PathBuf>,
+    pub initrd_path: Option<PathBuf>,
+}
+
+/// How a Linux VM was booted, as a handover record carries it
+/// (`VmRecord::linux`): a warm successor rebuilds the VM as a Linux VM
+/// (UART interrupt, i8042, PIT) over the same memory; a cold one boots the
+/// kernel again from these files.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinuxRecord {
+    pub kernel: Option<PathBuf>,
+    /// The command line as given (the VMM adds the virtio-mmio devices).
+    pub cmdline: String,
+    pub initrd: Option<PathBuf>,
+}
+
+/// Largest kernel image and initrd a successor reads back.
+const MAX_KERNEL_BYTES: u64 = 256 << 20;
+const MAX_INITRD_BYTES: u64 = 512 << 20;
+
+impl LinuxRecord {
+    /// The record of a VM booted with `boot`.
+    pub fn of(boot: &LinuxBoot) -> Self {
+        Self {
+            kernel: boot.kernel_path.clone(),
+            cmdline: boot.cmdline.clone(),
+            initrd: boot.initrd_path.clone(),
+        }
+    }
+
+    /// The kernel image and boot of a cold rebuild, read from the files.
+    pub fn load(&self) -> Result<(Arc<Vec<u8>>, LinuxBoot), VmmError> {
+        let read = |p: &PathBuf, what: &str, max: u64| {
+            nl_memory::file::read_limited(p, what, max).map(Arc::new).map_err(|e| {
+                VmmError::State(format!("Linux VM: cannot read its {what} {}: {e}", p.display()))
+            })
+        };
+        let Some(kernel) = &self.kernel else {
+            return Err(VmmError::State(
+                "Linux VM: its record names no kernel file to boot again".into(),
+            ));
+        };
+        let image = read(kernel, "kernel", MAX_KERNEL_BYTES)?;
+        let initrd =
+            self.initrd.as_ref().map(|p| read(p, "initrd", MAX_INITRD_BYTES)).transpose()?;
+        Ok((
+            image,
+            LinuxBoot {
+                cmdline: self.cmdline.clone(),
+                initrd,
+                kernel_path: self.kernel.clone(),
+                initrd_path: self.initrd.clone(),
+            },
+        ))
+    }
 }
 
 /// Adds the i8042 to a Linux VM's port bus and creates the in-kernel PIT.
@@ -88,29 +181,36 @@ impl Vm {
         let created_at = Instant::now();
         check_config(&config)?;
         let kernel = nl_arch::linux::prepare(&config.kernel)?;
+        let cmdline = kernel_cmdline(&config, boot)?;
+        if cmdline != boot.cmdline {
+            tracing::info!("the kernel's virtio-mmio devices are on its command line: {cmdline}");
+        }
         let memory = GuestMemory::new(&format!("vm{id}"), config.mem_bytes)?;
         let vm = Self::assemble(kvm, id, config, memory, created_at, true)?;
         let entry = nl_arch::linux::load(
             vm.memory(),
             &kernel,
             &nl_arch::linux::BootConfig {
-                cmdline: boot.cmdline.clone(),
+                cmdline,
                 initrd: boot.initrd.as_ref().map(|i| i.to_vec()),
             },
         )?;
         let cpuid = boot_cpuid(kvm)?;
         vm.with_vcpu(0, |fd| nl_arch::linux::setup_boot_vcpu(fd, entry, &cpuid))??;
+        let _ = vm.linux.set(LinuxRecord::of(boot));
         Ok(vm)
     }
 
-    /// Re-creates a Linux VM over existing guest memory from saved state
-    /// (not started): the Linux counterpart of [`Vm::restore`].
+    /// Re-creates a Linux VM booted as `record` says over existing guest
+    /// memory from saved state (not started): the Linux counterpart of
+    /// [`Vm::restore`].
     pub fn restore_linux(
         kvm: &Kvm,
         id: u32,
         config: VmConfig,
         memory: GuestMemory,
         state: &VmState,
+        record: &LinuxRecord,
     ) -> Result<Self, VmmError> {
         check_config(&config)?;
         let vm = Self::assemble(kvm, id, config, memory, Instant::now(), true)?;
@@ -118,7 +218,13 @@ impl Vm {
         vm.with_vcpu(0, |fd| fd.set_cpuid2(&cpuid))
             .map(|r| r.map_err(kvm_err("KVM_SET_CPUID2")))??;
         vm.restore_state(state)?;
+        let _ = vm.linux.set(record.clone());
         Ok(vm)
+    }
+
+    /// How this VM was booted, if it is a Linux VM.
+    pub fn linux_record(&self) -> Option<&LinuxRecord> {
+        self.linux.get()
     }
 }
 
@@ -146,6 +252,17 @@ pub enum LinuxOutcome {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_linux_record_without_its_files_is_refused_by_name() {
+        let mut r = super::LinuxRecord { kernel: None, cmdline: "quiet".into(), initrd: None };
+        assert!(r.load().unwrap_err().to_string().contains("names no kernel file"));
+        r.kernel = Some("/nonexistent/ninelives-vmlinuz".into());
+        let e = r.load().unwrap_err().to_string();
+        assert!(e.contains("kernel /nonexistent/ninelives-vmlinuz"), "{e}");
+        let json = serde_json::to_string(&r).unwrap();
+        assert_eq!(serde_json::from_str::<super::LinuxRecord>(&json).unwrap(), r);
+    }
+
     #[test]
     fn xrstor_and_cmpxchg16b_get_a_hint() {
         let xrstor = [0x48, 0x0f, 0xae, 0x2f, 0x31, 0xc0];
@@ -245,6 +362,27 @@ pub fn wait(
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// [`Vm::supervise`] for a Linux VM, which has no heartbeat: it ends when
+/// the guest resets through the i8042 (`Completed`: its reboot or
+/// power-off), when a vCPU stops on what [`complete_unemulated`] cannot
+/// complete (or at the supervision's limit, checked by the caller). A host
+/// can thus hold a Linux VM (and a successor process adopt one) without
+/// declaring it hung.
+pub(crate) fn supervise(vm: &Vm) -> Option<VmOutcome> {
+    if vm.guest_reset_requested() {
+        vm.stop();
+        return Some(VmOutcome::Completed);
+    }
+    if let Some(o) = vm.poll_outcome() {
+        if matches!(o, VmOutcome::Crashed { .. }) && matches!(complete_unemulated(vm), Ok(Some(_)))
+        {
+            return None;
+        }
+        return Some(o);
+    }
+    None
 }
 
 /// Up to 15 bytes of guest code at the boot vCPU's RIP, and the RIP.

@@ -183,7 +183,7 @@ pub fn rejuvenate(host: &Host, listener_fd: Option<i32>, opts: &Options) -> Repo
     for (i, (h, pause_requested_ns)) in carry.iter().enumerate() {
         let id = h.vm.id();
         let user_paused = h.user_paused.load(std::sync::atomic::Ordering::Relaxed);
-        let mut rec = VmRecord::describe(id, h.vm.config(), user_paused);
+        let mut rec = VmRecord::describe_vm(&h.vm, user_paused);
         rec.paused_at_ns = *pause_requested_ns;
         h.vm.pause();
         let paused_ns = mono_ns();
@@ -410,7 +410,7 @@ impl Successor {
             if h.outcome.lock().is_some() {
                 continue;
             }
-            let mut rec = VmRecord::describe(h.vm.id(), h.vm.config(), false);
+            let mut rec = VmRecord::describe_vm(&h.vm, false);
             let (fd, ino) = handover::memfd_of(h.vm.memory()).map_err(|e| e.to_string())?;
             rec.memory = MemorySource::Memfd { fd, ino };
             rec.tap_fd = h.vm.tap_fd();

@@ -113,6 +113,8 @@ pub struct Vm {
     rx: Arc<Lock<Option<crate::netrx::RxThread>>>,
     /// A Linux VM's i8042 reset request (see [`crate::linux`]).
     guest_reset: Option<nl_devices::i8042::ResetFlag>,
+    /// A Linux VM: how it was booted ([`crate::linux`]), for a successor.
+    pub(crate) linux: std::sync::OnceLock<crate::linux::LinuxRecord>,
     vm_fd: VmFd,
     memory: GuestMemory,
     /// Sandbox channel windows (their host mappings outlive the VM fd).
@@ -278,6 +280,12 @@ impl Vm {
         let guest_reset =
             if linux { crate::linux::add_platform_devices(&vm_fd, &mut io_bus)? } else { None };
         io_bus.insert(u64::from(EXITS_PORT), 4, Lock::new("dev.echo", EchoPort::new(n)))?;
+        // A Linux kernel sees no IOAPIC without MP/ACPI tables: ISA lines.
+        let (blk_gsi, net_gsi) = if linux {
+            (crate::linux::VIRTIO_BLK_GSI, crate::linux::VIRTIO_NET_GSI)
+        } else {
+            (nl_abi::VIRTIO_BLK_GSI, nl_abi::VIRTIO_NET_GSI)
+        };
         let mut mmio_bus = Bus::new();
         mmio_bus.insert(
             CONTROL_MMIO_GPA,
@@ -288,7 +296,7 @@ impl Vm {
             Some(d) => {
                 let dev = Block::open(&d.path, d.readonly).map_err(VmmError::Config)?;
                 let mut t = MmioTransport::new(dev, memory.mem().clone());
-                t.set_irq(irqfd(&vm_fd, nl_abi::VIRTIO_BLK_GSI)?);
+                t.set_irq(irqfd(&vm_fd, blk_gsi)?);
                 let t = Lock::new("dev.virtio-blk", t);
                 mmio_bus.insert(VIRTIO_BLK_MMIO_GPA, VIRTIO_MMIO_SIZE, t.clone())?;
                 Some(t)
@@ -318,7 +326,7 @@ impl Vm {
                 let mac = [0x52, 0x54, 0x00, 0x4e, 0x4c, id as u8];
                 let dev = Net::new(tap, mac);
                 let mut t = MmioTransport::new(dev, memory.mem().clone());
-                t.set_irq(irqfd(&vm_fd, nl_abi::VIRTIO_NET_GSI)?);
+                t.set_irq(irqfd(&vm_fd, net_gsi)?);
                 let t = Lock::new("dev.virtio-net", t);
                 mmio_bus.insert(VIRTIO_NET_MMIO_GPA, VIRTIO_MMIO_SIZE, t.clone())?;
                 Some(t)
@@ -351,6 +359,7 @@ impl Vm {
             net,
             rx: Lock::new("vm.rx", None),
             guest_reset,
+            linux: std::sync::OnceLock::new(),
             vm_fd,
             memory,
             windows: None,
@@ -705,15 +714,23 @@ impl Vm {
     /// One non-blocking step of supervision: how the VM's run has ended,
     /// including a guest that stopped beating (hung) or ran out of time.
     pub fn supervise(&self, s: &mut Supervision) -> Option<VmOutcome> {
-        if let Some(o) = self.poll_outcome() {
-            return Some(o);
-        }
-        let now_activity = (self.control.total_beats(), self.control.generation());
-        if now_activity != s.activity || self.run.paused() {
-            s.activity = now_activity;
-            s.last_alive = Instant::now();
-        } else if s.last_alive.elapsed() > self.config.heartbeat_timeout {
-            return Some(VmOutcome::Hung { silent_ms: s.last_alive.elapsed().as_millis() as u64 });
+        if self.linux.get().is_some() {
+            // A Linux VM has no heartbeat: see crate::linux::supervise.
+            if let Some(o) = crate::linux::supervise(self) {
+                return Some(o);
+            }
+        } else {
+            if let Some(o) = self.poll_outcome() {
+                return Some(o);
+            }
+            let now_activity = (self.control.total_beats(), self.control.generation());
+            if now_activity != s.activity || self.run.paused() {
+                s.activity = now_activity;
+                s.last_alive = Instant::now();
+            } else if s.last_alive.elapsed() > self.config.heartbeat_timeout {
+                let silent_ms = s.last_alive.elapsed().as_millis() as u64;
+                return Some(VmOutcome::Hung { silent_ms });
+            }
         }
         if s.start.elapsed() > s.limit {
             return Some(VmOutcome::TimedOut { limit_ms: s.limit.as_millis() as u64 });

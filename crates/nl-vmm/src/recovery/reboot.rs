@@ -110,7 +110,7 @@ fn build_and_exec(what: &str, t0: Instant, steps: &mut Steps) -> Result<Never, S
         }
         let state = h.vm.save_state().map_err(|e| format!("VM {id}: {e}"))?;
         let paused = h.user_paused.load(std::sync::atomic::Ordering::Relaxed);
-        let mut rec = VmRecord::describe(id, h.vm.config(), paused);
+        let mut rec = VmRecord::describe_vm(&h.vm, paused);
         let (fd, ino) = handover::memfd_of(h.vm.memory()).map_err(|e| e.to_string())?;
         rec.memory = MemorySource::Memfd { fd, ino };
         rec.state = Some(String::from_utf8(state.to_bytes()).map_err(|e| e.to_string())?);
