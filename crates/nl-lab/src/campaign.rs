@@ -266,7 +266,7 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
         bail!("--seed {} is too large for {} runs", a.seed, a.runs);
     }
     if let (Setup::ThreeVm, Some(why)) = (a.setup, crate::netns::unavailable()) {
-        bail!("the 3vm setup needs root and iproute2 for its network namespace: {why}");
+        bail!("the 3vm setup needs root for its network namespace: {why}");
     }
     nl_vmm::open_kvm()?;
     let mut log = match &a.log {

@@ -8,7 +8,7 @@
 //! rejuvenation (`bench_rejuvenate_ping`): the longest gap between replies
 //! and the pings lost are the externally visible downtime, next to a ping
 //! baseline without a rejuvenation. The other n-1 VMs run memwrite over all
-//! but 64 MiB of their memory. Without root or iproute2 the ping part is
+//! but 64 MiB of their memory. Without root the ping part is
 //! skipped (said in the output) and all n VMs run memwrite. Per VM, the
 //! pause, downtime and guest heartbeat gap come from the host's report.
 //!

@@ -8,7 +8,7 @@
 //! kill and the backup's takeover.
 //!
 //! memwrite and blkbench run on loopback with the backup in this process. kv and the
-//! kill campaign need root and iproute2: three network namespaces of the
+//! kill campaign need root: three network namespaces of the
 //! bench's own. P (primary) and B (backup) are joined by a veth
 //! (10.9.0.1 - 10.9.0.2) for the replication stream; each holds a bridge
 //! with a persistent TAP for the guest and a veth to the client namespace C,
@@ -390,20 +390,19 @@ impl Topo {
                 b: Netns::new(&format!("nlrb-{id}-b"))?,
                 key: BenchKey::new()?,
             };
-            let bridge = ["link", "add", "br0", "type", "bridge", "ageing_time", "0"];
-            t.c.ip(&bridge)?;
-            t.c.ip(&["addr", "add", "10.0.0.1/24", "dev", "br0"])?;
-            t.c.ip(&["link", "set", "br0", "up"])?;
+            t.c.bridge("br0")?;
+            t.c.addr("br0", "10.0.0.1/24")?;
+            t.c.up("br0")?;
             t.p.veth(("rep0", Some("10.9.0.1/24")), &t.b, ("rep1", Some("10.9.0.2/24")))?;
             for (n, peer) in [(&t.p, "cp"), (&t.b, "cb")] {
-                n.ip(&bridge)?;
-                n.ip(&["link", "set", "br0", "up"])?;
-                n.ip(&["tuntap", "add", "dev", TAP, "mode", "tap"])?;
-                n.ip(&["link", "set", TAP, "master", "br0"])?;
-                n.ip(&["link", "set", TAP, "up"])?;
+                n.bridge("br0")?;
+                n.up("br0")?;
+                n.tap(TAP)?;
+                n.set_master(TAP, "br0")?;
+                n.up(TAP)?;
                 n.veth(("up0", None), &t.c, (peer, None))?;
-                n.ip(&["link", "set", "up0", "master", "br0"])?;
-                t.c.ip(&["link", "set", peer, "master", "br0"])?;
+                n.set_master("up0", "br0")?;
+                t.c.set_master(peer, "br0")?;
             }
             Ok(t)
         };
