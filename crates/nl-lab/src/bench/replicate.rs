@@ -66,18 +66,35 @@ pub struct BenchReplicateArgs {
     /// Seed of the workloads' PRNG.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Repetitions of every throughput cell (at least 3): each repetition
+    /// measures the unreplicated baseline, then every replicated cell, so
+    /// cells and baseline interleave. Every sample is kept (`samples`);
+    /// `rows` holds each cell's median-ratio sample with the spread.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(3..))]
+    pub reps: u32,
+    /// Only these throughput workloads (memwrite-sequential,
+    /// memwrite-random, memwrite-sequential-8M, blkbench; default: all).
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
     /// Print the results as one JSON object (last line of stdout).
     #[arg(long)]
     pub json: bool,
 }
 
-#[derive(Serialize)]
+#[derive(Clone, Serialize)]
 struct Row {
     workload: &'static str,
     config: &'static str,
     epoch_ms: u64,
     pipeline: u32,
     ok: bool,
+    /// Which repetition this sample is (0-based); in `rows`, the median's.
+    rep: u32,
+    /// In `rows`: the cell's ratio in every repetition, in run order, and
+    /// their spread (empty / NaN in `samples`).
+    ratio_samples: Vec<f64>,
+    ratio_min: f64,
+    ratio_max: f64,
     ops_per_sec: f64,
     unreplicated_ops_per_sec: f64,
     ratio: f64,
@@ -125,6 +142,10 @@ fn row(
         epoch_ms: epoch,
         pipeline: p["options"]["pipeline"].as_u64().unwrap_or(0) as u32,
         ok,
+        rep: 0,
+        ratio_samples: Vec::new(),
+        ratio_min: f64::NAN,
+        ratio_max: f64::NAN,
         ops_per_sec: ops,
         unreplicated_ops_per_sec: base,
         ratio: if base > 0.0 { ops / base } else { 0.0 },
@@ -781,22 +802,34 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
             ),
             ("blkbench", blk, Some((pdisk.0.as_path(), bdisk.0.as_path()))),
         ] {
-            let base = unreplicated(&w, a.duration, disks.map(|d| d.0))?;
-            eprintln!("{name}: unreplicated {base:.3e} ops/s");
-            for c in cases(&a, false, disks.is_some()) {
-                let r = replicated(&w, a.duration, c, disks)?;
-                all_ok &= r.ok;
-                let rep = serde_json::to_value(&r.report)?;
-                let row = row(name, c.name, c.epoch, r.ok, r.ops_per_sec, base, &rep);
-                print_row(&row);
-                rows.push(row);
+            if !a.only.is_empty() && !a.only.iter().any(|o| o == name) {
+                continue;
+            }
+            for rep in 0..a.reps {
+                let base = unreplicated(&w, a.duration, disks.map(|d| d.0))?;
+                eprintln!("{name} (rep {rep}): unreplicated {base:.3e} ops/s");
+                for c in cases(&a, false, disks.is_some()) {
+                    let r = replicated(&w, a.duration, c, disks)?;
+                    all_ok &= r.ok;
+                    let rep_json = serde_json::to_value(&r.report)?;
+                    let mut row = row(name, c.name, c.epoch, r.ok, r.ops_per_sec, base, &rep_json);
+                    row.rep = rep;
+                    print_row(&row);
+                    rows.push(row);
+                }
             }
         }
     }
     let mut kv_skipped = None;
     if !a.no_throughput && !a.no_kv {
         match topo.as_ref().expect("made above") {
-            Ok(t) => all_ok &= kv_rows(&a, t, &mut rows)?,
+            Ok(t) => {
+                for rep in 0..a.reps {
+                    let from = rows.len();
+                    all_ok &= kv_rows(&a, t, &mut rows)?;
+                    rows[from..].iter_mut().for_each(|r| r.rep = rep);
+                }
+            }
             Err(why) => kv_skipped = Some(why.clone()),
         }
     }
@@ -849,8 +882,24 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
             answered_again
         );
     }
+    let samples = rows;
+    let rows = medians(&samples);
+    for r in &rows {
+        eprintln!(
+            "{} {} @{} ms: ratio median {:.3} [{:.3}, {:.3}] over {} reps",
+            r.workload,
+            r.config,
+            r.epoch_ms,
+            r.ratio,
+            r.ratio_min,
+            r.ratio_max,
+            r.ratio_samples.len()
+        );
+    }
     let out = serde_json::json!({
+        "reps": a.reps,
         "rows": rows,
+        "samples": samples,
         "kv_skipped": kv_skipped,
         "kills": kills,
         "kills_skipped": kills_skipped,
@@ -875,6 +924,32 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
         println!("{}", crate::json_out::with_provenance(out, &clock.finish()));
     }
     Ok(if all_ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// One row per cell (workload, config, epoch, pipeline), in first-seen
+/// order: the sample with the median ratio (the lower middle for an even
+/// count), with every sample's ratio and their min and max.
+fn medians(samples: &[Row]) -> Vec<Row> {
+    let key = |r: &Row| (r.workload, r.config, r.epoch_ms, r.pipeline);
+    let mut keys = Vec::new();
+    for r in samples {
+        if !keys.contains(&key(r)) {
+            keys.push(key(r));
+        }
+    }
+    keys.into_iter()
+        .map(|k| {
+            let cell: Vec<&Row> = samples.iter().filter(|r| key(r) == k).collect();
+            let mut by_ratio = cell.clone();
+            by_ratio.sort_by(|a, b| a.ratio.total_cmp(&b.ratio));
+            let mut m = by_ratio[(by_ratio.len() - 1) / 2].clone();
+            m.ratio_samples = cell.iter().map(|r| r.ratio).collect();
+            m.ratio_min = by_ratio[0].ratio;
+            m.ratio_max = by_ratio[by_ratio.len() - 1].ratio;
+            m.ok = cell.iter().all(|r| r.ok);
+            m
+        })
+        .collect()
 }
 
 /// JSON null for NaN (no value measured).
