@@ -638,6 +638,9 @@ fn run_body(
     if cfg.fault == Fault::Code && cfg.recovery != RecoveryName::None {
         cmd.env(nl_vmm::recovery::INJECTOR_REPAIR_ENV, &repair_flag);
     }
+    // The injector (this process) is the host's parent; the sentinel is its
+    // sibling, allowed under Yama ptrace_scope 1 by the host's declaration.
+    injector::traceable_by_us(&mut cmd);
     let mut host = Proc::spawn(cmd)?;
     let t = Instant::now();
     while api(&sock, json!({"op":"list"})).is_err() {
