@@ -974,3 +974,32 @@ fn describe_ping(k: &Kill) -> String {
 }
 
 use std::process::ExitCode;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn medians_keep_one_row_per_cell_with_every_ratio_and_the_spread() {
+        let p = serde_json::json!({});
+        let mk = |cfg: &'static str, rep: u32, ops: f64| {
+            let mut r = row("w", cfg, 20, true, ops, 100.0, &p);
+            r.rep = rep;
+            r
+        };
+        let samples = vec![
+            mk("none", 0, 30.0),
+            mk("a", 0, 60.0),
+            mk("none", 1, 10.0),
+            mk("a", 1, 50.0),
+            mk("none", 2, 20.0),
+            mk("a", 2, 70.0),
+        ];
+        let m = medians(&samples);
+        assert_eq!(m.len(), 2);
+        assert_eq!((m[0].config, m[0].rep, m[0].ratio), ("none", 2, 0.2));
+        assert_eq!(m[0].ratio_samples, vec![0.3, 0.1, 0.2]);
+        assert_eq!((m[0].ratio_min, m[0].ratio_max), (0.1, 0.3));
+        assert_eq!((m[1].config, m[1].ratio), ("a", 0.6));
+    }
+}

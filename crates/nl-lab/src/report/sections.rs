@@ -1306,4 +1306,47 @@ mod tests {
         assert!(s.iter().all(|s| s.figures.iter().all(|f| dir.path().join(&f.svg).exists())));
         assert!(s.iter().flat_map(|s| &s.rows).all(|r| r.ours.is_err()));
     }
+
+    #[test]
+    fn questv_has_recovery_rows_against_half_a_second_and_extra_sandbox_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut d = Data::new();
+        let sm = |m: f64| json!({"median": m, "min": m * 0.5, "max": m * 2.0});
+        d.insert(
+            "sandbox-recovery".into(),
+            json!({"policies": [
+                {"policy": "restart", "service_gap_ms": sm(2000.0), "detection_ms": sm(2.0),
+                 "phases_ms": [["image", sm(40.0)]], "runs": [{"recovered": true}]},
+                {"policy": "rollback", "service_gap_ms": sm(250.0), "detection_ms": sm(7.0),
+                 "phases_ms": [], "runs": [{"recovered": true}]}
+            ]}),
+        );
+        d.insert(
+            "sandbox".into(),
+            json!({"fig9": {"rows": []}, "syscall": sm(900.0),
+            "doorbell": {"round_trip_ns": sm(5000.0), "label": "x"}}),
+        );
+        let s = questv(&d, dir.path()).unwrap();
+        let find = |w: &str| {
+            s.rows.iter().find(|r| r.what.contains(w)).unwrap_or_else(|| panic!("no row {w}"))
+        };
+        let restart = find("policy restart");
+        assert_eq!(restart.ours.as_ref().unwrap().value, 2.0);
+        assert_eq!(restart.paper.as_ref().unwrap().value, 0.5);
+        let v = crate::report::html::verdict(
+            restart.ours.as_ref().ok(),
+            restart.paper.as_ref(),
+            restart.better,
+        );
+        assert!(matches!(v, crate::report::html::Verdict::Behind(_)), "{v:?}");
+        let rb = find("policy rollback");
+        let v = crate::report::html::verdict(rb.ours.as_ref().ok(), rb.paper.as_ref(), rb.better);
+        assert!(!matches!(v, crate::report::html::Verdict::Behind(_)), "{v:?}");
+        assert_eq!(find("Table 1").ours.as_ref().unwrap().value, 40.0);
+        assert_eq!(find("bench sandbox: syscall").ours.as_ref().unwrap().value, 900.0);
+        assert_eq!(
+            find("bench sandbox: doorbell.round_trip_ns").ours.as_ref().unwrap().value,
+            5000.0
+        );
+    }
 }
