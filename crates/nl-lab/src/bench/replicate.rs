@@ -775,6 +775,7 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
     let t0 = Instant::now();
     let clock = crate::json_out::RunClock::start();
     let mut rows = Vec::new();
+    let mut failed: Vec<String> = Vec::new();
     let mut all_ok = true;
     let topo = if a.kills > 0 || (!a.no_throughput && !a.no_kv) { Some(Topo::new()) } else { None };
     if !a.no_throughput {
@@ -809,7 +810,23 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
                 let base = unreplicated(&w, a.duration, disks.map(|d| d.0))?;
                 eprintln!("{name} (rep {rep}): unreplicated {base:.3e} ops/s");
                 for c in cases(&a, false, disks.is_some()) {
-                    let r = replicated(&w, a.duration, c, disks)?;
+                    // A failed sample (a fenced primary on a loaded host)
+                    // is reported and counted, not the end of the bench.
+                    let r = match replicated(&w, a.duration, c, disks) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            eprintln!(
+                                "{name} {} @{} ms (rep {rep}): FAILED: {e:#}",
+                                c.name, c.epoch
+                            );
+                            failed.push(format!(
+                                "{name} {} @{} ms rep {rep}: {e:#}",
+                                c.name, c.epoch
+                            ));
+                            all_ok = false;
+                            continue;
+                        }
+                    };
                     all_ok &= r.ok;
                     let rep_json = serde_json::to_value(&r.report)?;
                     let mut row = row(name, c.name, c.epoch, r.ok, r.ops_per_sec, base, &rep_json);
@@ -898,6 +915,7 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
     }
     let out = serde_json::json!({
         "reps": a.reps,
+        "failed_samples": failed,
         "rows": rows,
         "samples": samples,
         "kv_skipped": kv_skipped,

@@ -196,7 +196,7 @@ pub const STEPS: &[Step] = &[
             "--reps",
             "3",
             "--only",
-            "memwrite-random,memwrite-sequential-8M",
+            "memwrite-random",
             "--epochs",
             "20,100",
             "--no-kv",
