@@ -221,7 +221,7 @@ fn control_campaign(args: &[&str]) -> bool {
     let mut all = vec!["inject", "--fault", "none", "--jobs", "1", "--json"];
     all.extend_from_slice(args);
     let o = run_cli(&all);
-    if !o.status.success() && stderr(&o).contains("needs root and iproute2") {
+    if !o.status.success() && stderr(&o).contains("needs root for its network namespace") {
         common::skip(common::Prereq::Netns, &format!("{args:?}: {}", stderr(&o).trim()));
         return false;
     }

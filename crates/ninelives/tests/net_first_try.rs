@@ -23,7 +23,6 @@ fn net_host_ip_makes_the_guest_reachable_without_an_ip_step() {
             return;
         }
     };
-    ns.0.ip(&["link", "set", "lo", "up"]).unwrap();
     let mut vm = ns
         .ninelives(&[
             "run",

@@ -23,6 +23,8 @@ use nl_replicate::protocol::*;
 struct Pair {
     p: String,
     b: String,
+    /// The namespaces (the lab's helper), deleted when the pair drops.
+    ns: (nl_lab::netns::Netns, nl_lab::netns::Netns),
     dir: tempfile::TempDir,
     key: String,
 }
@@ -35,36 +37,24 @@ fn keygen(dir: &std::path::Path, name: &str) -> String {
     path
 }
 
-use common::ip as ip_ok;
-
 impl Pair {
     fn new(tag: &str) -> Option<Pair> {
         let id = std::process::id();
         let (p, b) = (format!("nlr-p{tag}-{id}"), format!("nlr-b{tag}-{id}"));
-        if !ip_ok(&["netns", "add", &p]) {
+        if let Some(why) = nl_lab::netns::unavailable() {
             common::skip(
                 common::Prereq::Netns,
-                "cannot create a network namespace (needs root and iproute2)",
+                &format!("cannot create a network namespace ({why})"),
             );
             return None;
         }
-        assert!(ip_ok(&["netns", "add", &b]));
+        let nsp = nl_lab::netns::Netns::new(&p).expect("the primary's namespace");
+        let nsb = nl_lab::netns::Netns::new(&b).expect("the backup's namespace");
+        nsp.veth(("nlrv0", Some("10.9.0.1/24")), &nsb, ("nlrv1", Some("10.9.0.2/24")))
+            .expect("the veth pair between primary and backup");
         let dir = tempfile::tempdir().expect("tempdir");
         let key = keygen(dir.path(), "repl.key");
-        let pair = Pair { p, b, dir, key };
-        let (p, b) = (pair.p.as_str(), pair.b.as_str());
-        for args in [
-            &["-n", p, "link", "add", "nlrv0", "type", "veth", "peer", "name", "nlrv1", "netns", b]
-                [..],
-            &["-n", p, "addr", "add", "10.9.0.1/24", "dev", "nlrv0"],
-            &["-n", b, "addr", "add", "10.9.0.2/24", "dev", "nlrv1"],
-            &["-n", p, "link", "set", "nlrv0", "up"],
-            &["-n", b, "link", "set", "nlrv1", "up"],
-            &["-n", p, "link", "set", "lo", "up"],
-            &["-n", b, "link", "set", "lo", "up"],
-        ] {
-            assert!(ip_ok(args), "ip {args:?} failed");
-        }
+        let pair = Pair { p, b, ns: (nsp, nsb), dir, key };
         Some(pair)
     }
 
@@ -135,8 +125,7 @@ impl Drop for Pair {
                 }
             }
         }
-        let _ = Command::new("ip").args(["netns", "del", &self.p]).status();
-        let _ = Command::new("ip").args(["netns", "del", &self.b]).status();
+        // The namespaces themselves are deleted when `ns` drops.
     }
 }
 
@@ -254,7 +243,7 @@ fn partition_fences_the_primary_and_the_backup_takes_over() {
     let backup = n.backup(&["--lease-ms", "500"]);
     let primary = n.primary(&["--epoch", "20", "--duration", "3", "--lease-ms", "500"]);
     std::thread::sleep(Duration::from_millis(1200));
-    assert!(ip_ok(&["-n", &n.p, "link", "set", "nlrv0", "down"]), "cut the link");
+    n.ns.0.down("nlrv0").expect("cut the link");
     let po = finish(primary, 30);
     let bo = finish(backup, 40);
     // The primary fenced itself (exit 4) and never went on unprotected.

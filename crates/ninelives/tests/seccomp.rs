@@ -188,7 +188,7 @@ fn every_thread_of_a_checkpoint_run_is_filtered() {
 #[test]
 fn every_thread_of_a_replicating_pair_is_filtered() {
     assert!(nl_vmm::open_kvm().is_ok(), "this test needs KVM (/dev/kvm)");
-    let ns = Netns::new("seccomp").expect("a network namespace (needs root and iproute2)");
+    let ns = Netns::new("seccomp").expect("a network namespace (needs root)");
     let dir = tempfile::tempdir().unwrap();
     let key = dir.path().join("repl.key");
     let key = key.to_str().unwrap();

@@ -254,6 +254,37 @@ pub fn candidate_threads(pid: i32, target: Target) -> Vec<(String, i32)> {
     v
 }
 
+/// Yama's `ptrace_scope` (0 classic, 1 restricted to descendants, 2 admin
+/// only, 3 none), or None where the kernel has no Yama.
+pub fn yama_ptrace_scope() -> Option<u32> {
+    std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").ok()?.trim().parse().ok()
+}
+
+/// Makes the process `cmd` starts traceable by this process and its
+/// descendants (the injector in this process, a sentinel it starts) where
+/// Yama's `ptrace_scope` is 1: there, without CAP_SYS_PTRACE, only an
+/// ancestor may trace, and a sentinel is the target's sibling. The child
+/// declares this process its tracer with `prctl(PR_SET_PTRACER)` before it
+/// executes; the declaration lasts across `exec`. On a kernel without Yama
+/// the call fails with EINVAL, which is ignored (nothing to allow).
+pub fn traceable_by_us(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    let tracer = std::process::id() as libc::c_ulong;
+    // SAFETY: between fork and exec the closure only calls prctl(2), which
+    // is async-signal-safe; it allocates nothing and takes no locks.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PTRACER, tracer, 0, 0, 0) != 0 {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::EINVAL) {
+                    return Err(e);
+                }
+            }
+            Ok(())
+        });
+    }
+}
+
 /// All threads of `pid` with their names.
 pub fn threads(pid: i32) -> Vec<(String, i32)> {
     let mut v = Vec::new();

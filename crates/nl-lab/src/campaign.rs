@@ -267,7 +267,7 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
         bail!("--seed {} is too large for {} runs", a.seed, a.runs);
     }
     if let (Setup::ThreeVm, Some(why)) = (a.setup, crate::netns::unavailable()) {
-        bail!("the 3vm setup needs root and iproute2 for its network namespace: {why}");
+        bail!("the 3vm setup needs root for its network namespace: {why}");
     }
     nl_vmm::open_kvm()?;
     let mut log = match &a.log {
@@ -639,6 +639,9 @@ fn run_body(
     if cfg.fault == Fault::Code && cfg.recovery != RecoveryName::None {
         cmd.env(nl_vmm::recovery::INJECTOR_REPAIR_ENV, &repair_flag);
     }
+    // The injector (this process) is the host's parent; the sentinel is its
+    // sibling, allowed under Yama ptrace_scope 1 by the host's declaration.
+    injector::traceable_by_us(&mut cmd);
     let mut host = Proc::spawn(cmd)?;
     let t = Instant::now();
     while api(&sock, json!({"op":"list"})).is_err() {

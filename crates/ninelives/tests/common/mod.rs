@@ -16,7 +16,7 @@ use nl_vmm::VmConfig;
 pub enum Prereq {
     /// /dev/kvm (any KVM backend).
     Kvm,
-    /// Root and iproute2: `ip netns add`, TAP and veth devices.
+    /// Root: network namespaces (the lab's rtnetlink helper), TAP and veth devices.
     Netns,
     /// A headless browser (Debian's `chromium`) for the report page.
     Browser,
@@ -210,13 +210,6 @@ pub fn spawn_host_with(
     }
 }
 
-/// Runs `ip ARGS...` (test network namespaces; [`nl_lab::netns::ip`]);
-/// true on success, its error text on stderr otherwise.
-#[allow(dead_code)]
-pub fn ip(args: &[&str]) -> bool {
-    nl_lab::netns::ip(args).map_err(|e| eprintln!("{e:#}")).is_ok()
-}
-
 /// Replays a completed VM's workload natively and checks every vCPU's
 /// digest and op count. The replay's parameters are what the TEST asked
 /// for (`requested`: `WorkloadParams` fields by name, plus `vcpus`), not
@@ -263,7 +256,7 @@ pub struct Netns(pub nl_lab::netns::Netns);
 
 impl Netns {
     /// None (after [`skip`]: a failure under `NINELIVES_REQUIRE_NETNS=1`)
-    /// without root or iproute2.
+    /// without root.
     pub fn new(tag: &str) -> Option<Netns> {
         if let Some(why) = nl_lab::netns::unavailable() {
             skip(Prereq::Netns, &format!("cannot create a network namespace ({why})"));

@@ -3,7 +3,7 @@
 //! echo responder (`ninelives echo-server`) without a guest.
 //!
 //! Everything happens in two network namespaces of the bench's own (needs
-//! root and iproute2): namespace A holds the VMM, its TAP (10.0.0.1/24, the
+//! root): namespace A holds the VMM, its TAP (10.0.0.1/24, the
 //! guest is 10.0.0.2) and the pinger; namespace B, reached from A over a
 //! veth pair (10.0.1.1 - 10.0.1.2), holds the echo responder. Only those
 //! addresses are ever used. The VMM, the pinger and the responder are this

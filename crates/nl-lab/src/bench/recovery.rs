@@ -39,7 +39,7 @@ pub struct BenchRecoveryArgs {
     /// Guest run time of each overhead measurement (seconds).
     #[arg(long, default_value_t = 3.0)]
     pub duration: f64,
-    /// Skip the latency part (it needs root, iproute2 and a TAP).
+    /// Skip the latency part (it needs root and a TAP).
     #[arg(long)]
     pub no_latency: bool,
     /// Skip the overhead part.

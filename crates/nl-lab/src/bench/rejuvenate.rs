@@ -8,7 +8,7 @@
 //! rejuvenation (`bench_rejuvenate_ping`): the longest gap between replies
 //! and the pings lost are the externally visible downtime, next to a ping
 //! baseline without a rejuvenation. The other n-1 VMs run memwrite over all
-//! but 64 MiB of their memory. Without root or iproute2 the ping part is
+//! but 64 MiB of their memory. Without root the ping part is
 //! skipped (said in the output) and all n VMs run memwrite. Per VM, the
 //! pause, downtime and guest heartbeat gap come from the host's report.
 //!
@@ -49,6 +49,12 @@ pub struct BenchRejuvenateArgs {
     /// Draw the filecache throughput over time (Figure 8) as SVG here.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Repetitions of every (VMs, memory) cell (at least 3); each
+    /// repetition runs warm, save-restore and cold (the baseline) in turn,
+    /// so the modes interleave. Every run is kept (`runs`, with `rep`);
+    /// `summary` gives the median and spread per cell and mode.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(3..))]
+    pub reps: u32,
 }
 
 /// A host of this bench: a [`crate::process::HostProc`] whose process
@@ -178,11 +184,13 @@ pub fn bench(a: BenchRejuvenateArgs) -> Result<ExitCode> {
             if let (Some(b), false) = (&baseline, a.json) {
                 println!("{n} x {:>5} MiB, no rejuvenation: {}", mem >> 20, ping::describe(b));
             }
-            for mode in ["warm", "save-restore", "cold"] {
+            for (r, mode) in
+                (0..a.reps).flat_map(|r| ["warm", "save-restore", "cold"].map(|m| (r, m)))
+            {
                 let (rep, ping_row) =
                     ping::across(net.as_ref(), || rejuvenate(&h, mode, &a.image_dir))?;
                 let row = json!({
-                    "mode": mode, "vms": n, "mem_bytes": mem,
+                    "mode": mode, "vms": n, "mem_bytes": mem, "rep": r,
                     "total_downtime_ms": rep["total_downtime_ms"],
                     "max_pause_ms": max_of(&rep, "pause_ms"),
                     "max_vm_downtime_ms": max_of(&rep, "downtime_ms"),
@@ -234,12 +242,42 @@ pub fn bench(a: BenchRejuvenateArgs) -> Result<ExitCode> {
     };
     if a.json {
         let v = json!({
-            "runs": runs, "model": model, "ping": ping_info, "filecache": filecache,
+            "reps": a.reps, "runs": runs, "summary": summary(&runs), "model": model, "ping": ping_info, "filecache": filecache,
             "not_measured": not_measured,
         });
         println!("{}", crate::json_out::with_provenance(v, &clock.finish()));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Median, min and max of the downtimes per (mode, VMs, memory) over the
+/// repetitions in `runs`.
+fn summary(runs: &[Value]) -> Vec<Value> {
+    let mut keys: Vec<(Value, Value, Value)> = Vec::new();
+    for r in runs {
+        let k = (r["mode"].clone(), r["vms"].clone(), r["mem_bytes"].clone());
+        if !keys.contains(&k) {
+            keys.push(k);
+        }
+    }
+    keys.into_iter()
+        .map(|(mode, vms, mem)| {
+            let cell: Vec<&Value> = runs
+                .iter()
+                .filter(|r| r["mode"] == mode && r["vms"] == vms && r["mem_bytes"] == mem)
+                .collect();
+            let s = |k: &str| {
+                let v: Vec<f64> = cell.iter().map(|r| f(&r[k])).collect();
+                serde_json::to_value(crate::stats::Summary::of(&v)).unwrap_or(Value::Null)
+            };
+            json!({
+                "mode": mode, "vms": vms, "mem_bytes": mem, "reps": cell.len(),
+                "total_downtime_ms": s("total_downtime_ms"),
+                "max_vm_downtime_ms": s("max_vm_downtime_ms"),
+                "max_pause_ms": s("max_pause_ms"),
+            })
+        })
+        .collect()
 }
 
 /// The section 5.6 model on our VMM, from warm and cold rejuvenations of

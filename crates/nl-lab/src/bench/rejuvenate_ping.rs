@@ -68,7 +68,7 @@ pub fn cleanup_on_signals() {
                 kill_group(pgid);
             }
             for ns in &todo.namespaces {
-                let _ = crate::netns::ip(&["netns", "del", ns]);
+                crate::netns::delete(ns);
             }
             eprintln!("bench rejuvenate: interrupted; host killed, namespaces deleted");
             std::process::exit(130);

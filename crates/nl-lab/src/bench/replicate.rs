@@ -8,7 +8,7 @@
 //! kill and the backup's takeover.
 //!
 //! memwrite and blkbench run on loopback with the backup in this process. kv and the
-//! kill campaign need root and iproute2: three network namespaces of the
+//! kill campaign need root: three network namespaces of the
 //! bench's own. P (primary) and B (backup) are joined by a veth
 //! (10.9.0.1 - 10.9.0.2) for the replication stream; each holds a bridge
 //! with a persistent TAP for the guest and a veth to the client namespace C,
@@ -66,13 +66,19 @@ pub struct BenchReplicateArgs {
     /// Seed of the workloads' PRNG.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Repetitions of every throughput cell (at least 3): each repetition
+    /// measures the unreplicated baseline, then every replicated cell, so
+    /// cells and baseline interleave. Every sample is kept (`samples`);
+    /// `rows` holds each cell's median-ratio sample with the spread.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(3..))]
+    pub reps: u32,
+    /// Only these throughput workloads (memwrite-sequential,
+    /// memwrite-random, memwrite-sequential-8M, blkbench; default: all).
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
     /// Print the results as one JSON object (last line of stdout).
     #[arg(long)]
     pub json: bool,
-    /// Runs of each throughput row (each against its own unreplicated
-    /// baseline); a summary line per row gives the median and spread.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
-    pub reps: u32,
     /// Run the throughput rows beside busy-loop threads of the bench's own.
     #[arg(long)]
     pub loaded: bool,
@@ -104,13 +110,20 @@ struct Summary {
     of_bound: f64,
 }
 
-#[derive(Serialize)]
+#[derive(Clone, Serialize)]
 struct Row {
     workload: &'static str,
     config: &'static str,
     epoch_ms: u64,
     pipeline: u32,
     ok: bool,
+    /// Which repetition this sample is (0-based); in `rows`, the median's.
+    rep: u32,
+    /// In `rows`: the cell's ratio in every repetition, in run order, and
+    /// their spread (empty / NaN in `samples`).
+    ratio_samples: Vec<f64>,
+    ratio_min: f64,
+    ratio_max: f64,
     ops_per_sec: f64,
     unreplicated_ops_per_sec: f64,
     ratio: f64,
@@ -158,6 +171,10 @@ fn row(
         epoch_ms: epoch,
         pipeline: p["options"]["pipeline"].as_u64().unwrap_or(0) as u32,
         ok,
+        rep: 0,
+        ratio_samples: Vec::new(),
+        ratio_min: f64::NAN,
+        ratio_max: f64::NAN,
         ops_per_sec: ops,
         unreplicated_ops_per_sec: base,
         ratio: if base > 0.0 { ops / base } else { 0.0 },
@@ -434,20 +451,19 @@ impl Topo {
                 b: Netns::new(&format!("nlrb-{id}-b"))?,
                 key: BenchKey::new()?,
             };
-            let bridge = ["link", "add", "br0", "type", "bridge", "ageing_time", "0"];
-            t.c.ip(&bridge)?;
-            t.c.ip(&["addr", "add", "10.0.0.1/24", "dev", "br0"])?;
-            t.c.ip(&["link", "set", "br0", "up"])?;
+            t.c.bridge("br0")?;
+            t.c.addr("br0", "10.0.0.1/24")?;
+            t.c.up("br0")?;
             t.p.veth(("rep0", Some("10.9.0.1/24")), &t.b, ("rep1", Some("10.9.0.2/24")))?;
             for (n, peer) in [(&t.p, "cp"), (&t.b, "cb")] {
-                n.ip(&bridge)?;
-                n.ip(&["link", "set", "br0", "up"])?;
-                n.ip(&["tuntap", "add", "dev", TAP, "mode", "tap"])?;
-                n.ip(&["link", "set", TAP, "master", "br0"])?;
-                n.ip(&["link", "set", TAP, "up"])?;
+                n.bridge("br0")?;
+                n.up("br0")?;
+                n.tap(TAP)?;
+                n.set_master(TAP, "br0")?;
+                n.up(TAP)?;
                 n.veth(("up0", None), &t.c, (peer, None))?;
-                n.ip(&["link", "set", "up0", "master", "br0"])?;
-                t.c.ip(&["link", "set", peer, "master", "br0"])?;
+                n.set_master("up0", "br0")?;
+                t.c.set_master(peer, "br0")?;
             }
             Ok(t)
         };
@@ -799,6 +815,7 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
     let t0 = Instant::now();
     let clock = crate::json_out::RunClock::start();
     let mut rows = Vec::new();
+    let mut failed: Vec<String> = Vec::new();
     let mut all_ok = true;
     let topo = if a.kills > 0 || (!a.no_throughput && !a.no_kv) { Some(Topo::new()) } else { None };
     let mut summaries = Vec::new();
@@ -837,23 +854,43 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
             ),
             ("blkbench", blk, Some((pdisk.0.as_path(), bdisk.0.as_path()))),
         ] {
+            if !a.only.is_empty() && !a.only.iter().any(|o| o == name) {
+                continue;
+            }
             let cs = cases(&a, false, disks.is_some());
             let mut per: Vec<Vec<(f64, f64, bool)>> = cs.iter().map(|_| Vec::new()).collect();
-            for _ in 0..a.reps {
+            for rep in 0..a.reps {
                 let base = unreplicated(&w, a.duration, disks.map(|d| d.0))?;
-                eprintln!("{name}: unreplicated {base:.3e} ops/s");
+                eprintln!("{name} (rep {rep}): unreplicated {base:.3e} ops/s");
                 for (i, &c) in cs.iter().enumerate() {
-                    let r = replicated(&w, a.duration, c, disks)?;
+                    // A failed sample (a fenced primary on a loaded host)
+                    // is reported and counted, not the end of the bench.
+                    let r = match replicated(&w, a.duration, c, disks) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            eprintln!(
+                                "{name} {} @{} ms (rep {rep}): FAILED: {e:#}",
+                                c.name, c.epoch
+                            );
+                            failed.push(format!(
+                                "{name} {} @{} ms rep {rep}: {e:#}",
+                                c.name, c.epoch
+                            ));
+                            all_ok = false;
+                            continue;
+                        }
+                    };
                     all_ok &= r.ok;
-                    let rep = serde_json::to_value(&r.report)?;
-                    let row = row(name, c.name, c.epoch, r.ok, r.ops_per_sec, base, &rep);
+                    let rep_json = serde_json::to_value(&r.report)?;
+                    let mut row = row(name, c.name, c.epoch, r.ok, r.ops_per_sec, base, &rep_json);
+                    row.rep = rep;
                     print_row(&row);
                     per[i].push((row.ratio, row.pages_per_epoch, row.ok));
                     rows.push(row);
                 }
                 load.push(super::checkpoint::loadavg());
             }
-            for (c, p) in cs.iter().zip(&per) {
+            for (c, p) in cs.iter().zip(&per).filter(|(_, p)| !p.is_empty()) {
                 let ratios: Vec<f64> = p.iter().map(|x| x.0).collect();
                 let pages: Vec<f64> = p.iter().map(|x| x.1).collect();
                 let (med, lo, hi) = super::checkpoint::spread(&ratios);
@@ -895,7 +932,13 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
     let mut kv_skipped = None;
     if !a.no_throughput && !a.no_kv {
         match topo.as_ref().expect("made above") {
-            Ok(t) => all_ok &= kv_rows(&a, t, &mut rows)?,
+            Ok(t) => {
+                for rep in 0..a.reps {
+                    let from = rows.len();
+                    all_ok &= kv_rows(&a, t, &mut rows)?;
+                    rows[from..].iter_mut().for_each(|r| r.rep = rep);
+                }
+            }
             Err(why) => kv_skipped = Some(why.clone()),
         }
     }
@@ -955,15 +998,31 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
         a.reps,
         if a.loaded { format!("loaded ({} hogs)", a.hogs) } else { "quiet".into() }
     );
+    let samples = rows;
+    let rows = medians(&samples);
+    for r in &rows {
+        eprintln!(
+            "{} {} @{} ms: ratio median {:.3} [{:.3}, {:.3}] over {} reps",
+            r.workload,
+            r.config,
+            r.epoch_ms,
+            r.ratio,
+            r.ratio_min,
+            r.ratio_max,
+            r.ratio_samples.len()
+        );
+    }
     let out = serde_json::json!({
+        "reps": a.reps,
+        "failed_samples": failed,
         "rows": rows,
         "summary": summaries,
-        "reps": a.reps,
         "loaded": a.loaded,
         "hogs": if a.loaded { a.hogs } else { 0 },
         "loadavg_min": load_lo,
         "loadavg_max": load_hi,
         "unit_costs": costs,
+        "samples": samples,
         "kv_skipped": kv_skipped,
         "kills": kills,
         "kills_skipped": kills_skipped,
@@ -990,6 +1049,32 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
     Ok(if all_ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
+/// One row per cell (workload, config, epoch, pipeline), in first-seen
+/// order: the sample with the median ratio (the lower middle for an even
+/// count), with every sample's ratio and their min and max.
+fn medians(samples: &[Row]) -> Vec<Row> {
+    let key = |r: &Row| (r.workload, r.config, r.epoch_ms, r.pipeline);
+    let mut keys = Vec::new();
+    for r in samples {
+        if !keys.contains(&key(r)) {
+            keys.push(key(r));
+        }
+    }
+    keys.into_iter()
+        .map(|k| {
+            let cell: Vec<&Row> = samples.iter().filter(|r| key(r) == k).collect();
+            let mut by_ratio = cell.clone();
+            by_ratio.sort_by(|a, b| a.ratio.total_cmp(&b.ratio));
+            let mut m = by_ratio[(by_ratio.len() - 1) / 2].clone();
+            m.ratio_samples = cell.iter().map(|r| r.ratio).collect();
+            m.ratio_min = by_ratio[0].ratio;
+            m.ratio_max = by_ratio[by_ratio.len() - 1].ratio;
+            m.ok = cell.iter().all(|r| r.ok);
+            m
+        })
+        .collect()
+}
+
 /// JSON null for NaN (no value measured).
 fn finite(x: f64) -> Option<f64> {
     x.is_finite().then_some(x)
@@ -1012,3 +1097,32 @@ fn describe_ping(k: &Kill) -> String {
 }
 
 use std::process::ExitCode;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn medians_keep_one_row_per_cell_with_every_ratio_and_the_spread() {
+        let p = serde_json::json!({});
+        let mk = |cfg: &'static str, rep: u32, ops: f64| {
+            let mut r = row("w", cfg, 20, true, ops, 100.0, &p);
+            r.rep = rep;
+            r
+        };
+        let samples = vec![
+            mk("none", 0, 30.0),
+            mk("a", 0, 60.0),
+            mk("none", 1, 10.0),
+            mk("a", 1, 50.0),
+            mk("none", 2, 20.0),
+            mk("a", 2, 70.0),
+        ];
+        let m = medians(&samples);
+        assert_eq!(m.len(), 2);
+        assert_eq!((m[0].config, m[0].rep, m[0].ratio), ("none", 2, 0.2));
+        assert_eq!(m[0].ratio_samples, vec![0.3, 0.1, 0.2]);
+        assert_eq!((m[0].ratio_min, m[0].ratio_max), (0.1, 0.3));
+        assert_eq!((m[1].config, m[1].ratio), ("a", 0.6));
+    }
+}

@@ -158,5 +158,11 @@ pub const QV_T2_RATIO: Quoted =
     q(9.20 / 9.03, "9.20E+09 / 9.03E+09 cycles (1.019)", "Table 2, §4.2");
 /// Table 3: ping round trip, Quest-V / Quest (5742 / 5737 ms).
 pub const QV_T3_RATIO: Quoted = q(5742.0 / 5737.0, "5742 / 5737 ms (1.001)", "Table 3, §4.4");
+/// Fig. 6: the web server back to steady state after its NIC driver failed.
+pub const QV_F6_RECOVERY: Quoted =
+    q(0.5, "steady state in less than 0.5 s after the driver failure (web server)", "Fig. 6, §4.1");
+/// Fig. 9: "Quest-V Hi", the message-passing VCPUs' budget.
+pub const QV_F9_BUDGET: Quoted =
+    q(0.5, "VCPUs of 50% utilization (100 ms period) for Quest-V Hi", "Fig. 9, §4.5");
 /// Fig. 10: the other sandboxes unaffected by the faulty one.
 pub const QV_F10_ISOLATION: Quoted = q(1.0, "all other sandboxes unaffected", "Fig. 10, §4.6");
