@@ -7,7 +7,8 @@ use std::io::Read;
 use std::time::Duration;
 
 use common::{
-    assert_clean_error, kvm_available, last_json, run_cli, sandbox_set, two_cores, write_file,
+    assert_clean_error, assert_completed_and_verified, kvm_available, last_json, run_cli,
+    sandbox_set, two_cores, write_file,
 };
 use nl_sandbox::SandboxSet;
 use nl_vmm::VmOutcome;
@@ -45,16 +46,7 @@ fn two_sandboxes_run_chanbench_over_a_channel_and_verify() {
     s.start_all().expect("start");
     let r = s.supervise(Duration::from_secs(120));
     for sb in &r.sandboxes {
-        assert_eq!(
-            sb.outcome,
-            VmOutcome::Completed,
-            "{}: {} {:?}\n{}",
-            sb.name,
-            sb.message,
-            sb.problem,
-            sb.console
-        );
-        assert!(sb.verified, "{}: {:?}", sb.name, sb.problem);
+        assert_completed_and_verified(sb);
         assert_eq!(sb.violations, 0);
     }
     let lead = nl_sandbox::chanbench::parse_console(&r.sandboxes[0].console);

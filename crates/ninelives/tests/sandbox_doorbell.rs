@@ -9,7 +9,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{kvm_available, sandbox_set, two_cores};
+use common::{assert_completed_and_verified, kvm_available, sandbox_set, two_cores};
 use nl_vmm::VmOutcome;
 
 fn doorbell_pair(seed: u64, irqfd: bool) -> nl_sandbox::SetReport {
@@ -37,16 +37,7 @@ fn a_doorbell_wakes_the_halted_receiver_in_the_other_sandbox() {
     }
     let r = doorbell_pair(3, true);
     for sb in &r.sandboxes {
-        assert_eq!(
-            sb.outcome,
-            VmOutcome::Completed,
-            "{}: {} {:?}\n{}",
-            sb.name,
-            sb.message,
-            sb.problem,
-            sb.console
-        );
-        assert!(sb.verified, "{}: {:?}", sb.name, sb.problem);
+        assert_completed_and_verified(sb);
         let w = woken(&sb.console).unwrap_or_else(|| panic!("no doorbell line:\n{}", sb.console));
         assert!(w > 0, "{}: no halt ended by the doorbell:\n{}", sb.name, sb.console);
         assert_eq!(sb.ops, nl_workloads::doorbell::ITERS as u64);

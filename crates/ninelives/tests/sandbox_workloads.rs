@@ -6,8 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{kvm_available, sandbox_set, two_cores};
-use nl_vmm::VmOutcome;
+use common::{assert_completed_and_verified, kvm_available, sandbox_set, two_cores};
 
 #[test]
 fn syscall_and_tlbwalk_sandboxes_complete_with_verified_digests() {
@@ -24,16 +23,7 @@ fn syscall_and_tlbwalk_sandboxes_complete_with_verified_digests() {
     s.start_all().expect("start");
     let r = s.supervise(Duration::from_secs(120));
     for sb in &r.sandboxes {
-        assert_eq!(
-            sb.outcome,
-            VmOutcome::Completed,
-            "{}: {} {:?}\n{}",
-            sb.name,
-            sb.message,
-            sb.problem,
-            sb.console
-        );
-        assert!(sb.verified, "{}: {:?}", sb.name, sb.problem);
+        assert_completed_and_verified(sb);
         assert!(sb.ops > 0, "{}: no ops", sb.name);
     }
     let tlb = &r.sandboxes[1];

@@ -390,6 +390,22 @@ pub fn two_cores() -> [usize; 2] {
     [c[0], *c.last().expect("a core")]
 }
 
+/// A sandbox ran to completion with its result verified (its console in
+/// the message otherwise).
+#[allow(dead_code)]
+pub fn assert_completed_and_verified(sb: &nl_sandbox::SandboxReport) {
+    assert_eq!(
+        sb.outcome,
+        nl_vmm::VmOutcome::Completed,
+        "{}: {} {:?}\n{}",
+        sb.name,
+        sb.message,
+        sb.problem,
+        sb.console
+    );
+    assert!(sb.verified, "{}: {:?}", sb.name, sb.problem);
+}
+
 /// A sandbox set from a configuration text (not started).
 #[allow(dead_code)]
 pub fn sandbox_set(text: &str) -> nl_sandbox::SandboxSet {
