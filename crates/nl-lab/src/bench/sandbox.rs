@@ -195,21 +195,7 @@ fn sandbox_run(
     max_msg: u64,
     seed: u64,
 ) -> Result<Vec<SizeNumbers>> {
-    let set = SandboxSet::create(
-        kvm,
-        config(cores, max_msg, seed)?,
-        &nl_launch::guest::sandbox_images(),
-    )?;
-    set.start_all()?;
-    let report = set.supervise(Duration::from_secs(300));
-    if !report.all_ok() {
-        let why: Vec<String> = report
-            .sandboxes
-            .iter()
-            .map(|s| format!("{}: {} {:?}", s.name, s.message, s.problem))
-            .collect();
-        bail!("chanbench in the sandboxes failed: {}", why.join("; "));
-    }
+    let (report, _) = run_set(kvm, config(cores, max_msg, seed)?, "chanbench")?;
     let lead = report
         .sandboxes
         .iter()
@@ -221,9 +207,12 @@ fn sandbox_run(
 
 /// Runs a set to its end; every sandbox must complete and verify. Returns
 /// the report and the guests' TSC frequency (kHz).
-fn run_set(kvm: &nl_sandbox::Kvm, text: &str, what: &str) -> Result<(nl_sandbox::SetReport, u64)> {
-    let set =
-        SandboxSet::create(kvm, SetConfig::parse(text)?, &nl_launch::guest::sandbox_images())?;
+fn run_set(
+    kvm: &nl_sandbox::Kvm,
+    config: SetConfig,
+    what: &str,
+) -> Result<(nl_sandbox::SetReport, u64)> {
+    let set = SandboxSet::create(kvm, config, &nl_launch::guest::sandbox_images())?;
     let khz = set
         .sandboxes
         .first()
@@ -254,7 +243,7 @@ fn doorbell_run(
         ], "channels": [{{"name": "c", "between": ["lead", "follow"], "doorbell": true}}]}}"#,
         cores[0], cores[1]
     );
-    let (report, _) = run_set(kvm, &text, "doorbell")?;
+    let (report, _) = run_set(kvm, SetConfig::parse(&text)?, "doorbell")?;
     let lead = report.sandboxes.iter().find(|s| s.name == "lead").map(|s| s.console.as_str());
     nl_sandbox::chanbench::parse_doorbell(lead.unwrap_or_default())
         .ok_or_else(|| anyhow::anyhow!("the doorbell leader printed no result"))
@@ -385,7 +374,7 @@ fn sandbox_ops_per_cycle(
     );
     let config = SetConfig::parse(&text)?;
     let params = config.sandboxes[0].workload.params().map_err(anyhow::Error::msg)?;
-    let (report, khz) = run_set(kvm, &text, "the workload")?;
+    let (report, khz) = run_set(kvm, SetConfig::parse(&text)?, "the workload")?;
     let s = &report.sandboxes[0];
     Ok((s.ops as f64 / s.cycles.max(1) as f64, khz, params))
 }
