@@ -247,20 +247,24 @@ impl Receiver {
                 }
                 // Verified. The disk writes go first: they can fail (a full
                 // host disk), and an epoch is acknowledged only once its
-                // writes are in the copy.
-                if let Err(e) = self.apply_disk(&st) {
-                    self.spare.extend(st.payloads);
-                    return Err(e);
-                }
+                // writes are in the copy. What they overwrite is kept, so
+                // an epoch whose ack cannot be sent (the primary died in
+                // that moment) is taken back out of the copy, which then
+                // matches the last acknowledged epoch again.
+                let undo = match self.apply_disk(&st) {
+                    Ok(undo) => undo,
+                    Err(e) => {
+                        self.spare.extend(st.payloads);
+                        return Err(e);
+                    }
+                };
                 // Then acknowledge, and apply the memory.
                 if let Err(e) = ack(want) {
-                    if let Some(d) = self.disk.as_mut().filter(|_| !st.disk.is_empty()) {
-                        // The copy holds writes of an epoch not acknowledged.
-                        d.broken = true;
-                    }
+                    self.undo_disk(undo);
                     self.spare.extend(st.payloads);
                     return Err(e);
                 }
+                self.spare.extend(undo.into_iter().map(|(_, old)| old));
                 for &(gpa, idx, off, len) in &st.runs {
                     let data = &st.payloads[idx][off..off + len];
                     self.memory.mem().write_slice(data, GuestAddress(gpa)).map_err(|e| {
@@ -304,15 +308,24 @@ impl Receiver {
         )))
     }
 
-    /// Writes an epoch's disk writes to the copy, in order. A failure
-    /// leaves the copy matching no epoch: the backup is broken for good.
-    fn apply_disk(&mut self, st: &Staging) -> Result<(), ProtoError> {
-        let Some(disk) = self.disk.as_mut() else { return Ok(()) };
+    /// Writes an epoch's disk writes to the copy, in order, and returns
+    /// what they overwrote (sector, old bytes), in the same order, for
+    /// [`Receiver::undo_disk`]. A failure leaves the copy matching no
+    /// epoch: the backup is broken for good.
+    fn apply_disk(&mut self, st: &Staging) -> Result<Vec<(u64, Vec<u8>)>, ProtoError> {
+        let Some(disk) = self.disk.as_mut() else { return Ok(Vec::new()) };
+        let mut undo = Vec::new();
         for &(sector, idx, off, len, flush) in &st.disk {
             let r = if flush {
                 disk.file.sync_data()
             } else {
-                disk.file.write_all_at(&st.payloads[idx][off..off + len], sector * SECTOR)
+                let mut old = self.spare.pop().unwrap_or_default();
+                old.clear();
+                old.resize(len, 0);
+                disk.file.read_exact_at(&mut old, sector * SECTOR).and_then(|()| {
+                    undo.push((sector, old));
+                    disk.file.write_all_at(&st.payloads[idx][off..off + len], sector * SECTOR)
+                })
             };
             if let Err(e) = r {
                 disk.broken = true;
@@ -322,7 +335,20 @@ impl Receiver {
                 )));
             }
         }
-        Ok(())
+        Ok(undo)
+    }
+
+    /// Takes an epoch's disk writes back out of the copy (newest first),
+    /// from what [`Receiver::apply_disk`] kept. If that fails too, the copy
+    /// matches no epoch and the backup can no longer take over.
+    fn undo_disk(&mut self, undo: Vec<(u64, Vec<u8>)>) {
+        let Some(disk) = self.disk.as_mut() else { return };
+        for (sector, old) in undo.into_iter().rev() {
+            if disk.file.write_all_at(&old, sector * SECTOR).is_err() {
+                disk.broken = true;
+            }
+            self.spare.push(old);
+        }
     }
 
     fn check_range(&self, gpa: u64, len: u64) -> Result<(), ProtoError> {
@@ -1033,10 +1059,10 @@ mod tests {
     }
 
     /// An epoch whose ack could not be sent is not committed (the backup
-    /// never activates from an epoch it did not acknowledge), and a disk
-    /// copy that already holds its writes is marked unusable.
+    /// never activates from an epoch it did not acknowledge), and its disk
+    /// writes, already in the copy, are taken back out of it.
     #[test]
-    fn an_epoch_not_acknowledged_is_not_committed() {
+    fn an_epoch_not_acknowledged_is_not_committed_and_its_disk_writes_are_undone() {
         let mut rx = Receiver::new(MEM, 1).unwrap();
         for f in epoch(0, 0x1000, 1) {
             rx.on_frame(f).unwrap();
@@ -1060,7 +1086,14 @@ mod tests {
         rx.on_frame(e1[1].clone()).unwrap();
         let crc = crc32fast::hash(&e1[2].payload);
         assert!(rx.on_frame_ack(e1[2].clone(), crc, &mut fail).is_err());
-        assert!(rx.into_committed().is_none(), "a disk copy ahead of its epoch was used");
+        // Epoch 1's write to sector 3 was taken back out of the copy: it
+        // holds epoch 0's writes only, and the backup can still take over
+        // from epoch 0 (a primary that dies as the ack is sent).
+        let copy = std::fs::read(&path).unwrap();
+        assert!(copy[2 * 512..4 * 512].iter().all(|&b| b == 4), "epoch 1's disk write stayed");
+        assert!(copy[..2 * 512].iter().chain(&copy[4 * 512..]).all(|&b| b == 0));
+        let (epoch, _, _) = rx.into_committed().expect("the acknowledged epoch 0 is still usable");
+        assert_eq!(epoch, 0);
         let _ = std::fs::remove_file(&path);
     }
 }
