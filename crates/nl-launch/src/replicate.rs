@@ -310,7 +310,7 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
             return Ok(ExitCode::from(3));
         }
         BackupEnd::NothingToActivate { reason } => {
-            bail!("the primary went away before the first complete epoch ({reason})")
+            bail!("the backup has nothing to take over: {reason}")
         }
         BackupEnd::Activate { epoch, memory, state, reason, detected, last_heard } => {
             (epoch, memory, state, reason, detected, last_heard)

@@ -409,7 +409,8 @@ pub enum BackupEnd {
     /// The stream was bad (corrupt, reordered): the backup stands down and
     /// keeps its last good epoch, the primary runs unprotected.
     Rejected { reason: String, kept_epoch: Option<u64> },
-    /// The primary went away before the first complete epoch.
+    /// The primary went away before the first complete epoch, or the
+    /// disk copy matches no acknowledged epoch.
     NothingToActivate { reason: String },
 }
 
@@ -720,6 +721,7 @@ fn receive(
             std::thread::sleep(left);
         }
         let detected = Instant::now();
+        let broken = rx.disk.as_ref().is_some_and(|d| d.broken);
         match rx.into_committed() {
             Some((epoch, memory, state)) => BackupEnd::Activate {
                 epoch,
@@ -729,7 +731,15 @@ fn receive(
                 detected,
                 last_heard,
             },
-            None => BackupEnd::NothingToActivate { reason },
+            None if broken => BackupEnd::NothingToActivate {
+                reason: format!(
+                    "{reason}; this backup's disk copy matches no acknowledged epoch (a write \
+                     to it failed)"
+                ),
+            },
+            None => BackupEnd::NothingToActivate {
+                reason: format!("{reason}; it went away before the first complete epoch"),
+            },
         }
     };
     loop {
