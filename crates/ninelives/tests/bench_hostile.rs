@@ -8,9 +8,10 @@ mod common;
 use common::*;
 
 /// The rows the campaign reports, in order.
-const ROWS: [&str; 9] = [
+const ROWS: [&str; 10] = [
     "api-oversized",
     "api-slow",
+    "api-malformed",
     "api-flood",
     "api-flood-then-fresh",
     "api-overcommit",

@@ -175,3 +175,52 @@ fn the_committed_openapi_document_is_the_generated_one() {
         assert!(create["properties"][field].is_object(), "{field}");
     }
 }
+
+/// A connection the host refuses before reading it (over
+/// `--max-connections`) is told why in HTTP, as curl expects: a 503 with
+/// the reason, then the end of the connection; the API client reports it.
+/// Once a slot is free, a new connection is served again.
+#[test]
+fn connections_over_the_limit_get_an_http_refusal() {
+    if !kvm_available() {
+        return;
+    }
+    use std::io::Read;
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    // The helper's own connection holds the one slot.
+    let (mut child, held) = spawn_host_with(&sock, &["--max-connections", "1"]);
+    // Bounded: the held connection is being served once a second one is refused.
+    let mut reply = String::new();
+    for _ in 0..100 {
+        let mut s = UnixStream::connect(&sock).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let _ = write!(s, "GET /v1/info HTTP/1.1\r\nHost: localhost\r\n\r\n");
+        reply.clear();
+        let _ = s.read_to_string(&mut reply);
+        if reply.starts_with("HTTP/1.1 503") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(reply.starts_with("HTTP/1.1 503 Service Unavailable\r\n"), "{reply:?}");
+    assert!(reply.contains("Connection: close\r\n"), "{reply:?}");
+    let body: Value = serde_json::from_str(reply.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+    assert!(body["error"].as_str().unwrap().contains("too many connections"), "{body}");
+    let r = nl_vmm::api::request(&sock, &json!({"op": "info"})).unwrap();
+    assert_eq!((r["ok"].clone(), r["status"].clone()), (json!(false), json!(503)), "{r}");
+
+    drop(held);
+    let mut served = None;
+    for _ in 0..200 {
+        match nl_vmm::api::request(&sock, &json!({"op": "info"})) {
+            Ok(r) if r["ok"] == true => {
+                served = Some(r);
+                break;
+            }
+            _ => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+    assert!(served.is_some(), "no connection was served after the slot was freed");
+    stop_host(&sock, &mut child);
+}

@@ -5,7 +5,7 @@
 //!
 //! * **crash**: the target process exited or was killed;
 //! * **hang**: the target did not answer a health probe within 10 s (the
-//!   host: `info` on a new connection; the backup: a hello answered with a
+//!   host: `GET /v1/info` on a new connection; the backup: a hello answered with a
 //!   challenge or a refusal), or the attacker got no answer at all;
 //! * **wrong success**: the attack got what it wanted (a VM created over
 //!   the budget, another user served, a forged peer welcomed, the backup
@@ -31,6 +31,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use nl_replicate::auth::{nonce, primary_handshake, Deadline, Key};
 use nl_replicate::protocol::{read_plain_frame, write_plain_frame, Hello, Kind, PROTOCOL_VERSION};
+use nl_vmm::api::client;
 use serde::Serialize;
 use serde_json::{json, Value};
 
@@ -231,6 +232,10 @@ fn campaign(
 }
 
 // ---- The host and its API -------------------------------------------------
+//
+// The host serves HTTP only (its default): every attack speaks HTTP/1.1 on
+// the API socket byte by byte, and a clean refusal is an HTTP error status
+// with `{"error": ...}` naming the reason, then the end of the connection.
 
 fn connect(sock: &Path) -> std::io::Result<UnixStream> {
     let s = UnixStream::connect(sock)?;
@@ -239,39 +244,78 @@ fn connect(sock: &Path) -> std::io::Result<UnixStream> {
     Ok(s)
 }
 
-fn read_line(s: &UnixStream) -> std::io::Result<String> {
-    let mut line = String::new();
-    BufReader::new(s).read_line(&mut line)?;
-    Ok(line)
+/// Reads one HTTP response on a kept-alive connection: the head up to its
+/// blank line (at most 64 KiB), then `Content-Length` bytes of body.
+fn read_response(s: &UnixStream) -> std::io::Result<Vec<u8>> {
+    let mut r = BufReader::new(s);
+    let mut all = Vec::new();
+    let mut length = 0usize;
+    loop {
+        let mut line = Vec::new();
+        if r.read_until(b'\n', &mut line)? == 0 || all.len() > 64 << 10 {
+            return Err(std::io::Error::other("the response ended inside its head"));
+        }
+        let text = String::from_utf8_lossy(&line).to_ascii_lowercase();
+        if let Some(v) = text.strip_prefix("content-length:") {
+            length = v.trim().parse().map_err(std::io::Error::other)?;
+        }
+        all.extend_from_slice(&line);
+        if line == b"\r\n" {
+            break;
+        }
+    }
+    let mut body = vec![0; length.min(16 << 20)];
+    r.read_exact(&mut body)?;
+    all.extend(body);
+    Ok(all)
 }
 
-/// One request on `s` and its reply.
+/// One operation (in the JSON-lines shape `nl_vmm::api::client` takes) as an
+/// HTTP request on the kept-alive connection `s`, and its reply.
 fn ask(s: &mut UnixStream, req: &Value) -> Result<Value, String> {
-    writeln!(s, "{req}").map_err(|e| format!("sending {req}: {e}"))?;
-    let line = read_line(s).map_err(|e| format!("no reply to {req}: {e}"))?;
-    serde_json::from_str(&line).map_err(|e| format!("reply to {req} is not JSON ({e}): {line:?}"))
+    let call = client::route_of(req)?;
+    let body = call.body.as_ref().map(Value::to_string).unwrap_or_default();
+    write!(
+        s,
+        "{} {} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {}\r\n\r\n{body}",
+        call.method,
+        call.path,
+        body.len()
+    )
+    .map_err(|e| format!("sending {req}: {e}"))?;
+    let reply = read_response(s).map_err(|e| format!("no reply to {req}: {e}"))?;
+    client::parse_reply(&reply).map_err(|e| format!("reply to {req}: {e}"))
 }
 
-/// What an attacker on connection `s` sees: one error line containing
-/// `needle`, then the end of the connection, is a clean refusal.
-fn expect_refusal(s: &UnixStream, needle: &str) -> Seen {
-    let line = match read_line(s) {
-        Ok(l) if l.is_empty() => return Seen::Odd("closed without a reason".into()),
-        Ok(l) => l,
-        Err(e) => return Seen::Silent(format!("no answer: {e}")),
+/// What an attacker on connection `s` sees: an error `status` whose reason
+/// contains `needle`, then the end of the connection, is a clean refusal.
+fn expect_refusal(s: &UnixStream, status: u16, needle: &str) -> Seen {
+    let mut reply = Vec::new();
+    let end = (&*s).take(1 << 20).read_to_end(&mut reply);
+    if reply.is_empty() {
+        return match end {
+            Ok(_) => Seen::Odd("closed without a reason".into()),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                Seen::Odd("reset without a reason".into())
+            }
+            Err(e) => Seen::Silent(format!("no answer: {e}")),
+        };
+    }
+    let text = String::from_utf8_lossy(&reply).trim().to_string();
+    let r = match client::parse_reply(&reply) {
+        Ok(r) => r,
+        Err(e) => return Seen::Odd(format!("not an HTTP reply ({e}): {text:?}")),
     };
-    let r: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
     if r["ok"] == true {
-        return Seen::Got(format!("served: {}", line.trim()));
+        return Seen::Got(format!("served: {text}"));
     }
-    if !r["error"].as_str().is_some_and(|e| e.contains(needle)) {
-        return Seen::Odd(format!("expected an error about {needle:?}, got {}", line.trim()));
+    if r["status"] != status || !r["error"].as_str().is_some_and(|e| e.contains(needle)) {
+        return Seen::Odd(format!("expected status {status} about {needle:?}, got {text}"));
     }
-    let mut b = [0u8; 1];
-    match (&*s).read(&mut b) {
-        Ok(0) => Seen::Refused,
+    match end {
+        Ok(_) => Seen::Refused,
         Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => Seen::Refused,
-        r => Seen::Odd(format!("the connection stayed open after the error: {r:?}")),
+        Err(e) => Seen::Odd(format!("the connection stayed open after the error: {e}")),
     }
 }
 
@@ -279,8 +323,8 @@ fn expect_refusal(s: &UnixStream, needle: &str) -> Seen {
 struct Host {
     p: Proc,
     sock: PathBuf,
-    /// Health probes and bystander checks go over this connection if set
-    /// (when new connections are refused on purpose).
+    /// Health probes and bystander checks go over this kept-alive
+    /// connection if set (when new connections are refused on purpose).
     held: Option<UnixStream>,
     bystander: u64,
     beats: u64,
@@ -289,8 +333,7 @@ struct Host {
 impl Host {
     fn start(dir: &Path, name: &str, extra: &[&str], bystander_mem: &str) -> Result<Host> {
         let sock = dir.join(format!("{name}.sock"));
-        // The attacks below speak the JSON-lines protocol byte by byte.
-        let mut args = vec!["host", "--api", sock.to_str().context("path")?, "--api-legacy"];
+        let mut args = vec!["host", "--api", sock.to_str().context("path")?];
         args.extend_from_slice(extra);
         let mut p = Proc::ninelives(None, &args)?;
         if poll(2 * BOUND, || connect(&sock).ok()).is_none() {
@@ -309,12 +352,12 @@ impl Host {
     fn api(&mut self, req: &Value) -> Result<Value, String> {
         match &mut self.held {
             Some(s) => ask(s, req),
-            None => ask(&mut connect(&self.sock).map_err(|e| format!("connect: {e}"))?, req),
+            None => client::request_timeout(&self.sock, req, BOUND).map_err(|e| e.to_string()),
         }
     }
 
-    /// A connection that was served (retried while the host still counts
-    /// connections closed a moment ago).
+    /// A kept-alive connection that was served (retried while the host
+    /// still counts connections closed a moment ago).
     fn hold(&self) -> Result<UnixStream> {
         poll(BOUND, || {
             let mut s = connect(&self.sock).ok()?;
@@ -373,15 +416,20 @@ impl Target for Host {
 
 fn api_oversized(dir: &Path, tries: u32) -> Result<Row> {
     let mut row = Row::new("api-oversized");
-    row.note =
-        Some(format!("70 KiB without a newline, then a 1.5 s wait; {GROUP} clients at once"));
+    row.note = Some(format!(
+        "a request head of 70 KiB (one header line, no end), then a 1.5 s wait; \
+         {GROUP} clients at once"
+    ));
     let mut h = Host::start(dir, "oversized", &[], "64M")?;
     let sock = h.sock.clone();
     campaign(&mut row, tries, GROUP, &mut h, |_| {
         let Ok(mut s) = connect(&sock) else { return Seen::Silent("connect".into()) };
-        let _ = s.write_all(&[b'x'; 70 * 1024]);
+        let mut req = b"POST /v1/vms HTTP/1.1\r\nX-Junk: ".to_vec();
+        req.resize(70 * 1024, b'x');
+        // The host may answer and close before all of it is written.
+        let _ = s.write_all(&req);
         std::thread::sleep(Duration::from_millis(1500));
-        expect_refusal(&s, "longer than 65536 bytes")
+        expect_refusal(&s, 413, "longer than 65536 bytes")
     });
     Ok(row)
 }
@@ -389,7 +437,8 @@ fn api_oversized(dir: &Path, tries: u32) -> Result<Row> {
 fn api_slow(dir: &Path, tries: u32) -> Result<Row> {
     let mut row = Row::new("api-slow");
     row.note = Some(format!(
-        "1 byte per 100 ms, never a newline; --request-timeout 1s; {GROUP} clients at once"
+        "a request head at 1 byte per 100 ms, never ended; --request-timeout 1s; \
+         {GROUP} clients at once"
     ));
     let mut h = Host::start(dir, "slow", &["--request-timeout", "1s"], "64M")?;
     let sock = h.sock.clone();
@@ -398,17 +447,77 @@ fn api_slow(dir: &Path, tries: u32) -> Result<Row> {
         let stop = AtomicBool::new(false);
         std::thread::scope(|sc| {
             sc.spawn(|| {
-                for _ in 0..100 {
-                    if stop.load(Ordering::SeqCst) || (&s).write_all(b" ").is_err() {
+                let head = b"GET /v1/info HTTP/1.1\r\nX-Slow: ";
+                for i in 0..100 {
+                    let b = head.get(i).copied().unwrap_or(b'z');
+                    if stop.load(Ordering::SeqCst) || (&s).write_all(&[b]).is_err() {
                         return;
                     }
                     std::thread::sleep(Duration::from_millis(100));
                 }
             });
-            let seen = expect_refusal(&s, "within 1.0 s");
+            let seen = expect_refusal(&s, 408, "within 1.0 s");
             stop.store(true, Ordering::SeqCst);
             seen
         })
+    });
+    Ok(row)
+}
+
+/// Requests that are not HTTP, or HTTP the host does not take, in turn:
+/// (bytes sent, status expected, reason expected).
+const MALFORMED: &[(&[u8], u16, &str)] = &[
+    (b"\x00\xff\x13\x37 garbage\r\n\r\n", 0, "serves HTTP only"),
+    (b"GET /v1/\x01info HTTP/9.9\r\n\r\n", 400, "malformed HTTP request"),
+    (b"GET /v1/info HTTP/1.1\r\nContent-Length: lots\r\n\r\n", 400, "bad Content-Length"),
+    (
+        b"POST /v1/vms HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        411,
+        "chunked bodies are not accepted",
+    ),
+    (b"POST /v1/vms HTTP/1.1\r\nContent-Length: 200000\r\n\r\n", 413, "longer than"),
+    (b"POST /v1/vms HTTP/1.1\r\nConnection: close\r\nContent-Length: 5\r\n\r\n{\"a\":", 400, "malformed JSON body"),
+    (
+        b"POST /v1/vms HTTP/1.1\r\nConnection: close\r\nContent-Length: 18\r\n\r\n{\"mem\":\"1\",\"x\":[]}",
+        400,
+        "unknown field",
+    ),
+    (b"DELETE /v1/vms/18446744073709551616 HTTP/1.1\r\nConnection: close\r\n\r\n", 404, ""),
+    (b"{\"op\":\"list\"}\n", 0, "--api-legacy"),
+];
+
+fn api_malformed(dir: &Path, tries: u32) -> Result<Row> {
+    let mut row = Row::new("api-malformed");
+    row.note = Some(format!(
+        "{} kinds in turn, each tried --tries times: binary junk, a bad request line, a bad Content-Length, a chunked body, a body over \
+         the limit, truncated and unknown JSON, a VM id out of range, a JSON-lines request; \
+         {GROUP} clients at once",
+        MALFORMED.len()
+    ));
+    let mut h = Host::start(dir, "malformed", &[], "64M")?;
+    let sock = h.sock.clone();
+    // Every kind is tried `tries` times.
+    let all = tries * MALFORMED.len() as u32;
+    campaign(&mut row, all, GROUP, &mut h, |i| {
+        let (bytes, status, needle) = MALFORMED[i as usize % MALFORMED.len()];
+        let Ok(mut s) = connect(&sock) else { return Seen::Silent("connect".into()) };
+        let _ = s.write_all(bytes);
+        if status == 0 {
+            // What is not HTTP (a JSON-lines request, binary junk) gets one
+            // error line, the refusal in the JSON-lines protocol's shape.
+            let mut line = String::new();
+            let _ = BufReader::new(&s).read_line(&mut line);
+            let r: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+            return match r["error"].as_str() {
+                _ if r["ok"] == true => Seen::Got(line),
+                Some(e) if e.contains(needle) => Seen::Refused,
+                _ if line.is_empty() => {
+                    Seen::Silent("no answer to a request that is not HTTP".into())
+                }
+                _ => Seen::Odd(format!("expected a refusal naming {needle}, got {line:?}")),
+            };
+        }
+        expect_refusal(&s, status, needle)
     });
     Ok(row)
 }
@@ -427,8 +536,8 @@ fn api_flood(dir: &Path, tries: u32) -> Result<[Row; 2]> {
         Ok(mut s) => {
             // A served connection would answer this; a refused one was
             // told why before the host read anything.
-            let _ = writeln!(s, "{}", json!({"op":"info"}));
-            expect_refusal(&s, "too many connections")
+            let _ = write!(s, "GET /v1/info HTTP/1.1\r\nHost: localhost\r\n\r\n");
+            expect_refusal(&s, 503, "too many connections")
         }
         Err(e) => Seen::Odd(format!("connect: {e}")),
     });
@@ -448,46 +557,43 @@ fn api_flood(dir: &Path, tries: u32) -> Result<[Row; 2]> {
 fn api_overcommit(dir: &Path, tries: u32) -> Result<Row> {
     let mut row = Row::new("api-overcommit");
     row.note = Some(
-        "--mem-budget 256M with a 128M bystander: create 256M, vcpus 0, vcpus 1000 in turn".into(),
+        "--mem-budget 256M with a 128M bystander: POST /v1/vms of 256M, vcpus 0, vcpus 1000 \
+         in turn"
+            .into(),
     );
     let mut h = Host::start(dir, "overcommit", &["--mem-budget", "256M"], "128M")?;
     let sock = h.sock.clone();
     campaign(&mut row, tries, 1, &mut h, |i| {
-        let (req, needle) = match i % 3 {
-            0 => (json!({"op":"create","workload":"idle","mem":"256M","duration":60}), "budget"),
-            1 => (json!({"op":"create","workload":"idle","mem":"64M","vcpus":0}), "out of range"),
-            _ => {
-                (json!({"op":"create","workload":"idle","mem":"64M","vcpus":1000}), "out of range")
+        let (req, status, needle) = match i % 3 {
+            0 => {
+                (json!({"op":"create","workload":"idle","mem":"256M","duration":60}), 409, "budget")
             }
+            1 => (
+                json!({"op":"create","workload":"idle","mem":"64M","vcpus":0}),
+                400,
+                "out of range",
+            ),
+            _ => (
+                json!({"op":"create","workload":"idle","mem":"64M","vcpus":1000}),
+                400,
+                "out of range",
+            ),
         };
-        let Ok(mut s) = connect(&sock) else { return Seen::Silent("connect".into()) };
-        if let Err(e) = writeln!(s, "{req}") {
-            return Seen::Odd(format!("sending: {e}"));
-        }
-        match expect_refusal_on_open(&s, needle) {
-            Seen::Got(what) => {
-                let r: Value = serde_json::from_str(&what).unwrap_or(Value::Null);
-                let _ = ask(&mut s, &json!({"op":"destroy","id":r["id"]}));
-                Seen::Got(format!("created over the limits: {what}"))
+        let r = match client::request_timeout(&sock, &req, BOUND) {
+            Ok(r) => r,
+            Err(e) => return Seen::Silent(format!("no reply: {e}")),
+        };
+        match r["error"].as_str() {
+            _ if r["ok"] == true => {
+                let _ =
+                    client::request_timeout(&sock, &json!({"op":"destroy","id":r["id"]}), BOUND);
+                Seen::Got(format!("created over the limits: {r}"))
             }
-            other => other,
+            Some(e) if e.contains(needle) && r["status"] == status => Seen::Refused,
+            _ => Seen::Odd(format!("expected status {status} about {needle:?}, got {r}")),
         }
     });
     Ok(row)
-}
-
-/// A refusal on a connection that stays open (an ordinary request error).
-fn expect_refusal_on_open(s: &UnixStream, needle: &str) -> Seen {
-    let line = match read_line(s) {
-        Ok(l) if !l.is_empty() => l,
-        r => return Seen::Silent(format!("no reply: {r:?}")),
-    };
-    let r: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
-    match r["error"].as_str() {
-        _ if r["ok"] == true => Seen::Got(line.trim().to_string()),
-        Some(e) if e.contains(needle) => Seen::Refused,
-        _ => Seen::Odd(format!("expected an error about {needle:?}, got {}", line.trim())),
-    }
 }
 
 fn api_other_user(dir: &Path, tries: u32) -> Result<Row> {
@@ -498,7 +604,7 @@ fn api_other_user(dir: &Path, tries: u32) -> Result<Row> {
         row.not_run = Some("needs root (acts as user 65534)".into());
         return Ok(row);
     }
-    row.note = Some("as uid 65534, with the socket widened to mode 0666".into());
+    row.note = Some("as uid 65534, with the socket widened to mode 0666 (403 expected)".into());
     let mut h = Host::start(dir, "other", &[], "64M")?;
     h.chmod_sock(0o666)?;
     let sock = h.sock.clone();
@@ -773,6 +879,8 @@ pub fn bench(a: BenchHostileArgs) -> Result<ExitCode> {
     rows.push(api_oversized(d, n)?);
     step("api-slow");
     rows.push(api_slow(d, n)?);
+    step("api-malformed");
+    rows.push(api_malformed(d, n)?);
     step("api-flood");
     rows.extend(api_flood(d, n)?);
     step("api-overcommit");

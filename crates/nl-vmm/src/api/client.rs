@@ -112,7 +112,7 @@ pub fn request_timeout(path: &Path, req: &Value, timeout: Duration) -> Result<Va
 
 /// The reply in the operation shape: an HTTP response, or the one JSON
 /// line a host writes when it refuses a connection before reading it.
-fn parse_reply(reply: &[u8]) -> Result<Value, VmmError> {
+pub fn parse_reply(reply: &[u8]) -> Result<Value, VmmError> {
     let bad = |why: String| VmmError::Config(format!("bad reply from host: {why}"));
     if !reply.starts_with(b"HTTP/") {
         return serde_json::from_slice(reply.trim_ascii()).map_err(|e| bad(e.to_string()));

@@ -367,6 +367,7 @@ fn reason(status: u16) -> &'static str {
         200 => "OK",
         201 => "Created",
         400 => "Bad Request",
+        403 => "Forbidden",
         404 => "Not Found",
         405 => "Method Not Allowed",
         408 => "Request Timeout",
@@ -401,6 +402,16 @@ fn send(
     limits: &Limits,
     progress: &Progress,
 ) -> bool {
+    write_all(
+        stream,
+        &response(status, content_type, body, close),
+        limits.request_timeout,
+        progress,
+    )
+}
+
+/// One whole HTTP response.
+fn response(status: u16, content_type: &str, body: &[u8], close: bool) -> Vec<u8> {
     let head = format!(
         "HTTP/1.1 {status} {}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\
          Ninelives-Api-Version: {VERSION}\r\n{}\r\n",
@@ -410,7 +421,16 @@ fn send(
     );
     let mut all = head.into_bytes();
     all.extend_from_slice(body);
-    write_all(stream, &all, limits.request_timeout, progress)
+    all
+}
+
+/// The response to a connection refused before anything was read from it
+/// (another user, too many connections): `status`, `{"error": why}`, and
+/// `Connection: close`.
+pub(super) fn refusal(status: u16, why: &str) -> Vec<u8> {
+    let mut body = json!({ "error": why }).to_string();
+    body.push('\n');
+    response(status, "application/json", body.as_bytes(), true)
 }
 
 /// Writes within `timeout` (a client that does not read is cut off); the

@@ -236,14 +236,15 @@ pub fn serve_listener(
                 }
                 match listener.accept() {
                     Ok((stream, _)) => {
+                        let limits = host.limits();
                         if let Err(why) = authenticate(&stream) {
-                            refuse(stream, &why);
+                            refuse(stream, 403, &why, limits.json_lines);
                             continue;
                         }
-                        let slot = match take_slot(&ctx, host.limits().max_connections) {
+                        let slot = match take_slot(&ctx, limits.max_connections) {
                             Ok(slot) => slot,
                             Err(why) => {
-                                refuse(stream, &why);
+                                refuse(stream, 503, &why, limits.json_lines);
                                 continue;
                             }
                         };
@@ -308,13 +309,22 @@ fn take_slot(ctx: &Arc<ServeCtx>, max: usize) -> Result<Slot, String> {
     Ok(Slot(ctx.clone()))
 }
 
-/// Answers a connection that is not served with one error line, without
-/// ever blocking (a fresh socket has room for one line), and closes it.
-fn refuse(stream: UnixStream, error: &str) {
+/// Answers a connection that is not served, without ever blocking (a
+/// fresh socket has room for one reply), and closes it: an HTTP response
+/// with `status` (403 another user, 503 too many connections) on a host
+/// that serves HTTP only, or one JSON error line on a `--api-legacy` host,
+/// whose client may speak either protocol (the line is what that protocol
+/// answered, and what `nl_vmm::api::client` reads as well).
+fn refuse(stream: UnixStream, status: u16, error: &str, json_lines: bool) {
     let _ = stream.set_nonblocking(true);
-    let mut line = json!({"ok": false, "error": error}).to_string();
-    line.push('\n');
-    let _ = (&stream).write(line.as_bytes());
+    let reply = if json_lines {
+        let mut line = json!({"ok": false, "error": error}).to_string();
+        line.push('\n');
+        line.into_bytes()
+    } else {
+        http::refusal(status, error)
+    };
+    let _ = (&stream).write(&reply);
 }
 
 fn serve_connection(stream: UnixStream, host: &Host, build: &ConfigBuilder, ctx: &ServeCtx) {
