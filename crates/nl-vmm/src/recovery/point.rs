@@ -91,11 +91,17 @@ pub enum Ended<R> {
 struct Call<F, R> {
     body: Option<F>,
     out: Option<std::thread::Result<R>>,
+    /// The point being entered, made current by the trampoline.
+    buf: *const JumpBuf,
 }
 
 extern "C" fn trampoline<F: FnOnce() -> R, R>(arg: *mut c_void) {
     // SAFETY: `arg` is the `Call` that `call` passed, alive for the whole call.
     let c = unsafe { &mut *arg.cast::<Call<F, R>>() };
+    // Only now, with its registers saved, is the point current: a jump
+    // until here goes to the point around this one (it abandons the thread
+    // before it entered this one), never to a half-made point.
+    CURRENT.with(|p| p.set(c.buf));
     if let Some(f) = c.body.take() {
         c.out = Some(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
     }
@@ -105,8 +111,8 @@ extern "C" fn trampoline<F: FnOnce() -> R, R>(arg: *mut c_void) {
 pub fn call<R>(body: impl FnOnce() -> R) -> Ended<R> {
     fn inner<F: FnOnce() -> R, R>(body: F) -> Ended<R> {
         let mut buf = JumpBuf::default();
-        let mut c = Call::<F, R> { body: Some(body), out: None };
-        let prev = CURRENT.with(|p| p.replace(&buf));
+        let mut c = Call::<F, R> { body: Some(body), out: None, buf: &buf };
+        let prev = CURRENT.with(Cell::get);
         // SAFETY: `buf` and `c` outlive the call; the trampoline matches `c`'s type;
         // a jump back only discards frames below this one.
         let jumped = unsafe {
