@@ -202,20 +202,10 @@ nl_timer_entry:
     jz 7f
     swapgs
 7:  inc qword ptr gs:[{ticks}]
-    push rax
-    push rcx
-    push rdx
-    mov ecx, {eoi}
-    xor eax, eax
-    xor edx, edx
-    wrmsr
-    pop rdx
-    pop rcx
-    pop rax
     test byte ptr [rsp + 8], 3
-    jz 2f
+    jz nl_eoi_return
     swapgs
-2:  iretq
+    jmp nl_eoi_return
 
     // Device interrupt (NET_VECTOR): it only wakes a halted vCPU; count it
     // (SYS_NET_IRQS, SYS_HALT_IF), EOI, return.
@@ -227,25 +217,18 @@ nl_device_entry:
     swapgs
 7:  inc qword ptr gs:[{net_irqs}]
     test byte ptr [rsp + 8], 3
-    jz 8f
+    jz nl_eoi_return
     swapgs
-8:  push rax
-    push rcx
-    push rdx
-    mov ecx, {eoi}
-    xor eax, eax
-    xor edx, edx
-    wrmsr
-    pop rdx
-    pop rcx
-    pop rax
-    iretq
+    jmp nl_eoi_return
 
     // Channel doorbell (DOORBELL_VECTOR): it only wakes a halted vCPU (the
-    // ring-3 receiver waits in SYS_HALT_IF); EOI, return.
+    // ring-3 receiver waits in SYS_HALT_IF); EOI, return. Its body is the
+    // tail the other device interrupts end in: EOI through the x2APIC MSR
+    // (rax, rcx, rdx preserved), then iretq.
     .balign 16
     .global nl_doorbell_entry
 nl_doorbell_entry:
+nl_eoi_return:
     push rax
     push rcx
     push rdx
