@@ -11,6 +11,11 @@
 //! [`Vm::restore`], and drives a small two-phase protocol over the control
 //! socket (see [`take_over`]). Guest memory never leaves its memfd in warm
 //! mode.
+//!
+//! The front end's sandbox sets ride along: one [`crate::carry::SetRecord`]
+//! per set in [`HandoverRecord::sets`] (version 3), their memfds inherited
+//! the same way, rebuilt by the front end before `ready` (see
+//! [`crate::carry`]).
 
 use std::collections::BTreeSet;
 use std::fs::File;

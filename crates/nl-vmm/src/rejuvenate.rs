@@ -24,6 +24,11 @@
 //! back here: resumed where they were paused (or, for cold and save-restore,
 //! which released them, booted afresh or restored from the image file).
 //! After `starting` the new process owns the VMs and this one exits.
+//!
+//! Sandbox sets (warm only): they pause after the VMs in step 1 and their
+//! records join the handover record ([`crate::carry`]); with sets the new
+//! binary starts during the pause (step 0 is skipped: the record needs the
+//! sets' paused state). On a rollback they resume with the VMs.
 
 use std::collections::BTreeSet;
 use std::fs::File;
