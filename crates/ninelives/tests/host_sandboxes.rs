@@ -405,3 +405,134 @@ fn a_microreboot_of_the_host_carries_its_sandbox_sets() {
         .unwrap_or_else(|| panic!("{err}"));
     assert!(line.contains("\"policy\":\"microreboot\"") && line.contains("\"sets\":1"), "{line}");
 }
+
+/// Pads the API's request count up to `at - 1` with harmless requests
+/// (the fault armed for request `at` then hits the next one).
+fn pad_requests(sock: &std::path::Path, sent: &mut usize, at: usize) {
+    assert!(*sent < at, "{sent} requests sent, the fault is armed for request {at}");
+    while *sent < at - 1 {
+        let (st, _) = http_json(sock, "GET", "/v1/info", None);
+        assert_eq!(st, 200);
+        *sent += 1;
+    }
+}
+
+/// A corrupt set record is refused with a clear error, and the rest of the
+/// host comes up: the new process of a warm rejuvenation refuses the whole
+/// handover (the old process keeps the set and its VM running, traffic
+/// and all); after a microreboot, which has no way back, the set is
+/// reported and left out while the host and its VM serve on. The fault
+/// point `NINELIVES_HANDOVER_SELFTEST=corrupt-sets` corrupts every set
+/// record the new process reads.
+#[test]
+fn a_corrupt_set_record_is_refused_and_the_rest_of_the_host_comes_up() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    const FAULT_AT: usize = 80;
+    let mut child = ninelives()
+        .args(["host", "--api", sock.to_str().unwrap(), "--recovery", "microreboot"])
+        .env("NINELIVES_API_FAULT", format!("segv:{FAULT_AT}"))
+        .env("NINELIVES_HANDOVER_SELFTEST", "corrupt-sets")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+        assert!(child.try_wait().unwrap().is_none(), "the host exited");
+        assert!(t.elapsed() < Duration::from_secs(20), "the host did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let [c0, c1] = two_cores();
+    let (st, vm) = http_json(&sock, "POST", "/v1/vms", Some(r#"{"workload":"idle","mem":"64M"}"#));
+    assert_eq!(st, 201, "{vm}");
+    let vm_id = vm["id"].as_u64().unwrap();
+    let body =
+        json!({"name": "pair", "set": stream_set(c0, c1, 0), "timeout_secs": 300}).to_string();
+    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&body));
+    assert_eq!(st, 201, "{v}");
+    let mut sent = 2;
+    let before = loop {
+        let now = channel_now(&sock);
+        sent += 1;
+        if now[0].1 > 0 && now[1].1 > 0 {
+            break now;
+        }
+        assert!(sent < FAULT_AT / 2, "the set did not stream: {now:?}");
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    let gens = [before[0].0, before[1].0];
+    // Warm: the new process refuses; everything runs on in this one.
+    let (st, r) = http_json(&sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
+    sent += 1;
+    assert_eq!(st, 200, "{r}");
+    let rep = &r["report"];
+    assert_eq!(rep["ok"], false, "{r}");
+    assert_eq!(rep["rolled_back"], true, "{r}");
+    let e = rep["error"].as_str().unwrap_or("");
+    assert!(e.contains("sandbox set record 'pair' refused: corrupt"), "{e}");
+    let (_, info) = http_json(&sock, "GET", "/v1/info", None);
+    sent += 1;
+    assert_eq!(info["pid"], child.id(), "{info}");
+    let after = channel_now(&sock);
+    sent += 1;
+    assert_eq!([after[0].0, after[1].0], gens, "{after:?}");
+    // Traffic goes on in this process (every poll counted: the fault is
+    // armed by request number).
+    loop {
+        let now = channel_now(&sock);
+        sent += 1;
+        assert_eq!([now[0].0, now[1].0], gens, "{now:?}");
+        if now[0].1 > after[0].1 && now[1].1 > after[1].1 {
+            break;
+        }
+        assert!(sent < FAULT_AT - 5, "no traffic after the refused handover: {now:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let beats = vm_beats(&sock, vm_id);
+    sent += 1;
+    pad_requests(&sock, &mut sent, FAULT_AT);
+    // Request FAULT_AT faults: a microreboot, whose new process refuses the
+    // (corrupted) set record and comes up with the VM.
+    let r = nl_vmm::api::request_timeout(&sock, &json!({"op": "info"}), Duration::from_secs(30));
+    assert!(
+        r.is_err() || r.as_ref().unwrap()["ok"] != true,
+        "the faulting request was answered: {r:?}"
+    );
+    let t = Instant::now();
+    loop {
+        let info =
+            nl_vmm::api::request_timeout(&sock, &json!({"op": "info"}), Duration::from_secs(30));
+        if info.as_ref().is_ok_and(|v| v["generation"] == 1) {
+            break;
+        }
+        assert!(child.try_wait().unwrap().is_none(), "the host died");
+        assert!(t.elapsed() < Duration::from_secs(60), "the host did not serve again");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
+    assert_eq!(list["sets"], json!([]), "the corrupt set was not left out: {list}");
+    let t = Instant::now();
+    while vm_beats(&sock, vm_id) <= beats {
+        assert!(t.elapsed() < Duration::from_secs(60), "VM {vm_id} stopped beating");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    stop_host(&sock, &mut child);
+    let err = {
+        use std::io::Read;
+        let mut e = String::new();
+        child.stderr.take().unwrap().read_to_string(&mut e).unwrap();
+        e
+    };
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("NINELIVES-RECOVERED "))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(
+        line.contains("\"sets\":0") && line.contains("sandbox set record 'pair' refused: corrupt"),
+        "{line}"
+    );
+}

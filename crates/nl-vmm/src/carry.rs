@@ -235,7 +235,11 @@ pub(crate) fn adopt_all(
         };
     };
     for v in sets {
-        let r = inherit(v, taken).and_then(|set| {
+        let mut v = v.clone();
+        if crate::selftest::handover_corrupts_sets() {
+            v["vms"] = serde_json::json!("corrupted by NINELIVES_HANDOVER_SELFTEST");
+        }
+        let r = inherit(&v, taken).and_then(|set| {
             let name = set.record.name.clone();
             c.adopt(kvm, set).map_err(|e| {
                 VmmError::State(format!("sandbox set '{name}' cannot be rebuilt: {e}"))
