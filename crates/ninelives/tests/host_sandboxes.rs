@@ -1,7 +1,7 @@
 //! Sandbox sets on a running host (`/v1/sandboxes`): created beside an
 //! ordinary VM, listed, inspected while running and after, refused with
-//! the right status when the request is wrong, blocking a rejuvenation that
-//! would lose them, and destroyed.
+//! the right status when the request is wrong, destroyed, and carried
+//! through a microreset, warm rejuvenations and a microreboot of the host.
 
 mod common;
 
@@ -57,7 +57,7 @@ fn a_host_runs_sandbox_sets_beside_its_vms() {
     assert_eq!(v["sandboxes"], json!(["a", "b"]), "{v}");
 
     // Wrong requests, each with its status and reason.
-    let cases: [(&str, &str, Option<String>, u16, &str); 6] = [
+    let cases: [(&str, &str, Option<String>, u16, &str); 5] = [
         ("POST", "/v1/sandboxes", Some(body.clone()), 409, "named 'pair' exists"),
         (
             "POST",
@@ -78,7 +78,6 @@ fn a_host_runs_sandbox_sets_beside_its_vms() {
             "of the host's",
         ),
         ("GET", "/v1/sandboxes/nope", None, 404, "no such sandbox set 'nope'"),
-        ("POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#.into()), 409, "sandbox set(s) pair"),
     ];
     for (method, path, body, status, needle) in &cases {
         let (st, v) = http_json(&sock, method, path, body.as_deref());
@@ -170,4 +169,370 @@ fn a_microreset_of_the_host_keeps_its_sandbox_sets_running() {
     };
     assert_eq!(err.matches("NINELIVES-DETECTED").count(), 1, "{err}");
     assert_eq!(err.matches("NINELIVES-RECOVERED").count(), 1, "{err}");
+}
+
+/// A pair streaming messages to each other over one channel for
+/// `duration_ms` of guest time (every byte and sequence number checked by
+/// the receiver).
+fn stream_set(c0: usize, c1: usize, duration_ms: u64) -> Value {
+    let w = json!({"kind": "chanstream", "duration_ms": duration_ms, "send_every_us": 500});
+    json!({"sandboxes": [
+        {"name": "a", "cores": [c0], "mem_mib": 48, "workload": w},
+        {"name": "b", "cores": [c1], "mem_mib": 48, "workload": w}
+    ], "channels": [{"name": "ab", "between": ["a", "b"]}]})
+}
+
+/// The channel's (generation, head words) of both regions, while the set
+/// runs.
+fn channel_now(sock: &std::path::Path) -> [(u64, u64); 2] {
+    let (st, v) = http_json(sock, "GET", "/v1/sandboxes/pair", None);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["state"], "running", "the set ended too early: {v}");
+    let r = &v["channel_stats"][0]["regions"];
+    let get =
+        |i: usize| (r[i]["generation"].as_u64().unwrap(), r[i]["head_words"].as_u64().unwrap());
+    [get(0), get(1)]
+}
+
+/// Waits (bounded) until both ends publish past `heads`, checking the
+/// generations stay `gens`; returns the heads seen.
+fn wait_traffic(
+    sock: &std::path::Path,
+    gens: Option<[u64; 2]>,
+    heads: [u64; 2],
+) -> [(u64, u64); 2] {
+    let t = Instant::now();
+    loop {
+        let now = channel_now(sock);
+        if let Some(g) = gens {
+            assert_eq!([now[0].0, now[1].0], g, "a channel generation changed: a resync");
+        }
+        if now[0].0 != 0 && now[1].0 != 0 && now[0].1 > heads[0] && now[1].1 > heads[1] {
+            return now;
+        }
+        assert!(t.elapsed() < Duration::from_secs(120), "no traffic past {heads:?}: {now:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn vm_beats(sock: &std::path::Path, id: u64) -> u64 {
+    let (st, v) = http_json(sock, "GET", &format!("/v1/vms/{id}"), None);
+    assert_eq!(st, 200, "{v}");
+    let v = &v["stats"];
+    assert_eq!(v["state"], "running", "{v}");
+    v["vcpus"].as_array().unwrap().iter().map(|c| c["regs"]["beats"].as_u64().unwrap()).sum()
+}
+
+fn median_spread(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[0], v[v.len() - 1])
+}
+
+/// Warm rejuvenation carries a running sandbox set: three times over the
+/// HTTP API while a pair streams over its channel beside an ordinary VM,
+/// the new process takes the set over (same memfds, vCPU and device state,
+/// channel regions untouched: no generation change), the traffic goes on
+/// past each handover, and both sandboxes end completed with every message
+/// checked; the ordinary VM runs on. Prints the sets' downtime per
+/// handover (median and spread over the three, with the load average).
+#[test]
+fn warm_rejuvenation_carries_a_running_sandbox_set() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    let (mut child, _s) = spawn_host(&sock);
+    let [c0, c1] = two_cores();
+    let (st, vm) = http_json(&sock, "POST", "/v1/vms", Some(r#"{"workload":"idle","mem":"64M"}"#));
+    assert_eq!(st, 201, "{vm}");
+    let vm_id = vm["id"].as_u64().unwrap();
+    let body =
+        json!({"name": "pair", "set": stream_set(c0, c1, 20_000), "timeout_secs": 300}).to_string();
+    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&body));
+    assert_eq!(st, 201, "{v}");
+    let first = wait_traffic(&sock, None, [0, 0]);
+    let gens = [first[0].0, first[1].0];
+    let mut pid = child.id() as u64;
+    let mut downtimes = Vec::new();
+    for round in 1..=3u64 {
+        let before = channel_now(&sock);
+        let beats = vm_beats(&sock, vm_id);
+        let (st, r) = http_json(&sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
+        assert_eq!(st, 200, "{r}");
+        let rep = &r["report"];
+        assert_eq!(rep["ok"], true, "round {round}: {r}");
+        assert_eq!(rep["sets"], json!(["pair"]), "{r}");
+        downtimes.push(rep["sets_downtime_ms"].as_f64().expect("the sets' downtime"));
+        let (_, info) = http_json(&sock, "GET", "/v1/info", None);
+        let new_pid = info["pid"].as_u64().unwrap();
+        assert_ne!(new_pid, pid, "a new process serves");
+        pid = new_pid;
+        // The same set, listed and carried; its channel where it was.
+        let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
+        assert_eq!(list["sets"][0]["name"], "pair", "{list}");
+        assert_eq!(list["sets"][0]["handovers"], round, "{list}");
+        let after = channel_now(&sock);
+        for i in 0..2 {
+            assert_eq!(after[i].0, gens[i], "round {round}: region {i} generation changed");
+            assert!(after[i].1 >= before[i].1, "round {round}: region {i} head went back");
+        }
+        // Traffic flows on in the new process, with no resync.
+        wait_traffic(&sock, Some(gens), [after[0].1, after[1].1]);
+        // The ordinary VM was carried too and runs on.
+        let t = Instant::now();
+        while vm_beats(&sock, vm_id) <= beats {
+            assert!(t.elapsed() < Duration::from_secs(60), "VM {vm_id} stopped beating");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let report = wait_ended(&sock, |_| {});
+    for (i, r) in report["channels"][0]["regions"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(r["generation"].as_u64(), Some(gens[i]), "{report}");
+    }
+    let (m, lo, hi) = median_spread(downtimes.clone());
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!(
+        "sandbox set carried by warm rejuvenation: set downtime median {m:.1} ms \
+         (min {lo:.1}, max {hi:.1}) over {} handovers {downtimes:?}; loadavg {}",
+        downtimes.len(),
+        load.trim()
+    );
+    stop_host(&sock, &mut child);
+}
+
+/// A microreboot (a fault in the VMM, the process exec'd afresh in place)
+/// carries a running sandbox set the same way: the same process id serves
+/// on, the set is listed with its channel untouched, its traffic goes on
+/// and both sandboxes end completed and verified; the ordinary VM runs on.
+#[test]
+fn a_microreboot_of_the_host_carries_its_sandbox_sets() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    // The connection reading request FAULT_AT faults (SIGSEGV); the host
+    // recovers by a microreboot. Requests before it: 2 creates, then
+    // polls of the set until it streams, then harmless `info`s.
+    const FAULT_AT: usize = 60;
+    let mut child = ninelives()
+        .args(["host", "--api", sock.to_str().unwrap(), "--recovery", "microreboot"])
+        .env("NINELIVES_API_FAULT", format!("segv:{FAULT_AT}"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+        assert!(child.try_wait().unwrap().is_none(), "the host exited");
+        assert!(t.elapsed() < Duration::from_secs(20), "the host did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let [c0, c1] = two_cores();
+    let (st, vm) = http_json(&sock, "POST", "/v1/vms", Some(r#"{"workload":"idle","mem":"64M"}"#));
+    assert_eq!(st, 201, "{vm}");
+    let vm_id = vm["id"].as_u64().unwrap();
+    let body =
+        json!({"name": "pair", "set": stream_set(c0, c1, 8_000), "timeout_secs": 300}).to_string();
+    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&body));
+    assert_eq!(st, 201, "{v}");
+    let mut sent = 2;
+    let before = loop {
+        let now = channel_now(&sock);
+        sent += 1;
+        if now[0].1 > 0 && now[1].1 > 0 {
+            break now;
+        }
+        assert!(sent < FAULT_AT - 2, "the set did not stream before the fault: {now:?}");
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    let beats = vm_beats(&sock, vm_id);
+    sent += 1;
+    while sent < FAULT_AT - 1 {
+        let (st, _) = http_json(&sock, "GET", "/v1/info", None);
+        assert_eq!(st, 200);
+        sent += 1;
+    }
+    // Request FAULT_AT: its connection fails; the host microreboots.
+    let r = nl_vmm::api::request_timeout(&sock, &json!({"op": "info"}), Duration::from_secs(30));
+    assert!(
+        r.is_err() || r.as_ref().unwrap()["ok"] != true,
+        "the faulting request was answered: {r:?}"
+    );
+    // The fresh process (same pid, the host's generation 1: the old
+    // process may answer a little longer) serves with the set carried over.
+    let t = Instant::now();
+    loop {
+        let info =
+            nl_vmm::api::request_timeout(&sock, &json!({"op": "info"}), Duration::from_secs(30));
+        if let Ok(v) = info {
+            if v["generation"] == 1 {
+                assert_eq!(v["pid"], child.id(), "{v}");
+                break;
+            }
+        }
+        assert!(child.try_wait().unwrap().is_none(), "the host died");
+        assert!(t.elapsed() < Duration::from_secs(60), "the host did not serve again");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
+    assert_eq!(list["sets"][0]["name"], "pair", "{list}");
+    assert_eq!(list["sets"][0]["handovers"], 1, "{list}");
+    let gens = [before[0].0, before[1].0];
+    let after = channel_now(&sock);
+    assert_eq!([after[0].0, after[1].0], gens, "a channel generation changed");
+    wait_traffic(&sock, Some(gens), [after[0].1, after[1].1]);
+    let t = Instant::now();
+    while vm_beats(&sock, vm_id) <= beats {
+        assert!(t.elapsed() < Duration::from_secs(60), "VM {vm_id} stopped beating");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let report = wait_ended(&sock, |_| {});
+    for (i, r) in report["channels"][0]["regions"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(r["generation"].as_u64(), Some(gens[i]), "{report}");
+    }
+    stop_host(&sock, &mut child);
+    let err = {
+        use std::io::Read;
+        let mut e = String::new();
+        child.stderr.take().unwrap().read_to_string(&mut e).unwrap();
+        e
+    };
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("NINELIVES-RECOVERED "))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(line.contains("\"policy\":\"microreboot\"") && line.contains("\"sets\":1"), "{line}");
+}
+
+/// Pads the API's request count up to `at - 1` with harmless requests
+/// (the fault armed for request `at` then hits the next one).
+fn pad_requests(sock: &std::path::Path, sent: &mut usize, at: usize) {
+    assert!(*sent < at, "{sent} requests sent, the fault is armed for request {at}");
+    while *sent < at - 1 {
+        let (st, _) = http_json(sock, "GET", "/v1/info", None);
+        assert_eq!(st, 200);
+        *sent += 1;
+    }
+}
+
+/// A corrupt set record is refused with a clear error, and the rest of the
+/// host comes up: the new process of a warm rejuvenation refuses the whole
+/// handover (the old process keeps the set and its VM running, traffic
+/// and all); after a microreboot, which has no way back, the set is
+/// reported and left out while the host and its VM serve on. The fault
+/// point `NINELIVES_HANDOVER_SELFTEST=corrupt-sets` corrupts every set
+/// record the new process reads.
+#[test]
+fn a_corrupt_set_record_is_refused_and_the_rest_of_the_host_comes_up() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    const FAULT_AT: usize = 80;
+    let mut child = ninelives()
+        .args(["host", "--api", sock.to_str().unwrap(), "--recovery", "microreboot"])
+        .env("NINELIVES_API_FAULT", format!("segv:{FAULT_AT}"))
+        .env("NINELIVES_HANDOVER_SELFTEST", "corrupt-sets")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+        assert!(child.try_wait().unwrap().is_none(), "the host exited");
+        assert!(t.elapsed() < Duration::from_secs(20), "the host did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let [c0, c1] = two_cores();
+    let (st, vm) = http_json(&sock, "POST", "/v1/vms", Some(r#"{"workload":"idle","mem":"64M"}"#));
+    assert_eq!(st, 201, "{vm}");
+    let vm_id = vm["id"].as_u64().unwrap();
+    let body =
+        json!({"name": "pair", "set": stream_set(c0, c1, 0), "timeout_secs": 300}).to_string();
+    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&body));
+    assert_eq!(st, 201, "{v}");
+    let mut sent = 2;
+    let before = loop {
+        let now = channel_now(&sock);
+        sent += 1;
+        if now[0].1 > 0 && now[1].1 > 0 {
+            break now;
+        }
+        assert!(sent < FAULT_AT / 2, "the set did not stream: {now:?}");
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    let gens = [before[0].0, before[1].0];
+    // Warm: the new process refuses; everything runs on in this one.
+    let (st, r) = http_json(&sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
+    sent += 1;
+    assert_eq!(st, 200, "{r}");
+    let rep = &r["report"];
+    assert_eq!(rep["ok"], false, "{r}");
+    assert_eq!(rep["rolled_back"], true, "{r}");
+    let e = rep["error"].as_str().unwrap_or("");
+    assert!(e.contains("sandbox set record 'pair' refused: corrupt"), "{e}");
+    let (_, info) = http_json(&sock, "GET", "/v1/info", None);
+    sent += 1;
+    assert_eq!(info["pid"], child.id(), "{info}");
+    let after = channel_now(&sock);
+    sent += 1;
+    assert_eq!([after[0].0, after[1].0], gens, "{after:?}");
+    // Traffic goes on in this process (every poll counted: the fault is
+    // armed by request number).
+    loop {
+        let now = channel_now(&sock);
+        sent += 1;
+        assert_eq!([now[0].0, now[1].0], gens, "{now:?}");
+        if now[0].1 > after[0].1 && now[1].1 > after[1].1 {
+            break;
+        }
+        assert!(sent < FAULT_AT - 5, "no traffic after the refused handover: {now:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let beats = vm_beats(&sock, vm_id);
+    sent += 1;
+    pad_requests(&sock, &mut sent, FAULT_AT);
+    // Request FAULT_AT faults: a microreboot, whose new process refuses the
+    // (corrupted) set record and comes up with the VM.
+    let r = nl_vmm::api::request_timeout(&sock, &json!({"op": "info"}), Duration::from_secs(30));
+    assert!(
+        r.is_err() || r.as_ref().unwrap()["ok"] != true,
+        "the faulting request was answered: {r:?}"
+    );
+    let t = Instant::now();
+    loop {
+        let info =
+            nl_vmm::api::request_timeout(&sock, &json!({"op": "info"}), Duration::from_secs(30));
+        if info.as_ref().is_ok_and(|v| v["generation"] == 1) {
+            break;
+        }
+        assert!(child.try_wait().unwrap().is_none(), "the host died");
+        assert!(t.elapsed() < Duration::from_secs(60), "the host did not serve again");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
+    assert_eq!(list["sets"], json!([]), "the corrupt set was not left out: {list}");
+    let t = Instant::now();
+    while vm_beats(&sock, vm_id) <= beats {
+        assert!(t.elapsed() < Duration::from_secs(60), "VM {vm_id} stopped beating");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    stop_host(&sock, &mut child);
+    let err = {
+        use std::io::Read;
+        let mut e = String::new();
+        child.stderr.take().unwrap().read_to_string(&mut e).unwrap();
+        e
+    };
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("NINELIVES-RECOVERED "))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(
+        line.contains("\"sets\":0") && line.contains("sandbox set record 'pair' refused: corrupt"),
+        "{line}"
+    );
 }

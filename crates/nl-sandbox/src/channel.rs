@@ -83,6 +83,29 @@ impl HostChannel {
         fd.set_len(2 * CHANNEL_REGION_BYTES).map_err(|e| {
             SandboxError::Resource(format!("channel '{name}': cannot size its memfd: {e}"))
         })?;
+        Self::over_file(name, index, ends, fd, doorbell, irqfd)
+    }
+
+    /// The channel over an existing memfd of its two regions (created here,
+    /// or inherited by a new VMM process taking the set over), with new
+    /// doorbell eventfds.
+    pub(crate) fn over_file(
+        name: &str,
+        index: usize,
+        ends: [usize; 2],
+        fd: std::fs::File,
+        doorbell: bool,
+        irqfd: bool,
+    ) -> Result<Self, SandboxError> {
+        let len = fd.metadata().map(|m| m.len()).map_err(|e| {
+            SandboxError::Resource(format!("channel '{name}': cannot stat its memfd: {e}"))
+        })?;
+        if len != 2 * CHANNEL_REGION_BYTES {
+            return Err(SandboxError::Resource(format!(
+                "channel '{name}': its memfd holds {len} bytes, not the {} of two regions",
+                2 * CHANNEL_REGION_BYTES
+            )));
+        }
         let backing = Backing::of(&fd)?;
         let map = GuestRegionMmap::from_range(
             GuestAddress(0),
@@ -162,6 +185,11 @@ impl HostChannel {
             mappings: vec![mapping(end, true), mapping(peer, false)],
             doorbells,
         }
+    }
+
+    /// The memfd holding both regions.
+    pub fn file(&self) -> Option<&std::fs::File> {
+        self.map.file_offset().map(|f| f.file())
     }
 
     /// Keeps the host mapping alive as long as a VM uses it.

@@ -25,6 +25,8 @@
 //! * [`recovery`]: the local recovery policies (`stop`, `restart`,
 //!   `replace`, `rollback`).
 //! * [`set`]: creating, starting (pinned), supervising and reporting a set.
+//! * [`handover`]: carrying a running set to a new VMM process (warm
+//!   rejuvenation, microreboot).
 //! * [`verify`]: checking a finished sandbox's result.
 //! * [`affinity`]: host cores and pinning.
 //! * [`budget`]: CPU budgets (a CFS bandwidth cgroup per sandbox).
@@ -44,6 +46,7 @@ pub mod channel;
 pub mod config;
 pub mod detect;
 pub mod faults;
+pub mod handover;
 pub mod isolation;
 pub mod monitor;
 pub mod recovery;

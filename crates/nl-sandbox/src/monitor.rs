@@ -55,6 +55,19 @@ impl Monitor {
         })
     }
 
+    /// The violations counted and logged so far (a handover carries them).
+    pub fn violation_state(&self) -> (u64, Vec<Violation>) {
+        (self.count.load(Relaxed), self.log.lock().clone())
+    }
+
+    /// Takes over the violations a monitor of the previous VMM process
+    /// counted and logged.
+    pub fn carry_violations(&self, count: u64, mut log: Vec<Violation>) {
+        log.truncate(VIOLATION_LOG);
+        self.count.store(count, Relaxed);
+        *self.log.lock() = log;
+    }
+
     /// Records a detection: in the log, on stderr and in the event log.
     pub fn detected(&self, detector: Detector, detail: String, at_ms: f64) -> Detection {
         let d = Detection { sandbox: self.sandbox.clone(), detector, detail, at_ms };

@@ -35,16 +35,16 @@ pub struct Images {
 pub struct Sandbox {
     pub index: usize,
     pub config: SandboxConfig,
-    vm: Arc<Lock<Arc<Vm>>>,
+    pub(crate) vm: Arc<Lock<Arc<Vm>>>,
     pub monitor: Arc<Monitor>,
     /// What every VM of this sandbox is built from.
-    vm_config: VmConfig,
-    windows: VmWindows,
+    pub(crate) vm_config: VmConfig,
+    pub(crate) windows: VmWindows,
     /// The backing of its RAM the audit checked (a `memory_file` must
     /// still be that file when the sandbox restarts).
-    ram_backing: Backing,
+    pub(crate) ram_backing: Backing,
     /// `rollback`: faults its checkpoint supervisor injects (tests, bench).
-    script: Arc<Lock<Vec<(Duration, GuestFault)>>>,
+    pub(crate) script: Arc<Lock<Vec<(Duration, GuestFault)>>>,
 }
 
 impl Sandbox {
@@ -76,11 +76,11 @@ pub struct SandboxSet {
     pub channels: Vec<HostChannel>,
     /// What the audit checked.
     pub mappings: Vec<Mapping>,
-    kvm: kvm_ioctls::Kvm,
-    created: Instant,
-    stop: AtomicBool,
+    pub(crate) kvm: kvm_ioctls::Kvm,
+    pub(crate) created: Instant,
+    pub(crate) stop: AtomicBool,
     /// Each sandbox's CPU budget once applied (by sandbox index).
-    budgets: Arc<Lock<Vec<Option<crate::budget::AppliedBudget>>>>,
+    pub(crate) budgets: Arc<Lock<Vec<Option<crate::budget::AppliedBudget>>>>,
 }
 
 /// How one sandbox's run ended, and what its monitor saw.
@@ -417,7 +417,7 @@ impl SandboxSet {
         self.start_vm(sb)
     }
 
-    fn start_vm(&self, sb: &Sandbox) -> Result<(), SandboxError> {
+    pub(crate) fn start_vm(&self, sb: &Sandbox) -> Result<(), SandboxError> {
         let vm = sb.vm();
         // The vCPU threads inherit the affinity of the thread creating them.
         let before = affinity::host_cores()?;

@@ -11,6 +11,11 @@
 //! [`Vm::restore`], and drives a small two-phase protocol over the control
 //! socket (see [`take_over`]). Guest memory never leaves its memfd in warm
 //! mode.
+//!
+//! The front end's sandbox sets ride along: one [`crate::carry::SetRecord`]
+//! per set in [`HandoverRecord::sets`] (version 3), their memfds inherited
+//! the same way, rebuilt by the front end before `ready` (see
+//! [`crate::carry`]).
 
 use std::collections::BTreeSet;
 use std::fs::File;
@@ -36,9 +41,12 @@ use crate::{Vm, VmConfig, VmmError};
 /// First field of every record.
 pub const HANDOVER_MAGIC: &str = "ninelives-handover";
 /// The newest record version this binary reads and writes. Version 2 adds
-/// [`HandoverRecord::deferred_state`]; records without it are still written
-/// as version 1, which every ninelives reads.
-pub const HANDOVER_VERSION: u32 = 2;
+/// [`HandoverRecord::deferred_state`], version 3 [`HandoverRecord::sets`];
+/// records without them are still written as version 1, which every
+/// ninelives reads.
+pub const HANDOVER_VERSION: u32 = 3;
+/// The record version of a record carrying sandbox sets.
+pub const SETS_VERSION: u32 = 3;
 /// The record version of a standby successor's record (deferred state).
 pub const DEFERRED_STATE_VERSION: u32 = 2;
 /// The oldest record version this binary still reads.
@@ -180,7 +188,7 @@ impl VmRecord {
     /// The record's own fields, checked as a VM configuration would be
     /// (vCPU count, memory size, timer frequency, working set against
     /// memory), before anything is built from it.
-    fn check_fields(&self) -> Result<(), VmmError> {
+    pub(crate) fn check_fields(&self) -> Result<(), VmmError> {
         let images = Images { kernel: Arc::default(), user: Arc::default() };
         self.config(&images)
             .validate()
@@ -234,6 +242,12 @@ pub struct HandoverRecord {
     /// (absent in older records: the new process's own defaults).
     #[serde(default)]
     pub limits: Option<crate::host::Limits>,
+    /// Version 3: the front end's sandbox sets, one
+    /// [`crate::carry::SetRecord`] each. Kept as JSON values here and
+    /// parsed one by one when taken over, so a corrupt set record is
+    /// refused on its own ([`crate::carry`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sets: Vec<serde_json::Value>,
 }
 
 impl HandoverRecord {
@@ -252,7 +266,27 @@ impl HandoverRecord {
             reboot: None,
             deferred_state: false,
             limits: None,
+            sets: Vec::new(),
         }
+    }
+
+    /// Adds the sandbox sets (a version 3 record).
+    pub fn carry_sets(&mut self, sets: &[crate::carry::SetRecord]) {
+        if sets.is_empty() {
+            return;
+        }
+        self.sets = sets.iter().map(|s| serde_json::to_value(s).expect("serializes")).collect();
+        self.version = self.version.max(SETS_VERSION);
+    }
+
+    /// Every descriptor the sets' records name (best effort: a corrupt set
+    /// record names none).
+    pub fn set_fds(&self) -> Vec<i32> {
+        self.sets
+            .iter()
+            .filter_map(|v| crate::carry::SetRecord::parse(v).ok())
+            .flat_map(|s| s.fds())
+            .collect()
     }
 
     /// Makes this the record of a standby successor (version 2).
@@ -298,6 +332,13 @@ impl HandoverRecord {
             return Err(bad(format!(
                 "corrupt record: deferred state in a version {} record",
                 r.version
+            )));
+        }
+        if !r.sets.is_empty() && (r.version < SETS_VERSION || r.deferred_state) {
+            return Err(bad(format!(
+                "corrupt record: sandbox sets in a version {} {}record",
+                r.version,
+                if r.deferred_state { "standby " } else { "" }
             )));
         }
         let mut ids = BTreeSet::new();
@@ -402,7 +443,7 @@ pub fn spawn_with_fds(
 }
 
 /// Takes ownership of an inherited descriptor named in a record or argument.
-fn take_fd(fd: i32, taken: &mut BTreeSet<i32>, what: &str) -> Result<File, VmmError> {
+pub(crate) fn take_fd(fd: i32, taken: &mut BTreeSet<i32>, what: &str) -> Result<File, VmmError> {
     if fd < 3 || !taken.insert(fd) {
         return Err(VmmError::State(format!(
             "handover refused: {what} descriptor {fd} is invalid or named twice"
@@ -574,6 +615,9 @@ pub fn take_over(
         .and_then(|mut f| read_record(&mut f))
         .and_then(|record| {
             let prepared = prepare_record(&record, &mut taken, images)?;
+            // Sandbox sets are rebuilt before `ready`: one that cannot be
+            // refuses the handover, and the old process keeps everything.
+            crate::carry::adopt_all(prepared.0.kvm(), &record.sets, &mut taken, true)?;
             Ok((record.deferred_state, record.finished, prepared))
         });
     let (deferred, finished, (host, listener, mut vms, generation)) = match r {
@@ -608,6 +652,8 @@ pub fn take_over(
         let vm = host.adopt(vm, rec.paused).map_err(|e| VmmError::Vm(id, e.to_string()))?;
         starts.push((rec, vm, mono_ns()));
     }
+    crate::carry::start_adopted();
+    let sets_started_ns = mono_ns();
     host.set_generation(generation);
     // Report per-VM start and first-heartbeat times without holding up the API.
     std::thread::Builder::new().name("handover-report".into()).spawn(move || {
@@ -624,7 +670,11 @@ pub fn take_over(
                 "first_beat_ns": beat_ns, "workload_start_ns": workload_ns,
             }));
         }
-        let _ = writeln!(out, "started {}", json!({"go_ns": go_ns, "vms": vms}));
+        let _ = writeln!(
+            out,
+            "started {}",
+            json!({"go_ns": go_ns, "vms": vms, "sets_started_ns": sets_started_ns})
+        );
     })?;
     Ok(TakenOver { host, listener })
 }
@@ -677,12 +727,16 @@ pub fn take_over_in_place(
     let record = HandoverRecord::from_bytes(&b)?;
     let prep_ns = mono_ns();
     let (host, listener, vms, generation) = prepare_record(&record, &mut taken, images)?;
+    // No way back from a microreboot: a set that cannot be rebuilt is
+    // reported and left out, the rest of the host comes up.
+    let refused = crate::carry::adopt_all(host.kvm(), &record.sets, &mut taken, false)?;
     let built_ns = mono_ns();
     adopt_finished(&host, &record.finished);
     for (rec, vm) in vms {
         let id = vm.id();
         host.adopt(vm, rec.paused).map_err(|e| VmmError::Vm(id, e.to_string()))?;
     }
+    crate::carry::start_adopted();
     host.set_generation(generation);
     let started_ns = mono_ns();
     let old = record.reboot.clone().unwrap_or(serde_json::Value::Null);
@@ -696,7 +750,8 @@ pub fn take_over_in_place(
             {"step": "exec_to_main", "us": main_ns.saturating_sub(exec_ns) as f64 / 1e3},
             {"step": "runtime_and_args", "us": prep_ns.saturating_sub(main_ns) as f64 / 1e3},
             {"step": "recreate_vms", "us": built_ns.saturating_sub(prep_ns) as f64 / 1e3,
-             "detail": record.vms.len()},
+             "detail": record.vms.len(), "sets": record.sets.len() - refused.len(),
+             "sets_refused": refused},
             {"step": "start_vms", "us": started_ns.saturating_sub(built_ns) as f64 / 1e3},
         ],
     });
@@ -850,7 +905,7 @@ mod tests {
         let mut v = serde_json::to_value(sample()).unwrap();
         v["version"] = json!(HANDOVER_VERSION + 1);
         let e = HandoverRecord::from_bytes(v.to_string().as_bytes()).unwrap_err().to_string();
-        assert!(e.contains("record version 3") && e.contains("reads versions 1..=2"), "{e}");
+        assert!(e.contains("record version 4") && e.contains("reads versions 1..=3"), "{e}");
         v["version"] = json!(0);
         assert!(HandoverRecord::from_bytes(v.to_string().as_bytes()).is_err());
         let b = sample().to_bytes();
@@ -888,6 +943,31 @@ mod tests {
         v["vms"][0]["state"] = json!("{}");
         let e = HandoverRecord::from_bytes(v.to_string().as_bytes()).unwrap_err().to_string();
         assert!(e.contains("must have a memfd and no state"), "{e}");
+    }
+
+    #[test]
+    fn records_with_sets_are_version_3_and_checked() {
+        let mut r = sample();
+        let set = crate::carry::SetRecord::new("pair", json!({}));
+        r.carry_sets(std::slice::from_ref(&set));
+        assert_eq!(r.version, SETS_VERSION);
+        let back = HandoverRecord::from_bytes(&r.to_bytes()).unwrap();
+        assert_eq!(back.sets.len(), 1);
+        // Without sets a record stays version 1.
+        let mut plain = sample();
+        plain.carry_sets(&[]);
+        assert_eq!(plain.version, 1);
+        let mut v = serde_json::to_value(&r).unwrap();
+        v["version"] = json!(2);
+        let e = HandoverRecord::from_bytes(v.to_string().as_bytes()).unwrap_err().to_string();
+        assert!(e.contains("sandbox sets in a version 2 record"), "{e}");
+        // A corrupt set record does not spoil the record: it is refused
+        // on its own when the sets are taken over.
+        let mut v = serde_json::to_value(&r).unwrap();
+        v["sets"][0]["vms"] = json!("garbage");
+        let back = HandoverRecord::from_bytes(v.to_string().as_bytes()).unwrap();
+        let e = crate::carry::SetRecord::parse(&back.sets[0]).unwrap_err().to_string();
+        assert!(e.contains("sandbox set record 'pair' refused: corrupt"), "{e}");
     }
 
     #[test]

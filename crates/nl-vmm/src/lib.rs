@@ -27,6 +27,7 @@
 //! the device bus.
 
 pub mod api;
+pub mod carry;
 pub mod config;
 mod dirty;
 pub mod error;

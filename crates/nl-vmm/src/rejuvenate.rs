@@ -24,6 +24,11 @@
 //! back here: resumed where they were paused (or, for cold and save-restore,
 //! which released them, booted afresh or restored from the image file).
 //! After `starting` the new process owns the VMs and this one exits.
+//!
+//! Sandbox sets (warm only): they pause after the VMs in step 1 and their
+//! records join the handover record ([`crate::carry`]); with sets the new
+//! binary starts during the pause (step 0 is skipped: the record needs the
+//! sets' paused state). On a rollback they resume with the VMs.
 
 use std::collections::BTreeSet;
 use std::fs::File;
@@ -127,6 +132,11 @@ pub struct Report {
     /// From the first pause to the last first-heartbeat.
     pub max_heartbeat_gap_ms: Option<f64>,
     pub phases: Phases,
+    /// The sandbox sets carried over (warm), by name.
+    pub sets: Vec<String>,
+    /// From the sets' pause (after the VMs') to every set's sandboxes
+    /// running again in the new process: their downtime.
+    pub sets_downtime_ms: Option<f64>,
 }
 
 /// One VM as suspended here, kept until the new process has committed.
@@ -153,11 +163,23 @@ pub fn rejuvenate(host: &Host, listener_fd: Option<i32>, opts: &Options) -> Repo
         generation: host.generation() + 1,
         ..Report::default()
     };
+    // Sandbox sets live in their memfds: only a warm handover carries them.
+    let sets_here = crate::carry::holds();
+    if sets_here && opts.mode != Mode::Warm {
+        report.error = Some(format!(
+            "the host runs sandbox sets, which only a warm rejuvenation carries over (not {})",
+            opts.mode.name()
+        ));
+        report.rolled_back = true;
+        return report;
+    }
     // 0. Warm: start the successor before anything pauses. It builds every
     // VM over its memfd while the VMs still run here; a binary that fails to
-    // start or refuses the record costs the VMs nothing.
+    // start or refuses the record costs the VMs nothing. Sandbox sets need
+    // their paused state in the record: with sets the successor starts
+    // during the pause.
     let mut standby = None;
-    if opts.mode == Mode::Warm && opts.prespawn {
+    if opts.mode == Mode::Warm && opts.prespawn && !sets_here {
         report.phases.prespawned = true;
         match Successor::standby(host, listener_fd, opts, &mut report) {
             Ok(s) => standby = Some(s),
@@ -228,6 +250,34 @@ pub fn rejuvenate(host: &Host, listener_fd: Option<i32>, opts: &Options) -> Repo
             image,
         });
     }
+    // The sandbox sets pause after the VMs (a warm handover only).
+    let sets_paused_ns = mono_ns();
+    let sets = match crate::carry::suspend(true) {
+        Ok(s) => s,
+        Err(e) => {
+            report.error = Some(format!("cannot suspend the sandbox sets: {e}"));
+            crate::carry::resume();
+            if let Some(s) = standby.take() {
+                s.kill();
+            }
+            resume_all(host, &suspended);
+            report.rolled_back = true;
+            return report;
+        }
+    };
+    if standby.is_some() && !sets.is_empty() {
+        // A set created after the standby successor started: it has no
+        // record of it.
+        report.error = Some("a sandbox set was created while the host rejuvenated".into());
+        crate::carry::resume();
+        if let Some(s) = standby.take() {
+            s.kill();
+        }
+        resume_all(host, &suspended);
+        report.rolled_back = true;
+        return report;
+    }
+    report.sets = sets.iter().map(|s| s.name.clone()).collect();
     report.phases.suspend_ms = ms_between(t0, mono_ns());
     // Release drops a VM (closing its TAP and disk) only if nothing here
     // still holds it.
@@ -246,8 +296,15 @@ pub fn rejuvenate(host: &Host, listener_fd: Option<i32>, opts: &Options) -> Repo
 
     // 2. Start the new process (or hand the states to the standby one) and
     // wait for `ready`.
-    let outcome =
-        hand_over(host, listener_fd, opts, standby, &suspended, &mut report, &mut released);
+    let outcome = hand_over(
+        host,
+        listener_fd,
+        opts,
+        standby,
+        (&suspended, &sets, sets_paused_ns),
+        &mut report,
+        &mut released,
+    );
     match outcome {
         Ok(()) => {
             report.ok = true;
@@ -265,6 +322,7 @@ pub fn rejuvenate(host: &Host, listener_fd: Option<i32>, opts: &Options) -> Repo
         Err(HandoverFailure::Recoverable(e)) => {
             report.error = Some(e);
             report.rolled_back = true;
+            crate::carry::resume();
             // The new process was killed: it serves nothing.
             report.new_pid = None;
             if released {
@@ -363,6 +421,7 @@ impl Successor {
             _ => None,
         }));
         inherit.extend(record.vms.iter().filter_map(|v| v.tap_fd));
+        inherit.extend(record.set_fds());
         let args: Vec<String> = vec![
             "host".into(),
             "--api".into(),
@@ -506,7 +565,7 @@ fn hand_over(
     listener_fd: Option<i32>,
     opts: &Options,
     standby: Option<Successor>,
-    suspended: &[Suspended],
+    (suspended, sets, sets_paused_ns): (&[Suspended], &[crate::carry::SetRecord], u64),
     report: &mut Report,
     released: &mut bool,
 ) -> Result<(), HandoverFailure> {
@@ -559,6 +618,7 @@ fn hand_over(
             record.limits = host.limits_for_handover();
             record.vms = suspended.iter().map(|s| s.rec.clone()).collect();
             record.finished = finished;
+            record.carry_sets(sets);
             let mut s = Successor::spawn(&record, listener_fd, opts).map_err(Recoverable)?;
             match s.expect("ready") {
                 Ok(r) => {
@@ -620,6 +680,12 @@ fn hand_over(
         d.boot_done_ms = t("workload_start_ns").map(|b| ms_between(paused, b));
     }
     report.phases.start_ms = ms_between(go_ns, last_start);
+    if !sets.is_empty() {
+        report.sets_downtime_ms = started
+            .get("sets_started_ns")
+            .and_then(Value::as_u64)
+            .map(|t| ms_between(sets_paused_ns, t));
+    }
     // The child is reparented when this process exits; it is not waited for.
     std::mem::forget(s.child);
     Ok(())

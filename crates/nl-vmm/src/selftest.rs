@@ -12,6 +12,7 @@
 //! | `NINELIVES_API_FAULT` | `segv[:N]`, `panic[:N]` | the API connection that reads the N-th request (default 1) fails once it has read it | [`arm_from_env`] |
 //! | `NINELIVES_FAULT_IN_RECOVERY` | any; `other` | every recovery crashes while it holds the VMM; `other`: the API's accept loop crashes as a recovery starts | `recovery` |
 //! | `NINELIVES_HANDOVER_SELFTEST` | `refuse-state` | the new process of a rejuvenation refuses the VM states it is handed | `handover` |
+//! | `NINELIVES_HANDOVER_SELFTEST` | `corrupt-sets` | the new process of a rejuvenation or microreboot reads every sandbox set record corrupted (its `vms` replaced) | `carry` |
 //!
 //! `syscall` is a system call no VMM thread's seccomp filter allows (a
 //! harmless `personality` query), so it exercises the seccomp detector.
@@ -44,6 +45,12 @@ pub fn arm_from_env() {
 /// VM states.
 pub fn handover_refuses_state() -> bool {
     std::env::var_os(HANDOVER_SELFTEST_ENV).is_some_and(|v| v == "refuse-state")
+}
+
+/// True when the handover self-test corrupts the sandbox set records the
+/// new process reads.
+pub fn handover_corrupts_sets() -> bool {
+    std::env::var_os(HANDOVER_SELFTEST_ENV).is_some_and(|v| v == "corrupt-sets")
 }
 
 /// The failure a fault point runs: `segv`, `panic`, `hang` or `syscall`.

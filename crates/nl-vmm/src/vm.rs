@@ -214,6 +214,28 @@ impl Vm {
         Ok(vm)
     }
 
+    /// [`Vm::restore`] of a VM with memory windows (a sandbox carried to a
+    /// new VMM process): the windows are registered as in
+    /// [`Vm::create_with_windows`]; the boot structures and guest page
+    /// tables mapping them are in the guest memory already.
+    pub fn restore_with_windows(
+        kvm: &Kvm,
+        id: u32,
+        config: VmConfig,
+        memory: GuestMemory,
+        state: &VmState,
+        windows: crate::windows::VmWindows,
+    ) -> Result<Self, VmmError> {
+        check_compatible(&config, state)?;
+        check_memory(&memory, state)?;
+        windows.validate().map_err(VmmError::Config)?;
+        let mut vm = Self::prepare(kvm, id, config, memory)?;
+        windows.register(&vm.vm_fd, vm.memory.regions().len() as u32)?;
+        vm.windows = Some(Arc::new(windows));
+        vm.load_state(state)?;
+        Ok(vm)
+    }
+
     /// Builds a VM over existing guest memory, ready for
     /// [`Vm::restore_state`] (not started, no state loaded). A standby
     /// successor prepares its VMs this way while the old process still runs

@@ -31,6 +31,9 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
     // Fatal signals, panics and hangs anywhere in this VMM are detected and
     // reported; the recovery policy decides what follows.
     nl_vmm::detect::install(a.recovery.policy(a.repairs));
+    // Sandbox sets: served by the front end and carried by it across a
+    // rejuvenation or microreboot (registered before any take-over).
+    let front = HostFrontend::shared();
     let main_ns = nl_vmm::handover::mono_ns();
     if let (Some(record), Some(sum)) = (a.reboot_record, a.reboot_checksum) {
         // The fresh process of a microreboot: same pid, the VMs' memory and
@@ -53,10 +56,8 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
         };
         t.host.set_limits(limits(&a, t.host.limits()));
         match t.listener {
-            Some(l) => {
-                nl_vmm::api::serve_listener(t.host, l, &a.api, Arc::new(HostFrontend::default()))
-            }
-            None => nl_vmm::api::serve(t.host, &a.api, Arc::new(HostFrontend::default())),
+            Some(l) => nl_vmm::api::serve_listener(t.host, l, &a.api, front.clone()),
+            None => nl_vmm::api::serve(t.host, &a.api, front.clone()),
         }
         .with_context(|| format!("host on {}", a.api.display()))?;
         return Ok(ExitCode::SUCCESS);
@@ -77,10 +78,8 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
         );
         t.host.set_limits(limits(&a, t.host.limits()));
         match t.listener {
-            Some(l) => {
-                nl_vmm::api::serve_listener(t.host, l, &a.api, Arc::new(HostFrontend::default()))
-            }
-            None => nl_vmm::api::serve(t.host, &a.api, Arc::new(HostFrontend::default())),
+            Some(l) => nl_vmm::api::serve_listener(t.host, l, &a.api, front.clone()),
+            None => nl_vmm::api::serve(t.host, &a.api, front.clone()),
         }
         .with_context(|| format!("host on {}", a.api.display()))?;
         return Ok(ExitCode::SUCCESS);
@@ -111,7 +110,7 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
         limits.vcpu_budget,
         limits.max_connections
     );
-    nl_vmm::api::serve(host, &a.api, Arc::new(HostFrontend::default()))
+    nl_vmm::api::serve(host, &a.api, front.clone())
         .with_context(|| format!("host on {}", a.api.display()))?;
     Ok(ExitCode::SUCCESS)
 }

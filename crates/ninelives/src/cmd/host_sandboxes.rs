@@ -3,17 +3,23 @@
 //! `sandbox_destroy` in JSON lines). A set is what `ninelives sandbox
 //! --config` runs (docs/sandboxes.md), held beside the host's ordinary VMs:
 //! its guest memory counts against the host's memory budget, each set is
-//! supervised on a thread of its own, and a host holding sets refuses to
-//! rejuvenate (a new process cannot take sandboxes over yet) instead of
-//! losing them.
+//! supervised on a thread of its own. A warm rejuvenation or a microreboot
+//! carries every set to the new process ([`nl_vmm::carry`], through
+//! [`nl_sandbox::handover`]): its sandboxes' memory and channels stay in
+//! their memfds, their vCPU and device state moves, and the supervision
+//! goes on with the time limit that remained. A host refuses to rejuvenate
+//! only with a set that cannot be carried (a `rollback` sandbox, or a
+//! sandbox that ended while others run).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use nl_sandbox::handover::CarriedSandboxes;
 use nl_sandbox::{SandboxSet, SetConfig, SetReport};
 use nl_sync::Lock;
 use nl_vmm::api::{ApiError, Frontend};
+use nl_vmm::carry::{Carrier, InheritedSet, SetRecord};
 use nl_vmm::host::Host;
 use nl_vmm::VmConfig;
 use serde_json::{json, Value};
@@ -27,6 +33,10 @@ struct RunningSet {
     set: Arc<SandboxSet>,
     mem_bytes: u64,
     started: Instant,
+    /// The set's time limit (s), from its creation.
+    timeout_s: f64,
+    /// VMM processes it was carried to (rejuvenations, microreboots).
+    handovers: u64,
     /// The supervisor's report once every sandbox has ended.
     report: Arc<Lock<Option<SetReport>>>,
     supervisor: Option<std::thread::JoinHandle<()>>,
@@ -37,11 +47,26 @@ struct RunningSet {
 /// microreset that discards an API thread holding one releases it.
 pub struct HostFrontend {
     sets: Arc<Lock<BTreeMap<String, RunningSet>>>,
+    /// Sets that had ended before a handover: their last `stats`.
+    ended: Arc<Lock<BTreeMap<String, Value>>>,
+    /// Sets paused for a handover in progress.
+    suspended: Arc<Lock<Vec<String>>>,
+    /// Sets a new process rebuilt, waiting to start.
+    adopted: Arc<Lock<Vec<(String, RunningSet)>>>,
 }
 
-impl Default for HostFrontend {
-    fn default() -> Self {
-        Self { sets: Lock::new("host.sandbox_sets", BTreeMap::new()) }
+impl HostFrontend {
+    /// The host's front end, registered as the carrier of its sets across
+    /// handovers (once per process).
+    pub fn shared() -> Arc<Self> {
+        let f = Arc::new(Self {
+            sets: Lock::new("host.sandbox_sets", BTreeMap::new()),
+            ended: Lock::new("host.sandbox_ended", BTreeMap::new()),
+            suspended: Lock::new("host.sandbox_suspended", Vec::new()),
+            adopted: Lock::new("host.sandbox_adopted", Vec::new()),
+        });
+        nl_vmm::carry::register(f.clone());
+        f
     }
 }
 
@@ -88,7 +113,7 @@ impl HostFrontend {
         // Held for the whole creation: two creates cannot both pass the
         // budget, nor take one name.
         let mut sets = self.sets.lock();
-        if sets.contains_key(&name) {
+        if sets.contains_key(&name) || self.ended.lock().contains_key(&name) {
             return Err(ApiError {
                 status: 409,
                 message: format!("a sandbox set named '{name}' exists"),
@@ -123,42 +148,44 @@ impl HostFrontend {
             return Err(ApiError::bad(format!("sandbox set '{name}': {e}")));
         }
         let names: Vec<String> = set.sandboxes.iter().map(|s| s.config.name.clone()).collect();
-        let report = Lock::new("host.sandbox_report", None);
-        let supervisor = {
-            let (s, report, name) = (set.clone(), report.clone(), name.clone());
-            std::thread::Builder::new()
-                .name(format!("sbx-{}", &name[..name.len().min(10)]))
-                .spawn(move || {
-                    let r = s.supervise(Duration::from_secs_f64(timeout));
-                    nl_vmm::event_log::publish(
-                        "sandbox_set_ended",
-                        json!({"name": name, "all_ok": r.all_ok()}),
-                    );
-                    *report.lock() = Some(r);
-                })
-                .map_err(|e| {
-                    set.stop_all();
-                    ApiError {
-                        status: 500,
-                        message: format!("cannot start the set's supervisor: {e}"),
-                    }
-                })?
+        let mut r = RunningSet {
+            set,
+            mem_bytes,
+            started: Instant::now(),
+            timeout_s: timeout,
+            handovers: 0,
+            report: Lock::new("host.sandbox_report", None),
+            supervisor: None,
         };
+        Self::supervise(&name, &mut r).map_err(|e| {
+            r.set.stop_all();
+            ApiError { status: 500, message: e }
+        })?;
         nl_vmm::event_log::publish(
             "sandbox_set_created",
             json!({"name": name, "sandboxes": names, "mem_bytes": mem_bytes}),
         );
-        sets.insert(
-            name.clone(),
-            RunningSet {
-                set,
-                mem_bytes,
-                started: Instant::now(),
-                report,
-                supervisor: Some(supervisor),
-            },
-        );
+        sets.insert(name.clone(), r);
         Ok(json!({"name": name, "sandboxes": names}))
+    }
+
+    /// Starts the set's supervisor thread for the rest of its time limit.
+    fn supervise(name: &str, r: &mut RunningSet) -> Result<(), String> {
+        let left = (r.timeout_s - r.started.elapsed().as_secs_f64()).max(0.001);
+        let (s, report, name) = (r.set.clone(), r.report.clone(), name.to_string());
+        let t = std::thread::Builder::new()
+            .name(format!("sbx-{}", &name[..name.len().min(10)]))
+            .spawn(move || {
+                let r = s.supervise(Duration::from_secs_f64(left));
+                nl_vmm::event_log::publish(
+                    "sandbox_set_ended",
+                    json!({"name": name, "all_ok": r.all_ok()}),
+                );
+                *report.lock() = Some(r);
+            })
+            .map_err(|e| format!("cannot start the set's supervisor: {e}"))?;
+        r.supervisor = Some(t);
+        Ok(())
     }
 
     fn summary(name: &str, r: &RunningSet) -> Value {
@@ -170,16 +197,23 @@ impl HostFrontend {
             "channels": r.set.channels.len(),
             "mem_bytes": r.mem_bytes,
             "uptime_s": r.started.elapsed().as_secs_f64(),
+            "handovers": r.handovers,
         })
     }
 
     fn stats(&self, name: &str) -> Result<Value, ApiError> {
         let sets = self.sets.lock();
-        let r = sets.get(name).ok_or_else(|| not_found(name))?;
+        let Some(r) = sets.get(name) else {
+            return self.ended.lock().get(name).cloned().ok_or_else(|| not_found(name));
+        };
+        Ok(Self::stats_of(name, r))
+    }
+
+    fn stats_of(name: &str, r: &RunningSet) -> Value {
         let mut v = Self::summary(name, r);
         if let Some(report) = r.report.lock().as_ref() {
             v["report"] = serde_json::to_value(report).unwrap_or(Value::Null);
-            return Ok(v);
+            return v;
         }
         v["sandbox_stats"] = r
             .set
@@ -199,12 +233,17 @@ impl HostFrontend {
             })
             .collect();
         v["channel_stats"] = serde_json::to_value(r.set.channel_stats()).unwrap_or(Value::Null);
-        Ok(v)
+        v
     }
 
     fn destroy(&self, name: &str) -> Result<Value, ApiError> {
-        let r = self.sets.lock().remove(name).ok_or_else(|| not_found(name))?;
-        Self::end(r);
+        let r = self.sets.lock().remove(name);
+        match r {
+            Some(r) => Self::end(r),
+            None => {
+                self.ended.lock().remove(name).ok_or_else(|| not_found(name))?;
+            }
+        }
         nl_vmm::event_log::publish("sandbox_set_destroyed", json!({"name": name}));
         Ok(json!({}))
     }
@@ -227,9 +266,15 @@ impl Frontend for HostFrontend {
             "sandbox_create" => self.create(host, req),
             "sandbox_list" => {
                 let sets = self.sets.lock();
-                Ok(
-                    json!({"sets": sets.iter().map(|(n, r)| Self::summary(n, r)).collect::<Vec<_>>()}),
-                )
+                let mut list: Vec<Value> = sets.iter().map(|(n, r)| Self::summary(n, r)).collect();
+                for v in self.ended.lock().values() {
+                    let mut v = v.clone();
+                    if let Some(o) = v.as_object_mut() {
+                        o.retain(|k, _| !matches!(k.as_str(), "report"));
+                    }
+                    list.push(v);
+                }
+                Ok(json!({ "sets": list }))
             }
             "sandbox_stats" => name_of(req).and_then(|n| self.stats(&n)),
             "sandbox_destroy" => name_of(req).and_then(|n| self.destroy(&n)),
@@ -243,12 +288,13 @@ impl Frontend for HostFrontend {
 
     fn handover_blocker(&self) -> Option<String> {
         let sets = self.sets.lock();
-        (!sets.is_empty()).then(|| {
-            format!(
-                "the host runs sandbox set(s) {}, which a new VMM process cannot take over yet; \
-                 delete them first (DELETE /v1/sandboxes/NAME)",
-                sets.keys().cloned().collect::<Vec<_>>().join(", ")
-            )
+        sets.iter().filter(|(_, r)| r.report.lock().is_none()).find_map(|(name, r)| {
+            r.set.carry_blocker().map(|why| {
+                format!(
+                    "sandbox set '{name}' cannot move to a new VMM process: {why}; wait for it \
+                     to end or delete it (DELETE /v1/sandboxes/{name})"
+                )
+            })
         })
     }
 
@@ -257,5 +303,132 @@ impl Frontend for HostFrontend {
         for (_, r) in sets {
             Self::end(r);
         }
+    }
+}
+
+fn field(v: &Value, k: &str) -> Result<f64, String> {
+    v.get(k)
+        .and_then(Value::as_f64)
+        .filter(|x| x.is_finite() && *x >= 0.0)
+        .ok_or_else(|| format!("its record has no valid \"{k}\""))
+}
+
+impl Carrier for HostFrontend {
+    fn holds(&self) -> bool {
+        !self.sets.lock().is_empty() || !self.ended.lock().is_empty()
+    }
+
+    fn suspend(&self, strict: bool) -> Result<Vec<SetRecord>, String> {
+        let sets = self.sets.lock();
+        let mut out = Vec::new();
+        let mut paused: Vec<String> = Vec::new();
+        for (name, r) in sets.iter() {
+            if r.report.lock().is_some() {
+                // Ended: its results move, nothing runs.
+                out.push(SetRecord::new(name, json!({ "ended": Self::stats_of(name, r) })));
+                continue;
+            }
+            let extra = json!({
+                "timeout_s": r.timeout_s,
+                "uptime_s": r.started.elapsed().as_secs_f64(),
+                "mem_bytes": r.mem_bytes,
+                "handovers": r.handovers + 1,
+            });
+            match r.set.suspend_for_handover(name, extra) {
+                Ok(rec) => {
+                    paused.push(name.clone());
+                    out.push(rec);
+                }
+                Err(e) if strict => {
+                    for n in &paused {
+                        sets[n].set.resume_after_handover();
+                    }
+                    return Err(format!("sandbox set '{name}': {e}"));
+                }
+                Err(e) => {
+                    let m = format!("sandbox set '{name}' is left behind: {e}");
+                    tracing::error!("{m}");
+                    nl_vmm::event_log::publish("sandbox_set_refused", json!({"error": m}));
+                }
+            }
+        }
+        for (name, v) in self.ended.lock().iter() {
+            out.push(SetRecord::new(name, json!({ "ended": v })));
+        }
+        *self.suspended.lock() = paused;
+        Ok(out)
+    }
+
+    fn resume(&self) {
+        let names = std::mem::take(&mut *self.suspended.lock());
+        let sets = self.sets.lock();
+        for n in names {
+            if let Some(r) = sets.get(&n) {
+                r.set.resume_after_handover();
+            }
+        }
+    }
+
+    fn adopt(&self, _kvm: &nl_sandbox::Kvm, set: InheritedSet) -> Result<(), String> {
+        let name = set.record.name.clone();
+        let taken = self.sets.lock().contains_key(&name)
+            || self.ended.lock().contains_key(&name)
+            || self.adopted.lock().iter().any(|(n, _)| *n == name);
+        if taken {
+            return Err("a set of that name was carried already".into());
+        }
+        let config = set.record.config.clone();
+        if let Some(ended) = config.get("ended") {
+            if !set.record.vms.is_empty() {
+                return Err("an ended set's record lists VMs".into());
+            }
+            self.ended.lock().insert(name, ended.clone());
+            return Ok(());
+        }
+        let carried: CarriedSandboxes = serde_json::from_value(config["sandboxes"].clone())
+            .map_err(|e| format!("its sandbox configuration is corrupt ({e})"))?;
+        let fe = &config["frontend"];
+        let (timeout_s, uptime_s) = (field(fe, "timeout_s")?, field(fe, "uptime_s")?);
+        let (mem_bytes, handovers) =
+            (field(fe, "mem_bytes")? as u64, field(fe, "handovers")? as u64);
+        let set = SandboxSet::from_handover(set, carried, &super::sandbox::images())
+            .map_err(|e| e.to_string())?;
+        let started = Instant::now()
+            .checked_sub(Duration::from_secs_f64(uptime_s))
+            .unwrap_or_else(Instant::now);
+        let r = RunningSet {
+            set: Arc::new(set),
+            mem_bytes,
+            started,
+            timeout_s,
+            handovers,
+            report: Lock::new("host.sandbox_report", None),
+            supervisor: None,
+        };
+        self.adopted.lock().push((name, r));
+        Ok(())
+    }
+
+    fn start(&self) -> Vec<String> {
+        let adopted = std::mem::take(&mut *self.adopted.lock());
+        let mut errors = Vec::new();
+        for (name, mut r) in adopted {
+            let started = r.set.start_carried().map_err(|e| e.to_string());
+            match started.and_then(|()| Self::supervise(&name, &mut r)) {
+                Ok(()) => {
+                    nl_vmm::event_log::publish(
+                        "sandbox_set_carried",
+                        json!({"name": name, "handovers": r.handovers}),
+                    );
+                    self.sets.lock().insert(name, r);
+                }
+                Err(e) => {
+                    r.set.stop_all();
+                    errors
+                        .push(format!("sandbox set '{name}' cannot start after the handover: {e}"));
+                }
+            }
+        }
+        errors
     }
 }

@@ -725,7 +725,12 @@ fn handle_op(
 ) -> Result<Value, ApiError> {
     let op = req.get("op").and_then(Value::as_str).ok_or("request needs an \"op\" string")?;
     let e = ApiError::from;
-    if ctx.hold.load(Relaxed) && matches!(op, "create" | "pause" | "resume" | "destroy") {
+    if ctx.hold.load(Relaxed)
+        && matches!(
+            op,
+            "create" | "pause" | "resume" | "destroy" | "sandbox_create" | "sandbox_destroy"
+        )
+    {
         return Err(ApiError {
             status: 409,
             message: format!("cannot {op} now: the host is being rejuvenated"),

@@ -122,6 +122,12 @@ fn build_and_exec(what: &str, t0: Instant, steps: &mut Steps) -> Result<Never, S
         inherit.push(fd);
     }
     steps.done("save_vm_state", json!(record.vms.len()));
+    // Sandbox sets: paused and saved by the front end; a set that cannot be
+    // carried is left behind with a report (there is no way back).
+    let sets = crate::carry::suspend(false)?;
+    record.carry_sets(&sets);
+    inherit.extend(record.set_fds());
+    steps.done("save_sandbox_sets", json!(sets.len()));
     let exec_ns = handover::mono_ns();
     let started_ns = exec_ns.saturating_sub(t0.elapsed().as_nanos() as u64);
     record.reboot = Some(json!({

@@ -1,0 +1,280 @@
+//! Carrying a running set to a new VMM process (a warm rejuvenation or a
+//! microreboot of `ninelives host`, see [`nl_vmm::carry`]).
+//!
+//! The old process pauses every sandbox at once, saves each VM's vCPU and
+//! device state and names its RAM memfd and each channel's memfd
+//! ([`SandboxSet::suspend_for_handover`]). Nothing is copied: the new
+//! process maps the same memfds ([`SandboxSet::from_handover`]), so both
+//! output regions of every channel keep their generation, head and
+//! acknowledgement words and neither end sees a resync. It re-creates the
+//! channel windows over the inherited memfd, new doorbell eventfds wired
+//! as before (ioeventfd in the sender, irqfd in the receiver), re-runs the
+//! isolation audit over every slot, restores each sandbox's VM with its
+//! windows, and carries each monitor's violation count and log. Starting
+//! ([`SandboxSet::start_carried`]) pins the vCPUs again and re-applies the
+//! budgets (a new cgroup: the throttling counters start over).
+//!
+//! Not carried: sandboxes under `rollback` (their checkpoint supervisor
+//! lives in the old process) and sets in which some sandbox has already
+//! ended; a doorbell rung during the pause is not replayed (the receivers
+//! poll their rings as well).
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Instant;
+
+use nl_sync::Lock;
+use nl_vmm::carry::{FdRecord, InheritedSet, SetRecord};
+use nl_vmm::handover::{memfd_of, mono_ns, MemorySource, VmRecord};
+use nl_vmm::windows::{Violation, VmWindows};
+use nl_vmm::Vm;
+use serde::{Deserialize, Serialize};
+
+use crate::audit::{audit, Backing, Mapping};
+use crate::channel::HostChannel;
+use crate::config::{RecoveryPolicy, SetConfig};
+use crate::monitor::Monitor;
+use crate::set::{Images, Sandbox, SandboxSet};
+use crate::{affinity, SandboxError};
+
+/// What a set's record holds besides its VMs and memfds.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CarriedSandboxes {
+    pub config: SetConfig,
+    /// Per sandbox: the violations its monitor counted, and its log.
+    pub violations: Vec<(u64, Vec<Violation>)>,
+}
+
+impl SandboxSet {
+    /// Why this set cannot be carried to a new process now, if it cannot.
+    pub fn carry_blocker(&self) -> Option<String> {
+        for sb in &self.sandboxes {
+            if sb.config.recovery.policy == RecoveryPolicy::Rollback {
+                return Some(format!(
+                    "sandbox '{}' runs under rollback recovery, whose checkpoint supervisor \
+                     cannot move to a new process",
+                    sb.config.name
+                ));
+            }
+            if let Some(o) = sb.vm().poll_outcome() {
+                return Some(format!(
+                    "sandbox '{}' has ended ({}) while others run",
+                    sb.config.name,
+                    o.message()
+                ));
+            }
+        }
+        None
+    }
+
+    /// Pauses every sandbox (all asked at once) and describes the set for
+    /// a new process: each VM's saved state and RAM memfd, each channel's
+    /// memfd, `extra` (the front end's supervision) beside the
+    /// configuration. On error every sandbox runs on.
+    pub fn suspend_for_handover(
+        &self,
+        name: &str,
+        extra: serde_json::Value,
+    ) -> Result<SetRecord, SandboxError> {
+        if let Some(why) = self.carry_blocker() {
+            return Err(SandboxError::Resource(why));
+        }
+        let paused_at_ns = mono_ns();
+        let vms: Vec<Arc<Vm>> = self.sandboxes.iter().map(|sb| sb.vm()).collect();
+        for vm in &vms {
+            vm.request_pause();
+        }
+        for vm in &vms {
+            vm.pause();
+        }
+        let r = self.describe(name, &vms, paused_at_ns, extra);
+        if r.is_err() {
+            self.resume_after_handover();
+        }
+        r
+    }
+
+    fn describe(
+        &self,
+        name: &str,
+        vms: &[Arc<Vm>],
+        paused_at_ns: u64,
+        extra: serde_json::Value,
+    ) -> Result<SetRecord, SandboxError> {
+        let mut violations = Vec::new();
+        let mut records = Vec::new();
+        for (sb, vm) in self.sandboxes.iter().zip(vms) {
+            let err = |e: String| SandboxError::Vm(sb.config.name.clone(), e);
+            if let Some(o) = vm.poll_outcome() {
+                return Err(err(format!("ended ({}) as the handover paused it", o.message())));
+            }
+            let state = vm.save_state().map_err(|e| err(e.to_string()))?;
+            let mut rec = VmRecord::describe_vm(vm, false);
+            let (fd, ino) = memfd_of(vm.memory()).map_err(|e| err(e.to_string()))?;
+            rec.memory = MemorySource::Memfd { fd, ino };
+            rec.state = Some(String::from_utf8(state.to_bytes()).expect("JSON is UTF-8"));
+            rec.paused_at_ns = paused_at_ns;
+            records.push(rec);
+            violations.push(sb.monitor.violation_state());
+        }
+        let mut channels = Vec::new();
+        for c in &self.channels {
+            use std::os::fd::AsRawFd;
+            let f = c.file().ok_or_else(|| {
+                SandboxError::Resource(format!("channel '{}' has no memfd", c.name))
+            })?;
+            channels.push(FdRecord { fd: f.as_raw_fd(), ino: c.backing.ino });
+        }
+        let carried = CarriedSandboxes { config: self.config.clone(), violations };
+        let config = serde_json::json!({"sandboxes": carried, "frontend": extra});
+        let mut r = SetRecord::new(name, config);
+        r.vms = records;
+        r.channels = channels;
+        Ok(r)
+    }
+
+    /// The handover did not happen: every sandbox runs on here.
+    pub fn resume_after_handover(&self) {
+        for sb in &self.sandboxes {
+            sb.vm().resume();
+        }
+    }
+
+    /// Rebuilds a set in the new process from what it inherited (not
+    /// started): the configuration checked again, the channels over their
+    /// memfds, the audit over every slot, each sandbox's VM restored with
+    /// its windows and its monitor's violations. Every mismatch between the
+    /// record and what was inherited is refused by name.
+    pub fn from_handover(
+        set: InheritedSet,
+        carried: CarriedSandboxes,
+        images: &Images,
+    ) -> Result<Self, SandboxError> {
+        let InheritedSet { record, memories, states, channels: files } = set;
+        let config = carried.config;
+        let bad = |m: String| Err(SandboxError::Config(format!("carried set: {m}")));
+        config.validate(affinity::host_cores()?.len())?;
+        let n = config.sandboxes.len();
+        if record.vms.len() != n || memories.len() != n || states.len() != n {
+            return bad(format!("{} sandboxes but {} VM records", n, record.vms.len()));
+        }
+        if carried.violations.len() != n {
+            return bad(format!("{} sandboxes but {} monitors", n, carried.violations.len()));
+        }
+        if files.len() != config.channels.len() {
+            return bad(format!(
+                "{} channels but {} channel memfds",
+                config.channels.len(),
+                files.len()
+            ));
+        }
+        let kvm = nl_vmm::open_kvm()
+            .map_err(|e| SandboxError::Resource(format!("cannot open /dev/kvm: {e}")))?;
+        let index_of = |n: &str| config.sandboxes.iter().position(|s| s.name == n);
+        let mut channels = Vec::new();
+        for (i, (c, f)) in config.channels.iter().zip(files).enumerate() {
+            let (Some(a), Some(b)) = (index_of(&c.between[0]), index_of(&c.between[1])) else {
+                return bad(format!("channel '{}' names an unknown sandbox", c.name));
+            };
+            channels.push(HostChannel::over_file(
+                &c.name,
+                i,
+                [a, b],
+                f,
+                c.doorbell,
+                c.doorbell_irqfd,
+            )?);
+        }
+        let mut mappings = Vec::new();
+        let mut plans = Vec::new();
+        for ((i, s), memory) in config.sandboxes.iter().enumerate().zip(memories) {
+            if record.vms[i].id != i as u32 || memory.size() != s.mem_mib << 20 {
+                return bad(format!(
+                    "sandbox '{}' is #{i} with {} MiB, its VM record #{} with {} bytes",
+                    s.name,
+                    s.mem_mib,
+                    record.vms[i].id,
+                    memory.size()
+                ));
+            }
+            let backing = Backing::of(memory.fd())?;
+            mappings.push(Mapping {
+                sandbox: i,
+                backing,
+                offset: 0,
+                len: memory.size(),
+                writable: true,
+                channel: None,
+                what: "RAM".into(),
+            });
+            let mut windows = VmWindows { sandbox: i as u64, ..Default::default() };
+            for (k, (ci, end)) in config.channels_of(&s.name).into_iter().enumerate() {
+                let e = channels[ci].windows_for(end as usize, k as u64);
+                windows.windows.extend(e.windows);
+                windows.channels.push(e.info);
+                windows.doorbells.extend(e.doorbells);
+                windows.keep.push(channels[ci].keepalive());
+                mappings.extend(e.mappings);
+            }
+            plans.push((memory, windows, backing));
+        }
+        let names: Vec<String> = config.sandboxes.iter().map(|s| s.name.clone()).collect();
+        audit(&mappings, &names)?;
+        let vm_images =
+            nl_vmm::handover::Images { kernel: images.kernel.clone(), user: images.user.clone() };
+        let mut sandboxes = Vec::new();
+        for (i, (memory, mut windows, ram_backing)) in plans.into_iter().enumerate() {
+            let s = &config.sandboxes[i];
+            let monitor = Monitor::new(&s.name, s.on_violation);
+            let (count, log) = carried.violations[i].clone();
+            monitor.carry_violations(count, log);
+            windows.guard = Some(monitor.clone());
+            let vm_cfg = record.vms[i].config(&vm_images);
+            let vm = Vm::restore_with_windows(
+                &kvm,
+                i as u32,
+                vm_cfg.clone(),
+                memory,
+                &states[i],
+                windows.clone(),
+            )
+            .map_err(|e| SandboxError::Vm(s.name.clone(), format!("restore: {e}")))?;
+            // A restart builds from the configured workload (the carried VM
+            // may run a `replace` workload).
+            let workload = s.workload.params().map_err(SandboxError::Config)?;
+            sandboxes.push(Sandbox {
+                index: i,
+                config: s.clone(),
+                vm: Lock::new("sandbox.vm", Arc::new(vm)),
+                monitor,
+                vm_config: nl_vmm::VmConfig { workload, ..vm_cfg },
+                windows,
+                ram_backing,
+                script: Lock::new("sandbox.script", Vec::new()),
+            });
+        }
+        let budgets = Lock::new("sandbox.budgets", sandboxes.iter().map(|_| None).collect());
+        Ok(Self {
+            config,
+            sandboxes,
+            channels,
+            mappings,
+            kvm,
+            created: Instant::now(),
+            stop: AtomicBool::new(false),
+            budgets,
+        })
+    }
+
+    /// Starts the sandboxes of a carried set: pinned to their cores, their
+    /// budgets applied again. On error every sandbox is stopped.
+    pub fn start_carried(&self) -> Result<(), SandboxError> {
+        for sb in &self.sandboxes {
+            if let Err(e) = self.start_vm(sb) {
+                self.stop_all();
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+}

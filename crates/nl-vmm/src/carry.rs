@@ -1,0 +1,341 @@
+//! Carrying what a front end runs beside the host's VMs (sandbox sets)
+//! across a warm rejuvenation or a microreboot.
+//!
+//! A sandbox set is not one of the host's VMs: its VMs map channel windows,
+//! its supervision belongs to the front end (`nl-sandbox`, which this crate
+//! does not know). The front end registers a [`Carrier`] once ([`register`]);
+//! the handover then asks it to pause and describe every set
+//! ([`Carrier::suspend`]), writes one [`SetRecord`] per set into the
+//! handover record (next to the VM records, as JSON values: a corrupt set
+//! record is refused on its own, the rest of the record still serves),
+//! passes the sets' memfds across exec like the VMs' memfds, and in the new
+//! process hands each set, its memory, saved states and channel memfds
+//! ([`InheritedSet`]) back to the front end ([`Carrier::adopt`]), which
+//! rebuilds it; [`Carrier::start`] then runs every adopted set.
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::os::unix::fs::MetadataExt;
+use std::sync::{Arc, OnceLock};
+
+use kvm_ioctls::Kvm;
+use nl_memory::GuestMemory;
+use serde::{Deserialize, Serialize};
+
+use crate::handover::{take_fd, MemorySource, VmRecord};
+use crate::state::VmState;
+use crate::VmmError;
+
+/// The version of a [`SetRecord`] this binary writes and reads.
+pub const SET_RECORD_VERSION: u32 = 1;
+
+/// An inherited descriptor and the inode it must be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FdRecord {
+    pub fd: i32,
+    pub ino: u64,
+}
+
+/// One set in a handover record.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SetRecord {
+    pub version: u32,
+    /// The set's name on the host API.
+    pub name: String,
+    /// The front end's description of the set (its configuration and
+    /// supervision), checked by the front end when it adopts the set.
+    pub config: serde_json::Value,
+    /// One VM per running sandbox, in sandbox order, each with its memfd
+    /// and saved state (none for a set that had ended).
+    pub vms: Vec<VmRecord>,
+    /// The channels' memfds, in channel order.
+    pub channels: Vec<FdRecord>,
+}
+
+impl SetRecord {
+    pub fn new(name: &str, config: serde_json::Value) -> Self {
+        Self {
+            version: SET_RECORD_VERSION,
+            name: name.into(),
+            config,
+            vms: Vec::new(),
+            channels: Vec::new(),
+        }
+    }
+
+    /// Parses and checks one set record: its version, its name, every VM
+    /// with a memfd and a state and fields a VM may have, no descriptor
+    /// named twice. The message names the set (when it has a name) and
+    /// what is wrong.
+    pub fn parse(v: &serde_json::Value) -> Result<Self, VmmError> {
+        let name = v.get("name").and_then(|n| n.as_str()).unwrap_or("?").to_string();
+        let bad = |m: String| VmmError::State(format!("sandbox set record '{name}' refused: {m}"));
+        let version = v.get("version").and_then(|n| n.as_u64());
+        if version != Some(u64::from(SET_RECORD_VERSION)) {
+            return Err(bad(format!(
+                "version {version:?}; this binary reads version {SET_RECORD_VERSION}"
+            )));
+        }
+        let r: Self =
+            serde_json::from_value(v.clone()).map_err(|e| bad(format!("corrupt ({e})")))?;
+        if r.name.is_empty()
+            || r.name.len() > 64
+            || !r.name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return Err(bad("its name must be 1 to 64 of letters, digits, '-' and '_'".into()));
+        }
+        let mut fds = BTreeSet::new();
+        let mut ids = BTreeSet::new();
+        for vm in &r.vms {
+            let MemorySource::Memfd { fd, .. } = vm.memory else {
+                return Err(bad(format!("sandbox VM {} has no memfd", vm.id)));
+            };
+            if vm.state.is_none() {
+                return Err(bad(format!("sandbox VM {} has no saved state", vm.id)));
+            }
+            if !ids.insert(vm.id) {
+                return Err(bad(format!("sandbox VM {} listed twice", vm.id)));
+            }
+            vm.check_fields().map_err(|e| bad(e.to_string()))?;
+            if !fds.insert(fd) {
+                return Err(bad(format!("descriptor {fd} used twice")));
+            }
+        }
+        for c in &r.channels {
+            if !fds.insert(c.fd) {
+                return Err(bad(format!("descriptor {} used twice", c.fd)));
+            }
+        }
+        Ok(r)
+    }
+
+    /// Every descriptor the record names (to be inherited across exec).
+    pub fn fds(&self) -> Vec<i32> {
+        let vms = self.vms.iter().filter_map(|v| match v.memory {
+            MemorySource::Memfd { fd, .. } => Some(fd),
+            _ => None,
+        });
+        vms.chain(self.channels.iter().map(|c| c.fd)).collect()
+    }
+}
+
+/// A set as the new process inherited it: its record, each sandbox VM's
+/// memory and saved state (in the record's order), the channel memfds.
+pub struct InheritedSet {
+    pub record: SetRecord,
+    pub memories: Vec<GuestMemory>,
+    pub states: Vec<VmState>,
+    pub channels: Vec<File>,
+}
+
+/// What a front end does with its sets at a handover.
+pub trait Carrier: Send + Sync {
+    /// Whether it runs anything to carry now.
+    fn holds(&self) -> bool;
+    /// Pauses every set and describes it (VM states saved; memfds stay
+    /// open here). `strict` (a rejuvenation, which can still roll back): a
+    /// set that cannot be carried fails the handover; otherwise (a
+    /// microreboot) it is left behind with a report.
+    fn suspend(&self, strict: bool) -> Result<Vec<SetRecord>, String>;
+    /// The handover failed: the suspended sets run on here.
+    fn resume(&self);
+    /// In the new process: rebuild one set, not started.
+    fn adopt(&self, kvm: &Kvm, set: InheritedSet) -> Result<(), String>;
+    /// In the new process: start every adopted set; the errors.
+    fn start(&self) -> Vec<String>;
+}
+
+static CARRIER: OnceLock<Arc<dyn Carrier>> = OnceLock::new();
+
+/// Registers the front end's carrier (once, at start, before any handover
+/// is taken over).
+pub fn register(c: Arc<dyn Carrier>) {
+    let _ = CARRIER.set(c);
+}
+
+pub(crate) fn carrier() -> Option<&'static Arc<dyn Carrier>> {
+    CARRIER.get()
+}
+
+/// Whether a registered carrier holds sets now.
+pub(crate) fn holds() -> bool {
+    carrier().is_some_and(|c| c.holds())
+}
+
+/// The sets' records as JSON values, after pausing them.
+pub(crate) fn suspend(strict: bool) -> Result<Vec<SetRecord>, String> {
+    match carrier() {
+        Some(c) if c.holds() => c.suspend(strict),
+        _ => Ok(Vec::new()),
+    }
+}
+
+pub(crate) fn resume() {
+    if let Some(c) = carrier() {
+        c.resume();
+    }
+}
+
+/// Takes one set's inherited descriptors and parses its states.
+fn inherit(v: &serde_json::Value, taken: &mut BTreeSet<i32>) -> Result<InheritedSet, VmmError> {
+    let record = SetRecord::parse(v)?;
+    let name = record.name.clone();
+    let bad = |m: String| VmmError::State(format!("sandbox set record '{name}' refused: {m}"));
+    let check_ino = |f: &File, fd: i32, ino: u64| -> Result<(), VmmError> {
+        let got = f.metadata()?.ino();
+        if got != ino {
+            return Err(bad(format!("descriptor {fd} is inode {got}, the record says {ino}")));
+        }
+        Ok(())
+    };
+    let mut memories = Vec::new();
+    let mut states = Vec::new();
+    for vm in &record.vms {
+        let MemorySource::Memfd { fd, ino } = vm.memory else { unreachable!("parse checked") };
+        let f = take_fd(fd, taken, "sandbox memory").map_err(|e| bad(e.to_string()))?;
+        check_ino(&f, fd, ino)?;
+        memories
+            .push(GuestMemory::from_fd(Arc::new(f), vm.mem_bytes).map_err(|e| bad(e.to_string()))?);
+        let s = vm.state.as_deref().unwrap_or_default();
+        let state = VmState::from_bytes(s.as_bytes()).map_err(|e| bad(e.to_string()))?;
+        vm.check_state(&state).map_err(|e| bad(e.to_string()))?;
+        states.push(state);
+    }
+    let mut channels = Vec::new();
+    for c in &record.channels {
+        let f = take_fd(c.fd, taken, "channel").map_err(|e| bad(e.to_string()))?;
+        check_ino(&f, c.fd, c.ino)?;
+        channels.push(f);
+    }
+    Ok(InheritedSet { record, memories, states, channels })
+}
+
+/// Rebuilds every set of a record in the new process (not started).
+/// `strict` (a rejuvenation): the first set that cannot be rebuilt refuses
+/// the handover, so the old process keeps everything. Otherwise (a
+/// microreboot, which has no way back) such a set is reported and left
+/// out; the host and its other sets come up. Returns the refusals.
+pub(crate) fn adopt_all(
+    kvm: &Kvm,
+    sets: &[serde_json::Value],
+    taken: &mut BTreeSet<i32>,
+    strict: bool,
+) -> Result<Vec<String>, VmmError> {
+    let mut refused = Vec::new();
+    if sets.is_empty() {
+        return Ok(refused);
+    }
+    let Some(c) = carrier() else {
+        let m =
+            format!("{} sandbox set(s) in the record, but no front end to run them", sets.len());
+        return if strict {
+            Err(VmmError::State(format!("handover refused: {m}")))
+        } else {
+            Ok(vec![m])
+        };
+    };
+    for v in sets {
+        let mut v = v.clone();
+        if crate::selftest::handover_corrupts_sets() {
+            v["vms"] = serde_json::json!("corrupted by NINELIVES_HANDOVER_SELFTEST");
+        }
+        let r = inherit(&v, taken).and_then(|set| {
+            let name = set.record.name.clone();
+            c.adopt(kvm, set).map_err(|e| {
+                VmmError::State(format!("sandbox set '{name}' cannot be rebuilt: {e}"))
+            })
+        });
+        match r {
+            Ok(()) => {}
+            Err(e) if strict => return Err(e),
+            Err(e) => {
+                let m = e.to_string();
+                crate::event_log::publish("sandbox_set_refused", serde_json::json!({"error": m}));
+                tracing::error!("{m}");
+                refused.push(m);
+            }
+        }
+    }
+    Ok(refused)
+}
+
+/// Starts what [`adopt_all`] rebuilt.
+pub(crate) fn start_adopted() {
+    if let Some(c) = carrier() {
+        for e in c.start() {
+            crate::event_log::publish("sandbox_set_refused", serde_json::json!({"error": e}));
+            tracing::error!("{e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn sample() -> serde_json::Value {
+        let mut r = SetRecord::new("pair", json!({"any": 1}));
+        let c = crate::VmConfig {
+            mem_bytes: 64 << 20,
+            vcpus: 1,
+            workload: Default::default(),
+            kernel: Arc::default(),
+            user: Arc::default(),
+            console_path: None,
+            timer_hz: 100,
+            heartbeat_timeout: std::time::Duration::from_secs(10),
+            disk: None,
+            net: None,
+        };
+        let mut v = VmRecord::describe(0, &c, false);
+        v.memory = MemorySource::Memfd { fd: 7, ino: 99 };
+        v.state = Some("{}".into());
+        r.vms.push(v);
+        r.channels.push(FdRecord { fd: 8, ino: 100 });
+        serde_json::to_value(r).unwrap()
+    }
+
+    #[test]
+    fn set_records_round_trip_and_name_their_descriptors() {
+        let r = SetRecord::parse(&sample()).unwrap();
+        assert_eq!(r.name, "pair");
+        assert_eq!(r.fds(), vec![7, 8]);
+        assert_eq!(serde_json::to_value(&r).unwrap(), sample());
+    }
+
+    #[test]
+    fn corrupt_set_records_are_refused_by_what_is_wrong() {
+        let cases: [(&str, serde_json::Value, &str); 6] = [
+            ("version", json!(2), "version Some(2); this binary reads version 1"),
+            ("name", json!("a b"), "must be 1 to 64"),
+            ("vms", json!("many"), "corrupt"),
+            ("channels", json!([{"fd": 7, "ino": 1}]), "descriptor 7 used twice"),
+            ("vms", json!([sample()["vms"][0], sample()["vms"][0]]), "listed twice"),
+            ("config", json!(null), ""),
+        ];
+        for (field, value, want) in cases {
+            let mut v = sample();
+            v[field] = value;
+            let r = SetRecord::parse(&v);
+            if want.is_empty() {
+                assert!(r.is_ok(), "{field}: {r:?}");
+                continue;
+            }
+            let e = r.unwrap_err().to_string();
+            assert!(e.contains("sandbox set record") && e.contains(want), "{field}: {e}");
+        }
+        let mut v = sample();
+        v["vms"][0]["state"] = json!(null);
+        let e = SetRecord::parse(&v).unwrap_err().to_string();
+        assert!(e.contains("'pair' refused: sandbox VM 0 has no saved state"), "{e}");
+        let mut v = sample();
+        v["vms"][0]["memory"] = json!({"kind": "fresh"});
+        let e = SetRecord::parse(&v).unwrap_err().to_string();
+        assert!(e.contains("has no memfd"), "{e}");
+        let mut v = sample();
+        v["vms"][0]["vcpus"] = json!(0);
+        let e = SetRecord::parse(&v).unwrap_err().to_string();
+        assert!(e.contains("out of range"), "{e}");
+    }
+}
