@@ -62,7 +62,8 @@ pub struct PrimaryArgs {
     #[arg(long, hide = true)]
     pub predict: bool,
     /// Transfer path: send coalesced runs straight from guest memory during the pause
-    /// (needs --pipeline 0, the default).
+    /// (needs --pipeline 0, the default; turns write-fault prediction off, which compares
+    /// the staging copy this skips).
     #[arg(long)]
     pub direct: bool,
     /// Pipelined epochs: the VM resumes right after copying the dirty pages into a
@@ -222,7 +223,9 @@ impl PrimaryArgs {
         let d = Options::recommended();
         // Histase tracks writes with userfaultfd: it replaces both.
         let selective = d.selective && !self.no_selective && !self.histase;
-        let predict = d.predict && !self.no_predict && !self.histase;
+        // Sending from guest memory in the pause skips the staging copy
+        // that prediction compares with what the backup has.
+        let predict = d.predict && !self.no_predict && !self.histase && !self.direct;
         if predict && !selective {
             bail!(
                 "--no-selective: write-fault prediction works over selective re-protection; \
@@ -477,6 +480,9 @@ mod tests {
         // Old scripts: the former opt-in flags are accepted and change nothing.
         let old = parse(&["--selective", "--predict"]).unwrap();
         assert_eq!(on(&old), on(&d));
+        // --direct has no staging copy for prediction to compare.
+        let dr = parse(&["--direct"]).unwrap();
+        assert_eq!(on(&dr), on(&Options { predict: false, direct: true, ..d }));
         // Histase replaces both dirty-log optimizations.
         let h = parse(&["--histase"]).unwrap();
         assert_eq!(on(&h), on(&Options { selective: false, predict: false, histase: true, ..d }));

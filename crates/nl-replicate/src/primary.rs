@@ -39,7 +39,8 @@ pub struct Options {
     pub selective: bool,
     /// Send coalesced runs straight from guest memory while the vCPUs are
     /// paused (no copy); otherwise copy each dirty page into a buffer during
-    /// the pause and send page by page after resuming.
+    /// the pause and send page by page after resuming. Not with `predict`
+    /// (refused): prediction compares the staging copy.
     pub direct: bool,
     /// Epochs shipped by a sender thread while the VM runs on: at most this
     /// many epochs sent but not yet acknowledged (0: the epoch loop sends
@@ -883,6 +884,11 @@ impl<'a> Primary<'a> {
             }
             self.histase = Some(Histase::new(vm.memory(), &self.view)?);
         } else {
+            if self.cfg.opts.predict && self.cfg.opts.direct {
+                return Err("--direct sends from guest memory without the staging copy that \
+                            write-fault prediction compares: turn prediction off"
+                    .into());
+            }
             if self.cfg.opts.selective {
                 vm.enable_manual_dirty_protect().map_err(|e| e.to_string())?;
             }
