@@ -183,9 +183,57 @@ fn killed_primary_is_taken_over(tag: &str, tracking: &[&str]) {
     assert!(stderr(&o).contains("waiting out the primary's lease"), "{}", stderr(&o));
 }
 
+/// With the defaults: selective re-protection and write-fault prediction
+/// (pages left writable across epochs must still all be shipped).
 #[test]
 fn primary_killed_mid_run_backup_takes_over_and_the_digest_verifies() {
-    killed_primary_is_taken_over("k", &["--selective"]);
+    killed_primary_is_taken_over("k", &[]);
+}
+
+/// The primary's JSON report shows the optimizations in effect: by default
+/// selective re-protection, write-fault prediction (with its gate's
+/// counts) and output-triggered epochs, synchronous epochs; each `--no-*`
+/// turns exactly its own off, and the guest's digest verifies each time.
+#[test]
+fn the_defaults_are_on_and_each_no_flag_turns_exactly_its_own_off() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(n) = Pair::new("o") else { return };
+    let cases: [(&[&str], bool, bool); 3] = [
+        (&[], true, true),
+        (&["--no-predict"], true, false),
+        (&["--no-selective", "--no-predict"], false, false),
+    ];
+    for (flags, selective, predict) in cases {
+        let backup = n.backup(&[]);
+        let primary =
+            n.primary(&[&["--epoch", "20", "--duration", "1", "--ws", "8M"], flags].concat());
+        let o = finish(primary, 90);
+        let b = finish(backup, 30);
+        assert!(o.status.success(), "{flags:?}: {}{}", stderr(&o), stderr(&b));
+        let j = last_json(&o);
+        let opts = &j["options"];
+        assert_eq!(opts["selective"], selective, "{flags:?}: {opts}");
+        assert_eq!(opts["predict"], predict, "{flags:?}: {opts}");
+        assert_eq!(opts["pipeline"], 0, "{flags:?}: {opts}");
+        assert_eq!(opts["output_epoch_ms"], 2, "{flags:?}: {opts}");
+        assert_eq!(opts["histase"], false, "{flags:?}: {opts}");
+        assert_eq!(j["digest_ok"], true, "{flags:?}");
+        // The gate reports only when prediction ran, and counted every epoch.
+        let gate = &j["prediction_gate"];
+        assert_eq!(gate.is_object(), predict, "{flags:?}: {gate}");
+        if predict {
+            let counted =
+                gate["epochs_on"].as_u64().unwrap() + gate["epochs_off"].as_u64().unwrap();
+            assert_eq!(counted, j["epochs"].as_u64().unwrap(), "{j}");
+        }
+    }
+    // Prediction works only over selective re-protection: turning that off
+    // alone is refused with the reason.
+    let o = finish(n.primary(&["--duration", "1", "--no-selective"]), 30);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--no-predict"), "{}", stderr(&o));
 }
 
 /// The same with Histase over userfaultfd: predicted windows, fake dirty

@@ -33,7 +33,7 @@ pub enum BenchMechanism {
     Checkpoint(BenchCheckpointArgs),
     /// Downtime of warm, cold and save-restore rejuvenation, and the paper's downtime model.
     Rejuvenate(crate::bench::rejuvenate::BenchRejuvenateArgs),
-    /// memwrite under replication against the unreplicated VM, per optimization and epoch length.
+    /// Throughput under replication (memwrite, blkbench, kv) against the unreplicated VM: the defaults, each optimization turned off, epoch lengths; and a kill campaign.
     Replicate(crate::bench::replicate::BenchReplicateArgs),
     /// VMM recovery: ping-gap latency of microreset and microreboot, VMM CPU overhead.
     Recovery(crate::bench::recovery::BenchRecoveryArgs),

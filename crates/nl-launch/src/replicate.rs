@@ -45,29 +45,45 @@ pub struct PrimaryArgs {
     /// derived from it. It never crosses the wire.
     #[arg(long)]
     pub key_file: std::path::PathBuf,
-    /// Selective re-protection (KVM_CLEAR_DIRTY_LOG with manual protect).
-    #[arg(long)]
+    /// Turn selective re-protection off (on by default: KVM_CLEAR_DIRTY_LOG with manual
+    /// protect re-protects exactly the pages dirtied in the epoch). Needs --no-predict.
+    #[arg(long, conflicts_with = "selective")]
+    pub no_selective: bool,
+    /// Turn write-fault prediction off (on by default: pages really written in an epoch
+    /// stay writable for the next; unchanged ones are dropped as fake dirty and
+    /// re-protected; prediction turns itself off while its precision is low and probes
+    /// again later).
+    #[arg(long, conflicts_with = "predict")]
+    pub no_predict: bool,
+    /// Accepted for old scripts: selective re-protection is the default.
+    #[arg(long, hide = true)]
     pub selective: bool,
-    /// Transfer path: send coalesced runs straight from guest memory during the pause.
+    /// Accepted for old scripts: write-fault prediction is the default.
+    #[arg(long, hide = true)]
+    pub predict: bool,
+    /// Transfer path: send coalesced runs straight from guest memory during the pause
+    /// (needs --pipeline 0, the default; turns write-fault prediction off, which compares
+    /// the staging copy this skips).
     #[arg(long)]
     pub direct: bool,
     /// Pipelined epochs: the VM resumes right after copying the dirty pages into a
     /// staging buffer and a sender thread ships the epoch while the next one runs;
-    /// at most this many epochs unacknowledged (0: send and wait in the epoch loop).
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(0..=4))]
+    /// at most this many epochs unacknowledged (0, the default: the epoch loop sends
+    /// and waits for each ack itself).
+    #[arg(long, default_value_t = Options::recommended().pipeline,
+          value_parser = clap::value_parser!(u32).range(0..=4))]
     pub pipeline: u32,
-    /// Output-triggered epochs: end an epoch early once the guest has sent frames
-    /// and the epoch has run this long (0: off) (a number of milliseconds, or e.g. 20ms, 1.5s).
-    #[arg(long, default_value = "0", value_parser = crate::args::millis)]
+    /// Output-triggered epochs: once the guest has sent frames (held until the epoch's
+    /// ack), end the epoch as soon as this long has passed since the last boundary (a
+    /// minimum spacing against storms of epochs); 0 turns it off (epochs always last
+    /// --epoch) (a number of milliseconds, or e.g. 2ms).
+    #[arg(long, default_value_t = Options::RECOMMENDED_OUTPUT_EPOCH_MS,
+          value_parser = crate::args::millis)]
     pub output_epoch_ms: u64,
-    /// Write-fault prediction (needs --selective): pages really written in an epoch stay
-    /// writable; unchanged ones are dropped as fake dirty and re-protected.
-    #[arg(long)]
-    pub predict: bool,
     /// Histase, per write fault (the paper's algorithm): track writes with userfaultfd
     /// write-protection instead of KVM's dirty log; a fault also makes the pages up to
     /// his_stride ahead and his_stride/3 behind in its 2 MiB table writable (treated as
-    /// dirty, dropped if unchanged). Replaces --selective and --predict.
+    /// dirty, dropped if unchanged). Replaces selective re-protection and prediction.
     #[arg(long, conflicts_with_all = ["selective", "predict"])]
     pub histase: bool,
     /// Spread the copy of each epoch's dirty pages into the staging buffer over the
@@ -176,9 +192,7 @@ pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
     if a.direct && a.pipeline > 0 {
         bail!("--direct sends during the pause: it needs --pipeline 0");
     }
-    if a.predict && !a.selective {
-        bail!("--predict needs --selective");
-    }
+    let opts = a.options()?;
     let key = Key::load(&a.key_file).map_err(anyhow::Error::msg)?;
     let params = guest::workload_params(&a.workload, a.duration)?;
     if let Some(d) = &a.machine.disk {
@@ -193,21 +207,41 @@ pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
         epoch: Duration::from_millis(a.epoch),
         lease: Duration::from_millis(a.lease_ms),
         key,
-        opts: Options {
-            selective: a.selective,
-            direct: a.direct,
-            pipeline: a.pipeline,
-            output_epoch_ms: a.output_epoch_ms,
-            predict: a.predict,
-            histase: a.histase,
-            serial_copy: !a.parallel_copy,
-        },
+        opts,
         time_limit: Duration::from_secs_f64(a.duration * 4.0 + 60.0),
         reattach: a.reattach,
         die_mid_send_after: a.test_die_mid_send_ms.map(Duration::from_millis),
     };
     let (report, (digest_ok, ops_per_sec, error)) = run_as_primary(&vm, cfg, quiet)?;
     Ok(PrimaryRun { ok: digest_ok, digest_ok, ops_per_sec, report, error })
+}
+
+impl PrimaryArgs {
+    /// The optimizations in effect: [`Options::recommended`] with what the
+    /// flags turn off or change.
+    pub fn options(&self) -> Result<Options> {
+        let d = Options::recommended();
+        // Histase tracks writes with userfaultfd: it replaces both.
+        let selective = d.selective && !self.no_selective && !self.histase;
+        // Sending from guest memory in the pause skips the staging copy
+        // that prediction compares with what the backup has.
+        let predict = d.predict && !self.no_predict && !self.histase && !self.direct;
+        if predict && !selective {
+            bail!(
+                "--no-selective: write-fault prediction works over selective re-protection; \
+                 turn it off too with --no-predict"
+            );
+        }
+        Ok(Options {
+            selective,
+            predict,
+            direct: self.direct,
+            pipeline: self.pipeline,
+            output_epoch_ms: self.output_epoch_ms,
+            histase: self.histase,
+            serial_copy: !self.parallel_copy,
+        })
+    }
 }
 
 /// Whether the guest's digest verified, its ops/s, and what went wrong.
@@ -339,7 +373,7 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
             epoch: Duration::from_millis(20),
             lease: Duration::from_millis(a.lease_ms.max(200)),
             key: Key::load(&a.key_file).map_err(anyhow::Error::msg)?,
-            opts: Options { selective: true, ..Default::default() },
+            opts: Options::recommended(),
             time_limit: limit,
             reattach: true,
             die_mid_send_after: None,
@@ -399,4 +433,65 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
         );
     }
     Ok(if digest_ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory, Parser};
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: PrimaryArgs,
+    }
+
+    fn parse(flags: &[&str]) -> Result<Options> {
+        let mut argv = vec!["primary", "--backup", "10.9.0.2:7070", "--key-file", "k"];
+        argv.extend(flags);
+        Cli::try_parse_from(argv)?.a.options()
+    }
+
+    /// The set of optimizations as comparable values.
+    fn on(o: &Options) -> (bool, bool, u32, u64, bool, bool, bool) {
+        (o.selective, o.predict, o.pipeline, o.output_epoch_ms, o.direct, o.histase, o.serial_copy)
+    }
+
+    #[test]
+    fn the_cli_parser_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    /// No flag: the recommended optimizations, all on; every `--no-*` (and
+    /// `--pipeline 0` / `--output-epoch-ms 0`) turns exactly its own off.
+    #[test]
+    fn defaults_are_the_recommended_options_and_each_no_flag_turns_one_off() {
+        let d = parse(&[]).unwrap();
+        assert_eq!(on(&d), on(&Options::recommended()));
+        assert!(d.selective && d.predict && d.output_epoch_ms > 0, "{d:?}");
+        let p = parse(&["--no-predict"]).unwrap();
+        assert_eq!(on(&p), on(&Options { predict: false, ..d }));
+        let s = parse(&["--no-selective", "--no-predict"]).unwrap();
+        assert_eq!(on(&s), on(&Options { predict: false, selective: false, ..d }));
+        let o = parse(&["--output-epoch-ms", "0"]).unwrap();
+        assert_eq!(on(&o), on(&Options { output_epoch_ms: 0, ..d }));
+        let q = parse(&["--pipeline", "2"]).unwrap();
+        assert_eq!(on(&q), on(&Options { pipeline: 2, ..d }));
+        // Old scripts: the former opt-in flags are accepted and change nothing.
+        let old = parse(&["--selective", "--predict"]).unwrap();
+        assert_eq!(on(&old), on(&d));
+        // --direct has no staging copy for prediction to compare.
+        let dr = parse(&["--direct"]).unwrap();
+        assert_eq!(on(&dr), on(&Options { predict: false, direct: true, ..d }));
+        // Histase replaces both dirty-log optimizations.
+        let h = parse(&["--histase"]).unwrap();
+        assert_eq!(on(&h), on(&Options { selective: false, predict: false, histase: true, ..d }));
+    }
+
+    #[test]
+    fn turning_selective_off_alone_says_prediction_needs_it() {
+        let e = parse(&["--no-selective"]).unwrap_err().to_string();
+        assert!(e.contains("--no-predict"), "{e}");
+        assert!(parse(&["--selective", "--no-selective", "--no-predict"]).is_err());
+    }
 }

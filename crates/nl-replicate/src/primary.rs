@@ -21,19 +21,26 @@ use nl_vmm::{Vm, VmOutcome};
 use serde::Serialize;
 
 use crate::auth::{primary_handshake, Deadline, Key};
+pub use crate::predict::GateStats;
 use crate::predict::{Histase, Predictor};
 use crate::protocol::*;
 use crate::ram::{runs, RamView};
 
-/// The optimizations, each switchable.
-#[derive(Clone, Copy, Debug, Default, Serialize)]
+/// The optimizations, each switchable. [`Options::recommended`] (also
+/// `Default`) is the combination `ninelives bench replicate` measured best
+/// on this host; every front end (the CLI's `replicate primary`, a backup's
+/// re-protection after a takeover, the lab's benches) starts from it, so
+/// there is one place for the defaults. [`Options::none`] turns everything
+/// off.
+#[derive(Clone, Copy, Debug, Serialize)]
 pub struct Options {
     /// Manual dirty-log protection: KVM_GET_DIRTY_LOG only reports and
     /// KVM_CLEAR_DIRTY_LOG re-protects exactly the pages dirtied in the epoch.
     pub selective: bool,
     /// Send coalesced runs straight from guest memory while the vCPUs are
     /// paused (no copy); otherwise copy each dirty page into a buffer during
-    /// the pause and send page by page after resuming.
+    /// the pause and send page by page after resuming. Not with `predict`
+    /// (refused): prediction compares the staging copy.
     pub direct: bool,
     /// Epochs shipped by a sender thread while the VM runs on: at most this
     /// many epochs sent but not yet acknowledged (0: the epoch loop sends
@@ -63,6 +70,50 @@ pub struct Options {
     /// to his_stride ahead and his_stride/3 behind in its 2 MiB table
     /// writable, treated as dirty and dropped at the boundary if unchanged.
     pub histase: bool,
+}
+
+impl Options {
+    /// The defaults: selective re-protection and write-fault prediction
+    /// (which turns itself off while its guesses are wrong), epochs shipped
+    /// by the epoch loop itself (no pipeline: at 20 ms epochs the pipelined
+    /// rows of `bench replicate` were slower on every memwrite row),
+    /// output-triggered epochs with a 2 ms minimum spacing, and the
+    /// one-thread copy. See docs/replication.md for the measurements.
+    pub const fn recommended() -> Self {
+        Options {
+            selective: true,
+            direct: false,
+            pipeline: 0,
+            output_epoch_ms: Self::RECOMMENDED_OUTPUT_EPOCH_MS,
+            predict: true,
+            serial_copy: true,
+            histase: false,
+        }
+    }
+
+    /// The minimum spacing of output-triggered epochs in
+    /// [`Options::recommended`].
+    pub const RECOMMENDED_OUTPUT_EPOCH_MS: u64 = 2;
+
+    /// Every optimization off: full re-protection at every boundary, no
+    /// prediction, synchronous epochs of full length.
+    pub const fn none() -> Self {
+        Options {
+            selective: false,
+            direct: false,
+            pipeline: 0,
+            output_epoch_ms: 0,
+            predict: false,
+            serial_copy: true,
+            histase: false,
+        }
+    }
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self::recommended()
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -135,10 +186,10 @@ pub struct PrimaryReport {
     pub precision: Option<f64>,
     pub recall: Option<f64>,
     pub fake_dirty_per_epoch: f64,
-    /// Write-fault prediction: times it turned itself off or back on (its
-    /// precision collapsed or recovered), and epochs it spent off.
-    pub prediction_switches: u64,
-    pub prediction_off_epochs: u64,
+    /// Write-fault prediction over the dirty log: epochs it predicted and
+    /// epochs it was off, times it turned itself off (its precision
+    /// collapsed), probed again, and stayed on after a probe.
+    pub prediction_gate: Option<GateStats>,
     /// Set when the backup was lost: why, and whether the primary went on
     /// unprotected or fenced itself.
     pub backup_lost: Option<String>,
@@ -833,6 +884,11 @@ impl<'a> Primary<'a> {
             }
             self.histase = Some(Histase::new(vm.memory(), &self.view)?);
         } else {
+            if self.cfg.opts.predict && self.cfg.opts.direct {
+                return Err("--direct sends from guest memory without the staging copy that \
+                            write-fault prediction compares: turn prediction off"
+                    .into());
+            }
             if self.cfg.opts.selective {
                 vm.enable_manual_dirty_protect().map_err(|e| e.to_string())?;
             }
@@ -1130,8 +1186,7 @@ impl<'a> Primary<'a> {
             r.recall = (p.written > 0).then(|| p.hits as f64 / p.written as f64);
         }
         if let Some(p) = &self.pred {
-            r.prediction_switches = p.gate.switches;
-            r.prediction_off_epochs = p.gate.epochs_off;
+            r.prediction_gate = Some(p.gate.stats);
         }
         if let (Some(a), Some(b)) = (m.first_boundary, m.last_boundary) {
             if m.pauses.len() > 1 {
@@ -1264,7 +1319,10 @@ impl<'a> Primary<'a> {
         m.first_boundary.get_or_insert(t0);
         m.last_boundary = Some(t0);
         let fail = |why: String| Failure { lost: Lost::Definitive(why), held: Vec::new() };
-        let clear = self.cfg.opts.selective && self.pred.is_none();
+        // Prediction leaves logged pages writable (their dirty bits set);
+        // without it, or while it is off, every logged page is re-protected.
+        let clear =
+            self.cfg.opts.selective && self.pred.as_ref().is_none_or(|p| p.reprotects_all());
         let tracked = self.histase.as_mut().map(|h| h.take()).transpose();
         let logged = match &tracked {
             Ok(Some(t)) => Ok(t.pages.clone()),
@@ -1358,10 +1416,15 @@ impl<'a> Primary<'a> {
         // Prediction: re-protect the pages found fake dirty last time, now
         // that this epoch's copy of them is taken and the VM is still paused.
         let cleared = match self.pred.as_mut() {
+            Some(p) if clear => {
+                // Everything logged was re-protected at the collect.
+                p.to_clear.clear();
+                logged.clone()
+            }
             Some(p) => std::mem::take(&mut p.to_clear),
             None => Vec::new(),
         };
-        if !cleared.is_empty() {
+        if !cleared.is_empty() && !clear {
             if let Err(e) = vm.clear_dirty_bitmaps(&self.view.bitmaps(&cleared)) {
                 copied = Err(e.to_string());
             }

@@ -43,7 +43,7 @@ pub struct BenchReplicateArgs {
     /// Seconds per memwrite run (and per kvload run of the kv rows).
     #[arg(long, default_value_t = 1.5)]
     pub duration: f64,
-    /// Epoch lengths (ms) for the sweep with all optimizations.
+    /// Epoch lengths (ms) for the sweep of the defaults (the other rows run at 20 ms).
     #[arg(long, value_delimiter = ',', default_values_t = vec![20u64, 50, 100, 200])]
     pub epochs: Vec<u64>,
     /// Epochs in flight at most in the pipelined rows.
@@ -93,7 +93,7 @@ pub struct BenchReplicateArgs {
 #[derive(Serialize)]
 struct Summary {
     workload: &'static str,
-    config: &'static str,
+    config: String,
     epoch_ms: u64,
     reps: usize,
     verified: usize,
@@ -113,7 +113,9 @@ struct Summary {
 #[derive(Clone, Serialize)]
 struct Row {
     workload: &'static str,
-    config: &'static str,
+    /// The cell: "default", or the `replicate primary` flags that change
+    /// the defaults.
+    config: String,
     epoch_ms: u64,
     pipeline: u32,
     ok: bool,
@@ -151,12 +153,15 @@ struct Row {
     fake_dirty_per_epoch: f64,
     precision: Option<f64>,
     recall: Option<f64>,
+    /// The predictor's gate: epochs on and off, times it turned itself off,
+    /// probed, and stayed on after a probe (null without prediction).
+    prediction_gate: serde_json::Value,
 }
 
 /// A row from a primary's report (as JSON: the kv primaries are processes).
 fn row(
     workload: &'static str,
-    config: &'static str,
+    config: &str,
     epoch: u64,
     ok: bool,
     ops: f64,
@@ -167,7 +172,7 @@ fn row(
     let share = |x: f64| if f("pause_ms_avg") > 0.0 { x / f("pause_ms_avg") } else { 0.0 };
     Row {
         workload,
-        config,
+        config: config.to_string(),
         epoch_ms: epoch,
         pipeline: p["options"]["pipeline"].as_u64().unwrap_or(0) as u32,
         ok,
@@ -199,6 +204,7 @@ fn row(
         fake_dirty_per_epoch: f("fake_dirty_per_epoch"),
         precision: p["precision"].as_f64(),
         recall: p["recall"].as_f64(),
+        prediction_gate: p["prediction_gate"].clone(),
     }
 }
 
@@ -214,8 +220,16 @@ fn print_row(r: &Row) {
         r.ack_wait_ms_avg, r.stall_ms_avg, r.commit_ms_avg,
         match (r.precision, r.recall) {
             (Some(p), Some(rc)) => format!(
-                ", predicted {:.0}/epoch, precision {p:.2}, recall {rc:.2}, fake dirty {:.0}/epoch",
-                r.predicted_per_epoch, r.fake_dirty_per_epoch
+                ", predicted {:.0}/epoch, precision {p:.2}, recall {rc:.2}, fake dirty {:.0}/epoch{}",
+                r.predicted_per_epoch,
+                r.fake_dirty_per_epoch,
+                match &r.prediction_gate {
+                    g if g.is_object() => format!(
+                        ", prediction on {} / off {} epochs (off {}x, probes {}, back on {}x)",
+                        g["epochs_on"], g["epochs_off"], g["disabled"], g["probes"], g["reenabled"]
+                    ),
+                    _ => String::new(),
+                }
             ),
             _ => String::new(),
         },
@@ -223,71 +237,56 @@ fn print_row(r: &Row) {
     );
 }
 
-/// One replicated configuration.
-#[derive(Clone, Copy)]
+/// One replicated configuration: `replicate primary`'s defaults
+/// ([`nl_replicate::primary::Options::recommended`]) with `flags` on top.
+#[derive(Clone)]
 struct Case {
-    name: &'static str,
+    /// "default", or the flags.
+    name: String,
     epoch: u64,
-    selective: bool,
-    pipeline: u32,
-    /// Output-triggered epochs (ms; 0: off).
-    output: u64,
-    predict: bool,
-    /// Send from guest memory during the pause (needs pipeline 0).
-    direct: bool,
-    /// Histase per fault over userfaultfd (instead of selective + predict).
-    histase: bool,
-    /// The epoch's copy on one thread (the default; `--parallel-copy` spreads it).
-    serial_copy: bool,
+    flags: Vec<String>,
 }
 
-/// Every row of a workload: the paper's optimizations added one by one at
-/// 20 ms (none, + selective re-protection, + write-fault prediction, + the
-/// transfer path: coalesced runs copied once into reused buffers and
-/// shipped by a sender thread while the next epoch runs), the transfer path
-/// without prediction, the send-from-guest-memory variant, then the epoch
-/// sweep with all of them (Figure 13); kv also with output-triggered
-/// epochs. `quick`: the 20 ms rows only.
+impl Case {
+    fn new(epoch: u64, flags: &[&str]) -> Case {
+        let name = if flags.is_empty() { "default".to_string() } else { flags.join(" ") };
+        Case { name, epoch, flags: flags.iter().map(|f| f.to_string()).collect() }
+    }
+
+    /// Under another name (the flags stay what they are).
+    fn named(mut self, name: &str) -> Case {
+        self.name = name.to_string();
+        self
+    }
+}
+
+/// Every row of a workload at 20 ms: the defaults, each optimization of the
+/// defaults turned off (prediction, then selective re-protection too: the
+/// paper's unoptimized baseline), pipelining added, the old default
+/// (pipelined, nothing else), sending from guest memory in the pause,
+/// Histase over userfaultfd, the parallel copy; then the epoch sweep of the
+/// defaults (Figure 13). kv also without output-triggered epochs, and with
+/// them at 1 ms. `quick`: the 20 ms rows only.
 fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
-    let c = |name, epoch, selective, pipeline, predict| Case {
-        name,
-        epoch,
-        selective,
-        pipeline,
-        output: 0,
-        predict,
-        direct: false,
-        histase: false,
-        serial_copy: true,
-    };
-    let p = a.pipeline;
+    let p = a.pipeline.to_string();
     let mut v = vec![
-        c("none", 20, false, 0, false),
-        c("+selective", 20, true, 0, false),
-        c("+selective+predict", 20, true, 0, true),
-        c("+selective+pipeline", 20, true, p, false),
-        Case { direct: true, ..c("+selective+direct", 20, true, 0, false) },
-        Case { histase: true, ..c("+histase", 20, false, 0, false) },
+        Case::new(20, &[]),
+        Case::new(20, &["--no-predict"]),
+        Case::new(20, &["--no-selective", "--no-predict"]),
+        Case::new(20, &["--pipeline", &p]),
+        Case::new(20, &["--pipeline", &p, "--no-selective", "--no-predict"])
+            .named(&format!("old default (--pipeline {p} --no-selective --no-predict)")),
+        Case::new(20, &["--no-predict", "--direct"]),
+        Case::new(20, &["--histase"]),
+        Case::new(20, &["--parallel-copy"]),
     ];
-    let epochs: Vec<u64> = if quick { vec![20] } else { a.epochs.clone() };
-    // The same at 20 ms with the epoch's copy spread over the cores
-    // (`--parallel-copy`), against the one-thread copy (the default) of the
-    // row after it.
-    v.push(Case {
-        serial_copy: false,
-        ..c("+selective+predict+pipeline parallel-copy", 20, true, p, true)
-    });
-    for &e in &epochs {
-        v.push(c("+selective+predict+pipeline", e, true, p, true));
-    }
-    for &e in &epochs {
-        v.push(Case { histase: true, ..c("+histase+pipeline", e, false, p, false) });
-    }
     if kv {
-        for &e in &epochs {
-            let mut k = c("+selective+predict+pipeline+output2ms", e, true, p, true);
-            k.output = 2;
-            v.push(k);
+        v.push(Case::new(20, &["--output-epoch-ms", "0"]));
+        v.push(Case::new(20, &["--output-epoch-ms", "1"]));
+    }
+    if !quick {
+        for &e in a.epochs.iter().filter(|&&e| e != 20) {
+            v.push(Case::new(e, &[]));
         }
     }
     v
@@ -319,34 +318,36 @@ fn unreplicated(w: &WorkloadArgs, duration: f64, disk: Option<&std::path::Path>)
     Ok(verify_vcpus(&vm.config().workload, &regs, tsc).iter().map(|v| v.ops_per_sec).sum())
 }
 
+/// `replicate primary` as its parser sees the case's flags (the kv rows
+/// pass the same flags on a command line).
+#[derive(clap::Parser)]
+struct PrimaryCli {
+    #[command(flatten)]
+    a: PrimaryArgs,
+}
+
 fn primary_args(
     backup: SocketAddr,
     key_file: &std::path::Path,
     w: &WorkloadArgs,
     duration: f64,
-    c: Case,
+    c: &Case,
     disk: Option<&std::path::Path>,
-) -> PrimaryArgs {
-    PrimaryArgs {
-        backup,
-        epoch: c.epoch,
-        lease_ms: 2000,
-        key_file: key_file.to_path_buf(),
-        selective: c.selective,
-        direct: c.direct,
-        pipeline: c.pipeline,
-        output_epoch_ms: c.output,
-        predict: c.predict,
-        histase: c.histase,
-        parallel_copy: !c.serial_copy,
-        reattach: false,
-        test_die_mid_send_ms: None,
-        workload: w.clone(),
-        machine: machine(disk),
-        duration,
-        console: None,
-        json: true,
-    }
+) -> Result<PrimaryArgs> {
+    use clap::Parser;
+    let (backup, epoch) = (backup.to_string(), c.epoch.to_string());
+    let key = key_file.to_str().context("the key's path is not UTF-8")?;
+    let mut argv = vec!["primary", "--backup", &backup, "--key-file", key, "--epoch", &epoch];
+    argv.extend(["--lease-ms", "2000"]);
+    argv.extend(c.flags.iter().map(String::as_str));
+    let mut a = PrimaryCli::try_parse_from(argv)
+        .with_context(|| format!("the bench's flags for '{}'", c.name))?
+        .a;
+    a.workload = w.clone();
+    a.machine = machine(disk);
+    a.duration = duration;
+    a.json = true;
+    Ok(a)
 }
 
 /// A workload replicated on loopback, the backup a thread of this process;
@@ -354,7 +355,7 @@ fn primary_args(
 fn replicated(
     w: &WorkloadArgs,
     duration: f64,
-    c: Case,
+    c: &Case,
     disks: Option<(&std::path::Path, &std::path::Path)>,
 ) -> Result<PrimaryRun> {
     let addr = free_port()?;
@@ -392,7 +393,8 @@ fn replicated(
             _ => bail!("the bench backup did not listen on {addr} within 10 s"),
         }
     }
-    let r = run_primary(&primary_args(addr, &key.0, w, duration, c, disks.map(|d| d.0)), true);
+    let r = primary_args(addr, &key.0, w, duration, c, disks.map(|d| d.0))
+        .and_then(|a| run_primary(&a, true));
     match backup.join() {
         Ok(Ok(BackupEnd::PrimaryFinished { .. })) => {}
         Ok(Ok(_)) => bail!("the bench backup did not end with the primary"),
@@ -524,8 +526,33 @@ fn kvload(t: &Topo, secs: f64, connections: u32, timeout: &str) -> Result<Proc> 
 
 const KV_NET: [&str; 6] = ["--workload", "kv", "--net-tap", TAP, "--net-ip", "10.0.0.2/24"];
 
-/// kv ops/s under kvload: unreplicated, then under each replicated case.
-fn kv_rows(a: &BenchReplicateArgs, t: &Topo, rows: &mut Vec<Row>) -> Result<bool> {
+/// Waits (bounded: 10 s) until the backup in B accepts connections from P;
+/// a fixed sleep lost this race on a loaded host. The probe never
+/// authenticates, so it never takes the primary's slot.
+fn wait_backup_listens(t: &Topo) -> bool {
+    let addr: SocketAddr = "10.9.0.2:7070".parse().expect("a literal address");
+    (0..50).any(|_| {
+        let up =
+            t.p.run_in(|| {
+                Ok(std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok())
+            })
+            .unwrap_or(false);
+        if !up {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        up
+    })
+}
+
+/// kv ops/s under kvload: unreplicated, then under each replicated case. A
+/// case that fails (a primary without a report on a loaded host) is
+/// reported in `failed`, not the end of the bench.
+fn kv_rows(
+    a: &BenchReplicateArgs,
+    t: &Topo,
+    rows: &mut Vec<Row>,
+    failed: &mut Vec<String>,
+) -> Result<bool> {
     let load = a.duration.max(1.0);
     // The VM outlives the load: it starts first, and the load waits for it.
     let life = format!("{}", load + 4.0);
@@ -540,6 +567,26 @@ fn kv_rows(a: &BenchReplicateArgs, t: &Topo, rows: &mut Vec<Row>) -> Result<bool
     let mut ok = j["ok"].as_bool().unwrap_or(false);
     eprintln!("kv: unreplicated {base:.3e} ops/s (8 connections)");
     for c in cases(a, true, false) {
+        match kv_case(a, t, &c, base) {
+            Ok((r, kv_ok)) => {
+                ok &= kv_ok;
+                print_row(&r);
+                rows.push(r);
+            }
+            Err(e) => {
+                eprintln!("kv {} @{} ms: FAILED: {e:#}", c.name, c.epoch);
+                failed.push(format!("kv {} @{} ms: {e:#}", c.name, c.epoch));
+                ok = false;
+            }
+        }
+    }
+    Ok(ok)
+}
+
+/// One kv cell: its row and whether kvload verified every reply.
+fn kv_case(a: &BenchReplicateArgs, t: &Topo, c: &Case, base: f64) -> Result<(Row, bool)> {
+    let load = a.duration.max(1.0);
+    {
         let backup = Topo::spawn(
             &t.b,
             &[
@@ -554,27 +601,17 @@ fn kv_rows(a: &BenchReplicateArgs, t: &Topo, rows: &mut Vec<Row>) -> Result<bool
                 "--json",
             ],
         )?;
-        std::thread::sleep(Duration::from_millis(300));
+        if !wait_backup_listens(t) {
+            bail!("the backup did not listen within 10 s");
+        }
         // The read-back after the load takes a commit per request: long
         // epochs need a longer-lived VM.
         let life = format!("{}", load + 4.0 + 100.0 * c.epoch as f64 / 1000.0);
-        let (e, pl, out) = (c.epoch.to_string(), c.pipeline.to_string(), c.output.to_string());
+        let e = c.epoch.to_string();
         let mut args = vec!["replicate", "primary", "--backup", "10.9.0.2:7070", "--json"];
-        args.extend(["--epoch", &e, "--pipeline", &pl, "--duration", &life, "--lease-ms", "2000"]);
+        args.extend(["--epoch", &e, "--duration", &life, "--lease-ms", "2000"]);
         args.extend(["--key-file", t.key.arg()]);
-        args.extend(["--output-epoch-ms", &out]);
-        if c.selective {
-            args.push("--selective");
-        }
-        if c.predict {
-            args.push("--predict");
-        }
-        if c.direct {
-            args.push("--direct");
-        }
-        if c.histase {
-            args.push("--histase");
-        }
+        args.extend(c.flags.iter().map(String::as_str));
         args.extend(KV_NET);
         let primary = Topo::spawn(&t.p, &args)?;
         std::thread::sleep(Duration::from_millis(800));
@@ -586,13 +623,9 @@ fn kv_rows(a: &BenchReplicateArgs, t: &Topo, rows: &mut Vec<Row>) -> Result<bool
             format!("the kv primary printed no report: {}", String::from_utf8_lossy(&po.stderr))
         })?;
         let kv_ok = kj["ok"].as_bool().unwrap_or(false);
-        ok &= kv_ok;
         let ops = kj["ops_per_sec"].as_f64().unwrap_or(0.0);
-        let r = row("kv", c.name, c.epoch, kv_ok, ops, base, &pj);
-        print_row(&r);
-        rows.push(r);
+        Ok((row("kv", &c.name, c.epoch, kv_ok, ops, base, &pj), kv_ok))
     }
-    Ok(ok)
 }
 
 #[derive(Serialize)]
@@ -741,7 +774,8 @@ fn kill_once(t: &Topo, i: u32, load: f64, seed: &mut u64) -> Result<Kill> {
     let at = (load * 1000.0 * 0.2) as u64 + rnd(seed) % ((load * 1000.0 * 0.6) as u64).max(1);
     let die = (startup + at).to_string();
     let mut args = vec!["replicate", "primary", "--backup", "10.9.0.2:7070", "--json"];
-    args.extend(["--epoch", "20", "--selective", "--output-epoch-ms", "2", "--duration", &life]);
+    // The defaults (output-triggered epochs included), at 20 ms.
+    args.extend(["--epoch", "20", "--duration", &life]);
     args.extend(["--key-file", t.key.arg()]);
     if mid_send {
         args.extend(["--test-die-mid-send-ms", &die]);
@@ -862,7 +896,7 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
             for rep in 0..a.reps {
                 let base = unreplicated(&w, a.duration, disks.map(|d| d.0))?;
                 eprintln!("{name} (rep {rep}): unreplicated {base:.3e} ops/s");
-                for (i, &c) in cs.iter().enumerate() {
+                for (i, c) in cs.iter().enumerate() {
                     // A failed sample (a fenced primary on a loaded host)
                     // is reported and counted, not the end of the bench.
                     let r = match replicated(&w, a.duration, c, disks) {
@@ -882,7 +916,7 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
                     };
                     all_ok &= r.ok;
                     let rep_json = serde_json::to_value(&r.report)?;
-                    let mut row = row(name, c.name, c.epoch, r.ok, r.ops_per_sec, base, &rep_json);
+                    let mut row = row(name, &c.name, c.epoch, r.ok, r.ops_per_sec, base, &rep_json);
                     row.rep = rep;
                     print_row(&row);
                     per[i].push((row.ratio, row.pages_per_epoch, row.ok));
@@ -898,7 +932,7 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
                 let bound = costs.replication_bound(pages, pages, c.epoch as f64);
                 let s = Summary {
                     workload: name,
-                    config: c.name,
+                    config: c.name.clone(),
                     epoch_ms: c.epoch,
                     reps: p.len(),
                     verified: p.iter().filter(|x| x.2).count(),
@@ -935,7 +969,7 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
             Ok(t) => {
                 for rep in 0..a.reps {
                     let from = rows.len();
-                    all_ok &= kv_rows(&a, t, &mut rows)?;
+                    all_ok &= kv_rows(&a, t, &mut rows, &mut failed)?;
                     rows[from..].iter_mut().for_each(|r| r.rep = rep);
                 }
             }
@@ -1053,7 +1087,7 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
 /// order: the sample with the median ratio (the lower middle for an even
 /// count), with every sample's ratio and their min and max.
 fn medians(samples: &[Row]) -> Vec<Row> {
-    let key = |r: &Row| (r.workload, r.config, r.epoch_ms, r.pipeline);
+    let key = |r: &Row| (r.workload, r.config.clone(), r.epoch_ms, r.pipeline);
     let mut keys = Vec::new();
     for r in samples {
         if !keys.contains(&key(r)) {
@@ -1120,9 +1154,9 @@ mod tests {
         ];
         let m = medians(&samples);
         assert_eq!(m.len(), 2);
-        assert_eq!((m[0].config, m[0].rep, m[0].ratio), ("none", 2, 0.2));
+        assert_eq!((m[0].config.as_str(), m[0].rep, m[0].ratio), ("none", 2, 0.2));
         assert_eq!(m[0].ratio_samples, vec![0.3, 0.1, 0.2]);
         assert_eq!((m[0].ratio_min, m[0].ratio_max), (0.1, 0.3));
-        assert_eq!((m[1].config, m[1].ratio), ("a", 0.6));
+        assert_eq!((m[1].config.as_str(), m[1].ratio), ("a", 0.6));
     }
 }
