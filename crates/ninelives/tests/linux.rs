@@ -206,7 +206,16 @@ fn a_linux_vm_on_a_host_boots_to_its_command_line_and_survives_warm_rejuvenation
         .as_u64()
         .unwrap();
     assert_ne!(new_pid, old_pid, "the same process still serves");
-    let text = wait_console(&console, BOOT_LIMIT, |text| stamped(&text[mark..]).len() >= 3);
+    // Or until the VM has ended in the successor.
+    let ended = || {
+        let (_, v) = common::http_json(&sock, "GET", "/v1/vms", None);
+        v["vms"]
+            .as_array()
+            .and_then(|a| a.iter().find(|x| x["id"] == id))
+            .map_or(true, |x| x["state"].as_str().is_some_and(|s| s != "running" && s != "paused"))
+    };
+    let text =
+        wait_console(&console, BOOT_LIMIT, |text| stamped(&text[mark..]).len() >= 3 || ended());
     assert!(
         stamped(&text[mark..]).len() >= 3,
         "the kernel did not go on after the rejuvenation; console tail:\n{}\nVM: {}",
@@ -247,7 +256,11 @@ impl Drop for HostGuard {
 
 /// Reads the console file until `done` holds for its text, or `limit`
 /// passes; returns the last text read.
-fn wait_console(console: &std::path::Path, limit: Duration, done: impl Fn(&str) -> bool) -> String {
+fn wait_console(
+    console: &std::path::Path,
+    limit: Duration,
+    mut done: impl FnMut(&str) -> bool,
+) -> String {
     let start = Instant::now();
     loop {
         let text = String::from_utf8_lossy(&read_console(console)).into_owned();
@@ -486,6 +499,7 @@ fn linux_vm_mid_boot_mechanisms_continue_its_console() {
         workload: config.workload,
         pages: 0,
         linux: vm.linux_record().cloned(),
+        disk: config.disk.clone(),
     };
     let file = dir.path().join("linux.ckpt");
     nl_checkpoint::disk::capture(&header, &state, vm.memory(), &|_| None)

@@ -61,9 +61,9 @@ const MAGIC_AUTH: &[u8; 8] = b"NLCKPTA1";
 const MAC_BYTES: usize = 32;
 /// The version of a file of a reference-guest VM (what older binaries read).
 pub const DISK_VERSION: u32 = 1;
-/// The version of a file of a Linux VM: its header names how the kernel was
-/// booted (`linux`). Written only for a Linux VM, so a reference-guest file
-/// stays readable by binaries that know version 1 alone.
+/// The version of a file whose header names how a Linux VM was booted
+/// (`linux`) or the VM's virtio-blk disk (`disk`). Written only then, so
+/// any other file stays readable by binaries that know version 1 alone.
 pub const DISK_VERSION_LINUX: u32 = 2;
 
 /// Largest header accepted (it is a few hundred bytes of JSON).
@@ -103,13 +103,18 @@ pub struct DiskHeader {
     /// from version 1 files.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub linux: Option<nl_vmm::linux::LinuxRecord>,
+    /// Version 2: the VM's virtio-blk disk (its saved state holds the
+    /// device's, so the restored VM needs the same device). Absent from
+    /// version 1 files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<nl_vmm::config::DiskConfig>,
 }
 
 impl DiskHeader {
     /// The file version this header is written with: [`DISK_VERSION_LINUX`]
-    /// for a Linux VM, [`DISK_VERSION`] otherwise.
+    /// for a Linux VM or a VM with a disk, [`DISK_VERSION`] otherwise.
     pub fn file_version(&self) -> u32 {
-        if self.linux.is_some() {
+        if self.linux.is_some() || self.disk.is_some() {
             DISK_VERSION_LINUX
         } else {
             DISK_VERSION
@@ -338,10 +343,10 @@ pub fn parse(b: &[u8], name: &str, key: Option<&Key>) -> Result<DiskCheckpoint, 
     }
     if header.version != header.file_version() {
         return Err(bad(format!(
-            "version {} with{} a \"linux\" field: a Linux VM's file is version \
+            "version {} with{} a \"linux\" or \"disk\" field: such a file is version \
              {DISK_VERSION_LINUX}, any other version {DISK_VERSION}",
             header.version,
-            if header.linux.is_some() { "" } else { "out" }
+            if header.version == DISK_VERSION { "" } else { "out" }
         )));
     }
     let sl = r.u64()?;
@@ -519,6 +524,7 @@ mod tests {
             workload: s.workload,
             pages: 10,
             linux: None,
+            disk: None,
         }
     }
 
@@ -647,7 +653,8 @@ mod tests {
             initrd: None,
             system_map: None,
         };
-        let h = DiskHeader { linux: Some(linux.clone()), ..header(&s) };
+        let disk = nl_vmm::config::DiskConfig { path: "/d/root.img".into(), readonly: false };
+        let h = DiskHeader { linux: Some(linux.clone()), disk: Some(disk.clone()), ..header(&s) };
         let img = capture(&h, &s, &memory(), &|_| None).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("linux.ckpt");
@@ -655,6 +662,7 @@ mod tests {
         let c = read(&path, None).unwrap();
         assert_eq!(c.header.version, DISK_VERSION_LINUX);
         assert_eq!(c.header.linux, Some(linux));
+        assert_eq!(c.header.disk, Some(disk));
         let (_dir, path, _) = written(None);
         let c = read(&path, None).unwrap();
         assert_eq!((c.header.version, c.header.linux), (DISK_VERSION, None));
@@ -778,11 +786,11 @@ mod tests {
             ),
             (
                 assemble(&hj(&|h| h["version"] = 2.into()), &sb, &two, &end),
-                "checkpoint file: version 2 without a \"linux\" field",
+                "checkpoint file: version 2 without a \"linux\" or \"disk\" field",
             ),
             (
                 assemble(&hj(&|h| h["linux"] = linux.clone()), &sb, &two, &end),
-                "checkpoint file: version 1 with a \"linux\" field",
+                "checkpoint file: version 1 with a \"linux\" or \"disk\" field",
             ),
             (
                 assemble(&hj(&|h| h["extra"] = 1.into()), &sb, &two, &end),

@@ -458,6 +458,7 @@ impl<'a> Supervisor<'a> {
             workload: cfg.workload,
             pages: 0,
             linux: self.vm.linux_record().cloned(),
+            disk: cfg.disk.clone(),
         };
         // The checkpoint before this one (as with two kept checkpoints).
         let idx = self.states.len() - 1;

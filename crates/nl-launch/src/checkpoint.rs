@@ -226,6 +226,8 @@ pub fn restore(a: crate::args::RestoreArgs) -> Result<ExitCode> {
         mem: h.mem_bytes,
         vcpus: h.vcpus,
         timer_hz: h.timer_hz,
+        disk: h.disk.as_ref().map(|d| d.path.clone()),
+        disk_readonly: h.disk.as_ref().is_some_and(|d| d.readonly),
         ..Default::default()
     };
     let config = guest::vm_config(&m, h.workload, guest::kernel_image(&m)?, a.console.clone())?;
@@ -276,6 +278,8 @@ fn restore_linux(
         mem: h.mem_bytes,
         vcpus: h.vcpus,
         timer_hz: h.timer_hz,
+        disk: h.disk.as_ref().map(|d| d.path.clone()),
+        disk_readonly: h.disk.as_ref().is_some_and(|d| d.readonly),
         ..Default::default()
     };
     // The kernel is in the saved memory: no image is loaded.

@@ -221,12 +221,27 @@ impl Vm {
         state: &VmState,
         record: &LinuxRecord,
     ) -> Result<Self, VmmError> {
+        let vm = Self::prepare_linux(kvm, id, config, memory, record)?;
+        vm.restore_state(state)?;
+        Ok(vm)
+    }
+
+    /// A Linux VM booted as `record` says, built over existing guest
+    /// memory without its state yet (not started): what a standby
+    /// successor prepares before the old process pauses the VM (the Linux
+    /// counterpart of [`Vm::prepare`]). [`Vm::restore_state`] completes it.
+    pub fn prepare_linux(
+        kvm: &Kvm,
+        id: u32,
+        config: VmConfig,
+        memory: GuestMemory,
+        record: &LinuxRecord,
+    ) -> Result<Self, VmmError> {
         check_config(&config)?;
         let vm = Self::assemble(kvm, id, config, memory, Instant::now(), true)?;
         let cpuid = boot_cpuid(kvm)?;
         vm.with_vcpu(0, |fd| fd.set_cpuid2(&cpuid))
             .map(|r| r.map_err(kvm_err("KVM_SET_CPUID2")))??;
-        vm.restore_state(state)?;
         let _ = vm.linux.set(record.clone());
         Ok(vm)
     }
