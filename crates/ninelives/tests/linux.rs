@@ -212,7 +212,7 @@ fn a_linux_vm_on_a_host_boots_to_its_command_line_and_survives_warm_rejuvenation
         v["vms"]
             .as_array()
             .and_then(|a| a.iter().find(|x| x["id"] == id))
-            .map_or(true, |x| x["state"].as_str().is_some_and(|s| s != "running" && s != "paused"))
+            .is_none_or(|x| x["state"].as_str().is_some_and(|s| s != "running" && s != "paused"))
     };
     let text =
         wait_console(&console, BOOT_LIMIT, |text| stamped(&text[mark..]).len() >= 3 || ended());
@@ -524,7 +524,10 @@ fn linux_vm_mid_boot_mechanisms_continue_its_console() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("spawn ninelives restore");
-    let text = wait_console(&console, BOOT_LIMIT, |t| stamped(&t[mark.min(t.len())..]).len() >= 3);
+    let text = wait_console(&console, BOOT_LIMIT, |t| {
+        // Or until the restore ends (it should not, before its duration).
+        stamped(&t[mark.min(t.len())..]).len() >= 3 || restore.try_wait().unwrap().is_some()
+    });
     let exited = restore.try_wait().unwrap();
     let _ = restore.kill();
     let out = restore.wait_with_output().unwrap();

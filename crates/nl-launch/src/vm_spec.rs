@@ -340,6 +340,33 @@ mod tests {
         assert!(e.contains("unknown unit"), "{e}");
     }
 
+    /// A Linux VM's spec is checked before any file is read (one vCPU, no
+    /// workload fields, Linux fields only with a kernel), and a kernel that
+    /// cannot be read or is not a Linux image is refused by its path.
+    #[test]
+    fn linux_specs_are_checked_by_name() {
+        let e = spec(r#"{"kernel":"/k","vcpus":2}"#).unwrap().args(3.0).err().unwrap();
+        assert!(e.contains("vcpus 2: a Linux VM boots one vCPU"), "{e}");
+        let e = spec(r#"{"kernel":"/k","ws":"8M"}"#).unwrap().args(3.0).err().unwrap();
+        assert!(e.contains("\"ws\" is a field of the reference guest's workload"), "{e}");
+        for f in ["cmdline", "initrd", "system_map"] {
+            let e = spec(&format!(r#"{{"{f}":"x"}}"#)).unwrap().args(3.0).err().unwrap();
+            assert!(e.contains(&format!("\"{f}\" is for a Linux VM")), "{e}");
+        }
+        let long = format!(r#"{{"kernel":"/k","cmdline":"{}"}}"#, "x".repeat(4096));
+        let e = spec(&long).unwrap().args(3.0).err().unwrap();
+        assert!(e.contains("kernel command line"), "{e}");
+        spec(r#"{"kernel":"/k","cmdline":"quiet"}"#).unwrap().args(3.0).unwrap();
+        let e = spec(r#"{"kernel":"/nonexistent/vmlinuz"}"#).unwrap().vm(3.0).err().unwrap();
+        assert!(e.contains("kernel /nonexistent/vmlinuz"), "{e}");
+        let k = std::env::temp_dir().join(format!("nl-spec-kernel-{}", std::process::id()));
+        std::fs::write(&k, b"hello").unwrap();
+        let e = spec(&format!(r#"{{"kernel":"{}"}}"#, k.display())).unwrap().vm(3.0).err();
+        let _ = std::fs::remove_file(&k);
+        let e = e.unwrap();
+        assert!(e.contains("not a Linux bzImage or vmlinux ELF"), "{e}");
+    }
+
     fn load(text: &str) -> Result<ConfigFile> {
         let dir = std::env::temp_dir().join(format!("nl-config-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
