@@ -59,7 +59,12 @@ const MAGIC: &[u8; 8] = b"NLCKPT01";
 /// Magic of a file that ends in an HMAC-SHA256 trailer.
 const MAGIC_AUTH: &[u8; 8] = b"NLCKPTA1";
 const MAC_BYTES: usize = 32;
+/// The version of a file of a reference-guest VM (what older binaries read).
 pub const DISK_VERSION: u32 = 1;
+/// The version of a file whose header names how a Linux VM was booted
+/// (`linux`) or the VM's virtio-blk disk (`disk`). Written only then, so
+/// any other file stays readable by binaries that know version 1 alone.
+pub const DISK_VERSION_LINUX: u32 = 2;
 
 /// Largest header accepted (it is a few hundred bytes of JSON).
 pub const MAX_HEADER_BYTES: u64 = 64 << 10;
@@ -93,6 +98,28 @@ pub struct DiskHeader {
     pub timer_hz: u64,
     pub workload: WorkloadParams,
     pub pages: u64,
+    /// Version 2: the VM is a Linux VM booted this way (its kernel file,
+    /// command line, initrd): restored with `Vm::restore_linux`. Absent
+    /// from version 1 files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub linux: Option<nl_vmm::linux::LinuxRecord>,
+    /// Version 2: the VM's virtio-blk disk (its saved state holds the
+    /// device's, so the restored VM needs the same device). Absent from
+    /// version 1 files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<nl_vmm::config::DiskConfig>,
+}
+
+impl DiskHeader {
+    /// The file version this header is written with: [`DISK_VERSION_LINUX`]
+    /// for a Linux VM or a VM with a disk, [`DISK_VERSION`] otherwise.
+    pub fn file_version(&self) -> u32 {
+        if self.linux.is_some() || self.disk.is_some() {
+            DISK_VERSION_LINUX
+        } else {
+            DISK_VERSION
+        }
+    }
 }
 
 fn bad(why: impl Into<String>) -> CheckpointError {
@@ -194,7 +221,11 @@ impl DiskImage {
             out.write_all(b).map_err(io)
         };
         put(if key.is_some() { MAGIC_AUTH } else { MAGIC }, &mut out)?;
-        let h = DiskHeader { pages: self.pages.len() as u64, ..self.header.clone() };
+        let h = DiskHeader {
+            pages: self.pages.len() as u64,
+            version: self.header.file_version(),
+            ..self.header.clone()
+        };
         let hj = serde_json::to_vec(&h).map_err(|e| bad(e.to_string()))?;
         put(&(hj.len() as u64).to_le_bytes(), &mut out)?;
         put(&hj, &mut out)?;
@@ -303,10 +334,19 @@ pub fn parse(b: &[u8], name: &str, key: Option<&Key>) -> Result<DiskCheckpoint, 
     }
     let header: DiskHeader = serde_json::from_slice(r.take(hl as usize)?)
         .map_err(|e| bad(format!("bad header: {e}")))?;
-    if header.version != DISK_VERSION {
+    if header.version != DISK_VERSION && header.version != DISK_VERSION_LINUX {
         return Err(bad(format!(
-            "version {} is not supported (this binary reads version {DISK_VERSION})",
+            "version {} is not supported (this binary reads versions {DISK_VERSION} and \
+             {DISK_VERSION_LINUX})",
             header.version
+        )));
+    }
+    if header.version != header.file_version() {
+        return Err(bad(format!(
+            "version {} with{} a \"linux\" or \"disk\" field: such a file is version \
+             {DISK_VERSION_LINUX}, any other version {DISK_VERSION}",
+            header.version,
+            if header.version == DISK_VERSION { "" } else { "out" }
         )));
     }
     let sl = r.u64()?;
@@ -483,6 +523,8 @@ mod tests {
             timer_hz: s.timer_hz,
             workload: s.workload,
             pages: 10,
+            linux: None,
+            disk: None,
         }
     }
 
@@ -599,6 +641,36 @@ mod tests {
         }
     }
 
+    /// A Linux VM's file (version 2) says how the kernel was booted; a
+    /// reference-guest file stays version 1 (readable by older binaries),
+    /// and a version 1 header (no `linux`) still reads.
+    #[test]
+    fn a_linux_vm_file_is_version_2_and_names_its_boot() {
+        let s = state();
+        let linux = nl_vmm::linux::LinuxRecord {
+            kernel: Some("/boot/vmlinuz".into()),
+            cmdline: "console=ttyS0 quiet".into(),
+            initrd: None,
+            system_map: None,
+        };
+        let disk = nl_vmm::config::DiskConfig { path: "/d/root.img".into(), readonly: false };
+        let h = DiskHeader { linux: Some(linux.clone()), disk: Some(disk.clone()), ..header(&s) };
+        let img = capture(&h, &s, &memory(), &|_| None).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("linux.ckpt");
+        img.write(&path, None).unwrap();
+        let c = read(&path, None).unwrap();
+        assert_eq!(c.header.version, DISK_VERSION_LINUX);
+        assert_eq!(c.header.linux, Some(linux));
+        assert_eq!(c.header.disk, Some(disk));
+        let (_dir, path, _) = written(None);
+        let c = read(&path, None).unwrap();
+        assert_eq!((c.header.version, c.header.linux), (DISK_VERSION, None));
+        // A version 1 header as older binaries wrote it: no "linux" key.
+        let text = serde_json::to_string(&header(&s)).unwrap();
+        assert!(!text.contains("linux"), "{text}");
+    }
+
     #[test]
     fn a_written_checkpoint_reads_back_page_for_page() {
         let (_dir, path, img) = written(None);
@@ -682,6 +754,7 @@ mod tests {
             serde_json::to_vec(&h).unwrap()
         };
         let good = hj(&|_| {});
+        let linux = serde_json::json!({"kernel": "/k/vmlinuz", "cmdline": "quiet", "initrd": null});
         let (p1, p2) = (page(1), page(2));
         let end = u64::MAX.to_le_bytes();
         let two: [(u64, &[u8]); 2] = [(0x1000, &p1), (0x3000, &p2)];
@@ -708,8 +781,16 @@ mod tests {
         };
         let cases: Vec<(Vec<u8>, &str)> = vec![
             (
+                assemble(&hj(&|h| h["version"] = 3.into()), &sb, &two, &end),
+                "checkpoint file: version 3 is not supported (this binary reads versions 1 and 2)",
+            ),
+            (
                 assemble(&hj(&|h| h["version"] = 2.into()), &sb, &two, &end),
-                "checkpoint file: version 2 is not supported (this binary reads version 1)",
+                "checkpoint file: version 2 without a \"linux\" or \"disk\" field",
+            ),
+            (
+                assemble(&hj(&|h| h["linux"] = linux.clone()), &sb, &two, &end),
+                "checkpoint file: version 1 with a \"linux\" or \"disk\" field",
             ),
             (
                 assemble(&hj(&|h| h["extra"] = 1.into()), &sb, &two, &end),

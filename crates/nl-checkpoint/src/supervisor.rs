@@ -457,6 +457,8 @@ impl<'a> Supervisor<'a> {
             timer_hz: cfg.timer_hz,
             workload: cfg.workload,
             pages: 0,
+            linux: self.vm.linux_record().cloned(),
+            disk: cfg.disk.clone(),
         };
         // The checkpoint before this one (as with two kept checkpoints).
         let idx = self.states.len() - 1;

@@ -447,6 +447,11 @@ pub struct RestoreArgs {
     /// Print one JSON object as the last line of stdout.
     #[arg(long)]
     pub json: bool,
+    /// A Linux VM's file: seconds the restored VM runs unless it resets or
+    /// stops first (default 60). A reference-guest VM runs its workload to
+    /// the end instead.
+    #[arg(long)]
+    pub duration: Option<f64>,
 }
 
 /// Parses sizes such as 4096, 64K, 256M, 2G, 1GiB.

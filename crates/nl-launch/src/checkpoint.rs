@@ -216,10 +216,18 @@ pub fn restore(a: crate::args::RestoreArgs) -> Result<ExitCode> {
     let key = a.key_file.as_deref().map(nl_checkpoint::disk::load_key).transpose()?;
     let ck = nl_checkpoint::disk::read(&a.file, key.as_ref())?;
     let h = &ck.header;
+    if let Some(linux) = &h.linux {
+        return restore_linux(&a, &ck, linux, key.is_some());
+    }
+    if let Some(d) = a.duration {
+        bail!("--duration {d}: a reference-guest VM runs its workload to the end; --duration is for a Linux VM's file");
+    }
     let m = crate::args::MachineArgs {
         mem: h.mem_bytes,
         vcpus: h.vcpus,
         timer_hz: h.timer_hz,
+        disk: h.disk.as_ref().map(|d| d.path.clone()),
+        disk_readonly: h.disk.as_ref().is_some_and(|d| d.readonly),
         ..Default::default()
     };
     let config = guest::vm_config(&m, h.workload, guest::kernel_image(&m)?, a.console.clone())?;
@@ -247,4 +255,72 @@ pub fn restore(a: crate::args::RestoreArgs) -> Result<ExitCode> {
         );
     }
     Ok(if digest_ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// `ninelives restore FILE` of a Linux VM's file (version 2): the VM is
+/// rebuilt as a Linux VM (UART interrupt, i8042, PIT, its CPUID) over the
+/// file's memory and state, and runs until the guest resets, it stops on
+/// what the VMM cannot complete, or `--duration` passes. Its console goes on
+/// from where it was saved; nothing is booted again.
+fn restore_linux(
+    a: &crate::args::RestoreArgs,
+    ck: &nl_checkpoint::disk::DiskCheckpoint,
+    linux: &nl_vmm::linux::LinuxRecord,
+    authenticated: bool,
+) -> Result<ExitCode> {
+    use nl_vmm::linux::{LinuxOutcome, WaitStats};
+    let secs = a.duration.unwrap_or(60.0);
+    if !(secs.is_finite() && secs > 0.0 && secs <= 7.0 * 86400.0) {
+        bail!("--duration {secs} is out of range (0 s, one week]");
+    }
+    let h = &ck.header;
+    let m = crate::args::MachineArgs {
+        mem: h.mem_bytes,
+        vcpus: h.vcpus,
+        timer_hz: h.timer_hz,
+        disk: h.disk.as_ref().map(|d| d.path.clone()),
+        disk_readonly: h.disk.as_ref().is_some_and(|d| d.readonly),
+        ..Default::default()
+    };
+    // The kernel is in the saved memory: no image is loaded.
+    let config = guest::vm_config(&m, h.workload, std::sync::Arc::default(), a.console.clone())?;
+    let map = crate::run_linux::system_map(linux.system_map.as_deref()).unwrap_or_else(|e| {
+        tracing::warn!("{e:#}; crashes are reported without guest symbols");
+        None
+    });
+    let memory = ck.memory("restored")?;
+    let kvm = nl_vmm::open_kvm()?;
+    let vm = Vm::restore_linux(&kvm, 0, config, memory, &ck.state, linux)
+        .context("cannot restore the Linux VM")?;
+    vm.start()?;
+    let mut stats = WaitStats::default();
+    let outcome = nl_vmm::linux::wait(&vm, Duration::from_secs_f64(secs), |_| false, &mut stats);
+    let (ok, message) = match &outcome {
+        LinuxOutcome::Reset => {
+            (true, "the guest reset (reboot or power-off through the i8042)".to_string())
+        }
+        LinuxOutcome::TimedOut => {
+            vm.stop();
+            (true, format!("stopped after --duration {secs:.0} s"))
+        }
+        LinuxOutcome::Ended(o) => (false, nl_vmm::linux::describe_crash(&vm, o, map.as_ref())),
+        LinuxOutcome::Reached => unreachable!("the wait only ends otherwise"),
+    };
+    println!(
+        "restored a Linux VM ({} pages) from {}{}: {message}; int3 completed by #BP: {}; \
+         fwait completed: {}; ldmxcsr/stmxcsr completed: {}",
+        ck.pages.len(),
+        a.file.display(),
+        if authenticated { " (authenticated)" } else { "" },
+        stats.int3_completed,
+        stats.fwait_completed,
+        stats.mxcsr_completed,
+    );
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({"ok": ok, "linux": true, "pages": ck.pages.len(), "outcome": message})
+        );
+    }
+    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }

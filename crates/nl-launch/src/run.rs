@@ -141,6 +141,13 @@ fn configs_from_file(path: &std::path::Path) -> Result<(Vec<VmConfig>, Vec<guest
     let mut configs = Vec::new();
     for (i, spec) in file.vms.iter().enumerate() {
         let what = || format!("{}: vms[{i}]", path.display());
+        if spec.kernel.is_some() {
+            anyhow::bail!(
+                "{}: a Linux VM (\"kernel\") is for `host --config`; boot one with \
+                 `run --kernel FILE`",
+                what()
+            );
+        }
         let mut s =
             spec.args(RUN_DEFAULT_DURATION).map_err(anyhow::Error::msg).with_context(what)?;
         let params = guest::workload_params(&s.workload, s.duration).with_context(what)?;

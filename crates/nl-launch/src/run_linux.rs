@@ -3,6 +3,7 @@
 //! or `--duration` seconds pass, and report when its first console byte and
 //! its banner came.
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -33,48 +34,14 @@ pub fn run(a: &RunArgs, kernel: Arc<Vec<u8>>) -> Result<ExitCode> {
     if !(a.duration.is_finite() && a.duration > 0.0) {
         anyhow::bail!("--duration {} must be a positive number of seconds", a.duration);
     }
-    let initrd = match &a.initrd {
-        Some(p) => Some(Arc::new(
-            nl_memory::file::read_limited(p, "initrd", MAX_INITRD_BYTES)
-                .context("cannot read --initrd")?,
-        )),
-        None => None,
-    };
-    let map = match &a.system_map {
-        Some(p) => {
-            let bytes = nl_memory::file::read_limited(p, "System.map", 64 << 20)
-                .context("cannot read --system-map")?;
-            let text = String::from_utf8_lossy(&bytes);
-            let m = nl_arch::linux::SystemMap::parse(&text);
-            if m.is_empty() {
-                // Debian ships a one-line placeholder that says where the real map is.
-                let first = text.lines().next().unwrap_or("").trim();
-                anyhow::bail!(
-                    "--system-map {}: no code symbols in it (its first line: \"{}\")",
-                    p.display(),
-                    first.chars().take(120).collect::<String>()
-                );
-            }
-            Some(m)
-        }
-        None => None,
-    };
+    let map = system_map(a.system_map.as_deref())?;
     let params = guest::workload_params(&a.workload, a.duration)?;
     let console = a.console.clone().unwrap_or_else(|| "/dev/stdout".into());
     let config = guest::vm_config(&a.machine, params, kernel, Some(console))?;
     let backend = nl_arch::backend::Backend::detect();
-    let cmdline = nl_arch::linux::boot_cmdline(&a.cmdline, backend);
-    if cmdline != a.cmdline {
-        tracing::info!("on {backend} the kernel boots with: {cmdline}");
-    }
-    let boot = LinuxBoot {
-        cmdline,
-        initrd,
-        // Absolute, for a successor process that boots the VM again.
-        kernel_path: a.machine.kernel.as_deref().map(absolute),
-        initrd_path: a.initrd.as_deref().map(absolute),
-    };
-
+    let mut boot = linux_boot(a.machine.kernel.as_deref(), &a.cmdline, a.initrd.as_deref(), None)?;
+    // Parsed once above, for the report of a crash.
+    boot.system_map_path = a.system_map.as_deref().map(absolute);
     let kvm = nl_vmm::open_kvm()?;
     let t0 = Instant::now();
     let vm = Vm::create_linux(&kvm, 0, config, &boot).context("cannot create the Linux VM")?;
@@ -119,6 +86,62 @@ pub fn run(a: &RunArgs, kernel: Arc<Vec<u8>>) -> Result<ExitCode> {
     Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
-fn absolute(p: &std::path::Path) -> std::path::PathBuf {
+fn absolute(p: &Path) -> PathBuf {
     std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
+}
+
+/// How a Linux kernel boots, from the files and command line given
+/// (`run --kernel`, or a host's `create` with a `kernel`): the initrd read
+/// (at most 512 MiB), the command line checked (printable ASCII, at most
+/// 2048 bytes) and completed for the backend
+/// ([`nl_arch::linux::boot_cmdline`]), the files' absolute paths kept for a
+/// successor process that boots the VM again. A `system_map` is checked
+/// ([`system_map`]) and its path kept.
+pub fn linux_boot(
+    kernel: Option<&Path>,
+    cmdline: &str,
+    initrd: Option<&Path>,
+    system_map_path: Option<&Path>,
+) -> Result<LinuxBoot> {
+    nl_arch::linux::cmdline(cmdline).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let backend = nl_arch::backend::Backend::detect();
+    let full = nl_arch::linux::boot_cmdline(cmdline, backend);
+    if full != cmdline {
+        tracing::info!("on {backend} the kernel boots with: {full}");
+    }
+    let initrd_bytes = match initrd {
+        Some(p) => Some(Arc::new(
+            nl_memory::file::read_limited(p, "initrd", MAX_INITRD_BYTES)
+                .with_context(|| format!("cannot read the initrd {}", p.display()))?,
+        )),
+        None => None,
+    };
+    system_map(system_map_path)?;
+    Ok(LinuxBoot {
+        cmdline: full,
+        initrd: initrd_bytes,
+        kernel_path: kernel.map(absolute),
+        initrd_path: initrd.map(absolute),
+        system_map_path: system_map_path.map(absolute),
+    })
+}
+
+/// Reads and parses a System.map (at most 64 MiB); one without code
+/// symbols (Debian ships a one-line placeholder) is refused, quoting its
+/// first line.
+pub fn system_map(path: Option<&Path>) -> Result<Option<nl_arch::linux::SystemMap>> {
+    let Some(p) = path else { return Ok(None) };
+    let bytes = nl_memory::file::read_limited(p, "System.map", nl_vmm::linux::MAX_SYSTEM_MAP)
+        .with_context(|| format!("cannot read the System.map {}", p.display()))?;
+    let text = String::from_utf8_lossy(&bytes);
+    let m = nl_arch::linux::SystemMap::parse(&text);
+    if m.is_empty() {
+        let first = text.lines().next().unwrap_or("").trim();
+        anyhow::bail!(
+            "System.map {}: no code symbols in it (its first line: \"{}\")",
+            p.display(),
+            first.chars().take(120).collect::<String>()
+        );
+    }
+    Ok(Some(m))
 }

@@ -75,6 +75,20 @@ pub struct VmSpec {
     pub net_host_ip: Option<String>,
     /// Raw disk image for a virtio-blk device.
     pub disk: Option<PathBuf>,
+    /// A Linux kernel to boot instead of the reference guest: a bzImage or
+    /// vmlinux ELF file (docs/linux-guests.md). The VM has one vCPU; the
+    /// workload fields do not apply.
+    pub kernel: Option<PathBuf>,
+    /// A Linux VM's kernel command line, printable ASCII, at most 2048
+    /// bytes (default `console=ttyS0 earlyprintk=serial,ttyS0,115200
+    /// reboot=k panic=-1 nokaslr`; on PVM the VMM adds what its emulator
+    /// needs).
+    pub cmdline: Option<String>,
+    /// A Linux VM's initrd (initramfs) file, at most 512 MiB.
+    pub initrd: Option<PathBuf>,
+    /// The Linux kernel's System.map: a VM that stops is reported with the
+    /// guest function it stopped in.
+    pub system_map: Option<PathBuf>,
 }
 
 /// A VM's arguments as the command line would give them.
@@ -130,6 +144,18 @@ impl VmSpec {
             disk: self.disk.clone(),
             ..dm
         };
+        if self.kernel.is_some() {
+            self.check_linux(&machine)?;
+        } else {
+            let linux_only = [
+                ("cmdline", self.cmdline.is_some()),
+                ("initrd", self.initrd.is_some()),
+                ("system_map", self.system_map.is_some()),
+            ];
+            if let Some((f, _)) = linux_only.iter().find(|(_, given)| *given) {
+                return Err(format!("\"{f}\" is for a Linux VM: give its \"kernel\" too"));
+            }
+        }
         let duration = self.duration.unwrap_or(default_duration);
         if !(duration.is_finite() && duration > 0.0 && duration <= 7.0 * 86400.0) {
             return Err(format!("duration {duration} is out of range (0 s, one week]"));
@@ -137,14 +163,76 @@ impl VmSpec {
         Ok(SpecArgs { workload, machine, duration, console: self.console.clone() })
     }
 
+    /// The checks of a Linux VM's spec that need no file: one vCPU, no
+    /// reference-guest workload fields, a command line Linux accepts.
+    fn check_linux(&self, machine: &MachineArgs) -> Result<(), String> {
+        if machine.vcpus != 1 {
+            return Err(format!(
+                "vcpus {}: a Linux VM boots one vCPU for now (no MP or ACPI tables yet)",
+                machine.vcpus
+            ));
+        }
+        let workload_fields = [
+            ("ws", self.ws.is_some()),
+            ("write_pct", self.write_pct.is_some()),
+            ("pattern", self.pattern.is_some()),
+            ("stride", self.stride.is_some()),
+            ("hot_pct", self.hot_pct.is_some()),
+            ("data", self.data.is_some()),
+        ];
+        if let Some((f, _)) = workload_fields.iter().find(|(_, given)| *given) {
+            return Err(format!(
+                "\"{f}\" is a field of the reference guest's workload, not of a Linux VM \
+                 (\"kernel\" is given)"
+            ));
+        }
+        let cmdline = self.cmdline.as_deref().unwrap_or(crate::run_linux::DEFAULT_CMDLINE);
+        nl_arch::linux::cmdline(cmdline).map_err(|e| e.to_string())?;
+        Ok(())
+    }
+
     /// The VM configuration this spec asks for (for a host: its duration
     /// defaults to an hour).
     pub fn vm_config(&self, default_duration: f64) -> Result<nl_vmm::VmConfig, String> {
+        Ok(self.vm(default_duration)?.0)
+    }
+
+    /// The VM this spec asks for: its configuration and, with a `kernel`,
+    /// how its Linux kernel boots. The files are read here: a kernel that
+    /// is missing, unreadable or not a Linux image is refused by name.
+    pub fn vm(
+        &self,
+        default_duration: f64,
+    ) -> Result<(nl_vmm::VmConfig, Option<nl_vmm::linux::LinuxBoot>), String> {
         let a = self.args(default_duration)?;
         let params =
             crate::guest::workload_params(&a.workload, a.duration).map_err(|e| e.to_string())?;
-        let kernel = crate::guest::kernel_image(&a.machine).map_err(|e| e.to_string())?;
-        crate::guest::vm_config(&a.machine, params, kernel, a.console).map_err(|e| e.to_string())
+        let Some(path) = &self.kernel else {
+            let kernel = crate::guest::kernel_image(&a.machine).map_err(|e| e.to_string())?;
+            let c = crate::guest::vm_config(&a.machine, params, kernel, a.console);
+            return Ok((c.map_err(|e| e.to_string())?, None));
+        };
+        let kernel =
+            nl_memory::file::read_limited(path, "kernel image", crate::guest::MAX_KERNEL_BYTES)
+                .map_err(|e| format!("kernel {}: {e}", path.display()))?;
+        if nl_arch::linux::image_kind(&kernel) == nl_arch::linux::ImageKind::Other {
+            return Err(format!(
+                "kernel {}: not a Linux bzImage or vmlinux ELF (no setup header, no \
+                 \"Linux version\" banner)",
+                path.display()
+            ));
+        }
+        let cmdline = self.cmdline.as_deref().unwrap_or(crate::run_linux::DEFAULT_CMDLINE);
+        let boot = crate::run_linux::linux_boot(
+            Some(path),
+            cmdline,
+            self.initrd.as_deref(),
+            self.system_map.as_deref(),
+        )
+        .map_err(|e| format!("{e:#}"))?;
+        let c = crate::guest::vm_config(&a.machine, params, std::sync::Arc::new(kernel), a.console)
+            .map_err(|e| e.to_string())?;
+        Ok((c, Some(boot)))
     }
 }
 
@@ -153,9 +241,16 @@ pub const HOST_DEFAULT_DURATION: f64 = 3600.0;
 
 /// The VM configuration a host API `create` request asks for.
 pub fn build_config(req: &serde_json::Value) -> Result<nl_vmm::VmConfig, String> {
+    Ok(build_vm(req)?.0)
+}
+
+/// The VM a host API `create` request asks for ([`VmSpec::vm`]).
+pub fn build_vm(
+    req: &serde_json::Value,
+) -> Result<(nl_vmm::VmConfig, Option<nl_vmm::linux::LinuxBoot>), String> {
     let spec: VmSpec =
         serde_json::from_value(req.clone()).map_err(|e| format!("bad create request: {e}"))?;
-    spec.vm_config(HOST_DEFAULT_DURATION)
+    spec.vm(HOST_DEFAULT_DURATION)
 }
 
 /// A configuration file: the VMs to run (`ninelives run --config`) or to
@@ -243,6 +338,33 @@ mod tests {
         assert!(e.contains("duration -2"), "{e}");
         let e = spec(r#"{"mem":"12X"}"#).unwrap().args(3.0).err().unwrap();
         assert!(e.contains("unknown unit"), "{e}");
+    }
+
+    /// A Linux VM's spec is checked before any file is read (one vCPU, no
+    /// workload fields, Linux fields only with a kernel), and a kernel that
+    /// cannot be read or is not a Linux image is refused by its path.
+    #[test]
+    fn linux_specs_are_checked_by_name() {
+        let e = spec(r#"{"kernel":"/k","vcpus":2}"#).unwrap().args(3.0).err().unwrap();
+        assert!(e.contains("vcpus 2: a Linux VM boots one vCPU"), "{e}");
+        let e = spec(r#"{"kernel":"/k","ws":"8M"}"#).unwrap().args(3.0).err().unwrap();
+        assert!(e.contains("\"ws\" is a field of the reference guest's workload"), "{e}");
+        for f in ["cmdline", "initrd", "system_map"] {
+            let e = spec(&format!(r#"{{"{f}":"x"}}"#)).unwrap().args(3.0).err().unwrap();
+            assert!(e.contains(&format!("\"{f}\" is for a Linux VM")), "{e}");
+        }
+        let long = format!(r#"{{"kernel":"/k","cmdline":"{}"}}"#, "x".repeat(4096));
+        let e = spec(&long).unwrap().args(3.0).err().unwrap();
+        assert!(e.contains("kernel command line"), "{e}");
+        spec(r#"{"kernel":"/k","cmdline":"quiet"}"#).unwrap().args(3.0).unwrap();
+        let e = spec(r#"{"kernel":"/nonexistent/vmlinuz"}"#).unwrap().vm(3.0).err().unwrap();
+        assert!(e.contains("kernel /nonexistent/vmlinuz"), "{e}");
+        let k = std::env::temp_dir().join(format!("nl-spec-kernel-{}", std::process::id()));
+        std::fs::write(&k, b"hello").unwrap();
+        let e = spec(&format!(r#"{{"kernel":"{}"}}"#, k.display())).unwrap().vm(3.0).err();
+        let _ = std::fs::remove_file(&k);
+        let e = e.unwrap();
+        assert!(e.contains("not a Linux bzImage or vmlinux ELF"), "{e}");
     }
 
     fn load(text: &str) -> Result<ConfigFile> {

@@ -810,7 +810,10 @@ fn prepare_record(
                 if let Err(e) = mem.populate_allocated() {
                     tracing::warn!("VM {}: {e} (pages will fault in on use)", rec.id);
                 }
-                Vm::prepare(host.kvm(), rec.id, rec.config(images), mem)
+                match &rec.linux {
+                    Some(l) => Vm::prepare_linux(host.kvm(), rec.id, rec.config(images), mem, l),
+                    None => Vm::prepare(host.kvm(), rec.id, rec.config(images), mem),
+                }
             }
             memory => build_vm(host.kvm(), rec, images, memory),
         }

@@ -299,6 +299,27 @@ impl Host {
         Ok(id)
     }
 
+    /// Creates and starts a VM that boots the Linux kernel in
+    /// `config.kernel` with `boot` ([`Vm::create_linux`]), admitted as
+    /// [`Host::create`] admits a VM. It is supervised without a heartbeat
+    /// (`crate::linux::supervise`): it ends when the guest resets or stops.
+    /// A kernel image or command line the boot path refuses is a
+    /// configuration error (the API answers 400).
+    pub fn create_linux(
+        &self,
+        config: VmConfig,
+        boot: &crate::linux::LinuxBoot,
+    ) -> Result<u32, VmmError> {
+        let _reserved = self.admit(&config)?;
+        let id = self.next_id.fetch_add(1, Relaxed);
+        let vm = Vm::create_linux(&self.kvm, id, config, boot).map_err(|e| match e {
+            VmmError::Arch(a) => VmmError::Config(format!("Linux kernel: {a}")),
+            e => e,
+        })?;
+        self.adopt(vm, false)?;
+        Ok(id)
+    }
+
     /// Starts a VM built elsewhere (restored by a handover) and hosts it
     /// under its own id. A VM adopted `paused` stays paused.
     pub fn adopt(&self, vm: Vm, paused: bool) -> Result<Arc<Vm>, VmmError> {
@@ -457,7 +478,11 @@ impl Host {
             .map(|h| VmSummary {
                 id: h.vm.id(),
                 state: state_of(h),
-                workload: nl_abi::workload_name(h.vm.config().workload.kind).into(),
+                workload: if h.vm.linux_record().is_some() {
+                    "linux".into()
+                } else {
+                    nl_abi::workload_name(h.vm.config().workload.kind).into()
+                },
                 vcpus: h.vm.config().vcpus,
                 mem_bytes: h.vm.config().mem_bytes,
             })

@@ -78,6 +78,9 @@ pub struct LinuxBoot {
     /// that boots the VM again ([`LinuxRecord`]).
     pub kernel_path: Option<PathBuf>,
     pub initrd_path: Option<PathBuf>,
+    /// The kernel's System.map: a host names the guest function where the
+    /// VM stopped ([`describe_crash`]) in its outcome.
+    pub system_map_path: Option<PathBuf>,
 }
 
 /// How a Linux VM was booted, as a handover record carries it
@@ -90,6 +93,10 @@ pub struct LinuxRecord {
     /// The command line as given (the VMM adds the virtio-mmio devices).
     pub cmdline: String,
     pub initrd: Option<PathBuf>,
+    /// The kernel's System.map, if one was given (absent from the records
+    /// of older processes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub system_map: Option<PathBuf>,
 }
 
 /// Largest kernel image and initrd a successor reads back.
@@ -103,6 +110,7 @@ impl LinuxRecord {
             kernel: boot.kernel_path.clone(),
             cmdline: boot.cmdline.clone(),
             initrd: boot.initrd_path.clone(),
+            system_map: boot.system_map_path.clone(),
         }
     }
 
@@ -128,6 +136,7 @@ impl LinuxRecord {
                 initrd,
                 kernel_path: self.kernel.clone(),
                 initrd_path: self.initrd.clone(),
+                system_map_path: self.system_map.clone(),
             },
         ))
     }
@@ -212,12 +221,27 @@ impl Vm {
         state: &VmState,
         record: &LinuxRecord,
     ) -> Result<Self, VmmError> {
+        let vm = Self::prepare_linux(kvm, id, config, memory, record)?;
+        vm.restore_state(state)?;
+        Ok(vm)
+    }
+
+    /// A Linux VM booted as `record` says, built over existing guest
+    /// memory without its state yet (not started): what a standby
+    /// successor prepares before the old process pauses the VM (the Linux
+    /// counterpart of [`Vm::prepare`]). [`Vm::restore_state`] completes it.
+    pub fn prepare_linux(
+        kvm: &Kvm,
+        id: u32,
+        config: VmConfig,
+        memory: GuestMemory,
+        record: &LinuxRecord,
+    ) -> Result<Self, VmmError> {
         check_config(&config)?;
         let vm = Self::assemble(kvm, id, config, memory, Instant::now(), true)?;
         let cpuid = boot_cpuid(kvm)?;
         vm.with_vcpu(0, |fd| fd.set_cpuid2(&cpuid))
             .map(|r| r.map_err(kvm_err("KVM_SET_CPUID2")))??;
-        vm.restore_state(state)?;
         let _ = vm.linux.set(record.clone());
         Ok(vm)
     }
@@ -254,7 +278,12 @@ pub enum LinuxOutcome {
 mod tests {
     #[test]
     fn a_linux_record_without_its_files_is_refused_by_name() {
-        let mut r = super::LinuxRecord { kernel: None, cmdline: "quiet".into(), initrd: None };
+        let mut r = super::LinuxRecord {
+            kernel: None,
+            cmdline: "quiet".into(),
+            initrd: None,
+            system_map: None,
+        };
         assert!(r.load().unwrap_err().to_string().contains("names no kernel file"));
         r.kernel = Some("/nonexistent/ninelives-vmlinuz".into());
         let e = r.load().unwrap_err().to_string();
@@ -380,10 +409,23 @@ pub(crate) fn supervise(vm: &Vm) -> Option<VmOutcome> {
         {
             return None;
         }
+        if let VmOutcome::Crashed { cpu, message } = o {
+            // The outcome a host reports names the instruction (and, with
+            // a System.map, the guest function) where the kernel stopped.
+            let map = vm.linux_record().and_then(|r| r.system_map.as_ref()).and_then(|p| {
+                let bytes = nl_memory::file::read_limited(p, "System.map", MAX_SYSTEM_MAP).ok()?;
+                Some(SystemMap::parse(&String::from_utf8_lossy(&bytes)))
+            });
+            let message = message + &crash_details(vm, map.as_ref());
+            return Some(VmOutcome::Crashed { cpu, message });
+        }
         return Some(o);
     }
     None
 }
+
+/// Largest System.map read.
+pub const MAX_SYSTEM_MAP: u64 = 64 << 20;
 
 /// Up to 15 bytes of guest code at the boot vCPU's RIP, and the RIP.
 pub fn code_at_rip(vm: &Vm) -> Result<(u64, Vec<u8>), VmmError> {
@@ -416,21 +458,31 @@ pub fn code_at_rip(vm: &Vm) -> Result<(u64, Vec<u8>), VmmError> {
 pub fn describe_crash(vm: &Vm, outcome: &VmOutcome, map: Option<&SystemMap>) -> String {
     let mut m = outcome.message();
     if let VmOutcome::Crashed { .. } = outcome {
-        match code_at_rip(vm) {
-            Ok((rip, bytes)) => {
-                let hex: Vec<String> = bytes.iter().map(|b| format!("{b:02x}")).collect();
-                m.push_str(&format!("; instruction bytes at {rip:#x}: {}", hex.join(" ")));
-                if let Some(hint) = emulation_hint(&bytes) {
-                    m.push_str(&format!(" [{hint}]"));
-                }
-                match map.and_then(|s| s.symbolize(rip)) {
-                    Some(sym) => m.push_str(&format!(" ({sym})")),
-                    None if map.is_none() => m.push_str(" (give --system-map for the symbol)"),
-                    None => {}
-                }
+        m.push_str(&crash_details(vm, map));
+    }
+    m
+}
+
+/// What [`describe_crash`] adds to a crash's message: `; instruction bytes
+/// at RIP: ...`, a hint, and the guest symbol.
+fn crash_details(vm: &Vm, map: Option<&SystemMap>) -> String {
+    let mut m = String::new();
+    match code_at_rip(vm) {
+        Ok((rip, bytes)) => {
+            let hex: Vec<String> = bytes.iter().map(|b| format!("{b:02x}")).collect();
+            m.push_str(&format!("; instruction bytes at {rip:#x}: {}", hex.join(" ")));
+            if let Some(hint) = emulation_hint(&bytes) {
+                m.push_str(&format!(" [{hint}]"));
             }
-            Err(e) => m.push_str(&format!("; code at rip unreadable: {e}")),
+            match map.and_then(|s| s.symbolize(rip)) {
+                Some(sym) => m.push_str(&format!(" ({sym})")),
+                None if map.is_none() => m.push_str(
+                    " (give a System.map, --system-map or \"system_map\", for the symbol)",
+                ),
+                None => {}
+            }
         }
+        Err(e) => m.push_str(&format!("; code at rip unreadable: {e}")),
     }
     m
 }

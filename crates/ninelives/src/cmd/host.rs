@@ -93,12 +93,18 @@ pub fn host(a: HostArgs) -> Result<ExitCode> {
     nl_vmm::selftest::arm_from_env();
     if let (Some(c), Some(path)) = (&config, &a.config) {
         for (i, spec) in c.vms.iter().enumerate() {
-            let vm = spec.vm_config(HOST_DEFAULT_DURATION).map_err(anyhow::Error::msg);
-            let id = vm.and_then(|vm| host.create(vm).map_err(anyhow::Error::from));
+            let vm = spec.vm(HOST_DEFAULT_DURATION).map_err(anyhow::Error::msg);
+            let id = vm.and_then(|vm| {
+                match vm {
+                    (c, Some(boot)) => host.create_linux(c, &boot),
+                    (c, None) => host.create(c),
+                }
+                .map_err(anyhow::Error::from)
+            });
             let id = id.with_context(|| format!("cannot create vms[{i}] of {}", path.display()))?;
             tracing::info!(
                 "host: created VM {id} ({}) from the configuration",
-                spec.workload.name()
+                if spec.kernel.is_some() { "linux" } else { spec.workload.name() }
             );
         }
     }

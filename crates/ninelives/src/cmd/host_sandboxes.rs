@@ -21,6 +21,7 @@ use nl_sync::Lock;
 use nl_vmm::api::{ApiError, Frontend};
 use nl_vmm::carry::{Carrier, InheritedSet, SetRecord};
 use nl_vmm::host::Host;
+use nl_vmm::linux::LinuxBoot;
 use nl_vmm::VmConfig;
 use serde_json::{json, Value};
 
@@ -259,6 +260,10 @@ impl HostFrontend {
 impl Frontend for HostFrontend {
     fn build_config(&self, req: &Value) -> Result<VmConfig, String> {
         nl_launch::vm_spec::build_config(req)
+    }
+
+    fn build_vm(&self, req: &Value) -> Result<(VmConfig, Option<LinuxBoot>), String> {
+        nl_launch::vm_spec::build_vm(req)
     }
 
     fn op(&self, host: &Host, op: &str, req: &Value) -> Option<Result<Value, ApiError>> {

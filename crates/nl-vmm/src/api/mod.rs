@@ -82,6 +82,7 @@ use serde_json::{json, Value};
 
 use crate::handover::Mode;
 use crate::host::{Host, Limits};
+use crate::linux::LinuxBoot;
 use crate::rejuvenate;
 use crate::{VmConfig, VmmError};
 
@@ -100,6 +101,12 @@ pub const MAX_REQUEST: usize = 64 * 1024;
 pub trait Frontend: Send + Sync {
     /// The VM configuration a `create` request asks for.
     fn build_config(&self, req: &Value) -> Result<VmConfig, String>;
+    /// The VM a `create` request asks for: its configuration and, for a
+    /// Linux VM, how its kernel boots (by default a reference-guest VM,
+    /// [`Frontend::build_config`]).
+    fn build_vm(&self, req: &Value) -> Result<(VmConfig, Option<LinuxBoot>), String> {
+        Ok((self.build_config(req)?, None))
+    }
     /// Handles an operation the host does not know (`None`: not the front
     /// end's either).
     fn op(&self, _host: &Host, _op: &str, _req: &Value) -> Option<Result<Value, ApiError>> {
@@ -753,7 +760,13 @@ fn handle_op(
                 "committed": {"mem_bytes": mem, "vcpus": vcpus},
             })
         }
-        "create" => json!({"id": host.create(build.build_config(req)?).map_err(e)?}),
+        "create" => {
+            let id = match build.build_vm(req)? {
+                (config, Some(boot)) => host.create_linux(config, &boot),
+                (config, None) => host.create(config),
+            };
+            json!({"id": id.map_err(e)?})
+        }
         "list" => json!({"vms": host.list()}),
         "pause" => {
             host.pause(id_of(req)?).map_err(e)?;
