@@ -24,6 +24,9 @@
 //!   writes, a broken driver).
 //! * [`recovery`]: the local recovery policies (`stop`, `restart`,
 //!   `replace`, `rollback`).
+//! * [`net`]: a sandbox's own virtio-net device on a host TAP.
+//! * [`service`]: remote recovery: the service registry and the takeover
+//!   of a failed owner's TAP by a standby sandbox.
 //! * [`set`]: creating, starting (pinned), supervising and reporting a set.
 //! * [`verify`]: checking a finished sandbox's result.
 //! * [`affinity`]: host cores and pinning.
@@ -46,7 +49,9 @@ pub mod detect;
 pub mod faults;
 pub mod isolation;
 pub mod monitor;
+pub mod net;
 pub mod recovery;
+pub mod service;
 pub mod set;
 pub mod verify;
 
