@@ -72,7 +72,9 @@ pub fn check_tap_name(s: &str) -> Result<(), String> {
         || s == "."
         || s == ".."
     {
-        return Err(format!("'{s}' is not a valid interface name (1 to 15 bytes, no '/' or blanks)"));
+        return Err(format!(
+            "'{s}' is not a valid interface name (1 to 15 bytes, no '/' or blanks)"
+        ));
     }
     Ok(())
 }
@@ -148,9 +150,8 @@ pub fn validate(c: &SetConfig) -> Result<(), SandboxError> {
                 s.name
             ));
         }
-        let id = n
-            .identity()
-            .map_err(|e| SandboxError::Config(format!("sandbox '{}': {e}", s.name)))?;
+        let id =
+            n.identity().map_err(|e| SandboxError::Config(format!("sandbox '{}': {e}", s.name)))?;
         for (map, key, what) in [
             (&mut taps, n.tap.clone(), "TAP"),
             (&mut macs, n.mac.to_ascii_lowercase(), "MAC"),

@@ -288,7 +288,8 @@ pub(crate) fn standby_pass(set: &SandboxSet, sb: &Sandbox, watch: &mut Option<Wa
         if w.record.announced_ms.is_none() && n.guest_announcements > w.arp0 {
             w.record.announced_ms = ms(w.t0);
         }
-        if w.record.first_reply_ms.is_none() && n.tx_frames > w.tx0 + (n.guest_announcements - w.arp0)
+        if w.record.first_reply_ms.is_none()
+            && n.tx_frames > w.tx0 + (n.guest_announcements - w.arp0)
         {
             w.record.first_reply_ms = ms(w.t0);
         }

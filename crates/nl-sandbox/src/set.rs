@@ -404,7 +404,10 @@ impl SandboxSet {
         phases.image_ms = ms();
         if let Some(tap) = sb.vm().take_tap() {
             vm.attach_tap(tap).map_err(|_| {
-                SandboxError::Vm(sb.config.name.clone(), "restart: its new VM has no net device".into())
+                SandboxError::Vm(
+                    sb.config.name.clone(),
+                    "restart: its new VM has no net device".into(),
+                )
             })?;
         }
         let old = std::mem::replace(&mut *sb.vm.lock(), Arc::new(vm));
