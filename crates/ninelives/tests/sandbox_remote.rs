@@ -228,13 +228,13 @@ fn a_standby_takes_over_a_failed_owners_service_and_the_owner_becomes_the_standb
                 "the second takeover's announcement",
                 Duration::from_secs(60),
                 || service_now(s).takeovers.get(1).is_some_and(|t| t.announced_ms.is_some()),
-                &state,
+                state,
             );
             wait_or(
                 "the second takeover's first reply",
                 Duration::from_secs(10),
                 || service_now(s).takeovers.get(1).is_some_and(|t| t.first_reply_ms.is_some()),
-                &state,
+                state,
             );
             stop2.store(true, Ordering::SeqCst);
             client.join().expect("client").expect("ping")

@@ -607,8 +607,8 @@ impl SetConfig {
                 return bad(format!("sandbox '{}' runs {kind} but is in no channel", s.name));
             }
         }
-        crate::net::validate(self)?;
         crate::service::validate(self)?;
+        crate::net::validate(self)?;
         Ok(())
     }
 

@@ -67,7 +67,7 @@ pub fn parse_cidr(s: &str) -> Result<([u8; 4], u8), String> {
 /// NUL).
 pub fn check_tap_name(s: &str) -> Result<(), String> {
     if s.is_empty()
-        || s.len() >= libc_ifnamsiz()
+        || s.len() >= IFNAMSIZ
         || s.contains(['/', ' ', '\0', '\t', '\n'])
         || s == "."
         || s == ".."
@@ -79,9 +79,8 @@ pub fn check_tap_name(s: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn libc_ifnamsiz() -> usize {
-    16
-}
+/// Linux's interface name buffer, the terminating NUL included.
+const IFNAMSIZ: usize = 16;
 
 impl NetSection {
     /// Parses and checks the section.
@@ -186,5 +185,79 @@ pub fn first_vm_net(c: &SetConfig, name: &str) -> Result<Option<NetConfig>, Sand
     match owner {
         Some(n) => n.vm_config(true).map(Some).map_err(err),
         None => Err(err(format!("service '{}': its owner has no net section", v.name))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::SetConfig;
+
+    fn set(web_net: &str, spare_extra: &str, services: &str) -> String {
+        format!(
+            r#"{{"sandboxes": [
+                {{"name": "web", "cores": [0], "workload": {{"kind": "netbench"}}, "recovery": {{"policy": "restart"}} {web_net}}},
+                {{"name": "spare", "cores": [1], "workload": {{"kind": "netbench"}} {spare_extra}}}
+            ], "services": [{services}]}}"#
+        )
+    }
+
+    const NET: &str =
+        r#", "net": {"tap": "t0", "mac": "52:54:00:00:00:02", "ipv4": "10.0.0.2/24"}"#;
+    const SVC: &str = r#"{"name": "echo", "owner": "web", "standby": "spare"}"#;
+
+    fn err(text: &str) -> String {
+        match SetConfig::parse(text).and_then(|c| c.validate(2)) {
+            Ok(()) => panic!("accepted: {text}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn a_service_with_its_owners_net_and_a_standby_is_accepted() {
+        let c = SetConfig::parse(&set(NET, "", SVC)).unwrap();
+        c.validate(2).unwrap();
+        let web = super::first_vm_net(&c, "web").unwrap().unwrap();
+        let spare = super::first_vm_net(&c, "spare").unwrap().unwrap();
+        assert!(!web.spare && spare.spare);
+        assert_eq!((web.mac, web.ipv4, web.tap.as_str()), (spare.mac, spare.ipv4, "t0"));
+        assert_eq!(web.mac, Some([0x52, 0x54, 0, 0, 0, 2]));
+    }
+
+    #[test]
+    fn bad_net_sections_and_services_get_clear_errors() {
+        let with = |n: &str| set(&format!(r#", "net": {n}"#), "", SVC);
+        assert!(err(&with(r#"{"tap": "t0", "mac": "52:54:00:00:00", "ipv4": "10.0.0.2/24"}"#))
+            .contains("net.mac: '52:54:00:00:00' is not a MAC address"));
+        assert!(err(&with(r#"{"tap": "t0", "mac": "53:54:00:00:00:02", "ipv4": "10.0.0.2/24"}"#))
+            .contains("multicast"));
+        assert!(err(&with(r#"{"tap": "t0", "mac": "52:54:00:00:00:02", "ipv4": "10.0.0.2"}"#))
+            .contains("net.ipv4"));
+        assert!(err(&with(r#"{"tap": "t0", "mac": "52:54:00:00:00:02", "ipv4": "10.0.0.2/31"}"#))
+            .contains("prefix must be in 1..=30"));
+        assert!(err(&with(r#"{"tap": "a/b", "mac": "52:54:00:00:00:02", "ipv4": "10.0.0.2/24"}"#))
+            .contains("not a valid interface name"));
+        assert!(err(&with(
+            r#"{"tap": "this-name-is-too-long", "mac": "52:54:00:00:00:02", "ipv4": "10.0.0.2/24"}"#
+        ))
+        .contains("not a valid interface name"));
+        // Two sandboxes on one TAP.
+        let other = r#", "net": {"tap": "t0", "mac": "52:54:00:00:00:03", "ipv4": "10.0.0.3/24"}"#;
+        assert!(err(&set(NET, other, "")).contains("sandboxes 'web' and 'spare' both name TAP t0"));
+        // Services.
+        assert!(err(&set(NET, "", r#"{"name": "e", "owner": "web", "standby": "zz"}"#))
+            .contains("unknown sandbox 'zz'"));
+        assert!(err(&set(NET, "", r#"{"name": "e", "owner": "web", "standby": "web"}"#))
+            .contains("owner and standby are one sandbox"));
+        assert!(err(&set("", "", SVC)).contains("no net section"));
+        let own = r#", "net": {"tap": "t1", "mac": "52:54:00:00:00:03", "ipv4": "10.0.0.3/24"}"#;
+        assert!(err(&set(NET, own, SVC)).contains("has a net section of its own"));
+        assert!(err(&set(NET, r#", "recovery": {"policy": "rollback"}"#, SVC))
+            .contains("'rollback' cannot hand a service over"));
+        assert!(err(&set(NET, "", "")).contains("sandbox 'spare' runs netbench but has no net"));
+        let compute = set(NET, "", SVC).replace(
+            r#""name": "spare", "cores": [1], "workload": {"kind": "netbench"}"#,
+            r#""name": "spare", "cores": [1], "workload": {"kind": "kv"}"#,
+        );
+        assert!(err(&compute).contains("standby 'spare' runs kv, the owner runs netbench"));
     }
 }
