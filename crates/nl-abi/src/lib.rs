@@ -225,6 +225,10 @@ pub const NET_VECTOR: u8 = 0x21;
 /// arrive without a notify and raise [`NET_VECTOR`]; the guest may halt
 /// when idle.
 pub const NET_RX_IRQ: u64 = 2;
+/// `BootInfo::has_net` value: a spare virtio-net device (a standby
+/// sandbox's): its link is down until the VMM attaches a TAP; the guest
+/// waits for the link (config status) before it brings its service up.
+pub const NET_STANDBY: u64 = 3;
 pub const VIRTIO_MMIO_SIZE: u64 = 0x1000;
 
 /// Bytes at the top of the user heap reserved for device rings and request

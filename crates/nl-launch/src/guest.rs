@@ -217,7 +217,14 @@ pub fn vm_config(
                     );
                 }
             }
-            Some(NetConfig { tap: tap.clone(), ipv4, prefix, rx_irq: m.net_rx_irq, host_ip })
+            Some(NetConfig {
+                tap: tap.clone(),
+                ipv4,
+                prefix,
+                rx_irq: m.net_rx_irq,
+                host_ip,
+                ..Default::default()
+            })
         }
         None => None,
     };

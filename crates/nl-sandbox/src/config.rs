@@ -19,6 +19,40 @@ pub struct SetConfig {
     pub sandboxes: Vec<SandboxConfig>,
     #[serde(default)]
     pub channels: Vec<ChannelConfig>,
+    /// Services a standby sandbox takes over when their owner fails
+    /// (remote recovery, [`crate::service`]).
+    #[serde(default)]
+    pub services: Vec<ServiceConfig>,
+}
+
+/// A sandbox's own virtio-net device on a host TAP (see [`crate::net`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetSection {
+    /// The host TAP interface (attached, or created if missing, in the
+    /// network namespace the set is created in). No two sandboxes share one.
+    pub tap: String,
+    /// The guest's MAC address, "52:54:00:12:34:56" (unicast).
+    pub mac: String,
+    /// The guest's address and prefix, "10.0.0.2/24".
+    pub ipv4: String,
+    /// Bring the host end of the TAP up with this address, "10.0.0.1/24".
+    #[serde(default)]
+    pub host_ip: Option<String>,
+}
+
+/// A service in the registry: its owner sandbox serves it on its `net`
+/// identity (TAP, MAC, IPv4); on a fault in the owner, the standby takes
+/// the TAP over and serves under the same identity.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceConfig {
+    pub name: String,
+    /// The sandbox serving it at the start; it needs a `net` section.
+    pub owner: String,
+    /// The sandbox that takes it over; it has no `net` of its own and runs
+    /// with a spare virtio-net device under the owner's identity.
+    pub standby: String,
 }
 
 /// One sandbox: a VM of its own.
@@ -52,6 +86,9 @@ pub struct SandboxConfig {
     /// What the monitor does when a detector fires.
     #[serde(default)]
     pub recovery: RecoveryConfig,
+    /// A virtio-net device of its own on a host TAP.
+    #[serde(default)]
+    pub net: Option<NetSection>,
 }
 
 /// The per-sandbox detectors' bounds (see `detect`).
@@ -283,9 +320,11 @@ impl WorkloadConfig {
             "doorbell" => WORKLOAD_DOORBELL,
             "syscall" => WORKLOAD_SYSCALL,
             "tlbwalk" => WORKLOAD_TLBWALK,
+            "netbench" => WORKLOAD_NETBENCH,
+            "kv" => WORKLOAD_KV,
             k => {
                 return Err(format!(
-                    "unknown workload kind '{k}' (memwrite, compute, idle, chanbench, wildwrite, chanstream, doorbell, syscall, tlbwalk)"
+                    "unknown workload kind '{k}' (memwrite, compute, idle, chanbench, wildwrite, chanstream, doorbell, syscall, tlbwalk, netbench, kv)"
                 ))
             }
         };
@@ -314,6 +353,7 @@ impl WorkloadConfig {
                 WORKLOAD_TLBWALK => {
                     nl_workloads::tlbwalk_ws_bytes(self.pages.min(nl_workloads::TLBWALK_MAX_PAGES))
                 }
+                WORKLOAD_KV => nl_workloads::kv::KV_WS_BYTES,
                 _ => 0,
             },
             write_pct: self.write_pct,
@@ -325,7 +365,11 @@ impl WorkloadConfig {
                 _ => 8,
             },
             hot_pct: 10,
-            duration_ms: self.duration_ms,
+            // netbench, kv: 0 serves until the set is stopped.
+            duration_ms: match (kind, self.duration_ms) {
+                (WORKLOAD_NETBENCH | WORKLOAD_KV, 0) => u64::MAX / (1 << 24),
+                (_, d) => d,
+            },
             data_bytes: if kind == WORKLOAD_CHANSTREAM { self.recv_every_us } else { 0 },
         };
         nl_workloads::validate(&p).map_err(str::to_string)?;
@@ -454,6 +498,8 @@ impl SetConfig {
                     | nl_abi::WORKLOAD_WILDWRITE
                     | nl_abi::WORKLOAD_CHANSTREAM
                     | nl_abi::WORKLOAD_DOORBELL
+                    | nl_abi::WORKLOAD_NETBENCH
+                    | nl_abi::WORKLOAD_KV
             ) && vcpus != 1
             {
                 return bad(format!(
@@ -473,7 +519,9 @@ impl SetConfig {
                     nl_abi::MMIO_HOLE_START >> 20
                 ));
             }
-            if (p.kind == nl_abi::WORKLOAD_MEMWRITE || p.kind == nl_abi::WORKLOAD_TLBWALK)
+            if (p.kind == nl_abi::WORKLOAD_MEMWRITE
+                || p.kind == nl_abi::WORKLOAD_TLBWALK
+                || p.kind == nl_abi::WORKLOAD_KV)
                 && u64::from(vcpus) * p.ws_bytes + nl_abi::MIN_MEM_BYTES > mem
             {
                 return bad(format!(
@@ -559,6 +607,8 @@ impl SetConfig {
                 return bad(format!("sandbox '{}' runs {kind} but is in no channel", s.name));
             }
         }
+        crate::service::validate(self)?;
+        crate::net::validate(self)?;
         Ok(())
     }
 

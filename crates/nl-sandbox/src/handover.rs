@@ -15,7 +15,8 @@
 //! budgets (a new cgroup: the throttling counters start over).
 //!
 //! Not carried: sandboxes under `rollback` (their checkpoint supervisor
-//! lives in the old process) and sets in which some sandbox has already
+//! lives in the old process), sandboxes with a TAP of their own (and so
+//! sets with a `services` registry: its owner has one), and sets in which some sandbox has already
 //! ended; a doorbell rung during the pause is not replayed (the receivers
 //! poll their rings as well).
 
@@ -53,6 +54,13 @@ impl SandboxSet {
                 return Some(format!(
                     "sandbox '{}' runs under rollback recovery, whose checkpoint supervisor \
                      cannot move to a new process",
+                    sb.config.name
+                ));
+            }
+            if sb.config.net.is_some() {
+                return Some(format!(
+                    "sandbox '{}' has a TAP of its own, which is not passed to a new process \
+                     yet",
                     sb.config.name
                 ));
             }
@@ -254,6 +262,7 @@ impl SandboxSet {
             });
         }
         let budgets = Lock::new("sandbox.budgets", sandboxes.iter().map(|_| None).collect());
+        let services = crate::service::Registry::new(&config);
         Ok(Self {
             config,
             sandboxes,
@@ -263,6 +272,7 @@ impl SandboxSet {
             created: Instant::now(),
             stop: AtomicBool::new(false),
             budgets,
+            services,
         })
     }
 

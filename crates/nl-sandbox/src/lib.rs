@@ -24,6 +24,9 @@
 //!   writes, a broken driver).
 //! * [`recovery`]: the local recovery policies (`stop`, `restart`,
 //!   `replace`, `rollback`).
+//! * [`net`]: a sandbox's own virtio-net device on a host TAP.
+//! * [`service`]: remote recovery: the service registry and the takeover
+//!   of a failed owner's TAP by a standby sandbox.
 //! * [`set`]: creating, starting (pinned), supervising and reporting a set.
 //! * [`handover`]: carrying a running set to a new VMM process (warm
 //!   rejuvenation, microreboot).
@@ -49,7 +52,9 @@ pub mod faults;
 pub mod handover;
 pub mod isolation;
 pub mod monitor;
+pub mod net;
 pub mod recovery;
+pub mod service;
 pub mod set;
 pub mod verify;
 

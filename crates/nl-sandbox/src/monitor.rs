@@ -3,7 +3,7 @@
 //! and what its recoveries did ([`crate::recovery`]). Each detection is
 //! also printed on stderr and published in nl-vmm's event log.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use nl_sync::Lock;
@@ -26,6 +26,11 @@ pub struct Monitor {
     detections: Arc<Lock<Vec<Detection>>>,
     recoveries: Arc<Lock<Vec<RecoveryRecord>>>,
     gave_up: Arc<Lock<Option<String>>>,
+    /// A service's TAP handed over by a failed holder's monitor
+    /// ([`crate::service`]), until this monitor takes it.
+    handover: Arc<Lock<Option<crate::service::Handover>>>,
+    /// The handover in the mailbox was refused (its sandbox cannot take it).
+    refused: AtomicBool,
 }
 
 /// Detections and recoveries kept in full per sandbox (all are counted in
@@ -52,6 +57,8 @@ impl Monitor {
             detections: Lock::new("sandbox.detections", Vec::new()),
             recoveries: Lock::new("sandbox.recoveries", Vec::new()),
             gave_up: Lock::new("sandbox.gave_up", None),
+            handover: Lock::new("sandbox.handover", None),
+            refused: AtomicBool::new(false),
         })
     }
 
@@ -66,6 +73,27 @@ impl Monitor {
         log.truncate(VIOLATION_LOG);
         self.count.store(count, Relaxed);
         *self.log.lock() = log;
+    }
+
+    /// Puts a service's TAP into this (standby's) monitor's mailbox.
+    pub fn hand_over(&self, h: crate::service::Handover) {
+        self.refused.store(false, Relaxed);
+        *self.handover.lock() = Some(h);
+    }
+
+    /// Takes the handover from the mailbox.
+    pub fn take_handover(&self) -> Option<crate::service::Handover> {
+        self.handover.lock().take()
+    }
+
+    /// Marks the handover in the mailbox as refused.
+    pub fn refuse_handover(&self) {
+        self.refused.store(true, Relaxed);
+    }
+
+    /// A handover waits in the mailbox, not refused.
+    pub fn handover_pending(&self) -> bool {
+        self.handover.lock().is_some() && !self.refused.load(Relaxed)
     }
 
     /// Records a detection: in the log, on stderr and in the event log.

@@ -75,18 +75,23 @@ pub(crate) fn run(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome 
     // The recovery whose late phases (guest init, first reply) are pending.
     let mut pending: Option<Pending> = None;
     let mut recent: Vec<Instant> = Vec::new();
+    // A service this sandbox is taking over (remote recovery).
+    let mut watch = None;
     loop {
         let vm = sb.vm();
         if set.stop_requested() {
             vm.stop();
             finish(sb, &mut pending);
+            crate::service::finish_watch(set, &mut watch);
             return VmOutcome::Stopped;
         }
         if Instant::now() > deadline {
             vm.stop();
             finish(sb, &mut pending);
+            crate::service::finish_watch(set, &mut watch);
             return VmOutcome::TimedOut { limit_ms: limit.as_millis() as u64 };
         }
+        crate::service::standby_pass(set, sb, &mut watch);
         if let Some(p) = &mut pending {
             let regs = vm.control().vcpus[0].snapshot();
             let ph = &mut p.record.phases;
@@ -96,7 +101,14 @@ pub(crate) fn run(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome 
             if ph.first_reply_ms.is_none() && set.replied(sb, regs.beats) {
                 ph.first_reply_ms = ms_since(p.t0);
             }
-            if ph.first_reply_ms.is_some() && ph.guest_init_ms.is_some() {
+            // A sandbox that is a service's standby now waits for a TAP
+            // before its workload begins: a heartbeat is its first reply,
+            // and its service's phases are the takeover's.
+            let standby = set.services.is_standby(sb.index);
+            if standby && ph.first_reply_ms.is_none() && regs.beats > 0 {
+                ph.first_reply_ms = ms_since(p.t0);
+            }
+            if ph.first_reply_ms.is_some() && (ph.guest_init_ms.is_some() || standby) {
                 finish(sb, &mut pending);
             }
         }
@@ -108,6 +120,7 @@ pub(crate) fn run(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome 
             }
             Some(Err(o)) => {
                 finish(sb, &mut pending);
+                crate::service::finish_watch(set, &mut watch);
                 return o;
             }
             Some(Ok(f)) => f,
@@ -128,6 +141,11 @@ pub(crate) fn run(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome 
                 }
             },
         };
+        // Remote recovery: a service it holds moves to its standby first.
+        if let Some(svc) = set.services.held_by(sb.index) {
+            crate::service::finish_watch(set, &mut watch);
+            crate::service::take_over(set, sb, svc, &detection, t0);
+        }
         let policy = sb.config.recovery.policy;
         if policy == RecoveryPolicy::Stop {
             return outcome;

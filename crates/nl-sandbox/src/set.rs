@@ -81,6 +81,8 @@ pub struct SandboxSet {
     pub(crate) stop: AtomicBool,
     /// Each sandbox's CPU budget once applied (by sandbox index).
     pub(crate) budgets: Arc<Lock<Vec<Option<crate::budget::AppliedBudget>>>>,
+    /// The service registry (remote recovery).
+    pub services: crate::service::Registry,
 }
 
 /// How one sandbox's run ended, and what its monitor saw.
@@ -109,6 +111,9 @@ pub struct SandboxReport {
     pub gave_up: Option<String>,
     /// Its CPU budget's throttling counters (with a budget).
     pub throttling: Option<crate::budget::Throttling>,
+    /// Its virtio-net device's counters (with a `net` section or as a
+    /// service's standby).
+    pub net: Option<nl_devices::virtio::net::NetStats>,
     pub console: String,
 }
 
@@ -117,6 +122,8 @@ pub struct SandboxReport {
 pub struct SetReport {
     pub sandboxes: Vec<SandboxReport>,
     pub channels: Vec<ChannelStats>,
+    /// Each service's holder, standby and takeovers.
+    pub services: Vec<crate::service::ServiceReport>,
 }
 
 impl SetReport {
@@ -244,7 +251,7 @@ impl SandboxSet {
                 timer_hz: 100,
                 heartbeat_timeout: Duration::from_secs(20),
                 disk: None,
-                net: None,
+                net: crate::net::first_vm_net(&config, &s.name)?,
             };
             let vm = Vm::create_with_windows(
                 kvm,
@@ -266,7 +273,9 @@ impl SandboxSet {
             });
         }
         let budgets = Lock::new("sandbox.budgets", sandboxes.iter().map(|_| None).collect());
+        let services = crate::service::Registry::new(&config);
         Ok(Self {
+            services,
             config,
             sandboxes,
             channels,
@@ -380,6 +389,9 @@ impl SandboxSet {
                 config.workload = w.params().map_err(SandboxError::Config)?;
             }
         }
+        // A spare net device: the TAP the old VM still has (none after a
+        // takeover) moves to the new one below, never re-opened by name.
+        config.net = config.net.map(|n| nl_vmm::NetConfig { spare: true, host_ip: None, ..n });
         let memory = self.fresh_memory(sb)?;
         let vm = Vm::create_with_windows(
             &self.kvm,
@@ -390,9 +402,20 @@ impl SandboxSet {
         )
         .map_err(|e| SandboxError::Vm(sb.config.name.clone(), format!("restart: {e}")))?;
         phases.image_ms = ms();
+        if let Some(tap) = sb.vm().take_tap() {
+            vm.attach_tap(tap).map_err(|_| {
+                SandboxError::Vm(
+                    sb.config.name.clone(),
+                    "restart: its new VM has no net device".into(),
+                )
+            })?;
+        }
         let old = std::mem::replace(&mut *sb.vm.lock(), Arc::new(vm));
         if let Err(e) = self.start_vm(sb) {
             sb.vm().stop();
+            if let Some(tap) = sb.vm().take_tap() {
+                let _ = old.attach_tap(tap);
+            }
             *sb.vm.lock() = old;
             return Err(e);
         }
@@ -540,11 +563,17 @@ impl SandboxSet {
                     recoveries: sb.monitor.recoveries(),
                     gave_up: sb.monitor.gave_up_reason(),
                     throttling: self.throttling(sb.index),
+                    net: vm.net_stats().map(|n| n.0),
                     console: vm.console().tail(),
                 }
             })
             .collect();
-        SetReport { sandboxes, channels: self.channel_stats() }
+        let names: Vec<String> = self.sandboxes.iter().map(|s| s.config.name.clone()).collect();
+        SetReport {
+            sandboxes,
+            channels: self.channel_stats(),
+            services: self.services.report(&names),
+        }
     }
 
     /// Every channel's region headers.

@@ -29,7 +29,7 @@ pub struct VmConfig {
 }
 
 /// A virtio-net device.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NetConfig {
     /// TAP interface (attached, or created if missing, in the VMM's network namespace).
     pub tap: String,
@@ -46,6 +46,14 @@ pub struct NetConfig {
     /// (`--net-host-ip`); `None` leaves the TAP as it is.
     #[serde(default)]
     pub host_ip: Option<([u8; 4], u8)>,
+    /// The guest's MAC address (default 52:54:00:4e:4c:ID).
+    #[serde(default)]
+    pub mac: Option<[u8; 6]>,
+    /// A spare device: `tap` is not opened, the link is down and the
+    /// guest is told it is a standby ([`nl_abi::NET_STANDBY`]) until a TAP
+    /// is attached ([`crate::Vm::attach_tap`]; sandbox service takeover).
+    #[serde(default)]
+    pub spare: bool,
 }
 
 /// A virtio-blk disk.

@@ -50,7 +50,9 @@ fn wait_readable(fd: std::os::fd::RawFd, ms: i32) -> bool {
 pub(crate) fn spawn(vm: u32, net: NetTransport, run: Arc<RunControl>) -> std::io::Result<RxThread> {
     let quit = Arc::new(AtomicBool::new(false));
     let q = quit.clone();
-    let fd = net.lock().device().tap_fd();
+    let fd = net.lock().device().tap_fd().ok_or_else(|| {
+        std::io::Error::other("a spare virtio-net device has no TAP to receive from")
+    })?;
     let thread = std::thread::Builder::new().name(format!("vm{vm}-netrx")).spawn(move || {
         crate::seccomp::apply(crate::seccomp::Kind::Device);
         let _reg = crate::recovery::enter(false);

@@ -326,6 +326,14 @@ impl Vm {
             None => None,
         };
         let net = match &config.net {
+            Some(n) if n.spare => {
+                let mac = n.mac.unwrap_or([0x52, 0x54, 0x00, 0x4e, 0x4c, id as u8]);
+                let mut t = MmioTransport::new(Net::spare(mac), memory.mem().clone());
+                t.set_irq(irqfd(&vm_fd, net_gsi)?);
+                let t = Lock::new("dev.virtio-net", t);
+                mmio_bus.insert(VIRTIO_NET_MMIO_GPA, VIRTIO_MMIO_SIZE, t.clone())?;
+                Some(t)
+            }
             Some(n) => {
                 let tap = match crate::handover::take_inherited_tap(&n.tap) {
                     Some(f) => nl_devices::tap::Tap::from_attached(f, &n.tap),
@@ -345,7 +353,7 @@ impl Vm {
                         n.prefix
                     );
                 }
-                let mac = [0x52, 0x54, 0x00, 0x4e, 0x4c, id as u8];
+                let mac = n.mac.unwrap_or([0x52, 0x54, 0x00, 0x4e, 0x4c, id as u8]);
                 let dev = Net::new(tap, mac);
                 let mut t = MmioTransport::new(dev, memory.mem().clone());
                 t.set_irq(irqfd(&vm_fd, net_gsi)?);
@@ -440,7 +448,13 @@ impl Vm {
             dma_start: heap_end,
             dma_end,
             has_blk: u64::from(self.blk.is_some()),
-            has_net: if self.rx_irq() { NET_RX_IRQ } else { u64::from(self.net.is_some()) },
+            has_net: if self.rx_irq() {
+                NET_RX_IRQ
+            } else if self.config.net.as_ref().is_some_and(|n| n.spare) {
+                nl_abi::NET_STANDBY
+            } else {
+                u64::from(self.net.is_some())
+            },
             net_ipv4: self.config.net.as_ref().map_or(0, |n| u64::from(u32::from_be_bytes(n.ipv4))),
             net_prefix: self.config.net.as_ref().map_or(0, |n| u64::from(n.prefix)),
             ..Default::default()
@@ -883,7 +897,27 @@ impl Vm {
 
     /// The descriptor of the VM's TAP, if it has a network device.
     pub(crate) fn tap_fd(&self) -> Option<std::os::fd::RawFd> {
-        self.net.as_ref().map(|n| n.lock().device().tap_fd())
+        self.net.as_ref().and_then(|n| n.lock().device().tap_fd())
+    }
+
+    /// Takes the TAP from behind the VM's virtio-net device (its link goes
+    /// down; the device stays as a spare). For moving a service's TAP to
+    /// another sandbox.
+    pub fn take_tap(&self) -> Option<nl_devices::tap::Tap> {
+        self.net.as_ref().and_then(|n| n.lock().device_mut().detach())
+    }
+
+    /// Puts `tap` behind the VM's virtio-net device (its link comes up);
+    /// refused (the TAP handed back) without a device or with a TAP already
+    /// behind it.
+    pub fn attach_tap(&self, tap: nl_devices::tap::Tap) -> Result<(), nl_devices::tap::Tap> {
+        let Some(n) = &self.net else { return Err(tap) };
+        let mut t = n.lock();
+        if t.device().attached() {
+            return Err(tap);
+        }
+        t.device_mut().attach(tap);
+        Ok(())
     }
 
     /// Turns KVM dirty-page logging on or off for all RAM slots.

@@ -25,7 +25,7 @@ use nl_abi::{
 };
 use nl_abi::{
     BLK_TEST_MALFORMED, DEVERR_NET_INIT, DEVERR_NO_NET, DMA_NET_BUFS, DMA_NET_RXQ, DMA_NET_TXQ,
-    NET_RX_IRQ, SYS_HALT_IF, SYS_NET_IRQS, VIRTIO_NET_MMIO_GPA,
+    NET_RX_IRQ, NET_STANDBY, SYS_HALT_IF, SYS_NET_IRQS, VIRTIO_NET_MMIO_GPA,
     WORKLOAD_CHANBENCH, WORKLOAD_CHANSTREAM, WORKLOAD_KV, WORKLOAD_NETBENCH, WORKLOAD_WILDWRITE,
 };
 use nl_workloads::{Platform, Workload};
@@ -265,10 +265,28 @@ fn blk_setup(cpu: u64, boot: &BootInfo) -> virtio::Blk {
     blk
 }
 
-/// Sets up the virtio-net driver (netbench, kv) in vCPU 0's DMA area.
+/// Sets up the virtio-net driver (netbench, kv) in vCPU 0's DMA area. A
+/// standby (a spare device, [`NET_STANDBY`]) first waits, heartbeating,
+/// until the VMM attaches a TAP (the link comes up): it is taking over the
+/// service.
 fn net_setup(cpu: u64, boot: &BootInfo) -> net::NetDev {
     if boot.has_net == 0 {
         fail(cpu, ERR_DEVICE, DEVERR_NO_NET << 32);
+    }
+    if boot.has_net == NET_STANDBY {
+        let khz = boot.tsc_khz.max(1);
+        let mut last_beat = rdtsc();
+        while !net::link_up(VIRTIO_NET_MMIO_GPA) {
+            // About 200 us between looks (each look is an exit).
+            let t = rdtsc();
+            while rdtsc().wrapping_sub(t) < 200 * khz / 1000 {
+                core::hint::spin_loop();
+            }
+            if rdtsc().wrapping_sub(last_beat) >= HEARTBEAT_MS * khz {
+                ctl_write(cpu, reg::HEARTBEAT, 0);
+                last_beat = rdtsc();
+            }
+        }
     }
     let d = boot.dma_start;
     if d < boot.heap_end || d + DMA_NET_BUFS + 0x1_0000 > boot.dma_end {
@@ -384,13 +402,15 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
     let mut rx_buf = [0u8; 16384];
     let mut tx_buf = [0u8; 16384];
     let echo = ((&mut rx_meta[..], &mut rx_buf[..]), (&mut tx_meta[..], &mut tx_buf[..]));
-    let now = smoltcp::time::Instant::from_millis((rdtsc() / boot.tsc_khz.max(1)) as i64);
+    // (Read after net_setup: a standby waits there for its TAP.)
+    let now = || smoltcp::time::Instant::from_millis((rdtsc() / boot.tsc_khz.max(1)) as i64);
     let addr = ((boot.net_ipv4 as u32).to_be_bytes(), boot.net_prefix as u8);
-    let (net, kv) = match params.kind {
+    let standby = boot.has_net == NET_STANDBY;
+    let (mut net, mut kv) = match params.kind {
         WORKLOAD_NETBENCH => {
             let dev = net_setup(cpu, boot);
             let seed = params.seed ^ rdtsc();
-            (Some(net::Stack::new(dev, addr, seed, now, &mut sockets, echo)), None)
+            (Some(net::Stack::new(dev, addr, seed, now(), &mut sockets, echo)), None)
         }
         // kv: the table and the TCP sockets' buffers are in the working set.
         WORKLOAD_KV => {
@@ -400,13 +420,20 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
                 fail(cpu, ERR_BAD_BOOT_INFO, params.ws_bytes)
             };
             let seed = params.seed ^ rdtsc();
-            match kv::Server::new(dev, addr, seed, now, &mut kv_sockets, bufs, echo, table) {
+            match kv::Server::new(dev, addr, seed, now(), &mut kv_sockets, bufs, echo, table) {
                 Some(s) => (None, Some(s)),
                 None => fail(cpu, ERR_BAD_BOOT_INFO, params.ws_bytes),
             }
         }
         _ => (None, None),
     };
+    // A standby that took the service over announces it under the
+    // service's identity (the device's MAC, the boot info's address).
+    if standby {
+        if let Some(dev) = net.as_mut().map(|s| &mut s.dev).or(kv.as_mut().map(|k| &mut k.dev)) {
+            dev.announce(addr.0);
+        }
+    }
     let mut platform = Guest {
         cpu,
         net,

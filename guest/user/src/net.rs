@@ -90,6 +90,28 @@ impl NetDev {
         (self.rxq + 0x2000 + 2, self.rx_used)
     }
 
+    /// Sends a gratuitous ARP (RFC 5227 2.3) for `ip` from this device's
+    /// MAC: neighbours and switches learn that the address is here now.
+    pub fn announce(&mut self, ip: [u8; 4]) {
+        let mac = self.mac;
+        let b = self.tx_buf();
+        b[..HDR].fill(0);
+        let f = &mut b[HDR..HDR + 42];
+        f.fill(0);
+        f[0..6].fill(0xff);
+        f[6..12].copy_from_slice(&mac);
+        f[12..14].copy_from_slice(&[0x08, 0x06]);
+        f[14..16].copy_from_slice(&[0, 1]);
+        f[16..18].copy_from_slice(&[0x08, 0x00]);
+        f[18] = 6;
+        f[19] = 4;
+        f[20..22].copy_from_slice(&[0, 1]);
+        f[22..28].copy_from_slice(&mac);
+        f[28..32].copy_from_slice(&ip);
+        f[38..42].copy_from_slice(&ip);
+        self.send(42);
+    }
+
     fn send(&mut self, len: usize) {
         let buf = self.bufs + u64::from(QSIZE) * BUF;
         desc(self.txq, 0, buf, (HDR + len) as u32, 0);
@@ -147,6 +169,15 @@ impl phy::TxToken for TxTok<'_> {
         self.dev.send(len);
         r
     }
+}
+
+/// Whether the virtio-net device at `base` reports its link up (config
+/// status, `VIRTIO_NET_S_LINK_UP`): a spare device's link is down until the
+/// VMM attaches a TAP.
+pub fn link_up(base: u64) -> bool {
+    // SAFETY: the device's config space is in the user-mapped device page.
+    let status = unsafe { core::ptr::read_volatile((base + 0x100 + 6) as *const u16) };
+    status & 1 != 0
 }
 
 /// The device as smoltcp sees it; `ask` says whether to ask the VMM for

@@ -6,8 +6,13 @@
 //! queue 0 (or 1) moves the frames waiting on the TAP into the posted
 //! receive buffers, so a polling ring-3 driver needs no interrupts. A frame
 //! that finds no buffer waits in the device for the next notify.
+//!
+//! A device may also be a *spare* ([`Net::spare`]): no TAP behind it, its
+//! link down (config status, `VIRTIO_NET_F_STATUS`), frames sent to it
+//! dropped. [`Net::attach`] gives it a TAP (a standby sandbox taking over a
+//! service, `nl_sandbox::service`) and [`Net::detach`] takes it away.
 
-use virtio_bindings::virtio_net::VIRTIO_NET_F_MAC;
+use virtio_bindings::virtio_net::{VIRTIO_NET_F_MAC, VIRTIO_NET_F_STATUS, VIRTIO_NET_S_LINK_UP};
 use virtio_queue::{desc::split::Descriptor, Queue, QueueT};
 use vm_memory::{Bytes, GuestMemory, Permissions};
 
@@ -30,6 +35,15 @@ pub struct NetStats {
     /// Gratuitous ARPs sent for the guest after a restore, failover or
     /// takeover ([`Net::announce`]).
     pub announcements: u64,
+    /// Gratuitous ARPs the guest itself sent (ARP, sender address equal to
+    /// the target address): a standby announcing a service it took over.
+    pub guest_announcements: u64,
+}
+
+/// Whether `frame` is a gratuitous ARP (an ARP whose sender protocol
+/// address is its target protocol address).
+pub fn is_gratuitous_arp(frame: &[u8]) -> bool {
+    frame.len() >= 42 && frame[12..14] == [0x08, 0x06] && frame[28..32] == frame[38..42]
 }
 
 /// An ARP announcement (RFC 5227 section 2.3, a "gratuitous ARP"): a
@@ -54,7 +68,8 @@ pub fn gratuitous_arp(mac: [u8; 6], ip: [u8; 4]) -> [u8; 42] {
 }
 
 pub struct Net {
-    tap: Tap,
+    /// `None`: a spare device, link down.
+    tap: Option<Tap>,
     mac: [u8; 6],
     pending: Option<Vec<u8>>,
     buf: Vec<u8>,
@@ -68,8 +83,15 @@ pub struct Net {
 
 impl Net {
     pub fn new(tap: Tap, mac: [u8; 6]) -> Self {
+        let mut n = Net::spare(mac);
+        n.tap = Some(tap);
+        n
+    }
+
+    /// A device with no TAP behind it (link down) until [`Net::attach`].
+    pub fn spare(mac: [u8; 6]) -> Self {
         Net {
-            tap,
+            tap: None,
             mac,
             pending: None,
             buf: vec![0; 65536],
@@ -94,7 +116,7 @@ impl Net {
     /// Sends frames (held earlier) to the TAP.
     pub fn release(&mut self, frames: &[Vec<u8>]) {
         for f in frames {
-            if !self.tap.send(f) {
+            if !self.tap.as_mut().is_some_and(|t| t.send(f)) {
                 self.stats.dropped += 1;
             }
         }
@@ -108,7 +130,8 @@ impl Net {
     /// its MAC, straight to the TAP (never held: it is the VMM's frame, not
     /// guest output). False if the TAP did not take it.
     pub fn announce(&mut self, ip: [u8; 4]) -> bool {
-        let ok = self.tap.send(&gratuitous_arp(self.mac, ip));
+        let frame = gratuitous_arp(self.mac, ip);
+        let ok = self.tap.as_mut().is_some_and(|t| t.send(&frame));
         if ok {
             self.stats.announcements += 1;
         } else {
@@ -117,9 +140,30 @@ impl Net {
         ok
     }
 
-    /// The TAP's file descriptor (to wait for frames on).
-    pub fn tap_fd(&self) -> std::os::fd::RawFd {
-        self.tap.raw_fd()
+    /// The TAP's file descriptor (to wait for frames on); `None` for a
+    /// spare.
+    pub fn tap_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.tap.as_ref().map(Tap::raw_fd)
+    }
+
+    /// Puts `tap` behind the device (link up); the TAP it had, if any, is
+    /// returned. A frame read from the old TAP and not yet delivered is
+    /// dropped with it.
+    pub fn attach(&mut self, tap: Tap) -> Option<Tap> {
+        self.pending = None;
+        self.tap.replace(tap)
+    }
+
+    /// Takes the TAP away (link down), e.g. to attach it to another VM's
+    /// device; the device keeps running as a spare.
+    pub fn detach(&mut self) -> Option<Tap> {
+        self.pending = None;
+        self.tap.take()
+    }
+
+    /// Whether a TAP is behind the device.
+    pub fn attached(&self) -> bool {
+        self.tap.is_some()
     }
 
     /// Whether a frame read from the TAP still waits for a receive buffer.
@@ -151,9 +195,12 @@ impl Net {
         }
         if let Some(held) = self.held.as_mut() {
             held.push(frame[NET_HDR_BYTES..].to_vec());
-        } else if !self.tap.send(&frame[NET_HDR_BYTES..]) {
+        } else if !self.tap.as_mut().is_some_and(|t| t.send(&frame[NET_HDR_BYTES..])) {
             self.stats.dropped += 1;
             return;
+        }
+        if is_gratuitous_arp(&frame[NET_HDR_BYTES..]) {
+            self.stats.guest_announcements += 1;
         }
         self.stats.tx_frames += 1;
     }
@@ -163,7 +210,8 @@ impl Net {
         let mut used = false;
         for _ in 0..queue.size() {
             if self.pending.is_none() {
-                match self.tap.recv(&mut self.buf) {
+                let Some(tap) = self.tap.as_mut() else { break };
+                match tap.recv(&mut self.buf) {
                     Ok(Some(n)) => self.pending = Some(self.buf[..n].to_vec()),
                     Ok(None) => break,
                     Err(_) => break,
@@ -218,7 +266,7 @@ impl VirtioDevice for Net {
     }
 
     fn features(&self) -> u64 {
-        1 << VIRTIO_NET_F_MAC
+        (1 << VIRTIO_NET_F_MAC) | (1 << VIRTIO_NET_F_STATUS)
     }
 
     fn queue_max_sizes(&self) -> &[u16] {
@@ -250,6 +298,9 @@ impl VirtioDevice for Net {
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         let mut cfg = [0u8; 8];
         cfg[..6].copy_from_slice(&self.mac);
+        // status (VIRTIO_NET_F_STATUS): the link is up while a TAP is behind.
+        let status = if self.tap.is_some() { VIRTIO_NET_S_LINK_UP as u16 } else { 0 };
+        cfg[6..8].copy_from_slice(&status.to_le_bytes());
         for (i, b) in data.iter_mut().enumerate() {
             *b = (offset as usize).checked_add(i).and_then(|k| cfg.get(k)).copied().unwrap_or(0);
         }
