@@ -293,7 +293,7 @@ fn ask(s: &mut UnixStream, req: &Value) -> Result<Value, String> {
 /// contains `needle`, then the end of the connection, is a clean refusal.
 fn expect_refusal(s: &UnixStream, status: u16, needle: &str) -> Seen {
     let mut reply = Vec::new();
-    let end = (&*s).take(1 << 20).read_to_end(&mut reply);
+    let end = s.take(1 << 20).read_to_end(&mut reply);
     if reply.is_empty() {
         return match end {
             Ok(_) => Seen::Odd("closed without a reason".into()),
