@@ -214,7 +214,14 @@ fn tampered_headers_with_a_recomputed_crc_are_refused_by_field() {
             },
             "header field pages is".into(),
         ),
-        ("version", |p| p.header["version"] = 2.into(), "version 2 is not supported".into()),
+        ("version", |p| p.header["version"] = 3.into(), "version 3 is not supported".into()),
+        (
+            // Version 2 is a Linux VM's file or one with a disk: a reference
+            // guest's file relabelled as version 2 is refused.
+            "version-2-without-its-fields",
+            |p| p.header["version"] = 2.into(),
+            "version 2 without a \"linux\" or \"disk\" field".into(),
+        ),
         ("extra-field", |p| p.header["trusted"] = true.into(), "unknown field `trusted`".into()),
         (
             // Drops the guest's control block: the VM would run with a fresh one.

@@ -517,9 +517,13 @@ mod tests {
             let mut mac = [0u8; 6];
             r.t.read(0, regs::CONFIG, &mut mac);
             assert_eq!(mac, MAC);
+            // Then the status: the link is up (a TAP is behind the device).
+            let mut status = [0xffu8; 2];
+            r.t.read(0, regs::CONFIG + 6, &mut status);
+            assert_eq!(u16::from_le_bytes(status), VIRTIO_NET_S_LINK_UP as u16, "link up");
             let mut past = [0xffu8; 4];
-            r.t.read(0, regs::CONFIG + 6, &mut past);
-            assert_eq!(past, [0; 4], "nothing but the MAC in the config space");
+            r.t.read(0, regs::CONFIG + 8, &mut past);
+            assert_eq!(past, [0; 4], "nothing but the MAC and the status in the config space");
         }
 
         /// Output commit: while output is held, a transmitted frame is used
