@@ -316,37 +316,8 @@ fn a_microreboot_of_the_host_carries_its_sandbox_sets() {
     // recovers by a microreboot. Requests before it: 2 creates, then
     // polls of the set until it streams, then harmless `info`s.
     const FAULT_AT: usize = 60;
-    let mut child = ninelives()
-        .args(["host", "--api", sock.to_str().unwrap(), "--recovery", "microreboot"])
-        .env("NINELIVES_API_FAULT", format!("segv:{FAULT_AT}"))
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
-        assert!(child.try_wait().unwrap().is_none(), "the host exited");
-        assert!(t.elapsed() < Duration::from_secs(20), "the host did not start");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let [c0, c1] = two_cores();
-    let (st, vm) = http_json(&sock, "POST", "/v1/vms", Some(r#"{"workload":"idle","mem":"64M"}"#));
-    assert_eq!(st, 201, "{vm}");
-    let vm_id = vm["id"].as_u64().unwrap();
-    let body =
-        json!({"name": "pair", "set": stream_set(c0, c1, 8_000), "timeout_secs": 300}).to_string();
-    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&body));
-    assert_eq!(st, 201, "{v}");
-    let mut sent = 2;
-    let before = loop {
-        let now = channel_now(&sock);
-        sent += 1;
-        if now[0].1 > 0 && now[1].1 > 0 {
-            break now;
-        }
-        assert!(sent < FAULT_AT - 2, "the set did not stream before the fault: {now:?}");
-        std::thread::sleep(Duration::from_millis(500));
-    };
+    let (mut child, vm_id, before, mut sent) =
+        host_with_a_streaming_set(&sock, FAULT_AT, &[], 8_000, FAULT_AT - 2);
     let beats = vm_beats(&sock, vm_id);
     sent += 1;
     while sent < FAULT_AT - 1 {
@@ -432,38 +403,9 @@ fn a_corrupt_set_record_is_refused_and_the_rest_of_the_host_comes_up() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("api.sock");
     const FAULT_AT: usize = 80;
-    let mut child = ninelives()
-        .args(["host", "--api", sock.to_str().unwrap(), "--recovery", "microreboot"])
-        .env("NINELIVES_API_FAULT", format!("segv:{FAULT_AT}"))
-        .env("NINELIVES_HANDOVER_SELFTEST", "corrupt-sets")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
-        assert!(child.try_wait().unwrap().is_none(), "the host exited");
-        assert!(t.elapsed() < Duration::from_secs(20), "the host did not start");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let [c0, c1] = two_cores();
-    let (st, vm) = http_json(&sock, "POST", "/v1/vms", Some(r#"{"workload":"idle","mem":"64M"}"#));
-    assert_eq!(st, 201, "{vm}");
-    let vm_id = vm["id"].as_u64().unwrap();
-    let body =
-        json!({"name": "pair", "set": stream_set(c0, c1, 0), "timeout_secs": 300}).to_string();
-    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&body));
-    assert_eq!(st, 201, "{v}");
-    let mut sent = 2;
-    let before = loop {
-        let now = channel_now(&sock);
-        sent += 1;
-        if now[0].1 > 0 && now[1].1 > 0 {
-            break now;
-        }
-        assert!(sent < FAULT_AT / 2, "the set did not stream: {now:?}");
-        std::thread::sleep(Duration::from_millis(500));
-    };
+    let corrupt = [("NINELIVES_HANDOVER_SELFTEST", "corrupt-sets")];
+    let (mut child, vm_id, before, mut sent) =
+        host_with_a_streaming_set(&sock, FAULT_AT, &corrupt, 0, FAULT_AT / 2);
     let gens = [before[0].0, before[1].0];
     // Warm: the new process refuses; everything runs on in this one.
     let (st, r) = http_json(&sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
@@ -535,4 +477,52 @@ fn a_corrupt_set_record_is_refused_and_the_rest_of_the_host_comes_up() {
         line.contains("\"sets\":0") && line.contains("sandbox set record 'pair' refused: corrupt"),
         "{line}"
     );
+}
+
+/// A host started with `--recovery microreboot` whose API connection
+/// reading request `fault_at` faults (SIGSEGV), with `env` set, holding an
+/// idle VM and a streaming two-sandbox set `pair` (`stream_ms`: the
+/// stream's duration, 0 until stopped). Returns the host, the VM's id, the
+/// channels once both carry traffic, and the requests sent so far (at
+/// most `max_polls` before the set streams).
+fn host_with_a_streaming_set(
+    sock: &std::path::Path,
+    fault_at: usize,
+    env: &[(&str, &str)],
+    stream_ms: u64,
+    max_polls: usize,
+) -> (std::process::Child, u64, [(u64, u64); 2], usize) {
+    let mut child = ninelives()
+        .args(["host", "--api", sock.to_str().unwrap(), "--recovery", "microreboot"])
+        .env("NINELIVES_API_FAULT", format!("segv:{fault_at}"))
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while std::os::unix::net::UnixStream::connect(sock).is_err() {
+        assert!(child.try_wait().unwrap().is_none(), "the host exited");
+        assert!(t.elapsed() < Duration::from_secs(20), "the host did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let [c0, c1] = two_cores();
+    let (st, vm) = http_json(sock, "POST", "/v1/vms", Some(r#"{"workload":"idle","mem":"64M"}"#));
+    assert_eq!(st, 201, "{vm}");
+    let vm_id = vm["id"].as_u64().unwrap();
+    let body = json!({"name": "pair", "set": stream_set(c0, c1, stream_ms), "timeout_secs": 300})
+        .to_string();
+    let (st, v) = http_json(sock, "POST", "/v1/sandboxes", Some(&body));
+    assert_eq!(st, 201, "{v}");
+    let mut sent = 2;
+    let before = loop {
+        let now = channel_now(sock);
+        sent += 1;
+        if now[0].1 > 0 && now[1].1 > 0 {
+            break now;
+        }
+        assert!(sent < max_polls, "the set did not stream before the fault: {now:?}");
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    (child, vm_id, before, sent)
 }

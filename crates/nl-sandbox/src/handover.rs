@@ -27,7 +27,7 @@ use std::time::Instant;
 use nl_sync::Lock;
 use nl_vmm::carry::{FdRecord, InheritedSet, SetRecord};
 use nl_vmm::handover::{memfd_of, mono_ns, MemorySource, VmRecord};
-use nl_vmm::windows::{Violation, VmWindows};
+use nl_vmm::windows::Violation;
 use nl_vmm::Vm;
 use serde::{Deserialize, Serialize};
 
@@ -35,7 +35,7 @@ use crate::audit::{audit, Backing, Mapping};
 use crate::channel::HostChannel;
 use crate::config::{RecoveryPolicy, SetConfig};
 use crate::monitor::Monitor;
-use crate::set::{Images, Sandbox, SandboxSet};
+use crate::set::{channel_windows, Images, Sandbox, SandboxSet};
 use crate::{affinity, SandboxError};
 
 /// What a set's record holds besides its VMs and memfds.
@@ -215,15 +215,7 @@ impl SandboxSet {
                 channel: None,
                 what: "RAM".into(),
             });
-            let mut windows = VmWindows { sandbox: i as u64, ..Default::default() };
-            for (k, (ci, end)) in config.channels_of(&s.name).into_iter().enumerate() {
-                let e = channels[ci].windows_for(end as usize, k as u64);
-                windows.windows.extend(e.windows);
-                windows.channels.push(e.info);
-                windows.doorbells.extend(e.doorbells);
-                windows.keep.push(channels[ci].keepalive());
-                mappings.extend(e.mappings);
-            }
+            let windows = channel_windows(&config, &channels, i, &s.name, &mut mappings);
             plans.push((memory, windows, backing));
         }
         let names: Vec<String> = config.sandboxes.iter().map(|s| s.name.clone()).collect();

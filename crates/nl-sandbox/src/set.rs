@@ -208,15 +208,7 @@ impl SandboxSet {
                 channel: None,
                 what,
             });
-            let mut windows = VmWindows { sandbox: i as u64, ..Default::default() };
-            for (k, (ci, end)) in config.channels_of(&s.name).into_iter().enumerate() {
-                let e = channels[ci].windows_for(end as usize, k as u64);
-                windows.windows.extend(e.windows);
-                windows.channels.push(e.info);
-                windows.doorbells.extend(e.doorbells);
-                windows.keep.push(channels[ci].keepalive());
-                mappings.extend(e.mappings);
-            }
+            let windows = channel_windows(&config, &channels, i, &s.name, &mut mappings);
             plans.push((memory, windows, backing));
         }
         let names: Vec<String> = config.sandboxes.iter().map(|s| s.name.clone()).collect();
@@ -588,4 +580,26 @@ impl SandboxSet {
             sb.vm().stop();
         }
     }
+}
+
+/// The channel windows of sandbox `i` (named `name`): each channel end it
+/// has, its doorbells, and the channels kept alive while it runs; the
+/// mappings they add go to `mappings` for the isolation audit.
+pub(crate) fn channel_windows(
+    config: &SetConfig,
+    channels: &[HostChannel],
+    i: usize,
+    name: &str,
+    mappings: &mut Vec<Mapping>,
+) -> VmWindows {
+    let mut windows = VmWindows { sandbox: i as u64, ..Default::default() };
+    for (k, (ci, end)) in config.channels_of(name).into_iter().enumerate() {
+        let e = channels[ci].windows_for(end as usize, k as u64);
+        windows.windows.extend(e.windows);
+        windows.channels.push(e.info);
+        windows.doorbells.extend(e.doorbells);
+        windows.keep.push(channels[ci].keepalive());
+        mappings.extend(e.mappings);
+    }
+    windows
 }
