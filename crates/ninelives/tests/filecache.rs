@@ -168,11 +168,11 @@ impl ApiHost {
             std::thread::sleep(Duration::from_millis(50));
         };
         assert_eq!(s["state"], "completed", "{s}");
-        let asked = json!({"kind": nl_abi::WORKLOAD_FILECACHE, "seed": seed,
+        let asked = json!({"kind": "filecache", "seed": seed,
             "data_bytes": DATA, "duration_ms": (secs * 1000.0) as u64, "vcpus": 1});
         assert_stats_replay(id, &asked, &s);
         let regs = &s["vcpus"][0]["regs"];
-        let p: nl_abi::WorkloadParams = serde_json::from_value(s["workload"].clone()).unwrap();
+        let p = workload_params(&s["workload"]);
         let rounds = regs["rounds"].as_u64().unwrap();
         let rep = nl_workloads::native::replay(&p, 0, rounds, 0).unwrap();
         assert_eq!(regs["cache_hits"].as_u64(), Some(rep.cache_hits), "{regs}");

@@ -42,7 +42,7 @@ fn the_http_api_serves_every_route_with_named_errors_events_and_metrics() {
     }
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("api.sock");
-    let (mut child, mut legacy) = spawn_host(&sock);
+    let (mut child, _first) = spawn_host(&sock);
 
     // The event stream, opened before anything happens.
     let mut ev = UnixStream::connect(&sock).unwrap();
@@ -85,12 +85,14 @@ fn the_http_api_serves_every_route_with_named_errors_events_and_metrics() {
 
     let (st, s) = http_json(&sock, "GET", &format!("/v1/vms/{id}"), None);
     assert_eq!(st, 200);
-    let asked =
-        json!({"kind": nl_abi::WORKLOAD_COMPUTE, "seed": 5, "duration_ms": 1000, "vcpus": 1});
+    let asked = json!({"kind": "compute", "seed": 5, "duration_ms": 1000, "vcpus": 1});
     assert_stats_replay(id, &asked, &s["stats"]);
 
     // The JSON-lines protocol of earlier releases is refused with its
-    // reason (the connection the helper opened) ...
+    // reason (on a new connection: the one the helper opened at start was
+    // once found closed here in CI, cause not yet known) ...
+    let mut legacy = UnixStream::connect(&sock).unwrap();
+    legacy.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     writeln!(legacy, "{}", json!({"op": "list"})).unwrap();
     let mut line = String::new();
     BufReader::new(legacy.try_clone().unwrap()).read_line(&mut line).unwrap();

@@ -98,7 +98,7 @@ fn create(h: &Host, vcpus: u32, secs: f64) -> u64 {
         "vcpus":vcpus,"duration":secs,"seed":seed}));
     assert_eq!(r["ok"], true, "{r}");
     let id = r["id"].as_u64().unwrap();
-    let asked = json!({"kind": nl_abi::WORKLOAD_MEMWRITE, "seed": seed, "ws_bytes": 8 << 20,
+    let asked = json!({"kind": "memwrite", "seed": seed, "ws_bytes": 8 << 20,
         "duration_ms": (secs * 1000.0) as u64, "vcpus": vcpus});
     h.asked.borrow_mut().insert(id, asked);
     id

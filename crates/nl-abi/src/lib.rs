@@ -372,6 +372,28 @@ pub fn workload_name(kind: u64) -> &'static str {
     }
 }
 
+/// The workload kind (`WORKLOAD_*`) named `name` by [`workload_name`].
+pub fn workload_kind(name: &str) -> Option<u64> {
+    (WORKLOAD_MEMWRITE..=WORKLOAD_TLBWALK).find(|&k| workload_name(k) == name)
+}
+
+/// The name of a memwrite access pattern (`PATTERN_*`), as the CLI and the
+/// API spell it; "unknown" for anything else.
+pub fn pattern_name(pattern: u64) -> &'static str {
+    match pattern {
+        PATTERN_SEQUENTIAL => "sequential",
+        PATTERN_STRIDED => "strided",
+        PATTERN_RANDOM => "random",
+        PATTERN_HOTCOLD => "hotcold",
+        _ => "unknown",
+    }
+}
+
+/// The access pattern (`PATTERN_*`) named `name` by [`pattern_name`].
+pub fn pattern_of(name: &str) -> Option<u64> {
+    (PATTERN_SEQUENTIAL..=PATTERN_HOTCOLD).find(|&p| pattern_name(p) == name)
+}
+
 /// Access patterns of `memwrite` (`WorkloadParams::pattern`).
 pub const PATTERN_SEQUENTIAL: u64 = 0;
 pub const PATTERN_STRIDED: u64 = 1;
@@ -575,3 +597,20 @@ const _: () = {
     assert!(DOORBELLS_GPA + DOORBELLS_BYTES <= CONTROL_MMIO_GPA);
     assert!(channel_doorbell_gpa(MAX_CHANNELS as u64) <= DOORBELLS_GPA + DOORBELLS_BYTES);
 };
+
+#[cfg(test)]
+mod name_tests {
+    use super::*;
+
+    #[test]
+    fn workload_and_pattern_names_round_trip() {
+        for k in WORKLOAD_MEMWRITE..=WORKLOAD_TLBWALK {
+            assert_eq!(workload_kind(workload_name(k)), Some(k), "kind {k}");
+        }
+        for p in PATTERN_SEQUENTIAL..=PATTERN_HOTCOLD {
+            assert_eq!(pattern_of(pattern_name(p)), Some(p), "pattern {p}");
+        }
+        assert_eq!(workload_kind("unknown"), None);
+        assert_eq!(pattern_of("zigzag"), None);
+    }
+}

@@ -73,7 +73,9 @@ pub struct VmStats {
     /// Inode of the guest-memory memfd: the same before and after a warm
     /// handover (the memory was not copied).
     pub memfd_ino: u64,
-    /// The workload's parameters (to replay and verify it on the host).
+    /// The workload's parameters (to replay and verify it on the host),
+    /// with its kind and access pattern by name ([`named_workload`]).
+    #[serde(serialize_with = "named_workload")]
     pub workload: nl_abi::WorkloadParams,
     /// The virtio-net device's counters (frames, drops, announcements), if
     /// the VM has one.
@@ -81,6 +83,39 @@ pub struct VmStats {
     pub net: Option<nl_devices::virtio::net::NetStats>,
     #[serde(flatten)]
     pub report: VmReport,
+}
+
+/// A workload's parameters as the API shows them: `kind` and `pattern`
+/// by name (`"memwrite"`, `"random"`: `nl_abi::workload_name`,
+/// `nl_abi::pattern_name`), every other field as it is.
+fn named_workload<S: serde::Serializer>(
+    w: &nl_abi::WorkloadParams,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    #[derive(Serialize)]
+    struct Named {
+        kind: &'static str,
+        seed: u64,
+        ws_bytes: u64,
+        write_pct: u64,
+        pattern: &'static str,
+        stride: u64,
+        hot_pct: u64,
+        duration_ms: u64,
+        data_bytes: u64,
+    }
+    Named {
+        kind: nl_abi::workload_name(w.kind),
+        seed: w.seed,
+        ws_bytes: w.ws_bytes,
+        write_pct: w.write_pct,
+        pattern: nl_abi::pattern_name(w.pattern),
+        stride: w.stride,
+        hot_pct: w.hot_pct,
+        duration_ms: w.duration_ms,
+        data_bytes: w.data_bytes,
+    }
+    .serialize(s)
 }
 
 /// What a host admits: its guest-memory and vCPU budgets and the limits

@@ -217,6 +217,19 @@ pub fn spawn_host_with(
 /// with the VMM's `stats.workload`, so a create that dropped or changed a
 /// field fails here by its name; the fields the test left to the defaults
 /// are taken from the report.
+/// The `WorkloadParams` a VM's `stats.workload` describes: the API names
+/// the kind and the access pattern (`"memwrite"`, `"random"`).
+#[allow(dead_code)]
+pub fn workload_params(named: &serde_json::Value) -> nl_abi::WorkloadParams {
+    let mut v = named.clone();
+    let kind = named["kind"].as_str().unwrap_or_else(|| panic!("a workload kind by name: {named}"));
+    v["kind"] = nl_abi::workload_kind(kind).unwrap_or_else(|| panic!("kind {kind}")).into();
+    let pattern = named["pattern"].as_str().unwrap_or_else(|| panic!("a pattern by name: {named}"));
+    v["pattern"] =
+        nl_abi::pattern_of(pattern).unwrap_or_else(|| panic!("pattern {pattern}")).into();
+    serde_json::from_value(v).expect("workload parameters")
+}
+
 #[allow(dead_code)]
 pub fn assert_stats_replay(id: u64, requested: &serde_json::Value, s: &serde_json::Value) {
     let reported = &s["workload"];
@@ -239,7 +252,7 @@ pub fn assert_stats_replay(id: u64, requested: &serde_json::Value, s: &serde_jso
         );
         asked[k] = v.clone();
     }
-    let params: nl_abi::WorkloadParams = serde_json::from_value(asked).unwrap();
+    let params = workload_params(&asked);
     for (cpu, v) in s["vcpus"].as_array().unwrap().iter().enumerate() {
         let r = &v["regs"];
         let rounds = r["rounds"].as_u64().unwrap();
