@@ -495,18 +495,24 @@ fn serve_requests(
     let mut requests = Requests::new();
     // The first byte says which protocol the client speaks.
     progress.wait();
-    let first = match requests.read_more(stream, limits, &mut None) {
-        Ok(()) => requests.filled()[0],
-        Err(Got::Closed) => return,
-        Err(refused) => {
-            progress.resume();
-            send_line(
-                stream,
-                &error_reply(refused.refusal(limits)),
-                limits.request_timeout,
-                progress,
-            );
-            return;
+    let first = loop {
+        match requests.read_more(stream, limits, &mut None) {
+            // Interrupted by a signal before any byte came (the recovery
+            // signal of a microreset reaches every thread, this one
+            // waiting here included): wait again.
+            Ok(()) if requests.filled().is_empty() => continue,
+            Ok(()) => break requests.filled()[0],
+            Err(Got::Closed) => return,
+            Err(refused) => {
+                progress.resume();
+                send_line(
+                    stream,
+                    &error_reply(refused.refusal(limits)),
+                    limits.request_timeout,
+                    progress,
+                );
+                return;
+            }
         }
     };
     progress.resume();
