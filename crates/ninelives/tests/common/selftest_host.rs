@@ -83,10 +83,9 @@ impl SelftestHost {
             .expect("create answered");
         assert_eq!(r["ok"], true, "{r}");
         let id = r["id"].as_u64().unwrap();
-        let kind = (1..=nl_abi::WORKLOAD_WILDWRITE)
-            .find(|&k| nl_abi::workload_name(k) == workload)
-            .expect("a known workload name");
-        let asked = json!({"kind": kind, "seed": seed,
+        assert!(nl_abi::workload_kind(workload).is_some(), "a known workload name");
+        // The stats name the kind, as the create did.
+        let asked = json!({"kind": workload, "seed": seed,
             "duration_ms": (secs * 1000.0) as u64, "vcpus": 1});
         self.asked.borrow_mut().insert(id, asked);
         id
