@@ -255,26 +255,16 @@ pub fn rejuvenate(host: &Host, listener_fd: Option<i32>, opts: &Options) -> Repo
     let sets = match crate::carry::suspend(true) {
         Ok(s) => s,
         Err(e) => {
-            report.error = Some(format!("cannot suspend the sandbox sets: {e}"));
-            crate::carry::resume();
-            if let Some(s) = standby.take() {
-                s.kill();
-            }
-            resume_all(host, &suspended);
-            report.rolled_back = true;
+            let why = format!("cannot suspend the sandbox sets: {e}");
+            abandon(host, &mut report, why, standby, &suspended);
             return report;
         }
     };
     if standby.is_some() && !sets.is_empty() {
         // A set created after the standby successor started: it has no
         // record of it.
-        report.error = Some("a sandbox set was created while the host rejuvenated".into());
-        crate::carry::resume();
-        if let Some(s) = standby.take() {
-            s.kill();
-        }
-        resume_all(host, &suspended);
-        report.rolled_back = true;
+        let why = "a sandbox set was created while the host rejuvenated".to_string();
+        abandon(host, &mut report, why, standby, &suspended);
         return report;
     }
     report.sets = sets.iter().map(|s| s.name.clone()).collect();
@@ -692,6 +682,25 @@ fn hand_over(
 }
 
 /// Resumes VMs that are still here, paused by the suspend step.
+/// Gives up a rejuvenation after every VM and set was suspended: the sets
+/// and VMs resume here, a prespawned successor is killed, and the report
+/// says why.
+fn abandon(
+    host: &Host,
+    report: &mut Report,
+    why: String,
+    standby: Option<Successor>,
+    suspended: &[Suspended],
+) {
+    report.error = Some(why);
+    crate::carry::resume();
+    if let Some(s) = standby {
+        s.kill();
+    }
+    resume_all(host, suspended);
+    report.rolled_back = true;
+}
+
 fn resume_all(host: &Host, suspended: &[Suspended]) {
     for s in suspended {
         if !s.rec.paused {
