@@ -84,8 +84,10 @@ pub struct BenchCheckpointArgs {
     /// --loaded, beside --hogs busy-loop threads.
     #[arg(long)]
     pub worst: bool,
-    /// --worst: repetitions of each row.
-    #[arg(long, default_value_t = 3)]
+    /// Repetitions (at least 3) of each matrix group, each against its
+    /// own unprotected runs (the matrix keeps every sample and each cell's
+    /// median with its spread); --worst: of each row.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(3..))]
     pub reps: u32,
     /// Print one JSON object as the last line of stdout.
     #[arg(long)]

@@ -43,7 +43,7 @@ fn cases() -> Vec<Case> {
     ]
 }
 
-#[derive(Serialize)]
+#[derive(Clone, Serialize)]
 struct Cell {
     workload: &'static str,
     mode: &'static str,
@@ -58,6 +58,42 @@ struct Cell {
     checkpoint_pct_of_memory: f64,
     pause_ms_avg: f64,
     digest_ok: bool,
+    /// Which repetition this sample is (0-based); in `matrix`, the
+    /// median's.
+    rep: u32,
+    /// In `matrix`: the normalized time of every repetition, in run order,
+    /// and their spread (empty / NaN in `samples`).
+    normalized_samples: Vec<f64>,
+    normalized_min: f64,
+    normalized_max: f64,
+}
+
+/// One cell per (workload, mode, block, interval), in first-seen order:
+/// the sample with the median normalized time (the lower middle for an
+/// even count), with every sample's value and their min and max.
+fn matrix_medians(samples: &[Cell]) -> Vec<Cell> {
+    let same = |a: &Cell, b: &Cell| {
+        a.workload == b.workload
+            && a.mode == b.mode
+            && a.block_pages == b.block_pages
+            && a.interval_ms == b.interval_ms
+    };
+    let mut out: Vec<Cell> = Vec::new();
+    for c in samples {
+        if out.iter().any(|o| same(o, c)) {
+            continue;
+        }
+        let mut group: Vec<&Cell> = samples.iter().filter(|s| same(s, c)).collect();
+        let values: Vec<f64> = group.iter().map(|s| s.normalized_time).collect();
+        group.sort_by(|a, b| a.normalized_time.total_cmp(&b.normalized_time));
+        let mut m = group[(group.len() - 1) / 2].clone();
+        m.normalized_min = group[0].normalized_time;
+        m.normalized_max = group[group.len() - 1].normalized_time;
+        m.normalized_samples = values;
+        m.digest_ok = group.iter().all(|s| s.digest_ok);
+        out.push(m);
+    }
+    out
 }
 
 /// The checkpoint arguments of a bench run (the lab's one place for them).
@@ -129,6 +165,7 @@ pub fn bench(mut a: BenchCheckpointArgs) -> Result<ExitCode> {
     let cases = cases();
     let groups = a.intervals.len() as u64 + 1;
     let total = cases.len() as u64
+        * u64::from(a.reps)
         * (2 * groups + a.intervals.len() as u64 * variants.len() as u64 + 1)
         + u64::from(a.faults);
     let bar = ProgressBar::new(total);
@@ -146,12 +183,12 @@ pub fn bench(mut a: BenchCheckpointArgs) -> Result<ExitCode> {
             .map(|&i| variants.iter().map(|&(m, b)| (i, m, b)).collect())
             .collect();
         groups.push(vec![(50.0, CkptMode::DirtyLog, 1)]);
-        for group in groups {
-            bar.set_message(format!("{} baseline", case.name));
+        for (rep_no, group) in (0..a.reps).flat_map(|r| groups.iter().map(move |g| (r, g))) {
+            bar.set_message(format!("{} baseline (rep {})", case.name, rep_no + 1));
             let before = baseline(&case.args, duration)?;
             bar.inc(1);
             let mut results = Vec::new();
-            for (interval, mode, block) in group {
+            for &(interval, mode, block) in group {
                 bar.set_message(format!(
                     "{} {} x{block} {interval} ms",
                     case.name,
@@ -186,10 +223,17 @@ pub fn bench(mut a: BenchCheckpointArgs) -> Result<ExitCode> {
                     checkpoint_pct_of_memory: rep.checkpoint_pct_of_memory,
                     pause_ms_avg: rep.pause_ms_avg,
                     digest_ok: r.digest_ok,
+                    rep: rep_no,
+                    normalized_samples: Vec::new(),
+                    normalized_min: f64::NAN,
+                    normalized_max: f64::NAN,
                 });
             }
         }
     }
+
+    let samples = cells;
+    let cells = matrix_medians(&samples);
 
     // Injected guest faults: one per run, good-locality memwrite, CoW-P. The
     // interval (250 ms) is above the error latency of every detector here
@@ -289,12 +333,12 @@ pub fn bench(mut a: BenchCheckpointArgs) -> Result<ExitCode> {
     }
     if !a.json {
         println!(
-            "{:<18} {:<9} {:>5} {:>8} {:>10} {:>9} {:>10} {:>10} {:>8}",
+            "{:<18} {:<9} {:>5} {:>8} {:>26} {:>9} {:>10} {:>10} {:>8}",
             "workload",
             "mode",
             "block",
             "interval",
-            "norm.time",
+            "norm.time median [min,max]",
             "faults/iv",
             "pages/iv",
             "% of mem",
@@ -302,12 +346,15 @@ pub fn bench(mut a: BenchCheckpointArgs) -> Result<ExitCode> {
         );
         for c in &cells {
             println!(
-                "{:<18} {:<9} {:>5} {:>8.0} {:>10.3} {:>9.1} {:>10.1} {:>10.3} {:>8.2}{}",
+                "{:<18} {:<9} {:>5} {:>8.0} {:>26} {:>9.1} {:>10.1} {:>10.3} {:>8.2}{}",
                 c.workload,
                 c.mode,
                 c.block_pages,
                 c.interval_ms,
-                c.normalized_time,
+                format!(
+                    "{:.3} [{:.3}, {:.3}]",
+                    c.normalized_time, c.normalized_min, c.normalized_max
+                ),
                 c.faults_per_interval,
                 c.checkpoint_pages_avg,
                 c.checkpoint_pct_of_memory,
@@ -326,6 +373,8 @@ pub fn bench(mut a: BenchCheckpointArgs) -> Result<ExitCode> {
             "{}",
             json!({"checkpoint": {
                 "matrix": cells,
+                "reps": a.reps,
+                "samples": samples,
                 "cow_p_fault_reduction_pct_50ms": {"block_1": reduction(1), "block_16": reduction(16)},
                 "rollback": rollback,
             }})

@@ -238,7 +238,7 @@ pub fn bench(a: BenchRejuvenateArgs) -> Result<ExitCode> {
     let filecache = if a.no_filecache {
         Value::Null
     } else {
-        crate::bench::rejuvenate_cache::measure(&a.image_dir, a.plot.as_deref(), a.json)?
+        crate::bench::rejuvenate_cache::measure(&a.image_dir, a.plot.as_deref(), a.json, a.reps)?
     };
     if a.json {
         let v = json!({

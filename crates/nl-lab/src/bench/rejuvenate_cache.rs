@@ -5,7 +5,9 @@
 //! For each mode: a host of its own, one filecache VM with a fresh disk
 //! image; once the cache is warm (steady state), the VM's counters are
 //! sampled every [`SAMPLE_MS`] ms for [`BEFORE_S`] s, the host is
-//! rejuvenated, and sampling goes on for [`AFTER_S`] s. Throughput is the
+//! rejuvenated, and sampling goes on for [`AFTER_S`] s; then again, on the
+//! same host, until the mode has its repetitions (`--reps`), each against
+//! the "before" measured just ahead of it. Throughput is the
 //! growth of the guest's heartbeat (bytes served, written every 10 ms of
 //! guest time) over host time; a cold reboot restarts the guest's counters,
 //! which the series handles by counting from the restarted value.
@@ -337,8 +339,21 @@ fn load_avg() -> Option<f64> {
     std::fs::read_to_string("/proc/loadavg").ok()?.split_whitespace().next()?.parse().ok()
 }
 
-/// One mode: a fresh host and VM, steady state, rejuvenation, the series.
-fn one_mode(mode: &str, image_dir: &Option<PathBuf>, dir: &Path) -> Result<Value> {
+/// One rejuvenation of a mode's host: when it was asked for and answered,
+/// the load before it, and the host's report.
+struct Rejuvenation {
+    t_start: f64,
+    t_done: f64,
+    load_before: Option<f64>,
+    steady: bool,
+    report: Value,
+}
+
+/// One mode: a fresh host and VM; then `reps` times steady state (the
+/// cache warm again), [`BEFORE_S`] s of "before", the rejuvenation, and
+/// [`AFTER_S`] s after it. Each repetition is compared with its own
+/// "before", measured just ahead of it. One result per repetition.
+fn one_mode(mode: &str, image_dir: &Option<PathBuf>, dir: &Path, reps: u32) -> Result<Vec<Value>> {
     let sock = dir.join(format!("api-{mode}.sock"));
     let disk = dir.join(format!("disk-{mode}.img"));
     let data = nl_workloads::filecache::DEFAULT_DATA_BYTES;
@@ -351,35 +366,48 @@ fn one_mode(mode: &str, image_dir: &Option<PathBuf>, dir: &Path) -> Result<Value
         "disk":disk,"duration":86_000,"seed":8}))?;
     let id = r["id"].as_u64().context("create gave no id")?;
     let sampler = Sampler::start(sock.clone(), id);
-    let steady = wait_steady(&sampler)?;
-    std::thread::sleep(Duration::from_secs_f64(BEFORE_S));
-    sampler.check()?;
-    let load_before = load_avg();
-    let t_start = sampler.now();
-    let mut req = json!({"op":"rejuvenate","mode":mode,"timeout_secs":600});
-    if let Some(d) = image_dir {
-        req["image_dir"] = json!(d);
+    let mut done = Vec::new();
+    for rep in 0..reps {
+        let steady = wait_steady(&sampler)?;
+        std::thread::sleep(Duration::from_secs_f64(BEFORE_S));
+        sampler.check()?;
+        let load_before = load_avg();
+        let t_start = sampler.now();
+        let mut req = json!({"op":"rejuvenate","mode":mode,"timeout_secs":600});
+        if let Some(d) = image_dir {
+            req["image_dir"] = json!(d);
+        }
+        let report = h.req(req)?["report"].clone();
+        let t_done = sampler.now();
+        if report["ok"] != true {
+            bail!("{mode} rejuvenation {} of {reps} failed: {}", rep + 1, report["error"]);
+        }
+        std::thread::sleep(Duration::from_secs_f64(AFTER_S));
+        sampler.check()?;
+        done.push(Rejuvenation { t_start, t_done, load_before, steady, report });
     }
-    let rep = h.req(req)?["report"].clone();
-    let t_done = sampler.now();
-    if rep["ok"] != true {
-        bail!("{mode} rejuvenation failed: {}", rep["error"]);
-    }
-    std::thread::sleep(Duration::from_secs_f64(AFTER_S));
-    sampler.check()?;
     let pts = sampler.points();
     drop(sampler);
     let _ = h.req(json!({"op":"destroy","id":id}));
     drop(h);
     let _ = std::fs::remove_file(&disk);
+    done.iter().enumerate().map(|(rep, r)| mode_result(mode, rep, &pts, r)).collect()
+}
 
-    let Some(before) = window(&pts, t_start - BEFORE_S, t_start) else {
-        bail!("no readings of the filecache VM before the {mode} rejuvenation");
+/// One repetition's result: its before window, the windows after it, the
+/// recovery times and its series.
+fn mode_result(mode: &str, rep: usize, pts: &[Point], r: &Rejuvenation) -> Result<Value> {
+    let (t_start, t_done) = (r.t_start, r.t_done);
+    // Not into the next repetition's readings.
+    let pts: Vec<Point> = pts.iter().filter(|p| p.t_s <= t_done + AFTER_S).copied().collect();
+    let pts = pts.as_slice();
+    let Some(before) = window(pts, t_start - BEFORE_S, t_start) else {
+        bail!("no readings of the filecache VM before the {mode} rejuvenation (repetition {rep})");
     };
-    let after = |secs: f64| window(&pts, t_done, t_done + secs);
+    let after = |secs: f64| window(pts, t_done, t_done + secs);
     let series: Vec<Value> = pts
         .windows(2)
-        .filter(|p| p[1].t_s >= t_start - BEFORE_S - 1.0)
+        .filter(|p| p[1].t_s >= t_start - BEFORE_S - 1.0 && p[1].t_s <= t_done + AFTER_S)
         .map(|p| {
             let w = Win::between(&p[0], &p[1]);
             json!({
@@ -394,54 +422,89 @@ fn one_mode(mode: &str, image_dir: &Option<PathBuf>, dir: &Path) -> Result<Value
     let ms = |s: Option<f64>| s.map(|s| s * 1e3);
     Ok(json!({
         "mode": mode,
-        "load_avg_1m": load_before,
-        "steady_reached": steady,
+        "rep": rep,
+        "load_avg_1m": r.load_before,
+        "steady_reached": r.steady,
         "rejuvenation_ms": (t_done - t_start) * 1e3,
-        "vm_downtime_ms": rep["vms"][0]["downtime_ms"],
+        "vm_downtime_ms": r.report["vms"][0]["downtime_ms"],
         "before": win_json(Some(before), None),
         "after_1s": win_json(after(1.0), Some(&before)),
         "after_3s": win_json(after(3.0), Some(&before)),
         "after_all": win_json(after(AFTER_S), Some(&before)),
-        "recovery_to_90pct_ms": ms(recovery_s(&pts, t_done, before.rate(), RECOVERED_SHARE, Win::rate)),
+        "recovery_to_90pct_ms": ms(recovery_s(pts, t_done, before.rate(), RECOVERED_SHARE, Win::rate)),
         "recovery_to_90pct_cpu_ms":
-            ms(recovery_s(&pts, t_done, before.cpu_rate(), RECOVERED_SHARE, Win::cpu_rate)),
+            ms(recovery_s(pts, t_done, before.cpu_rate(), RECOVERED_SHARE, Win::cpu_rate)),
         "series": series,
     }))
 }
 
-/// Figure 8 for the three modes (see the module documentation); with
-/// `plot`, also `figure8-filecache.svg` there (throughput relative to
-/// before over time, one line per mode).
-pub fn measure(image_dir: &Option<PathBuf>, plot: Option<&Path>, quiet: bool) -> Result<Value> {
+/// Figure 8 for the three modes (see the module documentation), each
+/// rejuvenated `reps` times; `modes` holds each mode's median repetition
+/// (by throughput per CPU second in the first second) with the spread of
+/// every repetition, `samples` every repetition. With `plot`, also
+/// `figure8-filecache.svg` there (throughput relative to before over
+/// time, one line per mode: its median repetition).
+pub fn measure(
+    image_dir: &Option<PathBuf>,
+    plot: Option<&Path>,
+    quiet: bool,
+    reps: u32,
+) -> Result<Value> {
     let dir =
         std::env::temp_dir().join(format!("ninelives-bench-filecache-{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut modes = Vec::new();
+    let mut samples = Vec::new();
     for mode in ["warm", "cold", "save-restore"] {
-        let r = one_mode(mode, image_dir, &dir);
-        let r = match r {
+        let runs = match one_mode(mode, image_dir, &dir, reps) {
             Ok(r) => r,
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&dir);
                 return Err(e.context(format!("filecache after a {mode} rejuvenation")));
             }
         };
+        let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
         if !quiet {
-            let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
             let pct = |v: &Value| format!("{:>4.0}%", 100.0 * f(v));
             let ms = |v: &Value| v.as_f64().map_or("never".to_string(), |x| format!("{x:.0} ms"));
+            for r in &runs {
+                println!(
+                    "filecache {mode:<12} rep {}: per CPU second: after 1 s {}, 3 s {} of before, 90% again after {}; per wall second: {} / {}, {}; hits after 1 s {:.3}",
+                    r["rep"],
+                    pct(&r["after_1s"]["relative_cpu"]),
+                    pct(&r["after_3s"]["relative_cpu"]),
+                    ms(&r["recovery_to_90pct_cpu_ms"]),
+                    pct(&r["after_1s"]["relative"]),
+                    pct(&r["after_3s"]["relative"]),
+                    ms(&r["recovery_to_90pct_ms"]),
+                    f(&r["after_1s"]["hit_rate"]),
+                );
+            }
+        }
+        let key = |r: &Value| f(&r["after_1s"]["relative_cpu"]);
+        let mut order: Vec<usize> = (0..runs.len()).collect();
+        order.sort_by(|&a, &b| key(&runs[a]).total_cmp(&key(&runs[b])));
+        let values: Vec<f64> = runs.iter().map(key).collect();
+        let mut m = runs[order[(order.len() - 1) / 2]].clone();
+        let (lo, hi) = (key(&runs[order[0]]), key(&runs[order[order.len() - 1]]));
+        m["reps"] = json!(runs.len());
+        m["after_1s_relative_cpu_samples"] = json!(values);
+        m["after_1s_relative_cpu_min"] = json!(lo);
+        m["after_1s_relative_cpu_max"] = json!(hi);
+        if !quiet {
             println!(
-                "filecache {mode:<12}: per CPU second: after 1 s {}, 3 s {} of before, 90% again after {}; per wall second: {} / {}, {}; hits after 1 s {:.3}",
-                pct(&r["after_1s"]["relative_cpu"]),
-                pct(&r["after_3s"]["relative_cpu"]),
-                ms(&r["recovery_to_90pct_cpu_ms"]),
-                pct(&r["after_1s"]["relative"]),
-                pct(&r["after_3s"]["relative"]),
-                ms(&r["recovery_to_90pct_ms"]),
-                f(&r["after_1s"]["hit_rate"]),
+                "filecache {mode:<12}: after 1 s, per CPU second: median {:.0}% [{:.0}%, {:.0}%] of before over {} repetitions",
+                100.0 * key(&m),
+                100.0 * lo,
+                100.0 * hi,
+                runs.len()
             );
         }
-        modes.push(r);
+        modes.push(m);
+        samples.extend(runs.into_iter().map(|mut r| {
+            r["series"] = Value::Null;
+            r
+        }));
     }
     let _ = std::fs::remove_dir_all(&dir);
     let figure = match plot {
@@ -461,6 +524,7 @@ pub fn measure(image_dir: &Option<PathBuf>, plot: Option<&Path>, quiet: bool) ->
             "hot": "90% of the requests to 10% of the blocks",
         },
         "sample_ms": SAMPLE_MS,
+        "samples": samples,
         "definitions": {
             "before": "the last 3 s before the rejuvenation request",
             "after_Ns": "from the rejuvenation's reply to N s later (the downtime itself is not in it); relative = bytes/s over before's",

@@ -79,6 +79,12 @@ pub struct BenchReplicateArgs {
     /// Print the results as one JSON object (last line of stdout).
     #[arg(long)]
     pub json: bool,
+    /// Only the cells the report's HBFT figures read: the defaults, the
+    /// unoptimized baseline (`--no-selective --no-predict`), Histase, and
+    /// the epoch sweep of the defaults; kv: the defaults and without
+    /// output-triggered epochs (`ninelives report --quick`).
+    #[arg(long)]
+    pub core: bool,
     /// Run the throughput rows beside busy-loop threads of the bench's own.
     #[arg(long)]
     pub loaded: bool,
@@ -283,6 +289,14 @@ fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
     if kv {
         v.push(Case::new(20, &["--output-epoch-ms", "0"]));
         v.push(Case::new(20, &["--output-epoch-ms", "1"]));
+    }
+    if a.core {
+        const CORE: [&str; 4] =
+            ["default", "--no-selective --no-predict", "--histase", "--output-epoch-ms 0"];
+        v.retain(|c| match kv {
+            true => c.epoch == 20 && (c.name == CORE[0] || c.name == CORE[3]),
+            false => CORE[..3].contains(&c.name.as_str()),
+        });
     }
     if !quick {
         for &e in a.epochs.iter().filter(|&&e| e != 20) {
