@@ -733,3 +733,51 @@ fn worst(a: &BenchCheckpointArgs) -> Result<ExitCode> {
     let bad = rows.iter().any(|r| r.digest_failures > 0 || r.rollbacks > 0);
     Ok(if bad { ExitCode::FAILURE } else { ExitCode::SUCCESS })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cell(mode: &'static str, rep: u32, norm: f64, digest_ok: bool) -> Cell {
+        Cell {
+            workload: "w",
+            mode,
+            block_pages: 1,
+            interval_ms: 50.0,
+            baseline_ops_per_sec: 1.0,
+            ops_per_sec: 1.0 / norm,
+            normalized_time: norm,
+            overhead_pct: (norm - 1.0) * 100.0,
+            faults_per_interval: 0.0,
+            checkpoint_pages_avg: 0.0,
+            checkpoint_pct_of_memory: 0.0,
+            pause_ms_avg: 0.0,
+            digest_ok,
+            rep,
+            normalized_samples: Vec::new(),
+            normalized_min: f64::NAN,
+            normalized_max: f64::NAN,
+        }
+    }
+
+    #[test]
+    fn the_matrix_keeps_one_cell_per_configuration_with_every_repetition() {
+        let samples = vec![
+            cell("cow-b", 0, 3.0, true),
+            cell("cow-p", 0, 1.2, true),
+            cell("cow-b", 1, 1.0, true),
+            cell("cow-p", 1, 1.1, false),
+            cell("cow-b", 2, 2.0, true),
+            cell("cow-p", 2, 1.3, true),
+        ];
+        let m = matrix_medians(&samples);
+        assert_eq!(m.len(), 2);
+        assert_eq!((m[0].mode, m[0].rep, m[0].normalized_time), ("cow-b", 2, 2.0));
+        assert_eq!(m[0].normalized_samples, vec![3.0, 1.0, 2.0]);
+        assert_eq!((m[0].normalized_min, m[0].normalized_max), (1.0, 3.0));
+        assert!(m[0].digest_ok);
+        assert_eq!((m[1].mode, m[1].normalized_time), ("cow-p", 1.2));
+        // One wrong digest in any repetition shows on the cell.
+        assert!(!m[1].digest_ok);
+    }
+}

@@ -290,6 +290,11 @@ fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
         v.push(Case::new(20, &["--output-epoch-ms", "0"]));
         v.push(Case::new(20, &["--output-epoch-ms", "1"]));
     }
+    if !quick {
+        for &e in a.epochs.iter().filter(|&&e| e != 20) {
+            v.push(Case::new(e, &[]));
+        }
+    }
     if a.core {
         const CORE: [&str; 4] =
             ["default", "--no-selective --no-predict", "--histase", "--output-epoch-ms 0"];
@@ -297,11 +302,6 @@ fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
             true => c.epoch == 20 && (c.name == CORE[0] || c.name == CORE[3]),
             false => CORE[..3].contains(&c.name.as_str()),
         });
-    }
-    if !quick {
-        for &e in a.epochs.iter().filter(|&&e| e != 20) {
-            v.push(Case::new(e, &[]));
-        }
     }
     v
 }
@@ -1172,5 +1172,30 @@ mod tests {
         assert_eq!(m[0].ratio_samples, vec![0.3, 0.1, 0.2]);
         assert_eq!((m[0].ratio_min, m[0].ratio_max), (0.1, 0.3));
         assert_eq!((m[1].config.as_str(), m[1].ratio), ("a", 0.6));
+    }
+
+    #[test]
+    fn core_cells_are_the_ones_the_report_reads() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: BenchReplicateArgs,
+        }
+        let a = <Cli as clap::Parser>::parse_from(["x", "--core", "--epochs", "20,100"]).a;
+        let names =
+            |kv| cases(&a, kv, false).iter().map(|c| (c.name.clone(), c.epoch)).collect::<Vec<_>>();
+        let d = "default".to_string();
+        assert_eq!(
+            names(false),
+            vec![
+                (d.clone(), 20),
+                ("--no-selective --no-predict".to_string(), 20),
+                ("--histase".to_string(), 20),
+                (d.clone(), 100)
+            ]
+        );
+        assert_eq!(names(true), vec![(d, 20), ("--output-epoch-ms 0".to_string(), 20)]);
+        let all = <Cli as clap::Parser>::parse_from(["x", "--epochs", "20,100"]).a;
+        assert_eq!(cases(&all, true, false).len(), 11);
     }
 }
