@@ -440,7 +440,7 @@ fn run_body(c: &Campaign, seed: u64, t0: Instant, rec: &mut RunRecord) -> Result
             rec.phases_ms.target_done = ms();
             // The healthy pair keeps going after it.
             let pq = consumed(s, 1);
-            let pq_progressed = wait_for(Duration::from_secs(10), || consumed(s, 1) > pq + 50);
+            let pq_progressed = wait_for(Duration::from_secs(30), || consumed(s, 1) > pq + 50);
             let pq_restarted =
                 [s.channels[1].header(0).generation, s.channels[1].header(1).generation] != gens0;
             let new_threads: Vec<bool> =
