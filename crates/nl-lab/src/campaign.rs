@@ -24,6 +24,7 @@ use serde_json::{json, Value};
 
 use crate::netns::Netns;
 use crate::process::{install_cancel_handler, Proc, RunDir, CANCEL};
+use crate::sandbox_campaign::SandboxFaultArg;
 use crate::stats::wilson;
 use nl_inject::sentinel::Sentinel;
 use nl_inject::{self as injector, Fault, Injection, Plan, Target};
@@ -35,15 +36,22 @@ pub struct InjectArgs {
     #[command(subcommand)]
     pub sub: Option<InjectSub>,
     /// The fault to inject (`none`: control runs without a fault). Required
-    /// for a campaign (not for `inject merge`).
-    #[arg(long, value_enum, required = true)]
+    /// for a VMM campaign (not for `--setup sandbox` or `inject merge`).
+    #[arg(long, value_enum)]
     pub fault: Option<Fault>,
-    /// 1vm: one VM (exits); 3vm: exits + netbench with a 1 ms ping, then a new blkbench VM.
+    /// 1vm: one VM (exits); 3vm: exits + netbench with a 1 ms ping, then a
+    /// new blkbench VM; sandbox: faults into one sandbox of a set of three
+    /// (see docs/campaigns.md).
     #[arg(long, value_enum, default_value_t = Setup::OneVm)]
     pub setup: Setup,
-    /// What the VMM does after a detected error.
-    #[arg(long, value_enum, default_value_t = RecoveryName::None)]
-    pub recovery: RecoveryName,
+    /// What the VMM does after a detected error (none, microreset,
+    /// microreboot); for `--setup sandbox`, the target sandbox's policy
+    /// (restart, replace, rollback; none: stop it).
+    #[arg(long, value_enum, default_value_t = InjectRecovery::None)]
+    pub recovery: InjectRecovery,
+    /// `--setup sandbox`: the fault model injected into the target sandbox.
+    #[arg(long, value_enum, default_value_t = SandboxFaultArg::Mixed)]
+    pub sandbox_fault: SandboxFaultArg,
     /// The repairs of a microreset (all, none, or a list; see `host --repairs`):
     /// switched on one after another, they reproduce the paper's Table I.
     #[arg(long, default_value = "all", value_parser = nl_launch::args::parse_repairs)]
@@ -105,6 +113,8 @@ pub enum Setup {
     OneVm,
     #[value(name = "3vm")]
     ThreeVm,
+    /// A sandbox set (crate::sandbox_campaign).
+    Sandbox,
 }
 
 impl Setup {
@@ -112,6 +122,40 @@ impl Setup {
         match self {
             Setup::OneVm => "1vm",
             Setup::ThreeVm => "3vm",
+            Setup::Sandbox => "sandbox",
+        }
+    }
+}
+
+/// `--recovery`: a VMM recovery (1vm, 3vm) or a sandbox's policy (sandbox).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum InjectRecovery {
+    None,
+    Microreset,
+    Microreboot,
+    Restart,
+    Replace,
+    Rollback,
+}
+
+impl InjectRecovery {
+    fn vmm(self) -> Option<RecoveryName> {
+        match self {
+            InjectRecovery::None => Some(RecoveryName::None),
+            InjectRecovery::Microreset => Some(RecoveryName::Microreset),
+            InjectRecovery::Microreboot => Some(RecoveryName::Microreboot),
+            _ => None,
+        }
+    }
+
+    fn sandbox(self) -> Option<nl_sandbox::config::RecoveryPolicy> {
+        use nl_sandbox::config::RecoveryPolicy as P;
+        match self {
+            InjectRecovery::None => Some(P::Stop),
+            InjectRecovery::Restart => Some(P::Restart),
+            InjectRecovery::Replace => Some(P::Replace),
+            InjectRecovery::Rollback => Some(P::Rollback),
+            _ => None,
         }
     }
 }
@@ -248,12 +292,24 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
         Some(InjectSub::Sentinel(s)) => return nl_inject::sentinel::run(s),
         None => {}
     }
+    if a.setup == Setup::Sandbox {
+        let Some(policy) = a.recovery.sandbox() else {
+            bail!(
+                "--setup sandbox takes --recovery restart|replace|rollback|none, not {:?}",
+                a.recovery
+            );
+        };
+        return crate::sandbox_campaign::inject(a, policy);
+    }
+    let Some(recovery) = a.recovery.vmm() else {
+        bail!("--recovery {:?} is a sandbox policy: use it with --setup sandbox", a.recovery);
+    };
     let Some(fault) = a.fault else {
         bail!("inject needs --fault failstop|register|code|none (or the merge subcommand)");
     };
     let duration = a.duration.unwrap_or(match a.setup {
-        Setup::OneVm => 2.0,
         Setup::ThreeVm => 6.0,
+        _ => 2.0,
     });
     if !(duration.is_finite() && (0.5..=600.0).contains(&duration)) {
         bail!("--duration {duration} must be between 0.5 and 600 seconds");
@@ -284,7 +340,7 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
     let cfg = Arc::new(Campaign {
         fault,
         setup: a.setup,
-        recovery: a.recovery,
+        recovery,
         repairs: a.repairs,
         target: a.target,
         duration,
@@ -317,7 +373,7 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
                     &format!("nl-inj-{}-{slot}", std::process::id()),
                     "nltap0",
                 )?),
-                Setup::OneVm => None,
+                _ => None,
             };
             loop {
                 let k = next.fetch_add(1, Relaxed) as usize;
@@ -379,15 +435,15 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
     pb.finish_and_clear();
     let elapsed = start.elapsed().as_secs_f64();
     let mut s =
-        summary(fault.name(), a.setup.name(), a.recovery.name(), &o, skipped, elapsed, a.seed);
-    if a.recovery == RecoveryName::Microreset {
+        summary(fault.name(), a.setup.name(), recovery.name(), &o, skipped, elapsed, a.seed);
+    if recovery == RecoveryName::Microreset {
         s["repairs"] = json!(a.repairs.describe());
     }
     done.sort_unstable();
     s["campaign"] = crate::shards::identity(
         fault.name(),
         a.setup.name(),
-        a.recovery.name(),
+        recovery.name(),
         &a.repairs.describe(),
         &format!("{:?}", a.target).to_lowercase(),
         duration,
@@ -435,6 +491,9 @@ fn merge(files: &[PathBuf], json_out: bool, partial: bool) -> Result<ExitCode> {
         inputs.push(crate::shards::Input { name: f.display().to_string(), summary: s });
     }
     let (identity, missing) = crate::shards::check(&inputs, partial).map_err(anyhow::Error::msg)?;
+    if inputs[0].summary["setup"] == "sandbox" {
+        return crate::sandbox_campaign::merge(&inputs, identity, &missing, json_out);
+    }
     let mut total = Outcomes::default();
     let (mut skipped, mut elapsed) = (0u64, 0f64);
     let mut seed = u64::MAX;
@@ -589,7 +648,7 @@ fn run_one(cfg: &Campaign, run: u32, seed: u64, slot: u32, ns: Option<&Netns>) -
     let d = cfg.duration;
     let window = match cfg.setup {
         // The paper: after the first 10% and before the last 10% of the run.
-        Setup::OneVm => ((d * 100.0) as u64, (d * 900.0) as u64),
+        Setup::OneVm | Setup::Sandbox => ((d * 100.0) as u64, (d * 900.0) as u64),
         // The paper: 0.5 s to 6 s of 24 s; here the first half of the run.
         Setup::ThreeVm => (500, (d * 500.0) as u64),
     };
@@ -860,7 +919,7 @@ fn run_body(
             }
         } else {
             let ok = match cfg.setup {
-                Setup::OneVm => affected == 0,
+                Setup::OneVm | Setup::Sandbox => affected == 0,
                 Setup::ThreeVm => affected <= 1 && new_vm_ok,
             };
             rec.result = Some(match (ok, affected) {

@@ -4,7 +4,8 @@
 //!   rejuvenate, replicate, recovery, hostile), each a ratio against a
 //!   baseline measured in the same run;
 //! - [`campaign`]: `ninelives inject`, the ptrace fault-injection campaign
-//!   (the injector itself is the `nl-inject` crate);
+//!   (the injector itself is the `nl-inject` crate), and its sandbox mode
+//!   [`sandbox_campaign`] (`--setup sandbox`);
 //! - [`ping`], [`kvload`], [`echo_server`]: the external load generators
 //!   and checkers the benches run as processes;
 //! - [`report`]: `ninelives report`, every bench and campaign with the
@@ -27,5 +28,6 @@ pub mod netns;
 pub mod ping;
 pub mod process;
 pub mod report;
+pub mod sandbox_campaign;
 pub mod shards;
 pub mod stats;

@@ -12,6 +12,17 @@
 //!   re-initialisation, first message) are timed by svc's monitor and shown
 //!   beside the paper's cycles (Table 1). The healthy pair's errors and the
 //!   progress it made during the recovery are reported.
+//! * **Remote takeover** (row `remote`, `--reps` runs; needs root for its
+//!   network namespace, else SKIPPED): a service `echo` (netbench on TAP
+//!   `nltap0` in a namespace of the bench's own, 10.0.0.2) owned by
+//!   sandbox `web` with standby `spare`, beside a healthy pair p, q on a
+//!   channel. A client in the namespace pings the service every 1 ms; the
+//!   fault (an unmapped RIP) goes into `web`, whose monitor hands the TAP
+//!   to `spare` (`nl_sandbox::service`). The service gap is the client's
+//!   gap around the fault: from the last reply before it to the first
+//!   after. The takeover's phases (TAP handed over, attached, gratuitous
+//!   ARP, first reply) are reported as `notified`, `reentry`,
+//!   `guest_init` and `first_reply`.
 //! * **Campaign**: `--injections` faults into svc of one long-lived set
 //!   under `restart`: memory and register bit flips, violating writes and
 //!   broken drivers (`nl_sandbox::faults`), each classified: recovered
@@ -47,6 +58,10 @@ pub struct BenchSandboxRecoveryArgs {
     /// Runs per policy (at least 3).
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
+    /// The service-gap rows to measure: local policies and `remote` (the
+    /// takeover by a standby).
+    #[arg(long, value_delimiter = ',', default_value = "restart,replace,rollback,remote")]
+    pub policies: Vec<String>,
     /// Faults injected in the campaign (0: skip it).
     #[arg(long, default_value_t = 500)]
     pub injections: u64,
@@ -254,6 +269,141 @@ fn policy_run(policy: &str) -> Result<PolicyRun> {
         p_errors,
         q_errors,
     })
+}
+
+/// svc=web (owner of service echo), spare (its standby), p, q.
+fn remote_config() -> Result<String> {
+    let [c0, c1] = cores()?;
+    let net = r#""net": {"tap": "nltap0", "mac": "52:54:00:5a:00:02", "ipv4": "10.0.0.2/24"}"#;
+    let w = r#""workload": {"kind": "chanstream", "duration_ms": 0, "send_every_us": 1000}"#;
+    Ok(format!(
+        r#"{{"sandboxes": [
+            {{"name": "web", "cores": [{c0}], "workload": {{"kind": "netbench", "duration_ms": 0}}, {net},
+              "recovery": {{"policy": "restart"}}}},
+            {{"name": "spare", "cores": [{c1}], "workload": {{"kind": "netbench", "duration_ms": 0}},
+              "recovery": {{"policy": "restart"}}}},
+            {{"name": "p", "cores": [{c1}], "mem_mib": 48, {w}}},
+            {{"name": "q", "cores": [{c0}], "mem_mib": 48, {w}}}
+        ], "channels": [{{"name": "pq", "between": ["p", "q"]}}],
+        "services": [{{"name": "echo", "owner": "web", "standby": "spare"}}]}}"#
+    ))
+}
+
+/// Words both ends of the remote set's healthy channel pq (its only one)
+/// consumed.
+fn remote_healthy_mark(s: &SandboxSet) -> u64 {
+    let h = s.channels[0].stats(&[]);
+    h.regions[0].ack_words + h.regions[1].ack_words
+}
+
+/// A short ping of the service: whether it answered.
+fn answers(to: std::net::SocketAddr) -> bool {
+    crate::ping::ping(to, Duration::from_millis(10), Duration::from_millis(100), None)
+        .is_ok_and(|p| p.received > 0)
+}
+
+/// One remote takeover (see the module documentation), in namespace `ns`.
+fn remote_run(ns: &crate::netns::Netns) -> Result<PolicyRun> {
+    let config = SetConfig::parse(&remote_config()?)?;
+    let to: std::net::SocketAddr = "10.0.0.2:7".parse()?;
+    ns.run_in(|| {
+        let kvm = nl_vmm::open_kvm()?;
+        let s = SandboxSet::create(&kvm, config, &images())?;
+        supervised(&s, |s| -> Result<PolicyRun> {
+            if !wait_for(Duration::from_secs(90), || answers(to)) {
+                bail!("the service never answered its first ping");
+            }
+            if !wait_for(Duration::from_secs(60), || remote_healthy_mark(s) > 1000) {
+                bail!("p and q did not start streaming within 60 s");
+            }
+            let stop = AtomicBool::new(false);
+            let names: Vec<String> = s.sandboxes.iter().map(|b| b.config.name.clone()).collect();
+            let takeover = || s.services.report(&names).remove(0).takeovers.into_iter().next();
+            let (report, (inject_unix_ms, inject_set_ms), h) =
+                std::thread::scope(|scope| -> Result<_> {
+                    let client = scope.spawn(|| {
+                        crate::ping::ping(
+                            to,
+                            Duration::from_millis(1),
+                            Duration::from_secs(300),
+                            Some(&stop),
+                        )
+                    });
+                    std::thread::sleep(Duration::from_millis(500));
+                    let at = (unix_now_ms(), s.elapsed_ms());
+                    let injected = s.inject("web", &BAD_RIP);
+                    let h0 = remote_healthy_mark(s);
+                    let done = injected.is_ok()
+                        && wait_for(Duration::from_secs(60), || {
+                            takeover().is_some_and(|t| t.first_reply_ms.is_some())
+                        });
+                    let h1 = remote_healthy_mark(s);
+                    std::thread::sleep(Duration::from_millis(500));
+                    stop.store(true, Ordering::Relaxed);
+                    let report = client.join().map_err(|_| anyhow!("the client panicked"))??;
+                    injected?;
+                    if !done {
+                        bail!("no takeover with a first reply within 60 s");
+                    }
+                    Ok((report, at, h1.saturating_sub(h0)))
+                })?;
+            // The gap around the fault: from the last reply before it to
+            // the first reply after it.
+            let fault_ms = inject_unix_ms - report.start_unix_ms;
+            let gap = report
+                .long_gaps
+                .iter()
+                .find(|g| g.start_ms <= fault_ms + 1.0 && g.start_ms + g.ms >= fault_ms)
+                .map_or(0.0, |g| g.ms);
+            let t = takeover().ok_or_else(|| anyhow!("no takeover recorded"))?;
+            let web = s.get("web").expect("web");
+            let det = web.monitor.detections();
+            Ok(PolicyRun {
+                recovered: t.ok && report.last_reply_ms.is_some_and(|l| l > fault_ms + gap),
+                service_gap_ms: gap,
+                detection_ms: det.first().map_or(f64::NAN, |d| d.at_ms - inject_set_ms),
+                detector: t.detector.clone(),
+                phases: nl_sandbox::recovery::Phases {
+                    notified_ms: t.notified_ms,
+                    reentry_ms: t.attached_ms,
+                    guest_init_ms: t.announced_ms,
+                    first_reply_ms: t.first_reply_ms,
+                    ..Default::default()
+                },
+                healthy_progress_words: h,
+                p_errors: regs(s, "p").digest,
+                q_errors: regs(s, "q").digest,
+            })
+        })?
+    })
+}
+
+fn unix_now_ms() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64() * 1e3)
+}
+
+/// The per-policy summaries of `runs`.
+fn policy_result(policy: &'static str, runs: Vec<PolicyRun>) -> PolicyResult {
+    let sum = |f: &dyn Fn(&PolicyRun) -> Option<f64>| {
+        Summary::of(&runs.iter().map(|r| f(r).unwrap_or(f64::NAN)).collect::<Vec<_>>())
+    };
+    let phases_ms = vec![
+        ("stopped".to_string(), sum(&|r| r.phases.stopped_ms)),
+        ("notified".to_string(), sum(&|r| r.phases.notified_ms)),
+        ("image".to_string(), sum(&|r| r.phases.image_ms)),
+        ("reentry".to_string(), sum(&|r| r.phases.reentry_ms)),
+        ("guest_init".to_string(), sum(&|r| r.phases.guest_init_ms)),
+        ("first_reply".to_string(), sum(&|r| r.phases.first_reply_ms)),
+    ];
+    PolicyResult {
+        policy,
+        service_gap_ms: sum(&|r| Some(r.service_gap_ms)),
+        detection_ms: sum(&|r| Some(r.detection_ms)),
+        phases_ms,
+        runs,
+    }
 }
 
 /// Per policy: the runs and their summaries.
@@ -503,7 +653,10 @@ fn fig10(secs: f64) -> Result<Fig10> {
 
 #[derive(Serialize)]
 struct Out {
+    /// restart, replace, rollback, and remote (the takeover by a standby).
     policies: Vec<PolicyResult>,
+    /// Why the remote row is missing (no network namespace).
+    remote_skipped: Option<String>,
     table1_paper: Vec<(String, String, Option<f64>)>,
     tsc_khz: u64,
     campaign: Option<Campaign>,
@@ -544,29 +697,21 @@ pub fn bench(a: BenchSandboxRecoveryArgs) -> Result<ExitCode> {
     let clock = RunClock::start();
     let khz = tsc_khz();
     let mut policies = Vec::new();
+    for p in &a.policies {
+        if !["restart", "replace", "rollback", "remote"].contains(&p.as_str()) {
+            bail!("--policies: '{p}' is not one of restart, replace, rollback, remote");
+        }
+    }
+    let wanted = |p: &str| a.policies.iter().any(|x| x == p);
     for policy in ["restart", "replace", "rollback"] {
+        if !wanted(policy) {
+            continue;
+        }
         let mut runs = Vec::new();
         for _ in 0..a.reps {
             runs.push(policy_run(policy)?);
         }
-        let sum = |f: &dyn Fn(&PolicyRun) -> Option<f64>| {
-            Summary::of(&runs.iter().map(|r| f(r).unwrap_or(f64::NAN)).collect::<Vec<_>>())
-        };
-        let phases_ms = vec![
-            ("stopped".to_string(), sum(&|r| r.phases.stopped_ms)),
-            ("notified".to_string(), sum(&|r| r.phases.notified_ms)),
-            ("image".to_string(), sum(&|r| r.phases.image_ms)),
-            ("reentry".to_string(), sum(&|r| r.phases.reentry_ms)),
-            ("guest_init".to_string(), sum(&|r| r.phases.guest_init_ms)),
-            ("first_reply".to_string(), sum(&|r| r.phases.first_reply_ms)),
-        ];
-        let p = PolicyResult {
-            policy,
-            service_gap_ms: sum(&|r| Some(r.service_gap_ms)),
-            detection_ms: sum(&|r| Some(r.detection_ms)),
-            phases_ms,
-            runs,
-        };
+        let p = policy_result(policy, runs);
         println!(
             "{policy:8}: service gap {} ms; detection {} ms; recovered {}/{}; healthy pair errors {}",
             p.service_gap_ms.show(1),
@@ -582,10 +727,44 @@ pub fn bench(a: BenchSandboxRecoveryArgs) -> Result<ExitCode> {
         }
         policies.push(p);
     }
+    // Remote takeover: the service moves to its standby.
+    let mut remote_skipped = None;
+    match crate::netns::unavailable().filter(|_| wanted("remote")) {
+        Some(why) => {
+            let why = format!("SKIPPED: no network namespace for the service's TAP ({why})");
+            println!("remote  : {why}");
+            remote_skipped = Some(why);
+        }
+        None if !wanted("remote") => {}
+        None => {
+            let ns = crate::netns::Netns::with_tap(
+                &format!("nl-sbrec-{}", std::process::id()),
+                "nltap0",
+            )?;
+            let mut runs = Vec::new();
+            for _ in 0..a.reps {
+                runs.push(remote_run(&ns)?);
+            }
+            let p = policy_result("remote", runs);
+            println!(
+                "remote  : service gap {} ms (client pinging every 1 ms; paper: < 500 ms); taken over {}/{}; healthy pair errors {}",
+                p.service_gap_ms.show(1),
+                p.runs.iter().filter(|r| r.recovered).count(),
+                p.runs.len(),
+                p.runs.iter().map(|r| r.p_errors + r.q_errors).sum::<u64>(),
+            );
+            for (name, s) in &p.phases_ms {
+                if s.median.is_finite() {
+                    println!("          {name:12} at {} ms after detection", s.show(2));
+                }
+            }
+            policies.push(p);
+        }
+    }
     println!(
         "Table 1 (paper cycles; ours: restart, phase durations in ms and cycles at {khz} kHz):"
     );
-    if let Some(r) = policies.first() {
+    if let Some(r) = policies.iter().find(|p| p.policy == "restart") {
         let at = |i: usize| r.phases_ms[i].1.median;
         let ours = [
             r.detection_ms.median,
@@ -668,6 +847,7 @@ pub fn bench(a: BenchSandboxRecoveryArgs) -> Result<ExitCode> {
     if a.json {
         let out = Out {
             policies,
+            remote_skipped,
             table1_paper: PAPER_TABLE1
                 .iter()
                 .map(|(a, b, c)| (a.to_string(), b.to_string(), *c))

@@ -1129,7 +1129,11 @@ fn questv(d: &Data, out: &Path) -> Result<Section> {
             .map_or(String::new(), |d| format!("detection {d:.1} ms; "));
         rows.push(with_note(
             row(format!("Fig. 6: service back after a fault in the serving sandbox, policy {name} (s)"), Some(p::QV_F6_RECOVERY), ours, Better::Lower),
-            &format!("{det}recovered {recovered}/{runs}; paper: NIC driver fault under a web server, ours: a fault in a channel service sandbox, gap seen by its peer"),
+            &if name == "remote" {
+                format!("{det}taken over {recovered}/{runs}; paper: NIC driver fault under a web server, ours: the owner of an echo service fails and its standby takes its TAP, gap seen by a client pinging every 1 ms")
+            } else {
+                format!("{det}recovered {recovered}/{runs}; paper: NIC driver fault under a web server, ours: a fault in a channel service sandbox, gap seen by its peer")
+            },
         ));
     }
     if policies.is_empty() {
@@ -1370,6 +1374,8 @@ mod tests {
                 {"policy": "restart", "service_gap_ms": sm(2000.0), "detection_ms": sm(2.0),
                  "phases_ms": [["image", sm(40.0)]], "runs": [{"recovered": true}]},
                 {"policy": "rollback", "service_gap_ms": sm(250.0), "detection_ms": sm(7.0),
+                 "phases_ms": [], "runs": [{"recovered": true}]},
+                {"policy": "remote", "service_gap_ms": sm(30.0), "detection_ms": sm(1.0),
                  "phases_ms": [], "runs": [{"recovered": true}]}
             ]}),
         );
@@ -1382,6 +1388,9 @@ mod tests {
         let find = |w: &str| {
             s.rows.iter().find(|r| r.what.contains(w)).unwrap_or_else(|| panic!("no row {w}"))
         };
+        let remote = find("policy remote");
+        assert_eq!(remote.ours.as_ref().unwrap().value, 0.03);
+        assert!(remote.note.contains("standby takes its TAP"), "{}", remote.note);
         let restart = find("policy restart");
         assert_eq!(restart.ours.as_ref().unwrap().value, 2.0);
         assert_eq!(restart.paper.as_ref().unwrap().value, 0.5);
