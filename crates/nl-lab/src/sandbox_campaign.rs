@@ -863,7 +863,7 @@ mod tests {
         };
         let s = summary("mixed", "restart", &o, &Default::default(), 0, 60.0, 1);
         assert_eq!(s["success_rate"], 0.9);
-        assert_eq!(s["success_ci95"], json!([0.596, 0.9821]));
+        assert_eq!(s["success_ci95"], json!([0.5958, 0.9821]));
         assert_eq!(s["runs"], 15);
         let t = table(&s);
         assert!(t.contains("another sandbox harmed: 0 of 15"), "{t}");
