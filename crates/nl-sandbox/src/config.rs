@@ -719,5 +719,18 @@ mod tests {
             {"name": "a", "cores": [0], "workload": {"kind": "idle"}, "budget": {"runtime_us": 5000, "period_us": 10000}},
             {"name": "b", "cores": [0], "workload": {"kind": "idle"}, "budget": {"runtime_us": 5000, "period_us": 10000}}]}"#;
         assert!(err(crowded, 2).contains("budgets on core 0 add up to 100%"));
+        let shared = r#"{"sandboxes": [{"name": "a", "cores": [0], "vcpus": 2, "workload": {"kind": "idle"},
+            "budget": {"runtime_us": 2000, "period_us": 10000, "reserve": true}}]}"#;
+        assert!(err(shared, 2).contains("a reserved budget needs one vCPU per core"));
+        let periodic = |extra: &str| {
+            format!(
+                r#"{{"sandboxes": [{{"name": "a", "cores": [0], "workload": {{"kind": "periodic"{extra}}}}}]}}"#
+            )
+        };
+        assert!(err(&periodic(r#", "period_us": 500"#), 2).contains("periodic period_us 500"));
+        assert!(err(&periodic(r#", "reserve_us": 20000"#), 2).contains("reserve_us 20000"));
+        let storm =
+            r#"{"sandboxes": [{"name": "a", "cores": [0], "workload": {"kind": "storm"}}]}"#;
+        assert!(err(storm, 2).contains("the storm workload needs its first channel"));
     }
 }
