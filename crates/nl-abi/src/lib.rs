@@ -349,6 +349,14 @@ pub const WORKLOAD_TLBWALK: u64 = 14;
 /// The stride of `tlbwalk`: one page and one cache line, so every access
 /// is on another page and another cache set.
 pub const TLBWALK_STRIDE: u64 = 4160;
+/// A sandbox with a CPU reservation: greedy ring-3 work on vCPU 0 that
+/// accounts, with the TSC, the CPU time it got in every period of `stride`
+/// µs and compares it with its reservation of `data_bytes` µs
+/// (`nl_workloads::periodic`), for `duration_ms`.
+pub const WORKLOAD_PERIODIC: u64 = 15;
+/// A doorbell storm: vCPU 0 rings its first channel's doorbell as fast as
+/// it can for `duration_ms` (`nl_workloads::periodic::storm_digest`).
+pub const WORKLOAD_STORM: u64 = 16;
 
 /// The name of a workload kind (`WORKLOAD_*`), as the CLI and the API
 /// spell it; "unknown" for anything else.
@@ -368,13 +376,15 @@ pub fn workload_name(kind: u64) -> &'static str {
         WORKLOAD_DOORBELL => "doorbell",
         WORKLOAD_SYSCALL => "syscall",
         WORKLOAD_TLBWALK => "tlbwalk",
+        WORKLOAD_PERIODIC => "periodic",
+        WORKLOAD_STORM => "storm",
         _ => "unknown",
     }
 }
 
 /// The workload kind (`WORKLOAD_*`) named `name` by [`workload_name`].
 pub fn workload_kind(name: &str) -> Option<u64> {
-    (WORKLOAD_MEMWRITE..=WORKLOAD_TLBWALK).find(|&k| workload_name(k) == name)
+    (WORKLOAD_MEMWRITE..=WORKLOAD_STORM).find(|&k| workload_name(k) == name)
 }
 
 /// The name of a memwrite access pattern (`PATTERN_*`), as the CLI and the
@@ -604,7 +614,7 @@ mod name_tests {
 
     #[test]
     fn workload_and_pattern_names_round_trip() {
-        for k in WORKLOAD_MEMWRITE..=WORKLOAD_TLBWALK {
+        for k in WORKLOAD_MEMWRITE..=WORKLOAD_STORM {
             assert_eq!(workload_kind(workload_name(k)), Some(k), "kind {k}");
         }
         for p in PATTERN_SEQUENTIAL..=PATTERN_HOTCOLD {

@@ -11,6 +11,19 @@
 //! clear error for now: moving single threads there needs a threaded
 //! subtree.) The cgroup is removed when the budget is dropped. Its
 //! `cpu.stat` counts the periods in which the sandbox was throttled.
+//!
+//! A CFS quota caps a sandbox but reserves nothing: on a busy core the
+//! sandbox gets its fair share, which may be far below its budget. A budget
+//! with `reserve: true` is also a reservation: the same cgroup gets
+//! real-time bandwidth (`cpu.rt_period_us` = period, `cpu.rt_runtime_us` =
+//! runtime, per core; the sandbox has one vCPU per core) and the vCPU
+//! threads run `SCHED_FIFO` (priority 1) in it. They then run before any
+//! ordinary thread on their cores for `runtime` of every `period`, and the
+//! kernel's real-time throttling stops them for the rest of it. (Quest-V's
+//! main VCPUs are sporadic servers with budget C per period T; this is the
+//! closest the host offers to pinned threads.) All reserving cgroups
+//! together may have at most the host's `sched_rt_runtime_us` share
+//! (95%) of a period.
 
 use std::path::{Path, PathBuf};
 
@@ -69,10 +82,40 @@ impl AppliedBudget {
         // The period first: a quota is checked against the current period.
         write(&applied.dir.join("cpu.cfs_period_us"), &budget.period_us.to_string())?;
         write(&applied.dir.join("cpu.cfs_quota_us"), &(budget.runtime_us * n).to_string())?;
-        for tid in tids {
-            write(&applied.dir.join("tasks"), &tid.to_string())?;
+        if budget.reserve {
+            let rt = applied.dir.join("cpu.rt_runtime_us");
+            if !rt.exists() {
+                return Err(SandboxError::Resource(format!(
+                    "sandbox '{sandbox}' reserves its budget, but the kernel has no real-time \
+                     group scheduling ({} is missing); use a budget without \"reserve\"",
+                    rt.display()
+                )));
+            }
+            write(&applied.dir.join("cpu.rt_period_us"), &budget.period_us.to_string())?;
+            write(&rt, &budget.runtime_us.to_string()).map_err(|e| {
+                SandboxError::Resource(format!(
+                    "sandbox '{sandbox}': cannot reserve {} us of every {} us: {e} (all \
+                     reservations together may have at most the host's real-time share, \
+                     /proc/sys/kernel/sched_rt_runtime_us of sched_rt_period_us)",
+                    budget.runtime_us, budget.period_us
+                ))
+            })?;
         }
+        applied.attach_threads(tids)?;
         Ok(applied)
+    }
+
+    /// Moves `tids` into the cgroup; with a reservation they become
+    /// `SCHED_FIFO` there (after the move: the root group's real-time
+    /// runtime is not theirs to use).
+    fn attach_threads(&self, tids: &[i32]) -> Result<(), SandboxError> {
+        for tid in tids {
+            write(&self.dir.join("tasks"), &tid.to_string())?;
+            if self.budget.reserve {
+                crate::affinity::set_fifo(*tid)?;
+            }
+        }
+        Ok(())
     }
 
     /// Moves more threads (a restarted sandbox's new vCPUs) into the cgroup;
@@ -80,10 +123,7 @@ impl AppliedBudget {
     pub fn attach(&self, tids: &[i32]) -> Result<(), SandboxError> {
         let n = tids.len().max(1) as u64;
         write(&self.dir.join("cpu.cfs_quota_us"), &(self.budget.runtime_us * n).to_string())?;
-        for tid in tids {
-            write(&self.dir.join("tasks"), &tid.to_string())?;
-        }
-        Ok(())
+        self.attach_threads(tids)
     }
 
     /// The cgroup's directory.
@@ -96,6 +136,14 @@ impl AppliedBudget {
         std::fs::read_to_string(self.dir.join("tasks"))
             .map(|t| t.lines().filter_map(|l| l.trim().parse().ok()).collect())
             .unwrap_or_default()
+    }
+
+    /// The real-time runtime reserved per period (µs; 0 without `reserve`).
+    pub fn reserved_us(&self) -> u64 {
+        std::fs::read_to_string(self.dir.join("cpu.rt_runtime_us"))
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(0)
     }
 
     /// Periods run and throttled so far.

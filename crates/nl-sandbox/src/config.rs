@@ -201,12 +201,18 @@ fn default_mem_mib() -> u64 {
     64
 }
 
-/// `runtime_us` of every `period_us` (SCHED_DEADLINE).
+/// `runtime_us` of every `period_us` per vCPU thread: a cap (CFS
+/// bandwidth), or with `reserve` also a reservation (real-time bandwidth:
+/// the runtime is the sandbox's before any ordinary thread on its cores).
+/// See [`crate::budget`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Budget {
     pub runtime_us: u64,
     pub period_us: u64,
+    /// Reserve the runtime, not only cap it.
+    #[serde(default)]
+    pub reserve: bool,
 }
 
 impl Budget {
@@ -231,7 +237,7 @@ pub enum ViolationPolicy {
 #[serde(deny_unknown_fields)]
 pub struct WorkloadConfig {
     /// memwrite, compute, idle, chanbench, wildwrite, chanstream, doorbell,
-    /// syscall, tlbwalk.
+    /// syscall, tlbwalk, periodic, storm.
     pub kind: String,
     #[serde(default = "default_seed")]
     pub seed: u64,
@@ -258,6 +264,20 @@ pub struct WorkloadConfig {
     /// stride.
     #[serde(default = "default_pages")]
     pub pages: u64,
+    /// periodic: the accounting period in µs (at least 1000).
+    #[serde(default = "default_period_us")]
+    pub period_us: u64,
+    /// periodic: the CPU time per period it must get (its reservation), µs.
+    #[serde(default = "default_reserve_us")]
+    pub reserve_us: u64,
+}
+
+fn default_period_us() -> u64 {
+    10_000
+}
+
+fn default_reserve_us() -> u64 {
+    5_000
 }
 
 fn default_pages() -> u64 {
@@ -322,9 +342,11 @@ impl WorkloadConfig {
             "tlbwalk" => WORKLOAD_TLBWALK,
             "netbench" => WORKLOAD_NETBENCH,
             "kv" => WORKLOAD_KV,
+            "periodic" => WORKLOAD_PERIODIC,
+            "storm" => WORKLOAD_STORM,
             k => {
                 return Err(format!(
-                    "unknown workload kind '{k}' (memwrite, compute, idle, chanbench, wildwrite, chanstream, doorbell, syscall, tlbwalk, netbench, kv)"
+                    "unknown workload kind '{k}' (memwrite, compute, idle, chanbench, wildwrite, chanstream, doorbell, syscall, tlbwalk, netbench, kv, periodic, storm)"
                 ))
             }
         };
@@ -335,6 +357,16 @@ impl WorkloadConfig {
             return Err(format!(
                 "chanbench max_msg {} must be a power of two in 8..=65536",
                 self.max_msg
+            ));
+        }
+        if kind == WORKLOAD_PERIODIC
+            && (!(1000..=1_000_000).contains(&self.period_us)
+                || self.reserve_us == 0
+                || self.reserve_us > self.period_us)
+        {
+            return Err(format!(
+                "periodic period_us {} must be in 1000..=1000000 and reserve_us {} in 1..=period_us",
+                self.period_us, self.reserve_us
             ));
         }
         if kind == WORKLOAD_TLBWALK && !(1..=nl_workloads::TLBWALK_MAX_PAGES).contains(&self.pages)
@@ -362,6 +394,7 @@ impl WorkloadConfig {
                 WORKLOAD_CHANBENCH => self.max_msg,
                 WORKLOAD_CHANSTREAM => self.send_every_us,
                 WORKLOAD_TLBWALK => self.pages,
+                WORKLOAD_PERIODIC => self.period_us,
                 _ => 8,
             },
             hot_pct: 10,
@@ -370,7 +403,11 @@ impl WorkloadConfig {
                 (WORKLOAD_NETBENCH | WORKLOAD_KV, 0) => u64::MAX / (1 << 24),
                 (_, d) => d,
             },
-            data_bytes: if kind == WORKLOAD_CHANSTREAM { self.recv_every_us } else { 0 },
+            data_bytes: match kind {
+                WORKLOAD_CHANSTREAM => self.recv_every_us,
+                WORKLOAD_PERIODIC => self.reserve_us,
+                _ => 0,
+            },
         };
         nl_workloads::validate(&p).map_err(str::to_string)?;
         Ok(p)
@@ -498,6 +535,8 @@ impl SetConfig {
                     | nl_abi::WORKLOAD_WILDWRITE
                     | nl_abi::WORKLOAD_CHANSTREAM
                     | nl_abi::WORKLOAD_DOORBELL
+                    | nl_abi::WORKLOAD_PERIODIC
+                    | nl_abi::WORKLOAD_STORM
                     | nl_abi::WORKLOAD_NETBENCH
                     | nl_abi::WORKLOAD_KV
             ) && vcpus != 1
@@ -531,12 +570,12 @@ impl SetConfig {
                     s.mem_mib
                 ));
             }
-            if p.kind == nl_abi::WORKLOAD_DOORBELL {
+            if p.kind == nl_abi::WORKLOAD_DOORBELL || p.kind == nl_abi::WORKLOAD_STORM {
                 let first = self.channels_of(&s.name).first().map(|c| &self.channels[c.0]);
                 if !first.is_some_and(|c| c.doorbell) {
                     return bad(format!(
-                        "sandbox '{}': the doorbell workload needs its first channel to have \"doorbell\": true",
-                        s.name
+                        "sandbox '{}': the {} workload needs its first channel to have \"doorbell\": true",
+                        s.name, s.workload.kind
                     ));
                 }
             }
@@ -556,6 +595,13 @@ impl SetConfig {
                         b.period_us,
                         b.share() * 100.0,
                         MAX_CORE_SHARE * 100.0
+                    ));
+                }
+                if b.reserve && vcpus as usize != s.cores.len() {
+                    return bad(format!(
+                        "sandbox '{}': a reserved budget needs one vCPU per core ({vcpus} vCPUs on {} cores)",
+                        s.name,
+                        s.cores.len()
                     ));
                 }
                 // vCPU i runs on cores[i % len]: add its share there.
@@ -673,5 +719,18 @@ mod tests {
             {"name": "a", "cores": [0], "workload": {"kind": "idle"}, "budget": {"runtime_us": 5000, "period_us": 10000}},
             {"name": "b", "cores": [0], "workload": {"kind": "idle"}, "budget": {"runtime_us": 5000, "period_us": 10000}}]}"#;
         assert!(err(crowded, 2).contains("budgets on core 0 add up to 100%"));
+        let shared = r#"{"sandboxes": [{"name": "a", "cores": [0], "vcpus": 2, "workload": {"kind": "idle"},
+            "budget": {"runtime_us": 2000, "period_us": 10000, "reserve": true}}]}"#;
+        assert!(err(shared, 2).contains("a reserved budget needs one vCPU per core"));
+        let periodic = |extra: &str| {
+            format!(
+                r#"{{"sandboxes": [{{"name": "a", "cores": [0], "workload": {{"kind": "periodic"{extra}}}}}]}}"#
+            )
+        };
+        assert!(err(&periodic(r#", "period_us": 500"#), 2).contains("periodic period_us 500"));
+        assert!(err(&periodic(r#", "reserve_us": 20000"#), 2).contains("reserve_us 20000"));
+        let storm =
+            r#"{"sandboxes": [{"name": "a", "cores": [0], "workload": {"kind": "storm"}}]}"#;
+        assert!(err(storm, 2).contains("the storm workload needs its first channel"));
     }
 }

@@ -33,6 +33,8 @@
 //! * [`verify`]: checking a finished sandbox's result.
 //! * [`affinity`]: host cores and pinning.
 //! * [`budget`]: CPU budgets (a CFS bandwidth cgroup per sandbox).
+//! * [`periodic`]: what a `periodic` sandbox got per period (the storm
+//!   test's measure), and the host's CPU account of a thread.
 //!
 //! Isolation: each sandbox's RAM is its own memfd, so no guest-physical
 //! address of one reaches another's RAM; the audit checks exactly that for
@@ -53,6 +55,7 @@ pub mod handover;
 pub mod isolation;
 pub mod monitor;
 pub mod net;
+pub mod periodic;
 pub mod recovery;
 pub mod service;
 pub mod set;

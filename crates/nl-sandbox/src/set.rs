@@ -114,6 +114,8 @@ pub struct SandboxReport {
     /// Its virtio-net device's counters (with a `net` section or as a
     /// service's standby).
     pub net: Option<nl_devices::virtio::net::NetStats>,
+    /// A `periodic` sandbox's CPU per period against its reservation.
+    pub periods: Option<crate::periodic::PeriodReport>,
     pub console: String,
 }
 
@@ -556,6 +558,9 @@ impl SandboxSet {
                     gave_up: sb.monitor.gave_up_reason(),
                     throttling: self.throttling(sb.index),
                     net: vm.net_stats().map(|n| n.0),
+                    periods: (sb.params().kind == nl_abi::WORKLOAD_PERIODIC)
+                        .then(|| crate::periodic::PeriodReport::parse(&vm.console().tail()))
+                        .flatten(),
                     console: vm.console().tail(),
                 }
             })

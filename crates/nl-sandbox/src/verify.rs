@@ -28,6 +28,34 @@ pub fn check(set: &SandboxSet, sb: &Sandbox, regs: &[VcpuRegsSnapshot]) -> (bool
                 (false, Some(format!("doorbell digest {:#x}, expected {want:#x}", r0.digest)))
             }
         }
+        nl_abi::WORKLOAD_PERIODIC => {
+            let want = nl_workloads::periodic::periodic_digest(p.seed, r0.ops);
+            if r0.digest == want && r0.ops > 0 {
+                (true, None)
+            } else {
+                (
+                    false,
+                    Some(format!(
+                        "periodic: digest {:#x} over {} ops, the host computes {want:#x}",
+                        r0.digest, r0.ops
+                    )),
+                )
+            }
+        }
+        nl_abi::WORKLOAD_STORM => {
+            let want = nl_workloads::periodic::storm_digest(p.seed, r0.ops);
+            if r0.digest == want && r0.ops > 0 {
+                (true, None)
+            } else {
+                (
+                    false,
+                    Some(format!(
+                        "storm: digest {:#x} over {} rings, the host computes {want:#x}",
+                        r0.digest, r0.ops
+                    )),
+                )
+            }
+        }
         WORKLOAD_CHANSTREAM => {
             if r0.digest == 0 && r0.ops > 0 {
                 (true, None)

@@ -43,6 +43,9 @@
 //!   [`blk`] file store) per round, every read checked. The working set is
 //!   the I/O buffer ([`blk::BLKBENCH_WS_BYTES`]); the warm-up round formats
 //!   the store.
+//! * `periodic`, `storm`: the budget storm test's two sandboxes
+//!   ([`periodic`]): per-period CPU accounting against a reservation, and a
+//!   doorbell storm. Run by the guest's channel code, not the round engine.
 //! * `filecache`: op = one byte served from a file cache ([`filecache`]):
 //!   one request for a 16 KiB block of a data set on the block device per
 //!   round, served from the cache in the working set (a hit) or read from the
@@ -69,6 +72,7 @@ pub mod chanstream;
 pub mod doorbell;
 pub mod filecache;
 pub mod kv;
+pub mod periodic;
 pub mod wildwrite;
 
 #[cfg(test)]
@@ -168,6 +172,15 @@ pub fn validate(params: &WorkloadParams) -> Result<(), &'static str> {
         WORKLOAD_COMPUTE | WORKLOAD_EXITS | WORKLOAD_IDLE | WORKLOAD_NETBENCH => Ok(()),
         // Run by the guest's channel code, not by the round engine.
         WORKLOAD_CHANBENCH | WORKLOAD_WILDWRITE | WORKLOAD_CHANSTREAM | WORKLOAD_DOORBELL => Ok(()),
+        nl_abi::WORKLOAD_STORM => Ok(()),
+        nl_abi::WORKLOAD_PERIODIC
+            if params.stride >= 1000 && params.data_bytes > 0 && params.data_bytes <= params.stride =>
+        {
+            Ok(())
+        }
+        nl_abi::WORKLOAD_PERIODIC => Err(
+            "periodic: stride (the period, µs) must be at least 1000 and data_bytes (the reservation, µs) in 1..=stride",
+        ),
         WORKLOAD_BLKBENCH if params.ws_bytes == blk::BLKBENCH_WS_BYTES => Ok(()),
         WORKLOAD_BLKBENCH => Err("blkbench: ws_bytes must be blk::BLKBENCH_WS_BYTES"),
         WORKLOAD_SYSCALL => Ok(()),

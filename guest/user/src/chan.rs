@@ -393,3 +393,110 @@ pub fn doorbell(cpu: u64, boot: &BootInfo) -> ! {
         }
     }
 }
+
+/// periodic (`nl_workloads::periodic`): greedy ring-3 work on vCPU 0 for
+/// `duration_ms`, accounting with the TSC the CPU time it got in every
+/// period of `stride` µs against its reservation of `data_bytes` µs. OPS =
+/// work units, ROUNDS = complete periods, DIGEST = `periodic_digest`;
+/// prints the summary and the CPU got in each period (µs), which the host
+/// parses.
+pub fn periodic(cpu: u64, boot: &BootInfo) -> ! {
+    use nl_workloads::periodic::{finish, op, Accounting, GAP_US, MAX_PERIODS};
+    if cpu != 0 {
+        done(cpu, 0, 0, 0);
+    }
+    let p = boot.workload;
+    let khz = boot.tsc_khz.max(1);
+    let us = |n: u64| n.saturating_mul(khz) / 1000;
+    if boot.heap_start + 8 * MAX_PERIODS as u64 > boot.heap_end {
+        fail(cpu, ERR_BAD_BOOT_INFO, boot.heap_end);
+    }
+    // SAFETY: a range at the start of the user heap, mapped user-writable
+    // and used by nothing else (vCPU 0 runs alone in this workload).
+    let log = unsafe { core::slice::from_raw_parts_mut(boot.heap_start as *mut u64, MAX_PERIODS) };
+    let end = p.duration_ms.saturating_mul(khz);
+    ctl_write(cpu, reg::PHASE, PHASE_MEASURE_START);
+    let start = rdtsc();
+    let mut acct = Accounting::new(start, us(p.stride), us(p.data_bytes), us(GAP_US), log);
+    let (mut ops, mut sum, mut next_beat, mut beats) = (0u64, p.seed, start, 0u64);
+    loop {
+        let now = rdtsc();
+        acct.observe(now);
+        if now.wrapping_sub(start) >= end {
+            break;
+        }
+        sum = sum.wrapping_add(op(p.seed, ops));
+        ops += 1;
+        if now >= next_beat {
+            beats += 1;
+            ctl_write(cpu, reg::HEARTBEAT, beats);
+            ctl_write(cpu, reg::OPS, ops);
+            next_beat = now + 2 * khz;
+        }
+    }
+    let cycles = rdtsc().wrapping_sub(start);
+    let s = acct.summary();
+    let to_us = |c: u64| c.saturating_mul(1000) / khz;
+    print(
+        cpu,
+        format_args!(
+            "periodic periods={} met={} worst_us={} total_us={} reserve_us={} period_us={} ops={ops}\n",
+            s.periods,
+            s.met,
+            to_us(s.worst),
+            to_us(s.total),
+            p.data_bytes,
+            p.stride
+        ),
+    );
+    // The CPU got per period, 16 to a line (the host joins them).
+    for chunk in acct.log().chunks(16) {
+        let mut line = [0u64; 16];
+        for (d, c) in line.iter_mut().zip(chunk) {
+            *d = to_us(*c);
+        }
+        print(cpu, format_args!("periodic got_us={:?}\n", &line[..chunk.len()]));
+    }
+    ctl_write(cpu, reg::ROUNDS, s.periods);
+    ctl_write(cpu, reg::OPS, ops);
+    ctl_write(cpu, reg::CYCLES, cycles);
+    ctl_write(cpu, reg::DIGEST, finish(sum, ops));
+    ctl_write(cpu, reg::PHASE, PHASE_DONE);
+    exit()
+}
+
+/// storm: rings channel 0's doorbell as fast as it can for `duration_ms`.
+/// OPS = rings, DIGEST = `storm_digest`.
+pub fn storm(cpu: u64, boot: &BootInfo) -> ! {
+    if cpu != 0 {
+        done(cpu, 0, 0, 0);
+    }
+    let c = boot.channels[0];
+    if boot.num_channels == 0 || c.doorbell != nl_abi::channel_doorbell_gpa(0) {
+        print(cpu, format_args!("storm: channel 0 has no doorbell\n"));
+        fail(cpu, ERR_BAD_BOOT_INFO, c.doorbell);
+    }
+    let p = boot.workload;
+    let khz = boot.tsc_khz.max(1);
+    let end = p.duration_ms.saturating_mul(khz);
+    ctl_write(cpu, reg::PHASE, PHASE_MEASURE_START);
+    let start = rdtsc();
+    let (mut rings, mut next_beat) = (0u64, start);
+    loop {
+        let now = rdtsc();
+        if now.wrapping_sub(start) >= end {
+            break;
+        }
+        // SAFETY: as in `GuestBell::ring`: the doorbell page is mapped
+        // user-writable with no memory behind it; KVM takes the write.
+        unsafe { write_volatile(c.doorbell as *mut u64, 1) };
+        rings += 1;
+        if now >= next_beat {
+            ctl_write(cpu, reg::HEARTBEAT, rings);
+            next_beat = now + 2 * khz;
+        }
+    }
+    let cycles = rdtsc().wrapping_sub(start);
+    print(cpu, format_args!("storm rings={rings}\n"));
+    done(cpu, rings, cycles, nl_workloads::periodic::storm_digest(p.seed, rings))
+}

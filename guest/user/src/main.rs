@@ -362,6 +362,8 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
         WORKLOAD_WILDWRITE => chan::wildwrite(cpu, boot),
         WORKLOAD_CHANSTREAM => chan::chanstream(cpu, boot),
         nl_abi::WORKLOAD_DOORBELL => chan::doorbell(cpu, boot),
+        nl_abi::WORKLOAD_PERIODIC => chan::periodic(cpu, boot),
+        nl_abi::WORKLOAD_STORM => chan::storm(cpu, boot),
         _ => {}
     }
 

@@ -40,10 +40,14 @@ pub struct BenchSandboxArgs {
     /// Page counts of the TLB rows (Figs. 7/8), 1..=65536 each.
     #[arg(long, value_delimiter = ',', default_values_t = vec![8, 64, 512, 2048, 8192])]
     pub pages: Vec<u64>,
-    /// What to measure: any of fig9 (with the doorbell), table2, tlb,
-    /// isolation.
-    #[arg(long, value_delimiter = ',', default_values_t = ["fig9".to_string(), "table2".to_string(), "tlb".to_string(), "isolation".to_string()])]
+    /// What to measure: any of fig9 (with the doorbell), budgets (Fig. 9's
+    /// Hi and Low budget curves), table2, tlb, isolation, storm (the budget
+    /// storm).
+    #[arg(long, value_delimiter = ',', default_values_t = ["fig9".to_string(), "budgets".to_string(), "table2".to_string(), "tlb".to_string(), "isolation".to_string(), "storm".to_string()])]
     pub parts: Vec<String>,
+    /// Milliseconds of each storm and budget-curve run.
+    #[arg(long, default_value_t = 3000)]
+    pub storm_ms: u64,
     /// Measured milliseconds of each syscall and tlbwalk run.
     #[arg(long, default_value_t = 1000)]
     pub duration_ms: u64,
@@ -166,8 +170,81 @@ pub struct Tlb {
     pub loadavg_after: String,
 }
 
+/// One arm of the storm: the periodic sandbox's periods over the
+/// repetitions.
+#[derive(Clone, Debug, Serialize)]
+pub struct StormArm {
+    pub what: String,
+    /// The periodic sandbox's reserved budget and the storm's cap (runtime,
+    /// period µs).
+    pub reservation: Option<(u64, u64)>,
+    pub storm_budget: Option<(u64, u64)>,
+    /// Per repetition: the worst complete period's CPU over what it needs.
+    pub worst_over_need: Spread,
+    /// Per repetition: the share of periods that got what it needs.
+    pub met_share: Spread,
+    /// Per repetition: the mean CPU per period over the period.
+    pub mean_share: Spread,
+    /// Per repetition: the storm's rings per second, and its periods
+    /// throttled by its budget.
+    pub storm_rings_per_sec: Spread,
+    pub storm_throttled_periods: Spread,
+    pub samples: Vec<nl_sandbox::periodic::PeriodReport>,
+}
+
+/// The budget storm: a periodic sandbox beside a doorbell storm on one core.
+#[derive(Clone, Debug, Serialize)]
+pub struct Storm {
+    pub reps: usize,
+    pub core: usize,
+    pub period_us: u64,
+    /// CPU per period the periodic sandbox needs (its reservation's worth
+    /// of ring-3 work).
+    pub need_us: u64,
+    pub arms: Vec<StormArm>,
+    pub loadavg_before: String,
+    pub loadavg_after: String,
+}
+
+/// Fig. 9's Hi and Low curves: chanstream throughput with the sender under
+/// a high and a low reserved budget. The paper's Hi is 50% utilization
+/// (sender and receiver, 100 ms periods); its Low's budget is not in the
+/// text we have. Here the sender alone is budgeted (10 ms periods), so the
+/// difference is the sender's budget's.
+#[derive(Clone, Debug, Serialize)]
+pub struct BudgetCurves {
+    pub reps: usize,
+    pub cores: [usize; 2],
+    pub hi: (u64, u64),
+    pub low: (u64, u64),
+    /// 64-byte messages per second received from the sender.
+    pub hi_msgs_per_sec: Spread,
+    pub low_msgs_per_sec: Spread,
+    /// Per repetition: Hi / Low throughput, against Hi / Low budget.
+    pub throughput_ratio: Spread,
+    pub budget_ratio: f64,
+    /// Per repetition: messages per second of the sender's budget
+    /// (throughput / budget share), Hi and Low: equal if the budget alone
+    /// explains the difference.
+    pub hi_msgs_per_budget_sec: Spread,
+    pub low_msgs_per_budget_sec: Spread,
+    pub loadavg_before: String,
+    pub loadavg_after: String,
+}
+
+/// The report's budget row: the CPU share the reserved periodic sandbox
+/// got in the storm (its ring-3 account), against its reservation.
+#[derive(Clone, Debug, Serialize)]
+pub struct BudgetRow {
+    pub share: Spread,
+    pub target: f64,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchSandbox {
+    pub budget: Option<BudgetRow>,
+    pub budgets: Option<BudgetCurves>,
+    pub storm: Option<Storm>,
     pub fig9: Option<Fig9>,
     pub table2: Option<Table2>,
     pub tlb: Option<Tlb>,
@@ -488,9 +565,12 @@ pub fn isolation(seeds: u64) -> Result<Isolation> {
 }
 
 pub fn bench(a: BenchSandboxArgs) -> Result<ExitCode> {
-    const PARTS: [&str; 4] = ["fig9", "table2", "tlb", "isolation"];
+    const PARTS: [&str; 6] = ["fig9", "budgets", "table2", "tlb", "isolation", "storm"];
     if let Some(p) = a.parts.iter().find(|p| !PARTS.contains(&p.as_str())) {
-        bail!("unknown part '{p}' (fig9, table2, tlb, isolation)");
+        bail!("unknown part '{p}' (fig9, budgets, table2, tlb, isolation, storm)");
+    }
+    if a.reps < 3 {
+        bail!("--reps {} is fewer than 3", a.reps);
     }
     if let Some(&p) = a.pages.iter().find(|&&p| !(1..=nl_workloads::TLBWALK_MAX_PAGES).contains(&p))
     {
@@ -501,6 +581,14 @@ pub fn bench(a: BenchSandboxArgs) -> Result<ExitCode> {
     let fig9 = if part("fig9") { Some(measure(&a)?) } else { None };
     if let Some(f) = &fig9 {
         print_fig9(f);
+    }
+    let budgets = if part("budgets") { Some(budget_curves(&a)?) } else { None };
+    if let Some(b) = &budgets {
+        print_budgets(b);
+    }
+    let storm = if part("storm") { Some(storm(&a)?) } else { None };
+    if let Some(st) = &storm {
+        print_storm(st);
     }
     let t2 = if part("table2") { Some(table2(&a)?) } else { None };
     if let Some(t2) = &t2 {
@@ -558,7 +646,12 @@ pub fn bench(a: BenchSandboxArgs) -> Result<ExitCode> {
     }
     let clean = iso.as_ref().is_none_or(|i| i.clean_seeds == i.seeds);
     if a.json {
-        let all = BenchSandbox { fig9, table2: t2, tlb: tl, isolation: iso };
+        let budget = storm.as_ref().and_then(|st| st.arms.first()).and_then(|arm| {
+            let (r, p) = arm.reservation?;
+            Some(BudgetRow { share: arm.mean_share, target: r as f64 / p as f64 })
+        });
+        let all =
+            BenchSandbox { budget, budgets, storm, fig9, table2: t2, tlb: tl, isolation: iso };
         println!("{}", serde_json::to_string(&all)?);
     }
     Ok(if clean { ExitCode::SUCCESS } else { ExitCode::from(1) })
@@ -616,4 +709,176 @@ fn print_fig9(f: &Fig9) {
         );
     }
     println!("load average before: {}; after: {}", f.loadavg_before, f.loadavg_after);
+}
+
+/// The storm's arms: the periodic sandbox with its reservation beside the
+/// capped storm, and without a reservation (the storm still capped), per
+/// repetition interleaved.
+pub fn storm(a: &BenchSandboxArgs) -> Result<Storm> {
+    use nl_sandbox::periodic::StormSet;
+    const PERIOD_US: u64 = 10_000;
+    const NEED_US: u64 = 6_000;
+    let core = nl_sandbox::affinity::host_cores()?[0];
+    let arms = [
+        (
+            "reserved 7 ms/10 ms, storm capped 1 ms/10 ms",
+            Some((7_000, PERIOD_US)),
+            Some((1_000, PERIOD_US)),
+        ),
+        ("no reservation, storm capped 1 ms/10 ms", None, Some((1_000, PERIOD_US))),
+    ];
+    let loadavg_before = loadavg();
+    let kvm = nl_vmm::open_kvm()?;
+    let mut samples: Vec<Vec<(nl_sandbox::periodic::PeriodReport, u64, u64)>> =
+        vec![Vec::new(); arms.len()];
+    for _ in 0..a.reps {
+        for (k, (what, reservation, storm_budget)) in arms.iter().enumerate() {
+            let set = StormSet {
+                core,
+                period_us: PERIOD_US,
+                need_us: NEED_US,
+                reservation: *reservation,
+                storm_budget: *storm_budget,
+                duration_ms: a.storm_ms,
+            };
+            let (report, _) = run_set(&kvm, SetConfig::parse(&set.config())?, what)?;
+            let p = report.sandboxes[0].periods.clone().ok_or_else(|| {
+                anyhow::anyhow!("{what}: the periodic sandbox reported no periods")
+            })?;
+            let st = &report.sandboxes[1];
+            let throttled = st.throttling.map_or(0, |t| t.throttled_periods);
+            samples[k].push((p, st.ops, throttled));
+        }
+    }
+    let secs = a.storm_ms as f64 / 1e3;
+    let arms = arms
+        .iter()
+        .zip(samples)
+        .map(|((what, reservation, storm_budget), v)| StormArm {
+            what: what.to_string(),
+            reservation: *reservation,
+            storm_budget: *storm_budget,
+            worst_over_need: spread(
+                v.iter().map(|s| s.0.worst_us as f64 / NEED_US as f64).collect(),
+            ),
+            met_share: spread(
+                v.iter().map(|s| s.0.met as f64 / s.0.periods.max(1) as f64).collect(),
+            ),
+            mean_share: spread(
+                v.iter()
+                    .map(|s| s.0.total_us as f64 / (s.0.periods.max(1) * PERIOD_US) as f64)
+                    .collect(),
+            ),
+            storm_rings_per_sec: spread(v.iter().map(|s| s.1 as f64 / secs).collect()),
+            storm_throttled_periods: spread(v.iter().map(|s| s.2 as f64).collect()),
+            samples: v.into_iter().map(|s| s.0).collect(),
+        })
+        .collect();
+    Ok(Storm {
+        reps: a.reps,
+        core,
+        period_us: PERIOD_US,
+        need_us: NEED_US,
+        arms,
+        loadavg_before,
+        loadavg_after: loadavg(),
+    })
+}
+
+fn print_storm(st: &Storm) {
+    let s = |x: Spread, p: usize| format!("{:.p$} [{:.p$}, {:.p$}]", x.median, x.min, x.max);
+    println!(
+        "Budget storm: a periodic sandbox needing {} us of every {} us (guest TSC accounting) beside a sandbox ringing its doorbell, both on core {}, {} repetitions interleaved (median [min, max]):",
+        st.need_us, st.period_us, st.core, st.reps
+    );
+    for arm in &st.arms {
+        println!(
+            "  {}: worst period / need {}, periods that got it {}, mean CPU share {}; storm {} rings/s, {} periods throttled",
+            arm.what,
+            s(arm.worst_over_need, 3),
+            s(arm.met_share, 3),
+            s(arm.mean_share, 3),
+            s(arm.storm_rings_per_sec, 0),
+            s(arm.storm_throttled_periods, 0)
+        );
+    }
+    println!(
+        "  issue's target: the periodic sandbox never drops below its reservation (worst / need >= 1); load average before: {}; after: {}",
+        st.loadavg_before, st.loadavg_after
+    );
+}
+
+fn chanstream_pair(cores: [usize; 2], budget: (u64, u64), ms: u64) -> Result<SetConfig> {
+    let (r, p) = budget;
+    let text = format!(
+        r#"{{"sandboxes": [
+            {{"name": "tx", "cores": [{}], "mem_mib": 48, "budget": {{"runtime_us": {r}, "period_us": {p}, "reserve": true}},
+              "workload": {{"kind": "chanstream", "duration_ms": {ms}, "send_every_us": 0}}}},
+            {{"name": "rx", "cores": [{}], "mem_mib": 48,
+              "workload": {{"kind": "chanstream", "duration_ms": {ms}, "send_every_us": 0}}}}
+        ], "channels": [{{"name": "c", "between": ["tx", "rx"]}}]}}"#,
+        cores[0], cores[1]
+    );
+    Ok(SetConfig::parse(&text)?)
+}
+
+/// Fig. 9's Hi and Low budget curves: 64-byte chanstream messages from a
+/// sender under a reserved Hi (5 ms/10 ms) or Low (2 ms/10 ms) budget to a
+/// receiver on the other core, interleaved per repetition.
+pub fn budget_curves(a: &BenchSandboxArgs) -> Result<BudgetCurves> {
+    let host = nl_sandbox::affinity::host_cores()?;
+    let cores = [host[0], *host.last().unwrap_or(&host[0])];
+    let (hi, low) = ((5_000, 10_000), (2_000, 10_000));
+    let loadavg_before = loadavg();
+    let kvm = nl_vmm::open_kvm()?;
+    let secs = a.storm_ms as f64 / 1e3;
+    let (mut his, mut lows) = (Vec::new(), Vec::new());
+    for _ in 0..a.reps {
+        for (b, out) in [(hi, &mut his), (low, &mut lows)] {
+            let (report, _) = run_set(&kvm, chanstream_pair(cores, b, a.storm_ms)?, "chanstream")?;
+            let rx = report.sandboxes.iter().find(|s| s.name == "rx").map_or(0, |s| s.ops);
+            out.push(rx as f64 / secs);
+        }
+    }
+    let share = |b: (u64, u64)| b.0 as f64 / b.1 as f64;
+    Ok(BudgetCurves {
+        reps: a.reps,
+        cores,
+        hi,
+        low,
+        throughput_ratio: spread(his.iter().zip(&lows).map(|(h, l)| h / l.max(1.0)).collect()),
+        budget_ratio: share(hi) / share(low),
+        hi_msgs_per_budget_sec: spread(his.iter().map(|h| h / share(hi)).collect()),
+        low_msgs_per_budget_sec: spread(lows.iter().map(|l| l / share(low)).collect()),
+        hi_msgs_per_sec: spread(his),
+        low_msgs_per_sec: spread(lows),
+        loadavg_before,
+        loadavg_after: loadavg(),
+    })
+}
+
+fn print_budgets(b: &BudgetCurves) {
+    let s = |x: Spread, p: usize| format!("{:.p$} [{:.p$}, {:.p$}]", x.median, x.min, x.max);
+    println!(
+        "Fig. 9 Hi/Low: 64 B chanstream messages from a sender on core {} under a reserved budget to a receiver on core {}, {} repetitions interleaved (median [min, max]):",
+        b.cores[0], b.cores[1], b.reps
+    );
+    println!(
+        "  Hi ({} us/{} us): {} msgs/s ({} per budget-second); Low ({} us/{} us): {} msgs/s ({} per budget-second)",
+        b.hi.0,
+        b.hi.1,
+        s(b.hi_msgs_per_sec, 0),
+        s(b.hi_msgs_per_budget_sec, 0),
+        b.low.0,
+        b.low.1,
+        s(b.low_msgs_per_sec, 0),
+        s(b.low_msgs_per_budget_sec, 0)
+    );
+    println!(
+        "  Hi / Low throughput {} against a budget ratio of {:.2}; load average before: {}; after: {}",
+        s(b.throughput_ratio, 2),
+        b.budget_ratio,
+        b.loadavg_before,
+        b.loadavg_after
+    );
 }
