@@ -146,14 +146,16 @@ pub struct Handover {
 }
 
 /// A takeover whose late phases (announce, first reply) the standby's
-/// monitor is still watching for.
+/// monitor is still watching for. Its record is in the service's list
+/// from the moment the TAP is attached; the watch fills in its phases.
 pub(crate) struct Watch {
     service: usize,
+    /// The record's index in the service's takeovers.
+    at: usize,
     t0: Instant,
     /// The device's counters when the TAP was attached.
     tx0: u64,
     arp0: u64,
-    record: Takeover,
 }
 
 fn ms(t0: Instant) -> Option<f64> {
@@ -254,8 +256,10 @@ pub(crate) fn take_over(
 }
 
 /// Run by a standby's monitor on every pass: attaches a handed-over TAP to
-/// its VM (then the service is its own, and the failed holder becomes the
-/// standby), and follows a running takeover's late phases.
+/// its VM (then the service is its own, the failed holder becomes the
+/// standby, and the takeover is recorded), and follows a running
+/// takeover's late phases until both are seen (no time limit: with no
+/// client traffic the first reply comes with the first client).
 pub(crate) fn standby_pass(set: &SandboxSet, sb: &Sandbox, watch: &mut Option<Watch>) {
     if let Some(h) = sb.monitor.take_handover() {
         let s = &set.services.services[h.service];
@@ -265,14 +269,22 @@ pub(crate) fn standby_pass(set: &SandboxSet, sb: &Sandbox, watch: &mut Option<Wa
             Ok(()) => {
                 let mut record = h.record;
                 record.attached_ms = ms(h.t0);
+                // The service is this sandbox's now: recorded at once, so a
+                // takeover with no client traffic is seen without delay.
+                record.ok = true;
+                let at = {
+                    let mut list = s.takeovers.lock();
+                    list.push(record);
+                    list.len() - 1
+                };
                 let from = s.holder.swap(sb.index, Ordering::SeqCst);
                 s.standby.store(from, Ordering::SeqCst);
                 *watch = Some(Watch {
                     service: h.service,
+                    at,
                     t0: h.t0,
                     tx0: tx.tx_frames,
                     arp0: tx.guest_announcements,
-                    record,
                 });
             }
             Err(tap) => {
@@ -285,25 +297,27 @@ pub(crate) fn standby_pass(set: &SandboxSet, sb: &Sandbox, watch: &mut Option<Wa
     }
     if let Some(w) = watch {
         let n = sb.vm().net_stats().map(|n| n.0).unwrap_or_default();
-        if w.record.announced_ms.is_none() && n.guest_announcements > w.arp0 {
-            w.record.announced_ms = ms(w.t0);
+        let list = &set.services.services[w.service].takeovers;
+        let mut list = list.lock();
+        let Some(r) = list.get_mut(w.at) else {
+            *watch = None;
+            return;
+        };
+        if r.announced_ms.is_none() && n.guest_announcements > w.arp0 {
+            r.announced_ms = ms(w.t0);
         }
-        if w.record.first_reply_ms.is_none()
-            && n.tx_frames > w.tx0 + (n.guest_announcements - w.arp0)
-        {
-            w.record.first_reply_ms = ms(w.t0);
+        // Any other frame the guest sends: its first reply (or its first
+        // ARP request, when a client's frame made it look up the sender).
+        if r.first_reply_ms.is_none() && n.tx_frames > w.tx0 + (n.guest_announcements - w.arp0) {
+            r.first_reply_ms = ms(w.t0);
         }
-        let timed_out = w.t0.elapsed() > Duration::from_secs(60);
-        if (w.record.announced_ms.is_some() && w.record.first_reply_ms.is_some()) || timed_out {
-            finish_watch(set, watch);
+        if r.announced_ms.is_some() && r.first_reply_ms.is_some() {
+            *watch = None;
         }
     }
 }
 
-/// Records a followed takeover (with the phases reached).
-pub(crate) fn finish_watch(set: &SandboxSet, watch: &mut Option<Watch>) {
-    if let Some(mut w) = watch.take() {
-        w.record.ok = true;
-        set.services.services[w.service].takeovers.lock().push(w.record);
-    }
+/// Ends following a takeover (its record stays with the phases reached).
+pub(crate) fn finish_watch(_set: &SandboxSet, watch: &mut Option<Watch>) {
+    *watch = None;
 }
