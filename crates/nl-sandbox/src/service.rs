@@ -83,6 +83,16 @@ pub fn validate(c: &SetConfig) -> Result<(), SandboxError> {
                 v.name, standby.name
             ));
         }
+        if let Some(st) = v.state {
+            crate::state::check_size(st.mib)
+                .map_err(|e| SandboxError::Config(format!("service '{}': {e}", v.name)))?;
+            if owner.workload.kind != "kv" {
+                return bad(format!(
+                    "service '{}': a state region needs the kv workload, not {}",
+                    v.name, owner.workload.kind
+                ));
+            }
+        }
         if standby.workload.kind != owner.workload.kind {
             return bad(format!(
                 "service '{}': standby '{}' runs {}, the owner runs {}",
@@ -119,6 +129,8 @@ pub struct Service {
     holder: AtomicUsize,
     standby: AtomicUsize,
     takeovers: Arc<Lock<Vec<Takeover>>>,
+    /// Its state region, if it has one ([`crate::state`]).
+    pub state: Option<Arc<crate::state::StateRegion>>,
 }
 
 /// A service's state in the set's report.
@@ -163,13 +175,25 @@ fn ms(t0: Instant) -> Option<f64> {
 }
 
 impl Registry {
+    /// The registry of `c`'s services, without state regions.
     pub fn new(c: &SetConfig) -> Registry {
+        Self::with_states(c, Vec::new())
+    }
+
+    /// The registry of `c`'s services, with their state regions (by
+    /// service, in order).
+    pub fn with_states(
+        c: &SetConfig,
+        states: Vec<Option<Arc<crate::state::StateRegion>>>,
+    ) -> Registry {
         let index = |n: &str| c.sandboxes.iter().position(|s| s.name == n).unwrap_or(0);
+        let mut states = states.into_iter();
         Registry {
             services: c
                 .services
                 .iter()
                 .map(|v| Service {
+                    state: states.next().flatten(),
                     name: v.name.clone(),
                     holder: AtomicUsize::new(index(&v.owner)),
                     standby: AtomicUsize::new(index(&v.standby)),
@@ -182,6 +206,11 @@ impl Registry {
     /// The service sandbox `i` holds now, if any.
     pub fn held_by(&self, i: usize) -> Option<usize> {
         self.services.iter().position(|s| s.holder.load(Ordering::SeqCst) == i)
+    }
+
+    /// The state region whose slot is in sandbox `i`'s VM now.
+    pub fn state_mapped_in(&self, i: usize) -> Option<Arc<crate::state::StateRegion>> {
+        self.services.iter().filter_map(|s| s.state.clone()).find(|st| st.mapped_in() == Some(i))
     }
 
     /// Whether sandbox `i` is a service's standby now.
@@ -233,6 +262,11 @@ pub(crate) fn take_over(
     let Some(tap) = sb.vm().take_tap() else {
         return fail(record, format!("sandbox '{}' holds no TAP", sb.config.name));
     };
+    // The state region leaves the failed holder's (stopped) VM before the
+    // standby may map it.
+    if let Some(st) = &s.state {
+        st.unmap_from(sb.index, &sb.vm());
+    }
     record.notified_ms = ms(t0);
     standby.monitor.hand_over(Handover { service: svc, tap, t0, record });
     let deadline = Instant::now() + HANDOVER_WAIT;
@@ -244,6 +278,11 @@ pub(crate) fn take_over(
     }
     if let Some(h) = standby.monitor.take_handover() {
         let _ = sb.vm().attach_tap(h.tap);
+        if let Some(st) = &s.state {
+            if let Err(e) = st.map_into(sb.index, &sb.vm()) {
+                eprintln!("ninelives: service '{}': {e}", s.name);
+            }
+        }
         fail(
             h.record,
             format!(
@@ -265,6 +304,15 @@ pub(crate) fn standby_pass(set: &SandboxSet, sb: &Sandbox, watch: &mut Option<Wa
         let s = &set.services.services[h.service];
         let vm = sb.vm();
         let tx = vm.net_stats().map(|n| n.0).unwrap_or_default();
+        // The state region first: the guest reaches it once the link is up.
+        if let Some(st) = &s.state {
+            if let Err(e) = st.map_into(sb.index, &vm) {
+                eprintln!("ninelives: service '{}': standby '{}': {e}", s.name, sb.config.name);
+                sb.monitor.hand_over(h);
+                sb.monitor.refuse_handover();
+                return;
+            }
+        }
         match vm.attach_tap(h.tap) {
             Ok(()) => {
                 let mut record = h.record;
@@ -288,6 +336,9 @@ pub(crate) fn standby_pass(set: &SandboxSet, sb: &Sandbox, watch: &mut Option<Wa
                 });
             }
             Err(tap) => {
+                if let Some(st) = &s.state {
+                    st.unmap_from(sb.index, &vm);
+                }
                 // Not ours to take (no spare device, or one in use): the
                 // failed holder's monitor takes it back.
                 sb.monitor.hand_over(Handover { tap, ..h });
