@@ -133,8 +133,10 @@ struct KeyLog {
     unanswered: Vec<u64>,
 }
 
-/// Writes `PUT kK vN` (K = N mod `keys`) until `stop`, bounded by `limit`;
-/// returns each key's log and the writes acknowledged.
+/// Writes `PUT kK vN` until `stop`, bounded by `limit`: K = N for even N
+/// (a key written once, which must survive every later takeover) and
+/// N mod `keys` for odd N (keys updated in place); returns each key's log
+/// and the writes acknowledged.
 fn writer(
     stop: &AtomicBool,
     keys: u64,
@@ -149,7 +151,7 @@ fn writer(
         if stop.load(Ordering::SeqCst) || t.elapsed() > limit {
             break;
         }
-        let k = n % keys;
+        let k = if n % 2 == 0 { n } else { n % keys };
         let e = log.entry(k).or_default();
         match c.request(&format!("PUT k{k} v{n}")).as_deref() {
             Some("OK") => {
@@ -211,7 +213,7 @@ fn kv_keeps_every_acknowledged_write_across_20_takeovers() {
         let stop = AtomicBool::new(false);
         let progress = AtomicU64::new(0);
         std::thread::scope(|scope| {
-            let w = scope.spawn(|| writer(&stop, 300, Duration::from_secs(900), &progress));
+            let w = scope.spawn(|| writer(&stop, 301, Duration::from_secs(900), &progress));
             let state = || format!("{:?}", holder(s));
             for t in 0..TAKEOVERS {
                 let (from, to, n) = holder(s);
@@ -399,7 +401,7 @@ fn a_takeover_with_no_standby_available_is_reported_and_the_owner_recovers_local
 /// device): 20 faults, each rolled back in place, while a client writes.
 /// Every acknowledged write must read back.
 #[test]
-#[ignore = "rollback loses acknowledged kv writes: the checkpoint supervisor has no output commit (docs/sandboxes.md, 'State region')"]
+#[ignore = "20 scripted faults gave 10 rollbacks in its one run (several triple faults right after a rollback), not understood yet (docs/sandboxes.md, 'State region')"]
 fn kv_keeps_every_acknowledged_write_across_20_rollbacks() {
     if !kvm_available() {
         return;
@@ -429,7 +431,7 @@ fn kv_keeps_every_acknowledged_write_across_20_rollbacks() {
         let progress = AtomicU64::new(0);
         std::thread::scope(|scope| {
             let h = scope.spawn(|| s.supervise(Duration::from_secs(600)));
-            let w = scope.spawn(|| writer(&stop, 300, Duration::from_secs(300), &progress));
+            let w = scope.spawn(|| writer(&stop, 301, Duration::from_secs(300), &progress));
             let kvsb = s.get("kv").unwrap();
             let t = Instant::now();
             while kvsb.monitor.recovery_count() < ROLLBACKS

@@ -37,7 +37,7 @@ pub struct StateRegion {
 /// with 2 MiB page-table entries), at most [`nl_abi::MAX_STATE_BYTES`].
 pub fn check_size(mib: u64) -> Result<u64, String> {
     let max = nl_abi::MAX_STATE_BYTES >> 20;
-    if mib == 0 || mib > max || mib % 2 != 0 {
+    if mib == 0 || mib > max || !mib.is_multiple_of(2) {
         return Err(format!("state.mib {mib}: an even number of MiB in 2..={max}"));
     }
     Ok(mib << 20)

@@ -329,7 +329,7 @@ fn state_region(cpu: u64, boot: &BootInfo) -> Option<&'static mut [u64]> {
     }
     if boot.state_gpa != nl_abi::STATE_REGION_GPA
         || boot.state_bytes > nl_abi::MAX_STATE_BYTES
-        || boot.state_bytes % 4096 != 0
+        || !boot.state_bytes.is_multiple_of(4096)
     {
         fail(cpu, ERR_BAD_BOOT_INFO, boot.state_gpa);
     }
