@@ -314,3 +314,108 @@ fn a_restarted_sandbox_serves_again_on_the_same_tap() {
     let net = web.net.expect("its device");
     assert!(net.guest_announcements == 1 && net.tx_frames > 1, "{net:?}");
 }
+
+/// Waits (bounded) until `f` holds; returns whether it did.
+fn within(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let t = Instant::now();
+    for _ in 0..(limit.as_millis() / 2 + 1) {
+        if f() {
+            return true;
+        }
+        if t.elapsed() > limit {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    false
+}
+
+/// Three takeovers: the first with a client pinging throughout, the next
+/// two with no client traffic at all. After each quiet one, the takeover is
+/// in the service's record with its announcement, and a fresh client is
+/// answered, each within a bounded wait of a few seconds. (Before the fix a
+/// takeover with no client traffic was recorded only when its watch gave
+/// up after 60 s: a client waiting for the record saw the service 60 s
+/// late; see docs/sandboxes.md.)
+#[test]
+fn a_fresh_client_is_answered_after_a_takeover_without_client_traffic() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(ns) = Netns::new("sbquiet") else { return };
+    let [c0, c1] = two_cores();
+    let config = format!(
+        r#"{{"sandboxes": [
+            {{"name": "web", "cores": [{c0}], "workload": {{"kind": "netbench", "duration_ms": 0}}, {NET},
+              "recovery": {{"policy": "restart"}}}},
+            {{"name": "spare", "cores": [{c1}], "workload": {{"kind": "netbench", "duration_ms": 0}},
+              "recovery": {{"policy": "restart"}}}}
+        ], "services": [{{"name": "echo", "owner": "web", "standby": "spare"}}]}}"#
+    );
+    let r = in_namespace(&ns, &config, |s| {
+        wait_answering("the owner answering");
+        for (k, (from, to)) in
+            [("web", "spare"), ("spare", "web"), ("web", "spare")].into_iter().enumerate()
+        {
+            // The failed holder restarts (as the standby) before it is
+            // failed over to again.
+            wait_for("the standby ready", Duration::from_secs(60), || {
+                s.get(to).unwrap().vm().control().vcpus[0].snapshot().beats > 0
+            });
+            let stop = AtomicBool::new(false);
+            std::thread::scope(|scope| {
+                let _stop_client = StopOnDrop(&stop);
+                let client = (k == 0).then(|| {
+                    scope.spawn(|| {
+                        ping(
+                            service(),
+                            Duration::from_millis(2),
+                            Duration::from_secs(600),
+                            Some(&stop),
+                        )
+                    })
+                });
+                s.inject(from, &BAD_RIP).expect("inject");
+                let state = || {
+                    let vm = s.get(to).unwrap().vm();
+                    format!(
+                        "{:?}\n{:?}\n{:?}",
+                        service_now(s),
+                        vm.net_stats(),
+                        vm.control().vcpus[0].snapshot()
+                    )
+                };
+                // Bounded waits (a few seconds on a loaded host), not timing
+                // assertions.
+                let recorded = within(Duration::from_secs(10) * LOADED, || {
+                    service_now(s).takeovers.get(k).is_some_and(|t| t.announced_ms.is_some())
+                });
+                assert!(recorded, "takeover {k} ({from} -> {to}) not recorded\n{}", state());
+                stop.store(true, Ordering::SeqCst);
+                if let Some(c) = client {
+                    let p = c.join().expect("client").expect("ping");
+                    assert!(p.received > 0, "{p:?}");
+                }
+                let t = Instant::now();
+                let answered =
+                    within(Duration::from_secs(5) * LOADED, || short_ping().received > 0);
+                eprintln!(
+                    "takeover {k} ({from} -> {to}): a fresh client answered after {:?}",
+                    t.elapsed()
+                );
+                assert!(
+                    answered,
+                    "takeover {k}: a fresh client was not answered by '{to}'\n{}",
+                    state()
+                );
+            });
+            let now = service_now(s);
+            assert_eq!((now.holder.as_str(), now.standby.as_str()), (to, from), "{now:?}");
+        }
+    });
+    let svc = &r.services[0];
+    assert_eq!(svc.takeovers.len(), 3, "{svc:?}");
+    for t in &svc.takeovers {
+        assert!(t.ok && t.announced_ms.is_some() && t.first_reply_ms.is_some(), "{t:?}");
+    }
+}

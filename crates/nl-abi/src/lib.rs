@@ -508,6 +508,17 @@ pub const DOORBELLS_BYTES: u64 = 2 << 20;
 pub const fn channel_doorbell_gpa(i: u64) -> u64 {
     DOORBELLS_GPA + i * 4096
 }
+// A service's state region (remote recovery, `nl_sandbox::state`): a memfd
+// the holder of the service maps read-write at [`STATE_REGION_GPA`] (user
+// page tables map the range in every sandbox of the service; only the
+// holder's VM has a memory slot behind it). [`BootInfo::state_gpa`] and
+// [`BootInfo::state_bytes`] name it; zero without one.
+
+/// Where a service's state region is mapped.
+pub const STATE_REGION_GPA: u64 = 0xC400_0000;
+/// Largest state region.
+pub const MAX_STATE_BYTES: u64 = 64 << 20;
+
 /// The GSI every doorbell irqfd of a sandbox is registered on.
 pub const DOORBELL_GSI: u32 = 20;
 /// The vector the VMM routes [`DOORBELL_GSI`] to.
@@ -562,6 +573,10 @@ pub struct BootInfo {
     /// Sandboxes: how many entries of `channels` are valid.
     pub num_channels: u64,
     pub channels: [ChannelWindow; MAX_CHANNELS],
+    /// A service's state region ([`STATE_REGION_GPA`]) and its bytes; zero
+    /// without one. Appended after `channels`.
+    pub state_gpa: u64,
+    pub state_bytes: u64,
 }
 
 impl BootInfo {
@@ -606,6 +621,8 @@ const _: () = {
     assert!(CHANNEL_WINDOWS_GPA.is_multiple_of(CHANNEL_REGION_BYTES));
     assert!(DOORBELLS_GPA + DOORBELLS_BYTES <= CONTROL_MMIO_GPA);
     assert!(channel_doorbell_gpa(MAX_CHANNELS as u64) <= DOORBELLS_GPA + DOORBELLS_BYTES);
+    assert!(STATE_REGION_GPA >= DOORBELLS_GPA + DOORBELLS_BYTES);
+    assert!(STATE_REGION_GPA + MAX_STATE_BYTES <= CONTROL_MMIO_GPA);
 };
 
 #[cfg(test)]

@@ -53,6 +53,18 @@ pub struct ServiceConfig {
     /// The sandbox that takes it over; it has no `net` of its own and runs
     /// with a spare virtio-net device under the owner's identity.
     pub standby: String,
+    /// A state region (kv only): a memfd only the holder maps, read-write,
+    /// moved to the standby at a takeover (`nl_sandbox::state`).
+    #[serde(default)]
+    pub state: Option<StateSection>,
+}
+
+/// A service's state region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StateSection {
+    /// Its size: an even number of MiB, at most 64.
+    pub mib: u64,
 }
 
 /// One sandbox: a VM of its own.

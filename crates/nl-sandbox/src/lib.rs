@@ -27,6 +27,8 @@
 //! * [`net`]: a sandbox's own virtio-net device on a host TAP.
 //! * [`service`]: remote recovery: the service registry and the takeover
 //!   of a failed owner's TAP by a standby sandbox.
+//! * [`state`]: a service's state region (a memfd only its holder maps,
+//!   moved at a takeover; kv keeps its table there).
 //! * [`set`]: creating, starting (pinned), supervising and reporting a set.
 //! * [`handover`]: carrying a running set to a new VMM process (warm
 //!   rejuvenation, microreboot).
@@ -59,6 +61,7 @@ pub mod periodic;
 pub mod recovery;
 pub mod service;
 pub mod set;
+pub mod state;
 pub mod verify;
 
 pub use config::SetConfig;

@@ -83,6 +83,16 @@ pub fn validate(c: &SetConfig) -> Result<(), SandboxError> {
                 v.name, standby.name
             ));
         }
+        if let Some(st) = v.state {
+            crate::state::check_size(st.mib)
+                .map_err(|e| SandboxError::Config(format!("service '{}': {e}", v.name)))?;
+            if owner.workload.kind != "kv" {
+                return bad(format!(
+                    "service '{}': a state region needs the kv workload, not {}",
+                    v.name, owner.workload.kind
+                ));
+            }
+        }
         if standby.workload.kind != owner.workload.kind {
             return bad(format!(
                 "service '{}': standby '{}' runs {}, the owner runs {}",
@@ -119,6 +129,8 @@ pub struct Service {
     holder: AtomicUsize,
     standby: AtomicUsize,
     takeovers: Arc<Lock<Vec<Takeover>>>,
+    /// Its state region, if it has one ([`crate::state`]).
+    pub state: Option<Arc<crate::state::StateRegion>>,
 }
 
 /// A service's state in the set's report.
@@ -146,14 +158,16 @@ pub struct Handover {
 }
 
 /// A takeover whose late phases (announce, first reply) the standby's
-/// monitor is still watching for.
+/// monitor is still watching for. Its record is in the service's list
+/// from the moment the TAP is attached; the watch fills in its phases.
 pub(crate) struct Watch {
     service: usize,
+    /// The record's index in the service's takeovers.
+    at: usize,
     t0: Instant,
     /// The device's counters when the TAP was attached.
     tx0: u64,
     arp0: u64,
-    record: Takeover,
 }
 
 fn ms(t0: Instant) -> Option<f64> {
@@ -161,13 +175,25 @@ fn ms(t0: Instant) -> Option<f64> {
 }
 
 impl Registry {
+    /// The registry of `c`'s services, without state regions.
     pub fn new(c: &SetConfig) -> Registry {
+        Self::with_states(c, Vec::new())
+    }
+
+    /// The registry of `c`'s services, with their state regions (by
+    /// service, in order).
+    pub fn with_states(
+        c: &SetConfig,
+        states: Vec<Option<Arc<crate::state::StateRegion>>>,
+    ) -> Registry {
         let index = |n: &str| c.sandboxes.iter().position(|s| s.name == n).unwrap_or(0);
+        let mut states = states.into_iter();
         Registry {
             services: c
                 .services
                 .iter()
                 .map(|v| Service {
+                    state: states.next().flatten(),
                     name: v.name.clone(),
                     holder: AtomicUsize::new(index(&v.owner)),
                     standby: AtomicUsize::new(index(&v.standby)),
@@ -180,6 +206,11 @@ impl Registry {
     /// The service sandbox `i` holds now, if any.
     pub fn held_by(&self, i: usize) -> Option<usize> {
         self.services.iter().position(|s| s.holder.load(Ordering::SeqCst) == i)
+    }
+
+    /// The state region whose slot is in sandbox `i`'s VM now.
+    pub fn state_mapped_in(&self, i: usize) -> Option<Arc<crate::state::StateRegion>> {
+        self.services.iter().filter_map(|s| s.state.clone()).find(|st| st.mapped_in() == Some(i))
     }
 
     /// Whether sandbox `i` is a service's standby now.
@@ -231,6 +262,11 @@ pub(crate) fn take_over(
     let Some(tap) = sb.vm().take_tap() else {
         return fail(record, format!("sandbox '{}' holds no TAP", sb.config.name));
     };
+    // The state region leaves the failed holder's (stopped) VM before the
+    // standby may map it.
+    if let Some(st) = &s.state {
+        st.unmap_from(sb.index, &sb.vm());
+    }
     record.notified_ms = ms(t0);
     standby.monitor.hand_over(Handover { service: svc, tap, t0, record });
     let deadline = Instant::now() + HANDOVER_WAIT;
@@ -242,6 +278,11 @@ pub(crate) fn take_over(
     }
     if let Some(h) = standby.monitor.take_handover() {
         let _ = sb.vm().attach_tap(h.tap);
+        if let Some(st) = &s.state {
+            if let Err(e) = st.map_into(sb.index, &sb.vm()) {
+                eprintln!("ninelives: service '{}': {e}", s.name);
+            }
+        }
         fail(
             h.record,
             format!(
@@ -254,28 +295,50 @@ pub(crate) fn take_over(
 }
 
 /// Run by a standby's monitor on every pass: attaches a handed-over TAP to
-/// its VM (then the service is its own, and the failed holder becomes the
-/// standby), and follows a running takeover's late phases.
+/// its VM (then the service is its own, the failed holder becomes the
+/// standby, and the takeover is recorded), and follows a running
+/// takeover's late phases until both are seen (no time limit: with no
+/// client traffic the first reply comes with the first client).
 pub(crate) fn standby_pass(set: &SandboxSet, sb: &Sandbox, watch: &mut Option<Watch>) {
     if let Some(h) = sb.monitor.take_handover() {
         let s = &set.services.services[h.service];
         let vm = sb.vm();
         let tx = vm.net_stats().map(|n| n.0).unwrap_or_default();
+        // The state region first: the guest reaches it once the link is up.
+        if let Some(st) = &s.state {
+            if let Err(e) = st.map_into(sb.index, &vm) {
+                eprintln!("ninelives: service '{}': standby '{}': {e}", s.name, sb.config.name);
+                sb.monitor.hand_over(h);
+                sb.monitor.refuse_handover();
+                return;
+            }
+        }
         match vm.attach_tap(h.tap) {
             Ok(()) => {
                 let mut record = h.record;
                 record.attached_ms = ms(h.t0);
+                // The service is this sandbox's now: recorded at once, so a
+                // takeover with no client traffic is seen without delay.
+                record.ok = true;
+                let at = {
+                    let mut list = s.takeovers.lock();
+                    list.push(record);
+                    list.len() - 1
+                };
                 let from = s.holder.swap(sb.index, Ordering::SeqCst);
                 s.standby.store(from, Ordering::SeqCst);
                 *watch = Some(Watch {
                     service: h.service,
+                    at,
                     t0: h.t0,
                     tx0: tx.tx_frames,
                     arp0: tx.guest_announcements,
-                    record,
                 });
             }
             Err(tap) => {
+                if let Some(st) = &s.state {
+                    st.unmap_from(sb.index, &vm);
+                }
                 // Not ours to take (no spare device, or one in use): the
                 // failed holder's monitor takes it back.
                 sb.monitor.hand_over(Handover { tap, ..h });
@@ -285,25 +348,27 @@ pub(crate) fn standby_pass(set: &SandboxSet, sb: &Sandbox, watch: &mut Option<Wa
     }
     if let Some(w) = watch {
         let n = sb.vm().net_stats().map(|n| n.0).unwrap_or_default();
-        if w.record.announced_ms.is_none() && n.guest_announcements > w.arp0 {
-            w.record.announced_ms = ms(w.t0);
+        let list = &set.services.services[w.service].takeovers;
+        let mut list = list.lock();
+        let Some(r) = list.get_mut(w.at) else {
+            *watch = None;
+            return;
+        };
+        if r.announced_ms.is_none() && n.guest_announcements > w.arp0 {
+            r.announced_ms = ms(w.t0);
         }
-        if w.record.first_reply_ms.is_none()
-            && n.tx_frames > w.tx0 + (n.guest_announcements - w.arp0)
-        {
-            w.record.first_reply_ms = ms(w.t0);
+        // Any other frame the guest sends: its first reply (or its first
+        // ARP request, when a client's frame made it look up the sender).
+        if r.first_reply_ms.is_none() && n.tx_frames > w.tx0 + (n.guest_announcements - w.arp0) {
+            r.first_reply_ms = ms(w.t0);
         }
-        let timed_out = w.t0.elapsed() > Duration::from_secs(60);
-        if (w.record.announced_ms.is_some() && w.record.first_reply_ms.is_some()) || timed_out {
-            finish_watch(set, watch);
+        if r.announced_ms.is_some() && r.first_reply_ms.is_some() {
+            *watch = None;
         }
     }
 }
 
-/// Records a followed takeover (with the phases reached).
-pub(crate) fn finish_watch(set: &SandboxSet, watch: &mut Option<Watch>) {
-    if let Some(mut w) = watch.take() {
-        w.record.ok = true;
-        set.services.services[w.service].takeovers.lock().push(w.record);
-    }
+/// Ends following a takeover (its record stays with the phases reached).
+pub(crate) fn finish_watch(_set: &SandboxSet, watch: &mut Option<Watch>) {
+    *watch = None;
 }

@@ -178,6 +178,18 @@ impl SandboxSet {
             };
             channels.push(HostChannel::create(&c.name, i, [a, b], c.doorbell, c.doorbell_irqfd)?);
         }
+        // Each service's state region (a memfd, mapped by its holder only).
+        let states = config
+            .services
+            .iter()
+            .map(|v| match v.state {
+                Some(st) => crate::state::check_size(st.mib)
+                    .map_err(SandboxError::Config)
+                    .and_then(|b| crate::state::StateRegion::create(&v.name, b))
+                    .map(|r| Some(Arc::new(r))),
+                None => Ok(None),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         // Memory and windows of every sandbox, audited before any VM exists.
         let mut mappings = Vec::new();
         let mut plans = Vec::new();
@@ -210,7 +222,19 @@ impl SandboxSet {
                 channel: None,
                 what,
             });
-            let windows = channel_windows(&config, &channels, i, &s.name, &mut mappings);
+            let mut windows = channel_windows(&config, &channels, i, &s.name, &mut mappings);
+            // A service's state region: in the owner's and the standby's
+            // page tables and boot info; a slot in the owner's VM only.
+            for (v, st) in config.services.iter().zip(&states) {
+                let Some(st) = st else { continue };
+                if v.owner == s.name || v.standby == s.name {
+                    windows.state = Some(st.window());
+                    windows.keep.push(st.keepalive());
+                }
+                if v.owner == s.name {
+                    mappings.push(st.mapping(i));
+                }
+            }
             plans.push((memory, windows, backing));
         }
         let names: Vec<String> = config.sandboxes.iter().map(|s| s.name.clone()).collect();
@@ -255,6 +279,11 @@ impl SandboxSet {
                 Some(windows.clone()),
             )
             .map_err(|e| SandboxError::Vm(s.name.clone(), e.to_string()))?;
+            for (v, st) in config.services.iter().zip(&states) {
+                if let Some(st) = st.as_ref().filter(|_| v.owner == s.name) {
+                    st.map_into(i, &vm)?;
+                }
+            }
             sandboxes.push(Sandbox {
                 index: i,
                 config: s.clone(),
@@ -267,7 +296,7 @@ impl SandboxSet {
             });
         }
         let budgets = Lock::new("sandbox.budgets", sandboxes.iter().map(|_| None).collect());
-        let services = crate::service::Registry::new(&config);
+        let services = crate::service::Registry::with_states(&config, states);
         Ok(Self {
             services,
             config,
@@ -396,6 +425,12 @@ impl SandboxSet {
         )
         .map_err(|e| SandboxError::Vm(sb.config.name.clone(), format!("restart: {e}")))?;
         phases.image_ms = ms();
+        // A state region this sandbox holds moves to its new VM.
+        let state = self.services.state_mapped_in(sb.index);
+        if let Some(st) = &state {
+            st.unmap_from(sb.index, &sb.vm());
+            st.map_into(sb.index, &vm)?;
+        }
         if let Some(tap) = sb.vm().take_tap() {
             vm.attach_tap(tap).map_err(|_| {
                 SandboxError::Vm(
@@ -409,6 +444,10 @@ impl SandboxSet {
             sb.vm().stop();
             if let Some(tap) = sb.vm().take_tap() {
                 let _ = old.attach_tap(tap);
+            }
+            if let Some(st) = &state {
+                st.unmap_from(sb.index, &sb.vm());
+                let _ = st.map_into(sb.index, &old);
             }
             *sb.vm.lock() = old;
             return Err(e);

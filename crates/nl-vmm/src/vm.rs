@@ -463,6 +463,10 @@ impl Vm {
         if let Some(w) = &self.windows {
             info.sandbox = w.sandbox;
             info.num_channels = w.channels.len() as u64;
+            if let Some((gpa, size)) = w.state {
+                info.state_gpa = gpa;
+                info.state_bytes = size;
+            }
             for (slot, c) in info.channels.iter_mut().zip(&w.channels) {
                 *slot = *c;
             }
@@ -918,6 +922,37 @@ impl Vm {
         }
         t.device_mut().attach(tap);
         Ok(())
+    }
+
+    /// Gives the VM a memory slot (read-write) behind its state region
+    /// ([`crate::windows::VmWindows::state`]) over the host mapping at
+    /// `host_addr`, which the caller keeps mapped while the slot exists
+    /// (a sandbox set keeps its state regions for the lifetime of its VMs;
+    /// the mapping's owner is also in the windows' `keep`).
+    pub fn map_state(&self, host_addr: u64) -> Result<(), VmmError> {
+        self.set_state_slot(host_addr, true)
+    }
+
+    /// Removes the slot behind the state region: the guest can no longer
+    /// reach it (an access exits as MMIO to nothing).
+    pub fn unmap_state(&self) -> Result<(), VmmError> {
+        self.set_state_slot(0, false)
+    }
+
+    fn set_state_slot(&self, host_addr: u64, on: bool) -> Result<(), VmmError> {
+        let w = self.windows.as_ref();
+        let Some((gpa, size)) = w.and_then(|w| w.state) else {
+            return Err(VmmError::Config("this VM has no state region".into()));
+        };
+        let slot = (self.memory.regions().len() + w.map_or(0, |w| w.windows.len())) as u32;
+        let r = kvm_userspace_memory_region {
+            slot,
+            flags: 0,
+            guest_phys_addr: gpa,
+            memory_size: if on { size } else { 0 },
+            userspace_addr: host_addr,
+        };
+        crate::memslots::set_region(&self.vm_fd, r)
     }
 
     /// Turns KVM dirty-page logging on or off for all RAM slots.

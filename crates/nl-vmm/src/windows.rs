@@ -79,6 +79,10 @@ pub struct VmWindows {
     pub guard: Option<Arc<dyn WriteGuard>>,
     /// Doorbells rung by this VM and doorbells ringing into it.
     pub doorbells: Vec<Doorbell>,
+    /// A service's state region: (gpa, size) mapped in the guest page
+    /// tables and named in the boot info, with no memory slot until
+    /// [`crate::Vm::map_state`] (only the service's holder has one).
+    pub state: Option<(u64, u64)>,
 }
 
 impl std::fmt::Debug for VmWindows {
@@ -88,6 +92,7 @@ impl std::fmt::Debug for VmWindows {
             .field("channels", &self.channels)
             .field("sandbox", &self.sandbox)
             .field("doorbells", &self.doorbells)
+            .field("state", &self.state)
             .finish_non_exhaustive()
     }
 }
@@ -119,6 +124,19 @@ impl VmWindows {
                 }
             }
         }
+        if let Some((gpa, size)) = self.state {
+            if gpa != nl_abi::STATE_REGION_GPA
+                || size == 0
+                || size > nl_abi::MAX_STATE_BYTES
+                || !size.is_multiple_of(2 << 20)
+            {
+                return Err(format!(
+                    "state region {gpa:#x}+{size:#x}: it must be at {:#x}, a multiple of 2 MiB, at most {} MiB",
+                    nl_abi::STATE_REGION_GPA,
+                    nl_abi::MAX_STATE_BYTES >> 20
+                ));
+            }
+        }
         for d in &self.doorbells {
             if let Doorbell::Ring { gpa, .. } = d {
                 let area = nl_abi::DOORBELLS_GPA..nl_abi::DOORBELLS_GPA + nl_abi::DOORBELLS_BYTES;
@@ -137,6 +155,7 @@ impl VmWindows {
         if self.doorbells.iter().any(|d| matches!(d, Doorbell::Ring { .. })) {
             v.push((nl_abi::DOORBELLS_GPA, nl_abi::DOORBELLS_BYTES));
         }
+        v.extend(self.state);
         v
     }
 

@@ -2,10 +2,24 @@
 //! the host's load generator (`ninelives kvload`) and its tests.
 //!
 //! The table is a fixed-size open-addressing hash table (linear probing, no
-//! deletes) in a slice of words: slot 0 is a header (magic, entry count),
-//! every other slot is [`SLOT_WORDS`] words: a tag word (0 = empty, else
-//! `TAG | key_len | val_len << 8`), the key ([`MAX_KEY`] bytes) and the
-//! value ([`MAX_VALUE`] bytes). It is filled to at most 7/8.
+//! deletes) in a slice of words, made to survive its owner: it may live in a
+//! service's state region (`nl_sandbox::state`), where the sandbox taking
+//! the service over loads it. Slot 0 is a header ([`Header`]: magic, entry
+//! count, entries dropped as corrupt, loads, the journal's target), slot 1
+//! the journal, every other slot is [`SLOT_WORDS`] words: a tag word (0 =
+//! empty, [`DEAD`] = a dropped entry, else `TAG | key_len | val_len << 8 |
+//! crc32 << 16`), the key ([`MAX_KEY`] bytes) and the value ([`MAX_VALUE`]
+//! bytes). The CRC-32 (as the channel records use) covers the slot's index,
+//! the lengths, the key and the value. It is filled to at most 7/8.
+//!
+//! A PUT first writes the entry to the journal (its tag last), then to its
+//! slot (its tag last), then clears the journal; every word in that order
+//! (a compiler fence after each store; x86 keeps stores in order). A table loaded after its writer stopped anywhere
+//! ([`Table::load`]) replays a valid journal entry, so an update torn in its
+//! slot is completed and one torn in the journal leaves the old value; then
+//! every entry whose CRC does not match is dropped (its slot marked
+//! [`DEAD`], still occupied for probing) and counted. A GET checks the CRC
+//! again before it answers: a wrong value is never served.
 //!
 //! The protocol is one request per line (`\n`, an optional `\r` before it
 //! is ignored), one response line per request, in order:
@@ -37,9 +51,113 @@ pub const KV_BUF_BYTES: u64 = 256 << 10;
 /// The kv workload's working set: table, then the server's socket buffers.
 pub const KV_WS_BYTES: u64 = KV_TABLE_BYTES + KV_BUF_BYTES;
 
-const MAGIC: u64 = u64::from_le_bytes(*b"9LIVESKV");
+const MAGIC: u64 = u64::from_le_bytes(*b"9LKVCRC1");
 const TAG: u64 = 1 << 63;
+/// A dropped (corrupt) entry's tag word: occupied for probing, never a match.
+pub const DEAD: u64 = 1 << 62;
 const KEY_WORDS: usize = MAX_KEY / 8;
+/// Header words.
+const H_MAGIC: usize = 0;
+const H_COUNT: usize = 1;
+const H_DROPPED: usize = 2;
+const H_LOADS: usize = 3;
+const H_JOURNAL_TARGET: usize = 4;
+/// The journal slot's first word.
+const JOURNAL: usize = SLOT_WORDS;
+/// Slots before the first entry (header, journal).
+const FIXED_SLOTS: usize = 2;
+
+/// A table's header as stored (also read by the host from a state region).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Header {
+    /// Whether the magic is there (a formatted table).
+    pub formatted: bool,
+    pub entries: u64,
+    /// Entries dropped as corrupt by every load so far.
+    pub dropped: u64,
+    /// Times the table was loaded by a new owner.
+    pub loads: u64,
+}
+
+impl Header {
+    /// Reads the header words of a table.
+    pub fn of(words: &[u64]) -> Header {
+        let w = |i: usize| words.get(i).copied().unwrap_or(0);
+        Header {
+            formatted: w(H_MAGIC) == MAGIC,
+            entries: w(H_COUNT),
+            dropped: w(H_DROPPED),
+            loads: w(H_LOADS),
+        }
+    }
+}
+
+/// What [`Table::load`] found.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Loaded {
+    /// The memory held no table: it was formatted.
+    pub formatted: bool,
+    /// Valid entries kept.
+    pub kept: u64,
+    /// Entries dropped as corrupt by this load.
+    pub dropped: u64,
+    /// A journal entry was replayed into its slot.
+    pub replayed: bool,
+}
+
+/// The CRC-32 of an entry in slot `index`: its lengths and every byte of
+/// its key and value words (the zero padding too).
+fn entry_crc(
+    index: u64,
+    (kl, vl): (usize, usize),
+    kb: &[u8; MAX_KEY],
+    vb: &[u8; MAX_VALUE],
+) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&index.to_le_bytes());
+    h.update(&[kl as u8, vl as u8]);
+    h.update(kb);
+    h.update(vb);
+    h.finalize()
+}
+
+/// The words of an entry for slot `index`.
+fn encode(index: u64, key: &[u8], value: &[u8]) -> [u64; SLOT_WORDS] {
+    let mut w = [0u64; SLOT_WORDS];
+    let mut kb = [0u8; MAX_KEY];
+    kb[..key.len()].copy_from_slice(key);
+    let mut vb = [0u8; MAX_VALUE];
+    vb[..value.len()].copy_from_slice(value);
+    for (k, x) in w[1..1 + KEY_WORDS].iter_mut().enumerate() {
+        *x = u64::from_le_bytes(kb[k * 8..k * 8 + 8].try_into().unwrap_or_default());
+    }
+    for (k, x) in w[1 + KEY_WORDS..].iter_mut().enumerate() {
+        *x = u64::from_le_bytes(vb[k * 8..k * 8 + 8].try_into().unwrap_or_default());
+    }
+    let crc = entry_crc(index, (key.len(), value.len()), &kb, &vb);
+    w[0] = TAG | key.len() as u64 | (value.len() as u64) << 8 | u64::from(crc) << 16;
+    w
+}
+
+/// Whether the entry words `s` are a valid entry for slot `index`.
+fn valid_entry(index: u64, s: &[u64]) -> bool {
+    if s[0] & TAG == 0 || s[0] & DEAD != 0 {
+        return false;
+    }
+    let (kl, vl) = ((s[0] & 0xff) as usize, ((s[0] >> 8) & 0xff) as usize);
+    if kl == 0 || kl > MAX_KEY || vl == 0 || vl > MAX_VALUE {
+        return false;
+    }
+    let (mut kb, mut vb) = ([0u8; MAX_KEY], [0u8; MAX_VALUE]);
+    for (k, w) in s[1..1 + KEY_WORDS].iter().enumerate() {
+        kb[k * 8..k * 8 + 8].copy_from_slice(&w.to_le_bytes());
+    }
+    for (k, w) in s[1 + KEY_WORDS..SLOT_WORDS].iter().enumerate() {
+        vb[k * 8..k * 8 + 8].copy_from_slice(&w.to_le_bytes());
+    }
+    let crc = ((s[0] >> 16) & 0xffff_ffff) as u32;
+    entry_crc(index, (kl, vl), &kb, &vb) == crc
+}
 
 /// FNV-1a, then the splitmix64 finalizer.
 fn hash_bytes(b: &[u8]) -> u64 {
@@ -71,55 +189,141 @@ pub enum PutError {
     Full,
 }
 
+/// A GET found its key's entry corrupt (its CRC does not match).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Corrupt;
+
 /// A table over a word slice (which may start all zero: it is formatted on first use).
 pub struct Table<'m> {
     mem: &'m mut [u64],
+    /// Stores left before the table stops storing (tests: a writer
+    /// stopped in the middle of a PUT); `u64::MAX` otherwise.
+    budget: u64,
 }
 
 impl<'m> Table<'m> {
-    /// The table in `mem` (at least two slots); formats it if it is not one yet.
+    /// The table in `mem` (at least three slots), loaded as by
+    /// [`Table::load`].
     pub fn new(mem: &'m mut [u64]) -> Option<Self> {
-        if mem.len() < 2 * SLOT_WORDS {
+        Self::load(mem).map(|(t, _)| t)
+    }
+
+    /// Loads the table in `mem` (at least three slots), written by an
+    /// owner that may have stopped anywhere: formats memory that holds no
+    /// table; otherwise replays a valid journal entry, drops (and counts)
+    /// every entry whose CRC does not match and recounts the entries.
+    pub fn load(mem: &'m mut [u64]) -> Option<(Self, Loaded)> {
+        if mem.len() < (FIXED_SLOTS + 1) * SLOT_WORDS {
             return None;
         }
-        if mem[0] != MAGIC {
-            mem.fill(0);
-            mem[0] = MAGIC;
+        let mut t = Table { mem, budget: u64::MAX };
+        let mut report = Loaded::default();
+        if t.mem[H_MAGIC] != MAGIC {
+            t.mem.fill(0);
+            t.mem[H_MAGIC] = MAGIC;
+            report.formatted = true;
+            return Some((t, report));
         }
-        Some(Table { mem })
+        let n = t.slots();
+        let target = t.mem[H_JOURNAL_TARGET];
+        if (target as usize) < n && valid_entry(target, &t.mem[JOURNAL..JOURNAL + SLOT_WORDS]) {
+            let at = t.at(target as usize);
+            let mut j = [0u64; SLOT_WORDS];
+            j.copy_from_slice(&t.mem[JOURNAL..JOURNAL + SLOT_WORDS]);
+            t.store_entry(at, &j);
+            report.replayed = true;
+        }
+        t.store(JOURNAL, 0);
+        for i in 0..n {
+            let at = t.at(i);
+            let w0 = t.mem[at];
+            if w0 == 0 || w0 == DEAD {
+                continue;
+            }
+            if valid_entry(i as u64, &t.mem[at..at + SLOT_WORDS]) {
+                report.kept += 1;
+            } else {
+                t.mem[at..at + SLOT_WORDS].fill(0);
+                t.store(at, DEAD);
+                report.dropped += 1;
+            }
+        }
+        t.mem[H_COUNT] = report.kept;
+        t.mem[H_DROPPED] = t.mem[H_DROPPED].wrapping_add(report.dropped);
+        t.mem[H_LOADS] = t.mem[H_LOADS].wrapping_add(1);
+        Some((t, report))
+    }
+
+    /// Tests: the table stops storing after `n` more word stores, as if
+    /// its writer stopped there.
+    #[doc(hidden)]
+    pub fn stop_after_stores(&mut self, n: u64) {
+        self.budget = n;
+    }
+
+    /// The header as stored now.
+    pub fn header(&self) -> Header {
+        Header::of(self.mem)
     }
 
     /// Entry slots.
     pub fn slots(&self) -> usize {
-        self.mem.len() / SLOT_WORDS - 1
+        self.mem.len() / SLOT_WORDS - FIXED_SLOTS
     }
 
     /// Entries stored.
     pub fn len(&self) -> usize {
-        self.mem[1] as usize
+        self.mem[H_COUNT] as usize
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
+    /// The first word of entry slot `i`.
+    fn at(&self, i: usize) -> usize {
+        (i + FIXED_SLOTS) * SLOT_WORDS
+    }
+
     fn slot(&self, i: usize) -> &[u64] {
-        let at = (i + 1) * SLOT_WORDS;
+        let at = self.at(i);
         &self.mem[at..at + SLOT_WORDS]
+    }
+
+    /// One word, in order: the order of a PUT's stores is what a loader
+    /// after a stop anywhere relies on.
+    fn store(&mut self, word: usize, v: u64) {
+        if self.budget == 0 {
+            return;
+        }
+        self.budget -= 1;
+        self.mem[word] = v;
+        // Not moved across another store by the compiler; x86 keeps stores
+        // in program order.
+        core::sync::atomic::compiler_fence(core::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// An entry's words into the slot at word `at`, its tag word last.
+    fn store_entry(&mut self, at: usize, w: &[u64; SLOT_WORDS]) {
+        for (k, &x) in w.iter().enumerate().skip(1) {
+            self.store(at + k, x);
+        }
+        core::sync::atomic::compiler_fence(core::sync::atomic::Ordering::SeqCst);
+        self.store(at, w[0]);
     }
 
     fn key_of(s: &[u64], out: &mut [u8; MAX_KEY]) -> usize {
         for (k, w) in s[1..1 + KEY_WORDS].iter().enumerate() {
             out[k * 8..k * 8 + 8].copy_from_slice(&w.to_le_bytes());
         }
-        (s[0] & 0xff) as usize
+        ((s[0] & 0xff) as usize).min(MAX_KEY)
     }
 
     fn value_of(s: &[u64], out: &mut [u8; MAX_VALUE]) -> usize {
         for (k, w) in s[1 + KEY_WORDS..].iter().enumerate() {
             out[k * 8..k * 8 + 8].copy_from_slice(&w.to_le_bytes());
         }
-        ((s[0] >> 8) & 0xff) as usize
+        (((s[0] >> 8) & 0xff) as usize).min(MAX_VALUE)
     }
 
     /// The slot holding `key`, or the empty slot where it would go.
@@ -130,12 +334,14 @@ impl<'m> Table<'m> {
         // At most 7/8 of the slots are used, so an empty one is always found.
         for _ in 0..n {
             let s = self.slot(i);
-            if s[0] & TAG == 0 {
+            if s[0] == 0 {
                 return (i, false);
             }
-            let kl = Self::key_of(s, &mut kb);
-            if kl == key.len() && &kb[..kl] == key {
-                return (i, true);
+            if s[0] & TAG != 0 {
+                let kl = Self::key_of(s, &mut kb);
+                if kl == key.len() && &kb[..kl] == key {
+                    return (i, true);
+                }
             }
             i = if i + 1 == n { 0 } else { i + 1 };
         }
@@ -143,56 +349,61 @@ impl<'m> Table<'m> {
     }
 
     /// Looks `key` up; copies the value into `out` and returns its length.
-    pub fn get(&self, key: &[u8], out: &mut [u8; MAX_VALUE]) -> Option<usize> {
+    /// An entry whose CRC does not match is never served: [`Corrupt`].
+    pub fn get(&self, key: &[u8], out: &mut [u8; MAX_VALUE]) -> Result<Option<usize>, Corrupt> {
         if !valid_token(key, MAX_KEY) {
-            return None;
+            return Ok(None);
         }
         match self.find(key) {
-            (i, true) => Some(Self::value_of(self.slot(i), out)),
-            _ => None,
+            (i, true) if valid_entry(i as u64, self.slot(i)) => {
+                Ok(Some(Self::value_of(self.slot(i), out)))
+            }
+            (_, true) => Err(Corrupt),
+            _ => Ok(None),
         }
     }
 
-    /// Stores `value` under `key` (replacing an older value).
+    /// Stores `value` under `key` (replacing an older value): through the
+    /// journal, so a stop anywhere leaves the old or the new value.
     pub fn put(&mut self, key: &[u8], value: &[u8]) -> Result<(), PutError> {
         if !valid_token(key, MAX_KEY) || !valid_token(value, MAX_VALUE) {
             return Err(PutError::Invalid);
         }
         let (i, found) = self.find(key);
+        if !found && (i >= self.slots() || (self.len() + 1) * 8 > self.slots() * 7) {
+            return Err(PutError::Full);
+        }
+        let w = encode(i as u64, key, value);
+        // The journal: cleared, its target and words, its tag last.
+        self.store(JOURNAL, 0);
+        self.store(H_JOURNAL_TARGET, i as u64);
+        self.store_entry(JOURNAL, &w);
+        core::sync::atomic::compiler_fence(core::sync::atomic::Ordering::SeqCst);
+        // The slot, its tag last.
+        let at = self.at(i);
+        self.store_entry(at, &w);
         if !found {
-            if i >= self.slots() || (self.len() + 1) * 8 > self.slots() * 7 {
-                return Err(PutError::Full);
-            }
-            self.mem[1] += 1;
+            let n = self.mem[H_COUNT] + 1;
+            self.store(H_COUNT, n);
         }
-        let at = (i + 1) * SLOT_WORDS;
-        let s = &mut self.mem[at..at + SLOT_WORDS];
-        let mut kb = [0u8; MAX_KEY];
-        kb[..key.len()].copy_from_slice(key);
-        let mut vb = [0u8; MAX_VALUE];
-        vb[..value.len()].copy_from_slice(value);
-        for (k, w) in s[1..1 + KEY_WORDS].iter_mut().enumerate() {
-            *w = u64::from_le_bytes(kb[k * 8..k * 8 + 8].try_into().unwrap_or_default());
-        }
-        for (k, w) in s[1 + KEY_WORDS..].iter_mut().enumerate() {
-            *w = u64::from_le_bytes(vb[k * 8..k * 8 + 8].try_into().unwrap_or_default());
-        }
-        s[0] = TAG | key.len() as u64 | (value.len() as u64) << 8;
+        core::sync::atomic::compiler_fence(core::sync::atomic::Ordering::SeqCst);
+        self.store(JOURNAL, 0);
         Ok(())
     }
 
-    /// Entries whose key starts with `prefix`, and the sum of their [`entry_hash`].
+    /// Entries whose key starts with `prefix`, and the sum of their
+    /// [`entry_hash`] (corrupt entries left out).
     pub fn digest(&self, prefix: &[u8]) -> (u64, u64) {
         let (mut count, mut sum) = (0u64, 0u64);
         let (mut kb, mut vb) = ([0u8; MAX_KEY], [0u8; MAX_VALUE]);
         for i in 0..self.slots() {
             let s = self.slot(i);
-            if s[0] & TAG == 0 {
+            if s[0] & TAG == 0 || !valid_entry(i as u64, s) {
                 continue;
             }
-            let kl = Self::key_of(s, &mut kb).min(MAX_KEY);
+            let kl = Self::key_of(s, &mut kb);
             if kb[..kl].starts_with(prefix) {
-                let vl = Self::value_of(s, &mut vb).min(MAX_VALUE);
+                let vl = Self::value_of(s, &mut vb);
                 count += 1;
                 sum = sum.wrapping_add(entry_hash(&kb[..kl], &vb[..vl]));
             }
@@ -273,13 +484,20 @@ pub fn serve(table: &mut Table, line: &[u8], out: &mut [u8; MAX_RESPONSE]) -> (u
         (b"GET", Some(k), None, false) if valid_token(k, MAX_KEY) => {
             let mut v = [0u8; MAX_VALUE];
             match table.get(k, &mut v) {
-                Some(n) => {
+                Ok(Some(n)) => {
                     o.put(b"VAL ");
                     o.put(&v[..n.min(MAX_VALUE)]);
+                    Served::Get
                 }
-                None => o.put(b"NONE"),
+                Ok(None) => {
+                    o.put(b"NONE");
+                    Served::Get
+                }
+                Err(Corrupt) => {
+                    o.put(b"ERR corrupt entry");
+                    Served::Error
+                }
             }
-            Served::Get
         }
         (b"DIGEST", p, None, false) => {
             let (count, sum) = table.digest(p.unwrap_or(b""));
@@ -412,7 +630,7 @@ mod tests {
 
     #[test]
     fn fills_to_seven_eighths() {
-        let mut mem = vec![0u64; 17 * SLOT_WORDS];
+        let mut mem = vec![0u64; 18 * SLOT_WORDS];
         let mut t = Table::new(&mut mem).unwrap();
         let mut ok = 0;
         for i in 0..100 {
@@ -423,6 +641,85 @@ mod tests {
         assert_eq!(ok, 14);
         assert_eq!(t.put(b"k0", b"w"), Ok(()), "an existing key can still be updated");
         assert_eq!(t.digest(b"").0, 14);
+    }
+
+    fn value(t: &Table, k: &str) -> Result<Option<std::string::String>, Corrupt> {
+        let mut v = [0u8; MAX_VALUE];
+        t.get(k.as_bytes(), &mut v)
+            .map(|n| n.map(|n| std::string::String::from_utf8_lossy(&v[..n]).into_owned()))
+    }
+
+    #[test]
+    fn a_put_stopped_at_any_store_leaves_the_old_or_the_new_value() {
+        let mut base = vec![0u64; 64 * SLOT_WORDS];
+        {
+            let mut t = Table::new(&mut base).unwrap();
+            for i in 0..20 {
+                t.put(std::format!("k{i}").as_bytes(), std::format!("old{i}").as_bytes()).unwrap();
+            }
+        }
+        // A PUT is at most 2 * SLOT_WORDS + 4 stores; stop it after each.
+        let mut new_seen = 0;
+        for stop in 0..=(2 * SLOT_WORDS as u64 + 6) {
+            for (key, old) in [("k3", Some("old3")), ("fresh", None)] {
+                let mut mem = base.clone();
+                {
+                    let mut t = Table::new(&mut mem).unwrap();
+                    t.stop_after_stores(stop);
+                    t.put(key.as_bytes(), b"new").unwrap();
+                }
+                let (t, loaded) = Table::load(&mut mem).unwrap();
+                assert_eq!(loaded.dropped, 0, "stop {stop} {key}: {loaded:?}");
+                let v = value(&t, key).unwrap();
+                assert!(
+                    v.as_deref() == old || v.as_deref() == Some("new"),
+                    "stop {stop} {key}: {v:?}"
+                );
+                new_seen += usize::from(v.as_deref() == Some("new"));
+                for i in (0..20).filter(|i| *i != 3) {
+                    let k = std::format!("k{i}");
+                    assert_eq!(value(&t, &k).unwrap(), Some(std::format!("old{i}")), "stop {stop}");
+                }
+                assert_eq!(t.len(), 20 + usize::from(key == "fresh" && v.is_some()));
+            }
+        }
+        assert!(new_seen > 0);
+    }
+
+    #[test]
+    fn corrupt_entries_are_dropped_counted_and_never_served() {
+        let mut mem = vec![0u64; 64 * SLOT_WORDS];
+        let mut t = Table::new(&mut mem).unwrap();
+        for i in 0..10 {
+            t.put(std::format!("k{i}").as_bytes(), std::format!("v{i}").as_bytes()).unwrap();
+        }
+        let (i, _) = t.find(b"k4");
+        let at = t.at(i);
+        // One bit of k4's value flipped: dropped at the next load.
+        mem[at + 1 + KEY_WORDS] ^= 1 << 9;
+        let (t, loaded) = Table::load(&mut mem).unwrap();
+        assert_eq!((loaded.kept, loaded.dropped), (9, 1), "{loaded:?}");
+        assert_eq!(value(&t, "k4"), Ok(None));
+        assert_eq!(t.header().dropped, 1);
+        assert_eq!(t.digest(b"").0, 9);
+        let (j, _) = t.find(b"k7");
+        let at7 = t.at(j);
+        // Corrupted after the load: the GET refuses it.
+        mem[at7 + 1] ^= 1 << 40;
+        let mut t = Table::new(&mut mem).unwrap();
+        assert_eq!(t.header().dropped, 2);
+        assert_eq!(value(&t, "k7"), Ok(None));
+        t.put(b"k8", b"fine").unwrap();
+        let (k, _) = t.find(b"k8");
+        let at8 = t.at(k);
+        t.mem[at8 + 1 + KEY_WORDS] ^= 1;
+        assert_eq!(value(&t, "k8"), Err(Corrupt));
+        let mut out = [0u8; MAX_RESPONSE];
+        let (n, _) = serve(&mut t, b"GET k8", &mut out);
+        assert_eq!(&out[..n], b"ERR corrupt entry\n");
+        // A new entry still goes past a dropped slot.
+        t.put(b"k4", b"again").unwrap();
+        assert_eq!(value(&t, "k4"), Ok(Some("again".into())));
     }
 
     #[test]

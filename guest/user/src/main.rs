@@ -322,6 +322,25 @@ fn kv_memory(cpu: u64, boot: &BootInfo) -> (&'static mut [u64], &'static mut [u8
     }
 }
 
+/// kv: the service's state region as words, if the boot info names one.
+fn state_region(cpu: u64, boot: &BootInfo) -> Option<&'static mut [u64]> {
+    if boot.state_bytes == 0 {
+        return None;
+    }
+    if boot.state_gpa != nl_abi::STATE_REGION_GPA
+        || boot.state_bytes > nl_abi::MAX_STATE_BYTES
+        || !boot.state_bytes.is_multiple_of(4096)
+    {
+        fail(cpu, ERR_BAD_BOOT_INFO, boot.state_gpa);
+    }
+    // SAFETY: the VMM maps [state_gpa, state_gpa + state_bytes) user-writable
+    // in the page tables and, once this sandbox holds the service, puts its
+    // state region's memory slot behind it; only vCPU 0 serves kv.
+    Some(unsafe {
+        core::slice::from_raw_parts_mut(boot.state_gpa as *mut u64, (boot.state_bytes / 8) as usize)
+    })
+}
+
 /// blkbench, filecache: stops the run at the first failed request or bad read.
 fn blk_check(cpu: u64, w: &Workload, name: &str) {
     let (mismatches, io_errors) = w.blk_errors();
@@ -418,9 +437,24 @@ extern "C" fn main(cpu: u64, boot: *const BootInfo) -> ! {
         WORKLOAD_KV => {
             let dev = net_setup(cpu, boot);
             let (table, bufs) = kv_memory(cpu, boot);
-            let Some(table) = nl_workloads::kv::Table::new(table) else {
+            // A service's state region (mapped once the link is up, for a
+            // standby taking over) holds the table instead of the working set.
+            let table = state_region(cpu, boot).unwrap_or(table);
+            let Some((table, loaded)) = nl_workloads::kv::Table::load(table) else {
                 fail(cpu, ERR_BAD_BOOT_INFO, params.ws_bytes)
             };
+            if boot.state_bytes != 0 {
+                print(
+                    cpu,
+                    format_args!(
+                        "kv: state region loaded: {} entries kept, {} corrupt dropped, journal {}, {}\n",
+                        loaded.kept,
+                        loaded.dropped,
+                        if loaded.replayed { "replayed" } else { "clean" },
+                        if loaded.formatted { "formatted" } else { "found" },
+                    ),
+                );
+            }
             let seed = params.seed ^ rdtsc();
             match kv::Server::new(dev, addr, seed, now(), &mut kv_sockets, bufs, echo, table) {
                 Some(s) => (None, Some(s)),

@@ -1,0 +1,157 @@
+//! A service's state region (remote recovery, Quest-V): one memfd, mapped
+//! once in the VMM, that only the service's current holder has a memory
+//! slot for (read-write, at [`nl_abi::STATE_REGION_GPA`]). The standby's
+//! VM has the range in its guest page tables and its boot info but no slot
+//! behind it: it cannot reach the region until a takeover moves the slot
+//! to it ([`StateRegion::map_into`], after [`StateRegion::unmap_from`] the
+//! failed holder's stopped VM). So the region is writable in at most one
+//! sandbox at any time, which [`StateRegion::map_into`] enforces.
+//!
+//! The kv service keeps its table there (`nl_workloads::kv`: entries with
+//! a CRC, a journal): the sandbox that takes the service over loads it,
+//! replays a torn update, drops and counts corrupt entries, and every
+//! write it acknowledged before is still there (a PUT's `OK` is queued only
+//! after the entry is in the region).
+
+use std::sync::Arc;
+
+use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
+use nl_sync::Lock;
+use nl_vmm::Vm;
+use vm_memory::{Bytes, FileOffset, GuestAddress, GuestRegionMmap, MemoryRegionAddress};
+
+use crate::audit::{Backing, Mapping};
+use crate::SandboxError;
+
+/// One service's state region.
+pub struct StateRegion {
+    pub service: String,
+    pub bytes: u64,
+    backing: Backing,
+    map: Arc<GuestRegionMmap>,
+    /// The sandbox whose VM has the slot now.
+    mapped_in: Arc<Lock<Option<usize>>>,
+}
+
+/// A state region's size, checked: whole 2 MiB pages (the guest maps it
+/// with 2 MiB page-table entries), at most [`nl_abi::MAX_STATE_BYTES`].
+pub fn check_size(mib: u64) -> Result<u64, String> {
+    let max = nl_abi::MAX_STATE_BYTES >> 20;
+    if mib == 0 || mib > max || !mib.is_multiple_of(2) {
+        return Err(format!("state.mib {mib}: an even number of MiB in 2..={max}"));
+    }
+    Ok(mib << 20)
+}
+
+impl StateRegion {
+    /// Creates the zeroed memfd and maps it in the VMM.
+    pub fn create(service: &str, bytes: u64) -> Result<Self, SandboxError> {
+        let err = |what: &str, e: String| {
+            SandboxError::Resource(format!("service '{service}': state region: {what}: {e}"))
+        };
+        let name = std::ffi::CString::new(format!("state-{service}"))
+            .map_err(|_| SandboxError::Config(format!("service name '{service}' has a NUL")))?;
+        let fd = memfd_create(&name, MemFdCreateFlag::MFD_CLOEXEC)
+            .map(std::fs::File::from)
+            .map_err(|e| err("cannot create its memfd", e.to_string()))?;
+        fd.set_len(bytes).map_err(|e| err("cannot size its memfd", e.to_string()))?;
+        let backing = Backing::of(&fd)?;
+        let map = GuestRegionMmap::from_range(
+            GuestAddress(0),
+            bytes as usize,
+            Some(FileOffset::new(fd, 0)),
+        )
+        .map_err(|e| err("cannot map its memfd", e.to_string()))?;
+        Ok(Self {
+            service: service.into(),
+            bytes,
+            backing,
+            map: Arc::new(map),
+            mapped_in: Lock::new("sandbox.state", None),
+        })
+    }
+
+    /// The VM windows' entry for it: (gpa, size).
+    pub fn window(&self) -> (u64, u64) {
+        (nl_abi::STATE_REGION_GPA, self.bytes)
+    }
+
+    /// Keeps the host mapping alive as long as a VM may have a slot over it.
+    pub fn keepalive(&self) -> Arc<dyn Send + Sync> {
+        self.map.clone()
+    }
+
+    /// The audit's view of it, mapped writable in sandbox `i`.
+    pub fn mapping(&self, i: usize) -> Mapping {
+        Mapping {
+            sandbox: i,
+            backing: self.backing,
+            offset: 0,
+            len: self.bytes,
+            writable: true,
+            channel: None,
+            what: format!("state region of service '{}'", self.service),
+        }
+    }
+
+    /// The sandbox whose VM has the region's slot now.
+    pub fn mapped_in(&self) -> Option<usize> {
+        *self.mapped_in.lock()
+    }
+
+    /// Gives sandbox `i`'s VM `vm` its slot. Refused while another
+    /// sandbox's VM has it: writable in at most one at any time.
+    pub fn map_into(&self, i: usize, vm: &Vm) -> Result<(), SandboxError> {
+        let mut m = self.mapped_in.lock();
+        if let Some(other) = *m {
+            if other != i {
+                return Err(SandboxError::Isolation(format!(
+                    "service '{}': its state region is still mapped in sandbox {other}",
+                    self.service
+                )));
+            }
+        }
+        vm.map_state(self.map.as_ptr() as u64).map_err(|e| {
+            SandboxError::Resource(format!(
+                "service '{}': cannot map its state region into sandbox {i}: {e}",
+                self.service
+            ))
+        })?;
+        *m = Some(i);
+        Ok(())
+    }
+
+    /// Takes the slot from `vm` (sandbox `i`'s, stopped).
+    pub fn unmap_from(&self, i: usize, vm: &Vm) {
+        let mut m = self.mapped_in.lock();
+        if *m == Some(i) {
+            // Only fails for a VM without a state region; the slot is gone
+            // either way for the guest.
+            let _ = vm.unmap_state();
+            *m = None;
+        }
+    }
+
+    /// The table header stored at the start of the region.
+    pub fn header(&self) -> nl_workloads::kv::Header {
+        let words: Vec<u64> = (0..8u64)
+            .map(|w| self.map.read_obj::<u64>(MemoryRegionAddress(w * 8)).unwrap_or(0))
+            .collect();
+        nl_workloads::kv::Header::of(&words)
+    }
+
+    /// A copy of `len` bytes at `offset` (clamped to the region).
+    pub fn read(&self, offset: u64, len: usize) -> Vec<u8> {
+        let len = len.min(self.bytes.saturating_sub(offset) as usize);
+        let mut v = vec![0u8; len];
+        let _ = self.map.read_slice(&mut v, MemoryRegionAddress(offset));
+        v
+    }
+
+    /// Writes `data` at `offset` (tests and fault injection: planting
+    /// corrupt entries). False if it does not fit.
+    pub fn write(&self, offset: u64, data: &[u8]) -> bool {
+        offset.checked_add(data.len() as u64).is_some_and(|end| end <= self.bytes)
+            && self.map.write_slice(data, MemoryRegionAddress(offset)).is_ok()
+    }
+}
