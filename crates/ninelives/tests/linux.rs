@@ -783,7 +783,7 @@ fn a_linux_vm_on_a_host_is_stopped_at_its_time_limit() {
         let st = &st["stats"];
         assert_eq!(st["outcome"]["kind"], "timed_out", "{st}");
         assert_eq!(st["outcome"]["limit_ms"], (secs * 1000.0) as u64, "{st}");
-        assert!(!st["report"]["vcpus"][0]["stop"].is_null(), "its vCPU still runs: {st}");
+        assert!(!st["vcpus"][0]["stop"].is_null(), "its vCPU still runs: {st}");
     }
     drop(guard);
 }
@@ -858,7 +858,7 @@ fn a_linux_vm_pit_state_survives_its_checkpoint_file_and_handover_record() {
     rec.state = Some(String::from_utf8(state.to_bytes()).unwrap());
     rec.id = 2;
     let mut record =
-        nl_vmm::handover::HandoverRecord::new(nl_vmm::handover::Mode::Warm, 1, None, 1);
+        nl_vmm::handover::HandoverRecord::new(nl_vmm::handover::Mode::Warm, 1, None, 3);
     record.vms.push(rec);
     let record = nl_vmm::handover::HandoverRecord::from_bytes(&record.to_bytes()).unwrap();
     let images = nl_vmm::handover::Images {
