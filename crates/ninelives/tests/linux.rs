@@ -735,3 +735,214 @@ fn bad_linux_input_is_refused_with_a_clear_error() {
     assert!(o.status.success(), "run --kernel: {err}");
     assert!(err.contains("linux: stopped after --duration 3 s"), "run --kernel: {err}");
 }
+
+/// A Linux VM's time limit on a host (`duration`, in `host --config` and
+/// in the create body): the host stops the VM at the limit and lists it as
+/// stopped at its time limit, not failed; its vCPU no longer runs. (A VM
+/// without a `duration` has no limit: `LinuxRecord::past_time_limit`'s unit
+/// test.) The limits are past the kernel's BSS clear, one emulated
+/// `rep stosb` that a stop cannot interrupt on PVM.
+#[test]
+fn a_linux_vm_on_a_host_is_stopped_at_its_time_limit() {
+    let Some(kernel) = debian_kernel("a_linux_vm_on_a_host_is_stopped_at_its_time_limit") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    let k = kernel.to_str().unwrap();
+    // VM 0 from the configuration file, VM 1 over the API.
+    let config = serde_json::json!({"vms": [{"kernel": k, "mem": "256M", "duration": 60,
+        "console": dir.path().join("console0.txt")}]});
+    let config_file = common::write_file(dir.path(), "host.json", config.to_string().as_bytes());
+    let (host, _s) = common::spawn_host_with(&sock, &["--config", &config_file]);
+    let guard = HostGuard { sock: sock.clone(), child: host, dir: dir.path().to_path_buf() };
+    let body = serde_json::json!({"kernel": k, "mem": "256M", "duration": 75.5,
+        "console": dir.path().join("console1.txt")});
+    let (status, v) = common::http_json(&sock, "POST", "/v1/vms", Some(&body.to_string()));
+    assert_eq!(status, 201, "create VM 1: {v}");
+    assert_eq!(v["id"], 1, "{v}");
+    let state = |id: u64| {
+        let (_, v) = common::http_json(&sock, "GET", "/v1/vms", None);
+        v["vms"]
+            .as_array()
+            .and_then(|a| a.iter().find(|x| x["id"] == id))
+            .map(|x| x["state"].as_str().unwrap_or_default().to_string())
+            .unwrap_or_else(|| panic!("VM {id} not listed: {v}"))
+    };
+    assert_eq!(state(0), "running");
+    for (id, secs) in [(0, 60.0), (1, 75.5)] {
+        let want = format!("stopped: its time limit (duration {secs:.1} s) was reached");
+        let t = Instant::now();
+        let mut s = state(id);
+        while s != want && t.elapsed() < Duration::from_secs(400) {
+            std::thread::sleep(Duration::from_millis(500));
+            s = state(id);
+        }
+        assert_eq!(s, want, "VM {id} was not stopped at its limit of {secs} s");
+        let (_, st) = common::http_json(&sock, "GET", &format!("/v1/vms/{id}"), None);
+        let st = &st["stats"];
+        assert_eq!(st["outcome"]["kind"], "timed_out", "{st}");
+        assert_eq!(st["outcome"]["limit_ms"], (secs * 1000.0) as u64, "{st}");
+        assert!(!st["vcpus"][0]["stop"].is_null(), "its vCPU still runs: {st}");
+    }
+    drop(guard);
+}
+
+/// The channels of a PIT state a restore must carry (the load time is
+/// KVM's clock at the restore, so it is not compared).
+fn pit_of(vm: &Vm) -> Vec<(u32, u8, u8, u8, u8)> {
+    let p = vm.vm_fd().get_pit2().expect("KVM_GET_PIT2");
+    p.channels.iter().map(|c| (c.count, c.mode, c.rw_mode, c.gate, c.bcd)).collect()
+}
+
+/// A Linux VM's in-kernel PIT (`KVM_GET_PIT2`) is part of its saved state:
+/// a VM rebuilt from a checkpoint file (`nl_checkpoint::disk`) and one
+/// rebuilt from a warm handover record (`handover::build_vm`) have the
+/// PIT channels as saved (a fresh PIT's channel 0 counts 0x10000 in mode
+/// 0). A state written by an older process, without the PIT, still reads
+/// and restores (the PIT keeps its fresh state). The kernel is not run.
+#[test]
+fn a_linux_vm_pit_state_survives_its_checkpoint_file_and_handover_record() {
+    let Some(kernel) = debian_kernel("a_linux_vm_pit_state_survives") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let config = linux_config(&kernel, None);
+    let boot = LinuxBoot {
+        cmdline: test_cmdline("pit"),
+        kernel_path: Some(kernel.clone()),
+        ..Default::default()
+    };
+    let kvm = nl_vmm::open_kvm().unwrap();
+    let vm = Vm::create_linux(&kvm, 0, config.clone(), &boot).expect("create the Linux VM");
+    // What a kernel programs: channel 0 periodic (mode 2) at 100 Hz, and
+    // channel 2 (the speaker's) one-shot.
+    let fresh = pit_of(&vm);
+    let mut pit = vm.vm_fd().get_pit2().unwrap();
+    pit.channels[0].count = 11932;
+    pit.channels[0].mode = 2;
+    pit.channels[0].rw_mode = 3;
+    pit.channels[2].count = 0x1234;
+    pit.channels[2].mode = 1;
+    vm.vm_fd().set_pit2(&pit).unwrap();
+    let want = pit_of(&vm);
+    assert_ne!(want, fresh, "the test's PIT state is not distinguishable from a fresh one");
+    let state = vm.save_state().unwrap();
+    let memory = || {
+        nl_memory::GuestMemory::from_fd(vm.memory().fd().clone(), config.mem_bytes)
+            .expect("map the guest memory again")
+    };
+    let linux = vm.linux_record().cloned().unwrap();
+
+    // A checkpoint file.
+    let header = nl_checkpoint::disk::DiskHeader {
+        version: nl_checkpoint::disk::DISK_VERSION,
+        mem_bytes: config.mem_bytes,
+        vcpus: config.vcpus,
+        timer_hz: config.timer_hz,
+        workload: config.workload,
+        pages: 0,
+        linux: Some(linux.clone()),
+        disk: None,
+    };
+    let file = dir.path().join("pit.ckpt");
+    nl_checkpoint::disk::capture(&header, &state, vm.memory(), &|_| None)
+        .and_then(|img| img.write(&file, None))
+        .expect("save to a file");
+    let ck = nl_checkpoint::disk::read(&file, None).expect("read the file back");
+    let from_file = Vm::restore_linux(&kvm, 1, config.clone(), memory(), &ck.state, &linux)
+        .expect("restore from the file");
+    assert_eq!(pit_of(&from_file), want, "checkpoint file: the PIT was not restored");
+    drop(from_file);
+
+    // A warm handover record.
+    let mut rec = nl_vmm::handover::VmRecord::describe_vm(&vm, false);
+    rec.state = Some(String::from_utf8(state.to_bytes()).unwrap());
+    rec.id = 2;
+    let mut record =
+        nl_vmm::handover::HandoverRecord::new(nl_vmm::handover::Mode::Warm, 1, None, 3);
+    record.vms.push(rec);
+    let record = nl_vmm::handover::HandoverRecord::from_bytes(&record.to_bytes()).unwrap();
+    let images = nl_vmm::handover::Images {
+        kernel: Arc::new(nl_guest::KERNEL_ELF.to_vec()),
+        user: Arc::new(nl_guest::USER_ELF.to_vec()),
+    };
+    let handed = nl_vmm::handover::build_vm(&kvm, &record.vms[0], &images, Some(memory()))
+        .expect("rebuild from the handover record");
+    assert_eq!(pit_of(&handed), want, "handover record: the PIT was not restored");
+    drop(handed);
+
+    // An older process's state: no "pit" in it.
+    let mut json: serde_json::Value = serde_json::from_slice(&state.to_bytes()).unwrap();
+    assert!(json["irqchip"]["pit"].is_object(), "the saved state has no PIT: {}", json["irqchip"]);
+    json["irqchip"].as_object_mut().unwrap().remove("pit");
+    let old = nl_vmm::state::VmState::from_bytes(&serde_json::to_vec(&json).unwrap())
+        .expect("a state without the PIT still reads");
+    assert!(old.irqchip.pit.is_none());
+    let from_old = Vm::restore_linux(&kvm, 3, config.clone(), memory(), &old, &linux)
+        .expect("a state without the PIT still restores");
+    assert_eq!(pit_of(&from_old), fresh);
+}
+
+/// A fault inside a device of a host holding a Linux VM (the self-test
+/// fault point `NINELIVES_DEVICE_FAULT=segv:N`: the N-th device access,
+/// here one of the kernel's serial console writes, crashes with the
+/// device's lock held), recovered by `policy`: the host keeps serving, and
+/// the Linux VM keeps running and printing: after the recovery its console
+/// goes on (more timestamped lines, the kernel's time never back, no
+/// second boot) and the host still lists it running.
+fn a_linux_vm_keeps_running_across(policy: &str, test: &str) {
+    let Some(kernel) = debian_kernel(test) else { return };
+    let h = common::selftest_host::SelftestHost::start_env(
+        &["--recovery", policy],
+        &[("NINELIVES_DEVICE_FAULT", "segv:3000")],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.txt");
+    let r = h
+        .req(serde_json::json!({"op": "create", "kernel": kernel, "mem": "256M",
+                                "console": console}))
+        .expect("create answered");
+    assert_eq!(r["ok"], true, "{r}");
+    let id = r["id"].as_u64().unwrap();
+    let state = || {
+        let v = h.req(serde_json::json!({"op": "list"})).expect("list answered");
+        v["vms"]
+            .as_array()
+            .and_then(|a| a.iter().find(|x| x["id"] == id))
+            .map(|x| x["state"].as_str().unwrap_or_default().to_string())
+            .unwrap_or_else(|| panic!("VM {id} not listed: {v}"))
+    };
+    let t = Instant::now();
+    while h.lines("NINELIVES-RECOVERED ").is_empty() && t.elapsed() < BOOT_LIMIT {
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let rec = h.lines("NINELIVES-RECOVERED ");
+    assert_eq!(rec.len(), 1, "{policy}: one recovery expected:\n{}", tail(&h.stderr()));
+    assert_eq!(rec[0]["policy"], policy);
+    let text = String::from_utf8_lossy(&read_console(&console)).into_owned();
+    let mark = text.len();
+    let last_before = *timestamps(&text)
+        .last()
+        .unwrap_or_else(|| panic!("{policy}: the fault came before any console line:\n{text}"));
+    let text = wait_console(&console, BOOT_LIMIT, |t| {
+        stamped(&t[mark.min(t.len())..]).len() >= 3 || state() != "running"
+    });
+    assert!(
+        stamped(&text[mark..]).len() >= 3,
+        "{policy}: the Linux VM did not go on printing after the recovery (state {}); \
+         console tail:\n{}\nhost:\n{}",
+        state(),
+        tail(&text),
+        tail(&h.stderr())
+    );
+    assert_continues(policy, &console, mark, last_before);
+    assert_eq!(state(), "running");
+    eprintln!(
+        "{policy}: recovered at kernel time {last_before} s or later; then {:?}",
+        stamped(&text[mark..]).first()
+    );
+}
+
+#[test]
+fn a_linux_vm_keeps_running_across_a_microreset_of_its_host() {
+    a_linux_vm_keeps_running_across("microreset", "a_linux_vm_keeps_running_across_a_microreset");
+}

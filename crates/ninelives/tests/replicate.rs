@@ -442,7 +442,7 @@ fn forged_epoch() -> Vec<(Kind, u64, Vec<u8>)> {
             mp_state: Default::default(),
             events: Default::default(),
         }],
-        irqchip: IrqchipState { chips: Vec::new(), clock: None },
+        irqchip: IrqchipState { chips: Vec::new(), clock: None, pit: None },
         io_devices: Vec::new(),
         mmio_devices: Vec::new(),
     }

@@ -509,7 +509,7 @@ mod tests {
                 ..Default::default()
             },
             vcpus: vec![vcpu()],
-            irqchip: IrqchipState { chips: Vec::new(), clock: None },
+            irqchip: IrqchipState { chips: Vec::new(), clock: None, pit: None },
             io_devices: Vec::new(),
             mmio_devices: Vec::new(),
         }
@@ -652,6 +652,8 @@ mod tests {
             cmdline: "console=ttyS0 quiet".into(),
             initrd: None,
             system_map: None,
+            time_limit_ms: None,
+            started_unix_ms: None,
         };
         let disk = nl_vmm::config::DiskConfig { path: "/d/root.img".into(), readonly: false };
         let h = DiskHeader { linux: Some(linux.clone()), disk: Some(disk.clone()), ..header(&s) };

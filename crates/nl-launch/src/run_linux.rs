@@ -123,6 +123,8 @@ pub fn linux_boot(
         kernel_path: kernel.map(absolute),
         initrd_path: initrd.map(absolute),
         system_map_path: system_map_path.map(absolute),
+        time_limit: None,
+        started_unix_ms: None,
     })
 }
 

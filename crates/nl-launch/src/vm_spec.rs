@@ -48,6 +48,9 @@ pub struct VmSpec {
     /// gets the range in its error).
     pub vcpus: Option<i64>,
     /// Seconds the workload runs (default: 3600 on a host, 3 for `run`).
+    /// For a Linux VM on a host: its time limit, after which the host stops
+    /// it and lists it as stopped at its time limit (default: none; counted
+    /// from its creation, paused time and host rejuvenations included).
     pub duration: Option<f64>,
     /// Seed of the workload's PRNG.
     pub seed: Option<u64>,
@@ -223,13 +226,15 @@ impl VmSpec {
             ));
         }
         let cmdline = self.cmdline.as_deref().unwrap_or(crate::run_linux::DEFAULT_CMDLINE);
-        let boot = crate::run_linux::linux_boot(
+        let mut boot = crate::run_linux::linux_boot(
             Some(path),
             cmdline,
             self.initrd.as_deref(),
             self.system_map.as_deref(),
         )
         .map_err(|e| format!("{e:#}"))?;
+        // Checked by `args`: finite, in (0 s, one week].
+        boot.time_limit = self.duration.map(std::time::Duration::from_secs_f64);
         let c = crate::guest::vm_config(&a.machine, params, std::sync::Arc::new(kernel), a.console)
             .map_err(|e| e.to_string())?;
         Ok((c, Some(boot)))

@@ -852,7 +852,7 @@ mod tests {
                 mp_state: Default::default(),
                 events: Default::default(),
             }],
-            irqchip: IrqchipState { chips: Vec::new(), clock: None },
+            irqchip: IrqchipState { chips: Vec::new(), clock: None, pit: None },
             io_devices: Vec::new(),
             mmio_devices: Vec::new(),
         }

@@ -1002,7 +1002,7 @@ mod tests {
             timer_hz: v.timer_hz,
             workload: v.workload,
             vcpus: (0..v.vcpus).map(|_| vcpu()).collect(),
-            irqchip: IrqchipState { chips: Vec::new(), clock: None },
+            irqchip: IrqchipState { chips: Vec::new(), clock: None, pit: None },
             io_devices: Vec::new(),
             mmio_devices: Vec::new(),
         }

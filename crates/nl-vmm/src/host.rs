@@ -220,6 +220,9 @@ fn state_of(h: &HostedVm) -> String {
     match &*h.outcome.lock() {
         Some(VmOutcome::Completed) => "completed".into(),
         Some(VmOutcome::Stopped) => "stopped".into(),
+        Some(VmOutcome::TimedOut { limit_ms }) if h.vm.linux_record().is_some() => {
+            crate::linux::time_limit_state(*limit_ms)
+        }
         Some(o) => format!("failed: {}", o.message()),
         None if h.vm.is_paused() => "paused".into(),
         None => "running".into(),

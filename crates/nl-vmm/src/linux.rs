@@ -81,6 +81,13 @@ pub struct LinuxBoot {
     /// The kernel's System.map: a host names the guest function where the
     /// VM stopped ([`describe_crash`]) in its outcome.
     pub system_map_path: Option<PathBuf>,
+    /// How long a host lets the VM run before it stops it ([`supervise`];
+    /// `duration` in a host's `create`). `None`: until the guest ends.
+    pub time_limit: Option<Duration>,
+    /// When the VM was first created (ms since the Unix epoch), for a VM
+    /// booted again by a successor: its time limit counts from there.
+    /// `None`: now.
+    pub started_unix_ms: Option<u64>,
 }
 
 /// How a Linux VM was booted, as a handover record carries it
@@ -97,6 +104,22 @@ pub struct LinuxRecord {
     /// of older processes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub system_map: Option<PathBuf>,
+    /// The VM's time limit in ms ([`LinuxBoot::time_limit`]); absent in
+    /// older records (no limit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_limit_ms: Option<u64>,
+    /// When the VM was first created (ms since the Unix epoch): a
+    /// successor process counts the time limit from there, not from its
+    /// own start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_unix_ms: Option<u64>,
+}
+
+/// Now, in ms since the Unix epoch.
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Largest kernel image and initrd a successor reads back.
@@ -111,7 +134,16 @@ impl LinuxRecord {
             cmdline: boot.cmdline.clone(),
             initrd: boot.initrd_path.clone(),
             system_map: boot.system_map_path.clone(),
+            time_limit_ms: boot.time_limit.map(|d| d.as_millis() as u64),
+            started_unix_ms: Some(boot.started_unix_ms.unwrap_or_else(unix_ms)),
         }
+    }
+
+    /// Whether the VM has run past its time limit (counted from its first
+    /// creation, paused time and handovers included), and the limit.
+    pub fn past_time_limit(&self) -> Option<u64> {
+        let (limit, started) = (self.time_limit_ms?, self.started_unix_ms?);
+        (unix_ms().saturating_sub(started) >= limit).then_some(limit)
     }
 
     /// The kernel image and boot of a cold rebuild, read from the files.
@@ -137,6 +169,8 @@ impl LinuxRecord {
                 kernel_path: self.kernel.clone(),
                 initrd_path: self.initrd.clone(),
                 system_map_path: self.system_map.clone(),
+                time_limit: self.time_limit_ms.map(Duration::from_millis),
+                started_unix_ms: self.started_unix_ms,
             },
         ))
     }
@@ -283,6 +317,8 @@ mod tests {
             cmdline: "quiet".into(),
             initrd: None,
             system_map: None,
+            time_limit_ms: None,
+            started_unix_ms: None,
         };
         assert!(r.load().unwrap_err().to_string().contains("names no kernel file"));
         r.kernel = Some("/nonexistent/ninelives-vmlinuz".into());
@@ -290,6 +326,34 @@ mod tests {
         assert!(e.contains("kernel /nonexistent/ninelives-vmlinuz"), "{e}");
         let json = serde_json::to_string(&r).unwrap();
         assert_eq!(serde_json::from_str::<super::LinuxRecord>(&json).unwrap(), r);
+    }
+
+    #[test]
+    fn a_time_limit_counts_from_the_first_creation() {
+        let now = super::unix_ms();
+        let r = |limit, started| super::LinuxRecord {
+            kernel: None,
+            cmdline: String::new(),
+            initrd: None,
+            system_map: None,
+            time_limit_ms: limit,
+            started_unix_ms: started,
+        };
+        assert_eq!(r(Some(1000), Some(now - 2000)).past_time_limit(), Some(1000));
+        assert_eq!(r(Some(60_000), Some(now)).past_time_limit(), None);
+        assert_eq!(r(None, Some(now - 2000)).past_time_limit(), None, "no limit");
+        // A record without the new fields (an older process's) has no limit.
+        let old: super::LinuxRecord =
+            serde_json::from_str(r#"{"kernel":null,"cmdline":"","initrd":null}"#).unwrap();
+        assert_eq!(old.past_time_limit(), None);
+        // A successor rebuilding the VM keeps the first creation's time.
+        let boot = super::LinuxRecord { kernel: Some("/k".into()), ..r(Some(5), Some(7)) };
+        let rec = super::LinuxRecord::of(&super::LinuxBoot {
+            time_limit: Some(std::time::Duration::from_millis(5)),
+            started_unix_ms: boot.started_unix_ms,
+            ..Default::default()
+        });
+        assert_eq!((rec.time_limit_ms, rec.started_unix_ms), (Some(5), Some(7)));
     }
 
     #[test]
@@ -398,11 +462,18 @@ pub fn wait(
 /// power-off), when a vCPU stops on what [`complete_unemulated`] cannot
 /// complete (or at the supervision's limit, checked by the caller). A host
 /// can thus hold a Linux VM (and a successor process adopt one) without
-/// declaring it hung.
+/// declaring it hung. A VM past its time limit
+/// ([`LinuxRecord::past_time_limit`]) is stopped and ends `TimedOut`
+/// ([`time_limit_state`] is how a host lists it).
 pub(crate) fn supervise(vm: &Vm) -> Option<VmOutcome> {
     if vm.guest_reset_requested() {
         vm.stop();
         return Some(VmOutcome::Completed);
+    }
+    if let Some(limit_ms) = vm.linux_record().and_then(LinuxRecord::past_time_limit) {
+        vm.stop();
+        tracing::info!("vm{}: stopped at its time limit of {limit_ms} ms", vm.id());
+        return Some(VmOutcome::TimedOut { limit_ms });
     }
     if let Some(o) = vm.poll_outcome() {
         if matches!(o, VmOutcome::Crashed { .. }) && matches!(complete_unemulated(vm), Ok(Some(_)))
@@ -422,6 +493,12 @@ pub(crate) fn supervise(vm: &Vm) -> Option<VmOutcome> {
         return Some(o);
     }
     None
+}
+
+/// How a host lists a Linux VM stopped at its time limit: an ordinary
+/// end, not a failure.
+pub fn time_limit_state(limit_ms: u64) -> String {
+    format!("stopped: its time limit (duration {:.1} s) was reached", limit_ms as f64 / 1000.0)
 }
 
 /// Largest System.map read.

@@ -5,9 +5,9 @@
 //! not part of it; it stays in the memfd.
 
 use kvm_bindings::{
-    kvm_clock_data, kvm_irqchip, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_regs, kvm_sregs,
-    kvm_vcpu_events, kvm_xcrs, kvm_xsave, Msrs, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER,
-    KVM_IRQCHIP_PIC_SLAVE,
+    kvm_clock_data, kvm_irqchip, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_pit_state2,
+    kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave, Msrs, KVM_IRQCHIP_IOAPIC,
+    KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
 };
 use kvm_ioctls::{VcpuFd, VmFd};
 use nl_abi::WorkloadParams;
@@ -88,15 +88,23 @@ impl VcpuState {
     }
 }
 
-/// In-kernel interrupt controllers and clock of a VM.
+/// In-kernel interrupt controllers, clock and PIT of a VM.
 #[derive(Clone, Serialize, Deserialize)]
 pub struct IrqchipState {
     pub chips: Vec<kvm_irqchip>,
     pub clock: Option<kvm_clock_data>,
+    /// The in-kernel PIT (i8254, `KVM_GET_PIT2`) of a VM that has one (a
+    /// Linux VM: its channel 0 is the kernel's early timer). Absent for the
+    /// reference guest, and in the records and checkpoint files of older
+    /// processes, which still read: the PIT then keeps its fresh state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pit: Option<kvm_pit_state2>,
 }
 
 impl IrqchipState {
-    pub fn save(vm: &VmFd) -> Result<Self, VmmError> {
+    /// Saves the VM's in-kernel chips; `pit`: the VM has an in-kernel PIT
+    /// (`KVM_CREATE_PIT2`), whose state is saved too.
+    pub fn save(vm: &VmFd, pit: bool) -> Result<Self, VmmError> {
         let mut chips = Vec::new();
         for id in [KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_IRQCHIP_IOAPIC] {
             let mut c = kvm_irqchip { chip_id: id, ..Default::default() };
@@ -105,12 +113,16 @@ impl IrqchipState {
         }
         // The clock is optional: not every backend exposes kvmclock control.
         let clock = vm.get_clock().ok();
-        Ok(Self { chips, clock })
+        let pit = if pit { Some(vm.get_pit2().map_err(kvm("KVM_GET_PIT2"))?) } else { None };
+        Ok(Self { chips, clock, pit })
     }
 
     pub fn restore(&self, vm: &VmFd) -> Result<(), VmmError> {
         for c in &self.chips {
             vm.set_irqchip(c).map_err(kvm("KVM_SET_IRQCHIP"))?;
+        }
+        if let Some(pit) = &self.pit {
+            vm.set_pit2(pit).map_err(kvm("KVM_SET_PIT2 (the saved state has a PIT)"))?;
         }
         if let Some(mut clock) = self.clock {
             clock.flags = 0;

@@ -640,7 +640,8 @@ impl Vm {
             timer_hz: self.config.timer_hz,
             workload: self.config.workload,
             vcpus,
-            irqchip: IrqchipState::save(&self.vm_fd)?,
+            // A Linux VM (the one with an i8042) has the in-kernel PIT.
+            irqchip: IrqchipState::save(&self.vm_fd, self.guest_reset.is_some())?,
             io_devices: self.io_bus.save(),
             mmio_devices: self.mmio_bus.save(),
         })
