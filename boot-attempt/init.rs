@@ -20,6 +20,8 @@ unsafe fn syscall4(n: usize, a: usize, b: usize, c: usize, d: usize) -> usize {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn _start() -> ! {
+    // SAFETY: system calls with integer arguments and pointers to static,
+    // NUL-terminated or length-delimited data.
     unsafe {
         // open("/dev/console", O_WRONLY) in case fd 1 is not set up.
         let fd = syscall4(2, c"/dev/console".as_ptr() as usize, 1, 0, 0);
