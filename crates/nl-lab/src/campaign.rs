@@ -236,6 +236,37 @@ fn summary(
     })
 }
 
+/// What every campaign checks and opens before its first run: the
+/// duration, time limit and seed range, KVM, the `--log` file (appended
+/// to), and the Ctrl-C handler that ends the campaign after the runs under
+/// way.
+pub(crate) fn start_campaign(a: &InjectArgs, duration: f64) -> Result<Option<std::fs::File>> {
+    if !(duration.is_finite() && (0.5..=600.0).contains(&duration)) {
+        bail!("--duration {duration} must be between 0.5 and 600 seconds");
+    }
+    if let Some(t) = a.time_limit {
+        if !(t.is_finite() && t > 0.0) {
+            bail!("--time-limit must be a positive number of seconds");
+        }
+    }
+    if a.seed.checked_add(u64::from(a.runs)).is_none() {
+        bail!("--seed {} is too large for {} runs", a.seed, a.runs);
+    }
+    nl_vmm::open_kvm()?;
+    let log = match &a.log {
+        Some(p) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .with_context(|| format!("cannot open --log {}", p.display()))?,
+        ),
+        None => None,
+    };
+    install_cancel_handler();
+    Ok(log)
+}
+
 /// The campaign's table: each outcome class indented under the class it
 /// refines (detected: recovered or not; recovered: with no VM failing).
 fn table(s: &Value) -> String {
@@ -311,32 +342,10 @@ pub fn inject(a: InjectArgs) -> Result<ExitCode> {
         Setup::ThreeVm => 6.0,
         _ => 2.0,
     });
-    if !(duration.is_finite() && (0.5..=600.0).contains(&duration)) {
-        bail!("--duration {duration} must be between 0.5 and 600 seconds");
-    }
-    if let Some(t) = a.time_limit {
-        if !(t.is_finite() && t > 0.0) {
-            bail!("--time-limit must be a positive number of seconds");
-        }
-    }
-    if a.seed.checked_add(u64::from(a.runs)).is_none() {
-        bail!("--seed {} is too large for {} runs", a.seed, a.runs);
-    }
     if let (Setup::ThreeVm, Some(why)) = (a.setup, crate::netns::unavailable()) {
         bail!("the 3vm setup needs root for its network namespace: {why}");
     }
-    nl_vmm::open_kvm()?;
-    let mut log = match &a.log {
-        Some(p) => Some(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(p)
-                .with_context(|| format!("cannot open --log {}", p.display()))?,
-        ),
-        None => None,
-    };
-    install_cancel_handler();
+    let mut log = start_campaign(&a, duration)?;
     let cfg = Arc::new(Campaign {
         fault,
         setup: a.setup,

@@ -620,29 +620,7 @@ fn table(s: &Value) -> String {
 /// `ninelives inject --setup sandbox ...`.
 pub fn inject(a: InjectArgs, policy: RecoveryPolicy) -> Result<ExitCode> {
     let duration = a.duration.unwrap_or(1.5);
-    if !(duration.is_finite() && (0.5..=600.0).contains(&duration)) {
-        bail!("--duration {duration} must be between 0.5 and 600 seconds");
-    }
-    if let Some(t) = a.time_limit {
-        if !(t.is_finite() && t > 0.0) {
-            bail!("--time-limit must be a positive number of seconds");
-        }
-    }
-    if a.seed.checked_add(u64::from(a.runs)).is_none() {
-        bail!("--seed {} is too large for {} runs", a.seed, a.runs);
-    }
-    nl_vmm::open_kvm()?;
-    let mut log = match &a.log {
-        Some(p) => Some(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(p)
-                .with_context(|| format!("cannot open --log {}", p.display()))?,
-        ),
-        None => None,
-    };
-    install_cancel_handler();
+    let mut log = crate::campaign::start_campaign(&a, duration)?;
     let model = a.sandbox_fault;
     let cfg = Arc::new(Campaign { policy, model, duration });
     let shard = a.shard.unwrap_or(Shard::ALL);

