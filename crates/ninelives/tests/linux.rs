@@ -872,7 +872,7 @@ fn a_linux_vm_pit_state_survives_its_checkpoint_file_and_handover_record() {
 
     // An older process's state: no "pit" in it.
     let mut json: serde_json::Value = serde_json::from_slice(&state.to_bytes()).unwrap();
-    assert!(json["irqchip"]["pit"].is_object(), "the saved state has no PIT: {}", json["irqchip"]);
+    assert!(!json["irqchip"]["pit"].is_null(), "the saved state has no PIT: {}", json["irqchip"]);
     json["irqchip"].as_object_mut().unwrap().remove("pit");
     let old = nl_vmm::state::VmState::from_bytes(&serde_json::to_vec(&json).unwrap())
         .expect("a state without the PIT still reads");
