@@ -13,10 +13,10 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{kvm_available, sandbox_images, two_cores, Netns};
+use common::{kvm_available, two_cores, Netns};
 use nl_checkpoint::inject::GuestFault;
 use nl_lab::ping::{ping, PingReport};
-use nl_sandbox::{SandboxSet, SetConfig, SetReport};
+use nl_sandbox::SandboxSet;
 
 /// Every bound may take this many times longer on a loaded 2-core host.
 const LOADED: u32 = 3;
@@ -57,28 +57,6 @@ fn wait_answering(what: &str) {
 
 const NET: &str = r#""net": {"tap": "nltap0", "mac": "52:54:00:5a:00:02", "ipv4": "10.0.0.2/24"}"#;
 
-/// Creates the set from `config` (inside the namespace: the TAP is opened
-/// there), runs `body` while it is supervised, stops it, returns the report.
-fn in_namespace(ns: &Netns, config: &str, body: impl FnOnce(&SandboxSet) + Send) -> SetReport {
-    let config = SetConfig::parse(config).expect("config");
-    ns.0.run_in(|| {
-        let kvm = nl_vmm::open_kvm().expect("kvm");
-        let s = SandboxSet::create(&kvm, config, &sandbox_images()).expect("sandbox set");
-        s.start_all().expect("start");
-        Ok(std::thread::scope(|scope| {
-            let h = scope.spawn(|| s.supervise(Duration::from_secs(300)));
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&s)));
-            s.request_stop();
-            let report = h.join().expect("supervision");
-            if let Err(p) = r {
-                std::panic::resume_unwind(p);
-            }
-            report
-        }))
-    })
-    .expect("the namespace")
-}
-
 #[test]
 fn a_sandbox_serves_pings_on_its_own_tap() {
     if !kvm_available() {
@@ -93,7 +71,7 @@ fn a_sandbox_serves_pings_on_its_own_tap() {
         ]}}"#
     );
     let mut answered = 0;
-    let r = in_namespace(&ns, &config, |_| {
+    let r = ns.supervised_set(&config, |_| {
         wait_answering("the sandbox answering on its TAP");
         let p = ping(service(), Duration::from_millis(5), Duration::from_millis(500), None)
             .expect("ping");
@@ -151,7 +129,7 @@ fn a_standby_takes_over_a_failed_owners_service_and_the_owner_becomes_the_standb
     );
     let mut during: Option<PingReport> = None;
     let mut spare_served = None;
-    let r = in_namespace(&ns, &config, |s| {
+    let r = ns.supervised_set(&config, |s| {
         wait_answering("the owner answering");
         wait_for("p and q streaming", Duration::from_secs(60), || consumed(s, 0) > 500);
         let tids = |n: &str| {
@@ -295,7 +273,7 @@ fn a_restarted_sandbox_serves_again_on_the_same_tap() {
               "recovery": {{"policy": "restart"}}}}
         ]}}"#
     );
-    let r = in_namespace(&ns, &config, |s| {
+    let r = ns.supervised_set(&config, |s| {
         wait_answering("the sandbox answering");
         let web = s.get("web").unwrap();
         s.inject("web", &BAD_RIP).expect("inject");
@@ -352,7 +330,7 @@ fn a_fresh_client_is_answered_after_a_takeover_without_client_traffic() {
               "recovery": {{"policy": "restart"}}}}
         ], "services": [{{"name": "echo", "owner": "web", "standby": "spare"}}]}}"#
     );
-    let r = in_namespace(&ns, &config, |s| {
+    let r = ns.supervised_set(&config, |s| {
         wait_answering("the owner answering");
         for (k, (from, to)) in
             [("web", "spare"), ("spare", "web"), ("web", "spare")].into_iter().enumerate()

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use common::{kvm_available, sandbox_images, two_cores, Netns};
 use nl_checkpoint::inject::GuestFault;
-use nl_sandbox::{SandboxSet, SetConfig, SetReport};
+use nl_sandbox::{SandboxSet, SetConfig};
 
 /// Every bound may take this many times longer on a loaded 2-core host.
 const LOADED: u32 = 3;
@@ -56,28 +56,6 @@ fn config(policy: &str) -> String {
               "recovery": {{"policy": "{policy}", "max_recoveries": 100, "window_ms": 1000}}}}
         ], "services": [{{"name": "kv", "owner": "web", "standby": "spare", "state": {{"mib": 4}}}}]}}"#
     )
-}
-
-/// Creates the set from `config` (inside the namespace), runs `body` while
-/// it is supervised, stops it, returns the report.
-fn in_namespace(ns: &Netns, config: &str, body: impl FnOnce(&SandboxSet) + Send) -> SetReport {
-    let config = SetConfig::parse(config).expect("config");
-    ns.0.run_in(|| {
-        let kvm = nl_vmm::open_kvm().expect("kvm");
-        let s = SandboxSet::create(&kvm, config, &sandbox_images()).expect("sandbox set");
-        s.start_all().expect("start");
-        Ok(std::thread::scope(|scope| {
-            let h = scope.spawn(|| s.supervise(Duration::from_secs(600)));
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&s)));
-            s.request_stop();
-            let report = h.join().expect("supervision");
-            if let Err(p) = r {
-                std::panic::resume_unwind(p);
-            }
-            report
-        }))
-    })
-    .expect("the namespace")
 }
 
 /// A small kv client: one request at a time, reconnecting after any error
@@ -207,7 +185,7 @@ fn kv_keeps_every_acknowledged_write_across_20_takeovers() {
     let Some(ns) = Netns::new("sbstate") else { return };
     const TAKEOVERS: usize = 20;
     let mut result = None;
-    let r = in_namespace(&ns, &config("restart"), |s| {
+    let r = ns.supervised_set(&config("restart"), |s| {
         let mut c = Client::new();
         assert_eq!(c.must("PUT first 1", Duration::from_secs(60)), "OK");
         let stop = AtomicBool::new(false);
@@ -273,7 +251,7 @@ fn corrupt_entries_in_the_state_region_are_dropped_counted_and_never_served() {
     }
     let Some(ns) = Netns::new("sbcorrupt") else { return };
     let mut console = String::new();
-    let r = in_namespace(&ns, &config("restart"), |s| {
+    let r = ns.supervised_set(&config("restart"), |s| {
         let mut c = Client::new();
         for k in 0..100 {
             assert_eq!(c.must(&format!("PUT key{k} value{k}"), Duration::from_secs(60)), "OK");
@@ -349,7 +327,7 @@ fn a_takeover_with_no_standby_available_is_reported_and_the_owner_recovers_local
         let (a, b) = config.split_at(i);
         format!("{a}{}", b.replacen(r#""policy": "restart""#, r#""policy": "stop""#, 1))
     };
-    let r = in_namespace(&ns, &config, |s| {
+    let r = ns.supervised_set(&config, |s| {
         let mut c = Client::new();
         for k in 0..20 {
             assert_eq!(c.must(&format!("PUT key{k} value{k}"), Duration::from_secs(60)), "OK");

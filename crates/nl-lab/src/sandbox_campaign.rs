@@ -51,7 +51,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::campaign::InjectArgs;
-use crate::process::{install_cancel_handler, CANCEL};
+use crate::process::CANCEL;
 use crate::shards::{Input, Missing, Shard};
 use crate::stats::wilson;
 

@@ -279,6 +279,36 @@ impl Netns {
         Some(Netns(nl_lab::netns::Netns::with_tap(&name, "nltap0").expect("the test's namespace")))
     }
 
+    /// Creates a sandbox set from `config` inside the namespace (its TAPs
+    /// are opened there), runs `body` while the set is supervised (at most
+    /// 600 s), stops it and returns its report; a panic in `body` comes
+    /// back after the set stopped.
+    pub fn supervised_set(
+        &self,
+        config: &str,
+        body: impl FnOnce(&nl_sandbox::SandboxSet) + Send,
+    ) -> nl_sandbox::SetReport {
+        let config = nl_sandbox::SetConfig::parse(config).expect("config");
+        self.0
+            .run_in(|| {
+                let kvm = nl_vmm::open_kvm().expect("kvm");
+                let s = nl_sandbox::SandboxSet::create(&kvm, config, &sandbox_images())
+                    .expect("sandbox set");
+                s.start_all().expect("start");
+                Ok(std::thread::scope(|scope| {
+                    let h = scope.spawn(|| s.supervise(Duration::from_secs(600)));
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&s)));
+                    s.request_stop();
+                    let report = h.join().expect("supervision");
+                    if let Err(p) = r {
+                        std::panic::resume_unwind(p);
+                    }
+                    report
+                }))
+            })
+            .expect("the namespace")
+    }
+
     /// This binary, run inside the namespace.
     pub fn ninelives(&self, args: &[&str]) -> Command {
         let mut c = self.0.command(env!("CARGO_BIN_EXE_ninelives")).expect("the namespace opens");
