@@ -5,35 +5,13 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{kvm_available, sandbox_set, two_cores};
+use common::{kvm_available, sandbox_set, two_cores, wait_for, LOADED};
 use nl_checkpoint::inject::GuestFault;
 use nl_sandbox::detect::Detector;
 use nl_sandbox::{SandboxSet, SetReport};
 use nl_vmm::VmOutcome;
-
-/// How much longer than its nominal bound every wait may take: on a loaded
-/// 2-core host, building a restarted sandbox's VM alone took up to 30 s
-/// (CI beside a report run: the 60 s restart wait ran out). The bounds stay
-/// bounds; a passing run is not slower.
-const LOADED: u32 = 3;
-
-/// Polls `f` every 2 ms until it holds or `limit` (times [`LOADED`]) passes.
-fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
-    let limit = limit * LOADED;
-    let t = Instant::now();
-    for _ in 0..(limit.as_millis() / 2 + 1) {
-        if f() {
-            return;
-        }
-        if t.elapsed() > limit {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    panic!("timed out after {limit:?} waiting for {what}");
-}
 
 /// Words both ends of channel `c` have consumed of each other's stream.
 fn consumed(s: &SandboxSet, c: usize) -> u64 {

@@ -13,33 +13,10 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{kvm_available, two_cores, Netns};
+use common::{kvm_available, two_cores, wait_for, wait_or, Netns, LOADED};
 use nl_checkpoint::inject::GuestFault;
 use nl_lab::ping::{ping, PingReport};
 use nl_sandbox::SandboxSet;
-
-/// Every bound may take this many times longer on a loaded 2-core host.
-const LOADED: u32 = 3;
-
-fn wait_for(what: &str, limit: Duration, f: impl FnMut() -> bool) {
-    wait_or(what, limit, f, String::new);
-}
-
-/// [`wait_for`], with `state` in the message when it times out.
-fn wait_or(what: &str, limit: Duration, mut f: impl FnMut() -> bool, state: impl Fn() -> String) {
-    let limit = limit * LOADED;
-    let t = Instant::now();
-    for _ in 0..(limit.as_millis() / 2 + 1) {
-        if f() {
-            return;
-        }
-        if t.elapsed() > limit {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    panic!("timed out after {limit:?} waiting for {what}\n{}", state());
-}
 
 fn service() -> SocketAddr {
     "10.0.0.2:7".parse().unwrap()

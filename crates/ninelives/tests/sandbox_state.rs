@@ -14,27 +14,9 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{kvm_available, sandbox_images, two_cores, Netns};
+use common::{kvm_available, sandbox_images, two_cores, wait_or, Netns, LOADED};
 use nl_checkpoint::inject::GuestFault;
 use nl_sandbox::{SandboxSet, SetConfig};
-
-/// Every bound may take this many times longer on a loaded 2-core host.
-const LOADED: u32 = 3;
-
-fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool, state: impl Fn() -> String) {
-    let limit = limit * LOADED;
-    let t = Instant::now();
-    for _ in 0..(limit.as_millis() / 2 + 1) {
-        if f() {
-            return;
-        }
-        if t.elapsed() > limit {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    panic!("timed out after {limit:?} waiting for {what}\n{}", state());
-}
 
 const NET: &str = r#""net": {"tap": "nltap0", "mac": "52:54:00:5a:00:02", "ipv4": "10.0.0.2/24"}"#;
 
@@ -198,7 +180,7 @@ fn kv_keeps_every_acknowledged_write_across_20_takeovers() {
                 assert_eq!(n, t);
                 // The standby is up (its restart after the last takeover
                 // done) and the writer got answers from the holder.
-                wait_for(
+                wait_or(
                     "the standby ready",
                     Duration::from_secs(60),
                     || s.get(&to).unwrap().vm().control().vcpus[0].snapshot().beats > 0,
@@ -206,14 +188,14 @@ fn kv_keeps_every_acknowledged_write_across_20_takeovers() {
                 );
                 // The holder acknowledged writes of its own.
                 let before = progress.load(Ordering::SeqCst);
-                wait_for(
+                wait_or(
                     "writes acknowledged by the holder",
                     Duration::from_secs(30),
                     || progress.load(Ordering::SeqCst) > before + 20,
                     state,
                 );
                 s.inject(&from, &BAD_RIP).expect("inject");
-                wait_for("the takeover", Duration::from_secs(30), || holder(s).2 == t + 1, state);
+                wait_or("the takeover", Duration::from_secs(30), || holder(s).2 == t + 1, state);
                 let (h, _, _) = holder(s);
                 assert_eq!(h, to, "takeover {t}");
             }
@@ -282,7 +264,7 @@ fn corrupt_entries_in_the_state_region_are_dropped_counted_and_never_served() {
         }
         assert_eq!(hit.len(), 6);
         s.inject("web", &BAD_RIP).expect("inject");
-        wait_for(
+        wait_or(
             "the takeover",
             Duration::from_secs(30),
             || holder(s).2 == 1,
@@ -335,14 +317,14 @@ fn a_takeover_with_no_standby_available_is_reported_and_the_owner_recovers_local
         drop(c);
         let state = || format!("{:?}", s.services.report(&["web".into(), "spare".into()]));
         s.inject("spare", &BAD_RIP).expect("inject into the standby");
-        wait_for(
+        wait_or(
             "the standby stopped",
             Duration::from_secs(30),
             || !s.get("spare").unwrap().monitor.detections().is_empty(),
             state,
         );
         s.inject("web", &BAD_RIP).expect("inject into the owner");
-        wait_for(
+        wait_or(
             "the failed takeover's record",
             Duration::from_secs(30),
             || {
@@ -351,7 +333,7 @@ fn a_takeover_with_no_standby_available_is_reported_and_the_owner_recovers_local
             },
             state,
         );
-        wait_for(
+        wait_or(
             "web's local restart",
             Duration::from_secs(60),
             || s.get("web").unwrap().monitor.recovery_count() == 1,
