@@ -209,6 +209,19 @@ pub fn checkpoint(a: CheckpointArgs) -> Result<ExitCode> {
     Ok(if r.ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
+/// The machine a checkpoint file was saved from: memory, vCPUs, timer and
+/// disk as its header names them.
+fn saved_machine(h: &nl_checkpoint::disk::DiskHeader) -> crate::args::MachineArgs {
+    crate::args::MachineArgs {
+        mem: h.mem_bytes,
+        vcpus: h.vcpus,
+        timer_hz: h.timer_hz,
+        disk: h.disk.as_ref().map(|d| d.path.clone()),
+        disk_readonly: h.disk.as_ref().is_some_and(|d| d.readonly),
+        ..Default::default()
+    }
+}
+
 /// `ninelives restore FILE`: a VM from a disk checkpoint, run to completion.
 pub fn restore(a: crate::args::RestoreArgs) -> Result<ExitCode> {
     // Everything is read and checked before a VM exists: a bad file never
@@ -222,14 +235,7 @@ pub fn restore(a: crate::args::RestoreArgs) -> Result<ExitCode> {
     if let Some(d) = a.duration {
         bail!("--duration {d}: a reference-guest VM runs its workload to the end; --duration is for a Linux VM's file");
     }
-    let m = crate::args::MachineArgs {
-        mem: h.mem_bytes,
-        vcpus: h.vcpus,
-        timer_hz: h.timer_hz,
-        disk: h.disk.as_ref().map(|d| d.path.clone()),
-        disk_readonly: h.disk.as_ref().is_some_and(|d| d.readonly),
-        ..Default::default()
-    };
+    let m = saved_machine(h);
     let config = guest::vm_config(&m, h.workload, guest::kernel_image(&m)?, a.console.clone())?;
     let memory = ck.memory("restored")?;
     let kvm = nl_vmm::open_kvm()?;
@@ -274,14 +280,7 @@ fn restore_linux(
         bail!("--duration {secs} is out of range (0 s, one week]");
     }
     let h = &ck.header;
-    let m = crate::args::MachineArgs {
-        mem: h.mem_bytes,
-        vcpus: h.vcpus,
-        timer_hz: h.timer_hz,
-        disk: h.disk.as_ref().map(|d| d.path.clone()),
-        disk_readonly: h.disk.as_ref().is_some_and(|d| d.readonly),
-        ..Default::default()
-    };
+    let m = saved_machine(h);
     // The kernel is in the saved memory: no image is loaded.
     let config = guest::vm_config(&m, h.workload, std::sync::Arc::default(), a.console.clone())?;
     let map = crate::run_linux::system_map(linux.system_map.as_deref()).unwrap_or_else(|e| {
