@@ -946,3 +946,8 @@ fn a_linux_vm_keeps_running_across(policy: &str, test: &str) {
 fn a_linux_vm_keeps_running_across_a_microreset_of_its_host() {
     a_linux_vm_keeps_running_across("microreset", "a_linux_vm_keeps_running_across_a_microreset");
 }
+
+#[test]
+fn a_linux_vm_keeps_running_across_a_microreboot_of_its_host() {
+    a_linux_vm_keeps_running_across("microreboot", "a_linux_vm_keeps_running_across_a_microreboot");
+}

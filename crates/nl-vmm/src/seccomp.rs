@@ -51,7 +51,10 @@
 //!   process, on whichever thread first shrinks a heap arena.
 //! * **device I/O** (vCPU and device threads, which emulate devices):
 //!   `pread64`, `pwrite64`, `preadv`, `pwritev`, `readv`, `writev`,
-//!   `fsync`, `fdatasync` (virtio-blk on its image, virtio-net on its TAP).
+//!   `fsync`, `fdatasync` (virtio-blk on its image, virtio-net on its TAP),
+//!   and `ftruncate`: a vCPU thread re-executing an exit after a recovery
+//!   first undoes the console bytes that exit had written, which cuts them
+//!   off the console file.
 //! * **KVM ioctls**: `ioctl` whose request is of KVM's type (0xAE), such as
 //!   `KVM_RUN`, `KVM_IRQ_LINE`, `KVM_GET_REGS`; no other ioctl.
 //! * **write tracking** (checkpoint kind): `poll`/`ppoll` on the
@@ -332,6 +335,8 @@ fn device_io(r: &mut Rules) {
             SYS_writev,
             SYS_fsync,
             SYS_fdatasync,
+            // the console's undo log (`Console::undo_to`) on a retried exit
+            SYS_ftruncate,
         ],
     );
 }

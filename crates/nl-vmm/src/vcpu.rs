@@ -215,10 +215,21 @@ pub struct VcpuContext {
 /// The undo log of the exit a vCPU thread is handling: whether one is in
 /// flight, and the console mark to undo its output back to, so that a
 /// microreset re-executes it exactly once.
-#[derive(Default)]
 struct ExitLog {
     in_flight: AtomicBool,
+    /// [`NOT_LOGGED`] unless undo logging recorded a mark for this exit.
     console_mark: AtomicU64,
+}
+
+/// The console mark of an exit handled without undo logging (a policy
+/// other than a retrying microreset): there is nothing to undo, and undoing
+/// back to 0 would cut the whole console file.
+const NOT_LOGGED: u64 = u64::MAX;
+
+impl Default for ExitLog {
+    fn default() -> Self {
+        ExitLog { in_flight: AtomicBool::new(false), console_mark: AtomicU64::new(NOT_LOGGED) }
+    }
 }
 
 /// Dispatches again the port or MMIO exit that `vcpu`'s run structure
@@ -326,7 +337,10 @@ fn vcpu_loop(
     if retry {
         // Re-execute the exit this thread was discarded in, after undoing
         // its logged partial effects.
-        ctx.console.undo_to(log.console_mark.load(SeqCst));
+        let mark = log.console_mark.load(SeqCst);
+        if mark != NOT_LOGGED {
+            ctx.console.undo_to(mark);
+        }
         if let Some(stop) = retry_exit(&mut vcpu, cpu, ctx) {
             return stop;
         }
