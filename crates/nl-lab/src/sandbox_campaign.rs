@@ -232,6 +232,20 @@ const PQ_CPU: Duration = Duration::from_millis(200);
 /// The watch's wall bound.
 const PQ_WALL: Duration = Duration::from_secs(120);
 
+/// The verdict on channel pq after `messages` arrived on it while `p` and
+/// `q` ran `cpu_ms` on a CPU: `None` while neither progress nor a stall is
+/// proven (however long the wall time: a vCPU waiting for the CPU is not a
+/// stalled channel).
+fn judge_pq(messages: u64, cpu_ms: [u64; 2]) -> Option<PqVerdict> {
+    if messages >= PQ_PROGRESS {
+        Some(PqVerdict::Progressed)
+    } else if cpu_ms.iter().all(|&ms| ms >= PQ_CPU.as_millis() as u64) {
+        Some(PqVerdict::Stalled)
+    } else {
+        None
+    }
+}
+
 /// CPU ns of sandbox `name`'s vCPU threads, from the host's scheduler
 /// statistics.
 fn vcpu_cpu_ns(s: &SandboxSet, name: &str) -> u64 {
@@ -259,13 +273,7 @@ fn watch_pq(s: &SandboxSet, healthy: &[&str; 2]) -> PqWatch {
         let c = cpu();
         w.messages = received().saturating_sub(m0);
         w.cpu_ms = [0, 1].map(|i| c[i].saturating_sub(c0[i]) / 1_000_000);
-        verdict = if w.messages >= PQ_PROGRESS {
-            Some(PqVerdict::Progressed)
-        } else if w.cpu_ms.iter().all(|&ms| ms >= PQ_CPU.as_millis() as u64) {
-            Some(PqVerdict::Stalled)
-        } else {
-            None
-        };
+        verdict = judge_pq(w.messages, w.cpu_ms);
         verdict.is_some()
     });
     w.verdict = verdict.unwrap_or(PqVerdict::Starved);
@@ -978,6 +986,16 @@ mod tests {
             let (c, why) = classify(&e);
             assert_eq!(c, "other_harmed", "{why}");
         }
+    }
+
+    #[test]
+    fn pq_stalls_only_when_the_pair_had_the_cpu() {
+        // The old rule's stalls: no progress within a wall-time bound, while
+        // the host ran p and q for a few ms (measured in the campaign).
+        assert_eq!(judge_pq(0, [3, 40]), None);
+        assert_eq!(judge_pq(4, [0, 1000]), None);
+        assert_eq!(judge_pq(4, [200, 200]), Some(PqVerdict::Stalled));
+        assert_eq!(judge_pq(5, [0, 0]), Some(PqVerdict::Progressed));
     }
 
     #[test]
