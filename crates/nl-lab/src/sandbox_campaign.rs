@@ -201,11 +201,13 @@ pub struct Evidence {
 /// the CPU time the healthy pair's vCPUs got (as the lost-heartbeat
 /// detector judges a sandbox), not on wall time: on a loaded host a
 /// sandbox's vCPU thread can wait for a CPU for many seconds.
-#[derive(Clone, Copy, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct PqWatch {
     /// `progressed`: [`PQ_PROGRESS`] messages arrived on pq; `stalled`:
     /// they did not while both `p` and `q` ran [`PQ_CPU`] on a CPU;
-    /// `starved`: neither within [`PQ_WALL`] (no verdict).
+    /// neither within [`PQ_WALL`]: `starved` when the one that did not
+    /// run waited runnable for a CPU at least half the time (no verdict),
+    /// else `blocked` (its vCPU thread neither ran nor waited: harm).
     pub verdict: PqVerdict,
     /// Messages received on pq (both ends) during the watch.
     pub messages: u64,
@@ -213,6 +215,45 @@ pub struct PqWatch {
     pub wall_ms: u64,
     /// CPU time `p`'s and `q`'s vCPU threads got during it.
     pub cpu_ms: [u64; 2],
+    /// Time they waited runnable for a CPU during it (schedstat's
+    /// run_delay): starvation shows here, a blocked thread does not.
+    pub wait_ms: [u64; 2],
+    /// After [`PQ_SAMPLE`] without a verdict: `p`'s and `q`'s vCPU 0
+    /// threads' scheduler state, wait channel and kernel stack (where a
+    /// thread that neither runs nor waits for a CPU is blocked).
+    pub blocked_in: Option<[String; 2]>,
+}
+
+/// When a watch without a verdict samples where the pair's threads are.
+const PQ_SAMPLE: Duration = Duration::from_secs(5);
+
+/// `(run_ns, run_delay_ns)` of thread `tid` of this process.
+fn schedstat(tid: i32) -> Option<(u64, u64)> {
+    let t = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
+    let mut f = t.split_whitespace().map(|x| x.parse::<u64>().ok());
+    Some((f.next()??, f.next()??))
+}
+
+/// State, wait channel and kernel stack of sandbox `name`'s first vCPU
+/// thread, on one line.
+fn where_is(s: &SandboxSet, name: &str) -> String {
+    let Some(tid) = s.get(name).and_then(|b| b.vm().vcpu_threads().into_iter().flatten().next())
+    else {
+        return "no vCPU thread".into();
+    };
+    let read = |f: &str| std::fs::read_to_string(format!("/proc/self/task/{}/{f}", tid.tid));
+    let state = read("stat")
+        .ok()
+        .and_then(|t| t.rsplit_once(") ").map(|(_, r)| r.chars().take(1).collect::<String>()))
+        .unwrap_or_default();
+    let wchan = read("wchan").unwrap_or_default();
+    let stack: Vec<String> = read("stack")
+        .unwrap_or_default()
+        .lines()
+        .take(8)
+        .map(|l| l.split_whitespace().last().unwrap_or("").to_string())
+        .collect();
+    format!("state {state} wchan {wchan} stack {}", stack.join(" < "))
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -222,6 +263,7 @@ pub enum PqVerdict {
     Progressed,
     Stalled,
     Starved,
+    Blocked,
 }
 
 /// Messages on pq that count as progress.
@@ -246,16 +288,16 @@ fn judge_pq(messages: u64, cpu_ms: [u64; 2]) -> Option<PqVerdict> {
     }
 }
 
-/// CPU ns of sandbox `name`'s vCPU threads, from the host's scheduler
-/// statistics.
-fn vcpu_cpu_ns(s: &SandboxSet, name: &str) -> u64 {
-    s.get(name).map_or(0, |b| {
+/// `(cpu_ns, run_delay_ns)` of sandbox `name`'s vCPU threads, from the
+/// host's scheduler statistics.
+fn vcpu_sched_ns(s: &SandboxSet, name: &str) -> (u64, u64) {
+    s.get(name).map_or((0, 0), |b| {
         b.vm()
             .vcpu_threads()
             .iter()
             .flatten()
-            .filter_map(|t| nl_sandbox::periodic::thread_cpu_ns(t.tid))
-            .sum()
+            .filter_map(|t| schedstat(t.tid))
+            .fold((0, 0), |a, x| (a.0 + x.0, a.1 + x.1))
     })
 }
 
@@ -265,19 +307,30 @@ fn watch_pq(s: &SandboxSet, healthy: &[&str; 2]) -> PqWatch {
     let received = || -> u64 {
         healthy.iter().filter_map(|n| end_of(s, "pq", n).ok()).map(|r| r.received).sum()
     };
-    let cpu = || healthy.map(|n| vcpu_cpu_ns(s, n));
+    let cpu = || healthy.map(|n| vcpu_sched_ns(s, n));
     let (m0, c0, t0) = (received(), cpu(), Instant::now());
     let mut w = PqWatch::default();
     let mut verdict = None;
     wait_for(PQ_WALL, || {
         let c = cpu();
         w.messages = received().saturating_sub(m0);
-        w.cpu_ms = [0, 1].map(|i| c[i].saturating_sub(c0[i]) / 1_000_000);
+        w.cpu_ms = [0, 1].map(|i| c[i].0.saturating_sub(c0[i].0) / 1_000_000);
+        w.wait_ms = [0, 1].map(|i| c[i].1.saturating_sub(c0[i].1) / 1_000_000);
+        if w.blocked_in.is_none() && t0.elapsed() > PQ_SAMPLE {
+            w.blocked_in = Some(healthy.map(|n| where_is(s, n)));
+        }
         verdict = judge_pq(w.messages, w.cpu_ms);
         verdict.is_some()
     });
-    w.verdict = verdict.unwrap_or(PqVerdict::Starved);
     w.wall_ms = t0.elapsed().as_millis() as u64;
+    w.verdict = verdict.unwrap_or_else(|| {
+        let short = (0..2).filter(|&i| w.cpu_ms[i] < PQ_CPU.as_millis() as u64);
+        if short.clone().count() > 0 && short.clone().all(|i| 2 * w.wait_ms[i] >= w.wall_ms) {
+            PqVerdict::Starved
+        } else {
+            PqVerdict::Blocked
+        }
+    });
     w
 }
 
@@ -322,6 +375,12 @@ pub fn classify(e: &Evidence) -> (&'static str, String) {
             w.messages, w.cpu_ms[0], w.cpu_ms[1]
         ));
     }
+    if w.verdict == PqVerdict::Blocked {
+        harm.push(format!(
+            "channel pq: {} messages in {} ms while p and q neither ran (CPU {} and {} ms) nor waited for a CPU ({} and {} ms): blocked in {:?}",
+            w.messages, w.wall_ms, w.cpu_ms[0], w.cpu_ms[1], w.wait_ms[0], w.wait_ms[1], w.blocked_in
+        ));
+    }
     if !harm.is_empty() {
         return ("other_harmed", harm.join("; "));
     }
@@ -331,11 +390,13 @@ pub fn classify(e: &Evidence) -> (&'static str, String) {
         return (
             "skipped",
             format!(
-                "no verdict on the healthy pair: in {} ms its vCPUs got only {} and {} ms of CPU (under {} ms each) and pq {} messages",
+                "no verdict on the healthy pair: in {} ms its vCPUs got only {} and {} ms of CPU (under {} ms each; they waited for one {} and {} ms) and pq {} messages",
                 w.wall_ms,
                 w.cpu_ms[0],
                 w.cpu_ms[1],
                 PQ_CPU.as_millis(),
+                w.wait_ms[0],
+                w.wait_ms[1],
                 w.messages
             ),
         );
@@ -958,7 +1019,7 @@ mod tests {
 
     #[test]
     fn any_sign_of_harm_in_the_healthy_pair_overrides_the_target_class() {
-        let harms: [fn(&mut Evidence); 11] = [
+        let harms: [fn(&mut Evidence); 12] = [
             |e| e.healthy[0].pq.rejected = 1,
             |e| e.healthy[1].pq.corrupt = 1,
             |e| e.healthy[0].pq.lost = 1,
@@ -975,7 +1036,12 @@ mod tests {
                     messages: 2,
                     wall_ms: 900,
                     cpu_ms: [200, 230],
+                    ..Default::default()
                 }
+            },
+            |e| {
+                e.pq_watch =
+                    PqWatch { verdict: PqVerdict::Blocked, wall_ms: 120_000, ..Default::default() }
             },
         ];
         for h in harms {
@@ -1006,6 +1072,8 @@ mod tests {
             messages: 1,
             wall_ms: 120_000,
             cpu_ms: [3, 150],
+            wait_ms: [119_000, 100_000],
+            ..Default::default()
         };
         let (c, why) = classify(&e);
         assert_eq!(c, "skipped", "{why}");
