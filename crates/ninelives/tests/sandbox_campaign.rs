@@ -95,3 +95,26 @@ fn shards_of_a_sandbox_campaign_merge_into_the_whole() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("missing shards"), "{}", stderr(&o));
 }
+
+#[test]
+fn bad_records_from_the_faulty_sandbox_are_evidence_but_on_the_healthy_channel_harm() {
+    if !kvm_available() {
+        return;
+    }
+    // svc's region of sp announces records svc never wrote: p rejects them
+    // on sp. That is the isolation working: p's own channel pq is clean.
+    let r = one(&["--recovery", "restart", "--sandbox-fault", "bad-records", "--runs", "1"]);
+    let e = &r["evidence"];
+    assert!(e["from_faulty"]["rejected"].as_u64().unwrap() > 0, "{r:#}");
+    for h in 0..2 {
+        assert_eq!(e["healthy"][h]["pq"]["rejected"], 0, "{r:#}");
+        assert!(e["healthy"][h]["pq"]["received"].as_u64().unwrap() > 0, "{r:#}");
+    }
+    assert_eq!(r["outcome"], "not_manifested", "{r:#}");
+    // The same on q's region of pq: p rejects it on its own channel, which
+    // is harm to the healthy pair.
+    let r = one(&["--recovery", "restart", "--sandbox-fault", "harm-control", "--runs", "1"]);
+    assert_eq!(r["outcome"], "other_harmed", "{r:#}");
+    assert!(r["evidence"]["healthy"][0]["pq"]["rejected"].as_u64().unwrap() > 0, "{r:#}");
+    assert!(r["reason"].as_str().unwrap().contains("on pq"), "{r:#}");
+}

@@ -20,11 +20,15 @@
 //! going, stops the set and classifies:
 //!
 //! * `other_harmed`: `p` or `q` was touched: a detection or recovery in
-//!   them, a message of theirs corrupt, lost, duplicated or rejected (their
-//!   own counters, checked by the set's verification), one of them paused
-//!   or given new vCPU threads, channel `pq` restarted (its generation
-//!   changed) or stalled after the fault, or one of them not running when
-//!   the run stopped it. Checked first: it overrides every other class;
+//!   them, a message on their own channel `pq` rejected, corrupt, lost or
+//!   duplicated (each end's receive counters of `pq`, which it publishes in
+//!   its own region's header, see `nl_workloads::channel`), one of them
+//!   paused or given new vCPU threads, channel `pq` restarted (its
+//!   generation changed) or stalled after the fault, or one of them not
+//!   running when the run stopped it. Checked first: it overrides every
+//!   other class. What `p` rejected or found wrong on channel `sp` came
+//!   from the faulty `svc` itself: it is recorded (`from_faulty`) as
+//!   evidence of the isolation working, not as harm;
 //! * `recovered`: `svc`'s monitor detected the fault, every recovery
 //!   succeeded, and `svc` completed and verified;
 //! * `not_manifested`: nothing detected, `svc` completed and verified;
@@ -43,6 +47,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
+use nl_sandbox::channel::RegionStats;
 use nl_sandbox::config::RecoveryPolicy;
 use nl_sandbox::faults::{self, FaultModel, Rng, SandboxFault};
 use nl_sandbox::{SandboxSet, SetConfig};
@@ -70,10 +75,16 @@ pub enum SandboxFaultArg {
     BrokenDriver,
     /// Each run picks one of the four by its seed.
     Mixed,
-    /// (control) The host overwrites `q`'s output region of channel `pq`,
-    /// as a broken isolation would: must be classified other_harmed.
+    /// (control) The host makes `q`'s region of channel `pq` announce
+    /// records `q` never wrote, as a broken isolation would: `p` rejects
+    /// them on its own channel, so the run must be classified other_harmed.
     #[value(hide = true)]
     HarmControl,
+    /// (control) The same on `svc`'s region of channel `sp`, as a broken
+    /// driver in `svc` would: `p` rejects them, which is the isolation
+    /// working, not harm.
+    #[value(hide = true)]
+    BadRecords,
 }
 
 impl SandboxFaultArg {
@@ -81,6 +92,7 @@ impl SandboxFaultArg {
         match self {
             SandboxFaultArg::Mixed => "mixed",
             SandboxFaultArg::HarmControl => "harm-control",
+            SandboxFaultArg::BadRecords => "bad-records",
             m => m.model().map_or("?", FaultModel::name),
         }
     }
@@ -91,7 +103,9 @@ impl SandboxFaultArg {
             SandboxFaultArg::RegisterFlip => Some(FaultModel::RegisterFlip),
             SandboxFaultArg::ViolatingWrite => Some(FaultModel::ViolatingWrite),
             SandboxFaultArg::BrokenDriver => Some(FaultModel::BrokenDriver),
-            SandboxFaultArg::Mixed | SandboxFaultArg::HarmControl => None,
+            SandboxFaultArg::Mixed | SandboxFaultArg::HarmControl | SandboxFaultArg::BadRecords => {
+                None
+            }
         }
     }
 }
@@ -142,10 +156,11 @@ impl Outcomes {
 pub struct HealthyView {
     pub name: String,
     pub outcome: String,
-    /// Messages it received.
+    /// Messages it received on all its channels.
     pub ops: u64,
-    /// Corrupt, lost, duplicated or rejected messages (its own counters).
-    pub errors: u64,
+    /// Its own end of channel `pq`: what it received, rejected, and found
+    /// corrupt, lost or duplicated there.
+    pub pq: RegionStats,
     pub detections: usize,
     pub recoveries: usize,
     /// Seen paused by the run's 1 ms watcher.
@@ -173,10 +188,150 @@ pub struct TargetView {
 pub struct Evidence {
     pub target: TargetView,
     pub healthy: Vec<HealthyView>,
+    /// `p`'s end of channel `sp`: what the faulty `svc` sent it, and what
+    /// of that `p` rejected or found wrong (evidence, not harm).
+    pub from_faulty: RegionStats,
     /// Channel pq's two generations changed (p or q restarted).
     pub pq_restarted: bool,
-    /// Channel pq made progress after the target's run ended.
-    pub pq_progressed: bool,
+    /// Channel pq after the target's run ended.
+    pub pq_watch: PqWatch,
+}
+
+/// Whether channel `pq` made progress after the target's run, judged on
+/// the CPU time the healthy pair's vCPUs got (as the lost-heartbeat
+/// detector judges a sandbox), not on wall time: on a loaded host a
+/// sandbox's vCPU thread can wait for a CPU for many seconds.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PqWatch {
+    /// `progressed`: [`PQ_PROGRESS`] messages arrived on pq; `stalled`:
+    /// they did not while both `p` and `q` ran [`PQ_CPU`] on a CPU;
+    /// neither within [`PQ_WALL`]: `starved` when the one that did not
+    /// run waited runnable for a CPU at least half the time (no verdict),
+    /// else `blocked` (its vCPU thread neither ran nor waited: harm).
+    pub verdict: PqVerdict,
+    /// Messages received on pq (both ends) during the watch.
+    pub messages: u64,
+    /// The watch's wall time.
+    pub wall_ms: u64,
+    /// CPU time `p`'s and `q`'s vCPU threads got during it.
+    pub cpu_ms: [u64; 2],
+    /// Time they waited runnable for a CPU during it (schedstat's
+    /// run_delay): starvation shows here, a blocked thread does not.
+    pub wait_ms: [u64; 2],
+    /// After [`PQ_SAMPLE`] without a verdict: `p`'s and `q`'s vCPU 0
+    /// threads' scheduler state, wait channel and kernel stack (where a
+    /// thread that neither runs nor waits for a CPU is blocked).
+    pub blocked_in: Option<[String; 2]>,
+}
+
+/// When a watch without a verdict samples where the pair's threads are.
+const PQ_SAMPLE: Duration = Duration::from_secs(5);
+
+/// `(run_ns, run_delay_ns)` of thread `tid` of this process.
+fn schedstat(tid: i32) -> Option<(u64, u64)> {
+    let t = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
+    let mut f = t.split_whitespace().map(|x| x.parse::<u64>().ok());
+    Some((f.next()??, f.next()??))
+}
+
+/// State, wait channel and kernel stack of sandbox `name`'s first vCPU
+/// thread, on one line.
+fn where_is(s: &SandboxSet, name: &str) -> String {
+    let Some(tid) = s.get(name).and_then(|b| b.vm().vcpu_threads().into_iter().flatten().next())
+    else {
+        return "no vCPU thread".into();
+    };
+    let read = |f: &str| std::fs::read_to_string(format!("/proc/self/task/{}/{f}", tid.tid));
+    let state = read("stat")
+        .ok()
+        .and_then(|t| t.rsplit_once(") ").map(|(_, r)| r.chars().take(1).collect::<String>()))
+        .unwrap_or_default();
+    let wchan = read("wchan").unwrap_or_default();
+    let stack: Vec<String> = read("stack")
+        .unwrap_or_default()
+        .lines()
+        .take(8)
+        .map(|l| l.split_whitespace().last().unwrap_or("").to_string())
+        .collect();
+    format!("state {state} wchan {wchan} stack {}", stack.join(" < "))
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PqVerdict {
+    #[default]
+    Progressed,
+    Stalled,
+    Starved,
+    Blocked,
+}
+
+/// Messages on pq that count as progress.
+const PQ_PROGRESS: u64 = 5;
+/// CPU time each of `p` and `q` must have had for a missing progress to
+/// be a stall (the target's `heartbeat_cpu_ms`).
+const PQ_CPU: Duration = Duration::from_millis(200);
+/// The watch's wall bound.
+const PQ_WALL: Duration = Duration::from_secs(120);
+
+/// The verdict on channel pq after `messages` arrived on it while `p` and
+/// `q` ran `cpu_ms` on a CPU: `None` while neither progress nor a stall is
+/// proven (however long the wall time: a vCPU waiting for the CPU is not a
+/// stalled channel).
+fn judge_pq(messages: u64, cpu_ms: [u64; 2]) -> Option<PqVerdict> {
+    if messages >= PQ_PROGRESS {
+        Some(PqVerdict::Progressed)
+    } else if cpu_ms.iter().all(|&ms| ms >= PQ_CPU.as_millis() as u64) {
+        Some(PqVerdict::Stalled)
+    } else {
+        None
+    }
+}
+
+/// `(cpu_ns, run_delay_ns)` of sandbox `name`'s vCPU threads, from the
+/// host's scheduler statistics.
+fn vcpu_sched_ns(s: &SandboxSet, name: &str) -> (u64, u64) {
+    s.get(name).map_or((0, 0), |b| {
+        b.vm()
+            .vcpu_threads()
+            .iter()
+            .flatten()
+            .filter_map(|t| schedstat(t.tid))
+            .fold((0, 0), |a, x| (a.0 + x.0, a.1 + x.1))
+    })
+}
+
+/// Watches channel pq (bounded by [`PQ_WALL`]) until it progressed, or
+/// stalled while `healthy` both had the CPU.
+fn watch_pq(s: &SandboxSet, healthy: &[&str; 2]) -> PqWatch {
+    let received = || -> u64 {
+        healthy.iter().filter_map(|n| end_of(s, "pq", n).ok()).map(|r| r.received).sum()
+    };
+    let cpu = || healthy.map(|n| vcpu_sched_ns(s, n));
+    let (m0, c0, t0) = (received(), cpu(), Instant::now());
+    let mut w = PqWatch::default();
+    let mut verdict = None;
+    wait_for(PQ_WALL, || {
+        let c = cpu();
+        w.messages = received().saturating_sub(m0);
+        w.cpu_ms = [0, 1].map(|i| c[i].0.saturating_sub(c0[i].0) / 1_000_000);
+        w.wait_ms = [0, 1].map(|i| c[i].1.saturating_sub(c0[i].1) / 1_000_000);
+        if w.blocked_in.is_none() && t0.elapsed() > PQ_SAMPLE {
+            w.blocked_in = Some(healthy.map(|n| where_is(s, n)));
+        }
+        verdict = judge_pq(w.messages, w.cpu_ms);
+        verdict.is_some()
+    });
+    w.wall_ms = t0.elapsed().as_millis() as u64;
+    w.verdict = verdict.unwrap_or_else(|| {
+        let short = (0..2).filter(|&i| w.cpu_ms[i] < PQ_CPU.as_millis() as u64);
+        if short.clone().count() > 0 && short.clone().all(|i| 2 * w.wait_ms[i] >= w.wall_ms) {
+            PqVerdict::Starved
+        } else {
+            PqVerdict::Blocked
+        }
+    });
+    w
 }
 
 /// The class of a run and why.
@@ -187,11 +342,15 @@ pub fn classify(e: &Evidence) -> (&'static str, String) {
         if h.outcome != "stopped" {
             why.push(format!("ended {}", h.outcome));
         }
-        if h.errors > 0 {
-            why.push(format!("{} messages corrupt, lost, duplicated or rejected", h.errors));
+        let pq = &h.pq;
+        if pq.errors() > 0 {
+            why.push(format!(
+                "on pq {} rejected, {} corrupt, {} lost, {} duplicated",
+                pq.rejected, pq.corrupt, pq.lost, pq.duplicated
+            ));
         }
-        if h.ops == 0 {
-            why.push("received nothing".to_string());
+        if pq.received == 0 {
+            why.push("received nothing on pq".to_string());
         }
         if h.detections > 0 || h.recoveries > 0 {
             why.push(format!("{} detections, {} recoveries", h.detections, h.recoveries));
@@ -209,11 +368,38 @@ pub fn classify(e: &Evidence) -> (&'static str, String) {
     if e.pq_restarted {
         harm.push("channel pq restarted".to_string());
     }
-    if !e.pq_progressed {
-        harm.push("channel pq stalled after the fault".to_string());
+    let w = &e.pq_watch;
+    if w.verdict == PqVerdict::Stalled {
+        harm.push(format!(
+            "channel pq stalled after the fault: {} messages while p and q ran {} and {} ms",
+            w.messages, w.cpu_ms[0], w.cpu_ms[1]
+        ));
+    }
+    if w.verdict == PqVerdict::Blocked {
+        harm.push(format!(
+            "channel pq: {} messages in {} ms while p and q neither ran (CPU {} and {} ms) nor waited for a CPU ({} and {} ms): blocked in {:?}",
+            w.messages, w.wall_ms, w.cpu_ms[0], w.cpu_ms[1], w.wait_ms[0], w.wait_ms[1], w.blocked_in
+        ));
     }
     if !harm.is_empty() {
         return ("other_harmed", harm.join("; "));
+    }
+    if w.verdict == PqVerdict::Starved {
+        // Not counted: the host did not run the healthy pair enough to
+        // tell a stall from a wait for the CPU.
+        return (
+            "skipped",
+            format!(
+                "no verdict on the healthy pair: in {} ms its vCPUs got only {} and {} ms of CPU (under {} ms each; they waited for one {} and {} ms) and pq {} messages",
+                w.wall_ms,
+                w.cpu_ms[0],
+                w.cpu_ms[1],
+                PQ_CPU.as_millis(),
+                w.wait_ms[0],
+                w.wait_ms[1],
+                w.messages
+            ),
+        );
     }
     let t = &e.target;
     let detected = !t.detections.is_empty();
@@ -303,6 +489,38 @@ fn consumed(s: &SandboxSet, c: usize) -> u64 {
     let a = s.channels[c].header(0);
     let b = s.channels[c].header(1);
     a.ack_words + b.ack_words
+}
+
+/// With `writer` paused, makes its region of `channel` announce twice a
+/// ring more than it wrote until `reader` rejected some of it (bounded),
+/// then puts the head back and resumes `writer`.
+fn forge_head(s: &SandboxSet, channel: &str, writer: &str, reader: &str) -> Result<()> {
+    let c = s.channels.iter().find(|c| c.name == channel).context("no such channel")?;
+    let w = s.get(writer).context("no such sandbox")?;
+    let region = c.ends.iter().position(|&e| e == w.index).context("not an end")?;
+    let rejected0 = end_of(s, channel, reader)?.rejected;
+    let vm = w.vm();
+    vm.pause();
+    let head = c.header(region).head_words;
+    c.set_head(region, head + 2 * (nl_abi::CHANNEL_REGION_BYTES / 8));
+    let seen = wait_for(Duration::from_secs(30), || {
+        end_of(s, channel, reader).is_ok_and(|r| r.rejected > rejected0)
+    });
+    c.set_head(region, head);
+    vm.resume();
+    if !seen {
+        bail!("{reader} did not read {writer}'s forged head on {channel} within 30 s");
+    }
+    Ok(())
+}
+
+/// The header of `sandbox`'s own region of `channel`: its receive report
+/// on that channel.
+fn end_of(s: &SandboxSet, channel: &str, sandbox: &str) -> Result<RegionStats> {
+    let c = s.channels.iter().find(|c| c.name == channel).context("no such channel")?;
+    let sb = s.get(sandbox).context("no such sandbox")?;
+    let end = c.ends.iter().position(|&e| e == sb.index).context("not an end of the channel")?;
+    Ok(c.header(end))
 }
 
 fn wait_for(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
@@ -407,21 +625,17 @@ fn run_body(c: &Campaign, seed: u64, t0: Instant, rec: &mut RunRecord) -> Result
                 rec.reason = "the target ended before the fault went in".into();
                 return Ok(None);
             }
-            let (fault, target) = match model {
-                Some(m) => (faults::pick_model(s, "svc", m, &mut rng)?, "svc"),
-                // The control: garbage over q's own output region of pq.
-                None => (
-                    SandboxFault::BrokenDriver {
-                        channel: 0,
-                        offset: 0,
-                        bytes: nl_abi::CHANNEL_REGION_BYTES as usize,
-                        seed,
-                    },
-                    "q",
-                ),
-            };
-            rec.fault = Some(fault.clone());
-            faults::apply(s, target, &fault)?;
+            match model {
+                Some(m) => {
+                    let fault = faults::pick_model(s, "svc", m, &mut rng)?;
+                    rec.fault = Some(fault.clone());
+                    faults::apply(s, "svc", &fault)?;
+                }
+                // The controls: a writer's region announces records it
+                // never wrote until the reader `p` rejected some.
+                None if c.model == SandboxFaultArg::HarmControl => forge_head(s, "pq", "q", "p")?,
+                None => forge_head(s, "sp", "svc", "p")?,
+            }
             rec.phases_ms.injected = ms();
             // The target's run plays out: it completes (perhaps after
             // recoveries), is given up, or its recovery fails.
@@ -439,15 +653,14 @@ fn run_body(c: &Campaign, seed: u64, t0: Instant, rec: &mut RunRecord) -> Result
             });
             rec.phases_ms.target_done = ms();
             // The healthy pair keeps going after it.
-            let pq = consumed(s, 1);
-            let pq_progressed = wait_for(Duration::from_secs(30), || consumed(s, 1) > pq + 50);
+            let pq_watch = watch_pq(s, &healthy);
             let pq_restarted =
                 [s.channels[1].header(0).generation, s.channels[1].header(1).generation] != gens0;
             let new_threads: Vec<bool> =
                 healthy.iter().zip(&tids0).map(|(n, t0)| tids(n) != *t0).collect();
             Ok(Some(Evidence {
                 pq_restarted,
-                pq_progressed,
+                pq_watch,
                 healthy: healthy
                     .iter()
                     .enumerate()
@@ -467,6 +680,7 @@ fn run_body(c: &Campaign, seed: u64, t0: Instant, rec: &mut RunRecord) -> Result
         done.store(true, Relaxed);
         let _ = watcher.join();
         let Some(mut ev) = body? else { return Ok(()) };
+        ev.from_faulty = end_of(s, "sp", "p")?;
         let svc = s.get("svc").context("no svc")?;
         let completed = svc_outcome == Some(VmOutcome::Completed);
         let (verified, problem) = if completed {
@@ -496,7 +710,7 @@ fn run_body(c: &Campaign, seed: u64, t0: Instant, rec: &mut RunRecord) -> Result
             let r = report.sandboxes.iter().find(|r| r.name == h.name).context("no report")?;
             h.outcome = outcome_name(&r.outcome);
             h.ops = r.ops;
-            h.errors = r.digest;
+            h.pq = end_of(s, "pq", &h.name)?;
             h.detections = r.detections.len();
             h.recoveries = r.recoveries.len();
             h.paused = paused[i].load(Relaxed);
@@ -768,7 +982,13 @@ mod tests {
     use super::*;
 
     fn healthy(name: &str) -> HealthyView {
-        HealthyView { name: name.into(), outcome: "stopped".into(), ops: 100, ..Default::default() }
+        HealthyView {
+            name: name.into(),
+            outcome: "stopped".into(),
+            ops: 100,
+            pq: RegionStats { received: 100, ..Default::default() },
+            ..Default::default()
+        }
     }
 
     fn evidence() -> Evidence {
@@ -780,8 +1000,9 @@ mod tests {
                 ..Default::default()
             },
             healthy: vec![healthy("p"), healthy("q")],
+            from_faulty: RegionStats { received: 50, ..Default::default() },
             pq_restarted: false,
-            pq_progressed: true,
+            pq_watch: PqWatch { messages: 40, wall_ms: 30, cpu_ms: [25, 25], ..Default::default() },
         }
     }
 
@@ -798,14 +1019,30 @@ mod tests {
 
     #[test]
     fn any_sign_of_harm_in_the_healthy_pair_overrides_the_target_class() {
-        let harms: [fn(&mut Evidence); 7] = [
-            |e| e.healthy[0].errors = 1,
+        let harms: [fn(&mut Evidence); 12] = [
+            |e| e.healthy[0].pq.rejected = 1,
+            |e| e.healthy[1].pq.corrupt = 1,
+            |e| e.healthy[0].pq.lost = 1,
+            |e| e.healthy[1].pq.duplicated = 1,
+            |e| e.healthy[1].pq.received = 0,
             |e| e.healthy[1].paused = true,
             |e| e.healthy[0].detections = 1,
             |e| e.healthy[1].outcome = "guest error".into(),
             |e| e.healthy[0].new_threads = true,
             |e| e.pq_restarted = true,
-            |e| e.pq_progressed = false,
+            |e| {
+                e.pq_watch = PqWatch {
+                    verdict: PqVerdict::Stalled,
+                    messages: 2,
+                    wall_ms: 900,
+                    cpu_ms: [200, 230],
+                    ..Default::default()
+                }
+            },
+            |e| {
+                e.pq_watch =
+                    PqWatch { verdict: PqVerdict::Blocked, wall_ms: 120_000, ..Default::default() }
+            },
         ];
         for h in harms {
             let mut e = evidence();
@@ -815,6 +1052,53 @@ mod tests {
             let (c, why) = classify(&e);
             assert_eq!(c, "other_harmed", "{why}");
         }
+    }
+
+    #[test]
+    fn pq_stalls_only_when_the_pair_had_the_cpu() {
+        // The old rule's stalls: no progress within a wall-time bound, while
+        // the host ran p and q for a few ms (measured in the campaign).
+        assert_eq!(judge_pq(0, [3, 40]), None);
+        assert_eq!(judge_pq(4, [0, 1000]), None);
+        assert_eq!(judge_pq(4, [200, 200]), Some(PqVerdict::Stalled));
+        assert_eq!(judge_pq(5, [0, 0]), Some(PqVerdict::Progressed));
+    }
+
+    #[test]
+    fn a_healthy_pair_starved_of_the_cpu_gets_no_verdict() {
+        let mut e = evidence();
+        e.pq_watch = PqWatch {
+            verdict: PqVerdict::Starved,
+            messages: 1,
+            wall_ms: 120_000,
+            cpu_ms: [3, 150],
+            wait_ms: [119_000, 100_000],
+            ..Default::default()
+        };
+        let (c, why) = classify(&e);
+        assert_eq!(c, "skipped", "{why}");
+        assert!(why.contains("3 and 150 ms of CPU"), "{why}");
+        // Any harm still overrides it.
+        e.healthy[1].pq.lost = 1;
+        assert_eq!(classify(&e).0, "other_harmed");
+    }
+
+    #[test]
+    fn bad_records_from_the_faulty_sandbox_are_evidence_not_harm() {
+        let mut e = evidence();
+        e.target.detections = vec!["guest-exception".into()];
+        e.target.recoveries = 1;
+        e.from_faulty = RegionStats {
+            received: 40,
+            rejected: 3,
+            corrupt: 1,
+            lost: 7,
+            duplicated: 1,
+            ..Default::default()
+        };
+        // p's total over its channels counts them; its own pq is clean.
+        e.healthy[0].ops = 140;
+        assert_eq!(classify(&e).0, "recovered");
     }
 
     #[test]

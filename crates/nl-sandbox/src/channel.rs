@@ -52,6 +52,27 @@ pub struct RegionStats {
     pub ack_generation: u64,
     /// Words of the peer's stream this end has consumed.
     pub ack_words: u64,
+    /// This end's receive report on this channel, from its own header (so
+    /// only this end, never its peer, can write it; zero again at each of
+    /// its starts): records delivered from the peer and records rejected
+    /// (bad header, length, sequence or CRC).
+    pub received: u64,
+    pub rejected: u64,
+    /// Of the delivered messages, those its workload found corrupt, the
+    /// sequence numbers it found skipped (lost) and the messages that went
+    /// back (duplicated), per `nl_workloads::chanstream::pack`, each
+    /// saturating at 2^21 - 1; 0 for workloads that do not check.
+    pub corrupt: u64,
+    pub lost: u64,
+    pub duplicated: u64,
+}
+
+impl RegionStats {
+    /// Messages this end rejected, or found corrupt, lost or duplicated
+    /// on this channel.
+    pub fn errors(&self) -> u64 {
+        self.rejected + self.corrupt + self.lost + self.duplicated
+    }
 }
 
 /// A channel's state for `stats`.
@@ -213,11 +234,19 @@ impl HostChannel {
 
     /// Region `region`'s header (see `nl_workloads::channel`).
     pub fn header(&self, region: usize) -> RegionStats {
+        use nl_workloads::channel::{W_DELIVERED, W_REJECTED, W_VERDICT};
+        let (corrupt, lost, duplicated) =
+            nl_workloads::chanstream::unpack(self.word(region, W_VERDICT as u64));
         RegionStats {
             generation: self.word(region, 1),
             head_words: self.word(region, 2),
             ack_generation: self.word(region, 3),
             ack_words: self.word(region, 4),
+            received: self.word(region, W_DELIVERED as u64),
+            rejected: self.word(region, W_REJECTED as u64),
+            corrupt,
+            lost,
+            duplicated,
         }
     }
 
@@ -245,6 +274,15 @@ impl HostChannel {
         let at = region as u64 * CHANNEL_REGION_BYTES + header + offset % room;
         let n = (value.len() as u64).min(room - offset % room) as usize;
         let _ = self.map.write_slice(&value[..n], MemoryRegionAddress(at));
+    }
+
+    /// Sets region `region`'s published head to `words` (fault injection:
+    /// a writer announcing records it never wrote, which the reader must
+    /// reject).
+    pub fn set_head(&self, region: usize, words: u64) {
+        let at = region as u64 * CHANNEL_REGION_BYTES + 16;
+        // The word lies inside the mapping: this cannot fail.
+        let _ = self.map.store(words, MemoryRegionAddress(at), Ordering::Release);
     }
 
     /// The regions' headers.

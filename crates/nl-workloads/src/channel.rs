@@ -21,7 +21,9 @@
 //! | 2 | head: word position (monotonic) up to which records are published | owner's sender |
 //! | 3 | ack generation: the peer generation `ack` refers to | owner's receiver |
 //! | 4 | ack: word position consumed in the peer's stream | owner's receiver |
-//! | 5..8 | reserved (zero) | |
+//! | 5 | records delivered from the peer ([`RecvStats::received`]) | owner's receiver |
+//! | 6 | records rejected from the peer ([`RecvStats::rejected`]) | owner's receiver |
+//! | 7 | the owner's workload's verdict on what it was delivered ([`Endpoint::report`]; chanstream: `nl_workloads::chanstream::pack`) | owner's workload |
 //! | 8.. | ring of records | owner's sender |
 //!
 //! A record starts on a word: word 0 = `len | crc32 << 32`, word 1 = sequence
@@ -43,6 +45,11 @@
 //! indexes outside the slices it was given. When the peer's generation
 //! changes (the peer restarted), the receiver starts over at the beginning
 //! of the new stream and counts a resync.
+//!
+//! Words 5..8 are this end's receive report on the channel (zero at each
+//! [`Endpoint::new`]): published in its own region, so the host reads each
+//! channel's counters separately and without any exit of the VM, and only
+//! this end can write them (a faulty peer cannot forge them).
 
 use core::sync::atomic::AtomicU64;
 use core::sync::atomic::Ordering::{Acquire, Relaxed, Release};
@@ -56,6 +63,12 @@ const W_GEN: usize = 1;
 const W_HEAD: usize = 2;
 const W_ACK_GEN: usize = 3;
 const W_ACK: usize = 4;
+/// Header word: records this end's receiver delivered (the host reads it).
+pub const W_DELIVERED: usize = 5;
+/// Header word: records this end's receiver rejected.
+pub const W_REJECTED: usize = 6;
+/// Header word: the owner's workload's verdict ([`Endpoint::report`]).
+pub const W_VERDICT: usize = 7;
 /// Record word 0 of padding up to the end of the ring.
 pub const PAD: u64 = u64::MAX;
 /// Words of a record before its payload.
@@ -314,10 +327,28 @@ impl<'a> Endpoint<'a> {
         self.own[W_ACK].store(self.pos, Release);
     }
 
+    /// Publishes the receiver's counters in this end's header.
+    fn publish(&self) {
+        self.own[W_DELIVERED].store(self.stats.received, Relaxed);
+        self.own[W_REJECTED].store(self.stats.rejected(), Relaxed);
+    }
+
+    /// Publishes the workload's verdict on what this end was delivered
+    /// (header word 7; a workload-defined encoding, 0 = nothing wrong).
+    pub fn report(&self, verdict: u64) {
+        self.own[W_VERDICT].store(verdict, Relaxed);
+    }
+
     /// Receives the next good record into `buf` and returns its length, or
     /// `None` when nothing (more) is published. Bad records on the way are
     /// counted and skipped.
     pub fn recv(&mut self, buf: &mut [u8]) -> Option<usize> {
+        let r = self.recv_one(buf);
+        self.publish();
+        r
+    }
+
+    fn recv_one(&mut self, buf: &mut [u8]) -> Option<usize> {
         // Each pass consumes at least one record or returns; a ring holds at
         // most `n / 2` records, so this bounds the work of one call.
         let n = Self::ring_words(self.peer);
@@ -535,6 +566,35 @@ mod tests {
         assert_eq!(&buf[..24], &[2u8; 24]);
         assert_eq!(y.stats().bad_crc, 1);
         assert_eq!(y.stats().received, 1);
+    }
+
+    #[test]
+    fn each_receiver_publishes_its_counters_in_its_own_header() {
+        let (mut x, mut y) = pair(HEADER_WORDS + 256);
+        x.send(&[1u8; 24]).unwrap();
+        x.send(&[2u8; 24]).unwrap();
+        x.send(&[3u8; 24]).unwrap();
+        let w = &ring(&x)[RECORD_HEADER_WORDS];
+        w.store(w.load(Relaxed) ^ 4, Relaxed);
+        let mut buf = [0u8; 64];
+        while y.recv(&mut buf).is_some() {}
+        y.report(0x55);
+        let word = |r: &[AtomicU64], i: usize| r[i].load(Relaxed);
+        assert_eq!(
+            [W_DELIVERED, W_REJECTED, W_VERDICT].map(|i| word(y.own, i)),
+            [2, 1, 0x55],
+            "y's own header"
+        );
+        assert_eq!(
+            [W_DELIVERED, W_REJECTED, W_VERDICT].map(|i| word(x.own, i)),
+            [0, 0, 0],
+            "x received nothing: its header says so"
+        );
+        // A new generation starts its report over.
+        let own = y.own;
+        let peer = y.peer;
+        let _y = Endpoint::new(own, peer, 9).unwrap();
+        assert_eq!([W_DELIVERED, W_REJECTED, W_VERDICT].map(|i| word(own, i)), [0, 0, 0]);
     }
 
     #[test]

@@ -9,6 +9,13 @@
 //! counted as lost messages, one that goes back as a duplicate; a stream
 //! that starts over at 0 is a peer restart (the channel's generation
 //! changed, see [`crate::channel`]), not a loss.
+//!
+//! The counters are kept per channel: after each drain, an end publishes
+//! what it found wrong in what that channel delivered ([`pack`]) in its own
+//! region's header ([`crate::channel::Endpoint::report`]), beside the
+//! channel's delivered and rejected counts. The host reads them per channel
+//! ([`unpack`]), so bad records a faulty peer sent on one channel are told
+//! apart from a healthy pair's own channel.
 
 use crate::channel::{Endpoint, SendError};
 
@@ -35,7 +42,7 @@ pub fn message(sender: u64, seq: u64) -> [u8; MSG_BYTES] {
     m
 }
 
-/// One end's counters over all its channels.
+/// One end's counters on one channel (or summed over several).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counters {
     pub sent: u64,
@@ -57,6 +64,34 @@ impl Counters {
     pub fn errors(&self) -> u64 {
         self.corrupt + self.lost + self.duplicate
     }
+
+    /// Adds `o`'s counts to these.
+    pub fn add(&mut self, o: &Counters) {
+        self.sent += o.sent;
+        self.received += o.received;
+        self.corrupt += o.corrupt;
+        self.lost += o.lost;
+        self.duplicate += o.duplicate;
+        self.full += o.full;
+        self.peer_restarts += o.peer_restarts;
+    }
+}
+
+/// Bits of each field of a packed verdict ([`pack`]).
+pub const VERDICT_BITS: u32 = 21;
+const FIELD_MAX: u64 = (1 << VERDICT_BITS) - 1;
+
+/// What a receiver found wrong in one channel's delivered messages, as
+/// one header word: corrupt in bits 0..21, lost in 21..42, duplicate in
+/// 42..63, each saturating at 2^21 - 1. 0 = nothing wrong.
+pub fn pack(c: &Counters) -> u64 {
+    let f = |v: u64| v.min(FIELD_MAX);
+    f(c.corrupt) | f(c.lost) << VERDICT_BITS | f(c.duplicate) << (2 * VERDICT_BITS)
+}
+
+/// [`pack`]'s fields back: `(corrupt, lost, duplicate)`.
+pub fn unpack(v: u64) -> (u64, u64, u64) {
+    (v & FIELD_MAX, (v >> VERDICT_BITS) & FIELD_MAX, (v >> (2 * VERDICT_BITS)) & FIELD_MAX)
 }
 
 /// The receive state of one channel.
@@ -115,7 +150,8 @@ pub fn send(ep: &mut Endpoint<'_>, me: u64, c: &mut Counters) {
 }
 
 /// Receives and checks everything published on `ep` (at most `limit`
-/// messages, so one call's work is bounded).
+/// messages, so one call's work is bounded) into `c`, this channel's
+/// counters, and publishes their verdict ([`pack`]) in `ep`'s header.
 pub fn drain(ep: &mut Endpoint<'_>, lane: &mut Lane, c: &mut Counters, limit: usize) {
     let mut buf = [0u8; 2 * MSG_BYTES];
     for _ in 0..limit {
@@ -124,6 +160,7 @@ pub fn drain(ep: &mut Endpoint<'_>, lane: &mut Lane, c: &mut Counters, limit: us
             None => break,
         }
     }
+    ep.report(pack(c));
 }
 
 #[cfg(test)]
@@ -183,5 +220,9 @@ mod tests {
         l.check(&message(8, 10), &mut c);
         l.check(&[0u8; 3], &mut c);
         assert_eq!((c.received, c.lost, c.duplicate, c.corrupt), (4, 2, 1, 3));
+        assert_eq!(unpack(pack(&c)), (3, 2, 1));
+        assert_eq!(pack(&Counters { received: 9, sent: 9, ..Default::default() }), 0);
+        let huge = Counters { lost: u64::MAX, ..Default::default() };
+        assert_eq!(unpack(pack(&huge)), (0, (1 << VERDICT_BITS) - 1, 0), "saturates");
     }
 }

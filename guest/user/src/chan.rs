@@ -194,8 +194,10 @@ pub fn wildwrite(cpu: u64, boot: &BootInfo) -> ! {
 /// `duration_ms` (0: until the VMM stops it). Each heartbeat (about every
 /// 2 ms) writes HEARTBEAT = messages sent, OPS = messages received and
 /// DIGEST = corrupt, lost or duplicated messages plus records the channel
-/// code rejected (0 when healthy), so the
-/// host watches the service while it runs.
+/// code rejected, over all its channels (0 when healthy), so the host
+/// watches the service while it runs. Each channel's own counters go to
+/// the header of this end's region of it after every drain
+/// (`chanstream::drain`), where the host reads them per channel.
 pub fn chanstream(cpu: u64, boot: &BootInfo) -> ! {
     use nl_workloads::chanstream::{drain, send, Counters, Lane};
     if cpu != 0 {
@@ -219,7 +221,7 @@ pub fn chanstream(cpu: u64, boot: &BootInfo) -> ! {
     let recv_every = p.data_bytes.saturating_mul(khz) / 1000;
     let beat_every = 2 * khz;
     let end = if p.duration_ms == 0 { u64::MAX } else { p.duration_ms.saturating_mul(khz) };
-    let mut c = Counters::default();
+    let mut cs = [Counters::default(); nl_abi::MAX_CHANNELS];
     ctl_write(cpu, reg::PHASE, PHASE_MEASURE_START);
     let start = rdtsc();
     let (mut next_send, mut next_recv, mut next_beat) = (start, start, start);
@@ -229,8 +231,10 @@ pub fn chanstream(cpu: u64, boot: &BootInfo) -> ! {
             break;
         }
         if now >= next_send {
-            for ep in eps.iter_mut().flatten() {
-                send(ep, boot.sandbox, &mut c);
+            for (ep, c) in eps.iter_mut().zip(cs.iter_mut()) {
+                if let Some(ep) = ep {
+                    send(ep, boot.sandbox, c);
+                }
             }
             next_send = if send_every == 0 {
                 now
@@ -239,9 +243,9 @@ pub fn chanstream(cpu: u64, boot: &BootInfo) -> ! {
             };
         }
         if now >= next_recv {
-            for (ep, lane) in eps.iter_mut().zip(lanes.iter_mut()) {
+            for ((ep, lane), c) in eps.iter_mut().zip(lanes.iter_mut()).zip(cs.iter_mut()) {
                 if let Some(ep) = ep {
-                    drain(ep, lane, &mut c, 4096);
+                    drain(ep, lane, c, 4096);
                 }
             }
             next_recv = if recv_every == 0 {
@@ -251,6 +255,7 @@ pub fn chanstream(cpu: u64, boot: &BootInfo) -> ! {
             };
         }
         if now >= next_beat {
+            let c = total(&cs);
             ctl_write(cpu, reg::OPS, c.received);
             ctl_write(cpu, reg::DIGEST, c.errors() + rejected(&eps));
             ctl_write(cpu, reg::HEARTBEAT, c.sent);
@@ -260,6 +265,7 @@ pub fn chanstream(cpu: u64, boot: &BootInfo) -> ! {
     }
     let cycles = rdtsc().wrapping_sub(start);
     let bad = rejected(&eps);
+    let c = total(&cs);
     print(
         cpu,
         format_args!(
@@ -268,6 +274,15 @@ pub fn chanstream(cpu: u64, boot: &BootInfo) -> ! {
         ),
     );
     done(cpu, c.received, cycles, c.errors() + bad)
+}
+
+/// The counters of every channel summed.
+fn total(cs: &[nl_workloads::chanstream::Counters]) -> nl_workloads::chanstream::Counters {
+    let mut t = nl_workloads::chanstream::Counters::default();
+    for c in cs {
+        t.add(c);
+    }
+    t
 }
 
 /// Records the channel code rejected (bad header, length, sequence, CRC).

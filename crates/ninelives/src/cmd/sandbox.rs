@@ -101,6 +101,12 @@ pub fn run(a: SandboxArgs) -> Result<ExitCode> {
             c.regions[0].head_words,
             c.regions[1].head_words
         );
+        for (end, r) in c.between.iter().zip(&c.regions) {
+            println!(
+                "  {end} received {}, rejected {}, corrupt {}, lost {}, duplicated {}",
+                r.received, r.rejected, r.corrupt, r.lost, r.duplicated
+            );
+        }
     }
     if a.json {
         println!("{}", serde_json::to_string(&report)?);
