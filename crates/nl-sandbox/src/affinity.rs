@@ -1,5 +1,6 @@
-//! Host cores: how many this process may use, pinning threads to them, and
-//! the real-time policy of a reserving budget's threads.
+//! Host cores: how many this process may use, pinning threads to them, the
+//! scheduling policy of a reserving budget's threads, and the absolute
+//! sleeps of its server ([`crate::reserve`]).
 
 use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
 use nix::unistd::Pid;
@@ -29,18 +30,64 @@ pub fn pin(tid: i32, cores: &[usize]) -> Result<(), SandboxError> {
     })
 }
 
-/// Makes thread `tid` `SCHED_FIFO` at priority 1 (a reserving budget's
-/// vCPU threads, [`crate::budget`]).
-pub fn set_fifo(tid: i32) -> Result<(), SandboxError> {
-    let param = libc::sched_param { sched_priority: 1 };
+/// Makes thread `tid` (0: the calling thread) `SCHED_FIFO` at `priority`
+/// (a reserving budget's vCPU threads in their window, and the server that
+/// opens and closes it, [`crate::reserve`]).
+pub fn set_fifo(tid: i32, priority: i32) -> Result<(), SandboxError> {
+    set_policy(tid, libc::SCHED_FIFO, priority).map_err(|e| {
+        SandboxError::Resource(format!(
+            "cannot make thread {tid} SCHED_FIFO (priority {priority}) for its reserved budget: {e}"
+        ))
+    })
+}
+
+/// Makes thread `tid` an ordinary (`SCHED_OTHER`) thread again.
+pub fn set_other(tid: i32) -> std::io::Result<()> {
+    set_policy(tid, libc::SCHED_OTHER, 0)
+}
+
+fn set_policy(tid: i32, policy: i32, priority: i32) -> std::io::Result<()> {
+    let param = libc::sched_param { sched_priority: priority };
     // SAFETY: sched_setscheduler only reads `param`, a valid sched_param
     // that outlives the call; a bad tid is an error return, not UB.
-    let r = unsafe { libc::sched_setscheduler(tid, libc::SCHED_FIFO, &param) };
+    let r = unsafe { libc::sched_setscheduler(tid, policy, &param) };
     if r != 0 {
-        return Err(SandboxError::Resource(format!(
-            "cannot make thread {tid} SCHED_FIFO for its reserved budget: {}",
-            std::io::Error::last_os_error()
-        )));
+        return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// `CLOCK_MONOTONIC` now, in nanoseconds.
+pub fn monotonic_ns() -> u64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the timespec it is given, which lives
+    // across the call; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+}
+
+/// Sleeps until `CLOCK_MONOTONIC` reads `deadline_ns` (an absolute
+/// deadline: a late wake-up does not shift the next one).
+pub fn sleep_until(deadline_ns: u64) {
+    let t = libc::timespec {
+        tv_sec: (deadline_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (deadline_ns % 1_000_000_000) as libc::c_long,
+    };
+    // Bounded: an interrupted sleep resumes toward the same deadline, and
+    // a signal storm cannot keep it past it by more than its own count.
+    for _ in 0..1000 {
+        // SAFETY: clock_nanosleep only reads `t`, which outlives the call;
+        // with TIMER_ABSTIME the remainder pointer may be null.
+        let r = unsafe {
+            libc::clock_nanosleep(
+                libc::CLOCK_MONOTONIC,
+                libc::TIMER_ABSTIME,
+                &t,
+                std::ptr::null_mut(),
+            )
+        };
+        if r != libc::EINTR {
+            return;
+        }
+    }
 }

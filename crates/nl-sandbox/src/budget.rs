@@ -14,16 +14,18 @@
 //!
 //! A CFS quota caps a sandbox but reserves nothing: on a busy core the
 //! sandbox gets its fair share, which may be far below its budget. A budget
-//! with `reserve: true` is also a reservation: the same cgroup gets
-//! real-time bandwidth (`cpu.rt_period_us` = period, `cpu.rt_runtime_us` =
-//! runtime, per core; the sandbox has one vCPU per core) and the vCPU
-//! threads run `SCHED_FIFO` (priority 1) in it. They then run before any
-//! ordinary thread on their cores for `runtime` of every `period`, and the
-//! kernel's real-time throttling stops them for the rest of it. (Quest-V's
-//! main VCPUs are sporadic servers with budget C per period T; this is the
-//! closest the host offers to pinned threads.) All reserving cgroups
-//! together may have at most the host's `sched_rt_runtime_us` share
-//! (95%) of a period.
+//! with `reserve: true` is also a reservation, a floor and a ceiling at
+//! once: `runtime` of CPU in every `period`, opened on a fixed grid by a
+//! server thread that makes the vCPU threads `SCHED_FIFO` for `runtime` and
+//! ordinary threads again for the rest of the period ([`crate::reserve`],
+//! which says why the kernel's real-time throttling alone, checked at the
+//! 4 ms scheduler tick, is not a floor). The cgroup then gets real-time
+//! bandwidth a little above the runtime (`cpu.rt_period_us` = period,
+//! `cpu.rt_runtime_us` = [`crate::reserve::safety_net_us`], per core; the
+//! sandbox has one vCPU per core) as a safety net, and a CFS quota of 1 ms
+//! per second per thread for the time outside its windows. All reserving
+//! cgroups together may have at most the host's `sched_rt_runtime_us`
+//! share (95%) of a period.
 
 use std::path::{Path, PathBuf};
 
@@ -37,6 +39,8 @@ const V1_CPU: &str = "/sys/fs/cgroup/cpu";
 pub struct AppliedBudget {
     dir: PathBuf,
     pub budget: Budget,
+    /// A reserving budget's window server.
+    reservation: Option<crate::reserve::Reservation>,
 }
 
 /// How often the budget held a sandbox back (from the cgroup's `cpu.stat`).
@@ -45,6 +49,8 @@ pub struct Throttling {
     pub periods: u64,
     pub throttled_periods: u64,
     pub throttled_us: u64,
+    /// A reserving budget's windows, by the host's account.
+    pub reserved: Option<crate::reserve::ReserveStats>,
 }
 
 fn write(path: &Path, what: &str) -> Result<(), SandboxError> {
@@ -77,11 +83,18 @@ impl AppliedBudget {
                 )))
             }
         }
-        let applied = AppliedBudget { dir, budget };
+        let mut applied = AppliedBudget { dir, budget, reservation: None };
         let n = tids.len().max(1) as u64;
         // The period first: a quota is checked against the current period.
-        write(&applied.dir.join("cpu.cfs_period_us"), &budget.period_us.to_string())?;
-        write(&applied.dir.join("cpu.cfs_quota_us"), &(budget.runtime_us * n).to_string())?;
+        // A reservation's threads get 1 ms per second as ordinary threads
+        // (outside their windows); a cap's get the runtime per period.
+        let (cfs_period, cfs_quota) = if budget.reserve {
+            (1_000_000, 1_000 * n)
+        } else {
+            (budget.period_us, budget.runtime_us * n)
+        };
+        write(&applied.dir.join("cpu.cfs_period_us"), &cfs_period.to_string())?;
+        write(&applied.dir.join("cpu.cfs_quota_us"), &cfs_quota.to_string())?;
         if budget.reserve {
             let rt = applied.dir.join("cpu.rt_runtime_us");
             if !rt.exists() {
@@ -91,29 +104,35 @@ impl AppliedBudget {
                     rt.display()
                 )));
             }
+            let net = crate::reserve::safety_net_us(budget.runtime_us, budget.period_us);
             write(&applied.dir.join("cpu.rt_period_us"), &budget.period_us.to_string())?;
-            write(&rt, &budget.runtime_us.to_string()).map_err(|e| {
+            write(&rt, &net.to_string()).map_err(|e| {
                 SandboxError::Resource(format!(
-                    "sandbox '{sandbox}': cannot reserve {} us of every {} us: {e} (all \
-                     reservations together may have at most the host's real-time share, \
-                     /proc/sys/kernel/sched_rt_runtime_us of sched_rt_period_us)",
+                    "sandbox '{sandbox}': cannot reserve {} us of every {} us ({net} us of \
+                     real-time runtime): {e} (all reservations together may have at most the \
+                     host's real-time share, /proc/sys/kernel/sched_rt_runtime_us of \
+                     sched_rt_period_us)",
                     budget.runtime_us, budget.period_us
                 ))
             })?;
         }
         applied.attach_threads(tids)?;
+        if budget.reserve {
+            applied.reservation = Some(crate::reserve::Reservation::start(
+                sandbox,
+                budget.runtime_us,
+                budget.period_us,
+                tids,
+            )?);
+        }
         Ok(applied)
     }
 
-    /// Moves `tids` into the cgroup; with a reservation they become
-    /// `SCHED_FIFO` there (after the move: the root group's real-time
-    /// runtime is not theirs to use).
+    /// Moves `tids` into the cgroup (a reservation's server makes them
+    /// `SCHED_FIFO` in their windows).
     fn attach_threads(&self, tids: &[i32]) -> Result<(), SandboxError> {
         for tid in tids {
             write(&self.dir.join("tasks"), &tid.to_string())?;
-            if self.budget.reserve {
-                crate::affinity::set_fifo(*tid)?;
-            }
         }
         Ok(())
     }
@@ -122,8 +141,13 @@ impl AppliedBudget {
     /// the quota stays the sandbox's (threads that ended left it).
     pub fn attach(&self, tids: &[i32]) -> Result<(), SandboxError> {
         let n = tids.len().max(1) as u64;
-        write(&self.dir.join("cpu.cfs_quota_us"), &(self.budget.runtime_us * n).to_string())?;
-        self.attach_threads(tids)
+        let quota = if self.budget.reserve { 1_000 * n } else { self.budget.runtime_us * n };
+        write(&self.dir.join("cpu.cfs_quota_us"), &quota.to_string())?;
+        self.attach_threads(tids)?;
+        match &self.reservation {
+            Some(r) => r.attach(tids),
+            None => Ok(()),
+        }
     }
 
     /// The cgroup's directory.
@@ -138,8 +162,9 @@ impl AppliedBudget {
             .unwrap_or_default()
     }
 
-    /// The real-time runtime reserved per period (µs; 0 without `reserve`).
-    pub fn reserved_us(&self) -> u64 {
+    /// The cgroup's real-time runtime per period (µs; 0 without
+    /// `reserve`): the reservation's safety net, a little above its runtime.
+    pub fn rt_runtime_us(&self) -> u64 {
         std::fs::read_to_string(self.dir.join("cpu.rt_runtime_us"))
             .ok()
             .and_then(|t| t.trim().parse().ok())
@@ -156,12 +181,15 @@ impl AppliedBudget {
             periods: get("nr_periods "),
             throttled_periods: get("nr_throttled "),
             throttled_us: get("throttled_time ") / 1000,
+            reserved: self.reservation.as_ref().map(|r| r.stats()),
         }
     }
 }
 
 impl Drop for AppliedBudget {
     fn drop(&mut self) {
+        // The server first (it leaves its thread an ordinary one).
+        self.reservation = None;
         // Threads still in it go back to the root group; then it can go.
         let parent = self.dir.parent().map(|p| p.join("tasks"));
         if let Some(parent) = parent {
@@ -169,6 +197,10 @@ impl Drop for AppliedBudget {
                 let _ = std::fs::write(&parent, tid.to_string());
             }
         }
+        // Its real-time runtime is released now: a removed cgroup may
+        // linger a while, and its runtime would still count against the
+        // host's share (the next set's reservation was refused with EINVAL).
+        let _ = std::fs::write(self.dir.join("cpu.rt_runtime_us"), "0");
         let _ = std::fs::remove_dir(&self.dir);
     }
 }

@@ -34,7 +34,10 @@
 //!   rejuvenation, microreboot).
 //! * [`verify`]: checking a finished sandbox's result.
 //! * [`affinity`]: host cores and pinning.
-//! * [`budget`]: CPU budgets (a CFS bandwidth cgroup per sandbox).
+//! * [`budget`]: CPU budgets (a CFS bandwidth cgroup per sandbox); with
+//!   `reserve`, [`reserve`]: a reservation that is a floor and a ceiling
+//!   (a server thread opens a `SCHED_FIFO` window of `runtime` in every
+//!   `period`).
 //! * [`periodic`]: what a `periodic` sandbox got per period (the storm
 //!   test's measure), and the host's CPU account of a thread.
 //!
@@ -59,6 +62,7 @@ pub mod monitor;
 pub mod net;
 pub mod periodic;
 pub mod recovery;
+pub mod reserve;
 pub mod service;
 pub mod set;
 pub mod state;
