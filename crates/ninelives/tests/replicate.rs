@@ -572,7 +572,7 @@ fn slow_clients_do_not_keep_the_primary_from_its_backup() {
     }
 }
 
-/// Output-triggered epochs: with a 10 s epoch, kv requests are still
+/// Output-triggered epochs: with a 5 s epoch, kv requests are still
 /// answered at once, because each reply held for output commit ends its
 /// epoch (the network device signals the epoch loop) instead of waiting for
 /// the timer. Counted, not timed: kvload completes its requests, and the
@@ -589,12 +589,13 @@ fn held_replies_end_their_epoch_without_the_timer() {
     nsp.tap(tap).expect("the guest's TAP");
     nsp.addr(tap, "10.0.0.1/24").expect("the TAP's host address");
     nsp.up(tap).expect("the TAP up");
-    let backup = pair.backup(&["--lease-ms", "5000"]);
+    // The lease is at least twice the epoch.
+    let backup = pair.backup(&["--lease-ms", "10000"]);
     let mut primary = pair.primary(&[
         "--epoch",
-        "10000",
-        "--lease-ms",
         "5000",
+        "--lease-ms",
+        "10000",
         "--duration",
         "8",
         "--workload",
@@ -623,7 +624,7 @@ fn held_replies_end_their_epoch_without_the_timer() {
     let _ = finish(backup, 20);
     assert_eq!(k["ok"], true, "kvload: {k}\n{}", stderr(&load));
     let ops = k["ops"].as_u64().unwrap_or(0);
-    assert!(ops >= 10, "only {ops} requests answered in 1 s with a 10 s epoch: {k}");
+    assert!(ops >= 10, "only {ops} requests answered in 1 s with a 5 s epoch: {k}");
     let epochs = p["epochs"].as_u64().expect("the primary's report");
     let triggered = p["output_triggered_epochs"].as_u64().expect("output-triggered epochs");
     assert!(triggered >= 10, "{triggered} output-triggered epochs for {ops} requests: {p}");
