@@ -572,6 +572,66 @@ fn slow_clients_do_not_keep_the_primary_from_its_backup() {
     }
 }
 
+/// Output-triggered epochs: with a 5 s epoch, kv requests are still
+/// answered at once, because each reply held for output commit ends its
+/// epoch (the network device signals the epoch loop) instead of waiting for
+/// the timer. Counted, not timed: kvload completes its requests, and the
+/// primary's epochs were nearly all ended by output (at most two by the
+/// timer: the last, which finds the VM done, and one the load may straddle).
+#[test]
+fn held_replies_end_their_epoch_without_the_timer() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(pair) = Pair::new("ot") else { return };
+    let tap = "nlotap0";
+    let nsp = &pair.ns.0;
+    nsp.tap(tap).expect("the guest's TAP");
+    nsp.addr(tap, "10.0.0.1/24").expect("the TAP's host address");
+    nsp.up(tap).expect("the TAP up");
+    // The lease is at least twice the epoch.
+    let backup = pair.backup(&["--lease-ms", "10000"]);
+    let mut primary = pair.primary(&[
+        "--epoch",
+        "5000",
+        "--lease-ms",
+        "10000",
+        "--duration",
+        "8",
+        "--workload",
+        "kv",
+        "--net-tap",
+        tap,
+        "--net-ip",
+        "10.0.0.2/24",
+    ]);
+    assert!(
+        wait_protected(&mut primary, Duration::from_secs(60)),
+        "the primary never got protected"
+    );
+    // The guest serves once it has booted (as the bench, give it a moment;
+    // kvload's connect retries too). kvload from the primary's namespace,
+    // through the TAP.
+    std::thread::sleep(Duration::from_secs(1));
+    let load = Command::new("ip")
+        .args(["netns", "exec", &pair.p, env!("CARGO_BIN_EXE_ninelives"), "kvload"])
+        .args(["--target", "10.0.0.2", "--duration", "1", "--connections", "2"])
+        .args(["--keys", "40", "--timeout", "5s", "--json"])
+        .output()
+        .expect("kvload runs");
+    let k = last_json(&load);
+    let p = last_json(&finish(primary, 60));
+    let _ = finish(backup, 20);
+    assert_eq!(k["ok"], true, "kvload: {k}\n{}", stderr(&load));
+    let ops = k["ops"].as_u64().unwrap_or(0);
+    assert!(ops >= 10, "only {ops} requests answered in 1 s with a 5 s epoch: {k}");
+    let epochs = p["epochs"].as_u64().expect("the primary's report");
+    let triggered = p["output_triggered_epochs"].as_u64().expect("output-triggered epochs");
+    assert!(triggered >= 10, "{triggered} output-triggered epochs for {ops} requests: {p}");
+    assert!(epochs - triggered <= 2, "{epochs} epochs, {triggered} ended by output: {p}");
+    assert!(p["frames_released"].as_u64().unwrap_or(0) >= ops, "{p}");
+}
+
 /// A small kill campaign (the bench's, in namespaces of its own: primary,
 /// backup and kvload client): the kv primary killed once mid-epoch and once
 /// mid-send; the backup takes over each time and not one write the client

@@ -16,9 +16,13 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use std::os::fd::AsRawFd;
+
 use nl_devices::virtio::held_writes::DiskWrite;
 use nl_vmm::{Vm, VmOutcome};
 use serde::Serialize;
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
 
 use crate::auth::{primary_handshake, Deadline, Key};
 pub use crate::predict::GateStats;
@@ -50,7 +54,8 @@ pub struct Options {
     /// Output-triggered epochs: when the guest has sent frames (held for
     /// output commit), end the epoch early, once it has run this many
     /// milliseconds (0: epochs always last their full length). Cuts the
-    /// time a reply waits for its epoch to end.
+    /// time a reply waits for its epoch to end. The epoch loop learns that
+    /// output waits from the network device's eventfd, not by polling.
     pub output_epoch_ms: u64,
     /// Write-fault prediction (needs `selective`): pages the guest really
     /// changed in an epoch are not re-protected, so they take no write fault
@@ -168,6 +173,24 @@ pub struct PrimaryReport {
     /// output was held at least), average and max.
     pub commit_ms_avg: f64,
     pub commit_ms_max: f64,
+    /// Output commit of network frames, the phases of a reply: epochs that
+    /// held frames, and those ended early because frames waited
+    /// (output-triggered); per epoch with frames, from its oldest held
+    /// frame to the epoch's boundary (the trigger's wait), and to the
+    /// frames' release (the whole hold: wait, pause, send, ack); and from a
+    /// release to the next frame held after it (the client's and the
+    /// guest's turnaround, which replication does not add to).
+    pub output_epochs: u64,
+    pub output_triggered_epochs: u64,
+    pub output_wait_ms_avg: f64,
+    /// Of the wait: from the oldest held frame to when the epoch loop saw
+    /// it (its wake-up), averaged over the epochs it saw waiting.
+    pub output_wake_ms_avg: f64,
+    /// Stopping the vCPUs at a boundary (before the pause's parts above).
+    pub stop_ms_avg: f64,
+    pub output_held_ms_avg: f64,
+    pub output_held_ms_max: f64,
+    pub turnaround_ms_avg: f64,
     /// Average time between epoch boundaries (longer than the epoch when
     /// the backup is behind).
     pub interval_ms_avg: f64,
@@ -515,6 +538,8 @@ struct Staged {
     disk: Vec<DiskWrite>,
     /// When the VM was paused for this epoch's boundary.
     boundary: Instant,
+    /// When the oldest of `out` was held.
+    held_since: Option<Instant>,
 }
 
 /// Copies the runs' pages into `buf`, one copy per run; `buf` keeps its
@@ -655,6 +680,9 @@ struct Shipped {
     disk_bytes: u64,
     /// From the epoch's boundary to its ack.
     commit: Duration,
+    /// From the epoch's oldest held frame to its release (`None`: no frames).
+    held: Option<Duration>,
+    released_at: Instant,
 }
 
 /// Hands an acknowledged epoch's held output on: frames to the network,
@@ -716,7 +744,10 @@ fn ship(
     let ack_wait = t.elapsed();
     // Output commit: the epoch's output leaves only once the backup has it.
     release(&st.out, &st.disk);
+    let released_at = Instant::now();
     Ok(Shipped {
+        held: st.held_since.filter(|_| !st.out.is_empty()).map(|h| released_at - h),
+        released_at,
         epoch: st.epoch,
         send,
         ack_wait,
@@ -771,6 +802,35 @@ fn sender(
     (!failed).then_some(c)
 }
 
+/// Waits for the network device to hold a frame (its output eventfd),
+/// so an output-triggered epoch ends as soon as output waits.
+struct OutputWait {
+    epoll: Epoll,
+    event: EventFd,
+}
+
+impl OutputWait {
+    /// `None` for a VM without a network device.
+    fn new(vm: &Vm) -> std::io::Result<Option<OutputWait>> {
+        let Some(event) = vm.net_output_event().transpose()? else { return Ok(None) };
+        let epoll = Epoll::new()?;
+        epoll.ctl(ControlOperation::Add, event.as_raw_fd(), EpollEvent::new(EventSet::IN, 0))?;
+        Ok(Some(OutputWait { epoll, event }))
+    }
+
+    /// Returns once a frame was held since the last return, or after
+    /// `timeout` (rounded up to a millisecond); errors and interruptions
+    /// are a return too (the caller looks again).
+    fn wait(&self, timeout: Duration) {
+        let ms = i32::try_from(timeout.as_micros().div_ceil(1000)).unwrap_or(i32::MAX);
+        let mut ev = [EpollEvent::default()];
+        if let Ok(1) = self.epoll.wait(ms, &mut ev) {
+            // Reset the counter (non-blocking: a second reader is none).
+            let _ = self.event.read();
+        }
+    }
+}
+
 /// The link to the backup.
 enum Link<'s> {
     /// No backup (lost, or never reattached).
@@ -807,6 +867,19 @@ struct Sums {
     commit: f64,
     commit_max: f64,
     acked: u64,
+    output_epochs: u64,
+    triggered: u64,
+    output_wait: f64,
+    wake: f64,
+    wake_n: u64,
+    stop: f64,
+    held: f64,
+    held_n: u64,
+    held_max: f64,
+    turnaround: f64,
+    turnaround_n: u64,
+    /// When held frames last left.
+    last_release: Option<Instant>,
     pages: f64,
     faults: u64,
     first_boundary: Option<Instant>,
@@ -829,9 +902,6 @@ pub struct Primary<'a> {
     pred: Option<Predictor>,
     /// Histase over userfaultfd (in place of KVM's dirty log).
     histase: Option<Histase>,
-    /// Frames taken from the device before the epoch's boundary (output-
-    /// triggered epochs): they belong to the epoch about to end.
-    early_out: Vec<Vec<u8>>,
 }
 
 impl<'a> Primary<'a> {
@@ -848,7 +918,6 @@ impl<'a> Primary<'a> {
             sums: Sums::default(),
             pool: Vec::new(),
             die: None,
-            early_out: Vec::new(),
             pred: None,
             histase: None,
         }
@@ -948,25 +1017,43 @@ impl<'a> Primary<'a> {
         let mut next = Instant::now() + self.cfg.epoch;
         let mut last = Instant::now();
         let early = Duration::from_millis(self.cfg.opts.output_epoch_ms);
+        let mut seen = None;
+        let waiter = match early.is_zero() {
+            true => None,
+            false => OutputWait::new(vm).unwrap_or_else(|e| {
+                (self.log)(format!(
+                    "WARNING: no output event from the network device ({e}): epochs end on \
+                     the timer only"
+                ));
+                None
+            }),
+        };
         loop {
             loop {
                 let now = Instant::now();
                 if now >= next {
                     break;
                 }
-                if early.is_zero() || matches!(link, Link::Down) {
+                let Some(w) = waiter.as_ref().filter(|_| !matches!(link, Link::Down)) else {
                     std::thread::sleep(next - now);
                     break;
+                };
+                // Output waits: the epoch ends as soon as it has run its
+                // minimum; otherwise sleep until the device holds a frame.
+                if let Some(h) = vm.net_output_since() {
+                    if seen != Some(h) {
+                        seen = Some(h);
+                        self.sums.wake += ms(now.saturating_duration_since(h));
+                        self.sums.wake_n += 1;
+                    }
+                    if now >= last + early {
+                        self.sums.triggered += 1;
+                        break;
+                    }
+                    std::thread::sleep((last + early).min(next) - now);
+                    continue;
                 }
-                // Frames produced so far belong to this epoch whenever its
-                // boundary comes: taking them now changes nothing to when
-                // they leave (after this epoch's ack), but says the epoch
-                // may end early.
-                self.early_out.extend(vm.take_net_output());
-                if !self.early_out.is_empty() && now >= last + early {
-                    break;
-                }
-                std::thread::sleep((next - now).min(Duration::from_micros(500)));
+                w.wait(next - now);
             }
             // A free pipeline slot first: the boundary waits for the backup.
             if self.drain(&mut link, true) {
@@ -977,7 +1064,9 @@ impl<'a> Primary<'a> {
             if matches!(link, Link::Down) && self.cfg.reattach && !self.rep.fenced {
                 link = self.try_reattach(sc);
             }
+            let t = Instant::now();
             vm.pause();
+            self.sums.stop += ms(t.elapsed());
             let outcome = vm.poll_outcome();
             let timed_out = start.elapsed() > self.cfg.time_limit;
             if matches!(link, Link::Down) {
@@ -1145,6 +1234,8 @@ impl<'a> Primary<'a> {
         m.commit += ms(s.commit);
         m.commit_max = m.commit_max.max(ms(s.commit));
         m.acked += 1;
+        self.note_release(s.held, s.released_at);
+        let m = &mut self.sums;
         if m.acked == 1 {
             (self.log)(format!(
                 "epoch {} acknowledged by the backup: the VM is protected",
@@ -1156,6 +1247,16 @@ impl<'a> Primary<'a> {
         self.rep.disk_writes_released += s.disk_released;
         self.rep.disk_bytes_written += s.disk_bytes;
         debug_assert!(s.epoch > 0);
+    }
+
+    /// Output commit done for an epoch whose frames were held `held`.
+    fn note_release(&mut self, held: Option<Duration>, at: Instant) {
+        let Some(h) = held else { return };
+        let m = &mut self.sums;
+        m.held += ms(h);
+        m.held_n += 1;
+        m.held_max = m.held_max.max(ms(h));
+        m.last_release = Some(at);
     }
 
     fn finish(mut self, outcome: Option<VmOutcome>) -> PrimaryReport {
@@ -1175,6 +1276,14 @@ impl<'a> Primary<'a> {
         r.stall_ms_avg = m.stall / n;
         r.commit_ms_avg = m.commit / acked;
         r.commit_ms_max = m.commit_max;
+        r.output_epochs = m.output_epochs;
+        r.output_triggered_epochs = m.triggered;
+        r.output_wait_ms_avg = m.output_wait / m.output_epochs.max(1) as f64;
+        r.output_wake_ms_avg = m.wake / m.wake_n.max(1) as f64;
+        r.stop_ms_avg = m.stop / n;
+        r.output_held_ms_avg = m.held / m.held_n.max(1) as f64;
+        r.output_held_ms_max = m.held_max;
+        r.turnaround_ms_avg = m.turnaround / m.turnaround_n.max(1) as f64;
         r.pages_per_epoch = m.pages / n;
         r.write_faults_per_epoch = m.faults as f64 / n;
         if let Some(p) =
@@ -1213,8 +1322,7 @@ impl<'a> Primary<'a> {
                 // anyone; the oldest held frames go first.
                 self.rep.frames_released += f.held.len() as u64;
                 self.vm.release_net_output(&f.held);
-                let mut held = std::mem::take(&mut self.early_out);
-                held.extend(self.vm.hold_net_output(false));
+                let held = self.vm.hold_net_output(false);
                 self.rep.frames_released += held.len() as u64;
                 self.vm.release_net_output(&held);
                 // Every held disk sector goes to the image with its newest
@@ -1233,7 +1341,6 @@ impl<'a> Primary<'a> {
                 self.rep.fenced = true;
                 self.vm.stop();
                 // Held output is dropped.
-                self.early_out.clear();
                 let _ = self.vm.hold_net_output(true);
                 self.vm.discard_disk_writes();
                 true
@@ -1355,8 +1462,17 @@ impl<'a> Primary<'a> {
                 return Err(fail(format!("saving the VM state: {e}")));
             }
         };
-        let mut out = std::mem::take(&mut self.early_out);
-        out.extend(vm.take_net_output());
+        let held_since = vm.net_output_since();
+        let out = vm.take_net_output();
+        if let Some(h) = held_since.filter(|_| !out.is_empty()) {
+            let m = &mut self.sums;
+            m.output_epochs += 1;
+            m.output_wait += ms(t0.saturating_duration_since(h));
+            if let Some(r) = m.last_release.filter(|&r| h > r) {
+                m.turnaround += ms(h - r);
+                m.turnaround_n += 1;
+            }
+        }
         let disk = vm.take_disk_writes();
         let t_state = t.elapsed();
         let epoch = self.epoch;
@@ -1400,9 +1516,19 @@ impl<'a> Primary<'a> {
                 self.rep.disk_bytes_written +=
                     disk.iter().map(|w| w.data.len() as u64).sum::<u64>();
                 release_output(vm, &out, &disk);
+                let now = Instant::now();
+                self.note_release(held_since.filter(|_| !out.is_empty()).map(|h| now - h), now);
             }
-            let st =
-                Staged { epoch, runs: Vec::new(), buf: Vec::new(), state, out, disk, boundary: t0 };
+            let st = Staged {
+                epoch,
+                runs: Vec::new(),
+                buf: Vec::new(),
+                state,
+                out,
+                disk,
+                boundary: t0,
+                held_since,
+            };
             result = result.map_err(|l| classify(c, l, self.cfg.lease));
             self.account(t_collect, copy, t_state, send_in, pages.len(), faults, vmm);
             return result.map_err(|lost| Failure { lost, held: st.out });
@@ -1438,7 +1564,7 @@ impl<'a> Primary<'a> {
         };
         let shipped_pages = rr.iter().map(|r| r.1 as usize).sum();
         self.account(t_collect, copy, t_state, send_in, shipped_pages, faults, vmm);
-        let st = Staged { epoch, runs: rr, buf, state, out, disk, boundary: t0 };
+        let st = Staged { epoch, runs: rr, buf, state, out, disk, boundary: t0, held_since };
         if let Err(e) = copied {
             return Err(Failure {
                 lost: Lost::Definitive(format!("copying epoch {epoch}: {e}")),
@@ -1514,6 +1640,7 @@ mod tests {
             out: vec![vec![byte]],
             disk: vec![DiskWrite { seq: epoch, sector: epoch, data: Arc::from(vec![byte; 512]) }],
             boundary: Instant::now(),
+            held_since: None,
         }
     }
 

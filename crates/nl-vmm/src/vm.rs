@@ -1041,6 +1041,19 @@ impl Vm {
         self.net.as_ref().map_or_else(Vec::new, |n| n.lock().device_mut().take_held())
     }
 
+    /// When the oldest held frame not yet taken was transmitted; `None`
+    /// when no output waits (or no network device).
+    pub fn net_output_since(&self) -> Option<std::time::Instant> {
+        self.net.as_ref().and_then(|n| n.lock().device().held_since())
+    }
+
+    /// An eventfd signalled each time the network device holds a frame
+    /// (output waits for its epoch's acknowledgement); `None` without a
+    /// network device.
+    pub fn net_output_event(&self) -> Option<std::io::Result<vmm_sys_util::eventfd::EventFd>> {
+        self.net.as_ref().map(|n| n.lock().device_mut().output_event())
+    }
+
     /// Sends held frames to the TAP.
     pub fn release_net_output(&self, frames: &[Vec<u8>]) {
         if let Some(n) = &self.net {

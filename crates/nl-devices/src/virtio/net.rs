@@ -12,9 +12,12 @@
 //! dropped. [`Net::attach`] gives it a TAP (a standby sandbox taking over a
 //! service, `nl_sandbox::service`) and [`Net::detach`] takes it away.
 
+use std::time::Instant;
+
 use virtio_bindings::virtio_net::{VIRTIO_NET_F_MAC, VIRTIO_NET_F_STATUS, VIRTIO_NET_S_LINK_UP};
 use virtio_queue::{desc::split::Descriptor, Queue, QueueT};
 use vm_memory::{Bytes, GuestMemory, Permissions};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::{collect_chain, for_each_chain, GuestMem, QueueError, VirtioDevice};
 use crate::tap::Tap;
@@ -79,6 +82,11 @@ pub struct Net {
     /// Output commit: while set, transmitted frames wait here instead of
     /// going to the TAP, until the VMM releases them.
     held: Option<Vec<Vec<u8>>>,
+    /// When the oldest frame in `held` was held (`None`: nothing held).
+    held_since: Option<Instant>,
+    /// Signalled each time a transmitted frame is held: output waits for
+    /// its epoch to end (replication's output-triggered epochs).
+    output_event: Option<EventFd>,
 }
 
 impl Net {
@@ -98,6 +106,8 @@ impl Net {
             stats: NetStats::default(),
             written: Vec::new(),
             held: None,
+            held_since: None,
+            output_event: None,
         }
     }
 
@@ -105,12 +115,30 @@ impl Net {
     /// straight to the TAP again (frames already held are returned).
     pub fn hold_output(&mut self, on: bool) -> Vec<Vec<u8>> {
         let old = if on { self.held.replace(Vec::new()) } else { self.held.take() };
+        self.held_since = None;
         old.unwrap_or_default()
     }
 
     /// Takes the frames held since the last call (the epoch that just ended).
     pub fn take_held(&mut self) -> Vec<Vec<u8>> {
+        self.held_since = None;
         self.held.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// When the oldest frame not yet taken ([`Net::take_held`]) was held;
+    /// `None` when no frame waits.
+    pub fn held_since(&self) -> Option<Instant> {
+        self.held_since
+    }
+
+    /// An eventfd (non-blocking) the device signals each time it holds a
+    /// transmitted frame, so a waiter learns at once that output waits,
+    /// without polling. Every call returns a handle to the same eventfd.
+    pub fn output_event(&mut self) -> std::io::Result<EventFd> {
+        if self.output_event.is_none() {
+            self.output_event = Some(EventFd::new(EFD_NONBLOCK)?);
+        }
+        self.output_event.as_ref().expect("made above").try_clone()
     }
 
     /// Sends frames (held earlier) to the TAP.
@@ -195,6 +223,12 @@ impl Net {
         }
         if let Some(held) = self.held.as_mut() {
             held.push(frame[NET_HDR_BYTES..].to_vec());
+            self.held_since.get_or_insert_with(Instant::now);
+            if let Some(e) = &self.output_event {
+                // A full counter (never, at 2^64 - 2) only means it is
+                // signalled already.
+                let _ = e.write(1);
+            }
         } else if !self.tap.as_mut().is_some_and(|t| t.send(&frame[NET_HDR_BYTES..])) {
             self.stats.dropped += 1;
             return;
@@ -555,6 +589,32 @@ mod tests {
             assert_eq!(r.sent(), Some(d), "not held any more");
             assert_eq!(r.t.device().stats().tx_frames, 4);
             assert_eq!(r.t.device().stats().dropped, 0, "every released frame was sent");
+        }
+
+        /// Output-triggered epochs: the output eventfd is signalled when a
+        /// frame is held (and only then), and `held_since` names the oldest
+        /// frame not yet taken.
+        #[test]
+        fn a_held_frame_signals_the_output_event() {
+            let mut r = rig();
+            let ev = r.t.device_mut().output_event().unwrap();
+            assert!(r.transmit(&frame(6, 60)));
+            assert!(ev.read().is_err(), "signalled for a frame sent straight out");
+            assert_eq!(r.t.device().held_since(), None);
+            r.t.device_mut().hold_output(true);
+            let before = Instant::now();
+            assert!(r.transmit(&frame(7, 60)));
+            assert_eq!(ev.read().unwrap(), 1, "one signal for one held frame");
+            let since = r.t.device().held_since().expect("a frame waits");
+            assert!(since >= before);
+            assert!(r.transmit(&frame(8, 60)));
+            assert_eq!(r.t.device().held_since(), Some(since), "the oldest frame's time");
+            assert_eq!(r.t.device_mut().take_held().len(), 2);
+            assert_eq!(r.t.device().held_since(), None, "nothing waits once taken");
+            // A second handle is the same eventfd.
+            let again = r.t.device_mut().output_event().unwrap();
+            assert!(r.transmit(&frame(9, 60)));
+            assert_eq!(again.read().unwrap(), 2, "both frames since the last read");
         }
 
         #[test]

@@ -85,6 +85,11 @@ pub struct BenchReplicateArgs {
     /// output-triggered epochs (`ninelives report --quick`).
     #[arg(long)]
     pub core: bool,
+    /// Extra kv cells at 20 ms, each the `replicate primary` flags that
+    /// change the defaults, e.g. `--kv-cell "--output-epoch-ms 1"`
+    /// (repeatable; kept with --core).
+    #[arg(long = "kv-cell", allow_hyphen_values = true)]
+    pub kv_cells: Vec<String>,
     /// Run the throughput rows beside busy-loop threads of the bench's own.
     #[arg(long)]
     pub loaded: bool,
@@ -155,6 +160,17 @@ struct Row {
     stall_ms_avg: f64,
     commit_ms_avg: f64,
     commit_ms_max: f64,
+    /// Output commit of the guest's frames (kv: the phases of a reply):
+    /// epochs with frames, epochs ended early because frames waited, from
+    /// the oldest held frame to the boundary and to the release, and from a
+    /// release to the next held frame (client and guest turnaround).
+    output_epochs: u64,
+    output_triggered_epochs: u64,
+    output_wait_ms_avg: f64,
+    output_wake_ms_avg: f64,
+    stop_ms_avg: f64,
+    output_held_ms_avg: f64,
+    turnaround_ms_avg: f64,
     predicted_per_epoch: f64,
     fake_dirty_per_epoch: f64,
     precision: Option<f64>,
@@ -206,6 +222,13 @@ fn row(
         stall_ms_avg: f("stall_ms_avg"),
         commit_ms_avg: f("commit_ms_avg"),
         commit_ms_max: f("commit_ms_max"),
+        output_epochs: p["output_epochs"].as_u64().unwrap_or(0),
+        output_triggered_epochs: p["output_triggered_epochs"].as_u64().unwrap_or(0),
+        output_wait_ms_avg: f("output_wait_ms_avg"),
+        output_wake_ms_avg: f("output_wake_ms_avg"),
+        stop_ms_avg: f("stop_ms_avg"),
+        output_held_ms_avg: f("output_held_ms_avg"),
+        turnaround_ms_avg: f("turnaround_ms_avg"),
         predicted_per_epoch: f("predicted_per_epoch"),
         fake_dirty_per_epoch: f("fake_dirty_per_epoch"),
         precision: p["precision"].as_f64(),
@@ -214,11 +237,33 @@ fn row(
     }
 }
 
+/// A reply's phases under output commit (rows whose guest sent frames).
+fn phases(r: &Row) -> String {
+    if r.output_epochs == 0 {
+        return String::new();
+    }
+    format!(
+        "; replies: {} epochs with output ({} output-triggered), held {:.2} ms = wait for the \
+         boundary {:.2} (wake-up {:.2}, vCPU stop {:.2}) + pause {:.2} + send {:.2} + ack {:.2} \
+         (+ release), then {:.2} ms client/guest turnaround",
+        r.output_epochs,
+        r.output_triggered_epochs,
+        r.output_held_ms_avg,
+        r.output_wait_ms_avg,
+        r.output_wake_ms_avg,
+        r.stop_ms_avg,
+        r.pause_ms_avg,
+        r.send_after_ms_avg,
+        r.ack_wait_ms_avg,
+        r.turnaround_ms_avg
+    )
+}
+
 fn print_row(r: &Row) {
     eprintln!(
         "{} {} @{} ms (pipeline {}): {:.3} of unreplicated ({:.3e} / {:.3e} ops/s), epoch every {:.1} ms, \
          {:.0} pages and {:.0} faults/epoch, pause {:.2} ms (copy {:.2} = {:.0}%, send {:.2} = {:.0}%), \
-         send {:.2}, ack wait {:.2}, stall {:.2}, output held {:.1} ms{}{}",
+         send {:.2}, ack wait {:.2}, stall {:.2}, output held {:.1} ms{}{}{}",
         r.workload, r.config, r.epoch_ms, r.pipeline, r.ratio, r.ops_per_sec,
         r.unreplicated_ops_per_sec, r.interval_ms_avg, r.pages_per_epoch,
         r.write_faults_per_epoch, r.pause_ms_avg, r.copy_ms_avg, 100.0 * r.copy_share_of_pause,
@@ -239,6 +284,7 @@ fn print_row(r: &Row) {
             ),
             _ => String::new(),
         },
+        phases(r),
         if r.ok { "" } else { " NOT VERIFIED" }
     );
 }
@@ -302,6 +348,12 @@ fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
             true => c.epoch == 20 && (c.name == CORE[0] || c.name == CORE[3]),
             false => CORE[..3].contains(&c.name.as_str()),
         });
+    }
+    if kv {
+        for flags in &a.kv_cells {
+            let flags: Vec<&str> = flags.split_whitespace().collect();
+            v.push(Case::new(20, &flags));
+        }
     }
     v
 }
@@ -983,8 +1035,18 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
             Ok(t) => {
                 for rep in 0..a.reps {
                     let from = rows.len();
-                    all_ok &= kv_rows(&a, t, &mut rows, &mut failed)?;
+                    // A repetition whose baseline failed (kvload without a
+                    // report on a saturated host) is reported, not the end.
+                    match kv_rows(&a, t, &mut rows, &mut failed) {
+                        Ok(ok) => all_ok &= ok,
+                        Err(e) => {
+                            eprintln!("kv (rep {rep}): FAILED: {e:#}");
+                            failed.push(format!("kv rep {rep}: {e:#}"));
+                            all_ok = false;
+                        }
+                    }
                     rows[from..].iter_mut().for_each(|r| r.rep = rep);
+                    load.push(super::checkpoint::loadavg());
                 }
             }
             Err(why) => kv_skipped = Some(why.clone()),
@@ -1050,14 +1112,15 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
     let rows = medians(&samples);
     for r in &rows {
         eprintln!(
-            "{} {} @{} ms: ratio median {:.3} [{:.3}, {:.3}] over {} reps",
+            "{} {} @{} ms: ratio median {:.3} [{:.3}, {:.3}] over {} reps{}",
             r.workload,
             r.config,
             r.epoch_ms,
             r.ratio,
             r.ratio_min,
             r.ratio_max,
-            r.ratio_samples.len()
+            r.ratio_samples.len(),
+            if r.workload == "kv" { format!(" (median rep{})", phases(r)) } else { String::new() }
         );
     }
     let out = serde_json::json!({
