@@ -321,3 +321,37 @@ fn a_failed_restart_leaves_the_sandbox_stopped_and_reported() {
     assert!(s.get("svc").expect("svc").vm().poll_outcome().is_some(), "stopped, not half-restored");
     healthy(&r, &["p", "q"]);
 }
+
+/// A `restart` starts the VM its monitor built ahead of the fault (VM
+/// creation waits for kernel grace periods, seconds on a loaded host:
+/// `nl_sandbox::prepare`), and the monitor builds the next one for the
+/// restart after. Twice, so the second restart shows the rebuilt one.
+#[test]
+fn a_restart_starts_the_vm_built_ahead_and_the_next_one_is_built() {
+    if !kvm_available() {
+        return;
+    }
+    let s = sandbox_set(&three(r#""recovery": {"policy": "restart"},"#));
+    let r = supervised(&s, Duration::from_secs(240), |s| {
+        let svc = s.get("svc").expect("svc");
+        for round in 1..=2 {
+            wait_for("svc streaming", Duration::from_secs(90), || consumed(s, 0) > 500);
+            wait_for("a VM built ahead", Duration::from_secs(120), || svc.monitor.next_vm_ready());
+            s.inject("svc", &BAD_RIP).expect("inject");
+            wait_for("the recovery", Duration::from_secs(60), || {
+                svc.monitor.recovery_count() == round
+            });
+            let before = consumed(s, 0);
+            wait_for("svc streaming again", Duration::from_secs(30), || {
+                consumed(s, 0) > before + 100
+            });
+        }
+    });
+    healthy(&r, &["p", "q"]);
+    let svc = &r.sandboxes[0];
+    assert_eq!(svc.recoveries.len(), 2, "{:?}", svc.recoveries);
+    for rec in &svc.recoveries {
+        assert!(rec.ok, "{rec:?}");
+        assert!(rec.phases.image_prepared, "the restart built its own VM: {rec:?}");
+    }
+}

@@ -309,13 +309,17 @@ fn a_fresh_client_is_answered_after_a_takeover_without_client_traffic() {
     );
     let r = ns.supervised_set(&config, |s| {
         wait_answering("the owner answering");
-        for (k, (from, to)) in
-            [("web", "spare"), ("spare", "web"), ("web", "spare")].into_iter().enumerate()
-        {
+        let rounds = [("web", "spare"), ("spare", "web"), ("web", "spare")];
+        for (k, (from, to)) in rounds.into_iter().enumerate() {
             // The failed holder restarts (as the standby) before it is
-            // failed over to again.
+            // failed over to again: its recovery is recorded (once its new
+            // VM heartbeats), not only a heartbeat seen (the old VM's
+            // count is there until the new VM replaces it).
+            let failed_before = rounds[..k].iter().filter(|r| r.0 == to).count();
             wait_for("the standby ready", Duration::from_secs(60), || {
-                s.get(to).unwrap().vm().control().vcpus[0].snapshot().beats > 0
+                let sb = s.get(to).unwrap();
+                sb.monitor.recovery_count() >= failed_before
+                    && sb.vm().control().vcpus[0].snapshot().beats > 0
             });
             let stop = AtomicBool::new(false);
             std::thread::scope(|scope| {
@@ -346,11 +350,6 @@ fn a_fresh_client_is_answered_after_a_takeover_without_client_traffic() {
                     service_now(s).takeovers.get(k).is_some_and(|t| t.announced_ms.is_some())
                 });
                 assert!(recorded, "takeover {k} ({from} -> {to}) not recorded\n{}", state());
-                stop.store(true, Ordering::SeqCst);
-                if let Some(c) = client {
-                    let p = c.join().expect("client").expect("ping");
-                    assert!(p.received > 0, "{p:?}");
-                }
                 let t = Instant::now();
                 let answered =
                     within(Duration::from_secs(5) * LOADED, || short_ping().received > 0);
@@ -363,6 +362,14 @@ fn a_fresh_client_is_answered_after_a_takeover_without_client_traffic() {
                     "takeover {k}: a fresh client was not answered by '{to}'\n{}",
                     state()
                 );
+                // The pinging client stops only once a fresh client has
+                // been answered: a takeover can be recorded before the
+                // client's first reply (CI saw sent 1, received 0).
+                stop.store(true, Ordering::SeqCst);
+                if let Some(c) = client {
+                    let p = c.join().expect("client").expect("ping");
+                    assert!(p.received > 0, "{p:?}");
+                }
             });
             let now = service_now(s);
             assert_eq!((now.holder.as_str(), now.standby.as_str()), (to, from), "{now:?}");

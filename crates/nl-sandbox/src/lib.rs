@@ -61,6 +61,7 @@ pub mod isolation;
 pub mod monitor;
 pub mod net;
 pub mod periodic;
+pub mod prepare;
 pub mod recovery;
 pub mod reserve;
 pub mod service;

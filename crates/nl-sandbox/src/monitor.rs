@@ -31,6 +31,12 @@ pub struct Monitor {
     handover: Arc<Lock<Option<crate::service::Handover>>>,
     /// The handover in the mailbox was refused (its sandbox cannot take it).
     refused: AtomicBool,
+    /// What the monitor loop is doing and since when (set-elapsed ms): a
+    /// takeover that times out names it.
+    doing: Arc<Lock<(&'static str, f64)>>,
+    /// The VM a restart of this sandbox starts, built ahead of the fault
+    /// ([`crate::prepare`]).
+    next_vm: Arc<Lock<Option<nl_vmm::Vm>>>,
 }
 
 /// Detections and recoveries kept in full per sandbox (all are counted in
@@ -59,6 +65,8 @@ impl Monitor {
             gave_up: Lock::new("sandbox.gave_up", None),
             handover: Lock::new("sandbox.handover", None),
             refused: AtomicBool::new(false),
+            doing: Lock::new("sandbox.doing", ("starting", 0.0)),
+            next_vm: Lock::new("sandbox.next_vm", None),
         })
     }
 
@@ -89,6 +97,35 @@ impl Monitor {
     /// Marks the handover in the mailbox as refused.
     pub fn refuse_handover(&self) {
         self.refused.store(true, Relaxed);
+    }
+
+    /// Notes what the monitor loop does from `at_ms` on (each pass of its
+    /// loop notes "watching" anew).
+    pub(crate) fn set_doing(&self, what: &'static str, at_ms: f64) {
+        *self.doing.lock() = (what, at_ms);
+    }
+
+    /// What the monitor loop is doing and since when (set-elapsed ms).
+    pub fn doing(&self) -> (&'static str, f64) {
+        *self.doing.lock()
+    }
+
+    /// Whether a VM for the next restart is ready.
+    pub fn next_vm_ready(&self) -> bool {
+        self.next_vm.lock().is_some()
+    }
+
+    /// Keeps `vm` for the next restart (one at most: a second is dropped).
+    pub(crate) fn stash_next_vm(&self, vm: nl_vmm::Vm) {
+        let mut slot = self.next_vm.lock();
+        if slot.is_none() {
+            *slot = Some(vm);
+        }
+    }
+
+    /// The VM built for the next restart, if one is ready.
+    pub(crate) fn take_next_vm(&self) -> Option<nl_vmm::Vm> {
+        self.next_vm.lock().take()
     }
 
     /// A handover waits in the mailbox, not refused.

@@ -40,6 +40,8 @@ pub struct Phases {
     pub notified_ms: Option<f64>,
     /// A new VM over fresh memory, images loaded (restart, replace).
     pub image_ms: Option<f64>,
+    /// That VM had been built ahead of the fault ([`crate::prepare`]).
+    pub image_prepared: bool,
     /// Its vCPU threads started again (re-entry).
     pub reentry_ms: Option<f64>,
     /// The guest reinitialised: its workload began (channels rejoined).
@@ -91,6 +93,7 @@ pub(crate) fn run(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome 
             crate::service::finish_watch(set, &mut watch);
             return VmOutcome::TimedOut { limit_ms: limit.as_millis() as u64 };
         }
+        sb.monitor.set_doing("watching", set.elapsed_ms());
         crate::service::standby_pass(set, sb, &mut watch);
         if let Some(p) = &mut pending {
             let regs = vm.control().vcpus[0].snapshot();
@@ -143,6 +146,7 @@ pub(crate) fn run(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome 
         };
         // Remote recovery: a service it holds moves to its standby first.
         if let Some(svc) = set.services.held_by(sb.index) {
+            sb.monitor.set_doing("handing its service over", set.elapsed_ms());
             crate::service::finish_watch(set, &mut watch);
             crate::service::take_over(set, sb, svc, &detection, t0);
         }
@@ -164,6 +168,7 @@ pub(crate) fn run(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome 
         }
         recent.push(t0);
         let mut phases = Phases { stopped_ms, ..Default::default() };
+        sb.monitor.set_doing("rebuilding its VM", set.elapsed_ms());
         match set.rebuild(sb, policy, t0, &mut phases) {
             Ok(()) => {
                 det.reset(vcpus);

@@ -277,6 +277,7 @@ pub(crate) fn take_over(
         std::thread::sleep(Duration::from_micros(100));
     }
     if let Some(h) = standby.monitor.take_handover() {
+        let (doing, since) = standby.monitor.doing();
         let _ = sb.vm().attach_tap(h.tap);
         if let Some(st) = &s.state {
             if let Err(e) = st.map_into(sb.index, &sb.vm()) {
@@ -286,9 +287,11 @@ pub(crate) fn take_over(
         fail(
             h.record,
             format!(
-                "no standby available: '{}' did not take the TAP within {} ms",
+                "no standby available: '{}' did not take the TAP within {} ms (its monitor: {doing} \
+                 for {:.0} ms)",
                 standby.config.name,
-                HANDOVER_WAIT.as_millis()
+                HANDOVER_WAIT.as_millis(),
+                set.elapsed_ms() - since
             ),
         );
     }

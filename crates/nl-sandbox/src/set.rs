@@ -389,6 +389,55 @@ impl SandboxSet {
         }
     }
 
+    /// The configuration of a restart VM of `sb` by `policy`: the workload
+    /// of `recovery.replace_with` for `replace`, and a spare net device
+    /// (the TAP the old VM still has, none after a takeover, moves to it,
+    /// never re-opened by name).
+    fn restart_config(sb: &Sandbox, policy: RecoveryPolicy) -> Result<VmConfig, SandboxError> {
+        let mut config = sb.vm_config.clone();
+        if policy == RecoveryPolicy::Replace {
+            if let Some(w) = &sb.config.recovery.replace_with {
+                config.workload = w.params().map_err(SandboxError::Config)?;
+            }
+        }
+        config.net = config.net.map(|n| nl_vmm::NetConfig { spare: true, host_ip: None, ..n });
+        Ok(config)
+    }
+
+    /// A new VM for a restart of `sb` by `policy`, built now over fresh
+    /// memory with the images loaded. Not started.
+    pub(crate) fn next_vm(&self, sb: &Sandbox, policy: RecoveryPolicy) -> Result<Vm, SandboxError> {
+        let config = Self::restart_config(sb, policy)?;
+        let memory = self.fresh_memory(sb)?;
+        Vm::create_with_windows(
+            &self.kvm,
+            sb.index as u32,
+            config,
+            Some(memory),
+            Some(sb.windows.clone()),
+        )
+        .map_err(|e| SandboxError::Vm(sb.config.name.clone(), format!("restart: {e}")))
+    }
+
+    /// What [`SandboxSet::next_vm`] builds, owned, for a thread that
+    /// builds it ahead ([`crate::prepare`]); not for a `memory_file`
+    /// sandbox.
+    pub(crate) fn next_vm_recipe(
+        &self,
+        sb: &Sandbox,
+        policy: RecoveryPolicy,
+    ) -> Result<crate::prepare::Recipe, SandboxError> {
+        Ok(crate::prepare::Recipe {
+            kvm: nl_vmm::open_kvm()
+                .map_err(|e| SandboxError::Vm(sb.config.name.clone(), e.to_string()))?,
+            index: sb.index as u32,
+            name: sb.config.name.clone(),
+            config: Self::restart_config(sb, policy)?,
+            windows: sb.windows.clone(),
+            mem_bytes: sb.config.mem_mib << 20,
+        })
+    }
+
     /// `restart` / `replace` after the sandbox's vCPUs were stopped: its
     /// own channel regions withdrawn, a new VM over fresh memory (the
     /// images reloaded; the workload of `recovery.replace_with` for
@@ -406,24 +455,14 @@ impl SandboxSet {
             self.channels[c].withdraw(r);
         }
         phases.notified_ms = ms();
-        let mut config = sb.vm_config.clone();
-        if policy == RecoveryPolicy::Replace {
-            if let Some(w) = &sb.config.recovery.replace_with {
-                config.workload = w.params().map_err(SandboxError::Config)?;
+        // Built ahead when it could be (crate::prepare), else now.
+        let vm = match sb.monitor.take_next_vm() {
+            Some(vm) => {
+                phases.image_prepared = true;
+                vm
             }
-        }
-        // A spare net device: the TAP the old VM still has (none after a
-        // takeover) moves to the new one below, never re-opened by name.
-        config.net = config.net.map(|n| nl_vmm::NetConfig { spare: true, host_ip: None, ..n });
-        let memory = self.fresh_memory(sb)?;
-        let vm = Vm::create_with_windows(
-            &self.kvm,
-            sb.index as u32,
-            config,
-            Some(memory),
-            Some(sb.windows.clone()),
-        )
-        .map_err(|e| SandboxError::Vm(sb.config.name.clone(), format!("restart: {e}")))?;
+            None => self.next_vm(sb, policy)?,
+        };
         phases.image_ms = ms();
         // A state region this sandbox holds moves to its new VM.
         let state = self.services.state_mapped_in(sb.index);
@@ -545,7 +584,15 @@ impl SandboxSet {
                 .map(|sb| {
                     std::thread::Builder::new()
                         .name(format!("monitor-{}", sb.config.name))
-                        .spawn_scoped(s, move || crate::recovery::run(self, sb, limit))
+                        .spawn_scoped(s, move || {
+                            // Its restart VMs are built ahead, beside it.
+                            let prep = crate::prepare::start(self, sb);
+                            let outcome = crate::recovery::run(self, sb, limit);
+                            if let Some(p) = prep {
+                                p.finish();
+                            }
+                            outcome
+                        })
                 })
                 .collect();
             handles

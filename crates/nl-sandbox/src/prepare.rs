@@ -1,0 +1,128 @@
+//! Restart VMs built ahead of the fault.
+//!
+//! Creating a KVM VM registers its memory slots and its interrupt chip,
+//! and each of those waits for an SRCU grace period in the kernel
+//! (`kvm_swap_active_memslots` → `synchronize_srcu`). With no vCPU running
+//! in the process that takes well under a millisecond; while other
+//! sandboxes' vCPUs run, it took from 0.1 s to 30 s on this host (seen in
+//! `bench sandbox-recovery`: the `restart` row's `image` phase, with the
+//! monitor's kernel stack in `__synchronize_srcu`). A restart that builds
+//! its VM after the fault inherits that wait.
+//!
+//! So a `restart` or `replace` sandbox's monitor has a helper thread that
+//! builds the VM of its next restart while the sandbox runs
+//! (fresh memory with the images loaded,
+//! the sandbox's windows, a spare net device) and leaves it with the
+//! monitor. A restart takes it (its `image_prepared` phase flag says so)
+//! and the helper builds the next one. A restart that finds none (a second
+//! fault before the helper finished) builds its VM itself, as before.
+//!
+//! Not for sandboxes on a `memory_file` (their memory is that file, which a
+//! restart truncates: a VM built ahead would share it with the running
+//! one), `stop` or `rollback` sandboxes. Each prepared VM holds the
+//! sandbox's memory size once more (untouched pages cost nothing until
+//! the guest writes them).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use nl_memory::GuestMemory;
+use nl_vmm::windows::VmWindows;
+use nl_vmm::{Vm, VmConfig};
+
+use crate::config::RecoveryPolicy;
+use crate::monitor::Monitor;
+use crate::set::{Sandbox, SandboxSet};
+use crate::SandboxError;
+
+/// How often the builder looks whether a VM is needed.
+const POLL: Duration = Duration::from_millis(20);
+
+/// What a restart VM of one sandbox is built from, owned: the builder
+/// thread is detached, so a build stuck in the kernel never holds up the
+/// end of the set's supervision.
+pub(crate) struct Recipe {
+    pub(crate) kvm: kvm_ioctls::Kvm,
+    pub(crate) index: u32,
+    pub(crate) name: String,
+    pub(crate) config: VmConfig,
+    pub(crate) windows: VmWindows,
+    pub(crate) mem_bytes: u64,
+}
+
+impl Recipe {
+    fn build(&self) -> Result<Vm, SandboxError> {
+        let memory = GuestMemory::new(&format!("sandbox-{}", self.name), self.mem_bytes)
+            .map_err(|e| SandboxError::Resource(format!("sandbox '{}': {e}", self.name)))?;
+        Vm::create_with_windows(
+            &self.kvm,
+            self.index,
+            self.config.clone(),
+            Some(memory),
+            Some(self.windows.clone()),
+        )
+        .map_err(|e| SandboxError::Vm(self.name.clone(), format!("restart (built ahead): {e}")))
+    }
+}
+
+/// A running builder; [`Builder::finish`] ends it.
+pub(crate) struct Builder {
+    done: Arc<AtomicBool>,
+    monitor: Arc<Monitor>,
+}
+
+impl Builder {
+    /// Ends the builder and drops the VM it left (a build under way ends
+    /// on its own thread, and its VM is dropped there).
+    pub(crate) fn finish(self) {
+        self.done.store(true, Ordering::SeqCst);
+        drop(self.monitor.take_next_vm());
+    }
+}
+
+/// Starts `sb`'s builder if its restarts use VMs built ahead: not for
+/// `stop` or `rollback` sandboxes, nor those on a `memory_file`.
+pub(crate) fn start(set: &SandboxSet, sb: &Sandbox) -> Option<Builder> {
+    let policy = sb.config.recovery.policy;
+    if !matches!(policy, RecoveryPolicy::Restart | RecoveryPolicy::Replace)
+        || sb.config.memory_file.is_some()
+    {
+        return None;
+    }
+    let recipe = match set.next_vm_recipe(sb, policy) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("ninelives: {e}: its restarts build their own VMs");
+            return None;
+        }
+    };
+    let done = Arc::new(AtomicBool::new(false));
+    let monitor = sb.monitor.clone();
+    let (d, m) = (done.clone(), monitor.clone());
+    std::thread::Builder::new()
+        .name(format!("prepare-{}", sb.config.name))
+        .spawn(move || run(&recipe, &m, &d))
+        .inspect_err(|e| eprintln!("ninelives: cannot start a VM builder thread: {e}"))
+        .ok()?;
+    Some(Builder { done, monitor })
+}
+
+/// Keeps one VM ready until `done`. A build that fails is reported once
+/// and not retried (restarts then build their own VMs).
+fn run(recipe: &Recipe, monitor: &Monitor, done: &AtomicBool) {
+    while !done.load(Ordering::SeqCst) {
+        if !monitor.next_vm_ready() {
+            match recipe.build() {
+                // Finished meanwhile: the VM is dropped here.
+                Ok(_) if done.load(Ordering::SeqCst) => return,
+                Ok(vm) => monitor.stash_next_vm(vm),
+                Err(e) => {
+                    eprintln!("ninelives: {e}; its restarts build their own VMs");
+                    return;
+                }
+            }
+        }
+        std::thread::sleep(POLL);
+    }
+}
