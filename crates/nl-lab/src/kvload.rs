@@ -139,7 +139,17 @@ pub struct KvReport {
     /// The first few wrong answers, for the report.
     pub examples: Vec<String>,
     pub ok: bool,
+    /// When the load began, in milliseconds since the Unix epoch.
+    pub start_unix_ms: f64,
+    /// When each answer of the load phase arrived, in milliseconds since
+    /// the load began, sorted (the first [`MAX_TIMELINE`]; for time series
+    /// such as `bench sandbox-recovery`'s Fig. 6; not in the JSON).
+    #[serde(skip)]
+    pub answered_ms: Vec<f64>,
 }
+
+/// At most this many answer times are kept per connection.
+pub const MAX_TIMELINE: usize = 1 << 21;
 
 /// splitmix64.
 fn next(s: &mut u64) -> u64 {
@@ -170,6 +180,8 @@ struct Worker {
     unverified: u64,
     unacked_puts: u64,
     examples: Vec<String>,
+    /// When each answer arrived, since the load began.
+    answered: Vec<Duration>,
     /// Per owned key (index j: key id + j * connections).
     state: Vec<Possible>,
 }
@@ -237,7 +249,7 @@ impl Worker {
         false
     }
 
-    fn run(&mut self, id: u32, cfg: &LoadConfig, connect: Connect) {
+    fn run(&mut self, id: u32, cfg: &LoadConfig, connect: Connect, began: Instant) {
         let n = u64::from(cfg.connections);
         let owned = cfg.keys.saturating_sub(u64::from(id)).div_ceil(n) as usize;
         self.state = vec![vec![None]; owned];
@@ -263,7 +275,12 @@ impl Worker {
             let res = l.roundtrip(req.as_bytes(), &mut resp);
             let ns = t.elapsed().as_nanos() as u64;
             let answer = match res {
-                Ok(()) => parse(&resp),
+                Ok(()) => {
+                    if self.answered.len() < MAX_TIMELINE {
+                        self.answered.push(began.elapsed());
+                    }
+                    parse(&resp)
+                }
                 Err(_) => {
                     self.errors += 1;
                     link = None;
@@ -366,12 +383,16 @@ fn percentile_us(sorted_ns: &[u64], q: f64) -> f64 {
 
 /// Runs the load and the checks; `connect` opens a connection to the server.
 pub fn load(cfg: &LoadConfig, connect: Connect) -> KvReport {
+    let began = Instant::now();
+    let start_unix_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64() * 1e3);
     let workers: Vec<Worker> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..cfg.connections)
             .map(|id| {
                 s.spawn(move || {
                     let mut w = Worker::default();
-                    w.run(id, cfg, connect);
+                    w.run(id, cfg, connect, began);
                     w
                 })
             })
@@ -384,6 +405,7 @@ pub fn load(cfg: &LoadConfig, connect: Connect) -> KvReport {
         connections: cfg.connections,
         keys: cfg.keys,
         put_pct: cfg.put_pct,
+        start_unix_ms,
         ..KvReport::default()
     };
     let mut lat = Vec::new();
@@ -407,6 +429,7 @@ pub fn load(cfg: &LoadConfig, connect: Connect) -> KvReport {
             }
         }
         lat.extend_from_slice(&w.lat_ns);
+        r.answered_ms.extend(w.answered.iter().map(|d| d.as_secs_f64() * 1e3));
         for (j, p) in w.state.iter().enumerate() {
             match p.as_slice() {
                 [Some(v)] => {
@@ -426,6 +449,7 @@ pub fn load(cfg: &LoadConfig, connect: Connect) -> KvReport {
     r.ops_per_sec =
         if cfg.duration.is_zero() { 0.0 } else { r.ops as f64 / cfg.duration.as_secs_f64() };
     lat.sort_unstable();
+    r.answered_ms.sort_by(f64::total_cmp);
     r.latency_us = Latency {
         p50: percentile_us(&lat, 0.5),
         p99: percentile_us(&lat, 0.99),
@@ -463,19 +487,23 @@ fn target_addr(t: &str) -> Result<SocketAddr> {
         .with_context(|| format!("--target {t}: not an address"))
 }
 
+/// A [`Link`] over a new TCP connection to `target`, every step bounded by
+/// `timeout`.
+pub fn tcp_link(target: SocketAddr, timeout: Duration) -> io::Result<Box<dyn Link>> {
+    let s = TcpStream::connect_timeout(&target, timeout)?;
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
+    Ok(Box::new(StreamLink::new(s)))
+}
+
 pub fn run(a: KvloadArgs) -> Result<ExitCode> {
     if !(a.duration.is_finite() && a.duration > 0.0 && a.duration <= 86_400.0) {
         bail!("--duration {} must be between 0 and 86400 seconds", a.duration);
     }
     let target = target_addr(&a.target)?;
     let timeout = a.timeout;
-    let connect = move || -> io::Result<Box<dyn Link>> {
-        let s = TcpStream::connect_timeout(&target, timeout)?;
-        s.set_nodelay(true)?;
-        s.set_read_timeout(Some(timeout))?;
-        s.set_write_timeout(Some(timeout))?;
-        Ok(Box::new(StreamLink::new(s)))
-    };
+    let connect = move || tcp_link(target, timeout);
     let nonce = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)

@@ -61,6 +61,11 @@ pub struct PingReport {
     pub rtt_p99_ms: Option<f64>,
     pub rtt_max_ms: Option<f64>,
     pub bad_windows: Vec<BadWindow>,
+    /// When each reply arrived, in milliseconds since the first send, in
+    /// order (for time series such as `bench sandbox-recovery`'s Fig. 6;
+    /// not in the JSON).
+    #[serde(skip)]
+    pub arrivals_ms: Vec<f64>,
 }
 
 fn target_addr(t: &str) -> Result<SocketAddr> {
@@ -200,6 +205,7 @@ pub fn ping(
         rtt_p99_ms: pick(0.99),
         rtt_max_ms: rtts.last().copied(),
         bad_windows,
+        arrivals_ms: arrivals.iter().map(|&a| ms(a)).collect(),
     })
 }
 

@@ -11,6 +11,7 @@ pub mod rejuvenate_ping;
 pub mod replicate;
 pub mod sandbox;
 pub mod sandbox_recovery;
+pub mod sandbox_service_timeline;
 pub mod seccomp;
 pub mod unit_costs;
 

@@ -1,0 +1,308 @@
+//! Fig. 6 of Quest-V: a network service's replies over time while the
+//! sandbox serving it fails and recovers, for each recovery policy
+//! (`bench sandbox-recovery`, part `fig6`).
+//!
+//! The service is the reference guest's kv server (TCP 7000; it also
+//! answers UDP echo on port 7) in sandbox `web` on TAP `nltap0`
+//! (10.0.0.2) in a network namespace of the bench's own. Two clients run
+//! at once from the namespace, as in the issue: a ping every 1 ms (UDP
+//! echo) and `kvload` (2 connections, half PUTs, half GETs, each checked
+//! against the last acknowledged write). One second into the clients'
+//! run, `web` faults (an unmapped RIP: its next instruction faults):
+//!
+//! * `restart`, `replace`: `web` is re-created in place with fresh memory
+//!   and keeps its TAP (`replace` with the workload of
+//!   `recovery.replace_with`, here kv again);
+//! * `rollback`: `web` runs under nl-checkpoint's supervisor (a checkpoint
+//!   every 20 ms) and is rolled back in place; the fault is scripted at a
+//!   fixed time of the supervised run, since the supervisor owns the VM;
+//! * `remote`: service `kv` with its state region (4 MiB) is taken over by
+//!   the standby `spare`, which gets the TAP; `web` restarts as the new
+//!   standby.
+//!
+//! Each run gives the replies per 10 ms of both clients, the longest ping
+//! and kv gaps around the fault, and what kvload found wrong (acknowledged
+//! writes lost: expected for `restart` and `replace`, which start from
+//! fresh memory, and measured for the others).
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Result};
+use nl_sandbox::faults::GuestFault;
+use nl_sandbox::{SandboxSet, SetConfig};
+use serde::Serialize;
+
+use crate::kvload::{self, LoadConfig};
+use crate::netns::Netns;
+use crate::stats::Summary;
+
+/// An unmapped RIP: the guest's next instruction faults (#PF, ring 3).
+const BAD_RIP: GuestFault = GuestFault::Register { cpu: 0, reg: "rip", bit: 40 };
+
+/// The clients' run, and when in it the fault comes.
+const CLIENT_RUN: Duration = Duration::from_secs(3);
+const FAULT_AT: Duration = Duration::from_secs(1);
+/// A `rollback` run's scripted fault, after its supervision began: late
+/// enough for the service to answer first.
+const ROLLBACK_FAULT_AT: Duration = Duration::from_secs(8);
+/// Width of a bin of the series.
+pub const BIN_MS: f64 = 10.0;
+
+const SERVICE: &str = "10.0.0.2";
+
+/// One run of one policy.
+#[derive(Clone, Debug, Serialize)]
+pub struct TimelineRun {
+    /// When the fault came, in ms since the clients began.
+    pub fault_ms: f64,
+    /// Longest interval without a ping reply from the fault on
+    /// ([`gap_after`]), ms.
+    pub ping_gap_ms: f64,
+    /// The same for kv answers (any answer of any connection).
+    pub kv_gap_ms: f64,
+    /// Ping replies and kv answers per [`BIN_MS`] from the clients' start.
+    pub ping_per_bin: Vec<u32>,
+    pub kv_per_bin: Vec<u32>,
+    pub pings_sent: u64,
+    pub pings_received: u64,
+    pub kv_ops: u64,
+    /// Wrong GETs during the load and wrong values read back after it:
+    /// acknowledged writes the service lost.
+    pub kv_lost: u64,
+    /// kv's read-back after the load could not be completed (keys).
+    pub kv_unverified: u64,
+    /// The service answered the ping client after the fault.
+    pub serving_again: bool,
+}
+
+/// A policy's runs and their summaries.
+#[derive(Clone, Debug, Serialize)]
+pub struct TimelinePolicy {
+    pub policy: &'static str,
+    pub ping_gap_ms: Summary,
+    pub kv_gap_ms: Summary,
+    pub runs: Vec<TimelineRun>,
+}
+
+fn web_config(policy: &str, cores: [usize; 2]) -> String {
+    let [c0, c1] = cores;
+    let net = format!(
+        r#""net": {{"tap": "nltap0", "mac": "52:54:00:5a:00:02", "ipv4": "{SERVICE}/24"}}"#
+    );
+    let kv = r#"{"kind": "kv", "duration_ms": 0}"#;
+    match policy {
+        "remote" => format!(
+            r#"{{"sandboxes": [
+                {{"name": "web", "cores": [{c0}], "workload": {kv}, {net}, "recovery": {{"policy": "restart"}}}},
+                {{"name": "spare", "cores": [{c1}], "workload": {kv}, "recovery": {{"policy": "restart"}}}}
+            ], "services": [{{"name": "kv", "owner": "web", "standby": "spare", "state": {{"mib": 4}}}}]}}"#
+        ),
+        "replace" => format!(
+            r#"{{"sandboxes": [{{"name": "web", "cores": [{c0}], "workload": {kv}, {net},
+                "recovery": {{"policy": "replace", "replace_with": {kv}}}}}]}}"#
+        ),
+        "rollback" => format!(
+            r#"{{"sandboxes": [{{"name": "web", "cores": [{c0}], "workload": {kv}, {net},
+                "recovery": {{"policy": "rollback", "checkpoint_interval_ms": 20}}}}]}}"#
+        ),
+        p => format!(
+            r#"{{"sandboxes": [{{"name": "web", "cores": [{c0}], "workload": {kv}, {net},
+                "recovery": {{"policy": "{p}"}}}}]}}"#
+        ),
+    }
+}
+
+/// Counts of `times_ms` per bin of [`BIN_MS`] over `[0, end_ms)`.
+pub fn bins(times_ms: &[f64], end_ms: f64) -> Vec<u32> {
+    let n = (end_ms / BIN_MS).ceil().max(0.0) as usize;
+    let mut v = vec![0u32; n];
+    for &t in times_ms {
+        if t >= 0.0 {
+            if let Some(b) = v.get_mut((t / BIN_MS) as usize) {
+                *b += 1;
+            }
+        }
+    }
+    v
+}
+
+/// The longest interval without an event from the fault on: over
+/// consecutive `times_ms` (sorted) whose later one comes after `at_ms`
+/// (the outage begins when the fault is detected, a little after it), and
+/// to `end_ms` when none comes after it. The run's start bounds it when no
+/// event came before.
+pub fn gap_after(times_ms: &[f64], at_ms: f64, end_ms: f64) -> f64 {
+    let mut prev = times_ms.iter().copied().filter(|&t| t <= at_ms).fold(0.0, f64::max);
+    let mut gap: f64 = 0.0;
+    let mut any = false;
+    for &t in times_ms.iter().filter(|&&t| t > at_ms) {
+        gap = gap.max(t - prev);
+        prev = t;
+        any = true;
+    }
+    if any {
+        gap
+    } else {
+        end_ms - prev
+    }
+}
+
+fn answers(to: SocketAddr) -> bool {
+    crate::ping::ping(to, Duration::from_millis(10), Duration::from_millis(100), None)
+        .is_ok_and(|p| p.received > 0)
+}
+
+fn wait_for(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    f()
+}
+
+/// One run of `policy` in `ns` (see the module documentation).
+fn run_one(ns: &Netns, policy: &str, rep: usize, cores: [usize; 2]) -> Result<TimelineRun> {
+    let config = SetConfig::parse(&web_config(policy, cores))?;
+    let echo: SocketAddr = format!("{SERVICE}:7").parse()?;
+    let kv_at: SocketAddr = format!("{SERVICE}:{}", nl_abi::KV_TCP_PORT).parse()?;
+    ns.run_in(|| {
+        let kvm = nl_vmm::open_kvm()?;
+        let s = SandboxSet::create(&kvm, config, &super::sandbox_recovery::images())?;
+        let rollback = policy == "rollback";
+        if rollback {
+            s.get("web").expect("web").set_script(vec![(ROLLBACK_FAULT_AT, BAD_RIP)]);
+        }
+        super::sandbox_recovery::supervised(&s, |s| -> Result<TimelineRun> {
+            let sup_start = s.elapsed_ms();
+            if !wait_for(Duration::from_secs(90), || answers(echo)) {
+                bail!("{policy}: the service never answered its first ping");
+            }
+            if rollback {
+                // The clients start FAULT_AT before the scripted fault.
+                let start = sup_start + (ROLLBACK_FAULT_AT - FAULT_AT).as_secs_f64() * 1e3;
+                if s.elapsed_ms() > start {
+                    bail!(
+                        "rollback: the service answered only {:.0} ms into its run, after the \
+                         clients had to start",
+                        s.elapsed_ms() - sup_start
+                    );
+                }
+                std::thread::sleep(Duration::from_secs_f64((start - s.elapsed_ms()) / 1e3));
+            }
+            let cfg = LoadConfig {
+                duration: CLIENT_RUN,
+                connections: 2,
+                keys: 400,
+                put_pct: 50,
+                seed: rep as u64 + 1,
+                prefix: format!("f6{policy}{rep}-"),
+                verify_stall: Duration::from_secs(5),
+            };
+            let (ping, kv, fault_unix_ms) = std::thread::scope(|scope| -> Result<_> {
+                let pinger = scope
+                    .spawn(|| crate::ping::ping(echo, Duration::from_millis(1), CLIENT_RUN, None));
+                let loader = scope.spawn(|| {
+                    kvload::load(&cfg, &|| kvload::tcp_link(kv_at, Duration::from_millis(500)))
+                });
+                let fault_unix_ms = if rollback {
+                    let at = sup_start + ROLLBACK_FAULT_AT.as_secs_f64() * 1e3;
+                    std::thread::sleep(Duration::from_secs_f64(
+                        ((at - s.elapsed_ms()) / 1e3).max(0.0),
+                    ));
+                    unix_now_ms() - (s.elapsed_ms() - at)
+                } else {
+                    std::thread::sleep(FAULT_AT);
+                    let t = unix_now_ms();
+                    s.inject("web", &BAD_RIP)?;
+                    t
+                };
+                let ping = pinger.join().map_err(|_| anyhow!("the pinger panicked"))??;
+                let kv = loader.join().map_err(|_| anyhow!("the kv client panicked"))?;
+                Ok((ping, kv, fault_unix_ms))
+            })?;
+            // Both clients on the pinger's clock.
+            let fault_ms = fault_unix_ms - ping.start_unix_ms;
+            let kv_times: Vec<f64> =
+                kv.answered_ms.iter().map(|t| t + kv.start_unix_ms - ping.start_unix_ms).collect();
+            let end_ms = CLIENT_RUN.as_secs_f64() * 1e3;
+            Ok(TimelineRun {
+                fault_ms,
+                ping_gap_ms: gap_after(&ping.arrivals_ms, fault_ms, end_ms),
+                kv_gap_ms: gap_after(&kv_times, fault_ms, end_ms),
+                ping_per_bin: bins(&ping.arrivals_ms, end_ms),
+                kv_per_bin: bins(&kv_times, end_ms),
+                pings_sent: ping.sent,
+                pings_received: ping.received,
+                kv_ops: kv.ops,
+                kv_lost: kv.mismatches + kv.readback_mismatches,
+                kv_unverified: kv.unverified,
+                serving_again: ping.arrivals_ms.iter().any(|&t| t > fault_ms),
+            })
+        })?
+    })
+}
+
+fn unix_now_ms() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64() * 1e3)
+}
+
+/// `reps` runs of each of `policies`, in a namespace of their own, the
+/// policies interleaved rep by rep (so the host's load falls on all alike).
+pub fn measure(policies: &[&'static str], reps: usize) -> Result<Vec<TimelinePolicy>> {
+    let ns = Netns::with_tap(&format!("nl-fig6-{}", std::process::id()), "nltap0")?;
+    let cores = super::sandbox_recovery::cores()?;
+    let mut runs: Vec<Vec<TimelineRun>> = vec![Vec::new(); policies.len()];
+    for rep in 0..reps {
+        for (i, p) in policies.iter().enumerate() {
+            let r = run_one(&ns, p, rep, cores)?;
+            eprintln!(
+                "fig6 {p:8} rep {}: ping gap {:.1} ms, kv gap {:.1} ms, {} kv ops, {} lost",
+                rep + 1,
+                r.ping_gap_ms,
+                r.kv_gap_ms,
+                r.kv_ops,
+                r.kv_lost
+            );
+            runs[i].push(r);
+        }
+    }
+    Ok(policies
+        .iter()
+        .zip(runs)
+        .map(|(policy, runs)| TimelinePolicy {
+            policy,
+            ping_gap_ms: Summary::of(&runs.iter().map(|r| r.ping_gap_ms).collect::<Vec<_>>()),
+            kv_gap_ms: Summary::of(&runs.iter().map(|r| r.kv_gap_ms).collect::<Vec<_>>()),
+            runs,
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bins_count_events_per_ten_milliseconds() {
+        assert_eq!(bins(&[0.0, 9.9, 10.0, 35.0, 40.0, -1.0, 99.0], 40.0), vec![2, 1, 0, 1]);
+    }
+
+    #[test]
+    fn the_gap_is_the_longest_silence_from_the_fault_on() {
+        // Replies go on for a while after the fault (detection), then stop.
+        let t = [1.0, 2.0, 3.0, 11.0, 12.0, 60.0, 61.0];
+        assert_eq!(gap_after(&t, 10.0, 100.0), 48.0);
+        // No reply after the fault: the gap runs to the end.
+        assert_eq!(gap_after(&t[..3], 10.0, 100.0), 97.0);
+        // No reply before it: from the start.
+        assert_eq!(gap_after(&t[5..], 10.0, 100.0), 60.0);
+        // A silence before the fault does not count.
+        assert_eq!(gap_after(&[0.0, 9.0, 10.5, 11.0], 10.0, 12.0), 1.5);
+    }
+}
