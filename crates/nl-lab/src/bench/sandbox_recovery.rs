@@ -214,6 +214,12 @@ fn policy_run(policy: &str) -> Result<PolicyRun> {
         {
             bail!("the sandboxes did not start streaming within 60 s");
         }
+        // Steady state: the VM of svc's restart built ahead (a long-lived
+        // service has it; in the first seconds after a start a restart
+        // builds its own, see nl_sandbox::prepare). Bounded: 120 s.
+        if policy != "rollback" {
+            wait_for(Duration::from_secs(120), || svc.monitor.next_vm_ready());
+        }
         let stop = AtomicBool::new(false);
         let w = std::thread::scope(|scope| -> Result<Window> {
             let sampler = scope.spawn(|| {
@@ -805,12 +811,14 @@ pub fn bench(a: BenchSandboxRecoveryArgs) -> Result<ExitCode> {
         }
         let p = policy_result(policy, runs);
         println!(
-            "{policy:8}: service gap {} ms; detection {} ms; recovered {}/{}; healthy pair errors {}",
+            "{policy:8}: service gap {} ms; detection {} ms; recovered {}/{}; healthy pair errors {}; new VM built ahead in {}/{}",
             p.service_gap_ms.show(1),
             p.detection_ms.show(2),
             p.runs.iter().filter(|r| r.recovered).count(),
             p.runs.len(),
             p.runs.iter().map(|r| r.q_errors).sum::<u64>(),
+            p.runs.iter().filter(|r| r.phases.image_prepared).count(),
+            p.runs.len(),
         );
         for (name, s) in &p.phases_ms {
             if s.median.is_finite() {

@@ -181,6 +181,12 @@ fn run_one(ns: &Netns, policy: &str, rep: usize, cores: [usize; 2]) -> Result<Ti
             if !wait_for(Duration::from_secs(90), || answers(echo)) {
                 bail!("{policy}: the service never answered its first ping");
             }
+            if !rollback {
+                // Steady state: the restart VM built ahead (bounded: 120 s;
+                // see nl_sandbox::prepare).
+                let web = s.get("web").expect("web");
+                wait_for(Duration::from_secs(120), || web.monitor.next_vm_ready());
+            }
             if rollback {
                 // The clients start FAULT_AT before the scripted fault.
                 let start = sup_start + (ROLLBACK_FAULT_AT - FAULT_AT).as_secs_f64() * 1e3;
