@@ -127,7 +127,7 @@ fn healthy_mark(s: &SandboxSet) -> u64 {
     h.regions[0].ack_words + h.regions[1].ack_words
 }
 
-fn wait_for(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+pub(super) fn wait_for(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     let t = Instant::now();
     while t.elapsed() < limit {
         if f() {
@@ -389,7 +389,7 @@ fn remote_run(ns: &crate::netns::Netns) -> Result<PolicyRun> {
     })
 }
 
-fn unix_now_ms() -> f64 {
+pub(super) fn unix_now_ms() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64() * 1e3)

@@ -26,7 +26,7 @@
 //! fresh memory, and measured for the others).
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{anyhow, bail, Result};
 use nl_sandbox::faults::GuestFault;
@@ -36,6 +36,8 @@ use serde::Serialize;
 use crate::kvload::{self, LoadConfig};
 use crate::netns::Netns;
 use crate::stats::Summary;
+
+use super::sandbox_recovery::{unix_now_ms, wait_for};
 
 /// An unmapped RIP: the guest's next instruction faults (#PF, ring 3).
 const BAD_RIP: GuestFault = GuestFault::Register { cpu: 0, reg: "rip", bit: 40 };
@@ -153,17 +155,6 @@ fn answers(to: SocketAddr) -> bool {
         .is_ok_and(|p| p.received > 0)
 }
 
-fn wait_for(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let t = Instant::now();
-    while t.elapsed() < limit {
-        if f() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    f()
-}
-
 /// One run of `policy` in `ns` (see the module documentation).
 fn run_one(ns: &Netns, policy: &str, rep: usize, cores: [usize; 2]) -> Result<TimelineRun> {
     let config = SetConfig::parse(&web_config(policy, cores))?;
@@ -250,12 +241,6 @@ fn run_one(ns: &Netns, policy: &str, rep: usize, cores: [usize; 2]) -> Result<Ti
             })
         })?
     })
-}
-
-fn unix_now_ms() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64() * 1e3)
 }
 
 /// `reps` runs of each of `policies`, in a namespace of their own, the
