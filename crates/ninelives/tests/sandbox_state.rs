@@ -178,12 +178,17 @@ fn kv_keeps_every_acknowledged_write_across_20_takeovers() {
             for t in 0..TAKEOVERS {
                 let (from, to, n) = holder(s);
                 assert_eq!(n, t);
-                // The standby is up (its restart after the last takeover
-                // done) and the writer got answers from the holder.
+                // The standby is up: its restart after the last takeover is
+                // recorded (a heartbeat alone may be its old VM's, before
+                // the restart replaced it) and its new VM heartbeats.
                 wait_or(
                     "the standby ready",
                     Duration::from_secs(60),
-                    || s.get(&to).unwrap().vm().control().vcpus[0].snapshot().beats > 0,
+                    || {
+                        let sb = s.get(&to).unwrap();
+                        sb.monitor.recovery_count() >= sb.monitor.detections().len()
+                            && sb.vm().control().vcpus[0].snapshot().beats > 0
+                    },
                     state,
                 );
                 // The holder acknowledged writes of its own.

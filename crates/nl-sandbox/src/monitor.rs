@@ -39,6 +39,9 @@ pub struct Monitor {
     next_vm: Arc<Lock<Option<nl_vmm::Vm>>>,
 }
 
+/// What [`Monitor::doing`] says while the monitor rebuilds its sandbox's VM.
+pub const REBUILDING: &str = "rebuilding its VM";
+
 /// Detections and recoveries kept in full per sandbox (all are counted in
 /// the campaign's own records).
 pub const DETECTION_LOG: usize = 10_000;

@@ -168,7 +168,7 @@ pub(crate) fn run(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome 
         }
         recent.push(t0);
         let mut phases = Phases { stopped_ms, ..Default::default() };
-        sb.monitor.set_doing("rebuilding its VM", set.elapsed_ms());
+        sb.monitor.set_doing(crate::monitor::REBUILDING, set.elapsed_ms());
         match set.rebuild(sb, policy, t0, &mut phases) {
             Ok(()) => {
                 det.reset(vcpus);

@@ -19,7 +19,8 @@
 //! new standby. No other sandbox is touched.
 //!
 //! A takeover whose standby cannot take the TAP (it is stopped, or its
-//! monitor does not answer within [`HANDOVER_WAIT`]) is recorded as failed
+//! monitor does not answer within [`HANDOVER_WAIT`], or [`REBUILD_WAIT`]
+//! while it rebuilds the standby's own VM) is recorded as failed
 //! ("no standby available"), and the TAP goes back to the failed sandbox,
 //! whose local recovery keeps serving on it.
 
@@ -39,6 +40,11 @@ use crate::SandboxError;
 /// How long a failed holder's monitor waits for the standby's monitor to
 /// take the TAP.
 pub const HANDOVER_WAIT: Duration = Duration::from_secs(2);
+
+/// How long it waits for a standby whose monitor is rebuilding the
+/// standby's VM (a restart of its own; building a VM can take seconds on a
+/// busy host, see [`crate::prepare`]).
+pub const REBUILD_WAIT: Duration = Duration::from_secs(30);
 
 /// Checks the registry: names unique, owner and standby known, distinct,
 /// in one service at most; the owner has a `net` section, the standby none
@@ -269,9 +275,17 @@ pub(crate) fn take_over(
     }
     record.notified_ms = ms(t0);
     standby.monitor.hand_over(Handover { service: svc, tap, t0, record });
-    let deadline = Instant::now() + HANDOVER_WAIT;
-    for _ in 0..(HANDOVER_WAIT.as_millis() * 10) {
-        if !standby.monitor.handover_pending() || Instant::now() > deadline {
+    // A standby whose monitor is rebuilding its VM (its own restart) takes
+    // the TAP once that ends: worth waiting for up to REBUILD_WAIT, since
+    // the failed holder's own restart would need a new VM as well.
+    let start = Instant::now();
+    for _ in 0..(REBUILD_WAIT.as_millis() * 10) {
+        let waited = start.elapsed();
+        let rebuilding = standby.monitor.doing().0 == crate::monitor::REBUILDING;
+        if !standby.monitor.handover_pending()
+            || waited > REBUILD_WAIT
+            || (waited > HANDOVER_WAIT && !rebuilding)
+        {
             break;
         }
         std::thread::sleep(Duration::from_micros(100));
@@ -287,10 +301,10 @@ pub(crate) fn take_over(
         fail(
             h.record,
             format!(
-                "no standby available: '{}' did not take the TAP within {} ms (its monitor: {doing} \
-                 for {:.0} ms)",
+                "no standby available: '{}' did not take the TAP within {:.0} ms (its monitor: \
+                 {doing} for {:.0} ms)",
                 standby.config.name,
-                HANDOVER_WAIT.as_millis(),
+                start.elapsed().as_secs_f64() * 1e3,
                 set.elapsed_ms() - since
             ),
         );
