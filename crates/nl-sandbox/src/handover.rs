@@ -14,9 +14,13 @@
 //! ([`SandboxSet::start_carried`]) pins the vCPUs again and re-applies the
 //! budgets (a new cgroup: the throttling counters start over).
 //!
+//! A sandbox's own TAP is carried as an ordinary VM's is: its descriptor
+//! is inherited and the rebuilt VM takes it by interface name, so frames
+//! queued during the pause wait in the TAP.
+//!
 //! Not carried: sandboxes under `rollback` (their checkpoint supervisor
-//! lives in the old process), sandboxes with a TAP of their own (and so
-//! sets with a `services` registry: its owner has one), and sets in which some sandbox has already
+//! lives in the old process), sets with a `services` registry (a service's
+//! TAP moves between sandboxes), and sets in which some sandbox has already
 //! ended; a doorbell rung during the pause is not replayed (the receivers
 //! poll their rings as well).
 
@@ -49,6 +53,13 @@ pub struct CarriedSandboxes {
 impl SandboxSet {
     /// Why this set cannot be carried to a new process now, if it cannot.
     pub fn carry_blocker(&self) -> Option<String> {
+        if let Some(svc) = self.config.services.first() {
+            return Some(format!(
+                "service '{}' moves its TAP between sandboxes, and its registry is not passed \
+                 to a new process yet",
+                svc.name
+            ));
+        }
         for sb in &self.sandboxes {
             if sb.config.recovery.policy == RecoveryPolicy::Rollback {
                 return Some(format!(
@@ -57,13 +68,7 @@ impl SandboxSet {
                     sb.config.name
                 ));
             }
-            if sb.config.net.is_some() {
-                return Some(format!(
-                    "sandbox '{}' has a TAP of its own, which is not passed to a new process \
-                     yet",
-                    sb.config.name
-                ));
-            }
+
             if let Some(o) = sb.vm().poll_outcome() {
                 return Some(format!(
                     "sandbox '{}' has ended ({}) while others run",
@@ -122,6 +127,8 @@ impl SandboxSet {
             rec.memory = MemorySource::Memfd { fd, ino };
             rec.state = Some(String::from_utf8(state.to_bytes()).expect("JSON is UTF-8"));
             rec.paused_at_ns = paused_at_ns;
+            // The TAP stays attached: frames queued meanwhile survive.
+            rec.tap_fd = vm.tap_fd();
             records.push(rec);
             violations.push(sb.monitor.violation_state());
         }

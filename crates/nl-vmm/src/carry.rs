@@ -97,8 +97,13 @@ impl SetRecord {
                 return Err(bad(format!("sandbox VM {} listed twice", vm.id)));
             }
             vm.check_fields().map_err(|e| bad(e.to_string()))?;
-            if !fds.insert(fd) {
-                return Err(bad(format!("descriptor {fd} used twice")));
+            if vm.tap_fd.is_some() && vm.net.is_none() {
+                return Err(bad(format!("sandbox VM {} has a TAP descriptor but no net", vm.id)));
+            }
+            for fd in std::iter::once(fd).chain(vm.tap_fd) {
+                if !fds.insert(fd) {
+                    return Err(bad(format!("descriptor {fd} used twice")));
+                }
             }
         }
         for c in &r.channels {
@@ -115,7 +120,8 @@ impl SetRecord {
             MemorySource::Memfd { fd, .. } => Some(fd),
             _ => None,
         });
-        vms.chain(self.channels.iter().map(|c| c.fd)).collect()
+        let taps = self.vms.iter().filter_map(|v| v.tap_fd);
+        vms.chain(taps).chain(self.channels.iter().map(|c| c.fd)).collect()
     }
 }
 
@@ -200,6 +206,12 @@ fn inherit(v: &serde_json::Value, taken: &mut BTreeSet<i32>) -> Result<Inherited
         let state = VmState::from_bytes(s.as_bytes()).map_err(|e| bad(e.to_string()))?;
         vm.check_state(&state).map_err(|e| bad(e.to_string()))?;
         states.push(state);
+        // A sandbox's own TAP stays attached across the handover: its VM
+        // takes the descriptor by interface name when it is rebuilt.
+        if let (Some(fd), Some(net)) = (vm.tap_fd, &vm.net) {
+            let f = take_fd(fd, taken, "sandbox TAP").map_err(|e| bad(e.to_string()))?;
+            crate::handover::inherit_tap(&net.tap, f);
+        }
     }
     let mut channels = Vec::new();
     for c in &record.channels {
