@@ -14,9 +14,14 @@
 //! ([`SandboxSet::start_carried`]) pins the vCPUs again and re-applies the
 //! budgets (a new cgroup: the throttling counters start over).
 //!
-//! A sandbox's own TAP is carried as an ordinary VM's is: its descriptor
-//! is inherited and the rebuilt VM takes it by interface name, so frames
-//! queued during the pause wait in the TAP.
+//! A sandbox's TAP (its own `net`, or a service's TAP it holds) stays
+//! attached across the handover: its descriptor is inherited and checked
+//! to be attached to the interface the record names
+//! ([`InheritedSet::taps`]); the sandbox's VM is rebuilt with a spare
+//! virtio-net device and the TAP put behind it before it runs, as a
+//! restart or a takeover moves a TAP. Nothing is re-opened by name (which
+//! fails while the old process holds the TAP) and frames queued during the
+//! pause wait in the TAP.
 //!
 //! Not carried: sandboxes under `rollback` (their checkpoint supervisor
 //! lives in the old process), sets with a `services` registry (a service's
@@ -165,12 +170,12 @@ impl SandboxSet {
         carried: CarriedSandboxes,
         images: &Images,
     ) -> Result<Self, SandboxError> {
-        let InheritedSet { record, memories, states, channels: files } = set;
+        let InheritedSet { record, memories, states, taps, channels: files } = set;
         let config = carried.config;
         let bad = |m: String| Err(SandboxError::Config(format!("carried set: {m}")));
         config.validate(affinity::host_cores()?.len())?;
         let n = config.sandboxes.len();
-        if record.vms.len() != n || memories.len() != n || states.len() != n {
+        if record.vms.len() != n || memories.len() != n || states.len() != n || taps.len() != n {
             return bad(format!("{} sandboxes but {} VM records", n, record.vms.len()));
         }
         if carried.violations.len() != n {
@@ -230,6 +235,7 @@ impl SandboxSet {
         let vm_images =
             nl_vmm::handover::Images { kernel: images.kernel.clone(), user: images.user.clone() };
         let mut sandboxes = Vec::new();
+        let mut taps = taps.into_iter();
         for (i, (memory, mut windows, ram_backing)) in plans.into_iter().enumerate() {
             let s = &config.sandboxes[i];
             let monitor = Monitor::new(&s.name, s.on_violation);
@@ -237,15 +243,34 @@ impl SandboxSet {
             monitor.carry_violations(count, log);
             windows.guard = Some(monitor.clone());
             let vm_cfg = record.vms[i].config(&vm_images);
+            // The VM is rebuilt with a spare device (nothing opened by
+            // name); the TAP its old VM had attached, inherited, goes
+            // behind it before it runs.
+            let spare = nl_vmm::VmConfig {
+                net: vm_cfg.net.clone().map(|n| nl_vmm::NetConfig {
+                    spare: true,
+                    host_ip: None,
+                    ..n
+                }),
+                ..vm_cfg.clone()
+            };
             let vm = Vm::restore_with_windows(
                 &kvm,
                 i as u32,
-                vm_cfg.clone(),
+                spare,
                 memory,
                 &states[i],
                 windows.clone(),
             )
             .map_err(|e| SandboxError::Vm(s.name.clone(), format!("restore: {e}")))?;
+            if let Some(tap) = taps.next().flatten() {
+                if vm.attach_tap(tap).is_err() {
+                    return bad(format!("sandbox '{}' has a TAP but no net device", s.name));
+                }
+                // Where the guest is did not change, but a switch or a
+                // peer that lost its entry learns it again.
+                vm.announce();
+            }
             // A restart builds from the configured workload (the carried VM
             // may run a `replace` workload).
             let workload = s.workload.params().map_err(SandboxError::Config)?;
