@@ -23,11 +23,18 @@
 //! fails while the old process holds the TAP) and frames queued during the
 //! pause wait in the TAP.
 //!
+//! A set's service registry ([`CarriedRegistry`]: per service its holder,
+//! standby and takeovers so far) goes into the record, versioned, and is
+//! checked against the configuration and the inherited TAPs on the way in
+//! (the holder has the TAP, the standby a spare device); the standby's
+//! monitor takes a later takeover in the new process as before.
+//!
 //! Not carried: sandboxes under `rollback` (their checkpoint supervisor
-//! lives in the old process), sets with a `services` registry (a service's
-//! TAP moves between sandboxes), and sets in which some sandbox has already
-//! ended; a doorbell rung during the pause is not replayed (the receivers
-//! poll their rings as well).
+//! lives in the old process), services with a state region (its memfd and
+//! slot are not in the record yet), a set while a takeover is half done
+//! (refused: try again), and sets in which some sandbox has already ended;
+//! a doorbell rung during the pause is not replayed (the receivers poll
+//! their rings as well).
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -53,16 +60,97 @@ pub struct CarriedSandboxes {
     pub config: SetConfig,
     /// Per sandbox: the violations its monitor counted, and its log.
     pub violations: Vec<(u64, Vec<Violation>)>,
+    /// The service registry, for a set with `services` (absent in records
+    /// of sets without, and in records written before it was carried:
+    /// such a record of a set with services is refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub services: Option<CarriedRegistry>,
+}
+
+/// The version of [`CarriedRegistry`] this binary writes and reads.
+pub const REGISTRY_VERSION: u32 = 1;
+
+/// A set's service registry in a handover record: per service (in the
+/// configuration's order) who holds it, who stands by, the takeovers so
+/// far. The holder's TAP is its VM's inherited TAP.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CarriedRegistry {
+    pub version: u32,
+    pub services: Vec<crate::service::ServiceReport>,
+}
+
+impl CarriedRegistry {
+    /// Checks the registry against the set's configuration and the TAPs its
+    /// VMs inherited (`has_tap`, by sandbox): the version; one entry per
+    /// configured service, by name and in order; holder and standby the
+    /// service's owner and standby (either way round, never one sandbox);
+    /// the holder with a TAP and the standby without. Returns each
+    /// service's (holder, standby, takeovers) by sandbox index.
+    pub fn check(
+        &self,
+        config: &SetConfig,
+        has_tap: &[bool],
+    ) -> Result<Vec<(usize, usize, Vec<crate::service::Takeover>)>, String> {
+        if self.version != REGISTRY_VERSION {
+            return Err(format!(
+                "service registry version {}; this binary reads version {REGISTRY_VERSION}",
+                self.version
+            ));
+        }
+        if self.services.len() != config.services.len() {
+            return Err(format!(
+                "{} services configured but {} in the registry",
+                config.services.len(),
+                self.services.len()
+            ));
+        }
+        let index = |n: &str| config.sandboxes.iter().position(|s| s.name == n);
+        let mut out = Vec::new();
+        for (c, r) in config.services.iter().zip(&self.services) {
+            if c.name != r.name {
+                return Err(format!("service '{}' is '{}' in the registry", c.name, r.name));
+            }
+            let pair = [c.owner.as_str(), c.standby.as_str()];
+            if r.holder == r.standby
+                || !pair.contains(&r.holder.as_str())
+                || !pair.contains(&r.standby.as_str())
+            {
+                return Err(format!(
+                    "service '{}': holder '{}' and standby '{}' are not its owner '{}' and \
+                     standby '{}'",
+                    c.name, r.holder, r.standby, c.owner, c.standby
+                ));
+            }
+            let (Some(h), Some(s)) = (index(&r.holder), index(&r.standby)) else {
+                return Err(format!("service '{}' names an unknown sandbox", c.name));
+            };
+            if !has_tap.get(h).copied().unwrap_or(false) || has_tap.get(s).copied().unwrap_or(true)
+            {
+                return Err(format!(
+                    "service '{}': its holder '{}' must have the service's TAP and its standby \
+                     '{}' none",
+                    c.name, r.holder, r.standby
+                ));
+            }
+            out.push((h, s, r.takeovers.clone()));
+        }
+        Ok(out)
+    }
 }
 
 impl SandboxSet {
     /// Why this set cannot be carried to a new process now, if it cannot.
     pub fn carry_blocker(&self) -> Option<String> {
-        if let Some(svc) = self.config.services.first() {
+        if let Some(svc) = self.config.services.iter().find(|v| v.state.is_some()) {
             return Some(format!(
-                "service '{}' moves its TAP between sandboxes, and its registry is not passed \
-                 to a new process yet",
+                "service '{}' has a state region, which is not passed to a new process yet",
                 svc.name
+            ));
+        }
+        if let Some(sb) = self.sandboxes.iter().find(|sb| sb.monitor.handover_pending()) {
+            return Some(format!(
+                "a takeover by sandbox '{}' is in progress; try again",
+                sb.config.name
             ));
         }
         for sb in &self.sandboxes {
@@ -73,7 +161,6 @@ impl SandboxSet {
                     sb.config.name
                 ));
             }
-
             if let Some(o) = sb.vm().poll_outcome() {
                 return Some(format!(
                     "sandbox '{}' has ended ({}) while others run",
@@ -145,7 +232,26 @@ impl SandboxSet {
             })?;
             channels.push(FdRecord { fd: f.as_raw_fd(), ino: c.backing.ino });
         }
-        let carried = CarriedSandboxes { config: self.config.clone(), violations };
+        let services = if self.config.services.is_empty() {
+            None
+        } else {
+            // Paused: no takeover can start now, but one may be half done
+            // (the TAP between the two monitors): refused, try again.
+            let has_tap: Vec<bool> = records.iter().map(|r| r.tap_fd.is_some()).collect();
+            let names: Vec<String> = self.sandboxes.iter().map(|s| s.config.name.clone()).collect();
+            let reg = CarriedRegistry {
+                version: REGISTRY_VERSION,
+                services: self.services.carried(&names),
+            };
+            if self.sandboxes.iter().any(|sb| sb.monitor.handover_pending()) {
+                return Err(SandboxError::Resource(
+                    "a service takeover is in progress; try again".into(),
+                ));
+            }
+            reg.check(&self.config, &has_tap).map_err(SandboxError::Resource)?;
+            Some(reg)
+        };
+        let carried = CarriedSandboxes { config: self.config.clone(), violations, services };
         let config = serde_json::json!({"sandboxes": carried, "frontend": extra});
         let mut r = SetRecord::new(name, config);
         r.vms = records;
@@ -181,6 +287,14 @@ impl SandboxSet {
         if carried.violations.len() != n {
             return bad(format!("{} sandboxes but {} monitors", n, carried.violations.len()));
         }
+        let has_tap: Vec<bool> = taps.iter().map(Option::is_some).collect();
+        let registry = match (&carried.services, config.services.is_empty()) {
+            (None, true) => Vec::new(),
+            (None, false) => return bad("its services have no registry in the record".into()),
+            (Some(r), _) => r.check(&config, &has_tap).map_err(|e| {
+                SandboxError::Config(format!("carried set: service registry refused: {e}"))
+            })?,
+        };
         if files.len() != config.channels.len() {
             return bad(format!(
                 "{} channels but {} channel memfds",
@@ -287,6 +401,7 @@ impl SandboxSet {
         }
         let budgets = Lock::new("sandbox.budgets", sandboxes.iter().map(|_| None).collect());
         let services = crate::service::Registry::new(&config);
+        services.restore_carried(&registry);
         Ok(Self {
             config,
             sandboxes,
