@@ -427,3 +427,62 @@ impl SandboxSet {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::service::ServiceReport;
+
+    fn config() -> SetConfig {
+        SetConfig::parse(
+            r#"{"sandboxes": [
+                {"name": "web", "cores": [0], "workload": {"kind": "netbench"},
+                 "net": {"tap": "nltap0", "mac": "52:54:00:5a:00:02", "ipv4": "10.0.0.2/24"}},
+                {"name": "spare", "cores": [0], "workload": {"kind": "netbench"}}
+            ], "services": [{"name": "echo", "owner": "web", "standby": "spare"}]}"#,
+        )
+        .unwrap()
+    }
+
+    fn registry(holder: &str, standby: &str) -> CarriedRegistry {
+        CarriedRegistry {
+            version: REGISTRY_VERSION,
+            services: vec![ServiceReport {
+                name: "echo".into(),
+                holder: holder.into(),
+                standby: standby.into(),
+                takeovers: Vec::new(),
+            }],
+        }
+    }
+
+    #[test]
+    fn a_carried_registry_is_checked_against_the_configuration_and_the_taps() {
+        let c = config();
+        assert_eq!(registry("web", "spare").check(&c, &[true, false]).unwrap()[0].0, 0);
+        let swapped = registry("spare", "web").check(&c, &[false, true]).unwrap();
+        assert_eq!((swapped[0].0, swapped[0].1), (1, 0));
+        let cases = [
+            (registry("web", "spare"), [false, true], "must have the service's TAP"),
+            (registry("web", "web"), [true, false], "are not its owner"),
+            (registry("web", "other"), [true, false], "are not its owner"),
+            (
+                CarriedRegistry { version: 2, ..registry("web", "spare") },
+                [true, false],
+                "version 2",
+            ),
+            (
+                CarriedRegistry { services: vec![], ..registry("web", "spare") },
+                [true, false],
+                "1 services configured but 0",
+            ),
+        ];
+        for (r, taps, want) in cases {
+            let e = r.check(&c, &taps).unwrap_err();
+            assert!(e.contains(want), "{e}");
+        }
+        let mut r = registry("web", "spare");
+        r.services[0].name = "other".into();
+        assert!(r.check(&c, &[true, false]).unwrap_err().contains("is 'other' in the registry"));
+    }
+}
