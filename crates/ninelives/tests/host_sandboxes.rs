@@ -601,6 +601,19 @@ fn warm_rejuvenation_carries_a_sandbox_with_its_own_tap() {
     stop_host(&sock, &mut child);
 }
 
+/// `POST /v1/sandboxes` of set `svc`: service `echo` with owner `web` (on
+/// TAP nltap0, 10.0.0.2) and standby `spare`, both `netbench`, restarting.
+fn service_set_body(c0: usize, c1: usize) -> String {
+    let net = json!({"tap": "nltap0", "mac": "52:54:00:5a:00:02", "ipv4": "10.0.0.2/24"});
+    let set = json!({"sandboxes": [
+        {"name": "web", "cores": [c0], "mem_mib": 48, "net": net,
+         "workload": {"kind": "netbench", "duration_ms": 0}, "recovery": {"policy": "restart"}},
+        {"name": "spare", "cores": [c1], "mem_mib": 48,
+         "workload": {"kind": "netbench", "duration_ms": 0}, "recovery": {"policy": "restart"}}
+    ], "services": [{"name": "echo", "owner": "web", "standby": "spare"}]});
+    json!({"name": "svc", "set": set, "timeout_secs": 300}).to_string()
+}
+
 /// The service of set `svc` now: (holder, standby, takeovers).
 fn service_now(sock: &std::path::Path) -> (String, String, Vec<Value>) {
     let (st, v) = http_json(sock, "GET", "/v1/sandboxes/svc", None);
@@ -637,15 +650,7 @@ fn warm_rejuvenation_carries_a_service_set_and_a_takeover_works_after_it() {
         std::os::unix::net::UnixStream::connect(&sock).is_ok()
     });
     let [c0, c1] = two_cores();
-    let net = json!({"tap": "nltap0", "mac": "52:54:00:5a:00:02", "ipv4": "10.0.0.2/24"});
-    let set = json!({"sandboxes": [
-        {"name": "web", "cores": [c0], "mem_mib": 48, "net": net,
-         "workload": {"kind": "netbench", "duration_ms": 0}, "recovery": {"policy": "restart"}},
-        {"name": "spare", "cores": [c1], "mem_mib": 48,
-         "workload": {"kind": "netbench", "duration_ms": 0}, "recovery": {"policy": "restart"}}
-    ], "services": [{"name": "echo", "owner": "web", "standby": "spare"}]});
-    let body = json!({"name": "svc", "set": set, "timeout_secs": 300}).to_string();
-    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&body));
+    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&service_set_body(c0, c1)));
     assert_eq!(st, 201, "{v}");
     assert!(ns.wait_answering(Duration::from_secs(60)), "the owner never answered");
     let rejuvenate = |round: u64| {
@@ -694,10 +699,105 @@ fn warm_rejuvenation_carries_a_service_set_and_a_takeover_works_after_it() {
     assert_eq!(takeovers.len(), 1, "{takeovers:?}");
     assert_eq!(takeovers[0]["ok"], true, "{takeovers:?}");
     assert!(ns.wait_answering(Duration::from_secs(60)), "the standby never answered");
+    // The failed holder restarts as the new standby (until then the set
+    // cannot be carried: one of its sandboxes has ended).
+    wait_for("'web' to run again as the standby", Duration::from_secs(120), || {
+        let (_, v) = http_json(&sock, "GET", "/v1/sandboxes/svc", None);
+        v["sandbox_stats"][0]["state"] == "running"
+    });
     // The swapped registry is carried too.
     rejuvenate(2);
     let (holder, standby, takeovers) = service_now(&sock);
     assert_eq!((holder.as_str(), standby.as_str()), ("spare", "web"));
     assert_eq!(takeovers.len(), 1, "the takeover record is carried: {takeovers:?}");
     stop_host(&sock, &mut child);
+}
+
+/// A microreboot (a fault in the VMM's API thread, the process exec'd
+/// afresh in place) carries a service set with its TAP and registry: a
+/// client pinging every 1 ms across it is answered again by the holder
+/// (`web`) in the fresh process, the registry is unchanged, and the
+/// recovery line counts the set. Prints the ping's longest gap.
+#[test]
+fn a_microreboot_carries_a_service_set_with_its_tap() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(ns) = Netns::new("sbxmr") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    // The connection reading request FAULT_AT faults; requests before it:
+    // the create, then `info`s.
+    const FAULT_AT: usize = 20;
+    let mut child = ns
+        .ninelives(&["host", "--api", sock.to_str().unwrap(), "--recovery", "microreboot"])
+        .env("NINELIVES_API_FAULT", format!("segv:{FAULT_AT}"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for("the host's API socket", Duration::from_secs(20), || {
+        std::os::unix::net::UnixStream::connect(&sock).is_ok()
+    });
+    let [c0, c1] = two_cores();
+    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&service_set_body(c0, c1)));
+    assert_eq!(st, 201, "{v}");
+    let mut sent = 1;
+    assert!(ns.wait_answering(Duration::from_secs(60)), "the owner never answered");
+    let ping = ns
+        .ninelives(&["ping", "--target", "10.0.0.2", "--interval", "1ms"])
+        .args(["--duration", "3", "--json"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    pad_requests(&sock, &mut sent, FAULT_AT);
+    let r = nl_vmm::api::request_timeout(&sock, &json!({"op": "info"}), Duration::from_secs(30));
+    assert!(
+        r.is_err() || r.as_ref().unwrap()["ok"] != true,
+        "the faulting request was answered: {r:?}"
+    );
+    let t = Instant::now();
+    loop {
+        let info =
+            nl_vmm::api::request_timeout(&sock, &json!({"op": "info"}), Duration::from_secs(30));
+        if info.as_ref().is_ok_and(|v| v["generation"] == 1) {
+            break;
+        }
+        assert!(child.try_wait().unwrap().is_none(), "the host died");
+        assert!(t.elapsed() < Duration::from_secs(60), "the host did not serve again");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = ping.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let j: Value = text
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("no ping report: {text}"));
+    assert!(ns.wait_answering(Duration::from_secs(30)), "no answer after the microreboot");
+    eprintln!(
+        "microreboot: ping sent {} received {} longest gap {} ms",
+        j["sent"], j["received"], j["longest_gap_ms"]
+    );
+    let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
+    assert_eq!(list["sets"][0]["name"], "svc", "{list}");
+    assert_eq!(list["sets"][0]["handovers"], 1, "{list}");
+    let (holder, standby, takeovers) = service_now(&sock);
+    assert_eq!((holder.as_str(), standby.as_str()), ("web", "spare"));
+    assert!(takeovers.is_empty(), "{takeovers:?}");
+    stop_host(&sock, &mut child);
+    let err = {
+        use std::io::Read;
+        let mut e = String::new();
+        child.stderr.take().unwrap().read_to_string(&mut e).unwrap();
+        e
+    };
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("NINELIVES-RECOVERED "))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(line.contains("\"sets\":1"), "{line}");
 }
