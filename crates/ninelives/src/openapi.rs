@@ -59,6 +59,22 @@ fn operation(method: &str, path: &str, summary: &str) -> Value {
                 "timeout_secs": {"type": "number", "exclusiveMinimum": 0, "maximum": 604800, "description": "Sandboxes still running after this are stopped (default 3600)"}}}),
             );
         }
+        ("POST", "/v1/sandboxes/{name}/inject") => {
+            r.insert("200".into(), ok(json!({"type": "object", "properties": {"name": {"type": "string"}, "sandbox": {"type": "string"}, "fault": {"type": "object"}}})));
+            r.insert(
+                "409".into(),
+                error_response("The set has ended, or a rejuvenation is in progress"),
+            );
+            op["requestBody"] = json_body(
+                json!({"type": "object", "required": ["sandbox", "fault"], "properties": {
+                "sandbox": {"type": "string", "description": "A sandbox of the set"},
+                "fault": {"type": "object", "required": ["kind", "cpu"], "properties": {
+                    "kind": {"enum": ["register", "spin"]},
+                    "cpu": {"type": "integer", "minimum": 0},
+                    "reg": {"type": "string", "description": "register: rax..r15, rip, rflags"},
+                    "bit": {"type": "integer", "minimum": 0, "maximum": 63}}}}}),
+            );
+        }
         ("GET", "/v1/vms") => {
             r.insert("200".into(), ok(json!({"type": "object", "properties": {"vms": {"type": "array", "items": {"$ref": "#/components/schemas/VmSummary"}}}})));
         }

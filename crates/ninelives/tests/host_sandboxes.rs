@@ -526,3 +526,278 @@ fn host_with_a_streaming_set(
     };
     (child, vm_id, before, sent)
 }
+
+/// A sandbox with a TAP of its own is carried by warm rejuvenation: twice,
+/// with a 1 ms ping running across each handover, the new process takes
+/// the set over with the TAP descriptor it inherited (re-opening the TAP by
+/// name would fail while the old process still holds it), the sandbox
+/// answers the same pinger after each, and the set is listed as carried.
+/// Prints each handover's longest ping gap and the set's downtime.
+#[test]
+fn warm_rejuvenation_carries_a_sandbox_with_its_own_tap() {
+    if !kvm_available() {
+        return;
+    }
+    // Declared first: the namespace is deleted after the host is gone.
+    let Some(ns) = Netns::new("sbxtap") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    let mut child = ns
+        .ninelives(&["host", "--api", sock.to_str().unwrap()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for("the host's API socket", Duration::from_secs(20), || {
+        std::os::unix::net::UnixStream::connect(&sock).is_ok()
+    });
+    let [c0, _] = two_cores();
+    let set = json!({"sandboxes": [
+        {"name": "web", "cores": [c0], "mem_mib": 48,
+         "workload": {"kind": "netbench", "duration_ms": 0},
+         "net": {"tap": "nltap0", "mac": "52:54:00:5a:00:02", "ipv4": "10.0.0.2/24"}}
+    ]});
+    let body = json!({"name": "web", "set": set, "timeout_secs": 300}).to_string();
+    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&body));
+    assert_eq!(st, 201, "{v}");
+    assert!(ns.wait_answering(Duration::from_secs(60)), "the sandbox never answered");
+    let mut pid = http_json(&sock, "GET", "/v1/info", None).1["pid"].as_u64().unwrap();
+    for round in 1..=2u64 {
+        let ping = ns
+            .ninelives(&["ping", "--target", "10.0.0.2", "--interval", "1ms"])
+            .args(["--duration", "3", "--json"])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let (st, r) = http_json(&sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
+        assert_eq!(st, 200, "{r}");
+        assert_eq!(r["report"]["ok"], true, "round {round}: {r}");
+        assert_eq!(r["report"]["sets"], json!(["web"]), "{r}");
+        let new_pid = http_json(&sock, "GET", "/v1/info", None).1["pid"].as_u64().unwrap();
+        assert_ne!(new_pid, pid, "round {round}: a new process serves");
+        pid = new_pid;
+        let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
+        assert_eq!(list["sets"][0]["name"], "web", "{list}");
+        assert_eq!(list["sets"][0]["handovers"], round, "{list}");
+        let out = ping.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let j: Value = text
+            .lines()
+            .rev()
+            .find_map(|l| serde_json::from_str(l).ok())
+            .unwrap_or_else(|| panic!("no ping report: {text}"));
+        assert!(ns.wait_answering(Duration::from_secs(30)), "round {round}: no answer after it");
+        eprintln!(
+            "round {round}: ping sent {} received {} longest gap {} ms; set downtime {} ms",
+            j["sent"], j["received"], j["longest_gap_ms"], r["report"]["sets_downtime_ms"]
+        );
+    }
+    let (st, v) = http_json(&sock, "GET", "/v1/sandboxes/web", None);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["state"], "running", "{v}");
+    stop_host(&sock, &mut child);
+}
+
+/// `POST /v1/sandboxes` of set `svc`: service `echo` with owner `web` (on
+/// TAP nltap0, 10.0.0.2) and standby `spare`, both `netbench`, restarting.
+fn service_set_body(c0: usize, c1: usize) -> String {
+    let net = json!({"tap": "nltap0", "mac": "52:54:00:5a:00:02", "ipv4": "10.0.0.2/24"});
+    let set = json!({"sandboxes": [
+        {"name": "web", "cores": [c0], "mem_mib": 48, "net": net,
+         "workload": {"kind": "netbench", "duration_ms": 0}, "recovery": {"policy": "restart"}},
+        {"name": "spare", "cores": [c1], "mem_mib": 48,
+         "workload": {"kind": "netbench", "duration_ms": 0}, "recovery": {"policy": "restart"}}
+    ], "services": [{"name": "echo", "owner": "web", "standby": "spare"}]});
+    json!({"name": "svc", "set": set, "timeout_secs": 300}).to_string()
+}
+
+/// The service of set `svc` now: (holder, standby, takeovers).
+fn service_now(sock: &std::path::Path) -> (String, String, Vec<Value>) {
+    let (st, v) = http_json(sock, "GET", "/v1/sandboxes/svc", None);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["state"], "running", "the set ended: {v}");
+    let s = &v["services"][0];
+    let name = |k: &str| s[k].as_str().unwrap_or_else(|| panic!("no {k}: {v}")).to_string();
+    (name("holder"), name("standby"), s["takeovers"].as_array().cloned().unwrap_or_default())
+}
+
+/// A set with a `services` registry (owner `web` on its TAP, standby
+/// `spare` on a spare device under the same identity) is carried by a
+/// warm rejuvenation while a client pings (1 ms): the registry (holder,
+/// standby, takeovers) and the holder's TAP go to the new process, the
+/// service answers after it, and a takeover in the new process still works:
+/// a bad RIP injected into the holder (`sandbox_inject`) moves the service
+/// to the standby, which answers on the same TAP. A second rejuvenation
+/// then carries the swapped registry (holder `spare`, one takeover).
+#[test]
+fn warm_rejuvenation_carries_a_service_set_and_a_takeover_works_after_it() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(ns) = Netns::new("sbxsvc") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    let mut child = ns
+        .ninelives(&["host", "--api", sock.to_str().unwrap()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for("the host's API socket", Duration::from_secs(20), || {
+        std::os::unix::net::UnixStream::connect(&sock).is_ok()
+    });
+    let [c0, c1] = two_cores();
+    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&service_set_body(c0, c1)));
+    assert_eq!(st, 201, "{v}");
+    assert!(ns.wait_answering(Duration::from_secs(60)), "the owner never answered");
+    let rejuvenate = |round: u64| {
+        let ping = ns
+            .ninelives(&["ping", "--target", "10.0.0.2", "--interval", "1ms"])
+            .args(["--duration", "3", "--json"])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let (st, r) = http_json(&sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
+        assert_eq!(st, 200, "{r}");
+        assert_eq!(r["report"]["ok"], true, "round {round}: {r}");
+        assert_eq!(r["report"]["sets"], json!(["svc"]), "{r}");
+        let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
+        assert_eq!(list["sets"][0]["handovers"], round, "{list}");
+        let out = ping.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let j: Value = text
+            .lines()
+            .rev()
+            .find_map(|l| serde_json::from_str(l).ok())
+            .unwrap_or_else(|| panic!("no ping report: {text}"));
+        assert!(ns.wait_answering(Duration::from_secs(30)), "round {round}: no answer after it");
+        eprintln!(
+            "service round {round}: ping sent {} received {} longest gap {} ms; set downtime {} ms",
+            j["sent"], j["received"], j["longest_gap_ms"], r["report"]["sets_downtime_ms"]
+        );
+    };
+    rejuvenate(1);
+    let (holder, standby, takeovers) = service_now(&sock);
+    assert_eq!((holder.as_str(), standby.as_str()), ("web", "spare"));
+    assert!(takeovers.is_empty(), "{takeovers:?}");
+    // A takeover in the new process.
+    let fault = json!({"kind": "register", "cpu": 0, "reg": "rip", "bit": 40});
+    let req = json!({"op": "sandbox_inject", "name": "svc", "sandbox": "web", "fault": fault});
+    let r = nl_vmm::api::request_timeout(&sock, &req, Duration::from_secs(30)).unwrap();
+    assert_eq!(r["ok"], true, "{r}");
+    wait_for("the standby to take the service over", Duration::from_secs(60), || {
+        service_now(&sock).0 == "spare"
+    });
+    let (holder, standby, takeovers) = service_now(&sock);
+    assert_eq!((holder.as_str(), standby.as_str()), ("spare", "web"));
+    assert_eq!(takeovers.len(), 1, "{takeovers:?}");
+    assert_eq!(takeovers[0]["ok"], true, "{takeovers:?}");
+    assert!(ns.wait_answering(Duration::from_secs(60)), "the standby never answered");
+    // The failed holder restarts as the new standby (until then the set
+    // cannot be carried: one of its sandboxes has ended).
+    wait_for("'web' to run again as the standby", Duration::from_secs(120), || {
+        let (_, v) = http_json(&sock, "GET", "/v1/sandboxes/svc", None);
+        v["sandbox_stats"][0]["state"] == "running"
+    });
+    // The swapped registry is carried too.
+    rejuvenate(2);
+    let (holder, standby, takeovers) = service_now(&sock);
+    assert_eq!((holder.as_str(), standby.as_str()), ("spare", "web"));
+    assert_eq!(takeovers.len(), 1, "the takeover record is carried: {takeovers:?}");
+    stop_host(&sock, &mut child);
+}
+
+/// A microreboot (a fault in the VMM's API thread, the process exec'd
+/// afresh in place) carries a service set with its TAP and registry: a
+/// client pinging every 1 ms across it is answered again by the holder
+/// (`web`) in the fresh process, the registry is unchanged, and the
+/// recovery line counts the set. Prints the ping's longest gap.
+#[test]
+fn a_microreboot_carries_a_service_set_with_its_tap() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(ns) = Netns::new("sbxmr") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    // The connection reading request FAULT_AT faults; requests before it:
+    // the create, then `info`s.
+    const FAULT_AT: usize = 20;
+    let mut child = ns
+        .ninelives(&["host", "--api", sock.to_str().unwrap(), "--recovery", "microreboot"])
+        .env("NINELIVES_API_FAULT", format!("segv:{FAULT_AT}"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for("the host's API socket", Duration::from_secs(20), || {
+        std::os::unix::net::UnixStream::connect(&sock).is_ok()
+    });
+    let [c0, c1] = two_cores();
+    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&service_set_body(c0, c1)));
+    assert_eq!(st, 201, "{v}");
+    let mut sent = 1;
+    assert!(ns.wait_answering(Duration::from_secs(60)), "the owner never answered");
+    let ping = ns
+        .ninelives(&["ping", "--target", "10.0.0.2", "--interval", "1ms"])
+        .args(["--duration", "3", "--json"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    pad_requests(&sock, &mut sent, FAULT_AT);
+    let r = nl_vmm::api::request_timeout(&sock, &json!({"op": "info"}), Duration::from_secs(30));
+    assert!(
+        r.is_err() || r.as_ref().unwrap()["ok"] != true,
+        "the faulting request was answered: {r:?}"
+    );
+    let t = Instant::now();
+    loop {
+        let info =
+            nl_vmm::api::request_timeout(&sock, &json!({"op": "info"}), Duration::from_secs(30));
+        if info.as_ref().is_ok_and(|v| v["generation"] == 1) {
+            break;
+        }
+        assert!(child.try_wait().unwrap().is_none(), "the host died");
+        assert!(t.elapsed() < Duration::from_secs(60), "the host did not serve again");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = ping.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let j: Value = text
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("no ping report: {text}"));
+    assert!(ns.wait_answering(Duration::from_secs(30)), "no answer after the microreboot");
+    eprintln!(
+        "microreboot: ping sent {} received {} longest gap {} ms",
+        j["sent"], j["received"], j["longest_gap_ms"]
+    );
+    let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
+    assert_eq!(list["sets"][0]["name"], "svc", "{list}");
+    assert_eq!(list["sets"][0]["handovers"], 1, "{list}");
+    let (holder, standby, takeovers) = service_now(&sock);
+    assert_eq!((holder.as_str(), standby.as_str()), ("web", "spare"));
+    assert!(takeovers.is_empty(), "{takeovers:?}");
+    stop_host(&sock, &mut child);
+    let err = {
+        use std::io::Read;
+        let mut e = String::new();
+        child.stderr.take().unwrap().read_to_string(&mut e).unwrap();
+        e
+    };
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("NINELIVES-RECOVERED "))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(line.contains("\"sets\":1"), "{line}");
+}

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use nl_devices::tap::Tap;
 use nl_sync::Lock;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::config::{RecoveryPolicy, SetConfig};
 use crate::detect::Detection;
@@ -110,7 +110,7 @@ pub fn validate(c: &SetConfig) -> Result<(), SandboxError> {
 }
 
 /// One takeover, in ms after the detection in the failed holder.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Takeover {
     pub service: String,
     pub from: String,
@@ -139,8 +139,8 @@ pub struct Service {
     pub state: Option<Arc<crate::state::StateRegion>>,
 }
 
-/// A service's state in the set's report.
-#[derive(Clone, Debug, Serialize)]
+/// A service's state in the set's report (and in a handover record).
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ServiceReport {
     pub name: String,
     /// The sandbox serving it now.
@@ -206,6 +206,22 @@ impl Registry {
                     takeovers: Lock::new("sandbox.takeovers", Vec::new()),
                 })
                 .collect(),
+        }
+    }
+
+    /// Every service as a handover record carries it: who holds it now,
+    /// who stands by, the takeovers so far.
+    pub fn carried(&self, names: &[String]) -> Vec<ServiceReport> {
+        self.report(names)
+    }
+
+    /// Sets each service's holder, standby and takeovers from a carried
+    /// registry (checked by the caller against the configuration).
+    pub fn restore_carried(&self, carried: &[(usize, usize, Vec<Takeover>)]) {
+        for (s, (holder, standby, takeovers)) in self.services.iter().zip(carried) {
+            s.holder.store(*holder, Ordering::SeqCst);
+            s.standby.store(*standby, Ordering::SeqCst);
+            *s.takeovers.lock() = takeovers.clone();
         }
     }
 

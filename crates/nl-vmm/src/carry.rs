@@ -97,8 +97,13 @@ impl SetRecord {
                 return Err(bad(format!("sandbox VM {} listed twice", vm.id)));
             }
             vm.check_fields().map_err(|e| bad(e.to_string()))?;
-            if !fds.insert(fd) {
-                return Err(bad(format!("descriptor {fd} used twice")));
+            if vm.tap_fd.is_some() && vm.net.is_none() {
+                return Err(bad(format!("sandbox VM {} has a TAP descriptor but no net", vm.id)));
+            }
+            for fd in std::iter::once(fd).chain(vm.tap_fd) {
+                if !fds.insert(fd) {
+                    return Err(bad(format!("descriptor {fd} used twice")));
+                }
             }
         }
         for c in &r.channels {
@@ -115,16 +120,23 @@ impl SetRecord {
             MemorySource::Memfd { fd, .. } => Some(fd),
             _ => None,
         });
-        vms.chain(self.channels.iter().map(|c| c.fd)).collect()
+        let taps = self.vms.iter().filter_map(|v| v.tap_fd);
+        vms.chain(taps).chain(self.channels.iter().map(|c| c.fd)).collect()
     }
 }
 
 /// A set as the new process inherited it: its record, each sandbox VM's
-/// memory and saved state (in the record's order), the channel memfds.
+/// memory, saved state and attached TAP descriptor (in the record's
+/// order), the channel memfds.
 pub struct InheritedSet {
     pub record: SetRecord,
     pub memories: Vec<GuestMemory>,
     pub states: Vec<VmState>,
+    /// Per VM: the TAP it had attached (checked to be attached to the
+    /// interface its `net` names), for the front end to attach to the
+    /// rebuilt VM itself. Never parked by interface name: a set that
+    /// cannot be rebuilt closes its TAPs with it.
+    pub taps: Vec<Option<nl_devices::tap::Tap>>,
     pub channels: Vec<File>,
 }
 
@@ -190,6 +202,7 @@ fn inherit(v: &serde_json::Value, taken: &mut BTreeSet<i32>) -> Result<Inherited
     };
     let mut memories = Vec::new();
     let mut states = Vec::new();
+    let mut taps = Vec::new();
     for vm in &record.vms {
         let MemorySource::Memfd { fd, ino } = vm.memory else { unreachable!("parse checked") };
         let f = take_fd(fd, taken, "sandbox memory").map_err(|e| bad(e.to_string()))?;
@@ -200,6 +213,18 @@ fn inherit(v: &serde_json::Value, taken: &mut BTreeSet<i32>) -> Result<Inherited
         let state = VmState::from_bytes(s.as_bytes()).map_err(|e| bad(e.to_string()))?;
         vm.check_state(&state).map_err(|e| bad(e.to_string()))?;
         states.push(state);
+        // A sandbox's TAP stays attached across the handover (frames that
+        // arrive meanwhile wait in it); the front end attaches it to the
+        // rebuilt VM.
+        taps.push(match (vm.tap_fd, &vm.net) {
+            (Some(fd), Some(net)) => {
+                let f = take_fd(fd, taken, "sandbox TAP").map_err(|e| bad(e.to_string()))?;
+                let tap = nl_devices::tap::Tap::from_attached(f, &net.tap)
+                    .map_err(|e| bad(format!("sandbox VM {}: descriptor {fd}: {e}", vm.id)))?;
+                Some(tap)
+            }
+            _ => None,
+        });
     }
     let mut channels = Vec::new();
     for c in &record.channels {
@@ -207,7 +232,7 @@ fn inherit(v: &serde_json::Value, taken: &mut BTreeSet<i32>) -> Result<Inherited
         check_ino(&f, c.fd, c.ino)?;
         channels.push(f);
     }
-    Ok(InheritedSet { record, memories, states, channels })
+    Ok(InheritedSet { record, memories, states, taps, channels })
 }
 
 /// Rebuilds every set of a record in the new process (not started).
@@ -333,6 +358,18 @@ mod tests {
         v["vms"][0]["memory"] = json!({"kind": "fresh"});
         let e = SetRecord::parse(&v).unwrap_err().to_string();
         assert!(e.contains("has no memfd"), "{e}");
+        let mut v = sample();
+        v["vms"][0]["tap_fd"] = json!(9);
+        let e = SetRecord::parse(&v).unwrap_err().to_string();
+        assert!(e.contains("sandbox VM 0 has a TAP descriptor but no net"), "{e}");
+        let mut v = sample();
+        v["vms"][0]["net"] = json!({"tap": "nltap0", "ipv4": [10, 0, 0, 2], "prefix": 24});
+        v["vms"][0]["tap_fd"] = json!(8);
+        let e = SetRecord::parse(&v).unwrap_err().to_string();
+        assert!(e.contains("descriptor 8 used twice"), "{e}");
+        v["vms"][0]["tap_fd"] = json!(9);
+        let r = SetRecord::parse(&v).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(r.fds(), vec![7, 9, 8], "memfds, TAPs, channels");
         let mut v = sample();
         v["vms"][0]["vcpus"] = json!(0);
         let e = SetRecord::parse(&v).unwrap_err().to_string();

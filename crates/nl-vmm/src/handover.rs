@@ -694,6 +694,10 @@ type Prepared = (Arc<Host>, Option<UnixListener>, Vec<(VmRecord, Vm)>, u64);
 /// VM that uses the interface takes its descriptor when it is re-created.
 static INHERITED_TAPS: std::sync::Mutex<Vec<(String, File)>> = std::sync::Mutex::new(Vec::new());
 
+pub(crate) fn inherit_tap(name: &str, f: File) {
+    INHERITED_TAPS.lock().unwrap_or_else(|p| p.into_inner()).push((name.to_string(), f));
+}
+
 pub(crate) fn take_inherited_tap(name: &str) -> Option<File> {
     let mut v = INHERITED_TAPS.lock().unwrap_or_else(|p| p.into_inner());
     let i = v.iter().position(|(n, _)| n == name)?;
@@ -777,8 +781,7 @@ fn prepare_record(
     };
     for rec in &record.vms {
         if let (Some(fd), Some(net)) = (rec.tap_fd, &rec.net) {
-            let f = take_fd(fd, taken, "TAP")?;
-            INHERITED_TAPS.lock().unwrap_or_else(|p| p.into_inner()).push((net.tap.clone(), f));
+            inherit_tap(&net.tap, take_fd(fd, taken, "TAP")?);
         }
     }
     let host = Host::new()?;

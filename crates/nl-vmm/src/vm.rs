@@ -901,7 +901,7 @@ impl Vm {
     }
 
     /// The descriptor of the VM's TAP, if it has a network device.
-    pub(crate) fn tap_fd(&self) -> Option<std::os::fd::RawFd> {
+    pub fn tap_fd(&self) -> Option<std::os::fd::RawFd> {
         self.net.as_ref().and_then(|n| n.lock().device().tap_fd())
     }
 

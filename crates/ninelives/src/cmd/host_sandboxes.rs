@@ -234,7 +234,63 @@ impl HostFrontend {
             })
             .collect();
         v["channel_stats"] = serde_json::to_value(r.set.channel_stats()).unwrap_or(Value::Null);
+        let names: Vec<String> = r.set.sandboxes.iter().map(|s| s.config.name.clone()).collect();
+        v["services"] = serde_json::to_value(r.set.services.report(&names)).unwrap_or(Value::Null);
         v
+    }
+
+    /// Injects a register fault (`{"kind": "register", "cpu", "reg", "bit"}`)
+    /// or a spin (`{"kind": "spin", "cpu"}`) into one sandbox of a running
+    /// set, as the sandbox tests do in process: for exercising recovery and
+    /// takeovers on a host.
+    fn inject(&self, name: &str, req: &Value) -> Result<Value, ApiError> {
+        use nl_checkpoint::inject::{GuestFault, REGISTERS};
+        let sandbox = req.get("sandbox").and_then(Value::as_str).ok_or_else(|| {
+            ApiError::bad("sandbox_inject needs \"sandbox\": the name of one sandbox of the set")
+        })?;
+        let f = req.get("fault").cloned().unwrap_or(Value::Null);
+        let num = |k: &str, max: u64| {
+            f.get(k)
+                .and_then(Value::as_u64)
+                .filter(|&v| v < max)
+                .ok_or_else(|| ApiError::bad(format!("fault.{k} must be an integer below {max}")))
+        };
+        let fault = match f.get("kind").and_then(Value::as_str) {
+            Some("register") => {
+                let reg = f.get("reg").and_then(Value::as_str).unwrap_or("");
+                let reg = REGISTERS.iter().find(|r| **r == reg).ok_or_else(|| {
+                    ApiError::bad(format!("fault.reg '{reg}' is not one of {REGISTERS:?}"))
+                })?;
+                GuestFault::Register {
+                    cpu: num("cpu", 64)? as usize,
+                    reg,
+                    bit: num("bit", 64)? as u32,
+                }
+            }
+            Some("spin") => GuestFault::Spin { cpu: num("cpu", 64)? as usize },
+            _ => {
+                return Err(ApiError::bad(
+                    "fault.kind must be \"register\" (cpu, reg, bit) or \"spin\" (cpu)",
+                ))
+            }
+        };
+        let set = {
+            let sets = self.sets.lock();
+            let r = sets.get(name).ok_or_else(|| not_found(name))?;
+            if r.report.lock().is_some() {
+                return Err(ApiError {
+                    status: 409,
+                    message: format!("sandbox set '{name}' has ended"),
+                });
+            }
+            r.set.clone()
+        };
+        let at = set.inject(sandbox, &fault).map_err(|e| ApiError::bad(e.to_string()))?;
+        nl_vmm::event_log::publish(
+            "sandbox_fault_injected",
+            json!({"name": name, "sandbox": sandbox, "fault": fault}),
+        );
+        Ok(json!({"name": name, "sandbox": sandbox, "fault": fault, "at": at}))
     }
 
     fn destroy(&self, name: &str) -> Result<Value, ApiError> {
@@ -283,12 +339,13 @@ impl Frontend for HostFrontend {
             }
             "sandbox_stats" => name_of(req).and_then(|n| self.stats(&n)),
             "sandbox_destroy" => name_of(req).and_then(|n| self.destroy(&n)),
+            "sandbox_inject" => name_of(req).and_then(|n| self.inject(&n, req)),
             _ => return None,
         })
     }
 
     fn op_names(&self) -> &'static str {
-        ", sandbox_create, sandbox_list, sandbox_stats, sandbox_destroy"
+        ", sandbox_create, sandbox_list, sandbox_stats, sandbox_destroy, sandbox_inject"
     }
 
     fn handover_blocker(&self) -> Option<String> {

@@ -63,9 +63,11 @@ pub fn route_of(req: &Value) -> Result<HttpCall, String> {
         "sandbox_create" => call("POST", "/v1/sandboxes".into(), Some(rest)),
         "sandbox_stats" => call("GET", format!("/v1/sandboxes/{}", name()?), None),
         "sandbox_destroy" => call("DELETE", format!("/v1/sandboxes/{}", name()?), None),
+        "sandbox_inject" => call("POST", format!("/v1/sandboxes/{}/inject", name()?), Some(rest)),
         other => Err(format!(
             "unknown op '{other}' (info, list, create, stats, pause, resume, destroy, \
-             rejuvenate, shutdown, sandbox_list, sandbox_create, sandbox_stats, sandbox_destroy)"
+             rejuvenate, shutdown, sandbox_list, sandbox_create, sandbox_stats, sandbox_destroy, \
+             sandbox_inject)"
         )),
     }
 }

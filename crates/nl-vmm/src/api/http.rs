@@ -108,6 +108,12 @@ pub const ROUTES: &[Route] = &[
         op: None,
     },
     Route {
+        method: "POST",
+        path: "/v1/sandboxes/{name}/inject",
+        summary: "Inject a fault into one sandbox of a running set: {\"sandbox\": ..., \"fault\": {\"kind\": \"register\", \"cpu\", \"reg\", \"bit\"} or {\"kind\": \"spin\", \"cpu\"}}",
+        op: None,
+    },
+    Route {
         method: "GET",
         path: "/v1/events",
         summary: "Server-sent events: detections, recoveries, VM lifecycle, rejuvenations",
@@ -290,6 +296,17 @@ fn to_op(req: &Request) -> Result<Value, ApiError> {
         status: 405,
         message: format!("{} {} is not served (allowed: {allowed})", req.method, req.path),
     };
+    if let Some(name) =
+        req.path.strip_prefix("/v1/sandboxes/").and_then(|p| p.strip_suffix("/inject"))
+    {
+        if req.method != "POST" {
+            return Err(not_allowed("POST"));
+        }
+        let mut body = body_json(req)?;
+        body["op"] = json!("sandbox_inject");
+        body["name"] = json!(name);
+        return Ok(body);
+    }
     if let Some(name) = req.path.strip_prefix("/v1/sandboxes/") {
         return match req.method.as_str() {
             "GET" => Ok(json!({"op": "sandbox_stats", "name": name})),

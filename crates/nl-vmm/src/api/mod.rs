@@ -741,7 +741,13 @@ fn handle_op(
     if ctx.hold.load(Relaxed)
         && matches!(
             op,
-            "create" | "pause" | "resume" | "destroy" | "sandbox_create" | "sandbox_destroy"
+            "create"
+                | "pause"
+                | "resume"
+                | "destroy"
+                | "sandbox_create"
+                | "sandbox_destroy"
+                | "sandbox_inject"
         )
     {
         return Err(ApiError {
