@@ -217,8 +217,10 @@ pub struct PrimaryReport {
     /// Of the wait: from the oldest held frame to when the epoch loop saw
     /// it (its wake-up), averaged over the epochs it saw waiting.
     pub output_wake_ms_avg: f64,
-    /// Stopping the vCPUs at a boundary (before the pause's parts above).
+    /// Stopping the vCPUs at a boundary (before the pause's parts above),
+    /// over all epochs and over the epochs with output (part of their wait).
     pub stop_ms_avg: f64,
+    pub output_stop_ms_avg: f64,
     pub output_held_ms_avg: f64,
     pub output_held_ms_max: f64,
     pub turnaround_ms_avg: f64,
@@ -905,6 +907,10 @@ struct Sums {
     wake: f64,
     wake_n: u64,
     stop: f64,
+    /// The vCPU stop of the boundary under way, and summed over epochs
+    /// with output.
+    last_stop: f64,
+    stop_out: f64,
     held: f64,
     held_n: u64,
     held_max: f64,
@@ -1113,7 +1119,8 @@ impl<'a> Primary<'a> {
             }
             let t = Instant::now();
             vm.pause();
-            self.sums.stop += ms(t.elapsed());
+            self.sums.last_stop = ms(t.elapsed());
+            self.sums.stop += self.sums.last_stop;
             let outcome = vm.poll_outcome();
             let timed_out = start.elapsed() > self.cfg.time_limit;
             if matches!(link, Link::Down) {
@@ -1329,6 +1336,7 @@ impl<'a> Primary<'a> {
         r.output_wait_ms_avg = m.output_wait / m.output_epochs.max(1) as f64;
         r.output_wake_ms_avg = m.wake / m.wake_n.max(1) as f64;
         r.stop_ms_avg = m.stop / n;
+        r.output_stop_ms_avg = m.stop_out / m.output_epochs.max(1) as f64;
         r.output_held_ms_avg = m.held / m.held_n.max(1) as f64;
         r.output_held_ms_max = m.held_max;
         r.turnaround_ms_avg = m.turnaround / m.turnaround_n.max(1) as f64;
@@ -1521,6 +1529,7 @@ impl<'a> Primary<'a> {
             let m = &mut self.sums;
             m.output_epochs += 1;
             m.output_wait += ms(t0.saturating_duration_since(h));
+            m.stop_out += m.last_stop;
             if let Some(r) = m.last_release.filter(|&r| h > r) {
                 m.turnaround += ms(h - r);
                 m.turnaround_n += 1;
