@@ -217,7 +217,9 @@ fn the_defaults_are_on_and_each_no_flag_turns_exactly_its_own_off() {
         assert_eq!(opts["selective"], selective, "{flags:?}: {opts}");
         assert_eq!(opts["predict"], predict, "{flags:?}: {opts}");
         assert_eq!(opts["pipeline"], 0, "{flags:?}: {opts}");
+        assert_eq!(opts["output_epochs"], true, "{flags:?}: {opts}");
         assert_eq!(opts["output_epoch_ms"], 2, "{flags:?}: {opts}");
+        assert_eq!(opts["output_spacing_rate"], 128, "{flags:?}: {opts}");
         assert_eq!(opts["histase"], false, "{flags:?}: {opts}");
         assert_eq!(j["digest_ok"], true, "{flags:?}");
         // The gate reports only when prediction ran, and counted every epoch.
@@ -584,14 +586,32 @@ fn held_replies_end_their_epoch_without_the_timer() {
         return;
     }
     let Some(pair) = Pair::new("ot") else { return };
-    let tap = "nlotap0";
+    let (k, p) = kv_with_5s_epochs(&pair, "nlotap0", &[]);
+    assert_eq!(k["ok"], true, "kvload: {k}\nprimary: {p}");
+    let ops = k["ops"].as_u64().unwrap_or(0);
+    assert!(ops >= 10, "only {ops} requests answered in 1 s with a 5 s epoch: {k}");
+    let epochs = p["epochs"].as_u64().expect("the primary's report");
+    let triggered = p["output_triggered_epochs"].as_u64().expect("output-triggered epochs");
+    assert!(triggered >= 10, "{triggered} output-triggered epochs for {ops} requests: {p}");
+    assert!(epochs - triggered <= 2, "{epochs} epochs, {triggered} ended by output: {p}");
+    assert!(p["frames_released"].as_u64().unwrap_or(0) >= ops, "{p}");
+}
+
+/// kv replicated with 5 s epochs (`extra` primary flags on top), kvload
+/// (2 connections, 1 s) from the primary's namespace through the TAP `tap`:
+/// kvload's report and the primary's.
+fn kv_with_5s_epochs(
+    pair: &Pair,
+    tap: &str,
+    extra: &[&str],
+) -> (serde_json::Value, serde_json::Value) {
     let nsp = &pair.ns.0;
     nsp.tap(tap).expect("the guest's TAP");
     nsp.addr(tap, "10.0.0.1/24").expect("the TAP's host address");
     nsp.up(tap).expect("the TAP up");
     // The lease is at least twice the epoch.
     let backup = pair.backup(&["--lease-ms", "10000"]);
-    let mut primary = pair.primary(&[
+    let base = [
         "--epoch",
         "5000",
         "--lease-ms",
@@ -604,7 +624,8 @@ fn held_replies_end_their_epoch_without_the_timer() {
         tap,
         "--net-ip",
         "10.0.0.2/24",
-    ]);
+    ];
+    let mut primary = pair.primary(&[&base[..], extra].concat());
     assert!(
         wait_protected(&mut primary, Duration::from_secs(60)),
         "the primary never got protected"
@@ -622,14 +643,40 @@ fn held_replies_end_their_epoch_without_the_timer() {
     let k = last_json(&load);
     let p = last_json(&finish(primary, 60));
     let _ = finish(backup, 20);
-    assert_eq!(k["ok"], true, "kvload: {k}\n{}", stderr(&load));
+    (k, p)
+}
+
+/// The rule of output-triggered epochs, counted, not timed: with a spacing
+/// of 300 ms (`--output-epoch-ms 300`) that applies only while the guest
+/// dirties more than 128 pages per millisecond, kv's epochs (a few pages per
+/// millisecond) still end as soon as a reply waits: at least 10
+/// output-triggered epochs for the 1 s of load, and at most two held back
+/// by the spacing (those after the boot's epochs). With the old rule
+/// (`--output-spacing-rate 0`: every output-triggered epoch spaced) at
+/// least half of them waited for the spacing.
+#[test]
+fn slow_writers_epochs_end_at_once_when_output_waits_and_only_fast_ones_are_spaced() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(pair) = Pair::new("os") else { return };
+    let (k, p) = kv_with_5s_epochs(&pair, "nlostap0", &["--output-epoch-ms", "300"]);
+    assert_eq!(k["ok"], true, "kvload: {k}\nprimary: {p}");
     let ops = k["ops"].as_u64().unwrap_or(0);
-    assert!(ops >= 10, "only {ops} requests answered in 1 s with a 5 s epoch: {k}");
-    let epochs = p["epochs"].as_u64().expect("the primary's report");
     let triggered = p["output_triggered_epochs"].as_u64().expect("output-triggered epochs");
+    let spaced = p["output_spaced_epochs"].as_u64().expect("spaced epochs");
+    assert!(ops >= 10, "only {ops} requests answered: {k}");
     assert!(triggered >= 10, "{triggered} output-triggered epochs for {ops} requests: {p}");
-    assert!(epochs - triggered <= 2, "{epochs} epochs, {triggered} ended by output: {p}");
-    assert!(p["frames_released"].as_u64().unwrap_or(0) >= ops, "{p}");
+    assert!(spaced <= 2, "{spaced} of {triggered} epochs waited for the spacing: {p}");
+    drop(pair);
+    let Some(pair) = Pair::new("oS") else { return };
+    let old = ["--output-epoch-ms", "300", "--output-spacing-rate", "0"];
+    // (Its client cannot finish: the read-back of 40 keys, one spaced
+    // epoch each, outlasts the VM.)
+    let (_, p) = kv_with_5s_epochs(&pair, "nlostap1", &old);
+    let triggered = p["output_triggered_epochs"].as_u64().expect("output-triggered epochs");
+    let spaced = p["output_spaced_epochs"].as_u64().expect("spaced epochs");
+    assert!(spaced >= 1 && 2 * spaced >= triggered, "{spaced} of {triggered} spaced: {p}");
 }
 
 /// A small kill campaign (the bench's, in namespaces of its own: primary,

@@ -74,12 +74,22 @@ pub struct PrimaryArgs {
           value_parser = clap::value_parser!(u32).range(0..=4))]
     pub pipeline: u32,
     /// Output-triggered epochs: once the guest has sent frames (held until the epoch's
-    /// ack), end the epoch as soon as this long has passed since the last boundary (a
-    /// minimum spacing against storms of epochs); 0 turns it off (epochs always last
-    /// --epoch) (a number of milliseconds, or e.g. 2ms).
+    /// ack), the epoch ends at once, except while the guest dirties pages faster than
+    /// --output-spacing-rate: then not before this long has passed since the last
+    /// boundary (a minimum spacing against storms of costly epochs). 0: always as soon
+    /// as output waits (a number of milliseconds, or e.g. 2ms).
     #[arg(long, default_value_t = Options::RECOMMENDED_OUTPUT_EPOCH_MS,
           value_parser = crate::args::millis)]
     pub output_epoch_ms: u64,
+    /// Output-triggered epochs: after an epoch that dirtied at most this many pages per
+    /// millisecond, the next ends as soon as output waits, without --output-epoch-ms'
+    /// spacing (0: every output-triggered epoch is spaced, the rule before).
+    #[arg(long, default_value_t = Options::RECOMMENDED_OUTPUT_SPACING_RATE)]
+    pub output_spacing_rate: u64,
+    /// No output-triggered epochs: epochs always last --epoch, held output waits for
+    /// the timer.
+    #[arg(long)]
+    pub no_output_epochs: bool,
     /// Histase, per write fault (the paper's algorithm): track writes with userfaultfd
     /// write-protection instead of KVM's dirty log; a fault also makes the pages up to
     /// his_stride ahead and his_stride/3 behind in its 2 MiB table writable (treated as
@@ -237,7 +247,9 @@ impl PrimaryArgs {
             predict,
             direct: self.direct,
             pipeline: self.pipeline,
+            output_epochs: d.output_epochs && !self.no_output_epochs,
             output_epoch_ms: self.output_epoch_ms,
+            output_spacing_rate: self.output_spacing_rate,
             histase: self.histase,
             serial_copy: !self.parallel_copy,
         })
@@ -453,8 +465,10 @@ mod tests {
     }
 
     /// The set of optimizations as comparable values.
-    fn on(o: &Options) -> (bool, bool, u32, u64, bool, bool, bool) {
-        (o.selective, o.predict, o.pipeline, o.output_epoch_ms, o.direct, o.histase, o.serial_copy)
+    #[allow(clippy::type_complexity)]
+    fn on(o: &Options) -> (bool, bool, u32, (bool, u64, u64), bool, bool, bool) {
+        let out = (o.output_epochs, o.output_epoch_ms, o.output_spacing_rate);
+        (o.selective, o.predict, o.pipeline, out, o.direct, o.histase, o.serial_copy)
     }
 
     #[test]
@@ -463,18 +477,22 @@ mod tests {
     }
 
     /// No flag: the recommended optimizations, all on; every `--no-*` (and
-    /// `--pipeline 0` / `--output-epoch-ms 0`) turns exactly its own off.
+    /// `--pipeline 0` / `--output-epoch-ms 0` / `--output-spacing-rate 0`) changes exactly its own.
     #[test]
     fn defaults_are_the_recommended_options_and_each_no_flag_turns_one_off() {
         let d = parse(&[]).unwrap();
         assert_eq!(on(&d), on(&Options::recommended()));
-        assert!(d.selective && d.predict && d.output_epoch_ms > 0, "{d:?}");
+        assert!(d.selective && d.predict && d.output_epochs && d.output_spacing_rate > 0, "{d:?}");
         let p = parse(&["--no-predict"]).unwrap();
         assert_eq!(on(&p), on(&Options { predict: false, ..d }));
         let s = parse(&["--no-selective", "--no-predict"]).unwrap();
         assert_eq!(on(&s), on(&Options { predict: false, selective: false, ..d }));
         let o = parse(&["--output-epoch-ms", "0"]).unwrap();
         assert_eq!(on(&o), on(&Options { output_epoch_ms: 0, ..d }));
+        let o = parse(&["--no-output-epochs"]).unwrap();
+        assert_eq!(on(&o), on(&Options { output_epochs: false, ..d }));
+        let o = parse(&["--output-spacing-rate", "0"]).unwrap();
+        assert_eq!(on(&o), on(&Options { output_spacing_rate: 0, ..d }));
         let q = parse(&["--pipeline", "2"]).unwrap();
         assert_eq!(on(&q), on(&Options { pipeline: 2, ..d }));
         // Old scripts: the former opt-in flags are accepted and change nothing.

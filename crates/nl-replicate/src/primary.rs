@@ -52,11 +52,24 @@ pub struct Options {
     /// buffer (not `direct`).
     pub pipeline: u32,
     /// Output-triggered epochs: when the guest has sent frames (held for
-    /// output commit), end the epoch early, once it has run this many
-    /// milliseconds (0: epochs always last their full length). Cuts the
-    /// time a reply waits for its epoch to end. The epoch loop learns that
-    /// output waits from the network device's eventfd, not by polling.
+    /// output commit), end the epoch early instead of at the timer (off:
+    /// epochs always last their full length). Cuts the time a reply waits
+    /// for its epoch to end. The epoch loop learns that output waits from
+    /// the network device's eventfd, not by polling.
+    pub output_epochs: bool,
+    /// The minimum spacing of output-triggered epochs, in milliseconds
+    /// since the last boundary, applied only after an epoch whose guest
+    /// dirtied pages faster than [`Options::output_spacing_rate`] (0:
+    /// never; an epoch ends as soon as output waits).
     pub output_epoch_ms: u64,
+    /// Output-triggered epochs after an epoch that dirtied at most this many
+    /// pages per millisecond of its length (or of the spacing, if longer:
+    /// a short epoch still collects the pages each request touches) end as
+    /// soon as output waits,
+    /// without the spacing (0: every output-triggered epoch is spaced, the
+    /// old rule). A rate, not a count: a spaced epoch lasts longer and
+    /// collects more pages, so a count would keep the spacing on.
+    pub output_spacing_rate: u64,
     /// Write-fault prediction (needs `selective`): pages the guest really
     /// changed in an epoch are not re-protected, so they take no write fault
     /// in the next epoch; at each boundary they are copied as dirty and
@@ -82,14 +95,17 @@ impl Options {
     /// (which turns itself off while its guesses are wrong), epochs shipped
     /// by the epoch loop itself (no pipeline: at 20 ms epochs the pipelined
     /// rows of `bench replicate` were slower on every memwrite row),
-    /// output-triggered epochs with a 2 ms minimum spacing, and the
-    /// one-thread copy. See docs/replication.md for the measurements.
+    /// output-triggered epochs (at once, or 2 ms after the last boundary
+    /// when the guest writes fast), and the one-thread copy. See
+    /// docs/replication.md for the measurements.
     pub const fn recommended() -> Self {
         Options {
             selective: true,
             direct: false,
             pipeline: 0,
+            output_epochs: true,
             output_epoch_ms: Self::RECOMMENDED_OUTPUT_EPOCH_MS,
+            output_spacing_rate: Self::RECOMMENDED_OUTPUT_SPACING_RATE,
             predict: true,
             serial_copy: true,
             histase: false,
@@ -100,6 +116,15 @@ impl Options {
     /// [`Options::recommended`].
     pub const RECOMMENDED_OUTPUT_EPOCH_MS: u64 = 2;
 
+    /// The dirty rate (pages per millisecond) above which output-triggered
+    /// epochs are spaced, in [`Options::recommended`]: 128, i.e. 256 pages
+    /// in a 2 ms epoch. Each page shipped costs a copy (0.5 µs) and,
+    /// re-protected, a write fault in the next epoch (6-9 µs on this host):
+    /// at this rate tracking costs the guest about as much time as it runs,
+    /// and epochs with output get the 2 ms spacing. kv dirtied 1 to 5 pages
+    /// per millisecond in `bench replicate`.
+    pub const RECOMMENDED_OUTPUT_SPACING_RATE: u64 = 128;
+
     /// Every optimization off: full re-protection at every boundary, no
     /// prediction, synchronous epochs of full length.
     pub const fn none() -> Self {
@@ -107,7 +132,9 @@ impl Options {
             selective: false,
             direct: false,
             pipeline: 0,
+            output_epochs: false,
             output_epoch_ms: 0,
+            output_spacing_rate: 0,
             predict: false,
             serial_copy: true,
             histase: false,
@@ -182,12 +209,18 @@ pub struct PrimaryReport {
     /// guest's turnaround, which replication does not add to).
     pub output_epochs: u64,
     pub output_triggered_epochs: u64,
+    /// Of those, the epochs whose end waited for the minimum spacing
+    /// ([`Options::output_epoch_ms`], while the guest wrote fast) while output
+    /// was held.
+    pub output_spaced_epochs: u64,
     pub output_wait_ms_avg: f64,
     /// Of the wait: from the oldest held frame to when the epoch loop saw
     /// it (its wake-up), averaged over the epochs it saw waiting.
     pub output_wake_ms_avg: f64,
-    /// Stopping the vCPUs at a boundary (before the pause's parts above).
+    /// Stopping the vCPUs at a boundary (before the pause's parts above),
+    /// over all epochs and over the epochs with output (part of their wait).
     pub stop_ms_avg: f64,
+    pub output_stop_ms_avg: f64,
     pub output_held_ms_avg: f64,
     pub output_held_ms_max: f64,
     pub turnaround_ms_avg: f64,
@@ -869,10 +902,15 @@ struct Sums {
     acked: u64,
     output_epochs: u64,
     triggered: u64,
+    spaced: u64,
     output_wait: f64,
     wake: f64,
     wake_n: u64,
     stop: f64,
+    /// The vCPU stop of the boundary under way, and summed over epochs
+    /// with output.
+    last_stop: f64,
+    stop_out: f64,
     held: f64,
     held_n: u64,
     held_max: f64,
@@ -902,6 +940,11 @@ pub struct Primary<'a> {
     pred: Option<Predictor>,
     /// Histase over userfaultfd (in place of KVM's dirty log).
     histase: Option<Histase>,
+    /// Pages per millisecond the last boundary collected (guest- and
+    /// VMM-written, over the time since the boundary before, at least the
+    /// spacing): decides
+    /// whether the next output-triggered epoch is spaced.
+    last_rate: f64,
 }
 
 impl<'a> Primary<'a> {
@@ -920,6 +963,7 @@ impl<'a> Primary<'a> {
             die: None,
             pred: None,
             histase: None,
+            last_rate: 0.0,
         }
     }
 
@@ -1016,11 +1060,11 @@ impl<'a> Primary<'a> {
         let start = Instant::now();
         let mut next = Instant::now() + self.cfg.epoch;
         let mut last = Instant::now();
-        let early = Duration::from_millis(self.cfg.opts.output_epoch_ms);
+        let spacing = Duration::from_millis(self.cfg.opts.output_epoch_ms);
         let mut seen = None;
-        let waiter = match early.is_zero() {
-            true => None,
-            false => OutputWait::new(vm).unwrap_or_else(|e| {
+        let waiter = match self.cfg.opts.output_epochs {
+            false => None,
+            true => OutputWait::new(vm).unwrap_or_else(|e| {
                 (self.log)(format!(
                     "WARNING: no output event from the network device ({e}): epochs end on \
                      the timer only"
@@ -1029,6 +1073,13 @@ impl<'a> Primary<'a> {
             }),
         };
         loop {
+            // The spacing holds back an output-triggered epoch only while
+            // the guest writes fast (see `Options::output_spacing_rate`).
+            let early = match self.last_rate > self.cfg.opts.output_spacing_rate as f64 {
+                true => spacing,
+                false => Duration::ZERO,
+            };
+            let mut spaced = false;
             loop {
                 let now = Instant::now();
                 if now >= next {
@@ -1048,8 +1099,10 @@ impl<'a> Primary<'a> {
                     }
                     if now >= last + early {
                         self.sums.triggered += 1;
+                        self.sums.spaced += u64::from(spaced);
                         break;
                     }
+                    spaced = true;
                     std::thread::sleep((last + early).min(next) - now);
                     continue;
                 }
@@ -1066,7 +1119,8 @@ impl<'a> Primary<'a> {
             }
             let t = Instant::now();
             vm.pause();
-            self.sums.stop += ms(t.elapsed());
+            self.sums.last_stop = ms(t.elapsed());
+            self.sums.stop += self.sums.last_stop;
             let outcome = vm.poll_outcome();
             let timed_out = start.elapsed() > self.cfg.time_limit;
             if matches!(link, Link::Down) {
@@ -1278,9 +1332,11 @@ impl<'a> Primary<'a> {
         r.commit_ms_max = m.commit_max;
         r.output_epochs = m.output_epochs;
         r.output_triggered_epochs = m.triggered;
+        r.output_spaced_epochs = m.spaced;
         r.output_wait_ms_avg = m.output_wait / m.output_epochs.max(1) as f64;
         r.output_wake_ms_avg = m.wake / m.wake_n.max(1) as f64;
         r.stop_ms_avg = m.stop / n;
+        r.output_stop_ms_avg = m.stop_out / m.output_epochs.max(1) as f64;
         r.output_held_ms_avg = m.held / m.held_n.max(1) as f64;
         r.output_held_ms_max = m.held_max;
         r.turnaround_ms_avg = m.turnaround / m.turnaround_n.max(1) as f64;
@@ -1424,6 +1480,7 @@ impl<'a> Primary<'a> {
         let t0 = Instant::now();
         let m = &mut self.sums;
         m.first_boundary.get_or_insert(t0);
+        let since = m.last_boundary.map_or(self.cfg.epoch, |b| t0 - b);
         m.last_boundary = Some(t0);
         let fail = |why: String| Failure { lost: Lost::Definitive(why), held: Vec::new() };
         // Prediction leaves logged pages writable (their dirty bits set);
@@ -1444,6 +1501,10 @@ impl<'a> Primary<'a> {
             }
         };
         let (pages, vmm) = with_vmm_writes(vm, &self.view, &logged);
+        // Over at least the spacing: a short epoch still collects the pages
+        // each request touches, which is no fast writer.
+        let over = ms(since).max(self.cfg.opts.output_epoch_ms as f64).max(0.1);
+        self.last_rate = pages.len() as f64 / over;
         // Each logged page took a write fault, except those left writable.
         let faults = match (&self.pred, &tracked) {
             (_, Some(t)) => t.faults,
@@ -1468,6 +1529,7 @@ impl<'a> Primary<'a> {
             let m = &mut self.sums;
             m.output_epochs += 1;
             m.output_wait += ms(t0.saturating_duration_since(h));
+            m.stop_out += m.last_stop;
             if let Some(r) = m.last_release.filter(|&r| h > r) {
                 m.turnaround += ms(h - r);
                 m.turnaround_n += 1;

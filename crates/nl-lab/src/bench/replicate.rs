@@ -81,16 +81,19 @@ pub struct BenchReplicateArgs {
     pub json: bool,
     /// Only the cells the report's HBFT figures read: the defaults, the
     /// unoptimized baseline (`--no-selective --no-predict`), Histase, and
-    /// the epoch sweep of the defaults; kv: the defaults and without
-    /// output-triggered epochs (`ninelives report --quick`).
+    /// the epoch sweep of the defaults; kv: the defaults, the old rule of
+    /// output-triggered epochs (`--output-epoch-ms 2 --output-spacing-rate
+    /// 0`, every one 2 ms apart) and without them (`--no-output-epochs`)
+    /// (`ninelives report --quick`).
     #[arg(long)]
     pub core: bool,
     /// Extra kv cells at 20 ms, each the `replicate primary` flags that
-    /// change the defaults, e.g. `--kv-cell "--output-epoch-ms 1"`
+    /// change the defaults, e.g. `--kv-cell "--pipeline 1"`
     /// (repeatable; kept with --core).
     #[arg(long = "kv-cell", allow_hyphen_values = true)]
     pub kv_cells: Vec<String>,
-    /// Run the throughput rows beside busy-loop threads of the bench's own.
+    /// Run the throughput rows (kv too) beside busy-loop threads of the
+    /// bench's own; the kill campaign runs without them.
     #[arg(long)]
     pub loaded: bool,
     /// --loaded: busy-loop threads started for the load.
@@ -166,9 +169,11 @@ struct Row {
     /// release to the next held frame (client and guest turnaround).
     output_epochs: u64,
     output_triggered_epochs: u64,
+    output_spaced_epochs: u64,
     output_wait_ms_avg: f64,
     output_wake_ms_avg: f64,
     stop_ms_avg: f64,
+    output_stop_ms_avg: f64,
     output_held_ms_avg: f64,
     turnaround_ms_avg: f64,
     predicted_per_epoch: f64,
@@ -224,9 +229,11 @@ fn row(
         commit_ms_max: f("commit_ms_max"),
         output_epochs: p["output_epochs"].as_u64().unwrap_or(0),
         output_triggered_epochs: p["output_triggered_epochs"].as_u64().unwrap_or(0),
+        output_spaced_epochs: p["output_spaced_epochs"].as_u64().unwrap_or(0),
         output_wait_ms_avg: f("output_wait_ms_avg"),
         output_wake_ms_avg: f("output_wake_ms_avg"),
         stop_ms_avg: f("stop_ms_avg"),
+        output_stop_ms_avg: f("output_stop_ms_avg"),
         output_held_ms_avg: f("output_held_ms_avg"),
         turnaround_ms_avg: f("turnaround_ms_avg"),
         predicted_per_epoch: f("predicted_per_epoch"),
@@ -243,15 +250,16 @@ fn phases(r: &Row) -> String {
         return String::new();
     }
     format!(
-        "; replies: {} epochs with output ({} output-triggered), held {:.2} ms = wait for the \
-         boundary {:.2} (wake-up {:.2}, vCPU stop {:.2}) + pause {:.2} + send {:.2} + ack {:.2} \
-         (+ release), then {:.2} ms client/guest turnaround",
+        "; replies: {} epochs with output ({} output-triggered, {} of them spaced), held {:.2} \
+         ms = wait for the boundary {:.2} (wake-up {:.2}, vCPU stop {:.2}) + pause {:.2} + send \
+         {:.2} + ack {:.2} (+ release), then {:.2} ms client/guest turnaround",
         r.output_epochs,
         r.output_triggered_epochs,
+        r.output_spaced_epochs,
         r.output_held_ms_avg,
         r.output_wait_ms_avg,
         r.output_wake_ms_avg,
-        r.stop_ms_avg,
+        r.output_stop_ms_avg,
         r.pause_ms_avg,
         r.send_after_ms_avg,
         r.ack_wait_ms_avg,
@@ -312,13 +320,18 @@ impl Case {
     }
 }
 
+/// The output-triggered epochs before the small-epoch rule: every one
+/// spaced 2 ms from the last boundary. A kv cell of every run, so the rule
+/// is compared at equal load, interleaved rep by rep.
+const OLD_OUTPUT_RULE: [&str; 4] = ["--output-epoch-ms", "2", "--output-spacing-rate", "0"];
+
 /// Every row of a workload at 20 ms: the defaults, each optimization of the
 /// defaults turned off (prediction, then selective re-protection too: the
 /// paper's unoptimized baseline), pipelining added, the old default
 /// (pipelined, nothing else), sending from guest memory in the pause,
 /// Histase over userfaultfd, the parallel copy; then the epoch sweep of the
-/// defaults (Figure 13). kv also without output-triggered epochs, and with
-/// them at 1 ms. `quick`: the 20 ms rows only.
+/// defaults (Figure 13). kv also with the old rule of output-triggered
+/// epochs (always 2 ms apart) and without them. `quick`: the 20 ms rows only.
 fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
     let p = a.pipeline.to_string();
     let mut v = vec![
@@ -333,8 +346,8 @@ fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
         Case::new(20, &["--parallel-copy"]),
     ];
     if kv {
-        v.push(Case::new(20, &["--output-epoch-ms", "0"]));
-        v.push(Case::new(20, &["--output-epoch-ms", "1"]));
+        v.push(Case::new(20, &OLD_OUTPUT_RULE));
+        v.push(Case::new(20, &["--no-output-epochs"]));
     }
     if !quick {
         for &e in a.epochs.iter().filter(|&&e| e != 20) {
@@ -342,11 +355,13 @@ fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
         }
     }
     if a.core {
-        const CORE: [&str; 4] =
-            ["default", "--no-selective --no-predict", "--histase", "--output-epoch-ms 0"];
+        const CORE: [&str; 3] = ["default", "--no-selective --no-predict", "--histase"];
+        let old = OLD_OUTPUT_RULE.join(" ");
         v.retain(|c| match kv {
-            true => c.epoch == 20 && (c.name == CORE[0] || c.name == CORE[3]),
-            false => CORE[..3].contains(&c.name.as_str()),
+            true => {
+                c.epoch == 20 && [CORE[0], &old, "--no-output-epochs"].contains(&c.name.as_str())
+            }
+            false => CORE.contains(&c.name.as_str()),
         });
     }
     if kv {
@@ -1028,7 +1043,6 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
             }
         }
     }
-    drop(hogs);
     let mut kv_skipped = None;
     if !a.no_throughput && !a.no_kv {
         match topo.as_ref().expect("made above") {
@@ -1052,6 +1066,7 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
             Err(why) => kv_skipped = Some(why.clone()),
         }
     }
+    drop(hogs);
     let mut kills = Vec::new();
     let mut kills_skipped = None;
     if a.kills > 0 {
@@ -1257,7 +1272,14 @@ mod tests {
                 (d.clone(), 100)
             ]
         );
-        assert_eq!(names(true), vec![(d, 20), ("--output-epoch-ms 0".to_string(), 20)]);
+        assert_eq!(
+            names(true),
+            vec![
+                (d, 20),
+                ("--output-epoch-ms 2 --output-spacing-rate 0".to_string(), 20),
+                ("--no-output-epochs".to_string(), 20)
+            ]
+        );
         let all = <Cli as clap::Parser>::parse_from(["x", "--epochs", "20,100"]).a;
         assert_eq!(cases(&all, true, false).len(), 11);
     }

@@ -808,8 +808,8 @@ fn hbft(d: &Data, out: &Path) -> Result<Section> {
     // reply until its epoch is acknowledged (no HBFT figure: HBFT measured
     // batch workloads; Remus and Taiji report such services).
     for (cfg, what) in [
-        (best, "defaults: output-triggered epochs every 2 ms"),
-        ("--output-epoch-ms 0", "without output-triggered epochs"),
+        (best, "defaults: output-triggered epochs"),
+        ("--no-output-epochs", "without output-triggered epochs"),
     ] {
         if let Some(x) = find("kv", cfg, 20) {
             rows.push(row(
