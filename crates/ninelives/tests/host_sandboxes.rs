@@ -46,6 +46,7 @@ fn a_host_runs_sandbox_sets_beside_its_vms() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("api.sock");
     let (mut child, _s) = spawn_host(&sock);
+    let _end = EndHostOnDrop(sock.to_path_buf());
     let cores = nl_sandbox::affinity::host_cores().expect("affinity");
     let (c0, c1) = (cores[0], *cores.last().unwrap());
 
@@ -125,6 +126,7 @@ fn a_microreset_of_the_host_keeps_its_sandbox_sets_running() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    let _end = EndHostOnDrop(sock.to_path_buf());
     let t = Instant::now();
     while std::os::unix::net::UnixStream::connect(&sock).is_err() {
         assert!(child.try_wait().unwrap().is_none(), "the host exited");
@@ -243,12 +245,13 @@ fn warm_rejuvenation_carries_a_running_sandbox_set() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("api.sock");
     let (mut child, _s) = spawn_host(&sock);
+    let _end = EndHostOnDrop(sock.to_path_buf());
     let [c0, c1] = two_cores();
     let (st, vm) = http_json(&sock, "POST", "/v1/vms", Some(r#"{"workload":"idle","mem":"64M"}"#));
     assert_eq!(st, 201, "{vm}");
     let vm_id = vm["id"].as_u64().unwrap();
     let body =
-        json!({"name": "pair", "set": stream_set(c0, c1, 20_000), "timeout_secs": 300}).to_string();
+        json!({"name": "pair", "set": stream_set(c0, c1, 45_000), "timeout_secs": 300}).to_string();
     let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&body));
     assert_eq!(st, 201, "{v}");
     let first = wait_traffic(&sock, None, [0, 0]);
@@ -318,6 +321,7 @@ fn a_microreboot_of_the_host_carries_its_sandbox_sets() {
     const FAULT_AT: usize = 60;
     let (mut child, vm_id, before, mut sent) =
         host_with_a_streaming_set(&sock, FAULT_AT, &[], 8_000, FAULT_AT - 2);
+    let _end = EndHostOnDrop(sock.to_path_buf());
     let beats = vm_beats(&sock, vm_id);
     sent += 1;
     while sent < FAULT_AT - 1 {
@@ -406,6 +410,7 @@ fn a_corrupt_set_record_is_refused_and_the_rest_of_the_host_comes_up() {
     let corrupt = [("NINELIVES_HANDOVER_SELFTEST", "corrupt-sets")];
     let (mut child, vm_id, before, mut sent) =
         host_with_a_streaming_set(&sock, FAULT_AT, &corrupt, 0, FAULT_AT / 2);
+    let _end = EndHostOnDrop(sock.to_path_buf());
     let gens = [before[0].0, before[1].0];
     // Warm: the new process refuses; everything runs on in this one.
     let (st, r) = http_json(&sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
@@ -500,6 +505,7 @@ fn host_with_a_streaming_set(
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    let _end = EndHostOnDrop(sock.to_path_buf());
     let t = Instant::now();
     while std::os::unix::net::UnixStream::connect(sock).is_err() {
         assert!(child.try_wait().unwrap().is_none(), "the host exited");
@@ -548,6 +554,7 @@ fn warm_rejuvenation_carries_a_sandbox_with_its_own_tap() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
+    let _end = EndHostOnDrop(sock.to_path_buf());
     wait_for("the host's API socket", Duration::from_secs(20), || {
         std::os::unix::net::UnixStream::connect(&sock).is_ok()
     });
@@ -646,6 +653,7 @@ fn warm_rejuvenation_carries_a_service_set_and_a_takeover_works_after_it() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
+    let _end = EndHostOnDrop(sock.to_path_buf());
     wait_for("the host's API socket", Duration::from_secs(20), || {
         std::os::unix::net::UnixStream::connect(&sock).is_ok()
     });
@@ -736,6 +744,7 @@ fn a_microreboot_carries_a_service_set_with_its_tap() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    let _end = EndHostOnDrop(sock.to_path_buf());
     wait_for("the host's API socket", Duration::from_secs(20), || {
         std::os::unix::net::UnixStream::connect(&sock).is_ok()
     });

@@ -3,7 +3,7 @@
 
 pub mod selftest_host;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::Arc;
 use std::time::Duration;
@@ -391,6 +391,23 @@ pub fn stop_host(sock: &Path, child: &mut std::process::Child) {
     }
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// Ends, when dropped, the host serving `sock`: a test that fails midway
+/// leaves no host behind, also after a rejuvenation started a process the
+/// test did not (its own child is the caller's to kill and reap).
+#[allow(dead_code)]
+pub struct EndHostOnDrop(pub PathBuf);
+
+impl Drop for EndHostOnDrop {
+    fn drop(&mut self) {
+        let info = serde_json::json!({"op":"info"});
+        if let Ok(v) = nl_vmm::api::request_timeout(&self.0, &info, Duration::from_secs(5)) {
+            if let Some(pid) = v["pid"].as_u64() {
+                let _ = Command::new("kill").arg(pid.to_string()).status();
+            }
+        }
+    }
 }
 
 /// One HTTP exchange on a fresh connection: (status, body).
