@@ -505,7 +505,6 @@ fn host_with_a_streaming_set(
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let _end = EndHostOnDrop(sock.to_path_buf());
     let t = Instant::now();
     while std::os::unix::net::UnixStream::connect(sock).is_err() {
         assert!(child.try_wait().unwrap().is_none(), "the host exited");
