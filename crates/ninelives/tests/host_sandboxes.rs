@@ -554,9 +554,7 @@ fn warm_rejuvenation_carries_a_sandbox_with_its_own_tap() {
         .spawn()
         .unwrap();
     let _end = EndHostOnDrop(sock.to_path_buf());
-    wait_for("the host's API socket", Duration::from_secs(20), || {
-        std::os::unix::net::UnixStream::connect(&sock).is_ok()
-    });
+    wait_for_socket(&sock);
     let [c0, _] = two_cores();
     let set = json!({"sandboxes": [
         {"name": "web", "cores": [c0], "mem_mib": 48,
@@ -569,14 +567,7 @@ fn warm_rejuvenation_carries_a_sandbox_with_its_own_tap() {
     assert!(ns.wait_answering(Duration::from_secs(60)), "the sandbox never answered");
     let mut pid = http_json(&sock, "GET", "/v1/info", None).1["pid"].as_u64().unwrap();
     for round in 1..=2u64 {
-        let ping = ns
-            .ninelives(&["ping", "--target", "10.0.0.2", "--interval", "1ms"])
-            .args(["--duration", "3", "--json"])
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
+        let ping = start_ping(&ns);
         std::thread::sleep(Duration::from_millis(300));
         let (st, r) = http_json(&sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
         assert_eq!(st, 200, "{r}");
@@ -588,13 +579,7 @@ fn warm_rejuvenation_carries_a_sandbox_with_its_own_tap() {
         let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
         assert_eq!(list["sets"][0]["name"], "web", "{list}");
         assert_eq!(list["sets"][0]["handovers"], round, "{list}");
-        let out = ping.wait_with_output().unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        let j: Value = text
-            .lines()
-            .rev()
-            .find_map(|l| serde_json::from_str(l).ok())
-            .unwrap_or_else(|| panic!("no ping report: {text}"));
+        let j = ping_report(ping);
         assert!(ns.wait_answering(Duration::from_secs(30)), "round {round}: no answer after it");
         eprintln!(
             "round {round}: ping sent {} received {} longest gap {} ms; set downtime {} ms",
@@ -653,22 +638,13 @@ fn warm_rejuvenation_carries_a_service_set_and_a_takeover_works_after_it() {
         .spawn()
         .unwrap();
     let _end = EndHostOnDrop(sock.to_path_buf());
-    wait_for("the host's API socket", Duration::from_secs(20), || {
-        std::os::unix::net::UnixStream::connect(&sock).is_ok()
-    });
+    wait_for_socket(&sock);
     let [c0, c1] = two_cores();
     let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&service_set_body(c0, c1)));
     assert_eq!(st, 201, "{v}");
     assert!(ns.wait_answering(Duration::from_secs(60)), "the owner never answered");
     let rejuvenate = |round: u64| {
-        let ping = ns
-            .ninelives(&["ping", "--target", "10.0.0.2", "--interval", "1ms"])
-            .args(["--duration", "3", "--json"])
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
+        let ping = start_ping(&ns);
         std::thread::sleep(Duration::from_millis(300));
         let (st, r) = http_json(&sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
         assert_eq!(st, 200, "{r}");
@@ -676,13 +652,7 @@ fn warm_rejuvenation_carries_a_service_set_and_a_takeover_works_after_it() {
         assert_eq!(r["report"]["sets"], json!(["svc"]), "{r}");
         let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
         assert_eq!(list["sets"][0]["handovers"], round, "{list}");
-        let out = ping.wait_with_output().unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        let j: Value = text
-            .lines()
-            .rev()
-            .find_map(|l| serde_json::from_str(l).ok())
-            .unwrap_or_else(|| panic!("no ping report: {text}"));
+        let j = ping_report(ping);
         assert!(ns.wait_answering(Duration::from_secs(30)), "round {round}: no answer after it");
         eprintln!(
             "service round {round}: ping sent {} received {} longest gap {} ms; set downtime {} ms",
@@ -744,22 +714,13 @@ fn a_microreboot_carries_a_service_set_with_its_tap() {
         .spawn()
         .unwrap();
     let _end = EndHostOnDrop(sock.to_path_buf());
-    wait_for("the host's API socket", Duration::from_secs(20), || {
-        std::os::unix::net::UnixStream::connect(&sock).is_ok()
-    });
+    wait_for_socket(&sock);
     let [c0, c1] = two_cores();
     let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&service_set_body(c0, c1)));
     assert_eq!(st, 201, "{v}");
     let mut sent = 1;
     assert!(ns.wait_answering(Duration::from_secs(60)), "the owner never answered");
-    let ping = ns
-        .ninelives(&["ping", "--target", "10.0.0.2", "--interval", "1ms"])
-        .args(["--duration", "3", "--json"])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let ping = start_ping(&ns);
     std::thread::sleep(Duration::from_millis(300));
     pad_requests(&sock, &mut sent, FAULT_AT);
     let r = nl_vmm::api::request_timeout(&sock, &json!({"op": "info"}), Duration::from_secs(30));
@@ -778,13 +739,7 @@ fn a_microreboot_carries_a_service_set_with_its_tap() {
         assert!(t.elapsed() < Duration::from_secs(60), "the host did not serve again");
         std::thread::sleep(Duration::from_millis(50));
     }
-    let out = ping.wait_with_output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let j: Value = text
-        .lines()
-        .rev()
-        .find_map(|l| serde_json::from_str(l).ok())
-        .unwrap_or_else(|| panic!("no ping report: {text}"));
+    let j = ping_report(ping);
     assert!(ns.wait_answering(Duration::from_secs(30)), "no answer after the microreboot");
     eprintln!(
         "microreboot: ping sent {} received {} longest gap {} ms",
@@ -808,4 +763,33 @@ fn a_microreboot_carries_a_service_set_with_its_tap() {
         .find(|l| l.starts_with("NINELIVES-RECOVERED "))
         .unwrap_or_else(|| panic!("{err}"));
     assert!(line.contains("\"sets\":1"), "{line}");
+}
+
+/// Waits (bounded: 20 s) until a host listens on `sock`.
+fn wait_for_socket(sock: &std::path::Path) {
+    wait_for("the host's API socket", Duration::from_secs(20), || {
+        std::os::unix::net::UnixStream::connect(sock).is_ok()
+    });
+}
+
+/// `ninelives ping` of the sandbox at 10.0.0.2 from namespace `ns`: every
+/// 1 ms for 3 s, its JSON report on stdout.
+fn start_ping(ns: &Netns) -> std::process::Child {
+    ns.ninelives(&["ping", "--target", "10.0.0.2", "--interval", "1ms"])
+        .args(["--duration", "3", "--json"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// The JSON report of a ping started by [`start_ping`], once it ends.
+fn ping_report(ping: std::process::Child) -> Value {
+    let out = ping.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .rev()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("no ping report: {text}"))
 }
