@@ -236,7 +236,7 @@ fn a_broken_or_refusing_new_binary_leaves_the_vms_running_in_the_old_process() {
     }
     let h = Host::start();
     // Long enough to still run when the last case is tried on a loaded machine.
-    let a = create(&h, 2, 8.0);
+    let a = create(&h, 2, 60.0);
     wait_running(&h, a);
     let pid = h.pid();
     let dir = tempfile::tempdir().unwrap();
