@@ -547,14 +547,7 @@ fn warm_rejuvenation_carries_a_sandbox_with_its_own_tap() {
     let Some(ns) = Netns::new("sbxtap") else { return };
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("api.sock");
-    let mut child = ns
-        .ninelives(&["host", "--api", sock.to_str().unwrap()])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let _end = EndHostOnDrop(sock.to_path_buf());
-    wait_for_socket(&sock);
+    let (mut child, _end) = host_in(&ns, &sock);
     let [c0, _] = two_cores();
     let set = json!({"sandboxes": [
         {"name": "web", "cores": [c0], "mem_mib": 48,
@@ -631,14 +624,7 @@ fn warm_rejuvenation_carries_a_service_set_and_a_takeover_works_after_it() {
     let Some(ns) = Netns::new("sbxsvc") else { return };
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("api.sock");
-    let mut child = ns
-        .ninelives(&["host", "--api", sock.to_str().unwrap()])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let _end = EndHostOnDrop(sock.to_path_buf());
-    wait_for_socket(&sock);
+    let (mut child, _end) = host_in(&ns, &sock);
     let [c0, c1] = two_cores();
     let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&service_set_body(c0, c1)));
     assert_eq!(st, 201, "{v}");
@@ -763,6 +749,20 @@ fn a_microreboot_carries_a_service_set_with_its_tap() {
         .find(|l| l.starts_with("NINELIVES-RECOVERED "))
         .unwrap_or_else(|| panic!("{err}"));
     assert!(line.contains("\"sets\":1"), "{line}");
+}
+
+/// `ninelives host --api SOCK` in namespace `ns`, listening; the guard
+/// ends whichever process serves `sock` if the test fails midway.
+fn host_in(ns: &Netns, sock: &std::path::Path) -> (std::process::Child, EndHostOnDrop) {
+    let child = ns
+        .ninelives(&["host", "--api", sock.to_str().unwrap()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let end = EndHostOnDrop(sock.to_path_buf());
+    wait_for_socket(sock);
+    (child, end)
 }
 
 /// Waits (bounded: 20 s) until a host listens on `sock`.

@@ -93,6 +93,8 @@ pub struct LoadConfig {
     /// The read-back phase gives up after this long without an answer
     /// (and after five minutes in all).
     pub verify_stall: Duration,
+    /// Keep when each answer arrived ([`KvReport::answered_ms`]).
+    pub timeline: bool,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -141,8 +143,9 @@ pub struct KvReport {
     pub ok: bool,
     /// When the load began, in milliseconds since the Unix epoch.
     pub start_unix_ms: f64,
-    /// When each answer of the load phase arrived, in milliseconds since
-    /// the load began, sorted (the first [`MAX_TIMELINE`]; for time series
+    /// With [`LoadConfig::timeline`]: when each answer of the load phase
+    /// arrived, in milliseconds since the load began, sorted (the first
+    /// [`MAX_TIMELINE`] per connection; for time series
     /// such as `bench sandbox-recovery`'s Fig. 6; not in the JSON).
     #[serde(skip)]
     pub answered_ms: Vec<f64>,
@@ -276,7 +279,7 @@ impl Worker {
             let ns = t.elapsed().as_nanos() as u64;
             let answer = match res {
                 Ok(()) => {
-                    if self.answered.len() < MAX_TIMELINE {
+                    if cfg.timeline && self.answered.len() < MAX_TIMELINE {
                         self.answered.push(began.elapsed());
                     }
                     parse(&resp)
@@ -516,6 +519,7 @@ pub fn run(a: KvloadArgs) -> Result<ExitCode> {
         seed: a.seed,
         prefix: format!("r{:08x}-", next(&mut nonce.clone()) as u32),
         verify_stall: timeout * 5,
+        timeline: false,
     };
     let mut r = load(&cfg, &connect);
     r.target = target.to_string();
@@ -611,6 +615,7 @@ mod tests {
             seed: 7,
             prefix: "t-".into(),
             verify_stall: Duration::from_secs(5),
+            timeline: false,
         }
     }
 

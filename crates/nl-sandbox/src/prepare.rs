@@ -39,11 +39,11 @@ use crate::SandboxError;
 /// How often the builder looks whether a VM is needed.
 const POLL: Duration = Duration::from_millis(20);
 
-/// What a restart VM of one sandbox is built from, owned: the builder
-/// thread is detached, so a build stuck in the kernel never holds up the
-/// end of the set's supervision.
+/// What a restart VM of one sandbox is built from
+/// ([`SandboxSet::restart_recipe`]), owned: the builder thread is detached,
+/// so a build stuck in the kernel never holds up the end of the set's
+/// supervision.
 pub(crate) struct Recipe {
-    pub(crate) kvm: kvm_ioctls::Kvm,
     pub(crate) index: u32,
     pub(crate) name: String,
     pub(crate) config: VmConfig,
@@ -52,17 +52,20 @@ pub(crate) struct Recipe {
 }
 
 impl Recipe {
-    fn build(&self) -> Result<Vm, SandboxError> {
-        let memory = GuestMemory::new(&format!("sandbox-{}", self.name), self.mem_bytes)
-            .map_err(|e| SandboxError::Resource(format!("sandbox '{}': {e}", self.name)))?;
+    /// The VM over `memory` (images loaded there), not started.
+    pub(crate) fn create(
+        &self,
+        kvm: &kvm_ioctls::Kvm,
+        memory: GuestMemory,
+    ) -> Result<Vm, SandboxError> {
         Vm::create_with_windows(
-            &self.kvm,
+            kvm,
             self.index,
             self.config.clone(),
             Some(memory),
             Some(self.windows.clone()),
         )
-        .map_err(|e| SandboxError::Vm(self.name.clone(), format!("restart (built ahead): {e}")))
+        .map_err(|e| SandboxError::Vm(self.name.clone(), format!("restart: {e}")))
     }
 }
 
@@ -83,15 +86,20 @@ impl Builder {
 
 /// Starts `sb`'s builder if its restarts use VMs built ahead: not for
 /// `stop` or `rollback` sandboxes, nor those on a `memory_file`.
-pub(crate) fn start(set: &SandboxSet, sb: &Sandbox) -> Option<Builder> {
+pub(crate) fn start(sb: &Sandbox) -> Option<Builder> {
     let policy = sb.config.recovery.policy;
     if !matches!(policy, RecoveryPolicy::Restart | RecoveryPolicy::Replace)
         || sb.config.memory_file.is_some()
     {
         return None;
     }
-    let recipe = match set.next_vm_recipe(sb, policy) {
-        Ok(r) => r,
+    let made = SandboxSet::restart_recipe(sb, policy).and_then(|r| {
+        let kvm = nl_vmm::open_kvm()
+            .map_err(|e| SandboxError::Vm(sb.config.name.clone(), e.to_string()))?;
+        Ok((r, kvm))
+    });
+    let (recipe, kvm) = match made {
+        Ok(x) => x,
         Err(e) => {
             eprintln!("ninelives: {e}: its restarts build their own VMs");
             return None;
@@ -102,7 +110,7 @@ pub(crate) fn start(set: &SandboxSet, sb: &Sandbox) -> Option<Builder> {
     let (d, m) = (done.clone(), monitor.clone());
     std::thread::Builder::new()
         .name(format!("prepare-{}", sb.config.name))
-        .spawn(move || run(&recipe, &m, &d))
+        .spawn(move || run(&recipe, &kvm, &m, &d))
         .inspect_err(|e| eprintln!("ninelives: cannot start a VM builder thread: {e}"))
         .ok()?;
     Some(Builder { done, monitor })
@@ -110,10 +118,12 @@ pub(crate) fn start(set: &SandboxSet, sb: &Sandbox) -> Option<Builder> {
 
 /// Keeps one VM ready until `done`. A build that fails is reported once
 /// and not retried (restarts then build their own VMs).
-fn run(recipe: &Recipe, monitor: &Monitor, done: &AtomicBool) {
+fn run(recipe: &Recipe, kvm: &kvm_ioctls::Kvm, monitor: &Monitor, done: &AtomicBool) {
     while !done.load(Ordering::SeqCst) {
         if !monitor.next_vm_ready() {
-            match recipe.build() {
+            let built = crate::set::anonymous_ram(&recipe.name, recipe.mem_bytes)
+                .and_then(|memory| recipe.create(kvm, memory));
+            match built {
                 // Finished meanwhile: the VM is dropped here.
                 Ok(_) if done.load(Ordering::SeqCst) => return,
                 Ok(vm) => monitor.stash_next_vm(vm),

@@ -135,6 +135,12 @@ impl SetReport {
     }
 }
 
+/// A new memfd of `bytes` for sandbox `name`'s RAM.
+pub(crate) fn anonymous_ram(name: &str, bytes: u64) -> Result<GuestMemory, SandboxError> {
+    GuestMemory::new(&format!("sandbox-{name}"), bytes)
+        .map_err(|e| SandboxError::Resource(format!("sandbox '{name}': {e}")))
+}
+
 fn open_memory_file(s: &SandboxConfig) -> Result<Option<std::fs::File>, SandboxError> {
     let Some(path) = &s.memory_file else { return Ok(None) };
     OpenOptions::new()
@@ -372,8 +378,7 @@ impl SandboxSet {
         let bytes = s.mem_mib << 20;
         let err = |e: String| SandboxError::Resource(format!("sandbox '{}': {e}", s.name));
         match open_memory_file(s)? {
-            None => GuestMemory::new(&format!("sandbox-{}", s.name), bytes)
-                .map_err(|e| err(e.to_string())),
+            None => anonymous_ram(&s.name, bytes),
             Some(f) => {
                 if Backing::of(&f)? != sb.ram_backing {
                     return Err(SandboxError::Isolation(format!(
@@ -389,11 +394,15 @@ impl SandboxSet {
         }
     }
 
-    /// The configuration of a restart VM of `sb` by `policy`: the workload
-    /// of `recovery.replace_with` for `replace`, and a spare net device
-    /// (the TAP the old VM still has, none after a takeover, moves to it,
-    /// never re-opened by name).
-    fn restart_config(sb: &Sandbox, policy: RecoveryPolicy) -> Result<VmConfig, SandboxError> {
+    /// What a restart VM of `sb` by `policy` is built from: the workload of
+    /// `recovery.replace_with` for `replace`, and a spare net device (the
+    /// TAP the old VM still has, none after a takeover, moves to it, never
+    /// re-opened by name). Owned, so a builder thread can keep it
+    /// ([`crate::prepare`]).
+    pub(crate) fn restart_recipe(
+        sb: &Sandbox,
+        policy: RecoveryPolicy,
+    ) -> Result<crate::prepare::Recipe, SandboxError> {
         let mut config = sb.vm_config.clone();
         if policy == RecoveryPolicy::Replace {
             if let Some(w) = &sb.config.recovery.replace_with {
@@ -401,41 +410,19 @@ impl SandboxSet {
             }
         }
         config.net = config.net.map(|n| nl_vmm::NetConfig { spare: true, host_ip: None, ..n });
-        Ok(config)
+        Ok(crate::prepare::Recipe {
+            index: sb.index as u32,
+            name: sb.config.name.clone(),
+            config,
+            windows: sb.windows.clone(),
+            mem_bytes: sb.config.mem_mib << 20,
+        })
     }
 
     /// A new VM for a restart of `sb` by `policy`, built now over fresh
     /// memory with the images loaded. Not started.
     pub(crate) fn next_vm(&self, sb: &Sandbox, policy: RecoveryPolicy) -> Result<Vm, SandboxError> {
-        let config = Self::restart_config(sb, policy)?;
-        let memory = self.fresh_memory(sb)?;
-        Vm::create_with_windows(
-            &self.kvm,
-            sb.index as u32,
-            config,
-            Some(memory),
-            Some(sb.windows.clone()),
-        )
-        .map_err(|e| SandboxError::Vm(sb.config.name.clone(), format!("restart: {e}")))
-    }
-
-    /// What [`SandboxSet::next_vm`] builds, owned, for a thread that
-    /// builds it ahead ([`crate::prepare`]); not for a `memory_file`
-    /// sandbox.
-    pub(crate) fn next_vm_recipe(
-        &self,
-        sb: &Sandbox,
-        policy: RecoveryPolicy,
-    ) -> Result<crate::prepare::Recipe, SandboxError> {
-        Ok(crate::prepare::Recipe {
-            kvm: nl_vmm::open_kvm()
-                .map_err(|e| SandboxError::Vm(sb.config.name.clone(), e.to_string()))?,
-            index: sb.index as u32,
-            name: sb.config.name.clone(),
-            config: Self::restart_config(sb, policy)?,
-            windows: sb.windows.clone(),
-            mem_bytes: sb.config.mem_mib << 20,
-        })
+        Self::restart_recipe(sb, policy)?.create(&self.kvm, self.fresh_memory(sb)?)
     }
 
     /// `restart` / `replace` after the sandbox's vCPUs were stopped: its
@@ -586,7 +573,7 @@ impl SandboxSet {
                         .name(format!("monitor-{}", sb.config.name))
                         .spawn_scoped(s, move || {
                             // Its restart VMs are built ahead, beside it.
-                            let prep = crate::prepare::start(self, sb);
+                            let prep = crate::prepare::start(sb);
                             let outcome = crate::recovery::run(self, sb, limit);
                             if let Some(p) = prep {
                                 p.finish();

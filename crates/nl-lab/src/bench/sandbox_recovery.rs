@@ -752,24 +752,12 @@ fn fig6(
         for p in &f {
             let Some(r) = p.runs.first() else { continue };
             let axis = |i: usize| ((i as f64 + 0.5) * BIN_MS - r.fault_ms) / 1e3;
-            series.push(Series {
-                label: format!("{}: ping replies", p.policy),
-                points: r
-                    .ping_per_bin
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &c)| (axis(i), c as f64))
-                    .collect(),
-            });
-            series.push(Series {
-                label: format!("{}: kv replies", p.policy),
-                points: r
-                    .kv_per_bin
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &c)| (axis(i), c as f64))
-                    .collect(),
-            });
+            for (what, bins) in [("ping", &r.ping_per_bin), ("kv", &r.kv_per_bin)] {
+                series.push(Series {
+                    label: format!("{}: {what} replies", p.policy),
+                    points: bins.iter().enumerate().map(|(i, &c)| (axis(i), c as f64)).collect(),
+                });
+            }
         }
         let path = time_chart(
             dir,

@@ -198,6 +198,7 @@ fn run_one(ns: &Netns, policy: &str, rep: usize, cores: [usize; 2]) -> Result<Ti
                 seed: rep as u64 + 1,
                 prefix: format!("f6{policy}{rep}-"),
                 verify_stall: Duration::from_secs(5),
+                timeline: true,
             };
             let (ping, kv, fault_unix_ms) = std::thread::scope(|scope| -> Result<_> {
                 let pinger = scope
