@@ -49,12 +49,21 @@ fn each_fault_model_is_injected_and_classified() {
     assert_eq!(r["fault"]["kind"], "mmio_storm", "{r:#}");
     assert_eq!(r["outcome"], "recovered", "{r:#}");
     assert_eq!(r["evidence"]["target"]["detections"][0], "lost-heartbeat", "{r:#}");
-    // Bit flips: whatever they do to svc, nobody else is harmed.
+    // Bit flips: whatever they do to svc (a flipped register may even leave
+    // svc's own result wrong, which its self-check reports as SDC), nobody
+    // else is harmed: the healthy pair's channel stays clean.
     for model in ["memory-flip", "register-flip"] {
         let r = one(&["--recovery", "restart", "--sandbox-fault", model, "--runs", "1"]);
         assert_eq!(r["model"], model);
         let o = r["outcome"].as_str().unwrap();
-        assert!(["recovered", "not_manifested"].contains(&o), "{r:#}");
+        assert!(["recovered", "not_manifested", "service_failed", "sdc"].contains(&o), "{r:#}");
+        for h in 0..2 {
+            let pq = &r["evidence"]["healthy"][h]["pq"];
+            for bad in ["rejected", "corrupt", "lost", "duplicated"] {
+                assert_eq!(pq[bad], 0, "{bad}: {r:#}");
+            }
+            assert_eq!(r["evidence"]["healthy"][h]["paused"], false, "{r:#}");
+        }
     }
 }
 
