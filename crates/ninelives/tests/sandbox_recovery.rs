@@ -23,6 +23,15 @@ fn consumed(s: &SandboxSet, c: usize) -> u64 {
 /// returns its report.
 fn supervised(s: &SandboxSet, limit: Duration, body: impl FnOnce(&SandboxSet)) -> SetReport {
     s.start_all().expect("start");
+    supervised_started(s, limit, body)
+}
+
+/// [`supervised`] for a set already started.
+fn supervised_started(
+    s: &SandboxSet,
+    limit: Duration,
+    body: impl FnOnce(&SandboxSet),
+) -> SetReport {
     let limit = limit * LOADED;
     std::thread::scope(|scope| {
         let h = scope.spawn(|| s.supervise(limit));
@@ -354,4 +363,27 @@ fn a_restart_starts_the_vm_built_ahead_and_the_next_one_is_built() {
         assert!(rec.ok, "{rec:?}");
         assert!(rec.phases.image_prepared, "the restart built its own VM: {rec:?}");
     }
+}
+
+/// The first restart VM is built before the set's vCPUs start (when a
+/// build is quick), so a fault in the first moments of a run finds one too.
+#[test]
+fn the_first_restart_vm_is_built_before_the_set_runs() {
+    if !kvm_available() {
+        return;
+    }
+    let s = sandbox_set(&three(r#""recovery": {"policy": "restart"},"#));
+    s.start_all().expect("start");
+    // Before supervision (and so before any builder thread) started.
+    assert!(s.get("svc").expect("svc").monitor.next_vm_ready(), "svc (restart) has no VM built");
+    assert!(!s.get("p").expect("p").monitor.next_vm_ready(), "p (stop) got a restart VM");
+    let r = supervised_started(&s, Duration::from_secs(120), |s| {
+        let svc = s.get("svc").expect("svc");
+        // At once: no wait for the builder thread.
+        s.inject("svc", &BAD_RIP).expect("inject");
+        wait_for("the recovery", Duration::from_secs(60), || svc.monitor.recovery_count() == 1);
+    });
+    let svc = &r.sandboxes[0];
+    assert_eq!(svc.recoveries.len(), 1, "{:?}", svc.recoveries);
+    assert!(svc.recoveries[0].phases.image_prepared, "{:?}", svc.recoveries[0]);
 }

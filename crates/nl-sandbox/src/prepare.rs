@@ -14,8 +14,10 @@
 //! (fresh memory with the images loaded,
 //! the sandbox's windows, a spare net device) and leaves it with the
 //! monitor. A restart takes it (its `image_prepared` phase flag says so)
-//! and the helper builds the next one. A restart that finds none (a second
-//! fault before the helper finished) builds its VM itself, as before.
+//! and the helper builds the next one. The first one is built before the
+//! set's vCPUs start ([`prebuild`], from [`SandboxSet::start_all`]), when
+//! a build is quick. A restart that finds none (a second fault before the
+//! helper finished) builds its VM itself, as before.
 //!
 //! Not for sandboxes on a `memory_file` (their memory is that file, which a
 //! restart truncates: a VM built ahead would share it with the running
@@ -84,21 +86,47 @@ impl Builder {
     }
 }
 
-/// Starts `sb`'s builder if its restarts use VMs built ahead: not for
-/// `stop` or `rollback` sandboxes, nor those on a `memory_file`.
-pub(crate) fn start(sb: &Sandbox) -> Option<Builder> {
-    let policy = sb.config.recovery.policy;
-    if !matches!(policy, RecoveryPolicy::Restart | RecoveryPolicy::Replace)
-        || sb.config.memory_file.is_some()
-    {
-        return None;
-    }
-    let made = SandboxSet::restart_recipe(sb, policy).and_then(|r| {
+/// Whether `sb`'s restarts use VMs built ahead: not for `stop` or
+/// `rollback` sandboxes, nor those on a `memory_file`.
+fn eligible(sb: &Sandbox) -> bool {
+    matches!(sb.config.recovery.policy, RecoveryPolicy::Restart | RecoveryPolicy::Replace)
+        && sb.config.memory_file.is_none()
+}
+
+/// `sb`'s restart recipe and a KVM handle to build it with.
+fn recipe(sb: &Sandbox) -> Result<(Recipe, kvm_ioctls::Kvm), SandboxError> {
+    SandboxSet::restart_recipe(sb, sb.config.recovery.policy).and_then(|r| {
         let kvm = nl_vmm::open_kvm()
             .map_err(|e| SandboxError::Vm(sb.config.name.clone(), e.to_string()))?;
         Ok((r, kvm))
+    })
+}
+
+/// Builds `sb`'s first restart VM now, before the set's vCPUs run: then
+/// the kernel's grace periods are not starved (see the module doc) and the
+/// build takes milliseconds, so even a fault in the first seconds finds a
+/// VM ready. A build that fails is reported; the builder thread tries
+/// again once the set runs.
+pub(crate) fn prebuild(sb: &Sandbox) {
+    if !eligible(sb) || sb.monitor.next_vm_ready() {
+        return;
+    }
+    let built = recipe(sb).and_then(|(r, kvm)| {
+        crate::set::anonymous_ram(&r.name, r.mem_bytes).and_then(|memory| r.create(&kvm, memory))
     });
-    let (recipe, kvm) = match made {
+    match built {
+        Ok(vm) => sb.monitor.stash_next_vm(vm),
+        Err(e) => eprintln!("ninelives: {e}: its first restart VM is built once the set runs"),
+    }
+}
+
+/// Starts `sb`'s builder if its restarts use VMs built ahead
+/// ([`eligible`]).
+pub(crate) fn start(sb: &Sandbox) -> Option<Builder> {
+    if !eligible(sb) {
+        return None;
+    }
+    let (recipe, kvm) = match recipe(sb) {
         Ok(x) => x,
         Err(e) => {
             eprintln!("ninelives: {e}: its restarts build their own VMs");

@@ -550,8 +550,13 @@ impl SandboxSet {
         b.get(index)?.as_ref().map(|b| b.throttling())
     }
 
-    /// Starts every sandbox.
+    /// Starts every sandbox. First, while none of the set's vCPUs runs,
+    /// it builds each restart or replace sandbox's first restart VM
+    /// (`prepare::prebuild`: quick now, slow once vCPUs keep the CPUs busy).
     pub fn start_all(&self) -> Result<(), SandboxError> {
+        for sb in &self.sandboxes {
+            crate::prepare::prebuild(sb);
+        }
         for sb in &self.sandboxes {
             self.start(sb)?;
         }
