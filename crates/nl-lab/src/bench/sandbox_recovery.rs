@@ -445,6 +445,11 @@ pub struct Injection {
     pub outcome: &'static str,
     pub detector: Option<String>,
     pub detail: Option<String>,
+    /// The restart took the VM built ahead (`None`: no restart).
+    pub image_prepared: Option<bool>,
+    /// How long before this injection the campaign waited for svc's next
+    /// restart VM to be built (steady state), ms.
+    pub ready_wait_ms: f64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -463,6 +468,11 @@ pub struct Campaign {
     pub others_harmed: u64,
     pub others_harmed_ci95: (f64, f64),
     pub per_kind: Vec<(&'static str, u64, u64)>,
+    /// Restarts that took the VM built ahead, of all restarts.
+    pub restarts_prepared: (u64, u64),
+    /// Injections made without svc's next restart VM ready (its builder
+    /// did not finish within the bounded wait).
+    pub injected_unready: u64,
     pub runs: Vec<Injection>,
 }
 
@@ -480,11 +490,18 @@ fn campaign(n: u64, seed: u64) -> Result<Campaign> {
         }
         let mut rng = Rng::new(seed);
         let mut runs = Vec::new();
+        let mut unready = 0;
         let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
         for i in 0..n {
             if progress && i % 50 == 0 {
                 eprintln!("campaign: {i}/{n}");
             }
+            // Steady state, as in the policy rows: svc's next restart VM is
+            // built before the fault (bounded: a builder starved by the host
+            // is counted, not waited for without end).
+            let t_ready = Instant::now();
+            let ready = wait_for(Duration::from_secs(60), || svc.monitor.next_vm_ready());
+            let ready_wait_ms = t_ready.elapsed().as_secs_f64() * 1e3;
             let fault = faults::pick(s, "svc", &mut rng)?;
             let (d0, r0) = (svc.monitor.detections().len(), svc.monitor.recoveries().len());
             let (p0, q0) = (regs(s, "p").digest, regs(s, "q").digest);
@@ -534,7 +551,16 @@ fn campaign(n: u64, seed: u64) -> Result<Campaign> {
                 + s.get("q").expect("q").monitor.detections().len();
             let harmed = !moved || others_det > others_det0 || regs(s, "q").digest > q0;
             let outcome = if harmed { "other_harmed" } else { outcome };
-            runs.push(Injection { fault, outcome, detector, detail });
+            let image_prepared = svc.monitor.recoveries().get(r0).map(|r| r.phases.image_prepared);
+            runs.push(Injection {
+                fault,
+                outcome,
+                detector,
+                detail,
+                image_prepared,
+                ready_wait_ms,
+            });
+            unready += u64::from(!ready);
             // The next fault goes into a serving sandbox; a service gone for
             // good ends the campaign (the rest cannot be measured).
             let m = service_mark(s);
@@ -575,6 +601,11 @@ fn campaign(n: u64, seed: u64) -> Result<Campaign> {
             others_harmed: harmed,
             others_harmed_ci95: wilson(harmed, total),
             per_kind,
+            restarts_prepared: (
+                runs.iter().filter(|r| r.image_prepared == Some(true)).count() as u64,
+                runs.iter().filter(|r| r.image_prepared.is_some()).count() as u64,
+            ),
+            injected_unready: unready,
             runs,
         })
     })?
@@ -893,6 +924,10 @@ pub fn bench(a: BenchSandboxRecoveryArgs) -> Result<ExitCode> {
         for (k, n, ok) in &c.per_kind {
             println!("  {k:16} {ok}/{n} service ok");
         }
+        println!(
+            "  restarts with the VM built ahead {}/{}; injections made before svc's next restart VM was ready {}",
+            c.restarts_prepared.0, c.restarts_prepared.1, c.injected_unready
+        );
         Some(c)
     } else {
         None
