@@ -339,6 +339,13 @@ fn yes() -> bool {
 }
 
 impl WorkloadConfig {
+    /// Whether the workload runs until the set stops it (a service:
+    /// chanstream, netbench or kv with `duration_ms` 0), so its reporting
+    /// completion is a failure.
+    pub fn endless(&self) -> bool {
+        self.duration_ms == 0 && matches!(self.kind.as_str(), "chanstream" | "netbench" | "kv")
+    }
+
     /// The guest's workload parameters.
     pub fn params(&self) -> Result<nl_abi::WorkloadParams, String> {
         use nl_abi::*;
@@ -701,6 +708,21 @@ mod tests {
             Ok(()) => panic!("accepted: {text}"),
             Err(e) => e.to_string(),
         }
+    }
+
+    #[test]
+    fn only_services_with_duration_0_run_without_end() {
+        let w = |kind: &str, duration_ms| WorkloadConfig {
+            kind: kind.into(),
+            duration_ms,
+            ..serde_json::from_str(r#"{"kind": "kv"}"#).unwrap()
+        };
+        for kind in ["chanstream", "netbench", "kv"] {
+            assert!(w(kind, 0).endless(), "{kind}");
+            assert!(!w(kind, 1000).endless(), "{kind} with a duration");
+        }
+        // memwrite with duration 0 measures nothing and completes at once.
+        assert!(!w("memwrite", 0).endless());
     }
 
     #[test]

@@ -6,7 +6,9 @@
 //!   the VMM through [`crate::monitor::Monitor`]'s write guard; policy
 //!   `on_violation: stop` ends the vCPU with `ERR_CHANNEL_VIOLATION`).
 //! * `guest-error`, `guest-exception`: the guest reported an error or an
-//!   unhandled exception through the control device.
+//!   unhandled exception through the control device; `guest-error` also
+//!   when a workload without end (`duration_ms` 0, a service) reports that
+//!   it completed (`crate::recovery::run`).
 //! * `triple-fault`, `emulation-failure`, `vcpu-crash`: the vCPU loop ended
 //!   on KVM_EXIT_SHUTDOWN, KVM_EXIT_INTERNAL_ERROR or another crash.
 //! * `lost-heartbeat`: no guest progress (heartbeats or control events)

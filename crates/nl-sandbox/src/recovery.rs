@@ -121,6 +121,20 @@ pub(crate) fn run(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome 
                 std::thread::sleep(Duration::from_micros(nap));
                 continue;
             }
+            // A workload without end (a service) that reports completion
+            // was derailed (a flipped stack pointer can return it into its
+            // exit): a failure, not an end.
+            Some(Err(VmOutcome::Completed))
+                if sb.config.workload.endless() && !set.stop_requested() =>
+            {
+                (
+                    Detector::GuestError,
+                    format!(
+                        "completed, but its workload ({}, duration_ms 0) runs without end",
+                        sb.config.workload.kind
+                    ),
+                )
+            }
             Some(Err(o)) => {
                 finish(sb, &mut pending);
                 crate::service::finish_watch(set, &mut watch);
