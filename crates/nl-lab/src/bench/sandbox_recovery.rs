@@ -144,9 +144,19 @@ fn regs(s: &SandboxSet, name: &str) -> nl_devices::control::VcpuRegsSnapshot {
 
 /// Runs `body` while the set is supervised, then stops it.
 pub(super) fn supervised<T>(s: &SandboxSet, body: impl FnOnce(&SandboxSet) -> T) -> Result<T> {
+    supervised_for(s, Duration::from_secs(600), body)
+}
+
+/// [`supervised`] with the supervision's limit: past it the monitors stop
+/// their sandboxes.
+fn supervised_for<T>(
+    s: &SandboxSet,
+    limit: Duration,
+    body: impl FnOnce(&SandboxSet) -> T,
+) -> Result<T> {
     s.start_all()?;
     let r = std::thread::scope(|scope| {
-        let h = scope.spawn(|| s.supervise(Duration::from_secs(600)));
+        let h = scope.spawn(|| s.supervise(limit));
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(s)));
         s.request_stop();
         let _ = h.join();
@@ -479,10 +489,30 @@ pub struct Campaign {
 const OUTCOMES: [&str; 6] =
     ["recovered", "not_manifested", "contained", "service_failed", "other_harmed", "sdc"];
 
+/// What svc's VM is doing (a failed service's evidence): its outcome, its
+/// phase, heartbeats and error report.
+fn svc_state(s: &SandboxSet) -> String {
+    let Some(sb) = s.get("svc") else { return "no svc".into() };
+    let r = regs(s, "svc");
+    format!(
+        "svc: outcome {:?}, phase {}, beats {}, error {:#x} at {:#x}; monitor {:?}",
+        sb.vm().poll_outcome(),
+        r.phase,
+        r.beats,
+        r.error,
+        r.error_info,
+        sb.monitor.doing()
+    )
+}
+
 fn campaign(n: u64, seed: u64) -> Result<Campaign> {
     let extra = r#""recovery": {"policy": "restart", "max_recoveries": 50, "window_ms": 1000}, "detect": {"heartbeat_cpu_ms": 200},"#;
     let s = create(&trio(extra)?)?;
-    supervised(&s, |s| -> Result<Campaign> {
+    // About 1.5 s per injection: the set's supervision must outlast them
+    // all (past its limit the monitors stop svc, which would end the
+    // campaign as if svc had failed for good).
+    let limit = Duration::from_secs(600 + 10 * n);
+    supervised_for(&s, limit, |s| -> Result<Campaign> {
         let svc = s.get("svc").expect("svc");
         if !wait_for(Duration::from_secs(60), || service_mark(s).1 > 1000 && healthy_mark(s) > 1000)
         {
@@ -529,6 +559,8 @@ fn campaign(n: u64, seed: u64) -> Result<Campaign> {
                 if serving {
                     "recovered"
                 } else {
+                    let d = detail.take().unwrap_or_default();
+                    detail = Some(format!("{d}; then {}", svc_state(s)));
                     "service_failed"
                 }
             } else {
@@ -538,7 +570,10 @@ fn campaign(n: u64, seed: u64) -> Result<Campaign> {
                 let p_bad = regs(s, "p").digest > p0;
                 let svc_bad = regs(s, "svc").digest > svc_err0;
                 match (&fault, serving, p_bad || svc_bad) {
-                    (_, false, _) => "service_failed",
+                    (_, false, _) => {
+                        detail = Some(format!("undetected; {}", svc_state(s)));
+                        "service_failed"
+                    }
                     (SandboxFault::BrokenDriver { .. }, true, _) => "contained",
                     (_, true, true) => "sdc",
                     (_, true, false) => "not_manifested",
