@@ -8,6 +8,7 @@ pub mod recovery;
 pub mod rejuvenate;
 pub mod rejuvenate_cache;
 pub mod rejuvenate_ping;
+pub mod rejuvenate_sandbox;
 pub mod replicate;
 pub mod sandbox;
 pub mod sandbox_recovery;

@@ -55,6 +55,10 @@ pub struct BenchRejuvenateArgs {
     /// `summary` gives the median and spread per cell and mode.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(3..))]
     pub reps: u32,
+    /// Skip the sandbox-set rows (`--reps` warm rejuvenations of a host
+    /// holding a sandbox set with its own TAP, pinged every 1 ms).
+    #[arg(long)]
+    pub no_sandbox_set: bool,
 }
 
 /// A host of this bench: a [`crate::process::HostProc`] whose process
@@ -126,7 +130,7 @@ fn create_vms(h: &HostProc, n: u32, mem: u64, netbench: bool) -> Result<Vec<u64>
         .collect()
 }
 
-fn rejuvenate(h: &HostProc, mode: &str, image_dir: &Option<PathBuf>) -> Result<Value> {
+pub(super) fn rejuvenate(h: &HostProc, mode: &str, image_dir: &Option<PathBuf>) -> Result<Value> {
     let mut req = json!({"op":"rejuvenate","mode":mode,"timeout_secs":600});
     if let Some(d) = image_dir {
         req["image_dir"] = json!(d);
@@ -225,6 +229,11 @@ pub fn bench(a: BenchRejuvenateArgs) -> Result<ExitCode> {
             }
         }
     }
+    let sandbox_set = if a.no_sandbox_set {
+        Value::Null
+    } else {
+        crate::bench::rejuvenate_sandbox::rows(&h, net.as_ref(), a.reps, a.json)?
+    };
     let model = model(&h, a.model_max, &a.image_dir, a.json)?;
     drop(h);
     drop(net);
@@ -243,6 +252,7 @@ pub fn bench(a: BenchRejuvenateArgs) -> Result<ExitCode> {
     if a.json {
         let v = json!({
             "reps": a.reps, "runs": runs, "summary": summary(&runs), "model": model, "ping": ping_info, "filecache": filecache,
+            "sandbox_set": sandbox_set,
             "not_measured": not_measured,
         });
         println!("{}", crate::json_out::with_provenance(v, &clock.finish()));

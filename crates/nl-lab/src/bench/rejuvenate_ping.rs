@@ -31,7 +31,7 @@ use crate::ping::{gap_across, lost, PingRun};
 /// The TAP the netbench VM attaches (inside the bench's namespace).
 pub const TAP: &str = "nlrjtap0";
 const GUEST: &str = "10.0.0.2";
-const GUEST_CIDR: &str = "10.0.0.2/24";
+pub const GUEST_CIDR: &str = "10.0.0.2/24";
 /// Pinging before the rejuvenation request and after the guest answers again.
 const WINDOW: Duration = Duration::from_millis(300);
 /// How long the guest may take to answer again after a rejuvenation
