@@ -387,3 +387,35 @@ fn the_first_restart_vm_is_built_before_the_set_runs() {
     assert_eq!(svc.recoveries.len(), 1, "{:?}", svc.recoveries);
     assert!(svc.recoveries[0].phases.image_prepared, "{:?}", svc.recoveries[0]);
 }
+
+/// The output-stall detector finds a sandbox that heartbeats but no longer
+/// sends (here svc sends once, then waits 60 s for its next message), and
+/// leaves one that keeps sending (p, every 1 ms, the same bound) alone.
+#[test]
+fn a_sandbox_that_heartbeats_but_stops_sending_is_detected_by_output_stall() {
+    if !kvm_available() {
+        return;
+    }
+    let [c0, c1] = two_cores();
+    let stall = r#""detect": {"output_stall_cpu_ms": 100}"#;
+    let text = format!(
+        r#"{{"sandboxes": [
+            {{"name": "svc", "cores": [{c0}], "mem_mib": 48, {stall},
+              "workload": {{"kind": "chanstream", "duration_ms": 0, "send_every_us": 60000000}}}},
+            {{"name": "p", "cores": [{c1}], "mem_mib": 48, {stall},
+              "workload": {{"kind": "chanstream", "duration_ms": 0, "send_every_us": 1000}}}}
+        ], "channels": [{{"name": "sp", "between": ["svc", "p"]}}]}}"#
+    );
+    let s = sandbox_set(&text);
+    let r = supervised(&s, Duration::from_secs(120), |s| {
+        let svc = s.get("svc").expect("svc");
+        wait_for("svc's output stall found", Duration::from_secs(60), || {
+            !svc.monitor.detections().is_empty()
+        });
+    });
+    let svc = &r.sandboxes[0];
+    assert_eq!(svc.detections[0].detector, Detector::OutputStall, "{:?}", svc.detections);
+    assert!(svc.detections[0].detail.contains("no record sent"), "{:?}", svc.detections);
+    let p = &r.sandboxes[1];
+    assert!(p.detections.is_empty(), "p kept sending: {:?}", p.detections);
+}

@@ -119,6 +119,13 @@ pub struct DetectConfig {
     /// consumption advancing.
     #[serde(default = "default_channel_lag_cpu_ms")]
     pub channel_lag_cpu_ms: u64,
+    /// Output stall: none of this sandbox's own channel regions took a
+    /// new record while its vCPUs ran this long (guest time); `None`: off.
+    /// For a sandbox that streams on its channels (`chanstream`): it finds
+    /// one that still heartbeats but no longer serves (a flipped register
+    /// holding its send deadline), which the heartbeat cannot.
+    #[serde(default)]
+    pub output_stall_cpu_ms: Option<u64>,
 }
 
 fn default_heartbeat_cpu_ms() -> u64 {
@@ -134,6 +141,7 @@ impl Default for DetectConfig {
             heartbeat_cpu_ms: default_heartbeat_cpu_ms(),
             channel_lag_words: None,
             channel_lag_cpu_ms: default_channel_lag_cpu_ms(),
+            output_stall_cpu_ms: None,
         }
     }
 }
@@ -484,6 +492,11 @@ fn check_recovery(s: &SandboxConfig) -> Result<(), SandboxError> {
     }
     if d.channel_lag_cpu_ms == 0 {
         return bad("detect.channel_lag_cpu_ms must be nonzero".into());
+    }
+    if let Some(ms) = d.output_stall_cpu_ms {
+        if !(10..=600_000).contains(&ms) {
+            return bad(format!("detect.output_stall_cpu_ms {ms} is not in 10..=600000"));
+        }
     }
     Ok(())
 }

@@ -18,6 +18,9 @@
 //! * `channel-lag`: a peer published more than `detect.channel_lag_words`
 //!   words on a channel that this sandbox did not consume while its vCPUs
 //!   ran `detect.channel_lag_cpu_ms` (Quest-V's ring-index check).
+//! * `output-stall`: none of this sandbox's own channel regions took a new
+//!   record while its vCPUs ran `detect.output_stall_cpu_ms` (off unless
+//!   set): a streaming sandbox that still heartbeats but no longer serves.
 
 use std::time::{Duration, Instant};
 
@@ -40,6 +43,7 @@ pub enum Detector {
     VcpuCrash,
     LostHeartbeat,
     ChannelLag,
+    OutputStall,
 }
 
 impl Detector {
@@ -53,6 +57,7 @@ impl Detector {
             Detector::VcpuCrash => "vcpu-crash",
             Detector::LostHeartbeat => "lost-heartbeat",
             Detector::ChannelLag => "channel-lag",
+            Detector::OutputStall => "output-stall",
         }
     }
 
@@ -124,6 +129,10 @@ pub struct Detectors {
     clock: GuestClock,
     judge: HangJudge,
     lag: Vec<LagWatch>,
+    /// The sandbox's own regions (channel, region), and the sum of their
+    /// heads with the sandbox's clock when that sum last changed.
+    own: Vec<(usize, usize)>,
+    stall_since: Option<(u64, u64)>,
     next_slow: Instant,
 }
 
@@ -132,7 +141,7 @@ pub const SLOW_PERIOD: Duration = Duration::from_millis(5);
 
 impl Detectors {
     /// `receives`: (channel index, the peer's region) for each of the
-    /// sandbox's channels.
+    /// sandbox's channels (its own region is the other one).
     pub fn new(cfg: &DetectConfig, vcpus: usize, receives: &[(usize, usize)]) -> Self {
         Self {
             cfg: cfg.clone(),
@@ -142,6 +151,8 @@ impl Detectors {
                 .iter()
                 .map(|&(channel, peer_region)| LagWatch { channel, peer_region, since: None })
                 .collect(),
+            own: receives.iter().map(|&(c, peer)| (c, 1 - peer)).collect(),
+            stall_since: None,
             next_slow: Instant::now(),
         }
     }
@@ -153,6 +164,7 @@ impl Detectors {
         for l in &mut self.lag {
             l.since = None;
         }
+        self.stall_since = None;
     }
 
     /// One round: the VM's outcome if it ended (`Err`: not a fault, e.g.
@@ -181,8 +193,11 @@ impl Detectors {
                 format!("no heartbeat while its vCPUs ran {} ms", h.ran_ns / 1_000_000),
             )));
         }
-        let bound = self.cfg.channel_lag_words?;
         let now = clock.iter().zip(&live).filter(|(_, l)| **l).map(|(c, _)| *c).min()?;
+        if let Some(f) = self.output_stall(channels, now) {
+            return Some(Ok(f));
+        }
+        let bound = self.cfg.channel_lag_words?;
         let grace = self.cfg.channel_lag_cpu_ms.saturating_mul(1_000_000);
         for l in &mut self.lag {
             let Some(c) = channels.get(l.channel) else { continue };
@@ -215,6 +230,50 @@ impl Detectors {
             }
         }
         None
+    }
+
+    /// The output-stall detector at the sandbox's clock `now`.
+    fn output_stall(&mut self, channels: &[HostChannel], now: u64) -> Option<(Detector, String)> {
+        let bound = self.cfg.output_stall_cpu_ms?.saturating_mul(1_000_000);
+        if self.own.is_empty() {
+            return None;
+        }
+        // A peer that does not drain (its ack over half a ring behind) holds
+        // the sender back: that is not this sandbox's stall.
+        let ring = nl_abi::CHANNEL_REGION_BYTES / 8 - nl_workloads::channel::HEADER_WORDS as u64;
+        let blocked = self.own.iter().any(|&(c, r)| {
+            channels.get(c).is_some_and(|ch| {
+                let (mine, peer) = (ch.header(r), ch.header(1 - r));
+                let ack = if peer.ack_generation == mine.generation { peer.ack_words } else { 0 };
+                mine.head_words.saturating_sub(ack) > ring / 2
+            })
+        });
+        if blocked {
+            self.stall_since = None;
+            return None;
+        }
+        // A withdrawn region (generation 0, a restart under way) or a new
+        // generation changes the sum too: only an unchanged one stalls.
+        let heads = self
+            .own
+            .iter()
+            .filter_map(|&(c, r)| channels.get(c).map(|ch| ch.header(r)))
+            .fold(0u64, |a, h| a.wrapping_add(h.head_words).wrapping_add(h.generation));
+        match self.stall_since {
+            Some((h, t)) if h == heads => (now.saturating_sub(t) >= bound).then(|| {
+                (
+                    Detector::OutputStall,
+                    format!(
+                        "no record sent on its channels while it ran {} ms",
+                        now.saturating_sub(t) / 1_000_000
+                    ),
+                )
+            }),
+            _ => {
+                self.stall_since = Some((heads, now));
+                None
+            }
+        }
     }
 }
 

@@ -506,7 +506,7 @@ fn svc_state(s: &SandboxSet) -> String {
 }
 
 fn campaign(n: u64, seed: u64) -> Result<Campaign> {
-    let extra = r#""recovery": {"policy": "restart", "max_recoveries": 50, "window_ms": 1000}, "detect": {"heartbeat_cpu_ms": 200},"#;
+    let extra = r#""recovery": {"policy": "restart", "max_recoveries": 50, "window_ms": 1000}, "detect": {"heartbeat_cpu_ms": 200, "output_stall_cpu_ms": 100},"#;
     let s = create(&trio(extra)?)?;
     // About 1.5 s per injection: the set's supervision must outlast them
     // all (past its limit the monitors stop svc, which would end the
