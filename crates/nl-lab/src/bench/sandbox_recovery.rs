@@ -486,8 +486,17 @@ pub struct Campaign {
     pub runs: Vec<Injection>,
 }
 
-const OUTCOMES: [&str; 6] =
-    ["recovered", "not_manifested", "contained", "service_failed", "other_harmed", "sdc"];
+/// `skipped`: the host did not run svc and p enough to tell whether svc
+/// served (not counted in the rates).
+const OUTCOMES: [&str; 7] = [
+    "recovered",
+    "not_manifested",
+    "contained",
+    "service_failed",
+    "other_harmed",
+    "sdc",
+    "skipped",
+];
 
 /// What svc's VM is doing (a failed service's evidence): its outcome, its
 /// phase, heartbeats and error report.
@@ -503,6 +512,50 @@ fn svc_state(s: &SandboxSet) -> String {
         r.error_info,
         sb.monitor.doing()
     )
+}
+
+/// Whether svc serves (p consumes its stream again), judged on the CPU
+/// time svc and p got, not on wall time alone.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Serving {
+    Yes,
+    /// No new word while svc and p each ran at least the CPU bound.
+    No,
+    /// Neither: within the wall limit the host did not run svc and p
+    /// enough to tell (a starved host, not a failed service).
+    Starved,
+}
+
+/// Waits for svc to serve: `Yes` as soon as p's acknowledgement of svc's
+/// stream moves; `No` once svc and p each ran `cpu` of guest time without
+/// it moving; `Starved` when `wall` passes first.
+fn serving_within(s: &SandboxSet, wall: Duration, cpu: Duration) -> Serving {
+    use nl_vmm::progress::GuestClock;
+    let m = service_mark(s);
+    let vms = || ["svc", "p"].map(|n| s.get(n).expect("sandbox").vm());
+    let mut clocks = vms().map(|vm| GuestClock::new(vm.vcpu_threads().len()));
+    let start: Vec<u64> =
+        vms().iter().zip(&mut clocks).map(|(vm, c)| c.update(&vm.vcpu_threads())[0]).collect();
+    let t = Instant::now();
+    loop {
+        if service_mark(s) != m {
+            return Serving::Yes;
+        }
+        let ran = vms()
+            .iter()
+            .zip(&mut clocks)
+            .zip(&start)
+            .map(|((vm, c), s0)| c.update(&vm.vcpu_threads())[0].saturating_sub(*s0))
+            .min()
+            .unwrap_or(0);
+        if ran >= cpu.as_nanos() as u64 {
+            return Serving::No;
+        }
+        if t.elapsed() > wall {
+            return Serving::Starved;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 fn campaign(n: u64, seed: u64) -> Result<Campaign> {
@@ -554,22 +607,32 @@ fn campaign(n: u64, seed: u64) -> Result<Campaign> {
                 let rec = svc.monitor.recoveries();
                 let ok =
                     back && rec.get(r0).is_some_and(|r| r.ok && r.phases.first_reply_ms.is_some());
-                let m = service_mark(s);
-                let serving = ok && wait_for(Duration::from_secs(5), || service_mark(s) != m);
-                if serving {
+                let serving = if ok {
+                    serving_within(s, Duration::from_secs(60), Duration::from_millis(500))
+                } else {
+                    Serving::No
+                };
+                if serving == Serving::Yes {
                     "recovered"
+                } else if serving == Serving::Starved {
+                    "skipped"
                 } else {
                     let d = detail.take().unwrap_or_default();
                     detail = Some(format!("{d}; then {}", svc_state(s)));
                     "service_failed"
                 }
             } else {
-                let m = service_mark(s);
-                let serving = wait_for(Duration::from_secs(2), || service_mark(s) != m)
-                    && s.channels[0].header(0).generation == gen0;
+                let serving =
+                    serving_within(s, Duration::from_secs(60), Duration::from_millis(500));
+                if serving == Serving::Starved {
+                    detail = Some(format!("host starved; {}", svc_state(s)));
+                }
+                let starved = serving == Serving::Starved;
+                let serving = serving == Serving::Yes && s.channels[0].header(0).generation == gen0;
                 let p_bad = regs(s, "p").digest > p0;
                 let svc_bad = regs(s, "svc").digest > svc_err0;
                 match (&fault, serving, p_bad || svc_bad) {
+                    _ if starved => "skipped",
                     (_, false, _) => {
                         detail = Some(format!("undetected; {}", svc_state(s)));
                         "service_failed"
@@ -597,24 +660,30 @@ fn campaign(n: u64, seed: u64) -> Result<Campaign> {
             });
             unready += u64::from(!ready);
             // The next fault goes into a serving sandbox; a service gone for
-            // good ends the campaign (the rest cannot be measured).
-            let m = service_mark(s);
+            // good ends the campaign (the rest cannot be measured), and so
+            // does a host that does not run the set for minutes.
             if svc.monitor.gave_up_reason().is_some()
-                || !wait_for(Duration::from_secs(30), || service_mark(s) != m)
+                || serving_within(s, Duration::from_secs(300), Duration::from_secs(2))
+                    != Serving::Yes
             {
                 break;
             }
         }
         let count = |o: &str| runs.iter().filter(|r| r.outcome == o).count() as u64;
-        let total = runs.len() as u64;
+        // Skipped runs (a starved host) are in `counts` and `runs` only.
+        let total = runs.len() as u64 - count("skipped");
         let service_ok = count("recovered") + count("not_manifested") + count("contained");
-        let detected = runs.iter().filter(|r| r.detector.is_some()).count() as u64;
+        let detected =
+            runs.iter().filter(|r| r.detector.is_some() && r.outcome != "skipped").count() as u64;
         let recovered = count("recovered");
         let kinds = ["memory-flip", "register-flip", "violating-write", "broken-driver"];
         let per_kind = kinds
             .iter()
             .map(|k| {
-                let of: Vec<_> = runs.iter().filter(|r| r.fault.name() == *k).collect();
+                let of: Vec<_> = runs
+                    .iter()
+                    .filter(|r| r.fault.name() == *k && r.outcome != "skipped")
+                    .collect();
                 let ok = of
                     .iter()
                     .filter(|r| matches!(r.outcome, "recovered" | "not_manifested" | "contained"))
