@@ -479,8 +479,11 @@ impl SandboxSet {
             return Err(e);
         }
         phases.reentry_ms = ms();
-        // The old VM (stopped) is released after the new one runs.
-        drop(old);
+        // The old VM (stopped) is released after the new one runs, on a
+        // thread of its own: tearing a KVM VM down waits for the kernel's
+        // grace periods, seconds on a busy host of this kernel (see
+        // crate::prepare), and the monitor must watch the new VM meanwhile.
+        release_in_background(&sb.config.name, old);
         Ok(())
     }
 
@@ -685,4 +688,10 @@ pub(crate) fn channel_windows(
         mappings.extend(e.mappings);
     }
     windows
+}
+
+/// Drops `vm` on a detached thread (inline if no thread can be started:
+/// the refused closure, and `vm` with it, is dropped here).
+fn release_in_background(name: &str, vm: Arc<Vm>) {
+    let _ = std::thread::Builder::new().name(format!("release-{name}")).spawn(move || drop(vm));
 }
