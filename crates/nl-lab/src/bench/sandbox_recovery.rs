@@ -682,6 +682,7 @@ struct Out {
     /// A kv sandbox under rollback with output commit across
     /// `--kv-rollbacks` faults.
     kv_rollbacks: Option<crate::bench::sandbox_service_timeline::KvRollbacks>,
+    kv_rollbacks_error: Option<String>,
     fig10: Option<Fig10>,
 }
 
@@ -892,8 +893,20 @@ pub fn bench(a: BenchSandboxRecoveryArgs) -> Result<ExitCode> {
         }
     }
     let (fig6, fig6_skipped) = fig6(&a)?;
+    let mut kv_rollbacks_error = None;
     let kv_rollbacks = if fig6.is_some() && wanted("rollback") && a.kv_rollbacks > 0 {
-        let r = crate::bench::sandbox_service_timeline::kv_rollbacks(a.kv_rollbacks, cores()?)?;
+        match crate::bench::sandbox_service_timeline::kv_rollbacks(a.kv_rollbacks, cores()?) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                println!("kv across {} rollbacks: FAILED: {e:#}", a.kv_rollbacks);
+                kv_rollbacks_error = Some(format!("{e:#}"));
+                None
+            }
+        }
+    } else {
+        None
+    };
+    if let Some(r) = &kv_rollbacks {
         println!(
             "kv across {} rollbacks (output commit, kvload running): {} rollbacks in {:.1} s, {} kv ops ({} PUTs), acknowledged writes lost {}, unverified {}, digest {:?}; replies held {} ms median, {} ms max; rollbacks past released output {}",
             r.faults,
@@ -908,10 +921,7 @@ pub fn bench(a: BenchSandboxRecoveryArgs) -> Result<ExitCode> {
             r.output_commit.as_ref().map_or(f64::NAN, |o| o.hold_ms_max.round()),
             r.output_commit.as_ref().map_or(0, |o| o.rollbacks_past_released_output),
         );
-        Some(r)
-    } else {
-        None
-    };
+    }
     let campaign = if a.injections > 0 {
         let c = campaign(a.injections, a.seed)?;
         println!("campaign: {} injections into svc (restart): {:?}", c.injections, c.counts);
@@ -987,6 +997,7 @@ pub fn bench(a: BenchSandboxRecoveryArgs) -> Result<ExitCode> {
             fig6,
             fig6_skipped,
             kv_rollbacks,
+            kv_rollbacks_error,
             fig10,
         };
         print_json(&with_provenance(serde_json::to_value(&out)?, &prov));

@@ -223,7 +223,9 @@ fn run_one(ns: &Netns, policy: &str, rep: usize, cores: [usize; 2]) -> Result<Ti
             let cfg = LoadConfig {
                 duration: CLIENT_RUN,
                 connections: 2,
-                keys: 400,
+                // The rollback rows read back fewer keys: with output commit
+                // each GET waits for its held reply (~0.4 s).
+                keys: if rollback { 100 } else { 400 },
                 put_pct: 50,
                 seed: rep as u64 + 1,
                 prefix: format!("f6{policy}{rep}-"),
@@ -300,7 +302,12 @@ pub struct KvRollbacks {
 /// rollback is done and the service answers a ping again (bounded waits).
 pub fn kv_rollbacks(faults: u64, cores: [usize; 2]) -> Result<KvRollbacks> {
     let ns = Netns::with_tap(&format!("nl-kvrb-{}", std::process::id()), "nltap0")?;
-    let config = SetConfig::parse(&web_config("rollback", cores))?;
+    // Every fault gets its rollback (the default gives up after 5).
+    let config = web_config("rollback", cores).replace(
+        r#""policy": "rollback","#,
+        &format!(r#""policy": "rollback", "max_recoveries": {}, "#, (faults + 5).min(1000)),
+    );
+    let config = SetConfig::parse(&config)?;
     let echo: SocketAddr = format!("{SERVICE}:7").parse()?;
     let kv_at: SocketAddr = format!("{SERVICE}:{}", nl_abi::KV_TCP_PORT).parse()?;
     ns.run_in(|| {
@@ -316,7 +323,7 @@ pub fn kv_rollbacks(faults: u64, cores: [usize; 2]) -> Result<KvRollbacks> {
             let cfg = LoadConfig {
                 duration: Duration::from_secs(3 * faults + 30),
                 connections: 2,
-                keys: 400,
+                keys: 100,
                 put_pct: 50,
                 seed: 1,
                 prefix: "kvrb-".into(),
