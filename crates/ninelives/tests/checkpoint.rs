@@ -43,6 +43,8 @@ fn ckpt(mode: Mode, script: Vec<(Duration, GuestFault)>) -> CheckpointConfig {
         disk_every: 0,
         disk_path: None,
         disk_key: None,
+        output_commit: false,
+        live: None,
     }
 }
 

@@ -38,6 +38,8 @@ fn cfg(mode: Mode, script: Vec<(Duration, GuestFault)>, max_rollbacks: u32) -> C
         disk_every: 0,
         disk_path: None,
         disk_key: None,
+        output_commit: false,
+        live: None,
     }
 }
 

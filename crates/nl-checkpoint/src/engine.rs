@@ -158,9 +158,15 @@ impl Engine {
     /// rolled back to, and the pages both saved are held once (the older
     /// copy, which is what checkpoint 0 needs). Returns the pages freed.
     pub fn merge_oldest(&mut self) -> usize {
+        self.merge_at(0)
+    }
+
+    /// Merges history entry `i + 1` into entry `i`: kept checkpoint `i + 1`
+    /// can no longer be rolled back to ([`Engine::merge_oldest`] is `i = 0`).
+    pub fn merge_at(&mut self, i: usize) -> usize {
         match self {
-            Engine::Shadow(e) => merge_oldest(&mut e.history, Some(&mut e.pool)),
-            Engine::Cow(e) => merge_oldest(&mut e.history, None),
+            Engine::Shadow(e) => merge_at(&mut e.history, i, Some(&mut e.pool)),
+            Engine::Cow(e) => merge_at(&mut e.history, i, None),
         }
     }
 
@@ -235,12 +241,12 @@ impl Engine {
 /// entry 0's copy of a page is the older one and wins; pages only entry 1
 /// saved join it. Returns the pages freed.
 /// Pages are moved, not copied; the duplicates' buffers go to `pool`.
-fn merge_oldest(h: &mut VecDeque<PageSet>, mut pool: Option<&mut PagePool>) -> usize {
-    if h.len() < 2 {
+fn merge_at(h: &mut VecDeque<PageSet>, i: usize, mut pool: Option<&mut PagePool>) -> usize {
+    if h.len() < i + 2 {
         return 0;
     }
-    let mut newer = h.remove(1).expect("checked");
-    let older = &mut h[0];
+    let mut newer = h.remove(i + 1).expect("checked");
+    let older = &mut h[i];
     let mut freed = 0;
     for (gpa, page) in newer.drain() {
         if let Some(dup) = older.insert_page(gpa, page) {
@@ -594,7 +600,7 @@ impl ShadowEngine {
 
 #[cfg(test)]
 mod tests {
-    use super::{merge_oldest, runs, undo_intervals};
+    use super::{merge_at, runs, undo_intervals};
     use crate::pages::PageSet;
     use crate::PAGE;
     use std::collections::VecDeque;
@@ -666,7 +672,7 @@ mod tests {
             for undo in 0..kept.len() {
                 let mut r = run();
                 for _ in 0..merges {
-                    merge_oldest(&mut r.history, None);
+                    merge_at(&mut r.history, 0, None);
                 }
                 assert_eq!(r.history.len() + 1, kept.len());
                 roll_back(&mut r, undo);
@@ -693,11 +699,32 @@ mod tests {
         b.save_once(PAGE as u64, &[3u8; PAGE]);
         h.push_back(a);
         h.push_back(b);
-        assert_eq!(merge_oldest(&mut h, None), 1);
+        assert_eq!(merge_at(&mut h, 0, None), 1);
         assert_eq!(h.len(), 1);
         assert_eq!(h[0].get(0).unwrap()[0], 1);
         assert_eq!(h[0].get(PAGE as u64).unwrap()[0], 3);
-        assert_eq!(merge_oldest(&mut h, None), 0);
+        assert_eq!(merge_at(&mut h, 0, None), 0);
+    }
+
+    #[test]
+    fn merging_in_the_middle_keeps_the_neighbours() {
+        // Entries 0..3; merging 2 into 1 leaves 0 and 3 as they were.
+        let mut h: VecDeque<PageSet> = (0..4u8)
+            .map(|i| {
+                let mut p = PageSet::new();
+                p.save_once(0, &[i; PAGE]);
+                p.save_once(PAGE as u64 * (u64::from(i) + 1), &[i; PAGE]);
+                p
+            })
+            .collect();
+        assert_eq!(merge_at(&mut h, 1, None), 1);
+        assert_eq!(h.len(), 3);
+        assert_eq!(
+            (h[0].get(0).unwrap()[0], h[1].get(0).unwrap()[0], h[2].get(0).unwrap()[0]),
+            (0, 1, 3)
+        );
+        assert_eq!(h[1].get(3 * PAGE as u64).unwrap()[0], 2, "the newer entry's own page kept");
+        assert_eq!(merge_at(&mut h, 2, None), 0, "no entry after the last");
     }
 
     #[test]

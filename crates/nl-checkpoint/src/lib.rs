@@ -16,6 +16,8 @@
 //! * [`policy`]: the auto mode's choice from the dirty rate and unit costs.
 //! * [`supervisor`]: runs a VM under checkpointing: the interval timer,
 //!   error detection, rollback, statistics.
+//! * [`output_commit`]: the network output a rollback could undo, held
+//!   until it cannot.
 //! * [`inject`]: guest fault injection (bit flips in memory or registers).
 //! * [`disk`]: the checkpoint file: written in the background, read back
 //!   without trusting it (size and kind limits, every header field checked
@@ -24,6 +26,7 @@
 pub mod disk;
 pub mod engine;
 pub mod inject;
+pub mod output_commit;
 pub mod pages;
 pub mod policy;
 pub mod shadow;
@@ -31,7 +34,7 @@ pub mod supervisor;
 pub mod tracker;
 
 pub use engine::Mode;
-pub use supervisor::{CheckpointConfig, RunReport, Supervisor};
+pub use supervisor::{CheckpointConfig, Live, RunReport, Supervisor};
 
 /// Guest page size.
 pub const PAGE: usize = 4096;

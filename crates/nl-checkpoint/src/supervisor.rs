@@ -55,8 +55,20 @@
 //! ([`nl_vmm::progress::HangJudge`]): a descheduled or stopped VMM is not a
 //! hung guest. A guest that halts for good does not run, so it is not found
 //! by that rule; `time_limit` ends such a run.
+//!
+//! # Output
+//!
+//! With [`CheckpointConfig::output_commit`] the network device's output is
+//! held until no rollback can undo the state that produced it
+//! ([`crate::output_commit`]): a reply waits about `L` of guest time plus
+//! one interval, and nothing the guest sent is forgotten by a rollback
+//! (unless a recurrence or a ring merge goes back past released output:
+//! counted in [`RollbackRecord::past_released_output`]). Without it frames
+//! go straight out, and a rollback undoes state the network has seen.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nl_vmm::progress::{GuestClock, HangJudge};
@@ -66,6 +78,7 @@ use serde::Serialize;
 
 use crate::engine::{Engine, Mode};
 use crate::inject::{self, GuestFault, Rng};
+use crate::output_commit::{OutputCommit, OutputCommitStats};
 use crate::CheckpointError;
 
 /// Consecutive checkpoints longer than the interval that end a run.
@@ -113,6 +126,62 @@ pub struct CheckpointConfig {
     pub disk_path: Option<std::path::PathBuf>,
     /// Authenticate the disk checkpoints with this key (HMAC-SHA256 trailer).
     pub disk_key: Option<crate::disk::Key>,
+    /// Hold the network device's output until no rollback can undo it
+    /// ([`crate::output_commit`]).
+    pub output_commit: bool,
+    /// Faults injected while the run goes, and its rollbacks so far, shared
+    /// with another thread.
+    pub live: Option<Arc<Live>>,
+}
+
+/// A running supervisor's link to other threads: faults to inject (the
+/// supervisor owns the VM's pause and resume, so another thread must not
+/// inject itself) and the rollbacks done so far.
+#[derive(Debug, Default)]
+pub struct Live {
+    faults: Mutex<Vec<GuestFault>>,
+    rollbacks: AtomicU64,
+    /// The guest re-ran what the last rollback undid, plus `L`: a detection
+    /// now is a new error, not a recurrence (see the module doc).
+    settled: AtomicBool,
+    /// The last run's output commit statistics (set when it ends).
+    output_commit: Mutex<Option<OutputCommitStats>>,
+}
+
+impl Live {
+    /// Injects `fault` at the supervisor's next step (within a few ms).
+    pub fn inject(&self, fault: GuestFault) {
+        self.faults.lock().unwrap_or_else(|e| e.into_inner()).push(fault);
+    }
+
+    fn take_faults(&self) -> Vec<GuestFault> {
+        std::mem::take(&mut *self.faults.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Faults queued and not yet injected.
+    pub fn pending_faults(&self) -> usize {
+        self.faults.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Rollbacks completed so far (the VM running again).
+    pub fn rollbacks(&self) -> u64 {
+        self.rollbacks.load(Ordering::SeqCst)
+    }
+
+    /// Whether the guest has re-run what the last rollback undid, plus the
+    /// detection latency (true before any rollback): a fault detected now
+    /// starts again at `L` instead of doubling the look-back as a
+    /// recurrence. On an idle guest this takes long in wall time (guest
+    /// time only accrues while it runs).
+    pub fn settled(&self) -> bool {
+        self.rollbacks() == 0 || self.settled.load(Ordering::SeqCst)
+    }
+
+    /// The output commit statistics of the last run that ended (`None`:
+    /// none ended yet, or its output was not held).
+    pub fn output_commit(&self) -> Option<OutputCommitStats> {
+        self.output_commit.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
 }
 
 /// One rollback.
@@ -137,6 +206,9 @@ pub struct RollbackRecord {
     /// Recurrences of the error before this rollback: it went back at least
     /// `2^recurrence` detection latencies.
     pub recurrence: u32,
+    /// Output commit: the target is older than output already sent, which
+    /// this rollback undid (also said in `reason`).
+    pub past_released_output: bool,
 }
 
 /// One injected fault.
@@ -187,12 +259,16 @@ pub struct RunReport {
     pub disk_skipped: u64,
     pub disk_capture_ms_max: f64,
     pub disk_bytes_last: u64,
+    /// Output commit's frames and hold times (`None`: output not held).
+    pub output_commit: Option<OutputCommitStats>,
     pub outcome: VmOutcome,
 }
 
 /// One kept checkpoint's non-memory state, when it was taken (wall time,
 /// for reports) and the guest's clock then.
 struct Kept {
+    /// Sequence number among the run's checkpoints (0: the first).
+    id: u64,
     state: VmState,
     taken: Instant,
     clock: Vec<u64>,
@@ -217,16 +293,20 @@ pub fn rollback_target<'c>(
 ) -> Option<usize> {
     let n = kept.len();
     kept.rev()
-        .position(|(clock, first)| {
-            first
-                || clock
-                    .iter()
-                    .zip(now)
-                    .zip(working)
-                    .filter(|(_, w)| **w)
-                    .all(|((c, t), _)| c.checked_add(latency_ns).is_some_and(|c_l| c_l < *t))
-        })
+        .position(|(clock, first)| first || qualifies(clock, now, working, latency_ns))
         .map(|from_newest| n - 1 - from_newest)
+}
+
+/// Whether a checkpoint taken at guest clock `clock` is strictly more than
+/// `latency_ns` behind `now` for every working vCPU ([`rollback_target`]'s
+/// rule, also output commit's release rule).
+pub fn qualifies(clock: &[u64], now: &[u64], working: &[bool], latency_ns: u64) -> bool {
+    clock
+        .iter()
+        .zip(now)
+        .zip(working)
+        .filter(|(_, w)| **w)
+        .all(|((c, t), _)| c.checked_add(latency_ns).is_some_and(|c_l| c_l < *t))
 }
 
 /// The last rollback: the guest clock when it happened and how much guest
@@ -272,6 +352,10 @@ pub struct Supervisor<'a> {
     disk_writer: Option<std::thread::JoinHandle<Result<u64, CheckpointError>>>,
     rollbacks: Vec<RollbackRecord>,
     injections: Vec<(Instant, InjectionRecord)>,
+    /// Held output (with `cfg.output_commit`).
+    output: Option<OutputCommit>,
+    /// The next checkpoint's sequence number.
+    next_id: u64,
 }
 
 impl<'a> Supervisor<'a> {
@@ -282,6 +366,10 @@ impl<'a> Supervisor<'a> {
                 "--interval {:?} is too short: at least 5 ms",
                 cfg.interval
             )));
+        }
+        if cfg.output_commit {
+            // Before the first instruction: nothing leaves unheld.
+            vm.hold_net_output(true);
         }
         vm.start()?;
         vm.pause();
@@ -297,6 +385,13 @@ impl<'a> Supervisor<'a> {
                 return Err(e);
             }
         };
+        // Frames sent before checkpoint 0 are part of its state, which every
+        // rollback keeps: they go out at once.
+        let mut output = cfg.output_commit.then(OutputCommit::new);
+        if let Some(oc) = &mut output {
+            let since = vm.net_output_since();
+            oc.push(0, &[], true, vm.take_net_output(), since, Instant::now());
+        }
         vm.resume();
         let now = Instant::now();
         let vcpus = vm.config().vcpus as usize;
@@ -309,6 +404,7 @@ impl<'a> Supervisor<'a> {
             last_rollback: None,
             engine,
             states: VecDeque::from([Kept {
+                id: 0,
                 state,
                 taken: now,
                 clock: vec![0; vcpus],
@@ -338,7 +434,45 @@ impl<'a> Supervisor<'a> {
             disk_writer: None,
             rollbacks: Vec::new(),
             injections: Vec::new(),
+            output,
+            next_id: 1,
         })
+        .map(|mut s| {
+            s.release_output();
+            s
+        })
+    }
+
+    /// Tells [`Live::settled`] whether a detection now would be a
+    /// recurrence (the same rule as in [`Supervisor::rollback`]).
+    fn update_settled(&self) {
+        let (Some(live), Some(last)) = (&self.cfg.live, &self.last_rollback) else { return };
+        let working = self.working();
+        let since = last
+            .at
+            .iter()
+            .zip(self.clock.now())
+            .zip(&working)
+            .filter(|(_, w)| **w)
+            .map(|((c, t), _)| t.saturating_sub(*c))
+            .min()
+            .unwrap_or(0);
+        let settled = since > last.undone_ns.saturating_add(self.latency_ns);
+        live.settled.store(settled, Ordering::SeqCst);
+    }
+
+    /// Sends the held output whose checkpoint no rollback can undo any more
+    /// (see [`crate::output_commit`]).
+    fn release_output(&mut self) {
+        if self.output.as_ref().is_none_or(|oc| oc.held_frames() == 0) {
+            return;
+        }
+        let working = self.working();
+        let Some(oc) = self.output.as_mut() else { return };
+        let frames = oc.releasable(self.clock.now(), &working, self.latency_ns, Instant::now());
+        if !frames.is_empty() {
+            self.vm.release_net_output(&frames);
+        }
     }
 
     /// Checks the guest's result when it reports completion; a failed check
@@ -365,8 +499,16 @@ impl<'a> Supervisor<'a> {
             Ok::<_, CheckpointError>((state, stats))
         })();
         let clock = self.clock.update(&self.vm.vcpu_threads()).to_vec();
+        let id = self.next_id;
+        if let Some(oc) = self.output.as_mut() {
+            // The frames transmitted since the last checkpoint, with the VM
+            // paused: exactly this checkpoint's.
+            let since = self.vm.net_output_since();
+            oc.push(id, &clock, false, self.vm.take_net_output(), since, Instant::now());
+        }
         self.vm.resume();
         let (state, stats) = r?;
+        self.next_id += 1;
         let pause = t0.elapsed();
         self.pauses.push(pause.as_secs_f64() * 1e3);
         // Checkpoints whose own work (this thread's CPU time) keeps taking
@@ -398,8 +540,9 @@ impl<'a> Supervisor<'a> {
             Some(crate::policy::Capture::Compare) => self.captures[1] += 1,
             None => {}
         }
-        self.states.push_back(Kept { state, taken: t0, clock, first: false });
+        self.states.push_back(Kept { id, state, taken: t0, clock, first: false });
         self.trim_ring();
+        self.release_output();
         Ok(())
     }
 
@@ -417,8 +560,21 @@ impl<'a> Supervisor<'a> {
         while (self.engine.history_pages() > budget || self.states.len() > cap)
             && self.engine.history_len() >= 2
         {
-            self.engine.merge_oldest();
-            self.states.remove(1);
+            // Over the count only: first a checkpoint whose successor has
+            // the same guest clock (an idle guest's, the clock's resolution
+            // being a tick): it is a rollback target exactly when that
+            // successor is, which is newer, so it never is one. Its loss
+            // costs nothing, and the ring keeps spanning `L` of guest time
+            // (else rollbacks, and released output, go back too far).
+            let j = (self.engine.history_pages() <= budget)
+                .then(|| {
+                    (1..self.states.len() - 1)
+                        .find(|&j| self.states[j].clock == self.states[j + 1].clock)
+                })
+                .flatten()
+                .unwrap_or(1);
+            self.engine.merge_at(j - 1);
+            self.states.remove(j);
             self.ring_merges += 1;
         }
         debug_assert_eq!(self.engine.history_len() + 1, self.states.len());
@@ -555,6 +711,22 @@ impl<'a> Supervisor<'a> {
         let stats = self.engine.rollback(self.vm, undo)?;
         self.states.truncate(target + 1);
         let kept = self.states.back().expect("the target is kept");
+        let mut reason = reason;
+        let mut past_released_output = false;
+        if let Some(oc) = self.output.as_mut() {
+            // The vCPUs are halted: what the device holds was sent after
+            // the newest checkpoint, by a state this rollback undoes.
+            let device_held = self.vm.take_net_output().len();
+            let (frames, past) = oc.rollback(kept.id, device_held, Instant::now());
+            self.vm.release_net_output(&frames);
+            if past {
+                past_released_output = true;
+                reason.push_str(
+                    "; output commit: the target is older than output already sent, \
+                     which this rollback undoes",
+                );
+            }
+        }
         self.vm.restore_state(&kept.state)?;
         self.vm.relaunch()?;
         let age_ns = least_since(&kept.clock);
@@ -571,7 +743,12 @@ impl<'a> Supervisor<'a> {
             target_is_first: first,
             checkpoint_after_fault: last_fault.is_some_and(|f| taken > f),
             recurrence: self.recurrence,
+            past_released_output,
         });
+        if let Some(live) = &self.cfg.live {
+            live.settled.store(false, Ordering::SeqCst);
+            live.rollbacks.fetch_add(1, Ordering::SeqCst);
+        }
         Ok(Ok(()))
     }
 
@@ -597,6 +774,10 @@ impl<'a> Supervisor<'a> {
             if let Some(e) = self.engine.error() {
                 self.vm.halt_vcpus();
                 return Err(CheckpointError::Uffd(e));
+            }
+            let live = self.cfg.live.as_ref().map(|l| l.take_faults()).unwrap_or_default();
+            for fault in live.into_iter().rev() {
+                plan.push_front((Duration::ZERO, Some(fault)));
             }
             if plan.front().is_some_and(|(t, _)| self.start.elapsed() >= *t) {
                 let (_, scripted) = plan.pop_front().expect("checked");
@@ -657,6 +838,10 @@ impl<'a> Supervisor<'a> {
                 self.vm.halt_vcpus();
                 break VmOutcome::TimedOut { limit_ms: self.cfg.time_limit.as_millis() as u64 };
             }
+            // Output commit: between checkpoints too (the clock was updated
+            // above), so a reply waits about L plus one interval.
+            self.release_output();
+            self.update_settled();
             let now = Instant::now();
             if now >= next {
                 if let Err(e) = self.checkpoint() {
@@ -682,6 +867,17 @@ impl<'a> Supervisor<'a> {
     }
 
     fn report(mut self, outcome: VmOutcome) -> Result<RunReport, CheckpointError> {
+        if let Some(oc) = self.output.as_mut() {
+            // A completed guest's output is final; any other run's is not
+            // (its state is lost with the run).
+            let device_held = self.vm.hold_net_output(false);
+            let frames = oc.finish(outcome == VmOutcome::Completed, device_held, Instant::now());
+            self.vm.release_net_output(&frames);
+        }
+        let output_commit = self.output.as_ref().map(OutputCommit::stats);
+        if let Some(live) = &self.cfg.live {
+            *live.output_commit.lock().unwrap_or_else(|e| e.into_inner()) = output_commit.clone();
+        }
         self.reap_disk_writer_inner(true)?;
         let n = self.intervals.max(1) as f64;
         let mem_pages = (self.vm.memory().size() / crate::PAGE as u64) as f64;
@@ -714,6 +910,7 @@ impl<'a> Supervisor<'a> {
             disk_skipped: self.disk_skipped,
             disk_capture_ms_max: self.disk_capture_ms_max,
             disk_bytes_last: self.disk_bytes_last,
+            output_commit,
             outcome,
         })
     }

@@ -252,7 +252,14 @@ impl Worker {
         false
     }
 
-    fn run(&mut self, id: u32, cfg: &LoadConfig, connect: Connect, began: Instant) {
+    fn run(
+        &mut self,
+        id: u32,
+        cfg: &LoadConfig,
+        stop: &std::sync::atomic::AtomicBool,
+        connect: Connect,
+        began: Instant,
+    ) {
         let n = u64::from(cfg.connections);
         let owned = cfg.keys.saturating_sub(u64::from(id)).div_ceil(n) as usize;
         self.state = vec![vec![None]; owned];
@@ -265,7 +272,7 @@ impl Worker {
         let start = Instant::now();
         let mut seq = 0u64;
         // Load phase.
-        while start.elapsed() < cfg.duration {
+        while start.elapsed() < cfg.duration && !stop.load(std::sync::atomic::Ordering::SeqCst) {
             let Some(l) = self.link(&mut link, connect) else { continue };
             let r = next(&mut rng);
             let j = (r % owned as u64) as usize;
@@ -386,6 +393,15 @@ fn percentile_us(sorted_ns: &[u64], q: f64) -> f64 {
 
 /// Runs the load and the checks; `connect` opens a connection to the server.
 pub fn load(cfg: &LoadConfig, connect: Connect) -> KvReport {
+    load_until(cfg, &std::sync::atomic::AtomicBool::new(false), connect)
+}
+
+/// [`load`], whose load phase also ends once `stop` is set.
+pub fn load_until(
+    cfg: &LoadConfig,
+    stop: &std::sync::atomic::AtomicBool,
+    connect: Connect,
+) -> KvReport {
     let began = Instant::now();
     let start_unix_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -395,7 +411,7 @@ pub fn load(cfg: &LoadConfig, connect: Connect) -> KvReport {
             .map(|id| {
                 s.spawn(move || {
                     let mut w = Worker::default();
-                    w.run(id, cfg, connect, began);
+                    w.run(id, cfg, stop, connect, began);
                     w
                 })
             })

@@ -130,6 +130,8 @@ pub fn protected_run(a: &CheckpointArgs, quiet: bool) -> Result<ProtectedRun> {
         disk_every: a.disk_every,
         disk_path: (a.disk_every > 0).then(|| a.disk_path.clone()),
         disk_key,
+        output_commit: false,
+        live: None,
     };
     if !quiet {
         tracing::info!(

@@ -193,6 +193,21 @@ pub struct RecoveryConfig {
     /// `rollback`: the checkpoint interval.
     #[serde(default = "default_checkpoint_interval_ms")]
     pub checkpoint_interval_ms: u64,
+    /// `rollback`: hold the sandbox's network output until no rollback can
+    /// undo it (nl_checkpoint's output commit); `None`: on for `rollback`.
+    /// A service under rollback then never loses what it acknowledged, and
+    /// its replies wait about `detect.heartbeat_cpu_ms` of guest time plus
+    /// one checkpoint interval.
+    #[serde(default)]
+    pub output_commit: Option<bool>,
+}
+
+impl RecoveryConfig {
+    /// Whether the sandbox's output is held (`rollback` only; on unless
+    /// `recovery.output_commit` is false).
+    pub fn output_commit(&self) -> bool {
+        self.policy == RecoveryPolicy::Rollback && self.output_commit.unwrap_or(true)
+    }
 }
 
 fn default_max_recoveries() -> u32 {
@@ -213,6 +228,7 @@ impl Default for RecoveryConfig {
             max_recoveries: default_max_recoveries(),
             window_ms: default_window_ms(),
             checkpoint_interval_ms: default_checkpoint_interval_ms(),
+            output_commit: None,
         }
     }
 }
@@ -479,6 +495,9 @@ fn check_recovery(s: &SandboxConfig) -> Result<(), SandboxError> {
             "recovery.checkpoint_interval_ms {} is not in 5..=10000",
             r.checkpoint_interval_ms
         ));
+    }
+    if r.output_commit.is_some() && r.policy != RecoveryPolicy::Rollback {
+        return bad("recovery.output_commit is only for the policy 'rollback'".into());
     }
     let d = &s.detect;
     if !(10..=600_000).contains(&d.heartbeat_cpu_ms) {

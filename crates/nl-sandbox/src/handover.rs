@@ -397,6 +397,7 @@ impl SandboxSet {
                 windows,
                 ram_backing,
                 script: Lock::new("sandbox.script", Vec::new()),
+                live: Arc::new(nl_checkpoint::Live::default()),
             });
         }
         let budgets = Lock::new("sandbox.budgets", sandboxes.iter().map(|_| None).collect());

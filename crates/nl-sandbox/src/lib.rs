@@ -72,6 +72,8 @@ pub mod verify;
 pub use config::SetConfig;
 /// The KVM handle [`SandboxSet::create`] takes (`nl_vmm::open_kvm`).
 pub use kvm_ioctls::Kvm;
+/// What output commit did for a `rollback` sandbox (`recovery.output_commit`).
+pub use nl_checkpoint::output_commit::OutputCommitStats;
 pub use set::{Images, SandboxReport, SandboxSet, SetReport};
 
 /// Why a sandbox set could not be created or run.

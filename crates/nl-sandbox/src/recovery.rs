@@ -13,7 +13,10 @@
 //! * `rollback`: the sandbox runs under nl-checkpoint's [`Supervisor`]
 //!   (CoW-P μCheckpoints in 16-page blocks every
 //!   `recovery.checkpoint_interval_ms`); a detected
-//!   error rolls it back in place, so it keeps its state.
+//!   error rolls it back in place, so it keeps its state. Its network
+//!   output is held until no rollback can undo it
+//!   (`recovery.output_commit`, on by default; nl_checkpoint's
+//!   `output_commit`).
 //!
 //! A recovery that fails leaves the sandbox stopped and reported, never
 //! half-restored. More than `recovery.max_recoveries` faults within
@@ -245,6 +248,8 @@ fn run_rollback(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome {
         disk_every: 0,
         disk_path: None,
         disk_key: None,
+        output_commit: r.output_commit(),
+        live: Some(sb.live.clone()),
     };
     let start_ms = set.elapsed_ms();
     // The vCPU threads inherit this thread's affinity.

@@ -45,6 +45,9 @@ pub struct Sandbox {
     pub(crate) ram_backing: Backing,
     /// `rollback`: faults its checkpoint supervisor injects (tests, bench).
     pub(crate) script: Arc<Lock<Vec<(Duration, GuestFault)>>>,
+    /// `rollback`: faults injected through its supervisor while it runs,
+    /// and its rollbacks so far.
+    pub(crate) live: Arc<nl_checkpoint::Live>,
 }
 
 impl Sandbox {
@@ -66,6 +69,25 @@ impl Sandbox {
 
     pub(crate) fn take_script(&self) -> Vec<(Duration, GuestFault)> {
         std::mem::take(&mut *self.script.lock())
+    }
+
+    /// `rollback` sandboxes: rollbacks done so far by the running
+    /// supervisor (its recovery records come when the supervised run ends).
+    pub fn rollbacks(&self) -> u64 {
+        self.live.rollbacks()
+    }
+
+    /// `rollback` sandboxes: whether the guest re-ran what its last
+    /// rollback undid (a fault detected now is a new one, not a recurrence
+    /// that doubles the look-back; [`nl_checkpoint::Live::settled`]).
+    pub fn rollback_settled(&self) -> bool {
+        self.live.settled()
+    }
+
+    /// `rollback` sandboxes with `recovery.output_commit`: what output
+    /// commit did in the last supervised run that ended.
+    pub fn output_commit(&self) -> Option<nl_checkpoint::output_commit::OutputCommitStats> {
+        self.live.output_commit()
     }
 }
 
@@ -116,6 +138,8 @@ pub struct SandboxReport {
     pub net: Option<nl_devices::virtio::net::NetStats>,
     /// A `periodic` sandbox's CPU per period against its reservation.
     pub periods: Option<crate::periodic::PeriodReport>,
+    /// A `rollback` sandbox's held network output (`recovery.output_commit`).
+    pub output_commit: Option<nl_checkpoint::output_commit::OutputCommitStats>,
     pub console: String,
 }
 
@@ -299,6 +323,7 @@ impl SandboxSet {
                 windows,
                 ram_backing,
                 script: Lock::new("sandbox.script", Vec::new()),
+                live: Arc::new(nl_checkpoint::Live::default()),
             });
         }
         let budgets = Lock::new("sandbox.budgets", sandboxes.iter().map(|_| None).collect());
@@ -335,9 +360,18 @@ impl SandboxSet {
     }
 
     /// Injects `fault` into sandbox `name`'s running VM (paused around it).
+    /// A `rollback` sandbox's supervisor injects it at its next step
+    /// (it owns the VM's pauses): `Ok(None)` then, and the fault waits
+    /// until that supervisor runs.
     pub fn inject(&self, name: &str, fault: &GuestFault) -> Result<Option<u64>, SandboxError> {
         let sb =
             self.get(name).ok_or_else(|| SandboxError::Config(format!("no sandbox '{name}'")))?;
+        if sb.config.recovery.policy == RecoveryPolicy::Rollback {
+            // Its supervisor pauses and resumes the VM for checkpoints: it
+            // injects the fault itself, at its next step (within ms).
+            sb.live.inject(fault.clone());
+            return Ok(None);
+        }
         nl_checkpoint::inject::apply(&sb.vm(), fault)
             .map_err(|e| SandboxError::Vm(name.into(), format!("fault injection: {e}")))
     }
@@ -642,6 +676,7 @@ impl SandboxSet {
                     periods: (sb.params().kind == nl_abi::WORKLOAD_PERIODIC)
                         .then(|| crate::periodic::PeriodReport::parse(&vm.console().tail()))
                         .flatten(),
+                    output_commit: sb.live.output_commit(),
                     console: vm.console().tail(),
                 }
             })

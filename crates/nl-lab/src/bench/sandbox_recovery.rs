@@ -76,6 +76,11 @@ pub struct BenchSandboxRecoveryArgs {
     /// network namespace, else SKIPPED).
     #[arg(long)]
     pub no_fig6: bool,
+    /// With Fig. 6 and `rollback`: faults, one after another, into a kv
+    /// sandbox under rollback with output commit while kvload runs,
+    /// counting acknowledged writes lost (0: skip it).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(0..=1000))]
+    pub kv_rollbacks: u64,
     /// Write fig6.svg and fig10.svg into this directory.
     #[arg(long)]
     pub plot: Option<PathBuf>,
@@ -809,6 +814,10 @@ struct Out {
     /// Fig. 6: per policy, the service's replies per 10 ms across a fault.
     fig6: Option<Vec<crate::bench::sandbox_service_timeline::TimelinePolicy>>,
     fig6_skipped: Option<String>,
+    /// A kv sandbox under rollback with output commit across
+    /// `--kv-rollbacks` faults.
+    kv_rollbacks: Option<crate::bench::sandbox_service_timeline::KvRollbacks>,
+    kv_rollbacks_error: Option<String>,
     fig10: Option<Fig10>,
 }
 
@@ -838,7 +847,7 @@ fn tsc_khz() -> u64 {
 /// The bounds on the longest ping gap (ms): `rollback` 20, the
 /// others 50 (the paper: back in under 0.5 s).
 fn fig6_bound_ms(policy: &str) -> f64 {
-    if policy == "rollback" {
+    if policy.starts_with("rollback") {
         20.0
     } else {
         50.0
@@ -859,10 +868,13 @@ fn fig6(
         println!("Fig. 6  : {why}");
         return Ok((None, Some(why)));
     }
-    let policies: Vec<&'static str> = ["restart", "replace", "rollback", "remote"]
-        .into_iter()
-        .filter(|p| a.policies.iter().any(|x| x == p))
-        .collect();
+    // `rollback` (with output commit) comes with `rollback-nocommit`,
+    // measured in the same run for comparison.
+    let policies: Vec<&'static str> =
+        ["restart", "replace", "rollback", "rollback-nocommit", "remote"]
+            .into_iter()
+            .filter(|p| a.policies.iter().any(|x| x == p.trim_end_matches("-nocommit")))
+            .collect();
     let f = measure(&policies, a.reps)?;
     println!(
         "Fig. 6 (kv service, ping every 1 ms + kvload; {} runs each; bound: rollback < 20 ms, others < 50 ms; paper < 500 ms):",
@@ -880,6 +892,16 @@ fn fig6(
             p.runs.len(),
             p.runs.iter().map(|r| r.kv_lost).collect::<Vec<_>>(),
         );
+        let oc: Vec<_> = p.runs.iter().filter_map(|r| r.output_commit.as_ref()).collect();
+        if !oc.is_empty() {
+            println!(
+                "           output commit: replies held {:?} ms median, {:?} ms max; frames dropped {:?}; rollbacks past released output {}",
+                oc.iter().map(|o| o.hold_ms_median.round()).collect::<Vec<_>>(),
+                oc.iter().map(|o| o.hold_ms_max.round()).collect::<Vec<_>>(),
+                oc.iter().map(|o| o.frames_dropped).collect::<Vec<_>>(),
+                oc.iter().map(|o| o.rollbacks_past_released_output).sum::<u64>(),
+            );
+        }
     }
     if let Some(dir) = &a.plot {
         // The first run of each policy, its time axis from the fault.
@@ -1006,6 +1028,35 @@ pub fn bench(a: BenchSandboxRecoveryArgs) -> Result<ExitCode> {
         }
     }
     let (fig6, fig6_skipped) = fig6(&a)?;
+    let mut kv_rollbacks_error = None;
+    let kv_rollbacks = if fig6.is_some() && wanted("rollback") && a.kv_rollbacks > 0 {
+        match crate::bench::sandbox_service_timeline::kv_rollbacks(a.kv_rollbacks, cores()?) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                println!("kv across {} rollbacks: FAILED: {e:#}", a.kv_rollbacks);
+                kv_rollbacks_error = Some(format!("{e:#}"));
+                None
+            }
+        }
+    } else {
+        None
+    };
+    if let Some(r) = &kv_rollbacks {
+        println!(
+            "kv across {} rollbacks (output commit, kvload running): {} rollbacks in {:.1} s, {} kv ops ({} PUTs), acknowledged writes lost {}, unverified {}, digest {:?}; replies held {} ms median, {} ms max; rollbacks past released output {}",
+            r.faults,
+            r.rollbacks,
+            r.faults_secs,
+            r.kv_ops,
+            r.kv_puts,
+            r.kv_lost,
+            r.kv_unverified,
+            r.kv_digest_ok,
+            r.output_commit.as_ref().map_or(f64::NAN, |o| o.hold_ms_median.round()),
+            r.output_commit.as_ref().map_or(f64::NAN, |o| o.hold_ms_max.round()),
+            r.output_commit.as_ref().map_or(0, |o| o.rollbacks_past_released_output),
+        );
+    }
     let campaign = if a.injections > 0 {
         let c = campaign(a.injections, a.seed)?;
         println!("campaign: {} injections into svc (restart): {:?}", c.injections, c.counts);
@@ -1084,6 +1135,8 @@ pub fn bench(a: BenchSandboxRecoveryArgs) -> Result<ExitCode> {
             campaign,
             fig6,
             fig6_skipped,
+            kv_rollbacks,
+            kv_rollbacks_error,
             fig10,
         };
         print_json(&with_provenance(serde_json::to_value(&out)?, &prov));
