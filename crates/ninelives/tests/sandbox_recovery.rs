@@ -121,8 +121,12 @@ fn restart_recovers_a_faulted_sandbox_while_its_peers_run_on_untouched() {
             assert!(!s.get("q").expect("q").vm().is_paused());
             svc.monitor.recovery_count() == 1
         });
-        progressed |= consumed(s, 1) > at_detection;
-        assert!(progressed, "the healthy pair made no progress during the recovery");
+        // A restart with its VM built ahead takes milliseconds, less than
+        // the pair may need for its next drain: its progress may come
+        // just after (bounded); that it was never paused is checked above.
+        wait_for("the healthy pair progressing", Duration::from_secs(30), || {
+            progressed || consumed(s, 1) > at_detection
+        });
         assert_eq!(
             (tids("p"), tids("q")),
             (p_tids, q_tids),
