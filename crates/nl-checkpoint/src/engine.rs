@@ -154,15 +154,10 @@ impl Engine {
         self.history().iter().map(PageSet::len).sum()
     }
 
-    /// Merges history entry 1 into entry 0: checkpoint 1 can no longer be
-    /// rolled back to, and the pages both saved are held once (the older
-    /// copy, which is what checkpoint 0 needs). Returns the pages freed.
-    pub fn merge_oldest(&mut self) -> usize {
-        self.merge_at(0)
-    }
-
     /// Merges history entry `i + 1` into entry `i`: kept checkpoint `i + 1`
-    /// can no longer be rolled back to ([`Engine::merge_oldest`] is `i = 0`).
+    /// can no longer be rolled back to, and the pages both saved are held
+    /// once (the older copy, which is what checkpoint `i` needs). Returns
+    /// the pages freed.
     pub fn merge_at(&mut self, i: usize) -> usize {
         match self {
             Engine::Shadow(e) => merge_at(&mut e.history, i, Some(&mut e.pool)),
@@ -237,9 +232,9 @@ impl Engine {
     }
 }
 
-/// Merges history entry 1 into entry 0 (see [`Engine::merge_oldest`]):
-/// entry 0's copy of a page is the older one and wins; pages only entry 1
-/// saved join it. Returns the pages freed.
+/// Merges history entry `i + 1` into entry `i` (see [`Engine::merge_at`]):
+/// entry `i`'s copy of a page is the older one and wins; pages only entry
+/// `i + 1` saved join it. Returns the pages freed.
 /// Pages are moved, not copied; the duplicates' buffers go to `pool`.
 fn merge_at(h: &mut VecDeque<PageSet>, i: usize, mut pool: Option<&mut PagePool>) -> usize {
     if h.len() < i + 2 {

@@ -309,11 +309,30 @@ pub fn qualifies(clock: &[u64], now: &[u64], working: &[bool], latency_ns: u64) 
         .all(|((c, t), _)| c.checked_add(latency_ns).is_some_and(|c_l| c_l < *t))
 }
 
+/// The guest time from clock `then` to `now`, least over the working vCPUs.
+fn least_since(then: &[u64], now: &[u64], working: &[bool]) -> u64 {
+    then.iter()
+        .zip(now)
+        .zip(working)
+        .filter(|(_, w)| **w)
+        .map(|((c, t), _)| t.saturating_sub(*c))
+        .min()
+        .unwrap_or(0)
+}
+
 /// The last rollback: the guest clock when it happened and how much guest
 /// time it undid (least over working vCPUs).
 struct LastRollback {
     at: Vec<u64>,
     undone_ns: u64,
+}
+
+impl LastRollback {
+    /// Whether a detection at clock `now` is this rollback's error back:
+    /// the guest has not yet re-run what it undid plus `latency_ns`.
+    fn recurs(&self, now: &[u64], working: &[bool], latency_ns: u64) -> bool {
+        least_since(&self.at, now, working) <= self.undone_ns.saturating_add(latency_ns)
+    }
 }
 
 pub struct Supervisor<'a> {
@@ -447,18 +466,8 @@ impl<'a> Supervisor<'a> {
     /// recurrence (the same rule as in [`Supervisor::rollback`]).
     fn update_settled(&self) {
         let (Some(live), Some(last)) = (&self.cfg.live, &self.last_rollback) else { return };
-        let working = self.working();
-        let since = last
-            .at
-            .iter()
-            .zip(self.clock.now())
-            .zip(&working)
-            .filter(|(_, w)| **w)
-            .map(|((c, t), _)| t.saturating_sub(*c))
-            .min()
-            .unwrap_or(0);
-        let settled = since > last.undone_ns.saturating_add(self.latency_ns);
-        live.settled.store(settled, Ordering::SeqCst);
+        let recurs = last.recurs(self.clock.now(), &self.working(), self.latency_ns);
+        live.settled.store(!recurs, Ordering::SeqCst);
     }
 
     /// Sends the held output whose checkpoint no rollback can undo any more
@@ -674,21 +683,10 @@ impl<'a> Supervisor<'a> {
         self.vm.halt_vcpus();
         let now = self.clock.now().to_vec();
         let working = if all_working { vec![true; now.len()] } else { self.working() };
-        let least_since = |then: &[u64]| {
-            then.iter()
-                .zip(&now)
-                .zip(&working)
-                .filter(|(_, w)| **w)
-                .map(|((c, t), _)| t.saturating_sub(*c))
-                .min()
-                .unwrap_or(0)
-        };
         // A detection before the guest re-ran what the last rollback undid
         // (plus a detection latency) is the same error back: look further.
         self.recurrence = match &self.last_rollback {
-            Some(last)
-                if least_since(&last.at) <= last.undone_ns.saturating_add(self.latency_ns) =>
-            {
+            Some(last) if last.recurs(&now, &working, self.latency_ns) => {
                 self.recurrence.saturating_add(1)
             }
             _ => 0,
@@ -729,7 +727,7 @@ impl<'a> Supervisor<'a> {
         }
         self.vm.restore_state(&kept.state)?;
         self.vm.relaunch()?;
-        let age_ns = least_since(&kept.clock);
+        let age_ns = least_since(&kept.clock, &now, &working);
         self.last_rollback = Some(LastRollback { at: now.clone(), undone_ns: age_ns });
         let last_fault = self.injections.last().map(|(t, _)| *t);
         let (taken, first) = (kept.taken, kept.first);
