@@ -423,3 +423,91 @@ fn a_sandbox_that_heartbeats_but_stops_sending_is_detected_by_output_stall() {
     let p = &r.sandboxes[1];
     assert!(p.detections.is_empty(), "p kept sending: {:?}", p.detections);
 }
+
+/// Writes into `svc`'s output region (region 0 of channel 0) one more
+/// record with a valid frame (its CRC, the next sequence number) carrying a
+/// message its sender would never send (another sender's bytes): what a
+/// writer with a corrupt message buffer publishes. svc is paused meanwhile.
+fn forge_a_wrong_message(s: &SandboxSet) {
+    use nl_workloads::channel::{record_crc, HEADER_WORDS};
+    use nl_workloads::chanstream::{message, MSG_BYTES};
+    let vm = s.get("svc").expect("svc").vm();
+    vm.pause();
+    let ch = &s.channels[0];
+    let head = ch.header(0).head_words;
+    let n = nl_abi::CHANNEL_REGION_BYTES / 8 - HEADER_WORDS as u64;
+    let words = 2 + (MSG_BYTES / 8) as u64;
+    let ring = ch.read_region(0);
+    let word = |w: u64| {
+        let at = (HEADER_WORDS as u64 + w % n) as usize * 8;
+        u64::from_le_bytes(ring[at..at + 8].try_into().expect("8 bytes"))
+    };
+    // The last record before the head (chanstream's are all one size).
+    let seq = word(head - words + 1) + 1;
+    let payload = message(99, seq);
+    let mut rec = Vec::new();
+    rec.extend_from_slice(
+        &(MSG_BYTES as u64 | u64::from(record_crc(64, seq, &payload)) << 32).to_le_bytes(),
+    );
+    rec.extend_from_slice(&seq.to_le_bytes());
+    rec.extend_from_slice(&payload);
+    assert!(head % n + words <= n, "the forged record would wrap");
+    ch.scribble(0, (head % n) * 8, &rec);
+    ch.set_head(0, head + words);
+    vm.resume();
+}
+
+/// The channel check blames the writer of a wrong message (svc, although
+/// p is the one that received it) and the reporter of a false complaint
+/// (svc again, whose own report says p's intact stream was corrupt), and
+/// never p.
+#[test]
+fn the_channel_check_blames_a_wrong_messages_writer_and_a_false_reports_reporter() {
+    if !kvm_available() {
+        return;
+    }
+    let [c0, c1] = two_cores();
+    let text = format!(
+        r#"{{"sandboxes": [
+            {{"name": "svc", "cores": [{c0}], "mem_mib": 48, "recovery": {{"policy": "restart"}},
+              "workload": {{"kind": "chanstream", "duration_ms": 0, "send_every_us": 1000}}}},
+            {{"name": "p", "cores": [{c1}], "mem_mib": 48,
+              "workload": {{"kind": "chanstream", "duration_ms": 0, "send_every_us": 1000}}}}
+        ], "channels": [{{"name": "sp", "between": ["svc", "p"]}}]}}"#
+    );
+    let s = sandbox_set(&text);
+    let r = supervised(&s, Duration::from_secs(180), |s| {
+        let svc = s.get("svc").expect("svc");
+        wait_for("both streaming", Duration::from_secs(60), || consumed(s, 0) > 2000);
+        forge_a_wrong_message(s);
+        wait_for("svc's bad message found", Duration::from_secs(30), || {
+            !svc.monitor.detections().is_empty()
+        });
+        wait_for("svc restarted", Duration::from_secs(60), || svc.monitor.recovery_count() == 1);
+        let before = consumed(s, 0);
+        wait_for("svc streaming again", Duration::from_secs(60), || consumed(s, 0) > before + 500);
+        // svc's receive report turns false: corrupt messages that p's
+        // stream, as the host reads it, does not hold. (svc's guest
+        // rewrites the word at each drain: keep writing, bounded.)
+        let mut k = 1;
+        wait_for("svc's false report found", Duration::from_secs(30), || {
+            let c = nl_workloads::chanstream::Counters { corrupt: k, ..Default::default() };
+            s.channels[0].set_verdict(0, nl_workloads::chanstream::pack(&c));
+            k += 1;
+            svc.monitor.detections().len() >= 2
+        });
+    });
+    let svc = &r.sandboxes[0];
+    let d: Vec<_> = svc.detections.iter().map(|d| (d.detector, d.detail.as_str())).collect();
+    assert!(d.len() >= 2, "{d:?}");
+    assert_eq!(d[0].0, Detector::ChannelCheck, "{d:?}");
+    assert!(d[0].1.contains("not what its sender must send"), "{d:?}");
+    assert_eq!(d[1].0, Detector::ChannelCheck, "{d:?}");
+    assert!(d[1].1.contains("its own receive state is wrong"), "{d:?}");
+    let p = &r.sandboxes[1];
+    assert!(
+        p.detections.is_empty(),
+        "p received the wrong message but wrote nothing wrong: {:?}",
+        p.detections
+    );
+}

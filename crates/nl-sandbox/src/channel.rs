@@ -2,7 +2,7 @@
 //! once in the VMM, and the windows each end's VM gets over it.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
 use nl_abi::{
@@ -12,6 +12,9 @@ use nl_vmm::windows::{Doorbell, Window};
 use serde::Serialize;
 use vm_memory::{Bytes, FileOffset, GuestAddress, GuestRegionMmap, MemoryRegionAddress};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use nl_workloads::channel_audit::{Audit, Finding, FramingOnly, Step, Words};
+use nl_workloads::chanstream::StreamCheck;
 
 use crate::audit::{Backing, Mapping};
 use crate::SandboxError;
@@ -31,7 +34,41 @@ pub struct HostChannel {
     /// Whether the receivers register their irqfds (the diagnostic
     /// `doorbell_irqfd: false` leaves them out).
     irqfd: bool,
+    /// The host's check of each region's records (the `channel-check`
+    /// detector, [`HostChannel::check_region`]).
+    checks: [Mutex<RegionCheck>; 2],
 }
+
+/// The host's running check of one region
+/// (`nl_workloads::channel_audit`).
+#[derive(Default)]
+struct RegionCheck {
+    audit: Audit,
+    /// Its writer runs `chanstream`: every message is checked byte for byte.
+    stream: bool,
+    /// The first finding not yet taken by the writer's monitor (whichever
+    /// monitor's check read it).
+    finding: Option<Finding>,
+}
+
+/// A region of the host's mapping, as the check reads it.
+struct Mapped<'a> {
+    map: &'a GuestRegionMmap,
+    base: u64,
+}
+
+impl Words for Mapped<'_> {
+    fn words(&self) -> usize {
+        (CHANNEL_REGION_BYTES / 8) as usize
+    }
+    fn load(&self, word: usize, order: Ordering) -> u64 {
+        let at = MemoryRegionAddress(self.base + word as u64 * 8);
+        self.map.load::<u64>(at, order).unwrap_or(0)
+    }
+}
+
+/// Records one check reads at most (a bound on one monitor round's work).
+const CHECK_RECORDS: usize = 4096;
 
 /// The windows, boot-info entry, audited mappings and doorbells of one end.
 pub struct EndWindows {
@@ -148,7 +185,16 @@ impl HostChannel {
         } else {
             None
         };
-        Ok(Self { name: name.into(), index, ends, backing, map: Arc::new(map), bells, irqfd })
+        Ok(Self {
+            name: name.into(),
+            index,
+            ends,
+            backing,
+            map: Arc::new(map),
+            bells,
+            irqfd,
+            checks: Default::default(),
+        })
     }
 
     fn host_addr(&self, region: usize) -> u64 {
@@ -283,6 +329,62 @@ impl HostChannel {
         let at = region as u64 * CHANNEL_REGION_BYTES + 16;
         // The word lies inside the mapping: this cannot fail.
         let _ = self.map.store(words, MemoryRegionAddress(at), Ordering::Release);
+    }
+
+    /// Has the host check region `region`'s messages byte for byte as
+    /// `chanstream`'s (its writer runs `chanstream`); otherwise only their
+    /// framing is checked.
+    pub fn check_as_stream(&self, region: usize, stream: bool) {
+        if let Some(c) = self.checks.get(region) {
+            c.lock().unwrap_or_else(|e| e.into_inner()).stream = stream;
+        }
+    }
+
+    /// Reads on in region `region` and checks what its writer published
+    /// since the last call (`nl_workloads::channel_audit`; bounded work).
+    pub fn check_region(&self, region: usize) -> Step {
+        let Some(c) = self.checks.get(region) else { return Step::default() };
+        let mut c = c.lock().unwrap_or_else(|e| e.into_inner());
+        let words = Mapped { map: &self.map, base: region as u64 * CHANNEL_REGION_BYTES };
+        let mut buf = [0u8; 2 * nl_workloads::chanstream::MSG_BYTES];
+        let RegionCheck { audit, stream, finding } = &mut *c;
+        let step = if *stream {
+            let mut check = StreamCheck { sender: self.ends[region] as u64 };
+            audit.step(&words, &mut buf, CHECK_RECORDS, &mut check)
+        } else {
+            audit.step(&words, &mut buf, CHECK_RECORDS, &mut FramingOnly)
+        };
+        if finding.is_none() {
+            *finding = step.first;
+        }
+        step
+    }
+
+    /// The first bad record the host's check found in region `region`'s
+    /// current generation and nobody took yet (the writer's monitor takes
+    /// it; findings of an earlier generation are dropped).
+    pub fn take_finding(&self, region: usize) -> Option<Finding> {
+        let c = self.checks.get(region)?;
+        let mut c = c.lock().unwrap_or_else(|e| e.into_inner());
+        let current = c.audit.position().0;
+        c.finding.take().filter(|f| f.generation == current)
+    }
+
+    /// Whether the host's check of region `region` read generation
+    /// `generation` from its start to word `pos` and found it all good
+    /// (`nl_workloads::channel_audit::Audit::clean_through`).
+    pub fn region_clean_through(&self, region: usize, generation: u64, pos: u64) -> Option<bool> {
+        let c = self.checks.get(region)?;
+        c.lock().unwrap_or_else(|e| e.into_inner()).audit.clean_through(generation, pos)
+    }
+
+    /// Overwrites region `region`'s receive verdict (header word 7; fault
+    /// injection: a receiver whose own state is corrupt reporting messages
+    /// wrong that were not).
+    pub fn set_verdict(&self, region: usize, verdict: u64) {
+        let at = region as u64 * CHANNEL_REGION_BYTES + nl_workloads::channel::W_VERDICT as u64 * 8;
+        // The word lies inside the mapping: this cannot fail.
+        let _ = self.map.store(verdict, MemoryRegionAddress(at), Ordering::Release);
     }
 
     /// The regions' headers.

@@ -126,6 +126,14 @@ pub struct DetectConfig {
     /// holding its send deadline), which the heartbeat cannot.
     #[serde(default)]
     pub output_stall_cpu_ms: Option<u64>,
+    /// Channel check: the host reads every record this sandbox publishes
+    /// on its channels and checks it (framing; a `chanstream` message byte
+    /// for byte), and holds this sandbox's reports on its peers' streams
+    /// against the host's own reading of them. `None`: on for `chanstream`
+    /// sandboxes (low rates), off for others (a streaming `chanbench`
+    /// would cost the host a core).
+    #[serde(default)]
+    pub channel_check: Option<bool>,
 }
 
 fn default_heartbeat_cpu_ms() -> u64 {
@@ -142,6 +150,7 @@ impl Default for DetectConfig {
             channel_lag_words: None,
             channel_lag_cpu_ms: default_channel_lag_cpu_ms(),
             output_stall_cpu_ms: None,
+            channel_check: None,
         }
     }
 }
@@ -458,6 +467,19 @@ impl WorkloadConfig {
 }
 
 impl SandboxConfig {
+    /// Whether its messages are `chanstream`'s, whichever workload it
+    /// restarts with (`replace` may name another).
+    pub fn streams_chanstream(&self) -> bool {
+        self.workload.kind == "chanstream"
+            && self.recovery.replace_with.as_ref().is_none_or(|w| w.kind == "chanstream")
+    }
+
+    /// Whether the `channel-check` detector runs for it
+    /// (`detect.channel_check`, by default for `chanstream`).
+    pub fn channel_check(&self) -> bool {
+        self.detect.channel_check.unwrap_or_else(|| self.streams_chanstream())
+    }
+
     pub fn vcpus(&self) -> u32 {
         self.vcpus.unwrap_or(self.cores.len() as u32)
     }

@@ -21,6 +21,17 @@
 //! * `output-stall`: none of this sandbox's own channel regions took a new
 //!   record while its vCPUs ran `detect.output_stall_cpu_ms` (off unless
 //!   set): a streaming sandbox that still heartbeats but no longer serves.
+//! * `channel-check` (`detect.channel_check`, on for `chanstream`): the
+//!   host reads every record the sandbox publishes on its channels
+//!   (`nl_workloads::channel_audit`) and finds one that is wrong (framing,
+//!   or a `chanstream` message not byte for byte what its sender must
+//!   send); or the sandbox reports corrupt, lost or duplicated messages in
+//!   a peer's stream that the host read intact, in the same generation,
+//!   with no record rejected meanwhile (its own receive state is wrong).
+//!   Each sandbox's monitor only ever blames its own sandbox: a bad record
+//!   its writer's, a wrong report its reporter's. What the host cannot
+//!   tell (it fell behind the writer, the peer restarted in between) is
+//!   no detection.
 
 use std::time::{Duration, Instant};
 
@@ -44,6 +55,7 @@ pub enum Detector {
     LostHeartbeat,
     ChannelLag,
     OutputStall,
+    ChannelCheck,
 }
 
 impl Detector {
@@ -58,6 +70,7 @@ impl Detector {
             Detector::LostHeartbeat => "lost-heartbeat",
             Detector::ChannelLag => "channel-lag",
             Detector::OutputStall => "output-stall",
+            Detector::ChannelCheck => "channel-check",
         }
     }
 
@@ -122,6 +135,16 @@ struct LagWatch {
     since: Option<(u64, u64)>,
 }
 
+/// A channel this sandbox receives on, for the channel check: its report
+/// (corrupt + lost + duplicated, rejected, the peer generation it read)
+/// when last looked at.
+#[derive(Clone, Copy, Debug)]
+struct ReportWatch {
+    channel: usize,
+    peer_region: usize,
+    last: Option<(u64, u64, u64)>,
+}
+
 /// The running detectors of one sandbox's VM (outcome, heartbeat, channel
 /// lag). Reset after each recovery.
 pub struct Detectors {
@@ -133,6 +156,8 @@ pub struct Detectors {
     /// heads with the sandbox's clock when that sum last changed.
     own: Vec<(usize, usize)>,
     stall_since: Option<(u64, u64)>,
+    /// The channel check (`None`: off).
+    reports: Option<Vec<ReportWatch>>,
     next_slow: Instant,
 }
 
@@ -142,7 +167,9 @@ pub const SLOW_PERIOD: Duration = Duration::from_millis(5);
 impl Detectors {
     /// `receives`: (channel index, the peer's region) for each of the
     /// sandbox's channels (its own region is the other one).
-    pub fn new(cfg: &DetectConfig, vcpus: usize, receives: &[(usize, usize)]) -> Self {
+    /// `check`: run the channel check (`detect.channel_check` resolved for
+    /// the sandbox's workload).
+    pub fn new(cfg: &DetectConfig, vcpus: usize, receives: &[(usize, usize)], check: bool) -> Self {
         Self {
             cfg: cfg.clone(),
             clock: GuestClock::new(vcpus),
@@ -153,6 +180,12 @@ impl Detectors {
                 .collect(),
             own: receives.iter().map(|&(c, peer)| (c, 1 - peer)).collect(),
             stall_since: None,
+            reports: check.then(|| {
+                receives
+                    .iter()
+                    .map(|&(channel, peer_region)| ReportWatch { channel, peer_region, last: None })
+                    .collect()
+            }),
             next_slow: Instant::now(),
         }
     }
@@ -165,6 +198,9 @@ impl Detectors {
             l.since = None;
         }
         self.stall_since = None;
+        for r in self.reports.iter_mut().flatten() {
+            r.last = None;
+        }
     }
 
     /// One round: the VM's outcome if it ended (`Err`: not a fault, e.g.
@@ -197,6 +233,9 @@ impl Detectors {
         if let Some(f) = self.output_stall(channels, now) {
             return Some(Ok(f));
         }
+        if let Some(f) = self.channel_check(channels) {
+            return Some(Ok(f));
+        }
         let bound = self.cfg.channel_lag_words?;
         let grace = self.cfg.channel_lag_cpu_ms.saturating_mul(1_000_000);
         for l in &mut self.lag {
@@ -227,6 +266,58 @@ impl Detectors {
                     }
                 }
                 _ => l.since = Some((ack, now)),
+            }
+        }
+        None
+    }
+
+    /// The channel-check detector (see the module doc).
+    fn channel_check(&mut self, channels: &[HostChannel]) -> Option<(Detector, String)> {
+        let reports = self.reports.as_mut()?;
+        for &(c, r) in &self.own {
+            let Some(ch) = channels.get(c) else { continue };
+            ch.check_region(r);
+            if let Some(f) = ch.take_finding(r) {
+                return Some((
+                    Detector::ChannelCheck,
+                    format!(
+                        "channel '{}': the host's check of its output found a bad record (seq {}, word {} of generation {:#x}): {}",
+                        ch.name, f.seq, f.pos, f.generation, f.what
+                    ),
+                ));
+            }
+        }
+        for w in reports.iter_mut() {
+            let Some(ch) = channels.get(w.channel) else { continue };
+            // Its own header first, then the peer's: whatever it consumed
+            // was published by the peer's head read after.
+            let own = ch.header(1 - w.peer_region);
+            let peer = ch.header(w.peer_region);
+            let sum = own.corrupt + own.lost + own.duplicated;
+            let Some((last, rejected, gen)) =
+                w.last.replace((sum, own.rejected, own.ack_generation))
+            else {
+                continue;
+            };
+            if sum <= last {
+                continue;
+            }
+            // What it consumed, read by the host up to the peer's head.
+            let _ = ch.check_region(w.peer_region);
+            let same_stream = own.ack_generation == gen && peer.generation == gen;
+            if own.rejected != rejected || !same_stream {
+                continue;
+            }
+            if ch.region_clean_through(w.peer_region, gen, peer.head_words) == Some(true) {
+                return Some((
+                    Detector::ChannelCheck,
+                    format!(
+                        "channel '{}': it reported {} more corrupt, lost or duplicated messages in its peer's stream, which the host read intact up to word {}: its own receive state is wrong",
+                        ch.name,
+                        sum - last,
+                        peer.head_words
+                    ),
+                ));
             }
         }
         None

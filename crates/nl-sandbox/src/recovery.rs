@@ -76,7 +76,12 @@ pub(crate) fn run(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome 
     }
     let deadline = Instant::now() + limit;
     let vcpus = sb.config.vcpus() as usize;
-    let mut det = Detectors::new(&sb.config.detect, vcpus, &set.receives_of(sb.index));
+    let mut det = Detectors::new(
+        &sb.config.detect,
+        vcpus,
+        &set.receives_of(sb.index),
+        sb.config.channel_check(),
+    );
     // The recovery whose late phases (guest init, first reply) are pending.
     let mut pending: Option<Pending> = None;
     let mut recent: Vec<Instant> = Vec::new();

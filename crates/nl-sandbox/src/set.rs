@@ -206,7 +206,11 @@ impl SandboxSet {
                     c.name
                 )));
             };
-            channels.push(HostChannel::create(&c.name, i, [a, b], c.doorbell, c.doorbell_irqfd)?);
+            let ch = HostChannel::create(&c.name, i, [a, b], c.doorbell, c.doorbell_irqfd)?;
+            for (region, end) in [a, b].into_iter().enumerate() {
+                ch.check_as_stream(region, config.sandboxes[end].streams_chanstream());
+            }
+            channels.push(ch);
         }
         // Each service's state region (a memfd, mapped by its holder only).
         let states = config

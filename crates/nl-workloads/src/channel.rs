@@ -58,9 +58,9 @@ use core::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 pub const MAGIC: u64 = u64::from_le_bytes(*b"9LCHAN01");
 /// Header words before the ring.
 pub const HEADER_WORDS: usize = 8;
-const W_MAGIC: usize = 0;
-const W_GEN: usize = 1;
-const W_HEAD: usize = 2;
+pub(crate) const W_MAGIC: usize = 0;
+pub(crate) const W_GEN: usize = 1;
+pub(crate) const W_HEAD: usize = 2;
 const W_ACK_GEN: usize = 3;
 const W_ACK: usize = 4;
 /// Header word: records this end's receiver delivered (the host reads it).

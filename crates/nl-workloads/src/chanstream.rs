@@ -138,6 +138,32 @@ impl Lane {
     }
 }
 
+/// The host's audit check of a `chanstream` writer's records
+/// ([`crate::channel_audit`]): each message is exactly
+/// [`message`]`(sender, seq)` for the record's own sequence number (a
+/// correct sender numbers its messages as the channel numbers its records,
+/// see [`send`]).
+pub struct StreamCheck {
+    pub sender: u64,
+}
+
+impl crate::channel_audit::PayloadCheck for StreamCheck {
+    fn start(&mut self, _fresh: bool) {}
+
+    fn check(&mut self, seq: u64, payload: &[u8]) -> Result<(), &'static str> {
+        if payload.len() != MSG_BYTES {
+            return Err("its message has the wrong length");
+        }
+        if payload[..8] != seq.to_le_bytes() {
+            return Err("its message's number is not the record's");
+        }
+        if payload != message(self.sender, seq) {
+            return Err("its message's bytes are not what its sender must send");
+        }
+        Ok(())
+    }
+}
+
 /// Sends this end's next message (`me`: this sandbox's index) on `ep`;
 /// a full ring is counted and retried at the next send period.
 pub fn send(ep: &mut Endpoint<'_>, me: u64, c: &mut Counters) {
@@ -224,5 +250,18 @@ mod tests {
         assert_eq!(pack(&Counters { received: 9, sent: 9, ..Default::default() }), 0);
         let huge = Counters { lost: u64::MAX, ..Default::default() };
         assert_eq!(unpack(pack(&huge)), (0, (1 << VERDICT_BITS) - 1, 0), "saturates");
+    }
+
+    #[test]
+    fn the_hosts_stream_check_takes_exactly_the_senders_messages() {
+        use crate::channel_audit::PayloadCheck;
+        let mut c = StreamCheck { sender: 3 };
+        assert_eq!(c.check(5, &message(3, 5)), Ok(()));
+        assert!(c.check(5, &message(4, 5)).is_err(), "another sender's bytes");
+        assert!(c.check(6, &message(3, 5)).is_err(), "a number other than the record's");
+        assert!(c.check(5, &message(3, 5)[..32]).is_err(), "a short message");
+        let mut m = message(3, 5);
+        m[63] ^= 0x80;
+        assert!(c.check(5, &m).is_err(), "one flipped bit");
     }
 }

@@ -68,6 +68,7 @@ pub mod native;
 pub mod blk;
 pub mod chanbench;
 pub mod channel;
+pub mod channel_audit;
 pub mod chanstream;
 pub mod doorbell;
 pub mod filecache;
