@@ -70,7 +70,17 @@ impl HostProc {
     /// Starts a host, inside the ping namespace if there is one (its VMs
     /// attach the namespace's TAP).
     pub(crate) fn start(sock: &Path, net: Option<&PingNet>) -> Result<Self> {
-        let h = crate::process::HostProc::start(sock, net.map(PingNet::netns), &[], &[])
+        Self::start_with(sock, net, &[], &[])
+    }
+
+    /// [`HostProc::start`] with extra arguments and environment.
+    pub(crate) fn start_with(
+        sock: &Path,
+        net: Option<&PingNet>,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Self> {
+        let h = crate::process::HostProc::start(sock, net.map(PingNet::netns), extra, env)
             .context("cannot start a host")?;
         ping::kill_host_on_signal(h.pid() as u32);
         Ok(Self(h))
@@ -78,6 +88,16 @@ impl HostProc {
 
     pub(crate) fn req(&self, v: Value) -> Result<Value> {
         self.0.req_within(v, Duration::from_secs(3600))
+    }
+
+    /// The host's last `NINELIVES-RECOVERED` record (its recovery's steps).
+    pub(crate) fn recovered(&self) -> Option<Value> {
+        self.0.proc.stderr.records("NINELIVES-RECOVERED ").pop()
+    }
+
+    /// The last `n` lines of the host's standard error.
+    pub(crate) fn stderr_tail(&self, n: usize) -> Vec<String> {
+        self.0.proc.stderr.tail(n)
     }
 }
 
@@ -236,6 +256,16 @@ pub fn bench(a: BenchRejuvenateArgs) -> Result<ExitCode> {
     };
     let model = model(&h, a.model_max, &a.image_dir, a.json)?;
     drop(h);
+    let sandbox_microreboot = if a.no_sandbox_set {
+        Value::Null
+    } else {
+        crate::bench::rejuvenate_sandbox::microreboot_rows(
+            &dir.join("mr.sock"),
+            net.as_ref(),
+            a.reps,
+            a.json,
+        )?
+    };
     drop(net);
     let _ = std::fs::remove_dir_all(&dir);
     let mut not_measured = Vec::new();
@@ -252,7 +282,7 @@ pub fn bench(a: BenchRejuvenateArgs) -> Result<ExitCode> {
     if a.json {
         let v = json!({
             "reps": a.reps, "runs": runs, "summary": summary(&runs), "model": model, "ping": ping_info, "filecache": filecache,
-            "sandbox_set": sandbox_set,
+            "sandbox_set": sandbox_set, "sandbox_microreboot": sandbox_microreboot,
             "not_measured": not_measured,
         });
         println!("{}", crate::json_out::with_provenance(v, &clock.finish()));

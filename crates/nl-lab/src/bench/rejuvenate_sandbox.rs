@@ -9,6 +9,15 @@
 //! rejuvenation with the probe of [`super::rejuvenate_ping::across`]
 //! around it. Without a ping namespace (not root) the rows are skipped and
 //! say so.
+//!
+//! The microreboot rows do the same across a recovery instead: each
+//! repetition starts a host with `--recovery microreboot` whose API
+//! connection reading a given request crashes (`NINELIVES_API_FAULT`), so
+//! that request makes the host exec itself afresh in place and take the
+//! set over; the ping measures how long the sandbox went unanswered.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use serde_json::{json, Value};
@@ -73,4 +82,105 @@ pub(crate) fn rows(h: &HostProc, net: Option<&PingNet>, reps: u32, json: bool) -
         );
     }
     Ok(json!({"runs": runs, "baseline": baseline, "gap_ms": gap, "lost": lost}))
+}
+
+/// The request whose connection crashes the host of a microreboot row:
+/// the host's first answer (its start), the set's creation and one more
+/// come before it.
+const FAULT_AT: u32 = 4;
+
+/// `reps` microreboots, each of a fresh host holding the set, with a 1 ms
+/// ping across it. Returns the rows (JSON) and prints one line each unless
+/// `json`.
+pub(crate) fn microreboot_rows(
+    sock: &Path,
+    net: Option<&PingNet>,
+    reps: u32,
+    json: bool,
+) -> Result<Value> {
+    let Some(net) = net else {
+        return Ok(json!({"skipped": "no ping namespace (needs root)"}));
+    };
+    let fault = format!("segv:{FAULT_AT}");
+    let mut runs = Vec::new();
+    for rep in 0..reps {
+        // Request 1: the start's `list`.
+        let h = HostProc::start_with(
+            sock,
+            Some(net),
+            &["--recovery", "microreboot"],
+            &[(nl_vmm::selftest::API_FAULT_ENV, fault.as_str())],
+        )?;
+        // Request 2.
+        let r = h.req(create_request()?)?;
+        if r.get("error").is_some() {
+            bail!("cannot create the sandbox set: {r}");
+        }
+        // The set answers before the fault.
+        let baseline = ping::baseline(Some(net))?;
+        // Request 3.
+        h.req(json!({"op": "info"}))?;
+        let (info, probe) = ping::across(Some(net), || {
+            // Request FAULT_AT: its connection crashes the host.
+            let t = Instant::now();
+            let r = nl_vmm::api::request_timeout(
+                sock,
+                &json!({"op": "info"}),
+                Duration::from_secs(30),
+            );
+            if r.as_ref().is_ok_and(|v| v["ok"] == true && v["generation"] == 0) {
+                bail!("request {FAULT_AT} was answered: the fault did not fire");
+            }
+            // The fresh process serves (its generation 1) with the set.
+            loop {
+                let info = nl_vmm::api::request_timeout(
+                    sock,
+                    &json!({"op": "info"}),
+                    Duration::from_secs(30),
+                );
+                if let Ok(v) = info {
+                    if v["generation"] == 1 {
+                        return Ok((v, t.elapsed().as_secs_f64() * 1e3));
+                    }
+                }
+                if t.elapsed() > Duration::from_secs(60) {
+                    bail!("the host did not serve again within 60 s of its microreboot");
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        })?;
+        let list = h.req(json!({"op": "sandbox_list"}))?;
+        let carried = list["sets"].as_array().is_some_and(|s| {
+            s.iter().any(|x| x["name"] == SET && x["handovers"] == 1)
+        });
+        if !carried {
+            bail!("microreboot {rep} did not carry the sandbox set: {list}");
+        }
+        let recovered = h.recovered();
+        let row = json!({"rep": rep, "ping": probe, "ping_baseline": baseline,
+            "api_back_ms": info.1, "pid": info.0["pid"], "recovered": recovered});
+        if std::env::var_os("NINELIVES_BENCH_DEBUG").is_some() {
+            eprintln!("{}", h.stderr_tail(40).join("\n"));
+        }
+        if !json {
+            println!(
+                "microreboot, sandbox set with its own TAP, rep {rep}: API back after {:.1} ms, {}",
+                info.1,
+                ping::describe(&row["ping"])
+            );
+        }
+        runs.push(row);
+        let _ = h.req(json!({"op": "sandbox_destroy", "name": SET}));
+        drop(h);
+    }
+    let gaps: Vec<f64> = runs.iter().map(|r| r["ping"]["gap_ms"].as_f64().unwrap_or(0.0)).collect();
+    let lost: u64 = runs.iter().filter_map(|r| r["ping"]["lost"].as_u64()).sum();
+    let gap = crate::stats::Summary::of(&gaps);
+    if !json {
+        println!(
+            "microreboot, sandbox set with its own TAP: ping gap {} ms, {lost} pings lost in {reps} microreboots",
+            gap.show(1)
+        );
+    }
+    Ok(json!({"runs": runs, "gap_ms": gap, "lost": lost}))
 }
