@@ -68,9 +68,10 @@ pub struct IoThrottling {
     pub periods: u64,
     pub throttled_periods: u64,
     pub throttled_us: u64,
-    /// CPU its threads used in all (`cpuacct.usage` where the cpuacct
-    /// controller shares the hierarchy, else 0; µs).
-    pub usage_us: u64,
+    /// CPU used so far by the I/O threads in it now (their
+    /// `/proc/self/task/TID/schedstat`; a restart's new threads start at 0;
+    /// µs).
+    pub cpu_us: u64,
 }
 
 /// How often the budget held a sandbox back (from the cgroup's `cpu.stat`).
@@ -143,18 +144,16 @@ impl IoCgroup {
 
     fn throttling(&self) -> IoThrottling {
         let (periods, throttled_periods, throttled_us) = cpu_stat(&self.dir);
-        let usage_us = std::fs::read_to_string(self.dir.join("cpuacct.usage"))
-            .ok()
-            .and_then(|t| t.trim().parse::<u64>().ok())
-            .map_or(0, |ns| ns / 1000);
+        let threads = tasks(&self.dir);
+        let cpu_ns: u64 = threads.iter().filter_map(|&t| crate::periodic::thread_cpu_ns(t)).sum();
         IoThrottling {
             runtime_us: self.budget.runtime_us,
             period_us: self.budget.period_us,
-            threads: tasks(&self.dir).len() as u64,
+            threads: threads.len() as u64,
             periods,
             throttled_periods,
             throttled_us,
-            usage_us,
+            cpu_us: cpu_ns / 1000,
         }
     }
 }
