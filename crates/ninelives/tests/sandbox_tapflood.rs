@@ -258,3 +258,59 @@ fn a_tap_flood_is_held_to_its_io_budget_beside_a_periodic_sandbox() {
     );
     assert!(failed.is_empty(), "failed:\n{}", failed.join("\n"));
 }
+
+/// A `restart` recovery builds a new VM with a new receive thread: it goes
+/// into the same I/O cgroup (as the new vCPU threads go into the vCPU
+/// cgroup), pinned to the sandbox's core, and the old one has left it.
+#[test]
+fn a_restarted_sandboxs_new_receive_thread_is_in_its_io_budget() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(ns) = Netns::new("tfrestart") else { return };
+    let [core, _] = two_cores();
+    let config = format!(
+        r#"{{"sandboxes": [
+            {{"name": "web", "cores": [{core}], "workload": {{"kind": "netbench", "duration_ms": 0}},
+              "net": {{"tap": "nltap0", "mac": "52:54:00:f1:00:02", "ipv4": "10.0.0.2/24", "rx_irq": true}},
+              "recovery": {{"policy": "restart"}},
+              "budget": {{"runtime_us": 5000, "period_us": 10000, "io": {{"runtime_us": 1000, "period_us": 10000}}}}}}
+        ]}}"#
+    );
+    let io_dir = format!("/sys/fs/cgroup/cpu/ninelives-{}-web-io", std::process::id());
+    let in_cgroup = |tid: i32| {
+        std::fs::read_to_string(format!("{io_dir}/tasks"))
+            .is_ok_and(|t| t.lines().any(|l| l.trim() == tid.to_string()))
+    };
+    let mut seen = (0, 0, false, false, false, Vec::new());
+    let r = ns.supervised_set(&config, |s| {
+        assert!(wait_answering(), "the sandbox never answered");
+        let web = s.get("web").unwrap();
+        let old = web.vm().io_threads()[0];
+        assert!(in_cgroup(old), "the first receive thread {old} is not in {io_dir}");
+        let fault = nl_checkpoint::inject::GuestFault::Register { cpu: 0, reg: "rip", bit: 40 };
+        s.inject("web", &fault).expect("inject");
+        let t = Instant::now();
+        for _ in 0..600 {
+            if web.monitor.recovery_count() >= 1 || t.elapsed() > Duration::from_secs(60) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let new = web.vm().io_threads().first().copied().unwrap_or(0);
+        seen = (old, new, in_cgroup(new), in_cgroup(old), wait_answering(), cores_of(new));
+    });
+    let (old, new, new_in, old_in, answered, cores) = seen;
+    let web = &r.sandboxes[0];
+    eprintln!(
+        "receive thread {old} -> {new}; recoveries {:?}; io {:?}",
+        web.recoveries,
+        web.throttling.and_then(|t| t.io)
+    );
+    assert!(web.recoveries.first().is_some_and(|r| r.ok), "{:?}", web.recoveries);
+    assert!(new > 0 && new != old, "no new receive thread after the restart ({old} -> {new})");
+    assert!(new_in, "the new receive thread {new} is not in {io_dir}");
+    assert!(!old_in, "the old receive thread {old} is still in {io_dir}");
+    assert_eq!(cores, vec![core], "the new receive thread's cores");
+    assert!(answered, "the restarted sandbox did not answer");
+}
