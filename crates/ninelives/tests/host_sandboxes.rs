@@ -104,8 +104,12 @@ fn a_host_runs_sandbox_sets_beside_its_vms() {
     let (_, vms) = http_json(&sock, "GET", "/v1/vms", None);
     assert_eq!(vms["vms"][0]["state"], "running", "{vms}");
 
+    let cgroup = format!("/sys/fs/cgroup/cpu/ninelives-{}-a", child.id());
+    assert!(std::path::Path::new(&cgroup).exists(), "no budget cgroup {cgroup}");
     let (st, v) = http_json(&sock, "DELETE", "/v1/sandboxes/pair", None);
     assert_eq!(st, 200, "{v}");
+    // The budget's cgroup went with the set (removed on the API thread).
+    assert!(!std::path::Path::new(&cgroup).exists(), "{cgroup} is still there");
     let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
     assert_eq!(list["sets"], json!([]), "{list}");
     let (st, _) = http_json(&sock, "DELETE", "/v1/sandboxes/pair", None);
