@@ -52,7 +52,10 @@ fn a_host_runs_sandbox_sets_beside_its_vms() {
 
     let (st, vm) = http_json(&sock, "POST", "/v1/vms", Some(r#"{"workload":"idle","mem":"64M"}"#));
     assert_eq!(st, 201, "{vm}");
-    let body = json!({"name": "pair", "set": pair_set(c0, c1)}).to_string();
+    // Sandbox a has a budget (mild: 9 ms of every 10 ms), shown in its stats.
+    let mut set = pair_set(c0, c1);
+    set["sandboxes"][0]["budget"] = json!({"runtime_us": 9000, "period_us": 10000});
+    let body = json!({"name": "pair", "set": set}).to_string();
     let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&body));
     assert_eq!(st, 201, "{v}");
     assert_eq!(v["sandboxes"], json!(["a", "b"]), "{v}");
@@ -89,16 +92,24 @@ fn a_host_runs_sandbox_sets_beside_its_vms() {
     let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
     assert_eq!(list["sets"][0]["name"], "pair", "{list}");
     // Running: live per-sandbox and per-channel statistics; then the report.
-    wait_ended(&sock, |v| {
+    let report = wait_ended(&sock, |v| {
         assert_eq!(v["sandbox_stats"].as_array().map(Vec::len), Some(2), "{v}");
         assert_eq!(v["channel_stats"][0]["between"], json!(["a", "b"]), "{v}");
+        // The budget's counters while it runs (none for b, without one).
+        assert!(v["sandbox_stats"][0]["throttling"]["periods"].is_u64(), "{v}");
+        assert!(v["sandbox_stats"][1]["throttling"].is_null(), "{v}");
     });
+    assert!(report["sandboxes"][0]["throttling"]["periods"].as_u64() > Some(0), "{report}");
     // The ordinary VM ran on, untouched.
     let (_, vms) = http_json(&sock, "GET", "/v1/vms", None);
     assert_eq!(vms["vms"][0]["state"], "running", "{vms}");
 
+    let cgroup = format!("/sys/fs/cgroup/cpu/ninelives-{}-a", child.id());
+    assert!(std::path::Path::new(&cgroup).exists(), "no budget cgroup {cgroup}");
     let (st, v) = http_json(&sock, "DELETE", "/v1/sandboxes/pair", None);
     assert_eq!(st, 200, "{v}");
+    // The budget's cgroup went with the set (removed on the API thread).
+    assert!(!std::path::Path::new(&cgroup).exists(), "{cgroup} is still there");
     let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
     assert_eq!(list["sets"], json!([]), "{list}");
     let (st, _) = http_json(&sock, "DELETE", "/v1/sandboxes/pair", None);

@@ -26,10 +26,17 @@
 //! per second per thread for the time outside its windows. All reserving
 //! cgroups together may have at most the host's `sched_rt_runtime_us`
 //! share (95%) of a period.
+//!
+//! `budget.io` caps the sandbox's I/O threads (its net receive thread,
+//! `vmN-netrx`) the same way, in a sibling cgroup of their own
+//! (`ninelives-PID-SANDBOX-io`: `cpu.cfs_quota_us` = runtime per I/O
+//! thread, `cpu.cfs_period_us` = period), pinned to the sandbox's cores: a
+//! flood of frames into its TAP then costs the host at most that budget,
+//! on the sandbox's cores.
 
 use std::path::{Path, PathBuf};
 
-use crate::config::Budget;
+use crate::config::{Budget, IoBudget};
 use crate::SandboxError;
 
 /// Where cgroup v1's cpu controller is mounted on most distributions.
@@ -41,6 +48,30 @@ pub struct AppliedBudget {
     pub budget: Budget,
     /// A reserving budget's window server.
     reservation: Option<crate::reserve::Reservation>,
+    /// `budget.io`'s cgroup, holding the I/O threads.
+    io: Option<IoCgroup>,
+}
+
+/// The cgroup of a sandbox's I/O threads (`budget.io`).
+struct IoCgroup {
+    dir: PathBuf,
+    budget: IoBudget,
+}
+
+/// How often `budget.io` held the sandbox's I/O threads back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct IoThrottling {
+    pub runtime_us: u64,
+    pub period_us: u64,
+    /// I/O threads in its cgroup now.
+    pub threads: u64,
+    pub periods: u64,
+    pub throttled_periods: u64,
+    pub throttled_us: u64,
+    /// CPU used so far by the I/O threads in it now (their
+    /// `/proc/self/task/TID/schedstat`; a restart's new threads start at 0;
+    /// µs).
+    pub cpu_us: u64,
 }
 
 /// How often the budget held a sandbox back (from the cgroup's `cpu.stat`).
@@ -51,6 +82,86 @@ pub struct Throttling {
     pub throttled_us: u64,
     /// A reserving budget's windows, by the host's account.
     pub reserved: Option<crate::reserve::ReserveStats>,
+    /// `budget.io`'s cgroup.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub io: Option<IoThrottling>,
+}
+
+/// A cgroup's `cpu.stat` counters: (periods, throttled periods, throttled µs).
+fn cpu_stat(dir: &Path) -> (u64, u64, u64) {
+    let text = std::fs::read_to_string(dir.join("cpu.stat")).unwrap_or_default();
+    let get = |k: &str| {
+        text.lines().find_map(|l| l.strip_prefix(k)?.trim().parse::<u64>().ok()).unwrap_or(0)
+    };
+    (get("nr_periods "), get("nr_throttled "), get("throttled_time ") / 1000)
+}
+
+fn tasks(dir: &Path) -> Vec<i32> {
+    std::fs::read_to_string(dir.join("tasks"))
+        .map(|t| t.lines().filter_map(|l| l.trim().parse().ok()).collect())
+        .unwrap_or_default()
+}
+
+/// Creates a cgroup under the cpu controller (there already is fine).
+fn make_cgroup(sandbox: &str, dir: &Path) -> Result<(), SandboxError> {
+    match std::fs::create_dir(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(SandboxError::Resource(format!(
+            "sandbox '{sandbox}': cannot create the cgroup {} for its budget: {e} \
+             (budgets need root)",
+            dir.display()
+        ))),
+    }
+}
+
+/// Moves the threads still in `dir` back to its parent, then removes it.
+fn remove_cgroup(dir: &Path) {
+    if let Some(parent) = dir.parent().map(|p| p.join("tasks")) {
+        for tid in tasks(dir) {
+            let _ = std::fs::write(&parent, tid.to_string());
+        }
+    }
+    let _ = std::fs::remove_dir(dir);
+}
+
+impl IoCgroup {
+    /// Sets the quota for `n` I/O threads (the period first: a quota is
+    /// checked against the current period).
+    fn set_quota(&self, n: usize) -> Result<(), SandboxError> {
+        let n = n.max(1) as u64;
+        write(&self.dir.join("cpu.cfs_period_us"), &self.budget.period_us.to_string())?;
+        write(&self.dir.join("cpu.cfs_quota_us"), &(self.budget.runtime_us * n).to_string())
+    }
+
+    fn attach(&self, tids: &[i32]) -> Result<(), SandboxError> {
+        self.set_quota(tids.len())?;
+        for tid in tids {
+            write(&self.dir.join("tasks"), &tid.to_string())?;
+        }
+        Ok(())
+    }
+
+    fn throttling(&self) -> IoThrottling {
+        let (periods, throttled_periods, throttled_us) = cpu_stat(&self.dir);
+        let threads = tasks(&self.dir);
+        let cpu_ns: u64 = threads.iter().filter_map(|&t| crate::periodic::thread_cpu_ns(t)).sum();
+        IoThrottling {
+            runtime_us: self.budget.runtime_us,
+            period_us: self.budget.period_us,
+            threads: threads.len() as u64,
+            periods,
+            throttled_periods,
+            throttled_us,
+            cpu_us: cpu_ns / 1000,
+        }
+    }
+}
+
+impl Drop for IoCgroup {
+    fn drop(&mut self) {
+        remove_cgroup(&self.dir);
+    }
 }
 
 fn write(path: &Path, what: &str) -> Result<(), SandboxError> {
@@ -62,8 +173,14 @@ fn write(path: &Path, what: &str) -> Result<(), SandboxError> {
 impl AppliedBudget {
     /// Creates the sandbox's cgroup (`ninelives-PID-SANDBOX` under the cpu
     /// controller), sets its quota for `threads` vCPU threads, and moves
-    /// them into it.
-    pub fn apply(sandbox: &str, budget: Budget, tids: &[i32]) -> Result<Self, SandboxError> {
+    /// them into it; with `budget.io`, the same for `io_tids` (the I/O
+    /// threads) in `ninelives-PID-SANDBOX-io`.
+    pub fn apply(
+        sandbox: &str,
+        budget: Budget,
+        tids: &[i32],
+        io_tids: &[i32],
+    ) -> Result<Self, SandboxError> {
         let root = Path::new(V1_CPU);
         if !root.join("cpu.cfs_quota_us").exists() {
             return Err(SandboxError::Resource(format!(
@@ -72,18 +189,15 @@ impl AppliedBudget {
             )));
         }
         let dir = root.join(format!("ninelives-{}-{sandbox}", std::process::id()));
-        match std::fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => {
-                return Err(SandboxError::Resource(format!(
-                    "sandbox '{sandbox}': cannot create the cgroup {} for its budget: {e} \
-                     (budgets need root)",
-                    dir.display()
-                )))
-            }
+        make_cgroup(sandbox, &dir)?;
+        let mut applied = AppliedBudget { dir, budget, reservation: None, io: None };
+        if let Some(io) = budget.io {
+            let dir = root.join(format!("ninelives-{}-{sandbox}-io", std::process::id()));
+            make_cgroup(sandbox, &dir)?;
+            let cg = IoCgroup { dir, budget: io };
+            cg.attach(io_tids)?;
+            applied.io = Some(cg);
         }
-        let mut applied = AppliedBudget { dir, budget, reservation: None };
         let n = tids.len().max(1) as u64;
         // The period first: a quota is checked against the current period.
         // A reservation's threads get 1 ms per second as ordinary threads
@@ -137,9 +251,13 @@ impl AppliedBudget {
         Ok(())
     }
 
-    /// Moves more threads (a restarted sandbox's new vCPUs) into the cgroup;
-    /// the quota stays the sandbox's (threads that ended left it).
-    pub fn attach(&self, tids: &[i32]) -> Result<(), SandboxError> {
+    /// Moves more threads (a restarted sandbox's new vCPUs, and its new
+    /// I/O threads into the I/O cgroup) into the cgroup; the quota stays
+    /// the sandbox's (threads that ended left it).
+    pub fn attach(&self, tids: &[i32], io_tids: &[i32]) -> Result<(), SandboxError> {
+        if let Some(io) = &self.io {
+            io.attach(io_tids)?;
+        }
         let n = tids.len().max(1) as u64;
         let quota = if self.budget.reserve { 1_000 * n } else { self.budget.runtime_us * n };
         write(&self.dir.join("cpu.cfs_quota_us"), &quota.to_string())?;
@@ -157,9 +275,12 @@ impl AppliedBudget {
 
     /// Thread ids in the cgroup now.
     pub fn threads(&self) -> Vec<i32> {
-        std::fs::read_to_string(self.dir.join("tasks"))
-            .map(|t| t.lines().filter_map(|l| l.trim().parse().ok()).collect())
-            .unwrap_or_default()
+        tasks(&self.dir)
+    }
+
+    /// The I/O cgroup's directory and thread ids now (with `budget.io`).
+    pub fn io_cgroup(&self) -> Option<(&Path, Vec<i32>)> {
+        self.io.as_ref().map(|io| (io.dir.as_path(), tasks(&io.dir)))
     }
 
     /// The cgroup's real-time runtime per period (µs; 0 without
@@ -173,15 +294,13 @@ impl AppliedBudget {
 
     /// Periods run and throttled so far.
     pub fn throttling(&self) -> Throttling {
-        let text = std::fs::read_to_string(self.dir.join("cpu.stat")).unwrap_or_default();
-        let get = |k: &str| {
-            text.lines().find_map(|l| l.strip_prefix(k)?.trim().parse::<u64>().ok()).unwrap_or(0)
-        };
+        let (periods, throttled_periods, throttled_us) = cpu_stat(&self.dir);
         Throttling {
-            periods: get("nr_periods "),
-            throttled_periods: get("nr_throttled "),
-            throttled_us: get("throttled_time ") / 1000,
+            periods,
+            throttled_periods,
+            throttled_us,
             reserved: self.reservation.as_ref().map(|r| r.stats()),
+            io: self.io.as_ref().map(|io| io.throttling()),
         }
     }
 }
@@ -190,9 +309,9 @@ impl Drop for AppliedBudget {
     fn drop(&mut self) {
         // The server first (it leaves its thread an ordinary one).
         self.reservation = None;
+        self.io = None;
         // Threads still in it go back to the root group; then it can go.
-        let parent = self.dir.parent().map(|p| p.join("tasks"));
-        if let Some(parent) = parent {
+        if let Some(parent) = self.dir.parent().map(|p| p.join("tasks")) {
             for tid in self.threads() {
                 let _ = std::fs::write(&parent, tid.to_string());
             }

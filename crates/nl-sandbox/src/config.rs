@@ -39,6 +39,12 @@ pub struct NetSection {
     /// Bring the host end of the TAP up with this address, "10.0.0.1/24".
     #[serde(default)]
     pub host_ip: Option<String>,
+    /// Give the VM a receive thread (`vmN-netrx`) that moves arriving
+    /// frames into the guest and interrupts it, so the guest halts while
+    /// idle; the thread is in `budget.io` if there is one. Not for a
+    /// service's owner (its standby's spare device has no TAP to start on).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rx_irq: bool,
 }
 
 /// A service in the registry: its owner sandbox serves it on its `net`
@@ -258,6 +264,10 @@ pub struct Budget {
     /// Reserve the runtime, not only cap it.
     #[serde(default)]
     pub reserve: bool,
+    /// The budget of the sandbox's I/O threads (its net receive thread),
+    /// in a cgroup of their own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub io: Option<IoBudget>,
 }
 
 impl Budget {
@@ -265,6 +275,24 @@ impl Budget {
         self.runtime_us as f64 / self.period_us as f64
     }
 }
+
+/// `runtime_us` of every `period_us` per I/O thread of a sandbox (device
+/// and receive threads): a cap (CFS bandwidth) on a cgroup of their own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IoBudget {
+    pub runtime_us: u64,
+    pub period_us: u64,
+}
+
+impl IoBudget {
+    pub fn share(&self) -> f64 {
+        self.runtime_us as f64 / self.period_us as f64
+    }
+}
+
+/// The kernel's least CFS quota and period (µs).
+pub const MIN_CFS_US: u64 = 1_000;
 
 /// What the monitor does when its sandbox writes to a read-only channel page.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -670,6 +698,33 @@ impl SetConfig {
                         MAX_CORE_SHARE * 100.0
                     ));
                 }
+                if let Some(io) = b.io {
+                    if io.runtime_us < MIN_CFS_US
+                        || io.period_us < MIN_CFS_US
+                        || io.runtime_us > io.period_us
+                    {
+                        return bad(format!(
+                            "sandbox '{}': budget.io runtime_us {} / period_us {} must be {MIN_CFS_US} <= runtime <= period (the kernel's least CFS quota is {MIN_CFS_US} us)",
+                            s.name, io.runtime_us, io.period_us
+                        ));
+                    }
+                    if io.share() > MAX_CORE_SHARE {
+                        return bad(format!(
+                            "sandbox '{}': budget.io {} us every {} us is {:.0}% of a core, more than the {:.0}% allowed",
+                            s.name,
+                            io.runtime_us,
+                            io.period_us,
+                            io.share() * 100.0,
+                            MAX_CORE_SHARE * 100.0
+                        ));
+                    }
+                    if !s.net.as_ref().is_some_and(|n| n.rx_irq) {
+                        return bad(format!(
+                            "sandbox '{}': budget.io has no I/O thread to hold (only a net section with \"rx_irq\": true has one, its receive thread)",
+                            s.name
+                        ));
+                    }
+                }
                 if b.reserve && vcpus as usize != s.cores.len() {
                     return bad(format!(
                         "sandbox '{}': a reserved budget needs one vCPU per core ({vcpus} vCPUs on {} cores)",
@@ -677,16 +732,22 @@ impl SetConfig {
                         s.cores.len()
                     ));
                 }
-                // vCPU i runs on cores[i % len]: add its share there.
-                for i in 0..vcpus as usize {
-                    let c = s.cores[i % s.cores.len()];
-                    per_core[c] += b.share();
+                // vCPU i runs on cores[i % len]: add its share there. The
+                // I/O threads may run on any of the sandbox's cores: their
+                // budget counts on each.
+                let io_share = b.io.map_or(0.0, |io| io.share());
+                let shares = (0..vcpus as usize)
+                    .map(|i| (s.cores[i % s.cores.len()], b.share()))
+                    .chain(s.cores.iter().map(|&c| (c, io_share)));
+                for (c, share) in shares {
+                    per_core[c] += share;
                     if per_core[c] > MAX_CORE_SHARE + 1e-9 {
                         return bad(format!(
-                            "budgets on core {c} add up to {:.0}% of it, more than the {:.0}% allowed (sandbox '{}' is the one over)",
+                            "budgets on core {c} add up to {:.0}% of it, more than the {:.0}% allowed (sandbox '{}' is the one over{})",
                             per_core[c] * 100.0,
                             MAX_CORE_SHARE * 100.0,
-                            s.name
+                            s.name,
+                            if io_share > 0.0 { ", its budget.io included" } else { "" }
                         ));
                     }
                 }
@@ -784,6 +845,35 @@ mod tests {
         let c = SetConfig::parse(&two("", r#"{"name": "ab", "between": ["a", "b"]}"#)).unwrap();
         c.validate(2).unwrap();
         assert_eq!(c.channels_of("b"), vec![(0, 1)]);
+    }
+
+    #[test]
+    fn io_budgets_are_checked_alone_and_summed_per_core() {
+        let kv = |net: &str, budget: &str| {
+            format!(
+                r#"{{"sandboxes": [{{"name": "k", "cores": [0], "workload": {{"kind": "kv"}},
+                "net": {{"tap": "t0", "mac": "52:54:00:00:00:02", "ipv4": "10.0.0.2/24" {net}}},
+                "budget": {{"runtime_us": 5000, "period_us": 10000 {budget}}}}}]}}"#
+            )
+        };
+        let rx = r#", "rx_irq": true"#;
+        let io = |r: u64, p: u64| format!(r#", "io": {{"runtime_us": {r}, "period_us": {p}}}"#);
+        let ok = SetConfig::parse(&kv(rx, &io(1000, 10_000))).unwrap();
+        ok.validate(2).unwrap();
+        let b = ok.sandboxes[0].budget.unwrap();
+        assert_eq!(b.io, Some(IoBudget { runtime_us: 1000, period_us: 10_000 }));
+        assert!(ok.sandboxes[0].net.as_ref().unwrap().rx_irq);
+        // Alone: over 95% of a core, below the kernel's least quota.
+        assert!(err(&kv(rx, &io(9_600, 10_000)), 2)
+            .contains("budget.io 9600 us every 10000 us is 96% of a core"));
+        assert!(err(&kv(rx, &io(500, 10_000)), 2).contains("must be 1000 <= runtime <= period"));
+        assert!(err(&kv(rx, &io(2000, 1000)), 2).contains("must be 1000 <= runtime <= period"));
+        // Summed with the vCPU budget on the core: 50% + 50%.
+        assert!(err(&kv(rx, &io(5_000, 10_000)), 2)
+            .contains("budgets on core 0 add up to 100% of it, more than the 95% allowed (sandbox 'k' is the one over, its budget.io included)"));
+        // Nothing to hold without a receive thread.
+        assert!(err(&kv("", &io(1000, 10_000)), 2).contains("budget.io has no I/O thread to hold"));
+        assert!(err(&kv(rx, r#", "io": {"runtime_us": 1000}"#), 2).contains("period_us"));
     }
 
     #[test]

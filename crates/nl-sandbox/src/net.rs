@@ -114,7 +114,7 @@ impl NetSection {
             tap: self.tap.clone(),
             ipv4: id.ipv4,
             prefix: id.prefix,
-            rx_irq: false,
+            rx_irq: self.rx_irq,
             host_ip: if spare { None } else { id.host_ip },
             mac: Some(id.mac),
             spare,
@@ -151,6 +151,18 @@ pub fn validate(c: &SetConfig) -> Result<(), SandboxError> {
         }
         let id =
             n.identity().map_err(|e| SandboxError::Config(format!("sandbox '{}': {e}", s.name)))?;
+        if n.rx_irq && c.services.iter().any(|v| v.owner == s.name) {
+            return bad(format!(
+                "sandbox '{}': net.rx_irq is not for a service's owner (its standby's spare device has no TAP to start a receive thread on)",
+                s.name
+            ));
+        }
+        if n.rx_irq && s.recovery.policy == crate::config::RecoveryPolicy::Rollback {
+            return bad(format!(
+                "sandbox '{}': net.rx_irq is not supported with recovery 'rollback'",
+                s.name
+            ));
+        }
         for (map, key, what) in [
             (&mut taps, n.tap.clone(), "TAP"),
             (&mut macs, n.mac.to_ascii_lowercase(), "MAC"),
@@ -253,6 +265,8 @@ mod tests {
         assert!(err(&set(NET, own, SVC)).contains("has a net section of its own"));
         assert!(err(&set(NET, r#", "recovery": {"policy": "rollback"}"#, SVC))
             .contains("'rollback' cannot hand a service over"));
+        let rx = r#", "net": {"tap": "t0", "mac": "52:54:00:00:00:02", "ipv4": "10.0.0.2/24", "rx_irq": true}"#;
+        assert!(err(&set(rx, "", SVC)).contains("net.rx_irq is not for a service's owner"));
         assert!(err(&set(NET, "", "")).contains("sandbox 'spare' runs netbench but has no net"));
         let compute = set(NET, "", SVC).replace(
             r#""name": "spare", "cores": [1], "workload": {"kind": "netbench"}"#,

@@ -143,3 +143,50 @@ impl StormSet {
         )
     }
 }
+
+/// The TAP-flood set of the test and the bench: a `periodic` sandbox and a
+/// `netbench` sandbox with a receive thread (`net.rx_irq`) on TAP `tap`,
+/// both on one host core; the host floods the netbench sandbox's TAP.
+#[derive(Clone, Debug)]
+pub struct TapFloodSet {
+    pub core: usize,
+    pub period_us: u64,
+    pub need_us: u64,
+    /// The periodic sandbox's budget (runtime, period µs), reserved.
+    pub reservation: Option<(u64, u64)>,
+    /// The flooded sandbox's vCPU budget and its `budget.io` (runtime,
+    /// period µs), caps; without a vCPU budget there is no io budget.
+    pub flooded_budget: Option<(u64, u64)>,
+    pub io_budget: Option<(u64, u64)>,
+    pub duration_ms: u64,
+    pub tap: String,
+}
+
+impl TapFloodSet {
+    /// The flooded sandbox's address (its host end is .1).
+    pub const GUEST_IP: [u8; 4] = [10, 0, 0, 2];
+
+    /// The set's configuration (JSON).
+    pub fn config(&self) -> String {
+        let TapFloodSet { core, period_us, need_us, duration_ms, .. } = *self;
+        let rb = self.reservation.map_or(String::new(), |(r, p)| {
+            format!(r#", "budget": {{"runtime_us": {r}, "period_us": {p}, "reserve": true}}"#)
+        });
+        let io = self.io_budget.map_or(String::new(), |(r, p)| {
+            format!(r#", "io": {{"runtime_us": {r}, "period_us": {p}}}"#)
+        });
+        let fb = self.flooded_budget.map_or(String::new(), |(r, p)| {
+            format!(r#", "budget": {{"runtime_us": {r}, "period_us": {p}{io}}}"#)
+        });
+        let tap = &self.tap;
+        format!(
+            r#"{{"sandboxes": [
+            {{"name": "periodic", "cores": [{core}], "mem_mib": 48,
+              "workload": {{"kind": "periodic", "duration_ms": {duration_ms}, "period_us": {period_us}, "reserve_us": {need_us}}}{rb}}},
+            {{"name": "flooded", "cores": [{core}],
+              "workload": {{"kind": "netbench", "duration_ms": 0}},
+              "net": {{"tap": "{tap}", "mac": "52:54:00:f1:00:02", "ipv4": "10.0.0.2/24", "rx_irq": true}}{fb}}}
+        ]}}"#
+        )
+    }
+}

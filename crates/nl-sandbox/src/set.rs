@@ -572,12 +572,33 @@ impl SandboxSet {
         for (i, tid) in tids.iter().enumerate() {
             affinity::pin(*tid, &[sb.config.cores[i % sb.config.cores.len()]])?;
         }
+        // The I/O threads (the net receive thread) on the sandbox's cores
+        // (they were started there; pinned again by id as the vCPUs are),
+        // once they report their ids (bounded: 1 s).
+        let mut io_tids = vm.io_threads();
+        for _ in 0..1000 {
+            if io_tids.iter().all(|&t| t > 0) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+            io_tids = vm.io_threads();
+        }
+        if io_tids.iter().any(|&t| t <= 0) {
+            vm.stop();
+            return Err(SandboxError::Vm(
+                sb.config.name.clone(),
+                "its I/O threads did not start within 1 s".into(),
+            ));
+        }
+        for tid in &io_tids {
+            affinity::pin(*tid, &sb.config.cores)?;
+        }
         if let Some(b) = sb.config.budget {
             let mut budgets = self.budgets.lock();
-            // A restarted sandbox's new threads join the cgroup it has.
+            // A restarted sandbox's new threads join the cgroups it has.
             let r = match &budgets[sb.index] {
-                Some(applied) => applied.attach(&tids),
-                None => crate::budget::AppliedBudget::apply(&sb.config.name, b, &tids)
+                Some(applied) => applied.attach(&tids, &io_tids),
+                None => crate::budget::AppliedBudget::apply(&sb.config.name, b, &tids, &io_tids)
                     .map(|a| budgets[sb.index] = Some(a)),
             };
             r.inspect_err(|_| vm.stop())?;

@@ -10,7 +10,7 @@
 //! once ([`barrier`]), so once they return the thread is done with the
 //! device until the VM runs again.
 
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering::Relaxed};
 use std::sync::Arc;
 
 use nl_sync::Lock;
@@ -27,6 +27,9 @@ pub(crate) type NetTransport = Arc<Lock<MmioTransport<Net>>>;
 /// The running thread; ended and joined on drop.
 pub(crate) struct RxThread {
     quit: Arc<AtomicBool>,
+    /// The thread's id once it runs (0 before): a sandbox's I/O budget
+    /// moves it into its cgroup.
+    pub(crate) tid: Arc<AtomicI32>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -50,10 +53,13 @@ fn wait_readable(fd: std::os::fd::RawFd, ms: i32) -> bool {
 pub(crate) fn spawn(vm: u32, net: NetTransport, run: Arc<RunControl>) -> std::io::Result<RxThread> {
     let quit = Arc::new(AtomicBool::new(false));
     let q = quit.clone();
+    let tid = Arc::new(AtomicI32::new(0));
+    let t_id = tid.clone();
     let fd = net.lock().device().tap_fd().ok_or_else(|| {
         std::io::Error::other("a spare virtio-net device has no TAP to receive from")
     })?;
     let thread = std::thread::Builder::new().name(format!("vm{vm}-netrx")).spawn(move || {
+        t_id.store(nl_sync::tid(), std::sync::atomic::Ordering::SeqCst);
         crate::seccomp::apply(crate::seccomp::Kind::Device);
         let _reg = crate::recovery::enter(false);
         // A frame half delivered when a microreset discards this thread is
@@ -86,7 +92,7 @@ pub(crate) fn spawn(vm: u32, net: NetTransport, run: Arc<RunControl>) -> std::io
             });
         }
     })?;
-    Ok(RxThread { quit, thread: Some(thread) })
+    Ok(RxThread { quit, tid, thread: Some(thread) })
 }
 
 /// Takes and releases the transport lock: any device work the thread began

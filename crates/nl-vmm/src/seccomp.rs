@@ -370,6 +370,9 @@ fn process(r: &mut Rules) {
             SYS_getcwd,
             SYS_mkdir,
             SYS_mkdirat,
+            // a sandbox set's budget cgroups, removed when the set goes
+            // (`DELETE /v1/sandboxes/NAME` on an API thread)
+            SYS_rmdir,
             SYS_rename,
             SYS_renameat,
             SYS_renameat2,

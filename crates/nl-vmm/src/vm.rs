@@ -699,6 +699,13 @@ impl Vm {
         self.stop();
     }
 
+    /// The thread ids of the VM's device threads (the net receive thread,
+    /// `NetConfig::rx_irq`) that run now; 0 for one not yet running. Empty
+    /// without such threads.
+    pub fn io_threads(&self) -> Vec<i32> {
+        self.rx.lock().iter().map(|t| t.tid.load(std::sync::atomic::Ordering::SeqCst)).collect()
+    }
+
     /// One sample per vCPU: its thread's id and time run in guest mode, or
     /// `None` when the vCPU has no running thread (halted, finished).
     pub fn vcpu_threads(&self) -> Vec<Option<crate::progress::ThreadSample>> {

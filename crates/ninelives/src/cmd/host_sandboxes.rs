@@ -230,6 +230,8 @@ impl HostFrontend {
                     "violations": s.monitor.violations(),
                     "violation_log": s.monitor.violation_log(),
                     "beats": s.vm().control().vcpus.iter().map(|c| c.snapshot().beats).sum::<u64>(),
+                    // Its budget's counters (`io`: budget.io's cgroup).
+                    "throttling": r.set.throttling(s.index),
                 })
             })
             .collect();

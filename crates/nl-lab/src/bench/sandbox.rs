@@ -42,7 +42,8 @@ pub struct BenchSandboxArgs {
     pub pages: Vec<u64>,
     /// What to measure: any of fig9 (with the doorbell), budgets (Fig. 9's
     /// Hi and Low budget curves), table2, tlb, isolation, storm (the budget
-    /// storm).
+    /// storm), tapflood (a TAP flood beside a reserved sandbox; needs root
+    /// for its network namespace; not in the default).
     #[arg(long, value_delimiter = ',', default_values_t = ["fig9".to_string(), "budgets".to_string(), "table2".to_string(), "tlb".to_string(), "isolation".to_string(), "storm".to_string()])]
     pub parts: Vec<String>,
     /// Milliseconds of each storm run and of each budget-curve window.
@@ -259,6 +260,7 @@ pub struct BenchSandbox {
     pub budget: Option<BudgetRow>,
     pub budgets: Option<BudgetCurves>,
     pub storm: Option<Storm>,
+    pub tapflood: Option<TapFlood>,
     pub fig9: Option<Fig9>,
     pub table2: Option<Table2>,
     pub tlb: Option<Tlb>,
@@ -579,9 +581,9 @@ pub fn isolation(seeds: u64) -> Result<Isolation> {
 }
 
 pub fn bench(a: BenchSandboxArgs) -> Result<ExitCode> {
-    const PARTS: [&str; 6] = ["fig9", "budgets", "table2", "tlb", "isolation", "storm"];
+    const PARTS: [&str; 7] = ["fig9", "budgets", "table2", "tlb", "isolation", "storm", "tapflood"];
     if let Some(p) = a.parts.iter().find(|p| !PARTS.contains(&p.as_str())) {
-        bail!("unknown part '{p}' (fig9, budgets, table2, tlb, isolation, storm)");
+        bail!("unknown part '{p}' (fig9, budgets, table2, tlb, isolation, storm, tapflood)");
     }
     if a.reps < 3 {
         bail!("--reps {} is fewer than 3", a.reps);
@@ -603,6 +605,10 @@ pub fn bench(a: BenchSandboxArgs) -> Result<ExitCode> {
     let storm = if part("storm") { Some(storm(&a)?) } else { None };
     if let Some(st) = &storm {
         print_storm(st);
+    }
+    let tapflood = if part("tapflood") { Some(tapflood(&a)?) } else { None };
+    if let Some(t) = &tapflood {
+        print_tapflood(t);
     }
     let t2 = if part("table2") { Some(table2(&a)?) } else { None };
     if let Some(t2) = &t2 {
@@ -664,8 +670,16 @@ pub fn bench(a: BenchSandboxArgs) -> Result<ExitCode> {
             let (r, p) = arm.reservation?;
             Some(BudgetRow { share: arm.mean_share, target: r as f64 / p as f64 })
         });
-        let all =
-            BenchSandbox { budget, budgets, storm, fig9, table2: t2, tlb: tl, isolation: iso };
+        let all = BenchSandbox {
+            budget,
+            budgets,
+            storm,
+            tapflood,
+            fig9,
+            table2: t2,
+            tlb: tl,
+            isolation: iso,
+        };
         println!("{}", serde_json::to_string(&all)?);
     }
     Ok(if clean { ExitCode::SUCCESS } else { ExitCode::from(1) })
@@ -999,4 +1013,265 @@ fn print_budgets(b: &BudgetCurves) {
         b.loadavg_before,
         b.loadavg_after
     );
+}
+
+/// One arm of the TAP flood: the periodic sandbox's periods (as in the
+/// storm's rows) and what the flood cost the flooded sandbox's receive
+/// thread.
+#[derive(Clone, Debug, Serialize)]
+pub struct TapFloodArm {
+    pub what: String,
+    pub reservation: Option<(u64, u64)>,
+    pub flooded_budget: Option<(u64, u64)>,
+    pub io_budget: Option<(u64, u64)>,
+    pub worst_over_need: Spread,
+    pub met_share: Spread,
+    pub mean_share: Spread,
+    pub host_worst_over_runtime: Option<Spread>,
+    pub host_met_share: Option<Spread>,
+    /// Per repetition: datagrams sent per second, the receive thread's CPU
+    /// over the flood's wall time, and the io cgroup's throttled periods.
+    pub sent_per_sec: Spread,
+    pub netrx_cpu_share: Spread,
+    pub io_throttled_periods: Spread,
+    pub reserved: Vec<nl_sandbox::reserve::ReserveStats>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct TapFlood {
+    pub reps: usize,
+    pub core: usize,
+    pub period_us: u64,
+    pub need_us: u64,
+    pub flood_ms: u64,
+    pub arms: Vec<TapFloodArm>,
+    pub loadavg_before: String,
+    pub loadavg_after: String,
+}
+
+/// One TAP-flood run: (periods, reservation windows, sent, flood wall
+/// time, the receive thread's CPU in it (ns), io throttled periods).
+type FloodSample = (
+    nl_sandbox::periodic::PeriodReport,
+    Option<nl_sandbox::reserve::ReserveStats>,
+    u64,
+    Duration,
+    u64,
+    u64,
+);
+
+fn flood_run(
+    kvm: &nl_sandbox::Kvm,
+    set: &nl_sandbox::periodic::TapFloodSet,
+    sender_core: usize,
+    flood_ms: u64,
+) -> Result<FloodSample> {
+    use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+    use std::time::Instant;
+    let ns = crate::netns::Netns::with_tap(
+        &format!("nl-bench-tapflood-{}", std::process::id()),
+        &set.tap,
+    )?;
+    ns.run_in(|| {
+        let s = SandboxSet::create(
+            kvm,
+            SetConfig::parse(&set.config())?,
+            &nl_launch::guest::sandbox_images(),
+        )?;
+        s.start_all()?;
+        std::thread::scope(|scope| {
+            let h = scope.spawn(|| s.supervise(Duration::from_secs(300)));
+            let body = || -> Result<(u64, Duration, u64)> {
+                let target = "10.0.0.2:7".parse()?;
+                let answering = || {
+                    crate::ping::ping(
+                        target,
+                        Duration::from_millis(10),
+                        Duration::from_millis(100),
+                        None,
+                    )
+                    .is_ok_and(|p| p.received > 0)
+                };
+                let t = Instant::now();
+                // Bounded: 600 tries, 90 s.
+                let mut up = false;
+                for _ in 0..600 {
+                    up = answering();
+                    if up || t.elapsed() > Duration::from_secs(90) {
+                        break;
+                    }
+                }
+                if !up {
+                    bail!("the flooded sandbox never answered");
+                }
+                let periodic = s.get("periodic").expect("periodic");
+                if periodic.vm().poll_outcome().is_some() {
+                    bail!("the periodic sandbox ended before the flood (raise --storm-ms)");
+                }
+                let tid = s.get("flooded").expect("flooded").vm().io_threads()[0];
+                let cpu0 = nl_sandbox::periodic::thread_cpu_ns(tid).unwrap_or(0);
+                let t0 = Instant::now();
+                let stop = AtomicBool::new(false);
+                let sent = std::thread::scope(|sc| {
+                    sc.spawn(|| {
+                        let _ = nl_sandbox::affinity::pin(0, &[sender_core]);
+                        let sock = std::net::UdpSocket::bind("10.0.0.1:0")?;
+                        let mut sent = 0u64;
+                        // Bounded: 20 M datagrams or flood_ms.
+                        for i in 0..20_000_000u64 {
+                            if i % 1024 == 0
+                                && (stop.load(Relaxed)
+                                    || t0.elapsed().as_millis() as u64 >= flood_ms)
+                            {
+                                break;
+                            }
+                            sent += u64::from(sock.send_to(&[0x5a; 18], "10.0.0.2:9").is_ok());
+                        }
+                        anyhow::Ok(sent)
+                    })
+                    .join()
+                    .map_err(|_| anyhow::anyhow!("the sender panicked"))?
+                })?;
+                let window = t0.elapsed();
+                let cpu = nl_sandbox::periodic::thread_cpu_ns(tid).unwrap_or(cpu0) - cpu0;
+                // The periodic sandbox ends by itself (bounded: 120 s).
+                for _ in 0..1200 {
+                    if periodic.vm().poll_outcome().is_some() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Ok((sent, window, cpu))
+            };
+            let r = body();
+            s.request_stop();
+            let report = h.join().map_err(|_| anyhow::anyhow!("supervision panicked"))?;
+            let (sent, window, cpu) = r?;
+            let p = &report.sandboxes[0];
+            if !p.verified {
+                bail!("the periodic sandbox did not verify: {} {:?}", p.message, p.problem);
+            }
+            let periods = p
+                .periods
+                .clone()
+                .ok_or_else(|| anyhow::anyhow!("the periodic sandbox reported no periods"))?;
+            let io = report.sandboxes[1].throttling.and_then(|t| t.io);
+            Ok((
+                periods,
+                p.throttling.and_then(|t| t.reserved),
+                sent,
+                window,
+                cpu,
+                io.map_or(0, |i| i.throttled_periods),
+            ))
+        })
+    })
+}
+
+/// The TAP flood's arms (issue 18's "a sandbox flooding its TAP"): the
+/// reserved periodic sandbox beside a netbench sandbox with a receive
+/// thread whose TAP the host floods, with and without an io budget, per
+/// repetition interleaved.
+pub fn tapflood(a: &BenchSandboxArgs) -> Result<TapFlood> {
+    use nl_sandbox::periodic::TapFloodSet;
+    const PERIOD_US: u64 = 10_000;
+    const NEED_US: u64 = 6_000;
+    let cores = nl_sandbox::affinity::host_cores()?;
+    let (core, sender_core) = (cores[0], *cores.last().expect("a core"));
+    let reservation = Some((7_000, PERIOD_US));
+    let flooded = Some((1_000, PERIOD_US));
+    let arms = [
+        ("reserved 7 ms/10 ms, io budget 1 ms/100 ms", Some((1_000, 100_000))),
+        ("reserved 7 ms/10 ms, no io budget", None),
+    ];
+    let loadavg_before = loadavg();
+    let kvm = nl_vmm::open_kvm()?;
+    let mut samples: Vec<Vec<FloodSample>> = vec![Vec::new(); arms.len()];
+    for _ in 0..a.reps {
+        for (k, (_, io)) in arms.iter().enumerate() {
+            let set = TapFloodSet {
+                core,
+                period_us: PERIOD_US,
+                need_us: NEED_US,
+                reservation,
+                flooded_budget: flooded,
+                io_budget: *io,
+                // Its boot and the flooded sandbox's, then the flood.
+                duration_ms: a.storm_ms * 2 + 6_000,
+                tap: "nltap0".into(),
+            };
+            samples[k].push(flood_run(&kvm, &set, sender_core, a.storm_ms)?);
+        }
+    }
+    let host = |v: &[FloodSample], f: fn(&nl_sandbox::reserve::ReserveStats) -> f64| {
+        let x: Vec<f64> = v.iter().filter_map(|s| s.1.as_ref().map(f)).collect();
+        (!x.is_empty()).then(|| spread(x))
+    };
+    let arms = arms
+        .iter()
+        .zip(samples)
+        .map(|((what, io), v)| TapFloodArm {
+            what: what.to_string(),
+            reservation,
+            flooded_budget: flooded,
+            io_budget: *io,
+            worst_over_need: spread(
+                v.iter().map(|s| s.0.worst_us as f64 / NEED_US as f64).collect(),
+            ),
+            met_share: spread(
+                v.iter().map(|s| s.0.met as f64 / s.0.periods.max(1) as f64).collect(),
+            ),
+            mean_share: spread(
+                v.iter()
+                    .map(|s| s.0.total_us as f64 / (s.0.periods.max(1) * PERIOD_US) as f64)
+                    .collect(),
+            ),
+            host_worst_over_runtime: host(&v, |r| r.worst_us as f64 / r.runtime_us.max(1) as f64),
+            host_met_share: host(&v, |r| r.met as f64 / r.periods.max(1) as f64),
+            sent_per_sec: spread(v.iter().map(|s| s.2 as f64 / s.3.as_secs_f64()).collect()),
+            netrx_cpu_share: spread(
+                v.iter().map(|s| s.4 as f64 / s.3.as_nanos().max(1) as f64).collect(),
+            ),
+            io_throttled_periods: spread(v.iter().map(|s| s.5 as f64).collect()),
+            reserved: v.iter().filter_map(|s| s.1).collect(),
+        })
+        .collect();
+    Ok(TapFlood {
+        reps: a.reps,
+        core,
+        period_us: PERIOD_US,
+        need_us: NEED_US,
+        flood_ms: a.storm_ms,
+        arms,
+        loadavg_before,
+        loadavg_after: loadavg(),
+    })
+}
+
+fn print_tapflood(t: &TapFlood) {
+    let s = |x: Spread, p: usize| format!("{:.p$} [{:.p$}, {:.p$}]", x.median, x.min, x.max);
+    println!(
+        "TAP flood: a periodic sandbox needing {} us of every {} us beside a netbench sandbox (vCPU budget 1 ms/10 ms, receive thread) whose TAP the host floods for {} ms, both on core {}, {} repetitions interleaved (median [min, max]):",
+        t.need_us, t.period_us, t.flood_ms, t.core, t.reps
+    );
+    for arm in &t.arms {
+        println!(
+            "  {}: worst period / need {}, periods that got it {}, mean CPU share {}; {} datagrams/s sent, receive thread CPU share {}, io periods throttled {}",
+            arm.what,
+            s(arm.worst_over_need, 3),
+            s(arm.met_share, 3),
+            s(arm.mean_share, 3),
+            s(arm.sent_per_sec, 0),
+            s(arm.netrx_cpu_share, 4),
+            s(arm.io_throttled_periods, 0)
+        );
+        if let (Some(w), Some(m)) = (arm.host_worst_over_runtime, arm.host_met_share) {
+            println!(
+                "    host account of its reservation's windows: worst window / runtime {}, windows that gave the runtime {}",
+                s(w, 3),
+                s(m, 3)
+            );
+        }
+    }
+    println!("  load average before: {}; after: {}", t.loadavg_before, t.loadavg_after);
 }
