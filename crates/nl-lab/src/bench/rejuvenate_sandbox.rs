@@ -123,11 +123,8 @@ pub(crate) fn microreboot_rows(
         let (info, probe) = ping::across(Some(net), || {
             // Request FAULT_AT: its connection crashes the host.
             let t = Instant::now();
-            let r = nl_vmm::api::request_timeout(
-                sock,
-                &json!({"op": "info"}),
-                Duration::from_secs(30),
-            );
+            let r =
+                nl_vmm::api::request_timeout(sock, &json!({"op": "info"}), Duration::from_secs(30));
             if r.as_ref().is_ok_and(|v| v["ok"] == true && v["generation"] == 0) {
                 bail!("request {FAULT_AT} was answered: the fault did not fire");
             }
@@ -150,9 +147,9 @@ pub(crate) fn microreboot_rows(
             }
         })?;
         let list = h.req(json!({"op": "sandbox_list"}))?;
-        let carried = list["sets"].as_array().is_some_and(|s| {
-            s.iter().any(|x| x["name"] == SET && x["handovers"] == 1)
-        });
+        let carried = list["sets"]
+            .as_array()
+            .is_some_and(|s| s.iter().any(|x| x["name"] == SET && x["handovers"] == 1));
         if !carried {
             bail!("microreboot {rep} did not carry the sandbox set: {list}");
         }
