@@ -52,9 +52,12 @@ fn a_host_runs_sandbox_sets_beside_its_vms() {
 
     let (st, vm) = http_json(&sock, "POST", "/v1/vms", Some(r#"{"workload":"idle","mem":"64M"}"#));
     assert_eq!(st, 201, "{vm}");
-    // Sandbox a has a budget (mild: 9 ms of every 10 ms), shown in its stats.
+    // Sandbox a has a reserved budget (5 ms of every 10 ms, SCHED_FIFO
+    // vCPU threads switched by a reserve thread of the host's, under its
+    // seccomp filter), shown in its stats.
     let mut set = pair_set(c0, c1);
-    set["sandboxes"][0]["budget"] = json!({"runtime_us": 9000, "period_us": 10000});
+    set["sandboxes"][0]["budget"] =
+        json!({"runtime_us": 5000, "period_us": 10000, "reserve": true});
     let body = json!({"name": "pair", "set": set}).to_string();
     let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&body));
     assert_eq!(st, 201, "{v}");

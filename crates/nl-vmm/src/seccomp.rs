@@ -426,6 +426,9 @@ fn process(r: &mut Rules) {
             SYS_kill,
             SYS_getitimer,
             SYS_sched_setaffinity,
+            // a sandbox's reserved budget (`budget.reserve`): its reserve
+            // thread switches vCPU threads between SCHED_FIFO and normal
+            SYS_sched_setscheduler,
             // a thread it starts installs its own filter (only ever narrower)
             SYS_seccomp,
             // process start (loader, std runtime)
