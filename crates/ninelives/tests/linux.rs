@@ -692,6 +692,55 @@ fn initramfs_builder_writes_newc_entries() {
     }
 }
 
+/// A Linux VM with 2 vCPUs: its MP table is in guest memory at 0x9fc00,
+/// its AP waits for SIPI (`KVM_MP_STATE_INIT_RECEIVED`) with its own APIC
+/// id in CPUID, and pause, save and a rebuild over the same memory from
+/// the saved state (what warm rejuvenation and `restore` do:
+/// `Vm::restore_linux`) keep both vCPUs, the AP still waiting. A few
+/// seconds of boot: the kernel has not started its AP yet (on PVM that
+/// takes minutes; see docs/linux-guests.md).
+#[test]
+fn a_linux_vm_with_two_vcpus_keeps_its_waiting_ap_across_save_and_restore() {
+    use nl_memory::vm_memory::{Bytes, GuestAddress};
+    // KVM's ABI values (linux/kvm.h).
+    const KVM_MP_STATE_RUNNABLE: u32 = 0;
+    const KVM_MP_STATE_INIT_RECEIVED: u32 = 2;
+    const KVM_MAX_CPUID_ENTRIES: usize = 80;
+    let Some(kernel) = debian_kernel("a_linux_vm_with_two_vcpus") else { return };
+    let mut config = linux_config(&kernel, None);
+    config.vcpus = 2;
+    let boot = LinuxBoot { cmdline: test_cmdline("two-vcpus"), ..Default::default() };
+    let kvm = nl_vmm::open_kvm().unwrap();
+    let vm = Vm::create_linux(&kvm, 0, config.clone(), &boot).expect("create the Linux VM");
+    let mut sig = [0u8; 4];
+    vm.memory().mem().read_slice(&mut sig, GuestAddress(0x9fc00)).unwrap();
+    assert_eq!(&sig, b"_MP_", "the MP floating pointer");
+    vm.start().unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    vm.pause();
+    let state = vm.save_state().unwrap();
+    assert_eq!(state.vcpus.len(), 2);
+    assert_eq!(state.vcpus[0].mp_state.mp_state, KVM_MP_STATE_RUNNABLE);
+    assert_eq!(state.vcpus[1].mp_state.mp_state, KVM_MP_STATE_INIT_RECEIVED);
+    let record = vm.linux_record().cloned().unwrap();
+    let memory = nl_memory::GuestMemory::from_fd(vm.memory().fd().clone(), config.mem_bytes)
+        .expect("map the guest memory again");
+    vm.stop();
+    drop(vm);
+    let new = Vm::restore_linux(&kvm, 1, config, memory, &state, &record)
+        .expect("rebuild the 2-vCPU Linux VM from its state");
+    let (mp, apic_id) = new
+        .with_vcpu(1, |fd| {
+            let mp = fd.get_mp_state().unwrap().mp_state;
+            let cpuid = fd.get_cpuid2(KVM_MAX_CPUID_ENTRIES).unwrap();
+            let leaf1 = cpuid.as_slice().iter().find(|e| e.function == 1).copied().unwrap();
+            (mp, leaf1.ebx >> 24)
+        })
+        .unwrap();
+    assert_eq!(mp, KVM_MP_STATE_INIT_RECEIVED, "the AP still waits for SIPI");
+    assert_eq!(apic_id, 1, "vCPU 1's CPUID names APIC id 1");
+}
+
 /// A bad kernel image or command line is refused with a clear error, not a
 /// crash: a bzImage whose payload points outside the file, a command line
 /// longer than Linux accepts, and more vCPUs than an MP table describes.
