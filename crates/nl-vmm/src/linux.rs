@@ -376,6 +376,14 @@ mod tests {
     }
 
     #[test]
+    fn the_emulators_bytes_are_read_back_from_the_stop_message() {
+        let m = "KVM internal error (suberror 1: instruction emulation failed) at rip 0x10; \
+                 the emulator saw: cc 38 ba";
+        assert_eq!(super::parse_emulator_saw(m), Some(vec![0xcc, 0x38, 0xba]));
+        assert_eq!(super::parse_emulator_saw("at rip 0x10"), None);
+    }
+
+    #[test]
     fn xrstor_and_cmpxchg16b_get_a_hint() {
         let xrstor = [0x48, 0x0f, 0xae, 0x2f, 0x31, 0xc0];
         assert!(super::emulation_hint(&xrstor).unwrap().contains("noxsave"));
@@ -426,6 +434,8 @@ mod tests {
 /// `stmxcsr` through the vCPU's FPU state.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct WaitStats {
+    /// Stops on code another vCPU rewrote meanwhile, run again.
+    pub refetched: u64,
     pub int3_completed: u64,
     pub fwait_completed: u64,
     pub mxcsr_completed: u64,
@@ -452,6 +462,10 @@ pub fn wait(
         if let Some(o) = vm.poll_outcome() {
             if matches!(o, VmOutcome::Crashed { .. }) {
                 match complete_unemulated(vm) {
+                    Ok(Some(Completed::Refetched)) => {
+                        stats.refetched += 1;
+                        continue;
+                    }
                     Ok(Some(Completed::Int3)) => {
                         stats.int3_completed += 1;
                         continue;
@@ -608,6 +622,10 @@ fn emulation_hint(code: &[u8]) -> Option<&'static str> {
 /// An instruction [`complete_unemulated`] completed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Completed {
+    /// The code at RIP changed since the emulator fetched it (another vCPU
+    /// patched it, as the kernel's `text_poke_bp` does: int3 first, then
+    /// the new instruction): the vCPU runs it again as it now is.
+    Refetched,
     Int3,
     Fwait,
     /// `ldmxcsr m32` (MXCSR loaded from memory) or `stmxcsr m32`.
@@ -716,6 +734,50 @@ fn emulation_failure_cpu(vm: &Vm) -> Option<usize> {
     })
 }
 
+/// The instruction bytes KVM's emulator fetched when vCPU `cpu` stopped on
+/// an emulation failure, if KVM reported them.
+fn emulator_saw(vm: &Vm, cpu: usize) -> Option<Vec<u8>> {
+    let report = vm.report();
+    let stop = report.vcpus.get(cpu)?.stop.as_ref()?;
+    let crate::vcpu::VcpuStop::Internal(m) = stop else { return None };
+    parse_emulator_saw(m)
+}
+
+/// The bytes after [`crate::vcpu::EMULATOR_SAW`] in a stop's message.
+fn parse_emulator_saw(m: &str) -> Option<Vec<u8>> {
+    let hex = &m[m.find(crate::vcpu::EMULATOR_SAW)? + crate::vcpu::EMULATOR_SAW.len()..];
+    hex.split_whitespace().map(|h| u8::from_str_radix(h, 16).ok()).collect()
+}
+
+/// The last (VM, vCPU, RIP) run again without the emulator's bytes to go
+/// by: the same stop twice in a row is not retried again.
+static LAST_BLIND_RETRY: std::sync::Mutex<Option<(u32, usize, u64)>> = std::sync::Mutex::new(None);
+
+/// Whether the code at vCPU `cpu`'s RIP (`now`) is not what the emulator
+/// stopped on: another vCPU rewrote it in between (cross-modifying code;
+/// the kernel patches jump labels and alternatives with `text_poke_bp`,
+/// an `int3` first, then the new instruction, so the emulator may stop on
+/// the `int3` and the memory show the new instruction). With the bytes KVM
+/// reports this is exact. Without them, with several vCPUs, an instruction
+/// the patching writes (a `jmp` or a NOP, which the emulator runs) is taken
+/// as changed once per RIP.
+fn code_changed(vm: &Vm, cpu: usize, rip: u64, now: &[u8]) -> bool {
+    if let Some(saw) = emulator_saw(vm, cpu) {
+        return !saw.is_empty() && saw.first() != now.first();
+    }
+    let patched = matches!(now, [0xeb | 0xe9 | 0x90, ..] | [0x66, 0x90, ..] | [0x0f, 0x1f, ..]);
+    if vm.config().vcpus < 2 || !patched {
+        return false;
+    }
+    let mut last = LAST_BLIND_RETRY.lock().unwrap_or_else(|e| e.into_inner());
+    let key = (vm.id(), cpu, rip);
+    if *last == Some(key) {
+        return false;
+    }
+    *last = Some(key);
+    true
+}
+
 /// Starts every vCPU again after one was completed (the others were
 /// halted at a KVM_RUN boundary, their state kept in KVM).
 fn relaunch_all(vm: &Vm) -> Result<(), VmmError> {
@@ -758,7 +820,16 @@ pub fn complete_unemulated(vm: &Vm) -> Result<Option<Completed>, VmmError> {
     // With several vCPUs the others still run: the vCPUs' state is read
     // and set with all of them stopped.
     vm.halt_vcpus();
-    let (_, bytes) = code_at_rip(vm, cpu)?;
+    let (rip, bytes) = code_at_rip(vm, cpu)?;
+    if code_changed(vm, cpu, rip, &bytes) {
+        tracing::info!(
+            "vm{}: vCPU {cpu}'s code at {rip:#x} changed since the emulator stopped on it \
+             (another vCPU patched it): running it again",
+            vm.id()
+        );
+        relaunch_all(vm)?;
+        return Ok(Some(Completed::Refetched));
+    }
     let done = match bytes.first() {
         Some(0xcc) => {
             complete_int3(vm)?;
