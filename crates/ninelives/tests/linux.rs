@@ -128,7 +128,7 @@ fn a_linux_vm_on_a_host_boots_to_its_command_line_and_survives_warm_rejuvenation
     for (body, needle) in [
         (serde_json::json!({"kernel": "/nonexistent/vmlinuz"}), "/nonexistent/vmlinuz"),
         (serde_json::json!({"kernel": text_file}), "not a Linux bzImage or vmlinux"),
-        (serde_json::json!({"kernel": k, "vcpus": 2}), "one vCPU"),
+        (serde_json::json!({"kernel": k, "vcpus": 33}), "vcpus 33 is out of range"),
         (serde_json::json!({"kernel": k, "cmdline": long}), "kernel command line"),
         (serde_json::json!({"kernel": k, "ws": "8M"}), "\"ws\" is a field of the reference"),
         (serde_json::json!({"cmdline": "quiet"}), "give its \"kernel\" too"),
@@ -692,9 +692,60 @@ fn initramfs_builder_writes_newc_entries() {
     }
 }
 
+/// A Linux VM with 2 vCPUs: its MP table is in guest memory at 0x9fc00,
+/// its AP waits for SIPI (`KVM_MP_STATE_INIT_RECEIVED`) with its own APIC
+/// id in CPUID, and pause, save and a rebuild over the same memory from
+/// the saved state (what warm rejuvenation and `restore` do:
+/// `Vm::restore_linux`) keep both vCPUs, the AP still waiting. A few
+/// seconds of boot: the kernel has not started its AP yet (on PVM that
+/// takes minutes; see docs/linux-guests.md).
+#[test]
+fn a_linux_vm_with_two_vcpus_keeps_its_waiting_ap_across_save_and_restore() {
+    use nl_memory::vm_memory::{Bytes, GuestAddress};
+    // KVM's ABI values (linux/kvm.h).
+    const KVM_MP_STATE_RUNNABLE: u32 = 0;
+    const KVM_MP_STATE_INIT_RECEIVED: u32 = 2;
+    const KVM_MAX_CPUID_ENTRIES: usize = 80;
+    let Some(kernel) = debian_kernel("a_linux_vm_with_two_vcpus") else { return };
+    let mut config = linux_config(&kernel, None);
+    config.vcpus = 2;
+    let boot = LinuxBoot { cmdline: test_cmdline("two-vcpus"), ..Default::default() };
+    let kvm = nl_vmm::open_kvm().unwrap();
+    let vm = Vm::create_linux(&kvm, 0, config.clone(), &boot).expect("create the Linux VM");
+    let mut sig = [0u8; 4];
+    vm.memory().mem().read_slice(&mut sig, GuestAddress(0x9fc00)).unwrap();
+    assert_eq!(&sig, b"_MP_", "the MP floating pointer");
+    vm.start().unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    vm.pause();
+    let state = vm.save_state().unwrap();
+    assert_eq!(state.vcpus.len(), 2);
+    assert_eq!(state.vcpus[0].mp_state.mp_state, KVM_MP_STATE_RUNNABLE);
+    assert_eq!(state.vcpus[1].mp_state.mp_state, KVM_MP_STATE_INIT_RECEIVED);
+    let record = vm.linux_record().cloned().unwrap();
+    let memory = nl_memory::GuestMemory::from_fd(vm.memory().fd().clone(), config.mem_bytes)
+        .expect("map the guest memory again");
+    vm.stop();
+    drop(vm);
+    let new = Vm::restore_linux(&kvm, 1, config, memory, &state, &record)
+        .expect("rebuild the 2-vCPU Linux VM from its state");
+    let (mp, apic_id) = new
+        .with_vcpu(1, |fd| {
+            let mp = fd.get_mp_state().unwrap().mp_state;
+            let cpuid = fd.get_cpuid2(KVM_MAX_CPUID_ENTRIES).unwrap();
+            let leaf1 = cpuid.as_slice().iter().find(|e| e.function == 1).copied().unwrap();
+            (mp, leaf1.ebx >> 24)
+        })
+        .unwrap();
+    assert_eq!(mp, KVM_MP_STATE_INIT_RECEIVED, "the AP still waits for SIPI");
+    assert_eq!(apic_id, 1, "vCPU 1's CPUID names APIC id 1");
+}
+
 /// A bad kernel image or command line is refused with a clear error, not a
 /// crash: a bzImage whose payload points outside the file, a command line
-/// longer than Linux accepts, and more than one vCPU (no MP tables yet).
+/// longer than Linux accepts, and more vCPUs than an MP table describes.
+/// A VM with 2 vCPUs builds and runs: its application processor waits for
+/// the kernel's INIT/SIPI (`KVM_MP_STATE_INIT_RECEIVED`, 2).
 #[test]
 fn bad_linux_input_is_refused_with_a_clear_error() {
     if !common::kvm_available() {
@@ -717,15 +768,19 @@ fn bad_linux_input_is_refused_with_a_clear_error() {
     let long = "x".repeat(4096);
     let o = common::run_cli(&["run", "--kernel", &kernel, "--cmdline", &long, "--duration", "5"]);
     common::assert_clean_error(&o, "kernel command line");
-    let o = common::run_cli(&["run", "--kernel", &kernel, "--vcpus", "2", "--duration", "5"]);
-    common::assert_clean_error(&o, "one vCPU");
+    let o = common::run_cli(&["run", "--kernel", &kernel, "--vcpus", "33", "--duration", "5"]);
+    common::assert_clean_error(&o, "--vcpus 33 is out of range");
     // The same kernel through `run` (its boot to the banner is checked on
-    // a host, above): it builds, runs and stops at --duration.
+    // a host, above), with 2 vCPUs: it builds, runs and stops at
+    // --duration; in 3 s the kernel (clearing its BSS) has not started its
+    // AP, which still waits for SIPI.
     let con = dir.path().join("run-console.txt");
     let o = common::run_cli(&[
         "run",
         "--kernel",
         &kernel,
+        "--vcpus",
+        "2",
         "--duration",
         "3",
         "--console",
@@ -734,6 +789,8 @@ fn bad_linux_input_is_refused_with_a_clear_error() {
     let err = common::stderr(&o);
     assert!(o.status.success(), "run --kernel: {err}");
     assert!(err.contains("linux: stopped after --duration 3 s"), "run --kernel: {err}");
+    assert!(err.contains("vcpu0 mp_state 0 "), "the BSP runs: {err}");
+    assert!(err.contains("vcpu1 mp_state 2 "), "the AP waits for SIPI: {err}");
 }
 
 /// A Linux VM's time limit on a host (`duration`, in `host --config` and

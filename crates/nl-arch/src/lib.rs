@@ -6,6 +6,8 @@
 //! * [`image`]: loading kernel and user ELF images into fixed, bounded ranges.
 //! * [`linux`]: the Linux 64-bit boot protocol (bzImage/vmlinux, zero page,
 //!   e820, identity map and GDT, CPUID for PVM, System.map symbols).
+//! * [`mptable`]: the Intel MP table that shows a Linux guest its vCPUs and
+//!   IOAPIC.
 //! * [`regs`]: the initial vCPU state (sregs, regs, MSRs, CPUID), valid on
 //!   PVM and on VMX/SVM.
 //! * [`backend`]: which KVM backend serves /dev/kvm.
@@ -14,6 +16,7 @@ pub mod backend;
 pub mod gdt;
 pub mod image;
 pub mod linux;
+pub mod mptable;
 pub mod paging;
 pub mod regs;
 
@@ -30,6 +33,8 @@ pub enum ArchError {
     GuestMemory(String),
     #[error("KVM refused the initial vCPU state ({what}): {err}")]
     VcpuSetup { what: &'static str, err: kvm_ioctls::Error },
+    #[error("MP table: {0}")]
+    MpTable(String),
     #[error("{0} vCPUs requested; between 1 and {max} are supported", max = nl_abi::MAX_VCPUS)]
     BadVcpuCount(u32),
 }

@@ -467,6 +467,19 @@ pub fn setup_boot_vcpu(vcpu: &VcpuFd, entry: u64, cpuid: &CpuId) -> Result<(), A
     Ok(())
 }
 
+/// Sets up an application processor of a Linux VM: its CPUID (the APIC id
+/// in it is the vCPU's) and the wait-for-SIPI state
+/// (`KVM_MP_STATE_INIT_RECEIVED`). The kernel starts it with INIT and
+/// SIPI through the in-kernel LAPIC, in real mode at its trampoline.
+pub fn setup_ap_vcpu(vcpu: &VcpuFd, cpuid: &CpuId) -> Result<(), ArchError> {
+    let fail = |what| move |err| ArchError::VcpuSetup { what, err };
+    vcpu.set_cpuid2(cpuid).map_err(fail("CPUID"))?;
+    vcpu.set_mp_state(kvm_bindings::kvm_mp_state {
+        mp_state: kvm_bindings::KVM_MP_STATE_INIT_RECEIVED,
+    })
+    .map_err(fail("MP state (wait for SIPI)"))
+}
+
 /// Guest symbols from a System.map (`address type name` lines).
 #[derive(Clone, Debug, Default)]
 pub struct SystemMap(Vec<(u64, String)>);

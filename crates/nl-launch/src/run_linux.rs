@@ -71,16 +71,24 @@ pub fn run(a: &RunArgs, kernel: Arc<Vec<u8>>) -> Result<ExitCode> {
         LinuxOutcome::Ended(o) => nl_vmm::linux::describe_crash(&vm, o, map.as_ref()),
         LinuxOutcome::Reached => unreachable!("the loop only ends otherwise"),
     };
+    // With several vCPUs: did the kernel start its application processors?
+    let vcpus = if vm.config().vcpus > 1 {
+        vm.stop();
+        format!("; {}", nl_vmm::linux::vcpu_states(&vm))
+    } else {
+        String::new()
+    };
     let secs = |d: Option<Duration>| d.map_or("-".into(), |d| format!("{:.1} s", d.as_secs_f64()));
     eprintln!(
         "linux: {message}; first console byte after {}, banner after {} (from the first KVM_RUN; \
-         VM built in {:.0} ms); int3 completed by #BP: {}; fwait completed: {}; ldmxcsr/stmxcsr completed: {}; backend {backend}",
+         VM built in {:.0} ms); int3 completed by #BP: {}; fwait completed: {}; ldmxcsr/stmxcsr completed: {}; code patched under the emulator, run again: {}; backend {backend}{vcpus}",
         secs(first_byte),
         secs(banner),
         (started - t0).as_secs_f64() * 1e3,
         stats.int3_completed,
         stats.fwait_completed,
         stats.mxcsr_completed,
+        stats.refetched,
     );
     let ok = matches!(outcome, LinuxOutcome::Reset | LinuxOutcome::TimedOut);
     Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })

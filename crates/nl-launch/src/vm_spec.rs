@@ -166,13 +166,15 @@ impl VmSpec {
         Ok(SpecArgs { workload, machine, duration, console: self.console.clone() })
     }
 
-    /// The checks of a Linux VM's spec that need no file: one vCPU, no
-    /// reference-guest workload fields, a command line Linux accepts.
+    /// The checks of a Linux VM's spec that need no file: no more vCPUs
+    /// than its MP table describes, no reference-guest workload fields, a
+    /// command line Linux accepts.
     fn check_linux(&self, machine: &MachineArgs) -> Result<(), String> {
-        if machine.vcpus != 1 {
+        if machine.vcpus > nl_arch::mptable::MAX_CPUS {
             return Err(format!(
-                "vcpus {}: a Linux VM boots one vCPU for now (no MP or ACPI tables yet)",
-                machine.vcpus
+                "vcpus {}: a Linux VM has at most {} vCPUs (its MP table's limit)",
+                machine.vcpus,
+                nl_arch::mptable::MAX_CPUS
             ));
         }
         let workload_fields = [
@@ -345,13 +347,15 @@ mod tests {
         assert!(e.contains("unknown unit"), "{e}");
     }
 
-    /// A Linux VM's spec is checked before any file is read (one vCPU, no
+    /// A Linux VM's spec is checked before any file is read (at most 32 vCPUs, no
     /// workload fields, Linux fields only with a kernel), and a kernel that
     /// cannot be read or is not a Linux image is refused by its path.
     #[test]
     fn linux_specs_are_checked_by_name() {
-        let e = spec(r#"{"kernel":"/k","vcpus":2}"#).unwrap().args(3.0).err().unwrap();
-        assert!(e.contains("vcpus 2: a Linux VM boots one vCPU"), "{e}");
+        // Several vCPUs pass (an MP table describes them); 33 do not.
+        spec(r#"{"kernel":"/k","vcpus":2}"#).unwrap().args(3.0).unwrap();
+        let e = spec(r#"{"kernel":"/k","vcpus":33}"#).unwrap().args(3.0).err().unwrap();
+        assert!(e.contains("vcpus 33 is out of range"), "{e}");
         let e = spec(r#"{"kernel":"/k","ws":"8M"}"#).unwrap().args(3.0).err().unwrap();
         assert!(e.contains("\"ws\" is a field of the reference guest's workload"), "{e}");
         for f in ["cmdline", "initrd", "system_map"] {

@@ -35,9 +35,11 @@ use crate::vm::{Vm, VmOutcome};
 /// The UART's interrupt line (COM1's ISA IRQ).
 pub const SERIAL_GSI: u32 = 4;
 
-/// The virtio-blk and virtio-net interrupts of a Linux VM: ISA lines, since
-/// without MP or ACPI tables the kernel routes interrupts through the 8259
-/// PIC only (the reference guest's GSIs 16 and 17 are IOAPIC-only pins).
+/// The virtio-blk and virtio-net interrupts of a Linux VM: ISA lines, so
+/// that they reach the kernel both through the 8259 PIC (one vCPU: no MP
+/// table, no IOAPIC for the kernel) and through the IOAPIC the MP table of
+/// a VM with several vCPUs announces (KVM routes GSIs 0-15 to both; the
+/// reference guest's GSIs 16 and 17 are IOAPIC-only pins).
 pub const VIRTIO_BLK_GSI: u32 = 5;
 pub const VIRTIO_NET_GSI: u32 = 6;
 
@@ -202,10 +204,11 @@ pub fn cpuid_policy() -> CpuidPolicy {
 }
 
 fn check_config(config: &VmConfig) -> Result<(), VmmError> {
-    if config.vcpus != 1 {
+    if config.vcpus == 0 || config.vcpus > nl_arch::mptable::MAX_CPUS {
         return Err(VmmError::Config(format!(
-            "--vcpus {}: a Linux guest boots one vCPU for now (no MP or ACPI tables yet)",
-            config.vcpus
+            "--vcpus {}: a Linux guest has 1 to {} vCPUs (its MP table's limit)",
+            config.vcpus,
+            nl_arch::mptable::MAX_CPUS
         )));
     }
     GuestMemory::check_size(config.mem_bytes)?;
@@ -238,8 +241,21 @@ impl Vm {
                 initrd: boot.initrd.as_ref().map(|i| i.to_vec()),
             },
         )?;
-        let cpuid = boot_cpuid(kvm)?;
-        vm.with_vcpu(0, |fd| nl_arch::linux::setup_boot_vcpu(fd, entry, &cpuid))??;
+        let n = vm.config().vcpus;
+        if n > 1 {
+            // One vCPU boots as before (8259 PIC only); several need the
+            // MP table to be found, and it shows the kernel the IOAPIC.
+            let lines: Vec<u32> = virtio_devices(vm.config()).iter().map(|d| d.irq).collect();
+            nl_arch::mptable::write(vm.memory().mem(), n, &lines)?;
+        }
+        for cpu in 0..n {
+            let cpuid = vcpu_cpuid(kvm, cpu)?;
+            if cpu == 0 {
+                vm.with_vcpu(0, |fd| nl_arch::linux::setup_boot_vcpu(fd, entry, &cpuid))??;
+            } else {
+                vm.with_vcpu(cpu as usize, |fd| nl_arch::linux::setup_ap_vcpu(fd, &cpuid))??;
+            }
+        }
         let _ = vm.linux.set(LinuxRecord::of(boot));
         Ok(vm)
     }
@@ -273,9 +289,11 @@ impl Vm {
     ) -> Result<Self, VmmError> {
         check_config(&config)?;
         let vm = Self::assemble(kvm, id, config, memory, Instant::now(), true)?;
-        let cpuid = boot_cpuid(kvm)?;
-        vm.with_vcpu(0, |fd| fd.set_cpuid2(&cpuid))
-            .map(|r| r.map_err(kvm_err("KVM_SET_CPUID2")))??;
+        for cpu in 0..vm.config().vcpus {
+            let cpuid = vcpu_cpuid(kvm, cpu)?;
+            vm.with_vcpu(cpu as usize, |fd| fd.set_cpuid2(&cpuid))
+                .map(|r| r.map_err(kvm_err("KVM_SET_CPUID2")))??;
+        }
         let _ = vm.linux.set(record.clone());
         Ok(vm)
     }
@@ -286,12 +304,13 @@ impl Vm {
     }
 }
 
-/// The boot vCPU's CPUID: KVM's supported set under [`cpuid_policy`].
-fn boot_cpuid(kvm: &Kvm) -> Result<kvm_bindings::CpuId, VmmError> {
+/// vCPU `cpu`'s CPUID (its APIC id `cpu`): KVM's supported set under
+/// [`cpuid_policy`].
+fn vcpu_cpuid(kvm: &Kvm, cpu: u32) -> Result<kvm_bindings::CpuId, VmmError> {
     let supported = kvm
         .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
         .map_err(kvm_err("KVM_GET_SUPPORTED_CPUID"))?;
-    Ok(nl_arch::linux::linux_cpuid(&supported, 0, cpuid_policy()))
+    Ok(nl_arch::linux::linux_cpuid(&supported, u64::from(cpu), cpuid_policy()))
 }
 
 /// How waiting on a Linux VM ended.
@@ -357,6 +376,14 @@ mod tests {
     }
 
     #[test]
+    fn the_emulators_bytes_are_read_back_from_the_stop_message() {
+        let m = "KVM internal error (suberror 1: instruction emulation failed) at rip 0x10; \
+                 the emulator saw: cc 38 ba";
+        assert_eq!(super::parse_emulator_saw(m), Some(vec![0xcc, 0x38, 0xba]));
+        assert_eq!(super::parse_emulator_saw("at rip 0x10"), None);
+    }
+
+    #[test]
     fn xrstor_and_cmpxchg16b_get_a_hint() {
         let xrstor = [0x48, 0x0f, 0xae, 0x2f, 0x31, 0xc0];
         assert!(super::emulation_hint(&xrstor).unwrap().contains("noxsave"));
@@ -407,6 +434,8 @@ mod tests {
 /// `stmxcsr` through the vCPU's FPU state.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct WaitStats {
+    /// Stops on code another vCPU rewrote meanwhile, run again.
+    pub refetched: u64,
     pub int3_completed: u64,
     pub fwait_completed: u64,
     pub mxcsr_completed: u64,
@@ -433,6 +462,10 @@ pub fn wait(
         if let Some(o) = vm.poll_outcome() {
             if matches!(o, VmOutcome::Crashed { .. }) {
                 match complete_unemulated(vm) {
+                    Ok(Some(Completed::Refetched)) => {
+                        stats.refetched += 1;
+                        continue;
+                    }
                     Ok(Some(Completed::Int3)) => {
                         stats.int3_completed += 1;
                         continue;
@@ -487,7 +520,7 @@ pub(crate) fn supervise(vm: &Vm) -> Option<VmOutcome> {
                 let bytes = nl_memory::file::read_limited(p, "System.map", MAX_SYSTEM_MAP).ok()?;
                 Some(SystemMap::parse(&String::from_utf8_lossy(&bytes)))
             });
-            let message = message + &crash_details(vm, map.as_ref());
+            let message = message + &crash_details(vm, cpu, map.as_ref());
             return Some(VmOutcome::Crashed { cpu, message });
         }
         return Some(o);
@@ -504,9 +537,9 @@ pub fn time_limit_state(limit_ms: u64) -> String {
 /// Largest System.map read.
 pub const MAX_SYSTEM_MAP: u64 = 64 << 20;
 
-/// Up to 15 bytes of guest code at the boot vCPU's RIP, and the RIP.
-pub fn code_at_rip(vm: &Vm) -> Result<(u64, Vec<u8>), VmmError> {
-    let (rip, gpa) = vm.with_vcpu(0, |fd| -> Result<(u64, u64), VmmError> {
+/// Up to 15 bytes of guest code at vCPU `cpu`'s RIP, and the RIP.
+pub fn code_at_rip(vm: &Vm, cpu: usize) -> Result<(u64, Vec<u8>), VmmError> {
+    let (rip, gpa) = vm.with_vcpu(cpu, |fd| -> Result<(u64, u64), VmmError> {
         let rip = fd.get_regs().map_err(kvm_err("KVM_GET_REGS"))?.rip;
         let t = fd.translate_gva(rip).map_err(kvm_err("KVM_TRANSLATE"))?;
         if t.valid == 0 {
@@ -534,17 +567,17 @@ pub fn code_at_rip(vm: &Vm) -> Result<(u64, Vec<u8>), VmmError> {
 /// RIP and, with a System.map, the guest symbol.
 pub fn describe_crash(vm: &Vm, outcome: &VmOutcome, map: Option<&SystemMap>) -> String {
     let mut m = outcome.message();
-    if let VmOutcome::Crashed { .. } = outcome {
-        m.push_str(&crash_details(vm, map));
+    if let VmOutcome::Crashed { cpu, .. } = outcome {
+        m.push_str(&crash_details(vm, *cpu, map));
     }
     m
 }
 
 /// What [`describe_crash`] adds to a crash's message: `; instruction bytes
 /// at RIP: ...`, a hint, and the guest symbol.
-fn crash_details(vm: &Vm, map: Option<&SystemMap>) -> String {
+fn crash_details(vm: &Vm, cpu: usize, map: Option<&SystemMap>) -> String {
     let mut m = String::new();
-    match code_at_rip(vm) {
+    match code_at_rip(vm, cpu) {
         Ok((rip, bytes)) => {
             let hex: Vec<String> = bytes.iter().map(|b| format!("{b:02x}")).collect();
             m.push_str(&format!("; instruction bytes at {rip:#x}: {}", hex.join(" ")));
@@ -589,6 +622,10 @@ fn emulation_hint(code: &[u8]) -> Option<&'static str> {
 /// An instruction [`complete_unemulated`] completed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Completed {
+    /// The code at RIP changed since the emulator fetched it (another vCPU
+    /// patched it, as the kernel's `text_poke_bp` does: int3 first, then
+    /// the new instruction): the vCPU runs it again as it now is.
+    Refetched,
     Int3,
     Fwait,
     /// `ldmxcsr m32` (MXCSR loaded from memory) or `stmxcsr m32`.
@@ -688,29 +725,120 @@ fn decode_mxcsr(
     Some((load, addr, seg, len))
 }
 
-/// If the boot vCPU stopped on an emulation failure at an instruction whose
+/// The first vCPU that stopped on an emulation failure, if one did.
+fn emulation_failure_cpu(vm: &Vm) -> Option<usize> {
+    vm.report().vcpus.iter().position(|v| {
+        v.stop.as_ref().is_some_and(
+            |s| matches!(s, crate::vcpu::VcpuStop::Internal(m) if m.contains("emulation failed")),
+        )
+    })
+}
+
+/// The instruction bytes KVM's emulator fetched when vCPU `cpu` stopped on
+/// an emulation failure, if KVM reported them.
+fn emulator_saw(vm: &Vm, cpu: usize) -> Option<Vec<u8>> {
+    let report = vm.report();
+    let stop = report.vcpus.get(cpu)?.stop.as_ref()?;
+    let crate::vcpu::VcpuStop::Internal(m) = stop else { return None };
+    parse_emulator_saw(m)
+}
+
+/// The bytes after [`crate::vcpu::EMULATOR_SAW`] in a stop's message.
+fn parse_emulator_saw(m: &str) -> Option<Vec<u8>> {
+    let hex = &m[m.find(crate::vcpu::EMULATOR_SAW)? + crate::vcpu::EMULATOR_SAW.len()..];
+    hex.split_whitespace().map(|h| u8::from_str_radix(h, 16).ok()).collect()
+}
+
+/// The last (VM, vCPU, RIP) run again without the emulator's bytes to go
+/// by: the same stop twice in a row is not retried again.
+static LAST_BLIND_RETRY: std::sync::Mutex<Option<(u32, usize, u64)>> = std::sync::Mutex::new(None);
+
+/// Whether the code at vCPU `cpu`'s RIP (`now`) is not what the emulator
+/// stopped on: another vCPU rewrote it in between (cross-modifying code;
+/// the kernel patches jump labels and alternatives with `text_poke_bp`,
+/// an `int3` first, then the new instruction, so the emulator may stop on
+/// the `int3` and the memory show the new instruction). With the bytes KVM
+/// reports this is exact. Without them, with several vCPUs, an instruction
+/// the patching writes (a `jmp` or a NOP, which the emulator runs) is taken
+/// as changed once per RIP.
+fn code_changed(vm: &Vm, cpu: usize, rip: u64, now: &[u8]) -> bool {
+    if let Some(saw) = emulator_saw(vm, cpu) {
+        return !saw.is_empty() && saw.first() != now.first();
+    }
+    let patched = matches!(now, [0xeb | 0xe9 | 0x90, ..] | [0x66, 0x90, ..] | [0x0f, 0x1f, ..]);
+    if vm.config().vcpus < 2 || !patched {
+        return false;
+    }
+    let mut last = LAST_BLIND_RETRY.lock().unwrap_or_else(|e| e.into_inner());
+    let key = (vm.id(), cpu, rip);
+    if *last == Some(key) {
+        return false;
+    }
+    *last = Some(key);
+    true
+}
+
+/// Starts every vCPU again after one was completed (the others were
+/// halted at a KVM_RUN boundary, their state kept in KVM).
+fn relaunch_all(vm: &Vm) -> Result<(), VmmError> {
+    vm.halt_vcpus();
+    vm.relaunch()
+}
+
+/// Each vCPU's MP state (KVM_MP_STATE_*: 0 runnable, 1 uninitialized, 2
+/// INIT received / waiting for SIPI, 3 halted, 4 SIPI received), RIP and
+/// CS, for the report of a VM with several vCPUs: whether the kernel
+/// started its application processors. The vCPUs must be stopped.
+pub fn vcpu_states(vm: &Vm) -> String {
+    (0..vm.config().vcpus as usize)
+        .map(|cpu| {
+            let s = vm.with_vcpu(cpu, |fd| {
+                let mp = fd.get_mp_state().map(|m| m.mp_state).ok()?;
+                let rip = fd.get_regs().map(|r| r.rip).ok()?;
+                let cs = fd.get_sregs().map(|s| s.cs.selector).ok()?;
+                Some(format!("vcpu{cpu} mp_state {mp} rip {rip:#x} cs {cs:#x}"))
+            });
+            match s {
+                Ok(Some(s)) => s,
+                Ok(None) => format!("vcpu{cpu} state unreadable"),
+                Err(e) => format!("vcpu{cpu}: {e}"),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// If a vCPU stopped on an emulation failure at an instruction whose
 /// effect the VMM can give, completes it as the CPU would and relaunches
-/// the vCPU: `int3` (0xcc) moves RIP past it and injects #BP; `fwait`
+/// the vCPUs: `int3` (0xcc) moves RIP past it and injects #BP; `fwait`
 /// (0x9b) moves RIP past it, or injects #NM when CR0.TS and CR0.MP are set
 /// (pending x87 exceptions are not modelled: the kernel masks them).
 pub fn complete_unemulated(vm: &Vm) -> Result<Option<Completed>, VmmError> {
-    let report = vm.report();
-    let emulation_failure = report.vcpus.first().and_then(|v| v.stop.as_ref()).is_some_and(
-        |s| matches!(s, crate::vcpu::VcpuStop::Internal(m) if m.contains("emulation failed")),
-    );
-    if !emulation_failure {
+    let Some(cpu) = emulation_failure_cpu(vm) else {
         return Ok(None);
+    };
+    // With several vCPUs the others still run: the vCPUs' state is read
+    // and set with all of them stopped.
+    vm.halt_vcpus();
+    let (rip, bytes) = code_at_rip(vm, cpu)?;
+    if code_changed(vm, cpu, rip, &bytes) {
+        tracing::info!(
+            "vm{}: vCPU {cpu}'s code at {rip:#x} changed since the emulator stopped on it \
+             (another vCPU patched it): running it again",
+            vm.id()
+        );
+        relaunch_all(vm)?;
+        return Ok(Some(Completed::Refetched));
     }
-    let (_, bytes) = code_at_rip(vm)?;
     let done = match bytes.first() {
         Some(0xcc) => {
             complete_int3(vm)?;
             return Ok(Some(Completed::Int3));
         }
         Some(0x9b) => Completed::Fwait,
-        _ => return complete_mxcsr(vm, &bytes),
+        _ => return complete_mxcsr(vm, cpu, &bytes),
     };
-    vm.with_vcpu(0, |fd| -> Result<(), VmmError> {
+    vm.with_vcpu(cpu, |fd| -> Result<(), VmmError> {
         let sregs = fd.get_sregs().map_err(kvm_err("KVM_GET_SREGS"))?;
         if sregs.cr0 & 0b1010 == 0b1010 {
             let mut ev = fd.get_vcpu_events().map_err(kvm_err("KVM_GET_VCPU_EVENTS"))?;
@@ -724,7 +852,7 @@ pub fn complete_unemulated(vm: &Vm) -> Result<Option<Completed>, VmmError> {
             fd.set_regs(&regs).map_err(kvm_err("KVM_SET_REGS"))
         }
     })??;
-    vm.relaunch()?;
+    relaunch_all(vm)?;
     Ok(Some(done))
 }
 
@@ -732,9 +860,9 @@ pub fn complete_unemulated(vm: &Vm) -> Result<Option<Completed>, VmmError> {
 /// at its address loaded into (or stored from) MXCSR through
 /// `KVM_GET/SET_FPU`, RIP moved past it, the vCPU relaunched. A load of a
 /// value with reserved bits set gets #GP, as on the CPU.
-fn complete_mxcsr(vm: &Vm, code: &[u8]) -> Result<Option<Completed>, VmmError> {
+fn complete_mxcsr(vm: &Vm, cpu: usize, code: &[u8]) -> Result<Option<Completed>, VmmError> {
     use vm_memory::Bytes;
-    let done = vm.with_vcpu(0, |fd| -> Result<bool, VmmError> {
+    let done = vm.with_vcpu(cpu, |fd| -> Result<bool, VmmError> {
         let mut regs = fd.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
         let Some((load, addr, seg, len)) = decode_mxcsr(code, &regs) else {
             return Ok(false);
@@ -779,26 +907,23 @@ fn complete_mxcsr(vm: &Vm, code: &[u8]) -> Result<Option<Completed>, VmmError> {
     if !done {
         return Ok(None);
     }
-    vm.relaunch()?;
+    relaunch_all(vm)?;
     Ok(Some(Completed::Mxcsr))
 }
 
-/// If the boot vCPU stopped on an emulation failure at an `int3` (0xcc),
+/// If a vCPU stopped on an emulation failure at an `int3` (0xcc),
 /// completes it as the CPU would: RIP past the instruction and #BP
-/// injected, then relaunches the vCPU. Returns whether it did.
+/// injected, then relaunches the vCPUs. Returns whether it did.
 pub fn complete_int3(vm: &Vm) -> Result<bool, VmmError> {
-    let report = vm.report();
-    let emulation_failure = report.vcpus.first().and_then(|v| v.stop.as_ref()).is_some_and(
-        |s| matches!(s, crate::vcpu::VcpuStop::Internal(m) if m.contains("emulation failed")),
-    );
-    if !emulation_failure {
+    let Some(cpu) = emulation_failure_cpu(vm) else {
         return Ok(false);
-    }
-    let (_, bytes) = code_at_rip(vm)?;
+    };
+    vm.halt_vcpus();
+    let (_, bytes) = code_at_rip(vm, cpu)?;
     if bytes.first() != Some(&0xcc) {
         return Ok(false);
     }
-    vm.with_vcpu(0, |fd| -> Result<(), VmmError> {
+    vm.with_vcpu(cpu, |fd| -> Result<(), VmmError> {
         let mut regs = fd.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
         regs.rip += 1;
         fd.set_regs(&regs).map_err(kvm_err("KVM_SET_REGS"))?;
@@ -809,6 +934,6 @@ pub fn complete_int3(vm: &Vm) -> Result<bool, VmmError> {
         ev.exception.error_code = 0;
         fd.set_vcpu_events(&ev).map_err(kvm_err("KVM_SET_VCPU_EVENTS"))
     })??;
-    vm.relaunch()?;
+    relaunch_all(vm)?;
     Ok(true)
 }

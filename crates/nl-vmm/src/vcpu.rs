@@ -45,6 +45,10 @@ impl VcpuStop {
     }
 }
 
+/// What an emulation failure's message says before the instruction bytes
+/// KVM's emulator fetched (when KVM reports them), in hex.
+pub const EMULATOR_SAW: &str = "the emulator saw: ";
+
 /// Exit counters of one vCPU (read by stats and, later, by the VMM watchdog).
 #[derive(Default, Debug)]
 pub struct VcpuStats {
@@ -413,8 +417,29 @@ fn vcpu_loop(
             Ok(VcpuExit::InternalError) => {
                 // SAFETY: the exit reason is KVM_EXIT_INTERNAL_ERROR, so `internal` is the live member.
                 let sub = unsafe { vcpu.get_kvm_run().__bindgen_anon_1.internal.suberror };
+                // SAFETY: as above; for suberror 1 (KVM_INTERNAL_ERROR_EMULATION)
+                // `emulation_failure` is the live member, and its flag says
+                // whether the instruction bytes are filled in.
+                let saw = (sub == kvm_bindings::KVM_INTERNAL_ERROR_EMULATION).then(|| unsafe {
+                    let f = vcpu.get_kvm_run().__bindgen_anon_1.emulation_failure;
+                    let b = f.__bindgen_anon_1.__bindgen_anon_1;
+                    let has = f.flags
+                        & u64::from(
+                            kvm_bindings::KVM_INTERNAL_ERROR_EMULATION_FLAG_INSTRUCTION_BYTES,
+                        )
+                        != 0;
+                    (has && f.ndata >= 3 && b.insn_size > 0)
+                        .then(|| b.insn_bytes[..usize::from(b.insn_size.min(15))].to_vec())
+                });
+                let saw = match saw.flatten() {
+                    Some(b) => format!(
+                        "; {EMULATOR_SAW}{}",
+                        b.iter().map(|x| format!("{x:02x}")).collect::<Vec<_>>().join(" ")
+                    ),
+                    None => String::new(),
+                };
                 return VcpuStop::Internal(format!(
-                    "KVM internal error (suberror {sub}: {}) at rip {:#x}",
+                    "KVM internal error (suberror {sub}: {}) at rip {:#x}{saw}",
                     if sub == 1 { "instruction emulation failed" } else { "see host kernel log" },
                     rip(&vcpu)
                 ));
