@@ -173,23 +173,21 @@ pub struct Tlb {
 
 /// One arm of the storm: the periodic sandbox's periods over the
 /// repetitions.
+/// The periodic sandbox of the storm and TAP-flood parts: its period and
+/// the CPU it needs in each (µs).
+const PERIOD_US: u64 = 10_000;
+const NEED_US: u64 = 6_000;
+
+/// How the periodic sandbox fared over the repetitions of one arm (the
+/// storm and the TAP-flood parts judge it alike).
 #[derive(Clone, Debug, Serialize)]
-pub struct StormArm {
-    pub what: String,
-    /// The periodic sandbox's reserved budget and the storm's cap (runtime,
-    /// period µs).
-    pub reservation: Option<(u64, u64)>,
-    pub storm_budget: Option<(u64, u64)>,
+pub struct PeriodicShares {
     /// Per repetition: the worst complete period's CPU over what it needs.
     pub worst_over_need: Spread,
     /// Per repetition: the share of periods that got what it needs.
     pub met_share: Spread,
     /// Per repetition: the mean CPU per period over the period.
     pub mean_share: Spread,
-    /// Per repetition: the storm's rings per second, and its periods
-    /// throttled by its budget.
-    pub storm_rings_per_sec: Spread,
-    pub storm_throttled_periods: Spread,
     /// With a reservation, per repetition, by the host's account of the
     /// periodic sandbox's vCPU thread: the worst window's CPU over the
     /// runtime, the share of windows that gave the runtime, and windows
@@ -197,6 +195,43 @@ pub struct StormArm {
     pub host_worst_over_runtime: Option<Spread>,
     pub host_met_share: Option<Spread>,
     pub host_late_windows: Option<Spread>,
+}
+
+/// [`PeriodicShares`] of one arm's repetitions: the guest's period report
+/// and, with a reservation, the host's account.
+fn periodic_shares(
+    runs: &[(&nl_sandbox::periodic::PeriodReport, Option<&nl_sandbox::reserve::ReserveStats>)],
+) -> PeriodicShares {
+    let guest = |f: &dyn Fn(&nl_sandbox::periodic::PeriodReport) -> f64| {
+        spread(runs.iter().map(|r| f(r.0)).collect())
+    };
+    let host = |f: fn(&nl_sandbox::reserve::ReserveStats) -> f64| {
+        let x: Vec<f64> = runs.iter().filter_map(|r| r.1.map(f)).collect();
+        (!x.is_empty()).then(|| spread(x))
+    };
+    PeriodicShares {
+        worst_over_need: guest(&|p| p.worst_us as f64 / NEED_US as f64),
+        met_share: guest(&|p| p.met as f64 / p.periods.max(1) as f64),
+        mean_share: guest(&|p| p.total_us as f64 / (p.periods.max(1) * PERIOD_US) as f64),
+        host_worst_over_runtime: host(|r| r.worst_us as f64 / r.runtime_us.max(1) as f64),
+        host_met_share: host(|r| r.met as f64 / r.periods.max(1) as f64),
+        host_late_windows: host(|r| r.late as f64),
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct StormArm {
+    pub what: String,
+    /// The periodic sandbox's reserved budget and the storm's cap (runtime,
+    /// period µs).
+    pub reservation: Option<(u64, u64)>,
+    pub storm_budget: Option<(u64, u64)>,
+    #[serde(flatten)]
+    pub periodic: PeriodicShares,
+    /// Per repetition: the storm's rings per second, and its periods
+    /// throttled by its budget.
+    pub storm_rings_per_sec: Spread,
+    pub storm_throttled_periods: Spread,
     pub samples: Vec<nl_sandbox::periodic::PeriodReport>,
     pub reserved: Vec<nl_sandbox::reserve::ReserveStats>,
 }
@@ -668,7 +703,7 @@ pub fn bench(a: BenchSandboxArgs) -> Result<ExitCode> {
     if a.json {
         let budget = storm.as_ref().and_then(|st| st.arms.first()).and_then(|arm| {
             let (r, p) = arm.reservation?;
-            Some(BudgetRow { share: arm.mean_share, target: r as f64 / p as f64 })
+            Some(BudgetRow { share: arm.periodic.mean_share, target: r as f64 / p as f64 })
         });
         let all = BenchSandbox {
             budget,
@@ -744,8 +779,6 @@ fn print_fig9(f: &Fig9) {
 /// repetition interleaved.
 pub fn storm(a: &BenchSandboxArgs) -> Result<Storm> {
     use nl_sandbox::periodic::StormSet;
-    const PERIOD_US: u64 = 10_000;
-    const NEED_US: u64 = 6_000;
     let core = nl_sandbox::affinity::host_cores()?[0];
     let arms = [
         (
@@ -781,10 +814,6 @@ pub fn storm(a: &BenchSandboxArgs) -> Result<Storm> {
         }
     }
     let secs = a.storm_ms as f64 / 1e3;
-    let host = |v: &[Sample], f: fn(&nl_sandbox::reserve::ReserveStats) -> f64| {
-        let x: Vec<f64> = v.iter().filter_map(|s| s.3.as_ref().map(f)).collect();
-        (!x.is_empty()).then(|| spread(x))
-    };
     let arms = arms
         .iter()
         .zip(samples)
@@ -792,22 +821,9 @@ pub fn storm(a: &BenchSandboxArgs) -> Result<Storm> {
             what: what.to_string(),
             reservation: *reservation,
             storm_budget: *storm_budget,
-            worst_over_need: spread(
-                v.iter().map(|s| s.0.worst_us as f64 / NEED_US as f64).collect(),
-            ),
-            met_share: spread(
-                v.iter().map(|s| s.0.met as f64 / s.0.periods.max(1) as f64).collect(),
-            ),
-            mean_share: spread(
-                v.iter()
-                    .map(|s| s.0.total_us as f64 / (s.0.periods.max(1) * PERIOD_US) as f64)
-                    .collect(),
-            ),
+            periodic: periodic_shares(&v.iter().map(|s| (&s.0, s.3.as_ref())).collect::<Vec<_>>()),
             storm_rings_per_sec: spread(v.iter().map(|s| s.1 as f64 / secs).collect()),
             storm_throttled_periods: spread(v.iter().map(|s| s.2 as f64).collect()),
-            host_worst_over_runtime: host(&v, |r| r.worst_us as f64 / r.runtime_us.max(1) as f64),
-            host_met_share: host(&v, |r| r.met as f64 / r.periods.max(1) as f64),
-            host_late_windows: host(&v, |r| r.late as f64),
             reserved: v.iter().filter_map(|s| s.3).collect(),
             samples: v.into_iter().map(|s| s.0).collect(),
         })
@@ -833,15 +849,17 @@ fn print_storm(st: &Storm) {
         println!(
             "  {}: worst period / need {}, periods that got it {}, mean CPU share {}; storm {} rings/s, {} periods throttled",
             arm.what,
-            s(arm.worst_over_need, 3),
-            s(arm.met_share, 3),
-            s(arm.mean_share, 3),
+            s(arm.periodic.worst_over_need, 3),
+            s(arm.periodic.met_share, 3),
+            s(arm.periodic.mean_share, 3),
             s(arm.storm_rings_per_sec, 0),
             s(arm.storm_throttled_periods, 0)
         );
-        if let (Some(w), Some(m), Some(l)) =
-            (arm.host_worst_over_runtime, arm.host_met_share, arm.host_late_windows)
-        {
+        if let (Some(w), Some(m), Some(l)) = (
+            arm.periodic.host_worst_over_runtime,
+            arm.periodic.host_met_share,
+            arm.periodic.host_late_windows,
+        ) {
             println!(
                 "    host account of its reservation's windows: worst window / runtime {}, windows that gave the runtime {}, windows opened > 200 us late {}",
                 s(w, 3),
@@ -1024,11 +1042,8 @@ pub struct TapFloodArm {
     pub reservation: Option<(u64, u64)>,
     pub flooded_budget: Option<(u64, u64)>,
     pub io_budget: Option<(u64, u64)>,
-    pub worst_over_need: Spread,
-    pub met_share: Spread,
-    pub mean_share: Spread,
-    pub host_worst_over_runtime: Option<Spread>,
-    pub host_met_share: Option<Spread>,
+    #[serde(flatten)]
+    pub periodic: PeriodicShares,
     /// Per repetition: datagrams sent per second, the receive thread's CPU
     /// over the flood's wall time, and the io cgroup's throttled periods.
     pub sent_per_sec: Spread,
@@ -1174,8 +1189,6 @@ fn flood_run(
 /// repetition interleaved.
 pub fn tapflood(a: &BenchSandboxArgs) -> Result<TapFlood> {
     use nl_sandbox::periodic::TapFloodSet;
-    const PERIOD_US: u64 = 10_000;
-    const NEED_US: u64 = 6_000;
     let cores = nl_sandbox::affinity::host_cores()?;
     let (core, sender_core) = (cores[0], *cores.last().expect("a core"));
     let reservation = Some((7_000, PERIOD_US));
@@ -1203,10 +1216,6 @@ pub fn tapflood(a: &BenchSandboxArgs) -> Result<TapFlood> {
             samples[k].push(flood_run(&kvm, &set, sender_core, a.storm_ms)?);
         }
     }
-    let host = |v: &[FloodSample], f: fn(&nl_sandbox::reserve::ReserveStats) -> f64| {
-        let x: Vec<f64> = v.iter().filter_map(|s| s.1.as_ref().map(f)).collect();
-        (!x.is_empty()).then(|| spread(x))
-    };
     let arms = arms
         .iter()
         .zip(samples)
@@ -1215,19 +1224,7 @@ pub fn tapflood(a: &BenchSandboxArgs) -> Result<TapFlood> {
             reservation,
             flooded_budget: flooded,
             io_budget: *io,
-            worst_over_need: spread(
-                v.iter().map(|s| s.0.worst_us as f64 / NEED_US as f64).collect(),
-            ),
-            met_share: spread(
-                v.iter().map(|s| s.0.met as f64 / s.0.periods.max(1) as f64).collect(),
-            ),
-            mean_share: spread(
-                v.iter()
-                    .map(|s| s.0.total_us as f64 / (s.0.periods.max(1) * PERIOD_US) as f64)
-                    .collect(),
-            ),
-            host_worst_over_runtime: host(&v, |r| r.worst_us as f64 / r.runtime_us.max(1) as f64),
-            host_met_share: host(&v, |r| r.met as f64 / r.periods.max(1) as f64),
+            periodic: periodic_shares(&v.iter().map(|s| (&s.0, s.1.as_ref())).collect::<Vec<_>>()),
             sent_per_sec: spread(v.iter().map(|s| s.2 as f64 / s.3.as_secs_f64()).collect()),
             netrx_cpu_share: spread(
                 v.iter().map(|s| s.4 as f64 / s.3.as_nanos().max(1) as f64).collect(),
@@ -1258,14 +1255,16 @@ fn print_tapflood(t: &TapFlood) {
         println!(
             "  {}: worst period / need {}, periods that got it {}, mean CPU share {}; {} datagrams/s sent, receive thread CPU share {}, io periods throttled {}",
             arm.what,
-            s(arm.worst_over_need, 3),
-            s(arm.met_share, 3),
-            s(arm.mean_share, 3),
+            s(arm.periodic.worst_over_need, 3),
+            s(arm.periodic.met_share, 3),
+            s(arm.periodic.mean_share, 3),
             s(arm.sent_per_sec, 0),
             s(arm.netrx_cpu_share, 4),
             s(arm.io_throttled_periods, 0)
         );
-        if let (Some(w), Some(m)) = (arm.host_worst_over_runtime, arm.host_met_share) {
+        if let (Some(w), Some(m)) =
+            (arm.periodic.host_worst_over_runtime, arm.periodic.host_met_share)
+        {
             println!(
                 "    host account of its reservation's windows: worst window / runtime {}, windows that gave the runtime {}",
                 s(w, 3),
