@@ -25,10 +25,23 @@ fn a_budget_caps_the_sandbox_and_is_removed_with_it() {
           "budget": {{"runtime_us": 1000, "period_us": 100000}}}},
         {{"name": "free", "cores": [{c1}], "workload": {{"kind": "compute", "duration_ms": 1000}}}}]}}"#
     );
+    // A host killed before it removed its budget's cgroup left one behind
+    // (its pid gone): the next budget removes it (a reserved one would
+    // otherwise keep its real-time runtime and refuse every reservation).
+    let dead = {
+        let mut c = std::process::Command::new("true").spawn().expect("spawn true");
+        c.wait().expect("wait");
+        c.id()
+    };
+    let stale = format!("/sys/fs/cgroup/cpu/ninelives-{dead}-stale");
+    std::fs::create_dir(&stale).expect("a stale cgroup");
     let kvm = nl_vmm::open_kvm().expect("kvm");
     let set = SandboxSet::create(&kvm, SetConfig::parse(&text).unwrap(), &common::sandbox_images())
         .expect("set");
     set.start_all().expect("start");
+    let swept = !std::path::Path::new(&stale).exists();
+    let _ = std::fs::remove_dir(&stale);
+    assert!(swept, "the stale cgroup {stale} of a gone process was left");
     let dir = format!("/sys/fs/cgroup/cpu/ninelives-{}-capped", std::process::id());
     let tasks = std::fs::read_to_string(format!("{dir}/tasks")).expect("the budget's cgroup");
     let tids: Vec<i32> =

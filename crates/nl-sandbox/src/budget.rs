@@ -115,6 +115,31 @@ fn make_cgroup(sandbox: &str, dir: &Path) -> Result<(), SandboxError> {
     }
 }
 
+/// Removes the budget cgroups of `ninelives` processes that are gone (a
+/// host killed, or one that died before it removed them): empty, their
+/// owner's pid no longer alive. A reserved budget's real-time runtime stays
+/// allotted while its cgroup exists, so a stale one would refuse every
+/// reservation after it. Returns the ones removed.
+pub fn sweep_stale(root: &Path) -> Vec<std::path::PathBuf> {
+    let Ok(entries) = std::fs::read_dir(root) else { return Vec::new() };
+    let mut removed = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix("ninelives-")) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        let dir = e.path();
+        let gone = !Path::new(&format!("/proc/{pid}")).exists();
+        if gone && dir.is_dir() && tasks(&dir).is_empty() && std::fs::remove_dir(&dir).is_ok() {
+            removed.push(dir);
+        }
+    }
+    removed
+}
+
 /// Moves the threads still in `dir` back to its parent, then removes it.
 fn remove_cgroup(dir: &Path) {
     if let Some(parent) = dir.parent().map(|p| p.join("tasks")) {
@@ -187,6 +212,12 @@ impl AppliedBudget {
                 "sandbox '{sandbox}' has a budget, but there is no cgroup v1 cpu controller at \
                  {V1_CPU} (cpu.cfs_quota_us) to enforce it; remove the budget or mount it"
             )));
+        }
+        for stale in sweep_stale(root) {
+            eprintln!(
+                "ninelives: removed the stale budget cgroup {} (its process is gone)",
+                stale.display()
+            );
         }
         let dir = root.join(format!("ninelives-{}-{sandbox}", std::process::id()));
         make_cgroup(sandbox, &dir)?;
