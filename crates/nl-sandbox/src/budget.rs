@@ -251,7 +251,18 @@ impl AppliedBudget {
             }
             let net = crate::reserve::safety_net_us(budget.runtime_us, budget.period_us);
             write(&applied.dir.join("cpu.rt_period_us"), &budget.period_us.to_string())?;
-            write(&rt, &net.to_string()).map_err(|e| {
+            // A cgroup removed just before (a set that ended, or a stale
+            // one swept above) gives its real-time runtime back only once
+            // the kernel has freed it: retry, bounded (0.5 s).
+            let mut r = write(&rt, &net.to_string());
+            for _ in 0..50 {
+                if r.is_ok() {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+                r = write(&rt, &net.to_string());
+            }
+            r.map_err(|e| {
                 SandboxError::Resource(format!(
                     "sandbox '{sandbox}': cannot reserve {} us of every {} us ({net} us of \
                      real-time runtime): {e} (all reservations together may have at most the \
