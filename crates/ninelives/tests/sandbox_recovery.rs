@@ -427,13 +427,16 @@ fn a_sandbox_that_heartbeats_but_stops_sending_is_detected_by_output_stall() {
 /// Writes into `svc`'s output region (region 0 of channel 0) one more
 /// record with a valid frame (its CRC, the next sequence number) carrying a
 /// message its sender would never send (another sender's bytes): what a
-/// writer with a corrupt message buffer publishes. svc is paused meanwhile.
+/// writer with a corrupt message buffer publishes. svc is paused meanwhile,
+/// and the host's check reads the record before svc runs again.
 fn forge_a_wrong_message(s: &SandboxSet) {
     use nl_workloads::channel::{record_crc, HEADER_WORDS};
     use nl_workloads::chanstream::{message, MSG_BYTES};
     let vm = s.get("svc").expect("svc").vm();
     vm.pause();
     let ch = &s.channels[0];
+    // Up to date with svc's stream first (nothing wrong in it yet).
+    assert_eq!(ch.check_region(0).first, None, "svc's own records were wrong");
     let head = ch.header(0).head_words;
     let n = nl_abi::CHANNEL_REGION_BYTES / 8 - HEADER_WORDS as u64;
     let words = 2 + (MSG_BYTES / 8) as u64;
@@ -454,6 +457,12 @@ fn forge_a_wrong_message(s: &SandboxSet) {
     assert!(head % n + words <= n, "the forged record would wrap");
     ch.scribble(0, (head % n) * 8, &rec);
     ch.set_head(0, head + words);
+    // The host's check reads it now, while svc is still paused: resumed
+    // in the middle of a send, svc would finish its own record over the
+    // forged one before a monitor's next look (seen once in CI). svc's
+    // monitor takes the finding once svc runs.
+    let found = ch.check_region(0).first.expect("the host's check found the forged record");
+    assert_eq!(found.seq, seq, "{found:?}");
     vm.resume();
 }
 
