@@ -291,6 +291,19 @@ impl IoBudget {
     }
 }
 
+/// The error for a budget (`what`: `budget` or `budget.io`) of more than
+/// [`MAX_CORE_SHARE`] of a core, if it is.
+fn over_core_share(sandbox: &str, what: &str, runtime_us: u64, period_us: u64) -> Option<String> {
+    let share = runtime_us as f64 / period_us as f64;
+    (share > MAX_CORE_SHARE).then(|| {
+        format!(
+            "sandbox '{sandbox}': {what} {runtime_us} us every {period_us} us is {:.0}% of a core, more than the {:.0}% allowed",
+            share * 100.0,
+            MAX_CORE_SHARE * 100.0
+        )
+    })
+}
+
 /// The kernel's least CFS quota and period (µs).
 pub const MIN_CFS_US: u64 = 1_000;
 
@@ -688,15 +701,8 @@ impl SetConfig {
                         s.name, b.runtime_us, b.period_us
                     ));
                 }
-                if b.share() > MAX_CORE_SHARE {
-                    return bad(format!(
-                        "sandbox '{}': budget {} us every {} us is {:.0}% of a core, more than the {:.0}% allowed",
-                        s.name,
-                        b.runtime_us,
-                        b.period_us,
-                        b.share() * 100.0,
-                        MAX_CORE_SHARE * 100.0
-                    ));
+                if let Some(e) = over_core_share(&s.name, "budget", b.runtime_us, b.period_us) {
+                    return bad(e);
                 }
                 if let Some(io) = b.io {
                     if io.runtime_us < MIN_CFS_US
@@ -708,15 +714,10 @@ impl SetConfig {
                             s.name, io.runtime_us, io.period_us
                         ));
                     }
-                    if io.share() > MAX_CORE_SHARE {
-                        return bad(format!(
-                            "sandbox '{}': budget.io {} us every {} us is {:.0}% of a core, more than the {:.0}% allowed",
-                            s.name,
-                            io.runtime_us,
-                            io.period_us,
-                            io.share() * 100.0,
-                            MAX_CORE_SHARE * 100.0
-                        ));
+                    if let Some(e) =
+                        over_core_share(&s.name, "budget.io", io.runtime_us, io.period_us)
+                    {
+                        return bad(e);
                     }
                     if !s.net.as_ref().is_some_and(|n| n.rx_irq) {
                         return bad(format!(

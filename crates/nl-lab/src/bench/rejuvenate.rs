@@ -94,11 +94,6 @@ impl HostProc {
     pub(crate) fn recovered(&self) -> Option<Value> {
         self.0.proc.stderr.records("NINELIVES-RECOVERED ").pop()
     }
-
-    /// The last `n` lines of the host's standard error.
-    pub(crate) fn stderr_tail(&self, n: usize) -> Vec<String> {
-        self.0.proc.stderr.tail(n)
-    }
 }
 
 impl Drop for HostProc {

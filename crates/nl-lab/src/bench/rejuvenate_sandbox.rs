@@ -71,17 +71,26 @@ pub(crate) fn rows(h: &HostProc, net: Option<&PingNet>, reps: u32, json: bool) -
         runs.push(row);
     }
     h.req(json!({"op": "sandbox_destroy", "name": SET}))?;
+    let mut rows = summary(runs, "warm", "rejuvenations", json);
+    rows["baseline"] = json!(baseline);
+    Ok(rows)
+}
+
+/// The rows' JSON (`runs`, the longest gap's spread, pings lost) and,
+/// unless `json`, one line for them.
+fn summary(runs: Vec<Value>, what: &str, events: &str, json: bool) -> Value {
     // A gap under the probe's resolution has no `gap_ms`: counted as 0.
     let gaps: Vec<f64> = runs.iter().map(|r| r["ping"]["gap_ms"].as_f64().unwrap_or(0.0)).collect();
     let lost: u64 = runs.iter().filter_map(|r| r["ping"]["lost"].as_u64()).sum();
     let gap = crate::stats::Summary::of(&gaps);
     if !json {
         println!(
-            "warm, sandbox set with its own TAP: ping gap {} ms, {lost} pings lost in {reps} rejuvenations",
-            gap.show(1)
+            "{what}, sandbox set with its own TAP: ping gap {} ms, {lost} pings lost in {} {events}",
+            gap.show(1),
+            runs.len()
         );
     }
-    Ok(json!({"runs": runs, "baseline": baseline, "gap_ms": gap, "lost": lost}))
+    json!({"runs": runs, "gap_ms": gap, "lost": lost})
 }
 
 /// The request whose connection crashes the host of a microreboot row:
@@ -156,9 +165,6 @@ pub(crate) fn microreboot_rows(
         let recovered = h.recovered();
         let row = json!({"rep": rep, "ping": probe, "ping_baseline": baseline,
             "api_back_ms": info.1, "pid": info.0["pid"], "recovered": recovered});
-        if std::env::var_os("NINELIVES_BENCH_DEBUG").is_some() {
-            eprintln!("{}", h.stderr_tail(40).join("\n"));
-        }
         if !json {
             println!(
                 "microreboot, sandbox set with its own TAP, rep {rep}: API back after {:.1} ms, {}",
@@ -170,14 +176,5 @@ pub(crate) fn microreboot_rows(
         let _ = h.req(json!({"op": "sandbox_destroy", "name": SET}));
         drop(h);
     }
-    let gaps: Vec<f64> = runs.iter().map(|r| r["ping"]["gap_ms"].as_f64().unwrap_or(0.0)).collect();
-    let lost: u64 = runs.iter().filter_map(|r| r["ping"]["lost"].as_u64()).sum();
-    let gap = crate::stats::Summary::of(&gaps);
-    if !json {
-        println!(
-            "microreboot, sandbox set with its own TAP: ping gap {} ms, {lost} pings lost in {reps} microreboots",
-            gap.show(1)
-        );
-    }
-    Ok(json!({"runs": runs, "gap_ms": gap, "lost": lost}))
+    Ok(summary(runs, "microreboot", "microreboots", json))
 }
