@@ -51,8 +51,8 @@
 //! channel's counters separately and without any exit of the VM, and only
 //! this end can write them (a faulty peer cannot forge them).
 
-use core::sync::atomic::AtomicU64;
 use core::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use core::sync::atomic::{fence, AtomicU64};
 
 /// Region word 0 of an initialised region: "9LCHAN01".
 pub const MAGIC: u64 = u64::from_le_bytes(*b"9LCHAN01");
@@ -177,6 +177,10 @@ impl<'a> Endpoint<'a> {
         // Withdraw the old generation first, so the peer never sees the new
         // generation with the old head.
         own[W_GEN].store(0, Release);
+        // Every later store (this generation's records too) is ordered
+        // after the withdrawal for a reader that sees it ([`Endpoint::recv`]
+        // re-reads the generation after reading a record).
+        fence(Release);
         own[W_HEAD].store(0, Relaxed);
         own[W_ACK_GEN].store(0, Relaxed);
         own[W_ACK].store(0, Relaxed);
@@ -314,6 +318,15 @@ impl<'a> Endpoint<'a> {
         Ok(())
     }
 
+    /// Whether the peer's generation is no longer `gen`: what was read
+    /// since `gen` was read may be torn by a withdrawal or a restart, and is
+    /// dropped, never counted as a bad record (pairs with the `Release`
+    /// fences in [`Endpoint::new`] and [`withdraw`]).
+    fn peer_moved(&self, gen: u64) -> bool {
+        fence(Acquire);
+        self.peer[W_GEN].load(Relaxed) != gen
+    }
+
     fn resync(&mut self, head: u64) {
         self.pos = head;
         self.stats.resyncs += 1;
@@ -367,6 +380,9 @@ impl<'a> Endpoint<'a> {
                 self.ack();
             }
             let head = self.peer[W_HEAD].load(Acquire);
+            if self.peer_moved(gen) {
+                continue;
+            }
             if head == self.pos {
                 return None;
             }
@@ -379,6 +395,9 @@ impl<'a> Endpoint<'a> {
             let off = self.pos % n;
             let w0 = ring[off as usize].load(Relaxed);
             if w0 == PAD {
+                if self.peer_moved(gen) {
+                    continue;
+                }
                 if self.pos + (n - off) > head {
                     self.stats.bad_length += 1;
                     self.resync(head);
@@ -392,18 +411,27 @@ impl<'a> Endpoint<'a> {
             let crc = (w0 >> 32) as u32;
             let words = record_words(len) as u64;
             if off + words > n || self.pos + words > head {
+                if self.peer_moved(gen) {
+                    continue;
+                }
                 self.stats.bad_length += 1;
                 self.resync(head);
                 continue;
             }
             let seq = ring[off as usize + 1].load(Relaxed);
             if self.next_seq != u64::MAX && seq != self.next_seq {
+                if self.peer_moved(gen) {
+                    continue;
+                }
                 self.stats.bad_seq += 1;
                 self.resync(head);
                 continue;
             }
             let start = off as usize + RECORD_HEADER_WORDS;
             let body = &ring[start..start + payload_words(len)];
+            if len > buf.len() && self.peer_moved(gen) {
+                continue;
+            }
             self.pos += words;
             self.next_seq = seq.wrapping_add(1);
             if len > buf.len() {
@@ -421,6 +449,11 @@ impl<'a> Endpoint<'a> {
                 let last = body[body.len() - 1].load(Relaxed).to_le_bytes();
                 let k = rest.len();
                 rest.copy_from_slice(&last[..k]);
+            }
+            if self.peer_moved(gen) {
+                // Read while the peer was withdrawn or restarted: its words
+                // may be half old, half cleared or new. Not a record.
+                continue;
             }
             self.ack();
             if record_crc(len as u32, seq, out) != crc {
@@ -444,6 +477,8 @@ pub fn withdraw(own: &[AtomicU64]) {
     if let Some(g) = own.get(W_GEN) {
         g.store(0, Release);
     }
+    // Ordered before the clearing for a reader that sees a cleared word.
+    fence(Release);
     if let Some(h) = own.get(W_HEAD) {
         h.store(0, Release);
     }
@@ -738,6 +773,39 @@ mod tests {
                 }
             }
             assert_eq!(y.stats().rejected(), 0);
+        });
+    }
+
+    /// A writer withdrawn by the host and restarted with a new generation
+    /// while the receiver is in the middle of reading one of its records
+    /// (the sandbox `restart` policy) is a restart, never a bad record: a
+    /// read that overlapped the withdrawal is dropped, not counted.
+    #[test]
+    fn a_writer_withdrawn_mid_read_is_no_bad_record() {
+        let (a, b) = (region(HEADER_WORDS + 256), region(HEADER_WORDS + 256));
+        let rounds = 3_000u64;
+        let done = core::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for g in 1..=rounds {
+                    let mut x = Endpoint::new(&a, &b, g).unwrap();
+                    for i in 0..8 {
+                        let _ = x.send(&payload(i, 200));
+                    }
+                    withdraw(&a);
+                }
+                done.store(true, Release);
+            });
+            let mut y = Endpoint::new(&b, &a, 1 << 40).unwrap();
+            let mut buf = [0u8; 512];
+            let start = std::time::Instant::now();
+            while !done.load(Acquire) {
+                assert!(start.elapsed().as_secs() < 60, "writer stalled");
+                if let Some(len) = y.recv(&mut buf) {
+                    assert_eq!(len, 200);
+                }
+            }
+            assert_eq!(y.stats().rejected(), 0, "{:?}", y.stats());
         });
     }
 }
