@@ -4,7 +4,7 @@
 //! connection (never a hang of the host); connections are capped; `create`
 //! is admitted against guest-memory and vCPU budgets.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;

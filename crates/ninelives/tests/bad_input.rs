@@ -1,6 +1,6 @@
 //! Bad input gets a clear one-line error and a non-zero exit, never a panic.
 
-mod common;
+use crate::common;
 
 use common::*;
 

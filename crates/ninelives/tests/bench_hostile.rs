@@ -3,7 +3,7 @@
 //! attack: every try is a clean refusal, nothing crashes, hangs, succeeds
 //! where it must not or harms a bystander VM.
 
-mod common;
+use crate::common;
 
 use common::*;
 

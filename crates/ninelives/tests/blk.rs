@@ -1,7 +1,7 @@
 //! virtio-blk and the blkbench workload, end to end: the ring-3 driver in
 //! the guest, the device in the VMM, verification by host replay.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};

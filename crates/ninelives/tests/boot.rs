@@ -1,6 +1,6 @@
 //! Booting the reference guest and verifying its workloads end to end.
 
-mod common;
+use crate::common;
 
 use std::os::unix::fs::MetadataExt;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! VM-μCheckpoint end to end: protected runs keep their digest, and an
 //! injected fault that would corrupt the result is rolled back.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

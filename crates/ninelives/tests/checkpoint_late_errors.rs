@@ -3,7 +3,7 @@
 //! check) is rolled back further and further until the fault is gone, and
 //! a run whose result check fails is never reported as completed with it.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! The command line documents itself: every option of every subcommand has
 //! a help text, and completions and man pages are generated from it.
 
-mod common;
+use crate::common;
 
 use clap::CommandFactory;
 use common::*;

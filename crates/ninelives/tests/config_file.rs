@@ -3,7 +3,7 @@
 //! bad file is refused whole, naming the VM and field, before anything
 //! starts.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -4,7 +4,7 @@
 //! the CRC after an edit), and checkpoint files can be authenticated with an
 //! HMAC-SHA256 under a key file.
 
-mod common;
+use crate::common;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};

@@ -3,7 +3,7 @@
 //! runs and in the result, verification by host replay, a rebooted guest
 //! finding its data set on the disk, and a warm rejuvenation under it.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Child;

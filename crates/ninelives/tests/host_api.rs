@@ -1,7 +1,7 @@
 //! `ninelives host`: several VMs driven over the Unix-socket API; malformed
 //! requests get errors and the host keeps serving the other VMs.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;

@@ -3,7 +3,7 @@
 //! the right status when the request is wrong, destroyed, and carried
 //! through a microreset, warm rejuvenations and a microreboot of the host.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 
@@ -40,6 +40,7 @@ fn wait_ended(sock: &std::path::Path, running: impl Fn(&Value)) -> Value {
 
 #[test]
 fn a_host_runs_sandbox_sets_beside_its_vms() {
+    let _one_at_a_time = common::pace_sensitive();
     if !kvm_available() {
         return;
     }

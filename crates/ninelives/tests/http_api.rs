@@ -3,7 +3,7 @@
 //! Prometheus text, JSON lines still work on the same socket, and the
 //! committed OpenAPI document is the one the code generates.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;

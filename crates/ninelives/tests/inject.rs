@@ -1,6 +1,6 @@
 //! The VMM's error detectors and the fault-injection campaign runner.
 
-mod common;
+use crate::common;
 
 use std::process::Stdio;
 use std::time::{Duration, Instant};

@@ -8,7 +8,7 @@
 //! On PVM the kernel's ring 0 is emulated: it reaches its banner after tens
 //! of seconds, so the waits are generous (bounded, never asserted on).
 
-mod common;
+use crate::common;
 
 use std::io::Write;
 use std::path::PathBuf;

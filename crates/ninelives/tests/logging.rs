@@ -2,7 +2,7 @@
 //! its level, target and message; `--log-level` filters; text lines keep
 //! the `ninelives: ` prefix.
 
-mod common;
+use crate::common;
 
 use common::*;
 

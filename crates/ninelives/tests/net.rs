@@ -1,7 +1,7 @@
 //! virtio-net and netbench, end to end, inside a network namespace of the
 //! test's own with a TAP in it: only addresses inside it are ever used.
 
-mod common;
+use crate::common;
 
 use std::process::Stdio;
 use std::time::{Duration, Instant};

@@ -2,7 +2,7 @@
 //! fresh TAP up with its address, so the guest answers a ping with no
 //! manual `ip` step; bad combinations are refused by name.
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Stdio};
 use std::time::Duration;

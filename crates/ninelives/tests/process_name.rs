@@ -2,7 +2,7 @@
 //! still called `ninelives` (the kernel names a process exec'd through
 //! /proc/self/exe `exe`, which `pgrep ninelives` cannot find).
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::{Duration, Instant};

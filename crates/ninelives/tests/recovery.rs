@@ -5,7 +5,7 @@
 //! with a verified digest. Without the repairs, or with a corrupt recovery
 //! record, the VMM ends with a clean, reported failure (exit 86).
 
-mod common;
+use crate::common;
 
 use std::io::Write;
 use std::os::unix::net::UnixStream;

@@ -6,7 +6,7 @@
 //! own) keeps answering a 1 ms ping across warm, cold and save-restore
 //! rejuvenations.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;

@@ -3,7 +3,7 @@
 //! a killed primary, a partitioned link, refused connections, forged and
 //! slow peers.
 
-mod common;
+use crate::common;
 
 use std::io::Write;
 use std::net::TcpStream;

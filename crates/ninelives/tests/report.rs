@@ -3,7 +3,7 @@
 //! file it links exists, and a real headless browser (Debian's chromium)
 //! renders every figure.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

@@ -1,7 +1,7 @@
 //! Sandboxes (Quest-V): channels between isolated VMs, the isolation audit,
 //! read-only channel pages enforced by the VMM, and configuration errors.
 
-mod common;
+use crate::common;
 
 use std::io::Read;
 use std::time::Duration;

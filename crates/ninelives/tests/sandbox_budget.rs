@@ -3,7 +3,7 @@
 //! (throttled periods counted), it still completes and verifies, and the
 //! cgroup is gone after the set.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
@@ -13,6 +13,7 @@ use nl_vmm::VmOutcome;
 
 #[test]
 fn a_budget_caps_the_sandbox_and_is_removed_with_it() {
+    let _one_at_a_time = common::pace_sensitive();
     if !kvm_available() {
         return;
     }

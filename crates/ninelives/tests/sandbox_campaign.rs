@@ -5,7 +5,7 @@
 //! Every run is bounded by the campaign itself (each run's wait is bounded);
 //! nothing asserts on timing.
 
-mod common;
+use crate::common;
 
 use common::{kvm_available, last_json, ninelives, stderr, stdout};
 use serde_json::Value;

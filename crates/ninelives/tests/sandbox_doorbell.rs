@@ -5,7 +5,7 @@
 //! doorbell's interrupt (or the 100 Hz timer) wakes it, and it counts the
 //! halts that ended before any timer tick.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

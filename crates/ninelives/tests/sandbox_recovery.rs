@@ -3,7 +3,7 @@
 //!
 //! Every wait is bounded in count and time; nothing asserts on timing.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -7,7 +7,7 @@
 //! 10.0.0.1/24; the service is 10.0.0.2. Every wait is bounded in count and
 //! time; nothing asserts on timing.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};

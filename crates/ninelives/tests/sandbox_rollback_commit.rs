@@ -8,7 +8,7 @@
 //! Every wait and loop is bounded in count and time; nothing asserts on
 //! timing.
 
-mod common;
+use crate::common;
 
 use std::net::{SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
@@ -125,6 +125,7 @@ fn faults_under_load(output_commit: bool, tag: &str) -> Option<(kvload::KvReport
 
 #[test]
 fn kv_under_rollback_with_output_commit_loses_no_acknowledged_write() {
+    let _one_at_a_time = common::pace_sensitive();
     if !kvm_available() {
         return;
     }

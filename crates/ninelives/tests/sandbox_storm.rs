@@ -16,7 +16,7 @@
 //! period reported) and never claims more CPU than the host accounted to
 //! its vCPU thread.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 
@@ -50,6 +50,7 @@ struct Samples {
 
 #[test]
 fn a_budgeted_doorbell_storm_is_held_to_its_budget_beside_a_periodic_sandbox() {
+    let _one_at_a_time = common::pace_sensitive();
     if !kvm_available() {
         return;
     }

@@ -18,7 +18,7 @@
 //! gave the periodic sandbox its windows, the flooded sandbox received
 //! frames and still answers.
 
-mod common;
+use crate::common;
 
 use std::net::UdpSocket;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -115,6 +115,7 @@ fn flood(core: usize, stop: &AtomicBool) -> (u64, u64) {
 
 #[test]
 fn a_tap_flood_is_held_to_its_io_budget_beside_a_periodic_sandbox() {
+    let _one_at_a_time = common::pace_sensitive();
     if !kvm_available() {
         return;
     }
@@ -264,6 +265,7 @@ fn a_tap_flood_is_held_to_its_io_budget_beside_a_periodic_sandbox() {
 /// cgroup), pinned to the sandbox's core, and the old one has left it.
 #[test]
 fn a_restarted_sandboxs_new_receive_thread_is_in_its_io_budget() {
+    let _one_at_a_time = common::pace_sensitive();
     if !kvm_available() {
         return;
     }

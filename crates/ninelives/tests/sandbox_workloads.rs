@@ -2,7 +2,7 @@
 //! (null syscalls through the guest kernel) and `tlbwalk` (one load per
 //! page at a 4,160-byte stride), each verified against the host's replay.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

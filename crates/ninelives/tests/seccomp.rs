@@ -8,7 +8,7 @@
 //! `NINELIVES_DEVICE_FAULT=syscall:N` (inside a device, on a vCPU thread)
 //! and `NINELIVES_API_FAULT=syscall:N` (on an API connection thread).
 
-mod common;
+use crate::common;
 
 use std::process::Stdio;
 use std::time::{Duration, Instant};

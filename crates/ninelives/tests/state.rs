@@ -1,7 +1,7 @@
 //! Core hooks: pause/resume, state save and restore, and restore into a new
 //! VM over the same guest memory (what warm reboot and microreboot build on).
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};

@@ -506,3 +506,16 @@ pub fn sandbox_set(text: &str) -> nl_sandbox::SandboxSet {
     let config = nl_sandbox::SetConfig::parse(text).expect("config");
     nl_sandbox::SandboxSet::create(&kvm, config, &sandbox_images()).expect("sandbox set")
 }
+
+/// Held by the tests whose checks need a guest to keep pace with the
+/// host: those that reserve CPU budgets (`SCHED_DEADLINE` or a budget
+/// cgroup: two reservations on the same core at once could be refused by
+/// the kernel's admission control or blur each other's throttling counts)
+/// and those that inject fault after fault into a kv service under load.
+/// Each of them used to run alone in a test binary of its own; now that
+/// the tests share one binary, at most one of them runs at a time (other
+/// tests still run beside it).
+pub fn pace_sensitive() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
