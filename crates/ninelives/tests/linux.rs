@@ -96,8 +96,12 @@ fn test_cmdline(tag: &str) -> String {
 ///    (the handover record carries its Linux boot); its console goes on
 ///    (more timestamped lines, time never back, one banner), and the
 ///    successor lists it, running, as `linux`.
+/// 4. Save-restore rejuvenation (`image_dir`): the memory goes through an
+///    image file into new memory in a new process; the console goes on in
+///    the same way, and the image is removed.
 #[test]
-fn a_linux_vm_on_a_host_boots_to_its_command_line_and_survives_warm_rejuvenation() {
+fn a_linux_vm_on_a_host_boots_to_its_command_line_and_survives_warm_and_save_restore_rejuvenation()
+{
     let Some(kernel) = debian_kernel("a_linux_vm_on_a_host") else { return };
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("api.sock");
@@ -183,52 +187,82 @@ fn a_linux_vm_on_a_host_boots_to_its_command_line_and_survives_warm_rejuvenation
     listed("booting");
 
     // 3. Warm rejuvenation of the host: a new process takes the VM over.
-    let old_pid = nl_vmm::api::request(&sock, &serde_json::json!({"op": "info"})).unwrap()["pid"]
-        .as_u64()
-        .unwrap();
-    let r = nl_vmm::api::request_timeout(
+    let last = rejuvenate_host_and_continue(&sock, &console, id, "warm", &serde_json::json!({}));
+    listed("after the warm rejuvenation");
+    eprintln!("host: warm rejuvenation at kernel time {last} s");
+    // 4. Save-restore rejuvenation: the memory goes to an image file and
+    //    comes back in new memory in a new process.
+    let images = tempfile::tempdir().unwrap();
+    let last = rejuvenate_host_and_continue(
         &sock,
-        &serde_json::json!({"op": "rejuvenate", "mode": "warm", "timeout_secs": 240}),
-        Duration::from_secs(300),
-    )
-    .expect("a reply to rejuvenate");
-    assert_eq!(r["ok"], true, "{r}");
-    assert_eq!(r["handed_over"], true, "{r}");
-    let mark = read_console(&console).len();
-    let before = String::from_utf8_lossy(&read_console(&console)).into_owned();
+        &console,
+        id,
+        "save-restore",
+        &serde_json::json!({"image_dir": images.path()}),
+    );
+    listed("after the save-restore rejuvenation");
+    assert_eq!(std::fs::read_dir(images.path()).unwrap().count(), 0, "images are removed");
+    eprintln!("host: save-restore rejuvenation at kernel time {last} s");
+    drop(guard);
+}
+
+/// Rejuvenates the host holding Linux VM `id` (`mode`, with the request's
+/// `extra` fields): a new process serves the socket, and the VM's console
+/// goes on where it was (three more timestamped lines, time never back,
+/// one banner). Returns the kernel time of the last line before.
+fn rejuvenate_host_and_continue(
+    sock: &std::path::Path,
+    console: &std::path::Path,
+    id: u64,
+    mode: &str,
+    extra: &serde_json::Value,
+) -> f64 {
+    let info = || {
+        nl_vmm::api::request_timeout(
+            sock,
+            &serde_json::json!({"op": "info"}),
+            Duration::from_secs(60),
+        )
+        .expect("the host answers")["pid"]
+            .as_u64()
+            .unwrap()
+    };
+    let old_pid = info();
+    let mut req = serde_json::json!({"op": "rejuvenate", "mode": mode, "timeout_secs": 240});
+    for (k, v) in extra.as_object().unwrap() {
+        req[k] = v.clone();
+    }
+    let r = nl_vmm::api::request_timeout(sock, &req, Duration::from_secs(300))
+        .expect("a reply to rejuvenate");
+    assert_eq!(r["ok"], true, "{mode}: {r}");
+    assert_eq!(r["handed_over"], true, "{mode}: {r}");
+    assert_eq!(
+        r["report"]["vms"].as_array().map(Vec::len),
+        Some(1),
+        "{mode}: the VM was carried: {r}"
+    );
+    let mark = read_console(console).len();
+    let before = String::from_utf8_lossy(&read_console(console)).into_owned();
     let last_before = *timestamps(&before).last().unwrap();
-    let new_pid = nl_vmm::api::request_timeout(
-        &sock,
-        &serde_json::json!({"op": "info"}),
-        Duration::from_secs(60),
-    )
-    .expect("the successor answers")["pid"]
-        .as_u64()
-        .unwrap();
-    assert_ne!(new_pid, old_pid, "the same process still serves");
+    assert_ne!(info(), old_pid, "{mode}: the same process still serves");
     // Or until the VM has ended in the successor.
     let ended = || {
-        let (_, v) = common::http_json(&sock, "GET", "/v1/vms", None);
+        let (_, v) = common::http_json(sock, "GET", "/v1/vms", None);
         v["vms"]
             .as_array()
             .and_then(|a| a.iter().find(|x| x["id"] == id))
             .is_none_or(|x| x["state"].as_str().is_some_and(|s| s != "running" && s != "paused"))
     };
     let text =
-        wait_console(&console, BOOT_LIMIT, |text| stamped(&text[mark..]).len() >= 3 || ended());
+        wait_console(console, BOOT_LIMIT, |text| stamped(&text[mark..]).len() >= 3 || ended());
     assert!(
         stamped(&text[mark..]).len() >= 3,
-        "the kernel did not go on after the rejuvenation; console tail:\n{}\nVM: {}",
+        "{mode}: the kernel did not go on after the rejuvenation; console tail:\n{}\nVM: {}",
         tail(&text),
-        common::http(&sock, "GET", &format!("/v1/vms/{id}"), None).1
+        common::http(sock, "GET", &format!("/v1/vms/{id}"), None).1
     );
-    assert_continues("host rejuvenation", &console, mark, last_before);
-    listed("after the rejuvenation");
-    eprintln!(
-        "host: warm rejuvenation at kernel time {last_before} s; then {:?}",
-        stamped(&text[mark..]).first()
-    );
-    drop(guard);
+    assert_continues(&format!("{mode} rejuvenation"), console, mark, last_before);
+    last_before
 }
 
 /// Ends a test's host (and its successor) and prints its log.
