@@ -297,7 +297,8 @@ fn a_failed_over_vm_is_protected_again_and_survives_a_second_failover() {
     let j = last_json(&o);
     assert_eq!(j["activated"], true, "{}\n{}", stdout(&o), stderr(&o));
     assert_eq!(j["digest_ok"], true, "{}{}\nfirst backup: {}", stdout(&o), stderr(&o), stdout(&o1));
-    assert!(j["epoch"].as_u64().unwrap() > 0, "{j}");    assert_built_ahead(&j);
+    assert!(j["epoch"].as_u64().unwrap() > 0, "{j}");
+    assert_built_ahead(&j);
 }
 
 #[test]

@@ -592,8 +592,7 @@ pub fn serve_with(
                     Some(d) => rx.with_disk(d),
                     None => rx,
                 });
-                break rx
-                    .and_then(|rx| receive(cfg, a.s, a.session, rx, &events, log, first_copy));
+                break rx.and_then(|rx| receive(cfg, a.s, a.session, rx, &events, log, first_copy));
             }
             Err(_) => break Err("the accept thread ended".into()),
         }

@@ -846,15 +846,15 @@ fn kill_once(t: &Topo, i: u32, load: f64, seed: &mut u64, no_prebuild: bool) -> 
         &[
             &[
                 "replicate",
-            "backup",
-            "--listen",
-            "10.9.0.2:7070",
-            "--allow-primary",
-            "10.9.0.1",
-            "--net-tap",
-            TAP,
-            "--net-ip",
-            "10.0.0.2/24",
+                "backup",
+                "--listen",
+                "10.9.0.2:7070",
+                "--allow-primary",
+                "10.9.0.1",
+                "--net-tap",
+                TAP,
+                "--net-ip",
+                "10.0.0.2/24",
                 "--key-file",
                 t.key.arg(),
                 "--json",
@@ -1243,7 +1243,11 @@ fn finite(x: f64) -> Option<f64> {
 fn describe_takeover(t: &serde_json::Value) -> String {
     let f = |k: &str| t[k].as_f64().unwrap_or(f64::NAN);
     let how = if t["prebuilt"] == true {
-        format!("built ahead, waited {:.1} ms for it, TAP {:.2} ms", f("wait_prebuild_ms"), f("tap_ms"))
+        format!(
+            "built ahead, waited {:.1} ms for it, TAP {:.2} ms",
+            f("wait_prebuild_ms"),
+            f("tap_ms")
+        )
     } else {
         format!(
             "built in the takeover in {:.1} ms: {}",
