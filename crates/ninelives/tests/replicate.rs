@@ -181,6 +181,22 @@ fn killed_primary_is_taken_over(tag: &str, tracking: &[&str]) {
     let since = j["since_last_frame_ms"].as_f64().unwrap();
     assert!(since >= 1000.0, "took over {since} ms after the last frame, within the lease");
     assert!(stderr(&o).contains("waiting out the primary's lease"), "{}", stderr(&o));
+    assert_built_ahead(&j);
+}
+
+/// The backup built its VM ahead of the takeover, once the primary's full
+/// copy was in (the takeover only loaded the last state and started it),
+/// and says so with the phases of its takeover.
+fn assert_built_ahead(j: &serde_json::Value) {
+    let t = &j["takeover"];
+    assert_eq!(j["prebuilt"], true, "the VM was built in the takeover: {t}");
+    assert_eq!(t["prebuilt"], true, "{t}");
+    assert!(t["fallback"].is_null(), "{t}");
+    assert_eq!(t["build_ms"], 0.0, "a VM built ahead is not built again: {t}");
+    assert!(t["build"]["prepare_ms"].as_f64().is_some_and(|p| p > 0.0), "{t}");
+    for phase in ["handoff_ms", "wait_prebuild_ms", "restore_state_ms"] {
+        assert!(t[phase].as_f64().is_some(), "{phase} missing: {t}");
+    }
 }
 
 /// With the defaults: selective re-protection and write-fault prediction
@@ -282,6 +298,7 @@ fn a_failed_over_vm_is_protected_again_and_survives_a_second_failover() {
     assert_eq!(j["activated"], true, "{}\n{}", stdout(&o), stderr(&o));
     assert_eq!(j["digest_ok"], true, "{}{}\nfirst backup: {}", stdout(&o), stderr(&o), stdout(&o1));
     assert!(j["epoch"].as_u64().unwrap() > 0, "{j}");
+    assert_built_ahead(&j);
 }
 
 #[test]
@@ -362,6 +379,9 @@ fn disk_writes_are_replicated_and_survive_a_takeover() {
     assert_eq!(j["activated"], true, "{}", stderr(&o));
     assert!(j["epoch"].as_u64().unwrap() > 0, "{j}");
     assert_eq!(j["digest_ok"], true, "{}{}", stdout(&o), stderr(&o));
+    // The VM built ahead opened the disk copy before the epochs after the
+    // full copy were written to it, and still saw them.
+    assert_built_ahead(&j);
 
     // A backup without a place for the disk refuses such a primary.
     let b = n.backup(&["--lease-ms", "3000"]);
@@ -711,6 +731,10 @@ fn killed_kv_primaries_lose_no_acknowledged_write_and_pings_are_answered_again()
     assert_eq!(kills[1]["kind"], "mid-send");
     for k in kills {
         assert_eq!(k["activated"], true, "{k}\n{}", stderr(&o));
+        // Built ahead with its virtio-net device and no TAP; the TAP was
+        // opened once, in the takeover (the guest answers pings below).
+        assert_eq!(k["prebuilt"], true, "{k}");
+        assert!(k["takeover"]["tap_ms"].as_f64().is_some(), "{k}");
         assert_eq!(k["lost_acked_writes"], 0, "{k}");
         assert_eq!(k["digest_ok"], true, "{k}");
         assert_eq!(k["unverified"], 0, "{k}");

@@ -2,13 +2,15 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use nl_replicate::auth::Key;
-use nl_replicate::backup::{serve, BackupConfig, BackupEnd, HANDSHAKE_TIME};
+use nl_replicate::backup::{serve_with, BackupConfig, BackupEnd, HANDSHAKE_TIME};
 use nl_replicate::primary::{Options, Primary, PrimaryConfig, PrimaryReport};
+use nl_vmm::state::VmState;
 use nl_vmm::{Vm, VmOutcome};
 use serde::Serialize;
 
@@ -167,6 +169,10 @@ pub struct BackupArgs {
     /// Print the backup's report as one JSON object (last line of stdout).
     #[arg(long)]
     pub json: bool,
+    /// Build the VM only in the takeover, not ahead of it once the full
+    /// copy is in (for measuring the difference).
+    #[arg(long, hide = true)]
+    pub no_prebuild: bool,
 }
 
 pub fn replicate(c: ReplicateCmd) -> Result<ExitCode> {
@@ -319,6 +325,185 @@ fn primary(a: PrimaryArgs) -> Result<ExitCode> {
     })
 }
 
+/// The VM's shape as the primary's state gives it: a VM built ahead of
+/// the takeover is used only if the last state has the same.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Shape {
+    mem_bytes: u64,
+    vcpus: u32,
+    timer_hz: u64,
+    workload: nl_abi::WorkloadParams,
+}
+
+impl Shape {
+    fn of(s: &VmState) -> Shape {
+        Shape {
+            mem_bytes: s.mem_bytes,
+            vcpus: s.num_vcpus,
+            timer_hz: s.timer_hz,
+            workload: s.workload,
+        }
+    }
+}
+
+fn ms_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+/// Where a VM's build went (ahead of the takeover, or in it on the
+/// fallback path), in milliseconds.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+struct BuildPhases {
+    /// Reading the kernel image (the embedded one: a copy).
+    kernel_ms: f64,
+    /// The VM's configuration (checks the disk, the TAP's name).
+    config_ms: f64,
+    /// Opening /dev/kvm.
+    open_kvm_ms: f64,
+    /// `Vm::prepare`: KVM_CREATE_VM, memory slots, irqchip, devices, vCPUs
+    /// and their CPUID.
+    prepare_ms: f64,
+}
+
+/// The takeover, step by step: `takeover_ms` is detection to the vCPU
+/// threads started (with `--next-backup`: to the VM restored, the primary
+/// starts it).
+#[derive(Clone, Debug, Default, Serialize)]
+struct TakeoverPhases {
+    /// The VM was built ahead (after the primary's full copy) and the
+    /// takeover only loaded the last state into it.
+    prebuilt: bool,
+    /// Why the VM was built in the takeover instead (None: prebuilt).
+    fallback: Option<String>,
+    /// The build, ahead of the takeover when `prebuilt` (not in
+    /// `takeover_ms`), in it otherwise.
+    build: BuildPhases,
+    /// Detection to the backup's loop handing over memory and state.
+    handoff_ms: f64,
+    /// Waiting for the build ahead to finish (0 once it is done).
+    wait_prebuild_ms: f64,
+    /// The build in the takeover (fallback path only; 0 when prebuilt).
+    build_ms: f64,
+    /// Opening the TAP and putting it behind the prebuilt VM's device.
+    tap_ms: f64,
+    /// `Vm::restore_state`: devices, irqchip, vCPU registers and the
+    /// gratuitous ARP.
+    restore_state_ms: f64,
+    /// `Vm::start`: the vCPU (and net receive) threads.
+    start_ms: f64,
+    /// From `Vm::start` to the first vCPU exit counted: the guest ran (an
+    /// upper bound on the first KVM_RUN; None with `--next-backup` or if
+    /// none within 500 ms).
+    first_exit_ms: Option<f64>,
+}
+
+/// Builds the backup's VM over `memory` (not started, no state loaded).
+/// `spare_net`: the virtio-net device gets no TAP yet (link down), so no
+/// frame queues for a guest that does not run and the TAP is opened once,
+/// at the takeover.
+fn build_backup_vm(
+    a: &BackupArgs,
+    shape: &Shape,
+    memory: nl_memory::GuestMemory,
+    spare_net: bool,
+) -> Result<(Vm, BuildPhases)> {
+    let mut ph = BuildPhases::default();
+    let t = Instant::now();
+    let m = MachineArgs {
+        mem: shape.mem_bytes,
+        vcpus: shape.vcpus,
+        timer_hz: shape.timer_hz,
+        net_tap: a.net_tap.clone(),
+        net_ip: a.net_ip.clone(),
+        disk: a.disk.clone(),
+        ..Default::default()
+    };
+    let kernel = guest::kernel_image(&m)?;
+    ph.kernel_ms = ms_since(t);
+    let t = Instant::now();
+    let mut config = guest::vm_config(&m, shape.workload, kernel, a.console.clone())?;
+    if spare_net {
+        if let Some(n) = config.net.as_mut() {
+            n.spare = true;
+        }
+    }
+    ph.config_ms = ms_since(t);
+    let t = Instant::now();
+    let kvm = nl_vmm::open_kvm()?;
+    ph.open_kvm_ms = ms_since(t);
+    let t = Instant::now();
+    let vm = Vm::prepare(&kvm, 0, config, memory).context("cannot build the VM")?;
+    ph.prepare_ms = ms_since(t);
+    Ok((vm, ph))
+}
+
+/// A VM being built ahead of the takeover, on a thread of its own.
+type Prebuild = (Shape, std::thread::JoinHandle<Result<(Vm, BuildPhases)>>);
+
+/// The prebuilt VM, if it is usable for a takeover from `state` over
+/// `memory` (its TAP attached); otherwise why not (it is dropped, its
+/// resources freed, before the fallback builds another).
+fn take_prebuilt(
+    a: &BackupArgs,
+    prebuild: Option<Prebuild>,
+    memory: &nl_memory::GuestMemory,
+    state: &VmState,
+    ph: &mut TakeoverPhases,
+) -> Result<Vm, String> {
+    let Some((shape, handle)) = prebuild else {
+        return Err(if a.no_prebuild {
+            "--no-prebuild".into()
+        } else {
+            "no VM was built ahead (the first epoch's state did not reach it)".into()
+        });
+    };
+    let t = Instant::now();
+    let built = handle.join();
+    ph.wait_prebuild_ms = ms_since(t);
+    let (vm, build) = match built {
+        Ok(Ok(b)) => b,
+        Ok(Err(e)) => return Err(format!("building the VM ahead failed: {e:#}")),
+        Err(_) => return Err("the thread building the VM ahead panicked".into()),
+    };
+    ph.build = build;
+    let now = Shape::of(state);
+    if now != shape {
+        return Err(format!("the VM's shape changed since the full copy: {shape:?} -> {now:?}"));
+    }
+    if !Arc::ptr_eq(vm.memory().fd(), memory.fd()) {
+        return Err("the VM built ahead is not over the backup's memory".into());
+    }
+    let t = Instant::now();
+    if let Some(n) = &vm.config().net {
+        let tap = nl_devices::tap::Tap::open(&n.tap)
+            .map_err(|e| format!("cannot open the TAP for the VM built ahead: {e}"))?;
+        if !tap.host_up() {
+            tracing::warn!("TAP {} is down on the host: the guest is unreachable", n.tap);
+        }
+        vm.attach_tap(tap).map_err(|_| "the VM built ahead has a TAP already".to_string())?;
+    }
+    ph.tap_ms = ms_since(t);
+    Ok(vm)
+}
+
+/// Waits (bounded: 500 ms) for the first vCPU exit after `started`.
+fn first_exit_ms(vm: &Vm, started: Instant) -> Option<f64> {
+    for _ in 0..5000 {
+        let exits = vm.report().vcpus.iter().any(|v| {
+            let e = v.exits;
+            e.io_exits + e.mmio_exits + e.interrupted + e.other_exits > 0
+        });
+        if exits {
+            return Some(ms_since(started));
+        }
+        if started.elapsed() > Duration::from_millis(500) {
+            break;
+        }
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    None
+}
+
 fn backup(a: BackupArgs) -> Result<ExitCode> {
     let cfg = BackupConfig {
         listen: a.listen,
@@ -333,7 +518,27 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
     };
     nl_memory::GuestMemory::check_size(a.mem)?;
     let mut log = |m: String| tracing::info!("{m}");
-    let end = serve(&cfg, &mut log).map_err(anyhow::Error::msg)?;
+    // Once the primary's full copy is in, the VM is built over the backup's
+    // own memory on a thread (epochs keep arriving meanwhile): a takeover
+    // then only loads the last state and starts it.
+    let mut prebuild: Option<Prebuild> = None;
+    let mut first_copy = |memory: &nl_memory::GuestMemory, state: &VmState| {
+        if a.no_prebuild {
+            return;
+        }
+        let (shape, memory, args) = (Shape::of(state), memory.clone(), a.clone());
+        let spawned = std::thread::Builder::new()
+            .name("repl-prebuild".into())
+            .spawn(move || build_backup_vm(&args, &shape, memory, true));
+        match spawned {
+            Ok(h) => {
+                tracing::info!("full copy received: building the VM ahead of a takeover");
+                prebuild = Some((shape, h));
+            }
+            Err(e) => tracing::warn!("cannot start the thread building the VM ahead: {e}"),
+        }
+    };
+    let end = serve_with(&cfg, &mut log, &mut first_copy).map_err(anyhow::Error::msg)?;
     let (epoch, memory, state, reason, detected, last_heard) = match end {
         BackupEnd::PrimaryFinished { message } => {
             println!("primary finished ({message}); backup stands down");
@@ -362,23 +567,31 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
             (epoch, memory, state, reason, detected, last_heard)
         }
     };
-    tracing::info!("primary gone ({reason}); taking over from epoch {epoch}");
-    let m = MachineArgs {
-        mem: state.mem_bytes,
-        vcpus: state.num_vcpus,
-        timer_hz: state.timer_hz,
-        net_tap: a.net_tap.clone(),
-        net_ip: a.net_ip.clone(),
-        disk: a.disk.clone(),
-        ..Default::default()
+    let mut ph = TakeoverPhases { handoff_ms: ms_since(detected), ..Default::default() };
+    let vm = match take_prebuilt(&a, prebuild, &memory, &state, &mut ph) {
+        Ok(vm) => {
+            ph.prebuilt = true;
+            drop(memory);
+            vm
+        }
+        Err(why) => {
+            tracing::warn!("building the VM in the takeover: {why}");
+            ph.fallback = Some(why);
+            let t = Instant::now();
+            let (vm, build) = build_backup_vm(&a, &Shape::of(&state), memory, false)?;
+            ph.build = build;
+            ph.build_ms = ms_since(t);
+            vm
+        }
     };
-    let config = guest::vm_config(&m, state.workload, guest::kernel_image(&m)?, a.console.clone())?;
-    let kvm = nl_vmm::open_kvm()?;
-    let vm = Vm::restore(&kvm, 0, config, memory, &state).context("cannot activate the VM")?;
-    let takeover_ms = detected.elapsed().as_secs_f64() * 1e3;
-    let since_last_frame_ms = last_heard.elapsed().as_secs_f64() * 1e3;
+    tracing::info!("primary gone ({reason}); taking over from epoch {epoch}");
+    let t = Instant::now();
+    vm.restore_state(&state).context("cannot activate the VM")?;
+    ph.restore_state_ms = ms_since(t);
     let limit = Duration::from_millis(state.workload.duration_ms * 4 + 120_000);
     if let Some(next) = a.next_backup {
+        let takeover_ms = ms_since(detected);
+        let since_last_frame_ms = ms_since(last_heard);
         // Re-paired: this process is now the VM's primary (it starts the VM).
         let cfg = PrimaryConfig {
             backup: next,
@@ -405,6 +618,7 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
                 serde_json::json!({"activated": true, "epoch": epoch, "reason": reason, "ok": digest_ok,
                     "digest_ok": digest_ok, "ops_per_sec": ops_per_sec, "takeover_ms": takeover_ms,
                     "since_last_frame_ms": since_last_frame_ms, "error": error,
+                    "prebuilt": ph.prebuilt, "takeover": ph,
                     "next_backup": {"address": next.to_string(), "epochs": report.epochs,
                         "reattached": report.reattached, "fenced": report.fenced,
                         "unprotected": report.unprotected}})
@@ -418,10 +632,16 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
             ExitCode::FAILURE
         });
     }
+    let t = Instant::now();
     vm.start()?;
+    ph.start_ms = ms_since(t);
+    let takeover_ms = ms_since(detected);
+    let since_last_frame_ms = ms_since(last_heard);
+    ph.first_exit_ms = first_exit_ms(&vm, t);
     tracing::info!(
         "VM running on the backup {takeover_ms:.1} ms after detection \
-         ({since_last_frame_ms:.1} ms after the last frame from the primary)"
+         ({since_last_frame_ms:.1} ms after the last frame from the primary; {}: {ph:?})",
+        if ph.prebuilt { "built ahead" } else { "built in the takeover" }
     );
     let started = Instant::now();
     let outcome = vm.wait(limit);
@@ -441,7 +661,8 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
             "{}",
             serde_json::json!({"activated": true, "epoch": epoch, "reason": reason, "ok": digest_ok,
                 "digest_ok": digest_ok, "ops_per_sec": ops_per_sec, "takeover_ms": takeover_ms,
-                "since_last_frame_ms": since_last_frame_ms, "error": error})
+                "since_last_frame_ms": since_last_frame_ms, "error": error,
+                "prebuilt": ph.prebuilt, "takeover": ph})
         );
     }
     Ok(if digest_ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })

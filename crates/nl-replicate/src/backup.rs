@@ -34,6 +34,7 @@ use std::time::{Duration, Instant};
 use nl_memory::GuestMemory;
 use nl_vmm::state::{VmState, STATE_VERSION};
 use vm_memory::{Bytes, GuestAddress};
+use vmm_sys_util::eventfd::EventFd;
 
 use crate::auth::{backup_challenge, Deadline, Key};
 use crate::protocol::*;
@@ -543,18 +544,39 @@ impl Drop for Pending {
 /// Waits for the configured primary, then receives epochs until the primary
 /// is gone, finishes, or sends a bad stream. `log` gets one line per event.
 pub fn serve(cfg: &BackupConfig, log: &mut dyn FnMut(String)) -> Result<BackupEnd, String> {
+    serve_with(cfg, log, &mut |_: &GuestMemory, _: &VmState| {})
+}
+
+/// [`serve`], calling `first_copy` once, on the serving thread, right after
+/// the first epoch (the primary's full copy) is acknowledged and applied,
+/// with the backup's guest memory and that epoch's state: from then on the
+/// VM's shape (memory, vCPUs, workload, timer) is known, and the caller may
+/// build the VM over that very memory (a clone of the [`GuestMemory`]
+/// shares its memfd and mapping; epochs keep being applied to it) so that a
+/// takeover only loads the last state. It should return at once (start a
+/// thread): frames wait while it runs.
+pub fn serve_with(
+    cfg: &BackupConfig,
+    log: &mut dyn FnMut(String),
+    first_copy: &mut dyn FnMut(&GuestMemory, &VmState),
+) -> Result<BackupEnd, String> {
     let listener = TcpListener::bind(cfg.listen)
         .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
     log(format!("backup listening on {}", cfg.listen));
     let slot = Arc::new(Slot::default());
+    // Wakes the accept thread's poll when the backup is done, so joining it
+    // costs no poll timeout (it was up to 100 ms of every takeover).
+    let wake = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
+        .map_err(|e| format!("cannot create an eventfd: {e}"))?;
     let (tx, events) = mpsc::channel();
     let acceptor = {
         let (cfg, slot) = (cfg.clone(), slot.clone());
+        let wake = wake.try_clone().map_err(|e| format!("cannot clone an eventfd: {e}"))?;
         std::thread::Builder::new()
             .name("repl-accept".into())
             .spawn(move || {
                 nl_vmm::seccomp::apply(nl_vmm::seccomp::Kind::Replication);
-                accept(listener, &cfg, &slot, &tx)
+                accept(listener, &cfg, &slot, &tx, &wake)
             })
             .map_err(|e| format!("cannot start the accept thread: {e}"))?
     };
@@ -570,29 +592,39 @@ pub fn serve(cfg: &BackupConfig, log: &mut dyn FnMut(String)) -> Result<BackupEn
                     Some(d) => rx.with_disk(d),
                     None => rx,
                 });
-                break rx.and_then(|rx| receive(cfg, a.s, a.session, rx, &events, log));
+                break rx.and_then(|rx| receive(cfg, a.s, a.session, rx, &events, log, first_copy));
             }
             Err(_) => break Err("the accept thread ended".into()),
         }
     };
     slot.stop.store(true, Ordering::SeqCst);
+    let _ = wake.write(1);
     let _ = acceptor.join();
     end
 }
 
 /// The accept thread: hands each connection to a handshake thread of its
 /// own, until the backup is done.
-fn accept(listener: TcpListener, cfg: &BackupConfig, slot: &Arc<Slot>, tx: &mpsc::Sender<Event>) {
+fn accept(
+    listener: TcpListener,
+    cfg: &BackupConfig,
+    slot: &Arc<Slot>,
+    tx: &mpsc::Sender<Event>,
+    wake: &EventFd,
+) {
     let say = |m: String| {
         let _ = tx.send(Event::Log(m));
     };
     while !slot.stop.load(Ordering::SeqCst) {
-        let mut pfd = libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: `pfd` is one valid pollfd that outlives the call, and the
-        // listener's fd stays open during it.
-        let n = unsafe { libc::poll(&mut pfd, 1, 100) };
-        if n <= 0 {
-            continue; // Timeout (look at `stop` again) or EINTR.
+        let mut pfd = [
+            libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: wake.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        ];
+        // SAFETY: `pfd` is an array of two valid pollfds that outlives the
+        // call, and both fds stay open during it.
+        let n = unsafe { libc::poll(pfd.as_mut_ptr(), 2, 100) };
+        if n <= 0 || pfd[0].revents == 0 {
+            continue; // Timeout, EINTR or the wake-up: look at `stop` again.
         }
         let (s, peer) = match listener.accept() {
             Ok(c) => c,
@@ -681,7 +713,9 @@ fn receive(
     mut rx: Receiver,
     events: &mpsc::Receiver<Event>,
     log: &mut dyn FnMut(String),
+    first_copy: &mut dyn FnMut(&GuestMemory, &VmState),
 ) -> Result<BackupEnd, String> {
+    let mut first_copy = Some(first_copy);
     let reader = s.try_clone().map_err(|e| format!("socket: {e}"))?;
     let mut reader = std::io::BufReader::with_capacity(256 << 10, reader);
     let mut open = session.opener(Dir::ToBackup);
@@ -802,9 +836,17 @@ fn receive(
                     _ => match rx.on_frame_ack(f, payload_crc, &mut |epoch| {
                         seal.write_frame(&mut s, Kind::Ack, epoch, 0, &[])
                     }) {
-                        Ok(_) => {
+                        Ok(done) => {
                             for b in rx.take_spare() {
                                 let _ = spare_tx.send(b);
+                            }
+                            if done.is_some() {
+                                if let Some(f) = first_copy.take() {
+                                    match rx.committed().map(|(_, b)| VmState::from_bytes(b)) {
+                                        Some(Ok(state)) => f(rx.memory(), &state),
+                                        _ => log("the first epoch's state does not decode".into()),
+                                    }
+                                }
                             }
                         }
                         Err(e @ (ProtoError::Closed | ProtoError::Io(_) | ProtoError::Timeout)) => {

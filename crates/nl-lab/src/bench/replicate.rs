@@ -57,6 +57,10 @@ pub struct BenchReplicateArgs {
     /// Seconds of kvload per kill.
     #[arg(long, default_value_t = 3.0)]
     pub kill_load: f64,
+    /// Kill campaign: the backups build the VM only in the takeover, not
+    /// ahead of it (the old path, for comparison).
+    #[arg(long, hide = true)]
+    pub no_prebuild: bool,
     /// Skip the throughput rows (only the kill campaign).
     #[arg(long)]
     pub no_throughput: bool,
@@ -719,8 +723,14 @@ struct Kill {
     /// Why the backup took over (a mid-send kill shows a truncated frame).
     reason: Option<String>,
     epoch: Option<u64>,
+    /// Detection to the VM's vCPUs started on the backup.
     takeover_ms: Option<f64>,
     since_last_frame_ms: Option<f64>,
+    /// The backup had built the VM ahead (after the full copy): the
+    /// takeover only loaded the last state and started it.
+    prebuilt: Option<bool>,
+    /// The backup's takeover phases (its JSON's `takeover`).
+    takeover: serde_json::Value,
     /// Acknowledged writes the client did not find (GETs during the load and
     /// the read-back after it).
     lost_acked_writes: u64,
@@ -828,26 +838,30 @@ fn rnd(s: &mut u64) -> u64 {
 }
 
 /// One kill: kv primary in P, backup in B, kvload in C.
-fn kill_once(t: &Topo, i: u32, load: f64, seed: &mut u64) -> Result<Kill> {
+fn kill_once(t: &Topo, i: u32, load: f64, seed: &mut u64, no_prebuild: bool) -> Result<Kill> {
     let mid_send = i % 2 == 1;
     let life = format!("{}", load + 4.0);
     let backup = Topo::spawn(
         &t.b,
         &[
-            "replicate",
-            "backup",
-            "--listen",
-            "10.9.0.2:7070",
-            "--allow-primary",
-            "10.9.0.1",
-            "--net-tap",
-            TAP,
-            "--net-ip",
-            "10.0.0.2/24",
-            "--key-file",
-            t.key.arg(),
-            "--json",
-        ],
+            &[
+                "replicate",
+                "backup",
+                "--listen",
+                "10.9.0.2:7070",
+                "--allow-primary",
+                "10.9.0.1",
+                "--net-tap",
+                TAP,
+                "--net-ip",
+                "10.0.0.2/24",
+                "--key-file",
+                t.key.arg(),
+                "--json",
+            ][..],
+            if no_prebuild { &["--no-prebuild"] } else { &[] },
+        ]
+        .concat(),
     )?;
     std::thread::sleep(Duration::from_millis(300));
     let startup = 800u64;
@@ -907,6 +921,8 @@ fn kill_once(t: &Topo, i: u32, load: f64, seed: &mut u64) -> Result<Kill> {
         epoch: bj["epoch"].as_u64(),
         takeover_ms: bj["takeover_ms"].as_f64(),
         since_last_frame_ms: bj["since_last_frame_ms"].as_f64(),
+        prebuilt: bj["prebuilt"].as_bool(),
+        takeover: bj["takeover"].clone(),
         lost_acked_writes: lost,
         digest_ok,
         unverified,
@@ -1074,13 +1090,14 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
             Ok(t) => {
                 let mut seed = a.seed;
                 for i in 0..a.kills {
-                    let k = kill_once(t, i, a.kill_load.max(1.5), &mut seed)?;
+                    let k = kill_once(t, i, a.kill_load.max(1.5), &mut seed, a.no_prebuild)?;
                     eprintln!(
-                        "kill {i} ({}, at {} ms): {}, epoch {:?}, takeover {:.1} ms after detection, \
+                        "kill {i} ({}, at {} ms): {}, epoch {:?}, takeover {:.1} ms after detection ({}), \
                          lost acknowledged writes {}, client gap (longest request) {:.0} ms, {} client errors, \
                          {}{}",
                         k.kind, k.at_ms, if k.activated { "backup took over" } else { "NO TAKEOVER" },
-                        k.epoch, k.takeover_ms.unwrap_or(f64::NAN), k.lost_acked_writes,
+                        k.epoch, k.takeover_ms.unwrap_or(f64::NAN), describe_takeover(&k.takeover),
+                        k.lost_acked_writes,
                         k.client_max_latency_ms, k.client_errors, describe_ping(&k),
                         k.note.as_ref().map_or(String::new(), |n| format!(" ({n})"))
                     );
@@ -1094,11 +1111,22 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
     let lost: u64 = kills.iter().map(|k| k.lost_acked_writes).sum();
     let gaps: Vec<f64> = kills.iter().map(|k| k.client_max_latency_ms).collect();
     let takeovers = kills.iter().filter(|k| k.activated).count();
+    let prebuilt = kills.iter().filter(|k| k.prebuilt == Some(true)).count();
+    let takeover_ms: Vec<f64> = kills.iter().filter_map(|k| k.takeover_ms).collect();
+    let min = |v: &[f64]| v.iter().copied().fold(f64::NAN, f64::min);
     let ping_gaps: Vec<f64> = kills.iter().filter_map(|k| k.ping_gap_ms).collect();
     let elsewhere: Vec<f64> = kills.iter().filter_map(|k| k.ping_gap_elsewhere_ms).collect();
     let answered_again = kills.iter().filter(|k| k.ping_answered_again == Some(true)).count();
     let max = |v: &[f64]| v.iter().copied().fold(f64::NAN, f64::max);
     if !kills.is_empty() {
+        eprintln!(
+            "kill campaign: takeover median {:.1} ms [{:.1}, {:.1}] after detection ({} of {} VMs built ahead)",
+            median(&takeover_ms),
+            min(&takeover_ms),
+            max(&takeover_ms),
+            prebuilt,
+            takeovers
+        );
         eprintln!(
             "kill campaign: {} kills, {} takeovers, {} lost acknowledged writes, client gap median {:.0} ms, \
              max {:.0} ms; ping gap median {:.0} ms, max {:.0} ms ({} kills measured; away from \
@@ -1155,6 +1183,10 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
         "kill_summary": {
             "kills": kills.len(),
             "takeovers": takeovers,
+            "prebuilt": prebuilt,
+            "takeover_ms_median": finite(median(&takeover_ms)),
+            "takeover_ms_min": finite(min(&takeover_ms)),
+            "takeover_ms_max": finite(max(&takeover_ms)),
             "lost_acked_writes": lost,
             "client_gap_ms_max": gaps.iter().copied().fold(0.0, f64::max),
             "client_gap_ms_median": median(&gaps),
@@ -1207,6 +1239,31 @@ fn finite(x: f64) -> Option<f64> {
 }
 
 /// The ping's part of a kill's line.
+/// The backup's takeover phases in a few words.
+fn describe_takeover(t: &serde_json::Value) -> String {
+    let f = |k: &str| t[k].as_f64().unwrap_or(f64::NAN);
+    let how = if t["prebuilt"] == true {
+        format!(
+            "built ahead, waited {:.1} ms for it, TAP {:.2} ms",
+            f("wait_prebuild_ms"),
+            f("tap_ms")
+        )
+    } else {
+        format!(
+            "built in the takeover in {:.1} ms: {}",
+            f("build_ms"),
+            t["fallback"].as_str().unwrap_or("?")
+        )
+    };
+    format!(
+        "{how}; handoff {:.2} ms, restore_state {:.2} ms, start {:.2} ms, first exit {:.1} ms later",
+        f("handoff_ms"),
+        f("restore_state_ms"),
+        f("start_ms"),
+        f("first_exit_ms")
+    )
+}
+
 fn describe_ping(k: &Kill) -> String {
     match (k.ping_gap_ms, &k.ping_note) {
         (Some(g), _) => format!(

@@ -921,9 +921,15 @@ fn hbft(d: &Data, out: &Path) -> Result<Section> {
         rows.push(with_note(
             row("primary killed: backup took over", None, share(t, n, "kills"), Better::Higher),
             &format!(
-                "lost acknowledged writes: {}; client's longest request median {:.0} ms",
+                "lost acknowledged writes: {}; client's longest request median {:.0} ms; \
+                 takeover (detection to the vCPUs started) median {:.1} ms [{:.1}, {:.1}], \
+                 {} of the VMs built ahead",
                 k["lost_acked_writes"],
-                num(k, "client_gap_ms_median").unwrap_or(f64::NAN)
+                num(k, "client_gap_ms_median").unwrap_or(f64::NAN),
+                num(k, "takeover_ms_median").unwrap_or(f64::NAN),
+                num(k, "takeover_ms_min").unwrap_or(f64::NAN),
+                num(k, "takeover_ms_max").unwrap_or(f64::NAN),
+                k["prebuilt"]
             ),
         ));
     }
