@@ -139,6 +139,16 @@ impl Tap {
         Ok(Tap { file, name: name.to_string() })
     }
 
+    /// A stand-in for a TAP over the guest end of a shared link's port
+    /// ([`Port`]): frames go to and come from the link's thread, which
+    /// owns the real TAP (`nl_sandbox::shared_link`). Non-blocking, like a
+    /// TAP; `name` is the shared TAP's, for reports.
+    pub fn over_port(port: &Port, name: &str) -> std::io::Result<Tap> {
+        let s = port.0.try_clone()?;
+        s.set_nonblocking(true)?;
+        Ok(Tap { file: File::from(std::os::fd::OwnedFd::from(s)), name: name.to_string() })
+    }
+
     /// A stand-in over any file, for unit tests and fuzz targets of the
     /// devices above it (a socket pair stands in for the interface).
     #[cfg(any(test, fuzzing))]
@@ -168,3 +178,25 @@ impl Tap {
         self.file.write(frame).is_ok()
     }
 }
+
+/// The guest end of one member's port on a shared link: a connected
+/// datagram socket (one frame per datagram) whose other end the link's
+/// thread holds. A VM's virtio-net device uses it as its TAP
+/// ([`Tap::over_port`]). Clones share the socket; two ports are equal
+/// only if they are one socket.
+#[derive(Clone, Debug)]
+pub struct Port(std::sync::Arc<std::os::unix::net::UnixDatagram>);
+
+impl Port {
+    pub fn new(guest_end: std::os::unix::net::UnixDatagram) -> Port {
+        Port(std::sync::Arc::new(guest_end))
+    }
+}
+
+impl PartialEq for Port {
+    fn eq(&self, other: &Port) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for Port {}
