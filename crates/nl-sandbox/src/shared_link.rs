@@ -6,15 +6,15 @@
 //! *port*: a connected pair of datagram sockets (one frame per datagram),
 //! whose guest end stands behind the sandbox's device as its TAP
 //! ([`nl_devices::tap::Tap::over_port`]). One host thread per link
-//! (`link-NAME`) moves frames:
-//! - from the TAP to the ports: in mode `demux` by destination MAC (a
-//!   frame for no member's MAC is dropped and counted; a broadcast or
-//!   multicast frame goes to every member); in mode `multicast` every
-//!   frame to every member, whose device then raises its RX interrupt
-//!   (with `net.rx_irq`) and whose guest drops what is not for its MAC
-//!   (smoltcp's early demultiplexing), as Quest-V multicasts the NIC's
-//!   interrupt to every sandbox kernel;
-//! - from every port to the TAP.
+//! (`link-NAME`) moves the frames from the TAP to the ports: in mode
+//! `demux` by destination MAC (a frame for no member's MAC is dropped and
+//! counted; a broadcast or multicast frame goes to every member); in mode
+//! `multicast` every frame to every member, whose device then raises its
+//! RX interrupt (with `net.rx_irq`) and whose guest drops what is not for
+//! its MAC (smoltcp's early demultiplexing), as Quest-V multicasts the
+//! NIC's interrupt to every sandbox kernel. A member's device writes its
+//! frames straight to the shared TAP (a second handle on it), so sending
+//! costs no hop through the thread.
 //!
 //! Frames between two members of one link are not switched locally: they
 //! go out on the TAP, as through one NIC. A port whose socket is full
@@ -25,7 +25,6 @@
 //! is not carried across a rejuvenation or a microreboot.
 
 use std::collections::BTreeMap;
-use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixDatagram;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -40,10 +39,9 @@ use crate::SandboxError;
 
 /// Largest frame moved (Ethernet without offloads, as the device's).
 const MAX_FRAME: usize = 1514;
-/// Frames moved per source per wake-up, so one busy source cannot starve
-/// the others.
+/// Frames moved per wake-up (then `quit` is checked again).
 const BATCH: usize = 64;
-/// The epoll token of the TAP; member `i` is `i + 1`.
+/// The epoll token of the TAP.
 const TAP_TOKEN: u64 = 0;
 
 /// Checks the set's `links`: names and TAPs unique and valid, a host
@@ -116,17 +114,14 @@ struct MemberCounters {
     foreign: AtomicU64,
     /// Frames for the member dropped: its port was full.
     dropped: AtomicU64,
-    /// Frames the member sent out on the TAP.
-    sent: AtomicU64,
 }
 
 #[derive(Default)]
 struct LinkCounters {
     from_tap: AtomicU64,
-    /// Unicast frames from the TAP for no member's MAC (mode `demux`).
+    /// Unicast frames from the TAP for no member's MAC (mode `demux`),
+    /// and runt or oversized frames.
     unknown: AtomicU64,
-    /// Frames from members the TAP did not take.
-    tap_dropped: AtomicU64,
 }
 
 /// One member's share of a link's counters.
@@ -137,7 +132,6 @@ pub struct MemberReport {
     pub delivered: u64,
     pub foreign: u64,
     pub dropped: u64,
-    pub sent: u64,
 }
 
 /// A link's counters.
@@ -148,7 +142,6 @@ pub struct LinkReport {
     pub mode: LinkMode,
     pub from_tap: u64,
     pub unknown: u64,
-    pub tap_dropped: u64,
     pub members: Vec<MemberReport>,
 }
 
@@ -205,7 +198,10 @@ impl SharedLink {
             members.push(Member {
                 sandbox: s.name.clone(),
                 mac,
-                port: Port::new(guest),
+                port: Port::new(
+                    guest,
+                    tap.try_clone_file().map_err(|e| err(format!("cannot share the TAP: {e}")))?,
+                ),
                 counters: Arc::default(),
             });
         }
@@ -216,9 +212,6 @@ impl SharedLink {
                 .map_err(|e| err(format!("epoll: {e}")))
         };
         add(tap.raw_fd(), TAP_TOKEN)?;
-        for (i, h) in host_ends.iter().enumerate() {
-            add(h.as_raw_fd(), i as u64 + 1)?;
-        }
         let quit = Arc::new(AtomicBool::new(false));
         let counters = Arc::new(LinkCounters::default());
         let mut name = format!("link-{}", l.name);
@@ -256,7 +249,6 @@ impl SharedLink {
             mode: self.config.mode,
             from_tap: self.counters.from_tap.load(Relaxed),
             unknown: self.counters.unknown.load(Relaxed),
-            tap_dropped: self.counters.tap_dropped.load(Relaxed),
             members: self
                 .members
                 .iter()
@@ -266,7 +258,6 @@ impl SharedLink {
                     delivered: m.counters.delivered.load(Relaxed),
                     foreign: m.counters.foreign.load(Relaxed),
                     dropped: m.counters.dropped.load(Relaxed),
-                    sent: m.counters.sent.load(Relaxed),
                 })
                 .collect(),
         }
@@ -297,7 +288,7 @@ pub fn route(mode: LinkMode, dst: [u8; 6], mac: [u8; 6]) -> (bool, bool) {
 
 impl Mover {
     fn run(mut self, epoll: &Epoll, quit: &AtomicBool) {
-        let mut events = vec![EpollEvent::default(); self.ports.len() + 1];
+        let mut events = [EpollEvent::default(); 1];
         while !quit.load(Relaxed) {
             // Bounded waits, so `quit` is seen within 10 ms.
             let n = match epoll.wait(10, &mut events) {
@@ -308,11 +299,8 @@ impl Mover {
                     continue;
                 }
             };
-            for ev in &events[..n] {
-                match ev.data() {
-                    TAP_TOKEN => self.from_tap(),
-                    t => self.from_port(t as usize - 1),
-                }
+            if events[..n].iter().any(|e| e.data() == TAP_TOKEN) {
+                self.from_tap();
             }
         }
     }
@@ -349,24 +337,6 @@ impl Mover {
             }
             if !taken {
                 self.link.unknown.fetch_add(1, Relaxed);
-            }
-        }
-    }
-
-    fn from_port(&mut self, i: usize) {
-        let Some(port) = self.ports.get(i) else { return };
-        for _ in 0..BATCH {
-            let len = match port.recv(&mut self.buf) {
-                Ok(n) => n,
-                Err(_) => return,
-            };
-            if len == 0 || len > MAX_FRAME {
-                continue;
-            }
-            if self.tap.send(&self.buf[..len]) {
-                self.member[i].sent.fetch_add(1, Relaxed);
-            } else {
-                self.link.tap_dropped.fetch_add(1, Relaxed);
             }
         }
     }
