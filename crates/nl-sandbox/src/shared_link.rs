@@ -300,19 +300,19 @@ impl Mover {
                 }
             };
             if events[..n].iter().any(|e| e.data() == TAP_TOKEN) {
-                self.from_tap();
+                self.move_arrivals();
             }
         }
     }
 
-    fn from_tap(&mut self) {
+    fn move_arrivals(&mut self) {
         for _ in 0..BATCH {
             let len = match self.tap.recv(&mut self.buf) {
                 Ok(Some(n)) => n,
                 _ => return,
             };
             self.link.from_tap.fetch_add(1, Relaxed);
-            if len < 14 || len > MAX_FRAME {
+            if !(14..=MAX_FRAME).contains(&len) {
                 self.link.unknown.fetch_add(1, Relaxed);
                 continue;
             }
