@@ -135,13 +135,15 @@ pub struct MemberReport {
 }
 
 /// A link's counters.
-#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct LinkReport {
     pub name: String,
     pub tap: String,
     pub mode: LinkMode,
     pub from_tap: u64,
     pub unknown: u64,
+    /// CPU time of the link's thread so far (ms).
+    pub thread_cpu_ms: f64,
     pub members: Vec<MemberReport>,
 }
 
@@ -158,6 +160,8 @@ pub struct SharedLink {
     members: Vec<Member>,
     counters: Arc<LinkCounters>,
     quit: Arc<AtomicBool>,
+    /// The thread's id once it runs (0 before).
+    tid: Arc<std::sync::atomic::AtomicI32>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -226,11 +230,16 @@ impl SharedLink {
             buf: vec![0; MAX_FRAME + 1],
         };
         let q = quit.clone();
+        let tid = Arc::new(std::sync::atomic::AtomicI32::new(0));
+        let t = tid.clone();
         let thread = std::thread::Builder::new()
             .name(name)
-            .spawn(move || ctx.run(&epoll, &q))
+            .spawn(move || {
+                t.store(nl_sync::tid(), Relaxed);
+                ctx.run(&epoll, &q)
+            })
             .map_err(|e| err(format!("cannot start its thread: {e}")))?;
-        Ok(SharedLink { config: l.clone(), members, counters, quit, thread: Some(thread) })
+        Ok(SharedLink { config: l.clone(), members, counters, quit, tid, thread: Some(thread) })
     }
 
     /// Sandbox `name`'s port on the link.
@@ -249,6 +258,8 @@ impl SharedLink {
             mode: self.config.mode,
             from_tap: self.counters.from_tap.load(Relaxed),
             unknown: self.counters.unknown.load(Relaxed),
+            thread_cpu_ms: crate::periodic::thread_cpu_ns(self.tid.load(Relaxed))
+                .map_or(0.0, |ns| ns as f64 / 1e6),
             members: self
                 .members
                 .iter()

@@ -77,6 +77,9 @@ pub struct Fig11Row {
     pub shared_mbit_s: Spread,
     /// shared / private of the medians.
     pub ratio: f64,
+    /// The shared arm's link thread: its CPU time over the clients' wall
+    /// time (a share of one core).
+    pub link_thread_cpu_share: Spread,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -169,7 +172,7 @@ fn with_set<T: Send>(
     ns: &Netns,
     config: &str,
     ips: &[String],
-    body: impl FnOnce() -> Result<T> + Send,
+    body: impl FnOnce(&SandboxSet) -> Result<T> + Send,
 ) -> Result<(T, nl_sandbox::SetReport)> {
     let kvm = nl_vmm::open_kvm()?;
     let config = SetConfig::parse(config)?;
@@ -178,7 +181,7 @@ fn with_set<T: Send>(
         s.start_all()?;
         std::thread::scope(|scope| {
             let h = scope.spawn(|| s.supervise(Duration::from_secs(300)));
-            let r = ips.iter().try_for_each(|ip| wait_answering(ip)).and_then(|()| body());
+            let r = ips.iter().try_for_each(|ip| wait_answering(ip)).and_then(|()| body(&s));
             s.request_stop();
             let report = h.join().map_err(|_| anyhow!("supervision panicked"))?;
             Ok((r?, report))
@@ -198,7 +201,7 @@ fn table3_run(
     let target = format!("{}:7", ips[0]).parse()?;
     let duration = PING_INTERVAL * pings as u32;
     let (p, report) =
-        with_set(&ns, &config, &ips, || crate::ping::ping(target, PING_INTERVAL, duration, None))?;
+        with_set(&ns, &config, &ips, |_| crate::ping::ping(target, PING_INTERVAL, duration, None))?;
     let irq = |i: usize| report.sandboxes[i].net_interrupts.unwrap_or(0);
     let rx = report.sandboxes[1].net.map_or(0, |n| n.rx_frames);
     Ok((p, irq(0), irq(1), rx))
@@ -275,20 +278,26 @@ fn client(ip: &str, window: Duration) -> Result<u64> {
     Ok(got)
 }
 
-/// One Fig. 11 run: Mbit/s echoed by `k` sandboxes together.
-fn fig11_run(k: usize, shared: bool, cores: &[usize], window: Duration) -> Result<f64> {
+/// One Fig. 11 run: Mbit/s echoed by `k` sandboxes together, and the
+/// link thread's CPU share while the clients ran (0 without a link).
+fn fig11_run(k: usize, shared: bool, cores: &[usize], window: Duration) -> Result<(f64, f64)> {
     let ns =
         namespace(if shared { "f11-shared" } else { "f11-private" }, if shared { 1 } else { k })?;
     let (config, ips) = net_set(k, shared.then_some("demux"), cores);
-    let (bytes, _) = with_set(&ns, &config, &ips, || {
-        std::thread::scope(|sc| {
+    let (res, _) = with_set(&ns, &config, &ips, |set| {
+        let link_ms = || set.links.first().map_or(0.0, |l| l.report().thread_cpu_ms);
+        let cpu0 = link_ms();
+        let t0 = Instant::now();
+        let bytes = std::thread::scope(|sc| {
             let hs: Vec<_> = ips.iter().map(|ip| sc.spawn(move || client(ip, window))).collect();
             hs.into_iter()
                 .map(|h| h.join().map_err(|_| anyhow!("a client panicked"))?)
                 .sum::<Result<u64>>()
-        })
+        })?;
+        Ok((bytes, (link_ms() - cpu0) / 1e3 / t0.elapsed().as_secs_f64()))
     })?;
-    Ok(bytes as f64 * 8.0 / window.as_secs_f64() / 1e6)
+    let (bytes, cpu) = res;
+    Ok((bytes as f64 * 8.0 / window.as_secs_f64() / 1e6, cpu))
 }
 
 pub fn fig11(a: &BenchSandboxArgs) -> Result<Fig11> {
@@ -297,10 +306,12 @@ pub fn fig11(a: &BenchSandboxArgs) -> Result<Fig11> {
     let loadavg_before = loadavg();
     let mut rows = Vec::new();
     for k in 1..=4 {
-        let (mut private, mut shared) = (Vec::new(), Vec::new());
+        let (mut private, mut shared, mut cpu) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..a.reps {
-            private.push(fig11_run(k, false, &cores, window)?);
-            shared.push(fig11_run(k, true, &cores, window)?);
+            private.push(fig11_run(k, false, &cores, window)?.0);
+            let (mbit, c) = fig11_run(k, true, &cores, window)?;
+            shared.push(mbit);
+            cpu.push(c);
         }
         let (p, s) = (spread(private), spread(shared));
         rows.push(Fig11Row {
@@ -308,6 +319,7 @@ pub fn fig11(a: &BenchSandboxArgs) -> Result<Fig11> {
             ratio: s.median / p.median,
             private_mbit_s: p,
             shared_mbit_s: s,
+            link_thread_cpu_share: spread(cpu),
         });
     }
     Ok(Fig11 {
@@ -354,16 +366,21 @@ pub fn print_fig11(f: &Fig11) {
         f.payload_bytes, f.window, f.window_ms, f.reps
     );
     println!(
-        "{:>8}  {:>28}  {:>28}  {:>14}",
-        "clients", "private TAPs Mbit/s", "shared TAP Mbit/s", "shared/private"
+        "{:>8}  {:>28}  {:>28}  {:>14}  {:>24}",
+        "clients",
+        "private TAPs Mbit/s",
+        "shared TAP Mbit/s",
+        "shared/private",
+        "link thread CPU share"
     );
     for r in &f.rows {
         println!(
-            "{:>8}  {:>28}  {:>28}  {:>14.3}",
+            "{:>8}  {:>28}  {:>28}  {:>14.3}  {:>24}",
             r.clients,
             s(r.private_mbit_s, 1),
             s(r.shared_mbit_s, 1),
-            r.ratio
+            r.ratio,
+            s(r.link_thread_cpu_share, 3)
         );
     }
     println!(
