@@ -20,6 +20,9 @@ struct IfReq {
 pub struct Tap {
     file: File,
     name: String,
+    /// Where frames are sent if not to `file`: a shared link's TAP, which
+    /// a port's device writes to directly ([`Tap::over_port`]).
+    tx: Option<std::sync::Arc<File>>,
 }
 
 impl Tap {
@@ -46,7 +49,7 @@ impl Tap {
         if r < 0 {
             return Err(format!("cannot attach TAP {name}: {}", std::io::Error::last_os_error()));
         }
-        Ok(Tap { file, name: name.to_string() })
+        Ok(Tap { file, name: name.to_string(), tx: None })
     }
 
     /// Brings the host end of the TAP up with address `ipv4/prefix`, so the
@@ -136,14 +139,35 @@ impl Tap {
         if got != name.as_bytes() {
             return Err(format!("inherited TAP is {}, not {name}", String::from_utf8_lossy(&got)));
         }
-        Ok(Tap { file, name: name.to_string() })
+        Ok(Tap { file, name: name.to_string(), tx: None })
+    }
+
+    /// A stand-in for a TAP over a shared link's port ([`Port`]): frames
+    /// come from the link's thread, which reads the real TAP
+    /// (`nl_sandbox::shared_link`), and go straight to the shared TAP (one
+    /// write per frame, as every writer of a TAP does). Non-blocking, like
+    /// a TAP; `name` is the shared TAP's, for reports.
+    pub fn over_port(port: &Port, name: &str) -> std::io::Result<Tap> {
+        let s = port.rx.try_clone()?;
+        s.set_nonblocking(true)?;
+        Ok(Tap {
+            file: File::from(std::os::fd::OwnedFd::from(s)),
+            name: name.to_string(),
+            tx: Some(port.tx.clone()),
+        })
+    }
+
+    /// A second handle on the same TAP (its frames can be written from
+    /// both; for a shared link's ports).
+    pub fn try_clone_file(&self) -> std::io::Result<File> {
+        self.file.try_clone()
     }
 
     /// A stand-in over any file, for unit tests and fuzz targets of the
     /// devices above it (a socket pair stands in for the interface).
     #[cfg(any(test, fuzzing))]
     pub fn for_test(file: File) -> Tap {
-        Tap { file, name: "test".into() }
+        Tap { file, name: "test".into(), tx: None }
     }
 
     pub fn raw_fd(&self) -> std::os::fd::RawFd {
@@ -165,6 +189,35 @@ impl Tap {
 
     /// Sends one frame (dropped if the interface is down or its queue is full).
     pub fn send(&mut self, frame: &[u8]) -> bool {
-        self.file.write(frame).is_ok()
+        match &self.tx {
+            Some(t) => (&**t).write(frame).is_ok(),
+            None => self.file.write(frame).is_ok(),
+        }
     }
 }
+
+/// One member's port on a shared link: the guest end of a connected
+/// datagram socket pair (one frame per datagram) whose other end the
+/// link's thread writes the member's frames into, and a handle on the
+/// shared TAP the member's frames go out on. A VM's virtio-net device uses
+/// it as its TAP ([`Tap::over_port`]). Clones share both; two ports are
+/// equal only if they are one socket.
+#[derive(Clone, Debug)]
+pub struct Port {
+    rx: std::sync::Arc<std::os::unix::net::UnixDatagram>,
+    tx: std::sync::Arc<File>,
+}
+
+impl Port {
+    pub fn new(guest_end: std::os::unix::net::UnixDatagram, tap: File) -> Port {
+        Port { rx: std::sync::Arc::new(guest_end), tx: std::sync::Arc::new(tap) }
+    }
+}
+
+impl PartialEq for Port {
+    fn eq(&self, other: &Port) -> bool {
+        std::sync::Arc::ptr_eq(&self.rx, &other.rx)
+    }
+}
+
+impl Eq for Port {}

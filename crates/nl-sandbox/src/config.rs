@@ -23,6 +23,41 @@ pub struct SetConfig {
     /// (remote recovery, [`crate::service`]).
     #[serde(default)]
     pub services: Vec<ServiceConfig>,
+    /// Shared links: one host TAP several sandboxes are on, each with its
+    /// own MAC and address (Quest-V's shared NIC driver,
+    /// [`crate::shared_link`]); a sandbox names one in `net.link`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub links: Vec<LinkConfig>,
+}
+
+/// How a shared link hands the frames arriving on its TAP to the
+/// sandboxes on it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LinkMode {
+    /// By destination MAC in the VMM: each sandbox gets the frames for
+    /// its MAC and every broadcast or multicast frame.
+    #[default]
+    Demux,
+    /// Every frame to every sandbox on the link (its RX interrupt in
+    /// each), each guest dropping what is not for its MAC (Quest-V's
+    /// interrupt multicast, Table 3).
+    Multicast,
+}
+
+/// A shared link: a host TAP that the set's link thread owns.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinkConfig {
+    pub name: String,
+    /// The host TAP (attached, or created if missing, in the network
+    /// namespace the set is created in); no sandbox's own `net.tap`.
+    pub tap: String,
+    #[serde(default)]
+    pub mode: LinkMode,
+    /// Bring the host end of the TAP up with this address, "10.0.0.1/24".
+    #[serde(default)]
+    pub host_ip: Option<String>,
 }
 
 /// A sandbox's own virtio-net device on a host TAP (see [`crate::net`]).
@@ -31,7 +66,13 @@ pub struct SetConfig {
 pub struct NetSection {
     /// The host TAP interface (attached, or created if missing, in the
     /// network namespace the set is created in). No two sandboxes share one.
+    /// Empty with `link`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub tap: String,
+    /// A shared link of the set (`links[].name`) instead of a TAP of its
+    /// own: the sandbox's device is a port on the link's TAP.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link: Option<String>,
     /// The guest's MAC address, "52:54:00:12:34:56" (unicast).
     pub mac: String,
     /// The guest's address and prefix, "10.0.0.2/24".

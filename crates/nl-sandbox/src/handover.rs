@@ -141,6 +141,12 @@ impl CarriedRegistry {
 impl SandboxSet {
     /// Why this set cannot be carried to a new process now, if it cannot.
     pub fn carry_blocker(&self) -> Option<String> {
+        if let Some(l) = self.config.links.first() {
+            return Some(format!(
+                "shared link '{}' (its TAP and ports) is not passed to a new process yet",
+                l.name
+            ));
+        }
         if let Some(svc) = self.config.services.iter().find(|v| v.state.is_some()) {
             return Some(format!(
                 "service '{}' has a state region, which is not passed to a new process yet",
@@ -413,6 +419,8 @@ impl SandboxSet {
             stop: AtomicBool::new(false),
             budgets,
             services,
+            // Refused by `carry_blocker`: a carried set has no link.
+            links: Vec::new(),
         })
     }
 

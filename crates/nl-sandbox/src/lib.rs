@@ -25,6 +25,8 @@
 //! * [`recovery`]: the local recovery policies (`stop`, `restart`,
 //!   `replace`, `rollback`).
 //! * [`net`]: a sandbox's own virtio-net device on a host TAP.
+//! * [`shared_link`]: one host TAP shared by several sandboxes, each
+//!   with its own MAC and address (demultiplexed by MAC, or multicast).
 //! * [`service`]: remote recovery: the service registry and the takeover
 //!   of a failed owner's TAP by a standby sandbox.
 //! * [`state`]: a service's state region (a memfd only its holder maps,
@@ -66,6 +68,7 @@ pub mod recovery;
 pub mod reserve;
 pub mod service;
 pub mod set;
+pub mod shared_link;
 pub mod state;
 pub mod verify;
 

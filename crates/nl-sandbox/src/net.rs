@@ -85,7 +85,22 @@ const IFNAMSIZ: usize = 16;
 impl NetSection {
     /// Parses and checks the section.
     pub fn identity(&self) -> Result<Identity, String> {
-        check_tap_name(&self.tap).map_err(|e| format!("net.tap: {e}"))?;
+        match &self.link {
+            None => check_tap_name(&self.tap).map_err(|e| format!("net.tap: {e}"))?,
+            Some(_) if !self.tap.is_empty() => {
+                return Err(
+                    "net: give either tap (a TAP of its own) or link (a shared link), not both"
+                        .into(),
+                )
+            }
+            Some(_) if self.host_ip.is_some() => {
+                return Err(
+                    "net.host_ip: a sandbox on a shared link has none; give the link's host_ip"
+                        .into(),
+                )
+            }
+            Some(_) => {}
+        }
         let mac = parse_mac(&self.mac).map_err(|e| format!("net.mac: {e}"))?;
         let (ipv4, prefix) = parse_cidr(&self.ipv4).map_err(|e| format!("net.ipv4: {e}"))?;
         let host_ip = match &self.host_ip {
@@ -107,11 +122,13 @@ impl NetSection {
     }
 
     /// The VM's virtio-net device: on the TAP, or `spare` (no TAP until
-    /// one is attached).
+    /// one is attached). On a shared link, `tap` is the link's TAP and
+    /// the set fills in the port ([`crate::shared_link`]).
     pub fn vm_config(&self, spare: bool) -> Result<NetConfig, String> {
         let id = self.identity()?;
         Ok(NetConfig {
             tap: self.tap.clone(),
+            port: None,
             ipv4: id.ipv4,
             prefix: id.prefix,
             rx_irq: self.rx_irq,
@@ -131,6 +148,10 @@ pub fn validate(c: &SetConfig) -> Result<(), SandboxError> {
     let mut taps = BTreeMap::new();
     let mut macs = BTreeMap::new();
     let mut ips = BTreeMap::new();
+    crate::shared_link::validate(c)?;
+    for l in &c.links {
+        taps.insert(l.tap.clone(), format!("link {}", l.name));
+    }
     for s in &c.sandboxes {
         let kind = s.workload.kind.as_str();
         let served = matches!(kind, "netbench" | "kv");
@@ -163,8 +184,35 @@ pub fn validate(c: &SetConfig) -> Result<(), SandboxError> {
                 s.name
             ));
         }
+        if let Some(l) = &n.link {
+            if !c.links.iter().any(|k| &k.name == l) {
+                return bad(format!("sandbox '{}': net.link names unknown link '{l}'", s.name));
+            }
+            if c.services.iter().any(|v| v.owner == s.name) {
+                return bad(format!(
+                    "sandbox '{}': a service's owner needs a TAP of its own (a takeover moves it), not link '{l}'",
+                    s.name
+                ));
+            }
+            if s.recovery.policy == crate::config::RecoveryPolicy::Rollback {
+                return bad(format!(
+                    "sandbox '{}': a shared link is not supported with recovery 'rollback'",
+                    s.name
+                ));
+            }
+        }
+        if n.link.is_none() {
+            if let Some(other) = taps.insert(n.tap.clone(), s.name.clone()) {
+                let who = match other.strip_prefix("link ") {
+                    Some(l) => {
+                        format!("sandbox '{}' names TAP {}, the TAP of link '{l}'", s.name, n.tap)
+                    }
+                    None => format!("sandboxes '{other}' and '{}' both name TAP {}", s.name, n.tap),
+                };
+                return bad(who);
+            }
+        }
         for (map, key, what) in [
-            (&mut taps, n.tap.clone(), "TAP"),
             (&mut macs, n.mac.to_ascii_lowercase(), "MAC"),
             (&mut ips, format!("{:?}", id.ipv4), "address"),
         ] {
@@ -172,11 +220,7 @@ pub fn validate(c: &SetConfig) -> Result<(), SandboxError> {
                 return bad(format!(
                     "sandboxes '{other}' and '{}' both name {what} {}",
                     s.name,
-                    match what {
-                        "TAP" => n.tap.clone(),
-                        "MAC" => n.mac.clone(),
-                        _ => n.ipv4.clone(),
-                    }
+                    if what == "MAC" { &n.mac } else { &n.ipv4 }
                 ));
             }
         }
@@ -190,7 +234,11 @@ pub fn first_vm_net(c: &SetConfig, name: &str) -> Result<Option<NetConfig>, Sand
     let err = |e: String| SandboxError::Config(format!("sandbox '{name}': {e}"));
     let sb = c.sandboxes.iter().find(|s| s.name == name);
     if let Some(n) = sb.and_then(|s| s.net.as_ref()) {
-        return n.vm_config(false).map(Some).map_err(err);
+        let mut v = n.vm_config(false).map_err(err)?;
+        if let Some(l) = n.link.as_ref().and_then(|l| c.links.iter().find(|k| &k.name == l)) {
+            v.tap = l.tap.clone();
+        }
+        return Ok(Some(v));
     }
     let Some(v) = c.services.iter().find(|v| v.standby == name) else { return Ok(None) };
     let owner = c.sandboxes.iter().find(|s| s.name == v.owner).and_then(|s| s.net.as_ref());

@@ -105,6 +105,8 @@ pub struct SandboxSet {
     pub(crate) budgets: Arc<Lock<Vec<Option<crate::budget::AppliedBudget>>>>,
     /// The service registry (remote recovery).
     pub services: crate::service::Registry,
+    /// The set's shared links and their threads.
+    pub links: Vec<crate::shared_link::SharedLink>,
 }
 
 /// How one sandbox's run ended, and what its monitor saw.
@@ -136,6 +138,9 @@ pub struct SandboxReport {
     /// Its virtio-net device's counters (with a `net` section or as a
     /// service's standby).
     pub net: Option<nl_devices::virtio::net::NetStats>,
+    /// Times its virtio-net device interrupted it (its RX interrupts with
+    /// `net.rx_irq`).
+    pub net_interrupts: Option<u64>,
     /// A `periodic` sandbox's CPU per period against its reservation.
     pub periods: Option<crate::periodic::PeriodReport>,
     /// A `rollback` sandbox's held network output (`recovery.output_commit`).
@@ -150,6 +155,8 @@ pub struct SetReport {
     pub channels: Vec<ChannelStats>,
     /// Each service's holder, standby and takeovers.
     pub services: Vec<crate::service::ServiceReport>,
+    /// Each shared link's counters.
+    pub links: Vec<crate::shared_link::LinkReport>,
 }
 
 impl SetReport {
@@ -273,6 +280,11 @@ impl SandboxSet {
         }
         let names: Vec<String> = config.sandboxes.iter().map(|s| s.name.clone()).collect();
         audit(&mappings, &names)?;
+        let links = config
+            .links
+            .iter()
+            .map(|l| crate::shared_link::SharedLink::open(&config, l))
+            .collect::<Result<Vec<_>, _>>()?;
         let mut sandboxes = Vec::new();
         for ((i, s), (memory, mut windows, ram_backing)) in
             config.sandboxes.iter().enumerate().zip(plans)
@@ -303,7 +315,10 @@ impl SandboxSet {
                 timer_hz: 100,
                 heartbeat_timeout: Duration::from_secs(20),
                 disk: None,
-                net: crate::net::first_vm_net(&config, &s.name)?,
+                net: crate::net::first_vm_net(&config, &s.name)?.map(|n| nl_vmm::NetConfig {
+                    port: links.iter().find_map(|l| l.port(&s.name)),
+                    ..n
+                }),
             };
             let vm = Vm::create_with_windows(
                 kvm,
@@ -342,6 +357,7 @@ impl SandboxSet {
             created: Instant::now(),
             stop: AtomicBool::new(false),
             budgets,
+            links,
         })
     }
 
@@ -698,6 +714,7 @@ impl SandboxSet {
                     gave_up: sb.monitor.gave_up_reason(),
                     throttling: self.throttling(sb.index),
                     net: vm.net_stats().map(|n| n.0),
+                    net_interrupts: vm.virtio_interrupts().1,
                     periods: (sb.params().kind == nl_abi::WORKLOAD_PERIODIC)
                         .then(|| crate::periodic::PeriodReport::parse(&vm.console().tail()))
                         .flatten(),
@@ -711,6 +728,7 @@ impl SandboxSet {
             sandboxes,
             channels: self.channel_stats(),
             services: self.services.report(&names),
+            links: self.links.iter().map(|l| l.report()).collect(),
         }
     }
 

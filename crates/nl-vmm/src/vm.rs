@@ -335,12 +335,16 @@ impl Vm {
                 Some(t)
             }
             Some(n) => {
-                let tap = match crate::handover::take_inherited_tap(&n.tap) {
-                    Some(f) => nl_devices::tap::Tap::from_attached(f, &n.tap),
-                    None => nl_devices::tap::Tap::open(&n.tap),
+                let tap = match (&n.port, crate::handover::take_inherited_tap(&n.tap)) {
+                    (Some(p), _) => nl_devices::tap::Tap::over_port(p, &n.tap)
+                        .map_err(|e| format!("cannot use the port on shared TAP {}: {e}", n.tap)),
+                    (None, Some(f)) => nl_devices::tap::Tap::from_attached(f, &n.tap),
+                    (None, None) => nl_devices::tap::Tap::open(&n.tap),
                 }
                 .map_err(VmmError::Config)?;
-                if let Some((ip, prefix)) = n.host_ip {
+                if n.port.is_some() {
+                    // The link's owner configures the TAP.
+                } else if let Some((ip, prefix)) = n.host_ip {
                     tap.configure_host(ip, prefix).map_err(VmmError::Config)?;
                 } else if !tap.host_up() {
                     let [a, b, c, _] = n.ipv4;

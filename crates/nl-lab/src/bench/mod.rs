@@ -13,6 +13,7 @@ pub mod replicate;
 pub mod sandbox;
 pub mod sandbox_recovery;
 pub mod sandbox_service_timeline;
+pub mod sandbox_shared;
 pub mod seccomp;
 pub mod unit_costs;
 

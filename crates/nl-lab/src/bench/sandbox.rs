@@ -42,13 +42,23 @@ pub struct BenchSandboxArgs {
     pub pages: Vec<u64>,
     /// What to measure: any of fig9 (with the doorbell), budgets (Fig. 9's
     /// Hi and Low budget curves), table2, tlb, isolation, storm (the budget
-    /// storm), tapflood (a TAP flood beside a reserved sandbox; needs root
-    /// for its network namespace; not in the default).
+    /// storm), tapflood (a TAP flood beside a reserved sandbox), interrupts
+    /// (Table 3: pings on a private against a multicast shared TAP),
+    /// shared-driver (Fig. 11: UDP echo throughput through a shared
+    /// against private TAPs, 1 to 4 sandboxes); the last three need root
+    /// for their network namespaces and are not in the default.
     #[arg(long, value_delimiter = ',', default_values_t = ["fig9".to_string(), "budgets".to_string(), "table2".to_string(), "tlb".to_string(), "isolation".to_string(), "storm".to_string()])]
     pub parts: Vec<String>,
     /// Milliseconds of each storm run and of each budget-curve window.
     #[arg(long, default_value_t = 3000)]
     pub storm_ms: u64,
+    /// Pings (3 ms apart) per Table 3 run (`interrupts`).
+    #[arg(long, default_value_t = 1500)]
+    pub pings: u64,
+    /// Measured milliseconds of each Fig. 11 throughput run
+    /// (`shared-driver`).
+    #[arg(long, default_value_t = 1000)]
+    pub net_ms: u64,
     /// Measured milliseconds of each syscall and tlbwalk run.
     #[arg(long, default_value_t = 1000)]
     pub duration_ms: u64,
@@ -78,7 +88,7 @@ pub struct Spread {
     pub max: f64,
 }
 
-fn spread(mut v: Vec<f64>) -> Spread {
+pub(crate) fn spread(mut v: Vec<f64>) -> Spread {
     v.sort_by(f64::total_cmp);
     if v.is_empty() {
         return Spread { median: f64::NAN, min: f64::NAN, max: f64::NAN };
@@ -296,13 +306,15 @@ pub struct BenchSandbox {
     pub budgets: Option<BudgetCurves>,
     pub storm: Option<Storm>,
     pub tapflood: Option<TapFlood>,
+    pub table3: Option<super::sandbox_shared::Table3>,
+    pub fig11: Option<super::sandbox_shared::Fig11>,
     pub fig9: Option<Fig9>,
     pub table2: Option<Table2>,
     pub tlb: Option<Tlb>,
     pub isolation: Option<Isolation>,
 }
 
-fn loadavg() -> String {
+pub(crate) fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim().to_string()
 }
 
@@ -616,9 +628,25 @@ pub fn isolation(seeds: u64) -> Result<Isolation> {
 }
 
 pub fn bench(a: BenchSandboxArgs) -> Result<ExitCode> {
-    const PARTS: [&str; 7] = ["fig9", "budgets", "table2", "tlb", "isolation", "storm", "tapflood"];
+    const PARTS: [&str; 9] = [
+        "fig9",
+        "budgets",
+        "table2",
+        "tlb",
+        "isolation",
+        "storm",
+        "tapflood",
+        "interrupts",
+        "shared-driver",
+    ];
     if let Some(p) = a.parts.iter().find(|p| !PARTS.contains(&p.as_str())) {
-        bail!("unknown part '{p}' (fig9, budgets, table2, tlb, isolation, storm, tapflood)");
+        bail!("unknown part '{p}' ({})", PARTS.join(", "));
+    }
+    if !(1..=100_000).contains(&a.pings) {
+        bail!("--pings {} is not in 1..=100000", a.pings);
+    }
+    if !(100..=60_000).contains(&a.net_ms) {
+        bail!("--net-ms {} is not in 100..=60000", a.net_ms);
     }
     if a.reps < 3 {
         bail!("--reps {} is fewer than 3", a.reps);
@@ -644,6 +672,14 @@ pub fn bench(a: BenchSandboxArgs) -> Result<ExitCode> {
     let tapflood = if part("tapflood") { Some(tapflood(&a)?) } else { None };
     if let Some(t) = &tapflood {
         print_tapflood(t);
+    }
+    let table3 = if part("interrupts") { Some(super::sandbox_shared::table3(&a)?) } else { None };
+    if let Some(t) = &table3 {
+        super::sandbox_shared::print_table3(t);
+    }
+    let fig11 = if part("shared-driver") { Some(super::sandbox_shared::fig11(&a)?) } else { None };
+    if let Some(f) = &fig11 {
+        super::sandbox_shared::print_fig11(f);
     }
     let t2 = if part("table2") { Some(table2(&a)?) } else { None };
     if let Some(t2) = &t2 {
@@ -710,6 +746,8 @@ pub fn bench(a: BenchSandboxArgs) -> Result<ExitCode> {
             budgets,
             storm,
             tapflood,
+            table3,
+            fig11,
             fig9,
             table2: t2,
             tlb: tl,
