@@ -43,6 +43,7 @@ mod sandbox_doorbell;
 mod sandbox_recovery;
 mod sandbox_remote;
 mod sandbox_rollback_commit;
+mod sandbox_shared_link;
 mod sandbox_state;
 mod sandbox_storm;
 mod sandbox_tapflood;

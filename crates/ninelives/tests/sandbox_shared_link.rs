@@ -6,7 +6,7 @@
 //! (UDP echo on port 7). Every wait is bounded in count and time; nothing
 //! asserts on timing.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::time::Duration;
