@@ -61,6 +61,11 @@ pub struct BenchReplicateArgs {
     /// ahead of it (the old path, for comparison).
     #[arg(long, hide = true)]
     pub no_prebuild: bool,
+    /// Kill campaign: the lease of both ends (ms, at least 200): how long
+    /// the backup waits without a frame before it declares the primary
+    /// gone, so most of the gap a client sees across a kill.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(200..))]
+    pub kill_lease_ms: u64,
     /// Skip the throughput rows (only the kill campaign).
     #[arg(long)]
     pub no_throughput: bool,
@@ -838,7 +843,9 @@ fn rnd(s: &mut u64) -> u64 {
 }
 
 /// One kill: kv primary in P, backup in B, kvload in C.
-fn kill_once(t: &Topo, i: u32, load: f64, seed: &mut u64, no_prebuild: bool) -> Result<Kill> {
+fn kill_once(t: &Topo, i: u32, a: &BenchReplicateArgs, seed: &mut u64) -> Result<Kill> {
+    let load = a.kill_load.max(1.5);
+    let lease = a.kill_lease_ms.to_string();
     let mid_send = i % 2 == 1;
     let life = format!("{}", load + 4.0);
     let backup = Topo::spawn(
@@ -857,9 +864,11 @@ fn kill_once(t: &Topo, i: u32, load: f64, seed: &mut u64, no_prebuild: bool) -> 
                 "10.0.0.2/24",
                 "--key-file",
                 t.key.arg(),
+                "--lease-ms",
+                &lease,
                 "--json",
             ][..],
-            if no_prebuild { &["--no-prebuild"] } else { &[] },
+            if a.no_prebuild { &["--no-prebuild"] } else { &[] },
         ]
         .concat(),
     )?;
@@ -870,7 +879,7 @@ fn kill_once(t: &Topo, i: u32, load: f64, seed: &mut u64, no_prebuild: bool) -> 
     let die = (startup + at).to_string();
     let mut args = vec!["replicate", "primary", "--backup", "10.9.0.2:7070", "--json"];
     // The defaults (output-triggered epochs included), at 20 ms.
-    args.extend(["--epoch", "20", "--duration", &life]);
+    args.extend(["--epoch", "20", "--duration", &life, "--lease-ms", &lease]);
     args.extend(["--key-file", t.key.arg()]);
     if mid_send {
         args.extend(["--test-die-mid-send-ms", &die]);
@@ -1090,7 +1099,7 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
             Ok(t) => {
                 let mut seed = a.seed;
                 for i in 0..a.kills {
-                    let k = kill_once(t, i, a.kill_load.max(1.5), &mut seed, a.no_prebuild)?;
+                    let k = kill_once(t, i, &a, &mut seed)?;
                     eprintln!(
                         "kill {i} ({}, at {} ms): {}, epoch {:?}, takeover {:.1} ms after detection ({}), \
                          lost acknowledged writes {}, client gap (longest request) {:.0} ms, {} client errors, \
@@ -1182,6 +1191,7 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
         "kills_skipped": kills_skipped,
         "kill_summary": {
             "kills": kills.len(),
+            "lease_ms": a.kill_lease_ms,
             "takeovers": takeovers,
             "prebuilt": prebuilt,
             "takeover_ms_median": finite(median(&takeover_ms)),
