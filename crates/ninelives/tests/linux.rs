@@ -842,12 +842,12 @@ fn a_linux_vm_on_a_host_is_stopped_at_its_time_limit() {
     let sock = dir.path().join("api.sock");
     let k = kernel.to_str().unwrap();
     // VM 0 from the configuration file, VM 1 over the API.
-    let config = serde_json::json!({"vms": [{"kernel": k, "mem": "256M", "duration": 60,
+    let config = serde_json::json!({"vms": [{"kernel": k, "mem": "256M", "duration": 20,
         "console": dir.path().join("console0.txt")}]});
     let config_file = common::write_file(dir.path(), "host.json", config.to_string().as_bytes());
     let (host, _s) = common::spawn_host_with(&sock, &["--config", &config_file]);
     let guard = HostGuard { sock: sock.clone(), child: host, dir: dir.path().to_path_buf() };
-    let body = serde_json::json!({"kernel": k, "mem": "256M", "duration": 75.5,
+    let body = serde_json::json!({"kernel": k, "mem": "256M", "duration": 25.5,
         "console": dir.path().join("console1.txt")});
     let (status, v) = common::http_json(&sock, "POST", "/v1/vms", Some(&body.to_string()));
     assert_eq!(status, 201, "create VM 1: {v}");
@@ -861,7 +861,7 @@ fn a_linux_vm_on_a_host_is_stopped_at_its_time_limit() {
             .unwrap_or_else(|| panic!("VM {id} not listed: {v}"))
     };
     assert_eq!(state(0), "running");
-    for (id, secs) in [(0, 60.0), (1, 75.5)] {
+    for (id, secs) in [(0, 20.0), (1, 25.5)] {
         let want = format!("stopped: its time limit (duration {secs:.1} s) was reached");
         let t = Instant::now();
         let mut s = state(id);

@@ -235,36 +235,16 @@ fn a_broken_or_refusing_new_binary_leaves_the_vms_running_in_the_old_process() {
         return;
     }
     let h = Host::start();
-    // Long enough to still run when the last case is tried on a loaded machine.
-    let a = create(&h, 2, 60.0);
+    // Long enough to still run when the cases that pause it (the first two)
+    // are tried on a loaded machine.
+    let a = create(&h, 2, 30.0);
     wait_running(&h, a);
     let pid = h.pid();
     let dir = tempfile::tempdir().unwrap();
     let real = env!("CARGO_BIN_EXE_ninelives");
+    // The two cases that pause the VM come first: they need it running,
+    // the others only that it is not harmed.
     let cases = [
-        (script(dir.path(), "exit1", "exit 1"), "exited", vec![]),
-        // Args are: host --api S --handover-fd R --handover-ctl C
-        (
-            script(
-                dir.path(),
-                "newer",
-                &format!(
-                    "printf '{{\"magic\":\"ninelives-handover\",\"version\":99,\"binary_version\":\"9.9\"}}' > /proc/self/fd/$5\nexec {real} \"$@\""
-                ),
-            ),
-            "record version 99",
-            vec![],
-        ),
-        (
-            script(
-                dir.path(),
-                "corrupt",
-                &format!("printf 'garbage' > /proc/self/fd/$5\nexec {real} \"$@\""),
-            ),
-            "not a ninelives handover record",
-            vec![],
-        ),
-        (script(dir.path(), "hang", "exec sleep 60"), "did not report", vec!["--timeout", "1"]),
         // Started during the pause, as in the paper: the record is refused
         // after the VMs paused, and they resume here.
         (
@@ -289,6 +269,29 @@ fn a_broken_or_refusing_new_binary_leaves_the_vms_running_in_the_old_process() {
             "refusing the VM states",
             vec![],
         ),
+        (script(dir.path(), "exit1", "exit 1"), "exited", vec![]),
+        // Args are: host --api S --handover-fd R --handover-ctl C
+        (
+            script(
+                dir.path(),
+                "newer",
+                &format!(
+                    "printf '{{\"magic\":\"ninelives-handover\",\"version\":99,\"binary_version\":\"9.9\"}}' > /proc/self/fd/$5\nexec {real} \"$@\""
+                ),
+            ),
+            "record version 99",
+            vec![],
+        ),
+        (
+            script(
+                dir.path(),
+                "corrupt",
+                &format!("printf 'garbage' > /proc/self/fd/$5\nexec {real} \"$@\""),
+            ),
+            "not a ninelives handover record",
+            vec![],
+        ),
+        (script(dir.path(), "hang", "exec sleep 60"), "did not report", vec!["--timeout", "1"]),
     ];
     for (bin, why, extra) in &cases {
         let mut args = vec!["--mode", "warm", "--binary", bin.as_str()];
