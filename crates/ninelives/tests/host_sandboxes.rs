@@ -605,6 +605,49 @@ fn warm_rejuvenation_carries_a_sandbox_with_its_own_tap() {
     stop_host(&sock, &mut child);
 }
 
+/// A set on a shared link (one TAP, two sandboxes with their own MAC and
+/// address) on a host: the link's thread runs under the host's process
+/// seccomp filter (a syscall outside it would kill the host), both members
+/// answer at their own address, and a warm rejuvenation, which cannot carry
+/// a link yet, is refused with the reason while the set runs on.
+#[test]
+fn a_host_runs_a_set_on_a_shared_link_and_refuses_to_carry_it() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(ns) = Netns::new("sbxlink") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    let (mut child, _end) = host_in(&ns, &sock);
+    let [c0, c1] = two_cores();
+    let member = |name: &str, core: usize, last: u8| {
+        json!({"name": name, "cores": [core], "mem_mib": 48,
+               "workload": {"kind": "netbench", "duration_ms": 0},
+               "net": {"link": "lan", "mac": format!("52:54:00:5a:00:{last:02x}"),
+                       "ipv4": format!("10.0.0.{last}/24")}})
+    };
+    let set = json!({"links": [{"name": "lan", "tap": "nltap0", "mode": "demux"}],
+                     "sandboxes": [member("a", c0, 2), member("b", c1, 3)]});
+    let body = json!({"name": "lan", "set": set, "timeout_secs": 300}).to_string();
+    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&body));
+    assert_eq!(st, 201, "{v}");
+    for ip in ["10.0.0.2", "10.0.0.3"] {
+        assert!(ns.wait_answering_at(ip, Duration::from_secs(60)), "{ip} never answered");
+    }
+    let (st, r) = http_json(&sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
+    assert_eq!(st, 409, "{r}");
+    let e = r["error"].as_str().unwrap_or_default();
+    assert!(e.contains("shared link 'lan'"), "{r}");
+    let (st, v) = http_json(&sock, "GET", "/v1/sandboxes/lan", None);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["state"], "running", "{v}");
+    for ip in ["10.0.0.2", "10.0.0.3"] {
+        assert!(ns.wait_answering_at(ip, Duration::from_secs(30)), "{ip}: no answer after");
+    }
+    assert!(child.try_wait().unwrap().is_none(), "the host died");
+    stop_host(&sock, &mut child);
+}
+
 /// `POST /v1/sandboxes` of set `svc`: service `echo` with owner `web` (on
 /// TAP nltap0, 10.0.0.2) and standby `spare`, both `netbench`, restarting.
 fn service_set_body(c0: usize, c1: usize) -> String {

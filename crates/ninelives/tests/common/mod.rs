@@ -352,18 +352,15 @@ impl Netns {
     /// Waits (at most 100 tries and `within`) until the guest at 10.0.0.2
     /// answers a short ping from inside the namespace.
     pub fn wait_answering(&self, within: Duration) -> bool {
+        self.wait_answering_at("10.0.0.2", within)
+    }
+
+    /// [`Netns::wait_answering`] for the guest at `ip`.
+    pub fn wait_answering_at(&self, ip: &str, within: Duration) -> bool {
         let t = std::time::Instant::now();
         for _ in 0..100 {
             let o = self
-                .ninelives(&[
-                    "ping",
-                    "--target",
-                    "10.0.0.2",
-                    "--interval",
-                    "10ms",
-                    "--duration",
-                    "0.05",
-                ])
+                .ninelives(&["ping", "--target", ip, "--interval", "10ms", "--duration", "0.05"])
                 .stdin(std::process::Stdio::null())
                 .output()
                 .unwrap();
