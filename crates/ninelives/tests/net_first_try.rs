@@ -77,3 +77,45 @@ fn a_host_address_off_the_guests_subnet_is_refused() {
         assert_clean_error(&o, needle);
     }
 }
+
+/// Without `--net-host-ip`, a TAP that is down in the VMM's namespace (the
+/// VMM created it there, and nobody brought it up) gets the hint that the
+/// guest is unreachable and how to fix it. The check asks the VMM's own
+/// namespace: `net::netbench_answers_pings` shows it does not complain of
+/// a TAP that is up there.
+#[test]
+fn a_tap_left_down_gets_the_hint_to_bring_it_up() {
+    if !kvm_available() {
+        return;
+    }
+    let name = format!("nl-test-tapdown-{}", std::process::id());
+    let ns = match nl_lab::netns::Netns::new(&name) {
+        Ok(n) => Netns(n),
+        Err(e) => {
+            skip(Prereq::Netns, &format!("cannot create a network namespace: {e:#}"));
+            return;
+        }
+    };
+    let o = ns
+        .ninelives(&[
+            "run",
+            "--workload",
+            "netbench",
+            "--net-tap",
+            "nldown0",
+            "--net-ip",
+            "10.0.0.2/24",
+            "--duration",
+            "0.2",
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("TAP nldown0 is down on the host")
+            && err.contains("--net-host-ip 10.0.0.1/24"),
+        "no hint for a TAP that is down: {err}"
+    );
+}

@@ -17,6 +17,26 @@ struct IfReq {
     _pad: [u8; 22],
 }
 
+/// An `AF_INET` datagram socket for interface ioctls, in the calling
+/// thread's network namespace.
+fn control_socket() -> Option<File> {
+    // SAFETY: socket(2) with constant arguments; the fd is checked and owned below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    // SAFETY: `fd` is a fresh descriptor nothing else owns.
+    (fd >= 0).then(|| unsafe { File::from_raw_fd(fd) })
+}
+
+/// A zeroed `ifreq` naming interface `name` (at most `IFNAMSIZ - 1` bytes:
+/// longer names are refused where a TAP is opened).
+fn ifreq_named(name: &str) -> libc::ifreq {
+    // SAFETY: `ifreq` is plain data; all zeroes is a valid value.
+    let mut r: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in r.ifr_name.iter_mut().take(libc::IFNAMSIZ - 1).zip(name.bytes()) {
+        *d = s as libc::c_char;
+    }
+    r
+}
+
 pub struct Tap {
     file: File,
     name: String,
@@ -64,21 +84,8 @@ impl Tap {
         let sys = |what: &str| {
             format!("cannot {what} on TAP {name}: {}", std::io::Error::last_os_error())
         };
-        // SAFETY: socket(2) with constant arguments; the fd is checked and owned below.
-        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-        if fd < 0 {
-            return Err(sys("open a socket to configure"));
-        }
-        // SAFETY: `fd` is a fresh descriptor nothing else owns.
-        let sock = unsafe { File::from_raw_fd(fd) };
-        let ifreq = || {
-            // SAFETY: `ifreq` is plain data; all zeroes is a valid value.
-            let mut r: libc::ifreq = unsafe { std::mem::zeroed() };
-            for (d, s) in r.ifr_name.iter_mut().zip(name.bytes()) {
-                *d = s as libc::c_char;
-            }
-            r
-        };
+        let sock = control_socket().ok_or_else(|| sys("open a socket to configure"))?;
+        let ifreq = || ifreq_named(name);
         let sockaddr = |a: [u8; 4]| {
             // SAFETY: `sockaddr_in` is plain data; all zeroes is a valid value.
             let mut sin: libc::sockaddr_in = unsafe { std::mem::zeroed() };
@@ -114,12 +121,21 @@ impl Tap {
         Ok(())
     }
 
-    /// Whether the host end of the TAP is up (for a hint when it is not).
+    /// Whether the host end of the TAP is up (for a hint when it is not),
+    /// asked of the network namespace of the calling thread (the TAP's: it
+    /// was attached there). `/sys/class/net` would show the namespace
+    /// sysfs was mounted in instead, so a TAP in another namespace (a test's
+    /// or a bench's) looked down.
     pub fn host_up(&self) -> bool {
-        std::fs::read_to_string(format!("/sys/class/net/{}/flags", self.name))
-            .ok()
-            .and_then(|f| u32::from_str_radix(f.trim().trim_start_matches("0x"), 16).ok())
-            .is_some_and(|f| f & libc::IFF_UP as u32 != 0)
+        let Some(sock) = control_socket() else { return false };
+        let mut r = ifreq_named(&self.name);
+        // SAFETY: SIOCGIFFLAGS writes the flags into one `ifreq`, which `r` is.
+        if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS as _, &mut r) } < 0 {
+            return false;
+        }
+        // SAFETY: SIOCGIFFLAGS filled the flags member of the union.
+        let flags = unsafe { r.ifr_ifru.ifru_flags };
+        flags & libc::IFF_UP as libc::c_short != 0
     }
 
     /// Takes over an already attached TAP descriptor (inherited across a
