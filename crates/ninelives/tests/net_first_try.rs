@@ -14,15 +14,7 @@ fn net_host_ip_makes_the_guest_reachable_without_an_ip_step() {
     if !kvm_available() {
         return;
     }
-    // A namespace with only loopback: no TAP, no address (unlike Netns::new).
-    let name = format!("nl-test-firsttry-{}", std::process::id());
-    let ns = match nl_lab::netns::Netns::new(&name) {
-        Ok(n) => Netns(n),
-        Err(e) => {
-            skip(Prereq::Netns, &format!("cannot create a network namespace: {e:#}"));
-            return;
-        }
-    };
+    let Some(ns) = Netns::bare("firsttry") else { return };
     let mut vm = ns
         .ninelives(&[
             "run",
@@ -88,14 +80,7 @@ fn a_tap_left_down_gets_the_hint_to_bring_it_up() {
     if !kvm_available() {
         return;
     }
-    let name = format!("nl-test-tapdown-{}", std::process::id());
-    let ns = match nl_lab::netns::Netns::new(&name) {
-        Ok(n) => Netns(n),
-        Err(e) => {
-            skip(Prereq::Netns, &format!("cannot create a network namespace: {e:#}"));
-            return;
-        }
-    };
+    let Some(ns) = Netns::bare("tapdown") else { return };
     let o = ns
         .ninelives(&[
             "run",

@@ -312,6 +312,19 @@ impl Netns {
         Some(Netns(nl_lab::netns::Netns::with_tap(&name, "nltap0").expect("the test's namespace")))
     }
 
+    /// A namespace with only loopback: no TAP, no address (unlike
+    /// [`Netns::new`]). None (after [`skip`]) when it cannot be created.
+    pub fn bare(tag: &str) -> Option<Netns> {
+        let name = format!("nl-test-{tag}-{}", std::process::id());
+        match nl_lab::netns::Netns::new(&name) {
+            Ok(n) => Some(Netns(n)),
+            Err(e) => {
+                skip(Prereq::Netns, &format!("cannot create a network namespace: {e:#}"));
+                None
+            }
+        }
+    }
+
     /// Creates a sandbox set from `config` inside the namespace (its TAPs
     /// are opened there), runs `body` while the set is supervised (at most
     /// 600 s), stops it and returns its report; a panic in `body` comes
