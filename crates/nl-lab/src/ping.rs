@@ -77,6 +77,23 @@ fn target_addr(t: &str) -> Result<SocketAddr> {
         .with_context(|| format!("--target {t}: not an address"))
 }
 
+/// Whether the UDP echo at `target` starts answering: short pings (10 ms
+/// apart for 100 ms) until one is answered, bounded by 600 tries and
+/// `limit`. What the benches wait for before they measure a guest.
+pub fn answers_within(target: SocketAddr, limit: Duration) -> bool {
+    let t = Instant::now();
+    for _ in 0..600 {
+        let p = ping(target, Duration::from_millis(10), Duration::from_millis(100), None);
+        if p.is_ok_and(|p| p.received > 0) {
+            return true;
+        }
+        if t.elapsed() > limit {
+            break;
+        }
+    }
+    false
+}
+
 /// Sends `count` pings `interval` apart and collects replies (bounded in
 /// time: the send period plus one second for stragglers). Sending stops
 /// early once `stop` is set (the wait for stragglers follows as usual).

@@ -151,19 +151,10 @@ fn namespace(tag: &str, k: usize) -> Result<Netns> {
 
 /// Waits (at most 600 tries, 90 s) until the sandbox at `ip` answers.
 fn wait_answering(ip: &str) -> Result<()> {
-    let target = format!("{ip}:7").parse()?;
-    let t = Instant::now();
-    for _ in 0..600 {
-        let p =
-            crate::ping::ping(target, Duration::from_millis(10), Duration::from_millis(100), None);
-        if p.is_ok_and(|p| p.received > 0) {
-            return Ok(());
-        }
-        if t.elapsed() > Duration::from_secs(90) {
-            break;
-        }
+    if !crate::ping::answers_within(format!("{ip}:7").parse()?, Duration::from_secs(90)) {
+        bail!("the sandbox at {ip} never answered");
     }
-    bail!("the sandbox at {ip} never answered")
+    Ok(())
 }
 
 /// Creates the set in `ns`, waits until every sandbox answers, runs
