@@ -39,6 +39,7 @@ mod report;
 mod sandbox;
 mod sandbox_budget;
 mod sandbox_campaign;
+mod sandbox_disk;
 mod sandbox_doorbell;
 mod sandbox_recovery;
 mod sandbox_remote;

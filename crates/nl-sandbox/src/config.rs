@@ -148,6 +148,24 @@ pub struct SandboxConfig {
     /// A virtio-net device of its own on a host TAP.
     #[serde(default)]
     pub net: Option<NetSection>,
+    /// A virtio-blk disk of its own (`crate::disk`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<DiskSection>,
+}
+
+/// A sandbox's own virtio-blk disk (see [`crate::disk`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskSection {
+    /// The raw image (an absolute path; created sparse if missing). No
+    /// other sandbox may reach it unless both have it read-only.
+    pub path: PathBuf,
+    /// Offer it read-only: the guest's writes fail with an I/O error.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub readonly: bool,
+    /// Size of the image when the set creates it, in MiB (default 256).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_mib: Option<u64>,
 }
 
 /// The per-sandbox detectors' bounds (see `detect`).
@@ -364,7 +382,7 @@ pub enum ViolationPolicy {
 #[serde(deny_unknown_fields)]
 pub struct WorkloadConfig {
     /// memwrite, compute, idle, chanbench, wildwrite, chanstream, doorbell,
-    /// syscall, tlbwalk, periodic, storm.
+    /// syscall, tlbwalk, periodic, storm, blkbench (needs a `disk`).
     pub kind: String,
     #[serde(default = "default_seed")]
     pub seed: u64,
@@ -478,9 +496,10 @@ impl WorkloadConfig {
             "kv" => WORKLOAD_KV,
             "periodic" => WORKLOAD_PERIODIC,
             "storm" => WORKLOAD_STORM,
+            "blkbench" => WORKLOAD_BLKBENCH,
             k => {
                 return Err(format!(
-                    "unknown workload kind '{k}' (memwrite, compute, idle, chanbench, wildwrite, chanstream, doorbell, syscall, tlbwalk, netbench, kv, periodic, storm)"
+                    "unknown workload kind '{k}' (memwrite, compute, idle, chanbench, wildwrite, chanstream, doorbell, syscall, tlbwalk, netbench, kv, periodic, storm, blkbench)"
                 ))
             }
         };
@@ -520,6 +539,7 @@ impl WorkloadConfig {
                     nl_workloads::tlbwalk_ws_bytes(self.pages.min(nl_workloads::TLBWALK_MAX_PAGES))
                 }
                 WORKLOAD_KV => nl_workloads::kv::KV_WS_BYTES,
+                WORKLOAD_BLKBENCH => nl_workloads::blk::BLKBENCH_WS_BYTES,
                 _ => 0,
             },
             write_pct: self.write_pct,
@@ -694,6 +714,7 @@ impl SetConfig {
                     | nl_abi::WORKLOAD_STORM
                     | nl_abi::WORKLOAD_NETBENCH
                     | nl_abi::WORKLOAD_KV
+                    | nl_abi::WORKLOAD_BLKBENCH
             ) && vcpus != 1
             {
                 return bad(format!(
@@ -715,7 +736,8 @@ impl SetConfig {
             }
             if (p.kind == nl_abi::WORKLOAD_MEMWRITE
                 || p.kind == nl_abi::WORKLOAD_TLBWALK
-                || p.kind == nl_abi::WORKLOAD_KV)
+                || p.kind == nl_abi::WORKLOAD_KV
+                || p.kind == nl_abi::WORKLOAD_BLKBENCH)
                 && u64::from(vcpus) * p.ws_bytes + nl_abi::MIN_MEM_BYTES > mem
             {
                 return bad(format!(
@@ -831,6 +853,7 @@ impl SetConfig {
         }
         crate::service::validate(self)?;
         crate::net::validate(self)?;
+        crate::disk::validate(self)?;
         Ok(())
     }
 

@@ -25,6 +25,8 @@
 //! * [`recovery`]: the local recovery policies (`stop`, `restart`,
 //!   `replace`, `rollback`).
 //! * [`net`]: a sandbox's own virtio-net device on a host TAP.
+//! * [`disk`]: a sandbox's own virtio-blk disk, and the audit that keeps
+//!   one image from being reachable by two sandboxes.
 //! * [`shared_link`]: one host TAP shared by several sandboxes, each
 //!   with its own MAC and address (demultiplexed by MAC, or multicast).
 //! * [`service`]: remote recovery: the service registry and the takeover
@@ -57,6 +59,7 @@ pub mod chanbench;
 pub mod channel;
 pub mod config;
 pub mod detect;
+pub mod disk;
 pub mod faults;
 pub mod handover;
 pub mod isolation;

@@ -141,6 +141,9 @@ pub struct SandboxReport {
     /// Times its virtio-net device interrupted it (its RX interrupts with
     /// `net.rx_irq`).
     pub net_interrupts: Option<u64>,
+    /// Its virtio-blk device's counters (with a `disk`), of its current VM
+    /// (a restart starts them over).
+    pub disk: Option<nl_devices::virtio::blk::BlkStats>,
     /// A `periodic` sandbox's CPU per period against its reservation.
     pub periods: Option<crate::periodic::PeriodReport>,
     /// A `rollback` sandbox's held network output (`recovery.output_commit`).
@@ -280,14 +283,17 @@ impl SandboxSet {
         }
         let names: Vec<String> = config.sandboxes.iter().map(|s| s.name.clone()).collect();
         audit(&mappings, &names)?;
+        // Disks after the memory files exist: an image that is some
+        // sandbox's memory_file under another name is refused too.
+        let disks = crate::disk::open_all(&config)?;
         let links = config
             .links
             .iter()
             .map(|l| crate::shared_link::SharedLink::open(&config, l))
             .collect::<Result<Vec<_>, _>>()?;
         let mut sandboxes = Vec::new();
-        for ((i, s), (memory, mut windows, ram_backing)) in
-            config.sandboxes.iter().enumerate().zip(plans)
+        for (((i, s), (memory, mut windows, ram_backing)), disk) in
+            config.sandboxes.iter().enumerate().zip(plans).zip(disks)
         {
             let params = s.workload.params().map_err(SandboxError::Config)?;
             let mem_bytes = s.mem_mib << 20;
@@ -314,7 +320,7 @@ impl SandboxSet {
                 console_path: None,
                 timer_hz: 100,
                 heartbeat_timeout: Duration::from_secs(20),
-                disk: None,
+                disk,
                 net: crate::net::first_vm_net(&config, &s.name)?.map(|n| nl_vmm::NetConfig {
                     port: links.iter().find_map(|l| l.port(&s.name)),
                     ..n
@@ -715,6 +721,7 @@ impl SandboxSet {
                     throttling: self.throttling(sb.index),
                     net: vm.net_stats().map(|n| n.0),
                     net_interrupts: vm.virtio_interrupts().1,
+                    disk: vm.blk_stats().map(|b| b.0),
                     periods: (sb.params().kind == nl_abi::WORKLOAD_PERIODIC)
                         .then(|| crate::periodic::PeriodReport::parse(&vm.console().tail()))
                         .flatten(),
