@@ -109,3 +109,38 @@ fn one_image_in_two_sandboxes_is_refused_under_any_name() {
     assert!(!err.contains("panicked"), "{err}");
     assert!(std::fs::read(&img).expect("read") == before, "the refused set wrote the image");
 }
+
+/// A `rollback` sandbox may have a writable disk: its writes are held until
+/// no rollback can undo them, so blkbench, rolled back in the middle of its
+/// file operations, finds on the image what its rolled-back state wrote and
+/// ends verified, with no recurrence.
+#[test]
+fn a_rollback_sandbox_keeps_its_disk_consistent_with_its_memory() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let img = dir.path().join("r.img");
+    let [c0, _] = two_cores();
+    let s = sandbox_set(&format!(
+        r#"{{"sandboxes": [
+            {{"name": "r", "cores": [{c0}], "mem_mib": 48,
+              "recovery": {{"policy": "rollback", "checkpoint_interval_ms": 50}},
+              "detect": {{"heartbeat_cpu_ms": 100}},
+              "workload": {{"kind": "blkbench", "duration_ms": 4000}},
+              "disk": {{"path": "{}"}}}}
+        ]}}"#,
+        img.display()
+    ));
+    // The fault at 2.5 s, well into its file operations (a `rollback`
+    // sandbox's faults are scripted into its checkpoint supervisor).
+    s.get("r").expect("r").set_script(vec![(Duration::from_millis(2500), BAD_RIP)]);
+    s.start_all().expect("start");
+    let report = s.supervise(Duration::from_secs(120) * common::LOADED);
+    let sb = &report.sandboxes[0];
+    assert_completed_and_verified(sb);
+    assert_eq!(sb.recoveries.len(), 1, "the error came back: {:?}", sb.recoveries);
+    assert!(sb.recoveries[0].ok && sb.recoveries[0].policy == "rollback", "{:?}", sb.recoveries);
+    let oc = sb.output_commit.as_ref().expect("the disk's writes were held");
+    assert!(oc.disk_writes_released > 0, "{oc:?}");
+}

@@ -390,6 +390,12 @@ impl<'a> Supervisor<'a> {
             // Before the first instruction: nothing leaves unheld.
             vm.hold_net_output(true);
         }
+        // A writable disk is part of the state a rollback restores: its
+        // writes are held like output (see `crate::output_commit`).
+        let hold_disk = vm.disk_writable();
+        if hold_disk {
+            vm.hold_disk_writes(true)?;
+        }
         vm.start()?;
         vm.pause();
         let setup = (|| {
@@ -406,10 +412,11 @@ impl<'a> Supervisor<'a> {
         };
         // Frames sent before checkpoint 0 are part of its state, which every
         // rollback keeps: they go out at once.
-        let mut output = cfg.output_commit.then(OutputCommit::new);
+        let mut output = (cfg.output_commit || hold_disk).then(OutputCommit::new);
         if let Some(oc) = &mut output {
             let since = vm.net_output_since();
-            oc.push(0, &[], true, vm.take_net_output(), since, Instant::now());
+            let (frames, disk) = (vm.take_net_output(), vm.take_disk_writes());
+            oc.push(0, &[], true, frames, disk, since, Instant::now());
         }
         vm.resume();
         let now = Instant::now();
@@ -473,15 +480,16 @@ impl<'a> Supervisor<'a> {
     /// Sends the held output whose checkpoint no rollback can undo any more
     /// (see [`crate::output_commit`]).
     fn release_output(&mut self) {
-        if self.output.as_ref().is_none_or(|oc| oc.held_frames() == 0) {
+        if self.output.as_ref().is_none_or(OutputCommit::is_empty) {
             return;
         }
         let working = self.working();
         let Some(oc) = self.output.as_mut() else { return };
-        let frames = oc.releasable(self.clock.now(), &working, self.latency_ns, Instant::now());
-        if !frames.is_empty() {
-            self.vm.release_net_output(&frames);
+        let out = oc.releasable(self.clock.now(), &working, self.latency_ns, Instant::now());
+        if !out.frames.is_empty() {
+            self.vm.release_net_output(&out.frames);
         }
+        self.vm.release_disk_writes(&out.disk);
     }
 
     /// Checks the guest's result when it reports completion; a failed check
@@ -510,10 +518,11 @@ impl<'a> Supervisor<'a> {
         let clock = self.clock.update(&self.vm.vcpu_threads()).to_vec();
         let id = self.next_id;
         if let Some(oc) = self.output.as_mut() {
-            // The frames transmitted since the last checkpoint, with the VM
-            // paused: exactly this checkpoint's.
+            // The frames transmitted and disk writes made since the last
+            // checkpoint, with the VM paused: exactly this checkpoint's.
             let since = self.vm.net_output_since();
-            oc.push(id, &clock, false, self.vm.take_net_output(), since, Instant::now());
+            let (frames, disk) = (self.vm.take_net_output(), self.vm.take_disk_writes());
+            oc.push(id, &clock, false, frames, disk, since, Instant::now());
         }
         self.vm.resume();
         let (state, stats) = r?;
@@ -715,8 +724,13 @@ impl<'a> Supervisor<'a> {
             // The vCPUs are halted: what the device holds was sent after
             // the newest checkpoint, by a state this rollback undoes.
             let device_held = self.vm.take_net_output().len();
-            let (frames, past) = oc.rollback(kept.id, device_held, Instant::now());
-            self.vm.release_net_output(&frames);
+            let device_disk = self.vm.take_disk_writes().len();
+            let (out, past) = oc.rollback(kept.id, device_held, device_disk, Instant::now());
+            self.vm.release_net_output(&out.frames);
+            // The image takes the target's writes; every later one is
+            // dropped (reads see the image again).
+            self.vm.release_disk_writes(&out.disk);
+            self.vm.discard_disk_writes();
             if past {
                 past_released_output = true;
                 reason.push_str(
@@ -869,8 +883,23 @@ impl<'a> Supervisor<'a> {
             // A completed guest's output is final; any other run's is not
             // (its state is lost with the run).
             let device_held = self.vm.hold_net_output(false);
-            let frames = oc.finish(outcome == VmOutcome::Completed, device_held, Instant::now());
-            self.vm.release_net_output(&frames);
+            // The disk keeps the guest's last writes unless the run ended
+            // in an error its state holds (then the image stays at the
+            // newest checkpoint no rollback could undo).
+            let keep_disk = !matches!(
+                outcome,
+                VmOutcome::GuestError { .. } | VmOutcome::Crashed { .. } | VmOutcome::Hung { .. }
+            );
+            let completed = outcome == VmOutcome::Completed;
+            let out = oc.finish(completed, keep_disk, device_held, Instant::now());
+            self.vm.release_net_output(&out.frames);
+            self.vm.release_disk_writes(&out.disk);
+            if !keep_disk {
+                self.vm.discard_disk_writes();
+            }
+            if let Err(e) = self.vm.hold_disk_writes(false) {
+                tracing::warn!("checkpoint: the disk's last writes did not reach the image: {e}");
+            }
         }
         let output_commit = self.output.as_ref().map(OutputCommit::stats);
         if let Some(live) = &self.cfg.live {

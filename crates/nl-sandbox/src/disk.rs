@@ -6,8 +6,9 @@
 //! `restart` or `replace` builds its new VM over the same image (the guest
 //! finds what it wrote before the fault, as after a reboot), and a carried
 //! set's new process opens the same image again (`nl_vmm::handover`).
-//! `rollback` cannot undo a write that reached the image, so a writable
-//! disk under `rollback` is refused.
+//! Under `rollback` the image is part of the state a rollback restores:
+//! the checkpoint supervisor holds the guest's writes until no rollback
+//! can undo them (`nl_checkpoint::output_commit`).
 //!
 //! The isolation rule is the memory audit's ([`crate::audit`]) applied to
 //! files: an image (by device and inode, so a second name, a hard link or
@@ -22,7 +23,7 @@ use std::path::{Path, PathBuf};
 
 use nl_vmm::DiskConfig;
 
-use crate::config::{RecoveryPolicy, SandboxConfig, SetConfig};
+use crate::config::{SandboxConfig, SetConfig};
 use crate::SandboxError;
 
 /// Size of an image the set creates when its file is missing, unless the
@@ -40,8 +41,8 @@ pub fn needed_bytes(s: &SandboxConfig) -> Option<u64> {
 }
 
 /// The static checks (nothing opened): a disk where the workload needs
-/// one, a path that is absolute, a size in range, no writable disk under
-/// `rollback`, no blkbench on a read-only disk, and no two sandboxes
+/// one, a path that is absolute, a size in range, no blkbench on a
+/// read-only disk, and no two sandboxes
 /// naming one path unless both only read it.
 pub fn validate(c: &SetConfig) -> Result<(), SandboxError> {
     let mut by_path: BTreeMap<&Path, (&str, bool)> = BTreeMap::new();
@@ -69,13 +70,6 @@ pub fn validate(c: &SetConfig) -> Result<(), SandboxError> {
         }
         if d.readonly && needed_bytes(s).is_some() {
             return bad("blkbench writes its disk: a read-only disk would fail every write".into());
-        }
-        if !d.readonly && s.recovery.policy == RecoveryPolicy::Rollback {
-            return bad(
-                "a rollback cannot undo writes that reached a disk image: give `rollback` a \
-                 read-only disk (\"readonly\": true) or another recovery policy"
-                    .into(),
-            );
         }
         if s.memory_file.as_deref() == Some(d.path.as_path()) {
             return bad(format!("disk.path {} is also its memory_file", d.path.display()));
@@ -235,9 +229,6 @@ mod tests {
             .contains("less than the 128 MiB blkbench needs"));
         assert!(err(&set("blkbench", &disk(Path::new("/x.img"), r#", "readonly": true"#), "", ""))
             .contains("blkbench writes its disk"));
-        let rollback = r#", "recovery": {"policy": "rollback"}"#;
-        assert!(err(&set("idle", &disk(Path::new("/x.img"), ""), "", rollback))
-            .contains("a rollback cannot undo writes that reached a disk image"));
         let same = disk(Path::new("/x.img"), "");
         assert!(err(&set("idle", &same, &same, ""))
             .contains("sandboxes 'a' and 'b' both reach disk image /x.img"));

@@ -1081,6 +1081,11 @@ impl Vm {
         }
     }
 
+    /// Whether the VM has a disk its guest can write.
+    pub fn disk_writable(&self) -> bool {
+        self.blk.as_ref().is_some_and(|b| !b.lock().device().is_readonly())
+    }
+
     /// The disk writes held since the last call, in order.
     pub fn take_disk_writes(&self) -> Vec<DiskWrite> {
         self.blk.as_ref().map_or_else(Vec::new, |b| b.lock().device_mut().take_held())

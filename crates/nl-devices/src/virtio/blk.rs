@@ -159,6 +159,11 @@ impl Block {
         }
     }
 
+    /// Whether the guest's writes fail (a read-only disk).
+    pub fn is_readonly(&self) -> bool {
+        self.readonly
+    }
+
     /// The image file (to find its data ranges).
     pub fn image(&self) -> &File {
         &self.file
