@@ -229,7 +229,7 @@ pub fn backup_challenge<S: Read + Write>(s: &mut S, key: &Key) -> Result<Proven,
         .map_err(|e| format!("cannot send the challenge: {e}"))?;
     let a = read_plain_frame(s).map_err(|e| format!("no proof of the key: {e}"))?;
     if a.kind != Kind::Auth {
-        return Err(format!("expected the proof of the key, got {:?}", a.kind));
+        return Err(format!("no proof of the key: a {:?} frame came instead", a.kind));
     }
     if !key.verify(PRIMARY_LABEL, &np, &nb, &f.payload, &a.payload) {
         return Err("authentication failed: the peer did not prove that it holds this \
