@@ -22,7 +22,7 @@ use crate::verify::verify_vcpus;
 #[derive(Subcommand, Debug, Clone)]
 pub enum ReplicateCmd {
     /// Run a VM whose every epoch is acknowledged by a backup before its output leaves.
-    Primary(PrimaryArgs),
+    Primary(Box<PrimaryArgs>),
     /// Receive a primary's epochs and take over its VM when the primary is gone.
     Backup(BackupArgs),
     /// Write a new replication key (32 random bytes, mode 0600) to PATH; never overwrites.
@@ -191,7 +191,7 @@ pub struct BackupArgs {
 
 pub fn replicate(c: ReplicateCmd) -> Result<ExitCode> {
     match c {
-        ReplicateCmd::Primary(a) => primary(a),
+        ReplicateCmd::Primary(a) => primary(*a),
         ReplicateCmd::Backup(a) => backup(a),
         ReplicateCmd::Keygen { path } => {
             Key::generate(&path).map_err(anyhow::Error::msg)?;
@@ -683,7 +683,7 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
             ph.fallback = Some(why);
             let t = Instant::now();
             let (vm, build) =
-                build_backup_vm(&a, &Shape::of(&state), memory, false, linux.as_ref())?;
+                build_backup_vm(&a, &Shape::of(&state), memory, false, linux.as_deref())?;
             ph.build = build;
             ph.build_ms = ms_since(t);
             vm

@@ -358,7 +358,7 @@ mod tests {
             started_unix_ms: None,
         };
         let big = Hello { linux: Some(LinuxHello::of(&record)), ..hello() };
-        let e = primary_handshake(&mut a, &key, &big).err().expect("refused");
+        let e = primary_handshake(&mut a, &key, &big).expect_err("refused");
         assert!(e.contains(&format!("more than the {HANDSHAKE_MAX}")), "{e}");
         // A backup refuses a hello frame announcing more, unread.
         let (mut a, mut b) = UnixStream::pair().unwrap();

@@ -426,7 +426,7 @@ pub enum BackupEnd {
         /// The last frame from the primary before that.
         last_heard: Instant,
         /// A Linux VM: how it was booted (from the primary's hello).
-        linux: Option<LinuxRecord>,
+        linux: Option<Box<LinuxRecord>>,
     },
     /// The primary's VM finished: nothing to take over.
     PrimaryFinished { message: String },
@@ -808,7 +808,7 @@ fn receive(
                 reason,
                 detected,
                 last_heard,
-                linux: linux.clone(),
+                linux: linux.clone().map(Box::new),
             },
             None if broken => BackupEnd::NothingToActivate {
                 reason: format!(

@@ -1121,10 +1121,7 @@ impl<'a> Primary<'a> {
             // A Linux VM's end is read before the pause: what PVM's
             // emulator stopped on is completed there (it relaunches the
             // vCPUs), and a reset or its time limit ends it.
-            let linux_end = match vm.linux_record() {
-                Some(_) => Some(nl_vmm::linux::poll(vm)),
-                None => None,
-            };
+            let linux_end = vm.linux_record().map(|_| nl_vmm::linux::poll(vm));
             let t = Instant::now();
             vm.pause();
             self.sums.last_stop = ms(t.elapsed());
