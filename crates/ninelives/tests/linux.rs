@@ -1042,3 +1042,148 @@ fn a_linux_vm_keeps_running_across_a_microreset_of_its_host() {
 fn a_linux_vm_keeps_running_across_a_microreboot_of_its_host() {
     a_linux_vm_keeps_running_across("microreboot", "a_linux_vm_keeps_running_across_a_microreboot");
 }
+
+/// Kills the child on drop (a failed assertion must not leave a primary or
+/// a backup running).
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Replication of a Linux VM (`replicate primary --kernel`): a backup
+/// (loopback, one process each) receives the primary's epochs, whose hello
+/// carries the VM's Linux boot record, and builds a Linux VM ahead of a
+/// takeover (`Vm::prepare_linux` over its copy of the memory). The primary
+/// boots the Debian kernel past its banner and is killed with SIGKILL; the
+/// backup takes over from its last acknowledged epoch: its JSON says the
+/// VM was built ahead (no fallback) and ran as a Linux VM, and its console
+/// goes on where the primary's stopped: new timestamped lines past the
+/// primary's last one, the kernel's time never going back (from what the
+/// primary had printed before the kill on, and in order), no second boot.
+/// SIGTERM ends the backup's Linux VM and its report.
+#[test]
+fn a_replicated_linux_vm_goes_on_printing_on_the_backup_after_the_primary_is_killed() {
+    let Some(kernel) = debian_kernel("a_replicated_linux_vm") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("repl.key");
+    let o = common::run_cli(&["replicate", "keygen", key.to_str().unwrap()]);
+    assert!(o.status.success(), "keygen: {}", common::stderr(&o));
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = format!("127.0.0.1:{port}");
+    let (pcon, bcon) = (dir.path().join("primary.txt"), dir.path().join("backup.txt"));
+    let (blog, plog) = (dir.path().join("backup.log"), dir.path().join("primary.log"));
+    let backup = common::ninelives()
+        .args(["replicate", "backup", "--listen", &addr, "--key-file", key.to_str().unwrap()])
+        .args(["--mem", "256M", "--lease-ms", "1000", "--json"])
+        .args(["--console", bcon.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::fs::File::create(&blog).unwrap())
+        .spawn()
+        .expect("spawn the backup");
+    let mut backup = Killed(backup);
+    let log = |p: &std::path::Path| std::fs::read_to_string(p).unwrap_or_default();
+    let t = Instant::now();
+    while !log(&blog).contains("backup listening") {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the backup did not listen:\n{}",
+            log(&blog)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let cmdline = test_cmdline("replicate");
+    let primary = common::ninelives()
+        .args(["replicate", "primary", "--backup", &addr, "--key-file", key.to_str().unwrap()])
+        .args(["--kernel", kernel.to_str().unwrap(), "--cmdline", &cmdline])
+        .args(["--mem", "256M", "--lease-ms", "1000", "--duration", "900", "--json"])
+        .args(["--console", pcon.to_str().unwrap()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&plog).unwrap())
+        .spawn()
+        .expect("spawn the primary");
+    let mut primary = Killed(primary);
+
+    // Past the banner, with the kernel's clock running: then a snapshot,
+    // and one more line (epochs went on meanwhile) before the kill.
+    let start = Instant::now();
+    let text = wait_console(&pcon, BOOT_LIMIT, |t| {
+        t.contains("Linux version") && stamped(t).last().is_some_and(|l| l.0 > 0.0)
+    });
+    assert!(
+        text.contains("Linux version") && stamped(&text).last().is_some_and(|l| l.0 > 0.0),
+        "the primary's kernel did not get past its banner within {BOOT_LIMIT:?}; console:\n{}\n\
+         primary:\n{}\nbackup:\n{}",
+        tail(&text),
+        tail(&log(&plog)),
+        tail(&log(&blog))
+    );
+    assert!(log(&plog).contains("the VM is protected"), "not protected:\n{}", log(&plog));
+    let snapshot = *timestamps(&text).last().unwrap();
+    let mark = text.len();
+    let text = wait_console(&pcon, BOOT_LIMIT, |t| !stamped(&t[mark.min(t.len())..]).is_empty());
+    assert!(!stamped(&text[mark..]).is_empty(), "the primary stopped printing:\n{}", tail(&text));
+    std::thread::sleep(Duration::from_secs(1));
+    primary.0.kill().expect("SIGKILL the primary");
+    primary.0.wait().unwrap();
+    let killed_at = start.elapsed();
+    let before = String::from_utf8_lossy(&read_console(&pcon)).into_owned();
+    let last_primary = *timestamps(&before).last().unwrap();
+    eprintln!(
+        "replicate: primary killed {:.1} s after its start, at kernel time {last_primary} s \
+         (snapshot at {snapshot} s)",
+        killed_at.as_secs_f64()
+    );
+
+    // The backup takes over and the kernel goes on there.
+    let new_lines = |t: &str| stamped(t).iter().filter(|l| l.0 > last_primary).count();
+    let after = wait_console(&bcon, BOOT_LIMIT, |t| {
+        new_lines(t) >= 3 || backup.0.try_wait().ok().flatten().is_some()
+    });
+    assert!(
+        new_lines(&after) >= 3,
+        "the kernel did not go on on the backup (3 lines past kernel time {last_primary} s); \
+         backup console:\n{}\nbackup:\n{}",
+        tail(&after),
+        tail(&log(&blog))
+    );
+    let stamps = timestamps(&after);
+    assert!(
+        stamps[0] >= snapshot,
+        "time went back: the primary printed kernel time {snapshot} s well before the kill, \
+         the backup then {stamps:?}"
+    );
+    assert!(stamps.windows(2).all(|w| w[0] <= w[1]), "timestamps out of order: {stamps:?}");
+    assert_eq!(before.matches("Linux version").count(), 1, "primary console:\n{before}");
+    assert_eq!(after.matches("Linux version").count(), 0, "the kernel booted again:\n{after}");
+    eprintln!(
+        "replicate: the backup's first line at kernel time {} s, {} lines past {last_primary} s",
+        stamps[0],
+        new_lines(&after)
+    );
+
+    // SIGTERM ends the backup's Linux VM; its report says how it took over.
+    // SAFETY: kill() on our own child's pid has no memory-safety preconditions.
+    unsafe { libc::kill(backup.0.id() as i32, libc::SIGTERM) };
+    let t = Instant::now();
+    while backup.0.try_wait().unwrap().is_none() {
+        assert!(t.elapsed() < Duration::from_secs(60), "SIGTERM did not end the backup");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut out = String::new();
+    std::io::Read::read_to_string(backup.0.stdout.as_mut().unwrap(), &mut out).unwrap();
+    let last = out.lines().last().unwrap_or_default();
+    let v: serde_json::Value = serde_json::from_str(last)
+        .unwrap_or_else(|e| panic!("backup JSON ({e}): {out}\n{}", tail(&log(&blog))));
+    assert_eq!(v["activated"], true, "{v}");
+    assert_eq!(v["linux"], true, "{v}");
+    assert_eq!(v["prebuilt"], true, "the VM was not built ahead: {v}");
+    assert!(v["takeover"]["fallback"].is_null(), "{v}");
+    assert_eq!(v["ok"], true, "{v}");
+    assert!(v["end"].as_str().is_some_and(|e| e.contains("signal")), "{v}");
+    assert!(backup.0.wait().unwrap().success(), "{out}");
+    eprintln!("replicate: takeover_ms {} ({})", v["takeover_ms"], v["takeover"]);
+}

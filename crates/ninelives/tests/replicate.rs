@@ -504,6 +504,7 @@ fn a_forged_primary_never_starts_a_vm_and_the_real_primary_is_served() {
             vcpus: 1,
             disk_bytes: 0,
             lease_ms: 1000,
+            linux: None,
         };
         let body = [&np[..], &serde_json::to_vec(&hello).unwrap()].concat();
         write_plain_frame(&mut s, Kind::Hello, &[&body]).unwrap();

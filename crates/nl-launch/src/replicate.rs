@@ -10,6 +10,7 @@ use clap::{Args, Subcommand};
 use nl_replicate::auth::Key;
 use nl_replicate::backup::{serve_with, BackupConfig, BackupEnd, HANDSHAKE_TIME};
 use nl_replicate::primary::{Options, Primary, PrimaryConfig, PrimaryReport};
+use nl_vmm::linux::LinuxRecord;
 use nl_vmm::state::VmState;
 use nl_vmm::{Vm, VmOutcome};
 use serde::Serialize;
@@ -21,7 +22,7 @@ use crate::verify::verify_vcpus;
 #[derive(Subcommand, Debug, Clone)]
 pub enum ReplicateCmd {
     /// Run a VM whose every epoch is acknowledged by a backup before its output leaves.
-    Primary(PrimaryArgs),
+    Primary(Box<PrimaryArgs>),
     /// Receive a primary's epochs and take over its VM when the primary is gone.
     Backup(BackupArgs),
     /// Write a new replication key (32 random bytes, mode 0600) to PATH; never overwrites.
@@ -123,6 +124,17 @@ pub struct PrimaryArgs {
     /// Print the run's report as one JSON object (last line of stdout).
     #[arg(long)]
     pub json: bool,
+    /// Linux kernel command line, when --kernel is a Linux bzImage or vmlinux
+    /// (as `run` takes it; --duration is then the VM's time limit, which the
+    /// backup keeps after a takeover; see docs/linux-guests.md).
+    #[arg(long, default_value = crate::run_linux::DEFAULT_CMDLINE)]
+    pub cmdline: String,
+    /// An initrd (initramfs) for a Linux kernel.
+    #[arg(long)]
+    pub initrd: Option<std::path::PathBuf>,
+    /// The Linux kernel's System.map: names the guest function where it stopped.
+    #[arg(long)]
+    pub system_map: Option<std::path::PathBuf>,
 }
 
 #[derive(Args, Clone, Debug)]
@@ -157,7 +169,9 @@ pub struct BackupArgs {
     /// The guest's IPv4 address and prefix after a takeover.
     #[arg(long, default_value = "10.0.0.2/24")]
     pub net_ip: String,
-    /// Write the guest's console output (after a takeover) to this file.
+    /// Write the guest's console output (after a takeover) to this file
+    /// (appended; a Linux VM's console goes on there from where the
+    /// primary's last acknowledged epoch was).
     #[arg(long)]
     pub console: Option<std::path::PathBuf>,
     /// After a takeover, protect the VM again: become its primary towards a
@@ -177,7 +191,7 @@ pub struct BackupArgs {
 
 pub fn replicate(c: ReplicateCmd) -> Result<ExitCode> {
     match c {
-        ReplicateCmd::Primary(a) => primary(a),
+        ReplicateCmd::Primary(a) => primary(*a),
         ReplicateCmd::Backup(a) => backup(a),
         ReplicateCmd::Keygen { path } => {
             Key::generate(&path).map_err(anyhow::Error::msg)?;
@@ -189,8 +203,13 @@ pub fn replicate(c: ReplicateCmd) -> Result<ExitCode> {
 
 #[derive(Serialize)]
 pub struct PrimaryRun {
+    /// The digest verified; a Linux VM (no digest): it ended by a reset of
+    /// the guest or at its time limit.
     pub ok: bool,
     pub digest_ok: bool,
+    /// The VM was a Linux VM (`--kernel` a Linux image).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub linux: bool,
     pub ops_per_sec: f64,
     #[serde(flatten)]
     pub report: PrimaryReport,
@@ -214,22 +233,39 @@ pub fn run_primary(a: &PrimaryArgs, quiet: bool) -> Result<PrimaryRun> {
     if let Some(d) = &a.machine.disk {
         guest::ensure_disk(d, guest::disk_size_for(&params))?;
     }
-    let config =
-        guest::vm_config(&a.machine, params, guest::kernel_image(&a.machine)?, a.console.clone())?;
+    let kernel = guest::kernel_image(&a.machine)?;
+    let linux = nl_arch::linux::image_kind(&kernel) != nl_arch::linux::ImageKind::Other;
+    let config = guest::vm_config(&a.machine, params, kernel, a.console.clone())?;
     let kvm = nl_vmm::open_kvm()?;
-    let vm = Vm::create(&kvm, 0, config).context("cannot create the VM")?;
+    let vm = if linux {
+        // As `run --kernel`: --duration is the Linux VM's time limit; its
+        // record (sent to the backup in the hello) carries it.
+        let mut boot = crate::run_linux::linux_boot(
+            a.machine.kernel.as_deref(),
+            &a.cmdline,
+            a.initrd.as_deref(),
+            a.system_map.as_deref(),
+        )?;
+        boot.time_limit = Some(Duration::from_secs_f64(a.duration));
+        Vm::create_linux(&kvm, 0, config, &boot).context("cannot create the Linux VM")?
+    } else {
+        Vm::create(&kvm, 0, config).context("cannot create the VM")?
+    };
+    // A Linux VM ends at its own time limit (its record's); this one is
+    // only a backstop.
+    let limit = if linux { a.duration + 60.0 } else { a.duration * 4.0 + 60.0 };
     let cfg = PrimaryConfig {
         backup: a.backup,
         epoch: Duration::from_millis(a.epoch),
         lease: Duration::from_millis(a.lease_ms),
         key,
         opts,
-        time_limit: Duration::from_secs_f64(a.duration * 4.0 + 60.0),
+        time_limit: Duration::from_secs_f64(limit),
         reattach: a.reattach,
         die_mid_send_after: a.test_die_mid_send_ms.map(Duration::from_millis),
     };
-    let (report, (digest_ok, ops_per_sec, error)) = run_as_primary(&vm, cfg, quiet)?;
-    Ok(PrimaryRun { ok: digest_ok, digest_ok, ops_per_sec, report, error })
+    let (report, (ok, ops_per_sec, error)) = run_as_primary(&vm, cfg, quiet)?;
+    Ok(PrimaryRun { ok, digest_ok: ok && !linux, linux, ops_per_sec, report, error })
 }
 
 impl PrimaryArgs {
@@ -279,11 +315,22 @@ fn run_as_primary(vm: &Vm, cfg: PrimaryConfig, quiet: bool) -> Result<(PrimaryRe
     };
     let report = Primary::new(vm, cfg, &mut log).run().map_err(anyhow::Error::msg)?;
     let verdict = match &report.outcome {
+        // A Linux VM has no digest: it ended well when the guest reset
+        // (reboot or power-off through the i8042) or at its time limit.
+        Some(o) if vm.linux_record().is_some() => linux_verdict(o),
         Some(VmOutcome::Completed) => verdict(vm)?,
         Some(o) => (false, 0.0, Some(o.message())),
         None => (false, 0.0, Some("fenced: the VM was stopped".into())),
     };
     Ok((report, verdict))
+}
+
+/// A Linux VM's end: `(ended well, 0, how it ended otherwise)`.
+fn linux_verdict(o: &VmOutcome) -> Verdict {
+    match o {
+        VmOutcome::Completed | VmOutcome::TimedOut { .. } => (true, 0.0, None),
+        o => (false, 0.0, Some(o.message())),
+    }
 }
 
 fn verdict(vm: &Vm) -> Result<Verdict> {
@@ -312,7 +359,12 @@ fn primary(a: PrimaryArgs) -> Result<ExitCode> {
     } else if p.unprotected {
         println!("ran UNPROTECTED after: {}", p.backup_lost.as_deref().unwrap_or("?"));
     }
-    println!("{}", crate::verify::digest_line(r.digest_ok, r.error.as_deref(), r.ops_per_sec));
+    if r.linux {
+        let end = p.outcome.as_ref().map_or_else(|| "fenced".into(), VmOutcome::message);
+        println!("linux: the VM ended: {end}");
+    } else {
+        println!("{}", crate::verify::digest_line(r.digest_ok, r.error.as_deref(), r.ops_per_sec));
+    }
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
     }
@@ -397,15 +449,18 @@ struct TakeoverPhases {
     first_exit_ms: Option<f64>,
 }
 
-/// Builds the backup's VM over `memory` (not started, no state loaded).
-/// `spare_net`: the virtio-net device gets no TAP yet (link down), so no
-/// frame queues for a guest that does not run and the TAP is opened once,
-/// at the takeover.
+/// Builds the backup's VM over `memory` (not started, no state loaded):
+/// a Linux VM booted as `linux` says (`Vm::prepare_linux`: its UART
+/// interrupt, i8042 and PIT, the vCPUs' Linux CPUID), otherwise a
+/// reference-guest VM. `spare_net`: the virtio-net device gets no TAP yet
+/// (link down), so no frame queues for a guest that does not run and the
+/// TAP is opened once, at the takeover.
 fn build_backup_vm(
     a: &BackupArgs,
     shape: &Shape,
     memory: nl_memory::GuestMemory,
     spare_net: bool,
+    linux: Option<&LinuxRecord>,
 ) -> Result<(Vm, BuildPhases)> {
     let mut ph = BuildPhases::default();
     let t = Instant::now();
@@ -432,7 +487,12 @@ fn build_backup_vm(
     let kvm = nl_vmm::open_kvm()?;
     ph.open_kvm_ms = ms_since(t);
     let t = Instant::now();
-    let vm = Vm::prepare(&kvm, 0, config, memory).context("cannot build the VM")?;
+    let vm = match linux {
+        Some(r) => {
+            Vm::prepare_linux(&kvm, 0, config, memory, r).context("cannot build the Linux VM")?
+        }
+        None => Vm::prepare(&kvm, 0, config, memory).context("cannot build the VM")?,
+    };
     ph.prepare_ms = ms_since(t);
     Ok((vm, ph))
 }
@@ -470,6 +530,9 @@ fn take_prebuilt(
     if now != shape {
         return Err(format!("the VM's shape changed since the full copy: {shape:?} -> {now:?}"));
     }
+    if vm.linux_record().is_some() != nl_vmm::linux::is_linux_state(state) {
+        return Err("the VM built ahead is not of the kind of the last state (Linux or not)".into());
+    }
     if !Arc::ptr_eq(vm.memory().fd(), memory.fd()) {
         return Err("the VM built ahead is not over the backup's memory".into());
     }
@@ -484,6 +547,45 @@ fn take_prebuilt(
     }
     ph.tap_ms = ms_since(t);
     Ok(vm)
+}
+
+/// Set by SIGTERM or SIGINT while a backup runs a Linux VM it took over.
+static STOP_LINUX: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_stop_signal(_: libc::c_int) {
+    STOP_LINUX.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Runs a Linux VM the backup took over (started) until the guest resets,
+/// it reaches its time limit (its record's, counted from its first
+/// creation on the primary), it stops on what the VMM cannot complete, or
+/// SIGTERM/SIGINT asks this process to stop it (a Linux VM has no natural
+/// end on its own: this is how an operator, or a test, ends it and still
+/// gets the report). Returns (ended well, ms run, how it ended).
+fn run_linux_on(vm: &Vm) -> (bool, f64, String) {
+    let handler = on_stop_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        // SAFETY: the handler only stores to an atomic (async-signal-safe).
+        unsafe { libc::signal(sig, handler) };
+    }
+    let started = Instant::now();
+    let (ok, end) = loop {
+        if STOP_LINUX.load(std::sync::atomic::Ordering::SeqCst) {
+            vm.stop();
+            break (true, "stopped by a signal to the backup".to_string());
+        }
+        if let Some(o) = nl_vmm::linux::poll(vm) {
+            let end = match &o {
+                VmOutcome::Completed => {
+                    "the guest reset (reboot or power-off through the i8042)".into()
+                }
+                o => o.message(),
+            };
+            break (matches!(o, VmOutcome::Completed | VmOutcome::TimedOut { .. }), end);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (ok, ms_since(started), end)
 }
 
 /// Waits (bounded: 500 ms) for the first vCPU exit after `started`.
@@ -522,24 +624,26 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
     // own memory on a thread (epochs keep arriving meanwhile): a takeover
     // then only loads the last state and starts it.
     let mut prebuild: Option<Prebuild> = None;
-    let mut first_copy = |memory: &nl_memory::GuestMemory, state: &VmState| {
-        if a.no_prebuild {
-            return;
-        }
-        let (shape, memory, args) = (Shape::of(state), memory.clone(), a.clone());
-        let spawned = std::thread::Builder::new()
-            .name("repl-prebuild".into())
-            .spawn(move || build_backup_vm(&args, &shape, memory, true));
-        match spawned {
-            Ok(h) => {
-                tracing::info!("full copy received: building the VM ahead of a takeover");
-                prebuild = Some((shape, h));
+    let mut first_copy =
+        |memory: &nl_memory::GuestMemory, state: &VmState, linux: Option<&LinuxRecord>| {
+            if a.no_prebuild {
+                return;
             }
-            Err(e) => tracing::warn!("cannot start the thread building the VM ahead: {e}"),
-        }
-    };
+            let (shape, memory, args) = (Shape::of(state), memory.clone(), a.clone());
+            let linux = linux.cloned();
+            let spawned = std::thread::Builder::new()
+                .name("repl-prebuild".into())
+                .spawn(move || build_backup_vm(&args, &shape, memory, true, linux.as_ref()));
+            match spawned {
+                Ok(h) => {
+                    tracing::info!("full copy received: building the VM ahead of a takeover");
+                    prebuild = Some((shape, h));
+                }
+                Err(e) => tracing::warn!("cannot start the thread building the VM ahead: {e}"),
+            }
+        };
     let end = serve_with(&cfg, &mut log, &mut first_copy).map_err(anyhow::Error::msg)?;
-    let (epoch, memory, state, reason, detected, last_heard) = match end {
+    let (epoch, memory, state, reason, detected, last_heard, linux) = match end {
         BackupEnd::PrimaryFinished { message } => {
             println!("primary finished ({message}); backup stands down");
             if a.json {
@@ -563,8 +667,8 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
         BackupEnd::NothingToActivate { reason } => {
             bail!("the backup has nothing to take over: {reason}")
         }
-        BackupEnd::Activate { epoch, memory, state, reason, detected, last_heard } => {
-            (epoch, memory, state, reason, detected, last_heard)
+        BackupEnd::Activate { epoch, memory, state, reason, detected, last_heard, linux } => {
+            (epoch, memory, state, reason, detected, last_heard, linux)
         }
     };
     let mut ph = TakeoverPhases { handoff_ms: ms_since(detected), ..Default::default() };
@@ -578,7 +682,8 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
             tracing::warn!("building the VM in the takeover: {why}");
             ph.fallback = Some(why);
             let t = Instant::now();
-            let (vm, build) = build_backup_vm(&a, &Shape::of(&state), memory, false)?;
+            let (vm, build) =
+                build_backup_vm(&a, &Shape::of(&state), memory, false, linux.as_deref())?;
             ph.build = build;
             ph.build_ms = ms_since(t);
             vm
@@ -643,6 +748,22 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
          ({since_last_frame_ms:.1} ms after the last frame from the primary; {}: {ph:?})",
         if ph.prebuilt { "built ahead" } else { "built in the takeover" }
     );
+    if vm.linux_record().is_some() {
+        let (ok, ran, end) = run_linux_on(&vm);
+        println!(
+            "took over the Linux VM from epoch {epoch}; it ran {ran:.0} ms on the backup and ended: {end}"
+        );
+        if a.json {
+            println!(
+                "{}",
+                serde_json::json!({"activated": true, "epoch": epoch, "reason": reason, "ok": ok,
+                    "linux": true, "end": end, "takeover_ms": takeover_ms,
+                    "since_last_frame_ms": since_last_frame_ms,
+                    "prebuilt": ph.prebuilt, "takeover": ph})
+            );
+        }
+        return Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE });
+    }
     let started = Instant::now();
     let outcome = vm.wait(limit);
     let (digest_ok, ops_per_sec, error) = if outcome == VmOutcome::Completed {

@@ -164,6 +164,13 @@ pub fn primary_handshake<S: Read + Write>(
     let np = nonce()?;
     let body = serde_json::to_vec(hello).map_err(|e| e.to_string())?;
     let payload = [&np[..], &body].concat();
+    if payload.len() > HANDSHAKE_MAX {
+        return Err(format!(
+            "the hello takes {} bytes, more than the {HANDSHAKE_MAX} a handshake frame holds \
+             (a Linux VM's command line and file names are in it: shorten them)",
+            payload.len()
+        ));
+    }
     let sent = write_plain_frame(s, Kind::Hello, &[&payload]);
     // A backup that refuses this peer may answer before reading the hello:
     // its reason is worth more than our broken pipe.
@@ -222,7 +229,7 @@ pub fn backup_challenge<S: Read + Write>(s: &mut S, key: &Key) -> Result<Proven,
         .map_err(|e| format!("cannot send the challenge: {e}"))?;
     let a = read_plain_frame(s).map_err(|e| format!("no proof of the key: {e}"))?;
     if a.kind != Kind::Auth {
-        return Err(format!("expected the proof of the key, got {:?}", a.kind));
+        return Err(format!("no proof of the key: a {:?} frame came instead", a.kind));
     }
     if !key.verify(PRIMARY_LABEL, &np, &nb, &f.payload, &a.payload) {
         return Err("authentication failed: the peer did not prove that it holds this \
@@ -300,6 +307,7 @@ mod tests {
             vcpus: 1,
             disk_bytes: 0,
             lease_ms: 1000,
+            linux: None,
         }
     }
 
@@ -316,6 +324,52 @@ mod tests {
         });
         let p = primary_handshake(&mut a, pk, &hello());
         (p, backup.join().unwrap())
+    }
+
+    /// A Linux record that does not decode, and a hello too large for a
+    /// handshake frame, end the handshake with a clear error (on the
+    /// backup: before anything past the frame's header is read).
+    #[test]
+    fn a_corrupt_or_oversized_linux_record_is_refused_clearly() {
+        let key = Key::from_bytes(&[7; 32]).unwrap();
+        let corrupt = [
+            serde_json::json!({"version": 1, "record": {"cmdline": 7}}),
+            serde_json::json!({"version": 1}),
+            serde_json::json!({"version": "1", "record": {"cmdline": ""}}),
+            serde_json::json!([1, 2]),
+        ];
+        for linux in corrupt {
+            let (mut a, mut b) = UnixStream::pair().unwrap();
+            let mut v = serde_json::to_value(hello()).unwrap();
+            v["linux"] = linux.clone();
+            let body = [&nonce().unwrap()[..], &serde_json::to_vec(&v).unwrap()].concat();
+            write_plain_frame(&mut a, Kind::Hello, &[&body]).unwrap();
+            let e = backup_challenge(&mut b, &key).err().expect("refused");
+            assert!(e.starts_with("malformed hello:"), "{linux}: {e}");
+        }
+        // The primary does not send a hello that a backup could not read.
+        let (mut a, _b) = UnixStream::pair().unwrap();
+        let record = nl_vmm::linux::LinuxRecord {
+            kernel: Some(format!("/{}", "k".repeat(HANDSHAKE_MAX)).into()),
+            cmdline: String::new(),
+            initrd: None,
+            system_map: None,
+            time_limit_ms: None,
+            started_unix_ms: None,
+        };
+        let big = Hello { linux: Some(LinuxHello::of(&record)), ..hello() };
+        let e = primary_handshake(&mut a, &key, &big).expect_err("refused");
+        assert!(e.contains(&format!("more than the {HANDSHAKE_MAX}")), "{e}");
+        // A backup refuses a hello frame announcing more, unread.
+        let (mut a, mut b) = UnixStream::pair().unwrap();
+        let mut h = [0u8; HEADER_BYTES];
+        h[0..4].copy_from_slice(&MAGIC);
+        h[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        h[6] = Kind::Hello as u8;
+        h[20..24].copy_from_slice(&(HANDSHAKE_MAX as u32 + 1).to_le_bytes());
+        a.write_all(&h).unwrap();
+        let e = backup_challenge(&mut b, &key).err().expect("refused");
+        assert!(e.contains(&format!("at most {HANDSHAKE_MAX}")), "{e}");
     }
 
     #[test]

@@ -32,6 +32,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use nl_memory::GuestMemory;
+use nl_vmm::linux::LinuxRecord;
 use nl_vmm::state::{VmState, STATE_VERSION};
 use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
@@ -44,6 +45,9 @@ use crate::protocol::*;
 pub struct Receiver {
     memory: GuestMemory,
     vcpus: u32,
+    /// The hello announced a Linux VM: every epoch's state must be a Linux
+    /// VM's, and without it none may be.
+    linux: bool,
     disk: Option<BackupDisk>,
     committed: Option<(u64, Vec<u8>)>,
     staging: Staging,
@@ -96,11 +100,18 @@ impl Receiver {
         Ok(Self {
             memory,
             vcpus,
+            linux: false,
             disk: None,
             committed: None,
             staging: Staging::default(),
             spare: Vec::new(),
         })
+    }
+
+    /// The primary's VM is a Linux VM (its hello carried a boot record).
+    pub fn with_linux(mut self, linux: bool) -> Self {
+        self.linux = linux;
+        self
     }
 
     /// Keeps the primary's disk in `disk` as well.
@@ -240,7 +251,17 @@ impl Receiver {
                             self.vcpus
                         )));
                     }
-                    Ok(())
+                    match (self.linux, nl_vmm::linux::is_linux_state(&state)) {
+                        (false, true) => Err(ProtoError::Bad(format!(
+                            "epoch {want}: the state is a Linux VM's (it has an i8042) but the \
+                             primary's hello carried no Linux record"
+                        ))),
+                        (true, false) => Err(ProtoError::Bad(format!(
+                            "epoch {want}: the primary's hello announced a Linux VM but the \
+                             state is not one (it has no i8042)"
+                        ))),
+                        _ => Ok(()),
+                    }
                 })();
                 if let Err(e) = checked {
                     self.spare.extend(st.payloads);
@@ -404,6 +425,8 @@ pub enum BackupEnd {
         detected: Instant,
         /// The last frame from the primary before that.
         last_heard: Instant,
+        /// A Linux VM: how it was booted (from the primary's hello).
+        linux: Option<Box<LinuxRecord>>,
     },
     /// The primary's VM finished: nothing to take over.
     PrimaryFinished { message: String },
@@ -465,6 +488,9 @@ pub fn check_hello(cfg: &BackupConfig, h: &Hello) -> Result<(), String> {
             h.lease_ms
         ));
     }
+    if let Some(l) = &h.linux {
+        l.check()?;
+    }
     if h.protocol != PROTOCOL_VERSION {
         return Err(format!(
             "protocol version {} does not match the backup's {PROTOCOL_VERSION}",
@@ -519,6 +545,7 @@ struct Attached {
     peer: SocketAddr,
     session: SessionKey,
     disk: Option<BackupDisk>,
+    linux: Option<LinuxRecord>,
 }
 
 /// State shared by the accept and handshake threads.
@@ -544,12 +571,17 @@ impl Drop for Pending {
 /// Waits for the configured primary, then receives epochs until the primary
 /// is gone, finishes, or sends a bad stream. `log` gets one line per event.
 pub fn serve(cfg: &BackupConfig, log: &mut dyn FnMut(String)) -> Result<BackupEnd, String> {
-    serve_with(cfg, log, &mut |_: &GuestMemory, _: &VmState| {})
+    serve_with(cfg, log, &mut |_: &GuestMemory, _: &VmState, _: Option<&LinuxRecord>| {})
 }
+
+/// What [`serve_with`] calls after the full copy: the backup's guest
+/// memory, the first epoch's state and, for a Linux VM, its boot record.
+pub type FirstCopy<'f> = dyn FnMut(&GuestMemory, &VmState, Option<&LinuxRecord>) + 'f;
 
 /// [`serve`], calling `first_copy` once, on the serving thread, right after
 /// the first epoch (the primary's full copy) is acknowledged and applied,
-/// with the backup's guest memory and that epoch's state: from then on the
+/// with the backup's guest memory, that epoch's state and a Linux VM's boot
+/// record (the primary's hello): from then on the
 /// VM's shape (memory, vCPUs, workload, timer) is known, and the caller may
 /// build the VM over that very memory (a clone of the [`GuestMemory`]
 /// shares its memfd and mapping; epochs keep being applied to it) so that a
@@ -558,7 +590,7 @@ pub fn serve(cfg: &BackupConfig, log: &mut dyn FnMut(String)) -> Result<BackupEn
 pub fn serve_with(
     cfg: &BackupConfig,
     log: &mut dyn FnMut(String),
-    first_copy: &mut dyn FnMut(&GuestMemory, &VmState),
+    first_copy: &mut FirstCopy,
 ) -> Result<BackupEnd, String> {
     let listener = TcpListener::bind(cfg.listen)
         .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
@@ -588,11 +620,20 @@ pub fn serve_with(
                 let _ = a.s.set_read_timeout(None);
                 let _ = a.s.set_write_timeout(None);
                 let _ = a.s.set_nodelay(true);
-                let rx = Receiver::new(cfg.mem_bytes, cfg.vcpus).map(|rx| match a.disk {
-                    Some(d) => rx.with_disk(d),
-                    None => rx,
+                let linux = a.linux;
+                let rx = Receiver::new(cfg.mem_bytes, cfg.vcpus).map(|rx| {
+                    let rx = rx.with_linux(linux.is_some());
+                    match a.disk {
+                        Some(d) => rx.with_disk(d),
+                        None => rx,
+                    }
                 });
-                break rx.and_then(|rx| receive(cfg, a.s, a.session, rx, &events, log, first_copy));
+                if let Some(l) = &linux {
+                    log(format!("the primary's VM is a Linux VM (command line {:?})", l.cmdline));
+                }
+                break rx.and_then(|rx| {
+                    receive(cfg, a.s, a.session, rx, linux, &events, log, first_copy)
+                });
             }
             Err(_) => break Err("the accept thread ended".into()),
         }
@@ -687,15 +728,16 @@ fn handshake(
             }
             _ => Ok(None),
         };
-        let r = disk.and_then(|disk| Ok((p.welcome(&mut d, &cfg.key)?, disk)));
+        let linux = p.hello.linux.as_ref().map(|l| l.record.clone());
+        let r = disk.and_then(|disk| Ok((p.welcome(&mut d, &cfg.key)?, disk, linux)));
         if r.is_err() {
             slot.taken.store(false, Ordering::SeqCst);
         }
         r
     })();
     match r {
-        Ok((session, disk)) => {
-            let _ = tx.send(Event::Attached(Attached { s, peer, session, disk }));
+        Ok((session, disk, linux)) => {
+            let _ = tx.send(Event::Attached(Attached { s, peer, session, disk, linux }));
         }
         Err(why) => {
             let _ = tx.send(Event::Log(format!("refused the peer at {peer}: {why}")));
@@ -706,14 +748,16 @@ fn handshake(
 
 /// Receives the authenticated primary's sealed frames until it is gone,
 /// finishes, or sends a bad stream.
+#[allow(clippy::too_many_arguments)]
 fn receive(
     cfg: &BackupConfig,
     mut s: TcpStream,
     session: SessionKey,
     mut rx: Receiver,
+    linux: Option<LinuxRecord>,
     events: &mpsc::Receiver<Event>,
     log: &mut dyn FnMut(String),
-    first_copy: &mut dyn FnMut(&GuestMemory, &VmState),
+    first_copy: &mut FirstCopy,
 ) -> Result<BackupEnd, String> {
     let mut first_copy = Some(first_copy);
     let reader = s.try_clone().map_err(|e| format!("socket: {e}"))?;
@@ -764,6 +808,7 @@ fn receive(
                 reason,
                 detected,
                 last_heard,
+                linux: linux.clone().map(Box::new),
             },
             None if broken => BackupEnd::NothingToActivate {
                 reason: format!(
@@ -843,7 +888,7 @@ fn receive(
                             if done.is_some() {
                                 if let Some(f) = first_copy.take() {
                                     match rx.committed().map(|(_, b)| VmState::from_bytes(b)) {
-                                        Some(Ok(state)) => f(rx.memory(), &state),
+                                        Some(Ok(state)) => f(rx.memory(), &state, linux.as_ref()),
                                         _ => log("the first epoch's state does not decode".into()),
                                     }
                                 }
@@ -903,6 +948,18 @@ mod tests {
 
     /// The frames of one epoch writing `byte` into page `gpa`.
     pub(super) fn epoch(e: u64, gpa: u64, byte: u8) -> Vec<Frame> {
+        epoch_with(e, gpa, byte, state())
+    }
+
+    /// [`state`] of a Linux VM: it has an i8042 on its port bus.
+    fn linux_state() -> Vec<u8> {
+        let mut v: serde_json::Value = serde_json::from_slice(&state()).unwrap();
+        v["io_devices"] = serde_json::json!([{"name": "i8042", "base": 0x60, "state": {}}]);
+        serde_json::to_vec(&v).unwrap()
+    }
+
+    /// [`epoch`] closed by `state`.
+    fn epoch_with(e: u64, gpa: u64, byte: u8, state: Vec<u8>) -> Vec<Frame> {
         let mut payload = run_header(gpa, 1).to_vec();
         payload.extend([byte; PAGE]);
         let end = EpochEnd {
@@ -912,7 +969,7 @@ mod tests {
             state: Vec::new(),
         };
         let mut endp = end.encode_head().to_vec();
-        endp.extend(state());
+        endp.extend(state);
         vec![
             Frame { kind: Kind::Pages, epoch: e, seq: 0, payload },
             Frame { kind: Kind::EpochEnd, epoch: e, seq: 0, payload: endp },
@@ -1093,6 +1150,7 @@ mod tests {
             vcpus: 1,
             disk_bytes: 0,
             lease_ms: 1000,
+            linux: None,
         };
         assert!(check_hello(&cfg, &good).is_ok());
         let e = check_hello(&cfg, &Hello { mem_bytes: 2 * MEM, ..good.clone() });
@@ -1108,6 +1166,81 @@ mod tests {
         assert!(check_hello(&cfg, &Hello { lease_ms: 400, ..good.clone() }).is_ok());
         let with_disk = BackupConfig { disk: Some("/nonexistent".into()), ..cfg.clone() };
         assert!(check_hello(&with_disk, &good).unwrap_err().contains("no disk"));
+    }
+
+    fn linux_record() -> LinuxRecord {
+        LinuxRecord {
+            kernel: Some("/boot/vmlinuz-6.1.0-56-amd64".into()),
+            cmdline: "console=ttyS0 reboot=k panic=-1 nokaslr".into(),
+            initrd: None,
+            system_map: None,
+            time_limit_ms: Some(60_000),
+            started_unix_ms: Some(1),
+        }
+    }
+
+    /// A Linux VM's boot record in the hello is versioned and validated:
+    /// each bad field is refused by name, never a panic.
+    #[test]
+    fn a_linux_record_in_the_hello_is_versioned_and_validated() {
+        let cfg = config();
+        let good = Hello {
+            protocol: PROTOCOL_VERSION,
+            state_version: STATE_VERSION,
+            mem_bytes: MEM,
+            vcpus: 1,
+            disk_bytes: 0,
+            lease_ms: 1000,
+            linux: Some(LinuxHello::of(&linux_record())),
+        };
+        assert!(check_hello(&cfg, &good).is_ok());
+        let check = |f: &dyn Fn(&mut LinuxHello)| {
+            let mut h = good.clone();
+            f(h.linux.as_mut().unwrap());
+            check_hello(&cfg, &h)
+        };
+        // The longest command line a VM boots with: the user's 2048 bytes
+        // and the parameters the VMM adds on PVM.
+        let longest = 2048 + 1 + "noxsave clearcpuid=smap,smep,popcnt,cx16".len();
+        assert!(check(&|l| l.record.cmdline = "x".repeat(longest)).is_ok());
+        let bad = |f: &dyn Fn(&mut LinuxHello)| check(f).unwrap_err();
+        let e = bad(&|l| l.version = 2);
+        assert!(e.contains("Linux record has version 2"), "{e}");
+        let e = bad(&|l| l.record.cmdline = "x".repeat(longest + 1));
+        assert!(e.contains(&format!("command line has {} bytes", longest + 1)), "{e}");
+        let e = bad(&|l| l.record.cmdline = "console=ttyS0\u{1b}[2J".into());
+        assert!(e.contains("not printable ASCII"), "{e}");
+        let e = bad(&|l| l.record.kernel = Some("vmlinuz".into()));
+        assert!(e.contains("kernel file name"), "{e}");
+        let e = bad(&|l| l.record.initrd = Some(format!("/{}", "i".repeat(2000)).into()));
+        assert!(e.contains("initrd file name") && e.contains("2001 bytes"), "{e}");
+        let e = bad(&|l| l.record.system_map = Some("/boot/System\n.map".into()));
+        assert!(e.contains("system_map file name"), "{e}");
+        let e = bad(&|l| l.record.time_limit_ms = Some(0));
+        assert!(e.contains("time limit is 0 ms"), "{e}");
+        // A reference-guest VM's hello has no record, as before.
+        assert!(check_hello(&cfg, &Hello { linux: None, ..good.clone() }).is_ok());
+    }
+
+    /// The hello says whether the VM is a Linux VM, and every epoch's state
+    /// must agree: a Linux VM's state (its i8042) from a primary whose hello
+    /// carried no record, or the other way round, rejects the epoch before
+    /// it is acknowledged (the backup would otherwise build the wrong VM).
+    #[test]
+    fn an_epoch_of_another_vm_kind_than_the_hello_announced_is_rejected() {
+        let run = |rx: &mut Receiver, frames: Vec<Frame>| {
+            frames.into_iter().try_fold(None, |_, f| rx.on_frame(f))
+        };
+        let mut rx = Receiver::new(MEM, 1).unwrap();
+        let e = run(&mut rx, epoch_with(0, 0x1000, 1, linux_state())).unwrap_err().to_string();
+        assert!(e.contains("carried no Linux record"), "{e}");
+        assert!(rx.committed().is_none());
+        let mut rx = Receiver::new(MEM, 1).unwrap().with_linux(true);
+        let e = run(&mut rx, epoch(0, 0x1000, 1)).unwrap_err().to_string();
+        assert!(e.contains("announced a Linux VM") && e.contains("no i8042"), "{e}");
+        assert!(rx.committed().is_none());
+        assert_eq!(run(&mut rx, epoch_with(0, 0x1000, 2, linux_state())).unwrap(), Some(0));
+        assert_eq!(page(&rx, 0x1000), 2);
     }
 
     /// An epoch whose ack could not be sent is not committed (the backup
@@ -1221,6 +1354,7 @@ mod serve_tests {
             vcpus: 1,
             disk_bytes: 0,
             lease_ms: 100, // at most every test backup's lease
+            linux: None,
         }
     }
 

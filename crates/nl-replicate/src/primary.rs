@@ -283,6 +283,7 @@ fn connect(cfg: &PrimaryConfig, vm: &Vm) -> Result<Conn, String> {
         vcpus: vm.config().vcpus,
         disk_bytes: vm.disk_sectors().unwrap_or(0) * SECTOR,
         lease_ms: u64::try_from(cfg.lease.as_millis()).unwrap_or(u64::MAX),
+        linux: vm.linux_record().map(LinuxHello::of),
     };
     // The whole handshake within two leases (a slow peer cannot hold the
     // primary longer, e.g. when it attaches a backup again mid-run).
@@ -1117,11 +1118,15 @@ impl<'a> Primary<'a> {
             if matches!(link, Link::Down) && self.cfg.reattach && !self.rep.fenced {
                 link = self.try_reattach(sc);
             }
+            // A Linux VM's end is read before the pause: what PVM's
+            // emulator stopped on is completed there (it relaunches the
+            // vCPUs), and a reset or its time limit ends it.
+            let linux_end = vm.linux_record().map(|_| nl_vmm::linux::poll(vm));
             let t = Instant::now();
             vm.pause();
             self.sums.last_stop = ms(t.elapsed());
             self.sums.stop += self.sums.last_stop;
-            let outcome = vm.poll_outcome();
+            let outcome = linux_end.unwrap_or_else(|| vm.poll_outcome());
             let timed_out = start.elapsed() > self.cfg.time_limit;
             if matches!(link, Link::Down) {
                 vm.resume();

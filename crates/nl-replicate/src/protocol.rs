@@ -46,12 +46,16 @@ use sha2::Sha256;
 pub const MAGIC: [u8; 4] = *b"NLRP";
 /// 2: `Disk` frames (the guest's disk writes) and the disk size in the hello.
 /// 3: challenge-response handshake under a pre-shared key, sealed frames.
-pub const PROTOCOL_VERSION: u16 = 3;
+/// 4: the hello carries a Linux VM's boot record ([`Hello::linux`]); plain
+///    frames up to 16 KiB (its command line and file names).
+pub const PROTOCOL_VERSION: u16 = 4;
 pub const HEADER_BYTES: usize = 28;
 /// Bytes of the tag after a sealed frame's payload.
 pub const TAG_BYTES: usize = 16;
-/// Largest payload of a plain (handshake) frame.
-pub const HANDSHAKE_MAX: usize = 4096;
+/// Largest payload of a plain (handshake) frame: a hello with a Linux
+/// record of the longest command line and file names
+/// ([`nl_vmm::linux::LinuxRecord::validate`]) fits.
+pub const HANDSHAKE_MAX: usize = 16 << 10;
 /// Largest payload accepted (a `Pages` frame is kept far below this).
 pub const MAX_PAYLOAD: usize = 16 << 20;
 /// Pages per `Pages` frame at most.
@@ -404,6 +408,46 @@ pub struct Hello {
     /// own, which would let it take over a primary that still runs.
     #[serde(default)]
     pub lease_ms: u64,
+    /// A Linux VM: how it was booted (absent for the reference guest). The
+    /// backup builds a Linux VM ahead of a takeover from it
+    /// (`Vm::prepare_linux`), and refuses a record that does not validate
+    /// or an epoch whose state is not of the VM kind the hello announced.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub linux: Option<LinuxHello>,
+}
+
+/// Version of [`LinuxHello`]'s record, checked on its own (the record may
+/// grow fields without a new protocol version).
+pub const LINUX_RECORD_VERSION: u32 = 1;
+
+/// A Linux VM's boot record in the hello.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct LinuxHello {
+    /// [`LINUX_RECORD_VERSION`].
+    pub version: u32,
+    pub record: nl_vmm::linux::LinuxRecord,
+}
+
+impl LinuxHello {
+    pub fn of(record: &nl_vmm::linux::LinuxRecord) -> Self {
+        Self { version: LINUX_RECORD_VERSION, record: record.clone() }
+    }
+
+    /// The record, if its version is this side's and it validates; the
+    /// error says what is wrong with it.
+    pub fn check(&self) -> Result<&nl_vmm::linux::LinuxRecord, String> {
+        if self.version != LINUX_RECORD_VERSION {
+            return Err(format!(
+                "the primary's Linux record has version {}; this backup reads version \
+                 {LINUX_RECORD_VERSION}",
+                self.version
+            ));
+        }
+        self.record
+            .validate()
+            .map_err(|e| format!("the primary's Linux record is refused: {e}"))?;
+        Ok(&self.record)
+    }
 }
 
 /// The close of an epoch.
@@ -647,7 +691,7 @@ mod tests {
         let crc = crc32fast::hash(&h[..24]);
         h[24..28].copy_from_slice(&crc.to_le_bytes());
         let e = read_plain_frame(&mut &h[..]).unwrap_err();
-        assert!(e.to_string().contains("at most 4096"), "{e}");
+        assert!(e.to_string().contains("at most 16384"), "{e}");
     }
 
     #[test]

@@ -124,6 +124,9 @@ fn unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// Longest file name a record from a peer may hold ([`LinuxRecord::validate`]).
+pub const MAX_RECORD_PATH: usize = 1024;
+
 /// Largest kernel image and initrd a successor reads back.
 const MAX_KERNEL_BYTES: u64 = 256 << 20;
 const MAX_INITRD_BYTES: u64 = 512 << 20;
@@ -146,6 +149,43 @@ impl LinuxRecord {
     pub fn past_time_limit(&self) -> Option<u64> {
         let (limit, started) = (self.time_limit_ms?, self.started_unix_ms?);
         (unix_ms().saturating_sub(started) >= limit).then_some(limit)
+    }
+
+    /// Checks a record that came from elsewhere (a replication peer): its
+    /// command line is printable ASCII of at most what a VM accepts (the
+    /// user's [`nl_arch::linux::CMDLINE_MAX`] bytes plus the parameters the
+    /// VMM adds on PVM), and each file name is absolute and at
+    /// most [`MAX_RECORD_PATH`] bytes, without control characters. The
+    /// error names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        let max = nl_arch::linux::CMDLINE_MAX + 1 + nl_arch::linux::PVM_CMDLINE.len();
+        if self.cmdline.len() > max {
+            return Err(format!(
+                "its command line has {} bytes (at most {max})",
+                self.cmdline.len()
+            ));
+        }
+        if let Some(c) = self.cmdline.chars().find(|c| !(' '..='~').contains(c)) {
+            return Err(format!("its command line holds {c:?}, not printable ASCII"));
+        }
+        for (what, p) in
+            [("kernel", &self.kernel), ("initrd", &self.initrd), ("system_map", &self.system_map)]
+        {
+            let Some(p) = p else { continue };
+            let b = p.as_os_str().as_encoded_bytes();
+            let control = b.iter().any(|&c| c < 0x20 || c == 0x7f);
+            if b.len() > MAX_RECORD_PATH || control || !p.is_absolute() {
+                return Err(format!(
+                    "its {what} file name is not an absolute path of at most {MAX_RECORD_PATH} \
+                     bytes without control characters ({} bytes)",
+                    b.len()
+                ));
+            }
+        }
+        if self.time_limit_ms == Some(0) {
+            return Err("its time limit is 0 ms".into());
+        }
+        Ok(())
     }
 
     /// The kernel image and boot of a cold rebuild, read from the files.
@@ -526,6 +566,23 @@ pub(crate) fn supervise(vm: &Vm) -> Option<VmOutcome> {
         return Some(o);
     }
     None
+}
+
+/// Whether a saved state is a Linux VM's: only a Linux VM has the i8042
+/// on its port bus (a reference-guest VM cannot load it, nor a Linux VM
+/// built without it load a reference guest's).
+pub fn is_linux_state(s: &VmState) -> bool {
+    s.io_devices.iter().any(|d| d.name == "i8042")
+}
+
+/// One non-blocking step of a Linux VM's supervision ([`supervise`]):
+/// its end (a reset through the i8042 is `Completed`, its record's time
+/// limit `TimedOut`, a stop the VMM cannot complete `Crashed` with the
+/// instruction), or `None` while it runs; an instruction PVM's emulator
+/// stopped on that the VMM can complete is completed and the vCPUs run
+/// again. Not while the VM is paused: completing relaunches its vCPUs.
+pub fn poll(vm: &Vm) -> Option<VmOutcome> {
+    supervise(vm)
 }
 
 /// How a host lists a Linux VM stopped at its time limit: an ordinary

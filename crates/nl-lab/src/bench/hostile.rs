@@ -639,6 +639,7 @@ fn hello() -> Hello {
         vcpus: 1,
         disk_bytes: 0,
         lease_ms: LEASE_MS,
+        linux: None,
     }
 }
 
