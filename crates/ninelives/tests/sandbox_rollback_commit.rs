@@ -68,7 +68,7 @@ fn faults_under_load(output_commit: bool, tag: &str) -> Option<(kvload::KvReport
         assert!(echo_answers(Duration::from_secs(90) * LOADED), "the service never answered");
         let load = LoadConfig {
             duration: Duration::from_secs(25),
-            connections: 2,
+            connections: 4,
             keys: 200,
             put_pct: 50,
             seed: 7,
