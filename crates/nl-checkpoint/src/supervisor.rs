@@ -406,6 +406,8 @@ impl<'a> Supervisor<'a> {
         let (state, engine) = match setup {
             Ok(x) => x,
             Err(e) => {
+                // Unsupervised from here: nothing is held any more.
+                let _ = vm.hold_disk_writes(false);
                 vm.resume();
                 return Err(e);
             }

@@ -1140,10 +1140,9 @@ mod tests {
         }
     }
 
-    #[test]
-    fn hellos_are_checked() {
-        let cfg = config();
-        let good = Hello {
+    /// A hello this test backup accepts (a reference-guest VM).
+    fn good_hello() -> Hello {
+        Hello {
             protocol: PROTOCOL_VERSION,
             state_version: STATE_VERSION,
             mem_bytes: MEM,
@@ -1151,7 +1150,13 @@ mod tests {
             disk_bytes: 0,
             lease_ms: 1000,
             linux: None,
-        };
+        }
+    }
+
+    #[test]
+    fn hellos_are_checked() {
+        let cfg = config();
+        let good = good_hello();
         assert!(check_hello(&cfg, &good).is_ok());
         let e = check_hello(&cfg, &Hello { mem_bytes: 2 * MEM, ..good.clone() });
         assert!(e.unwrap_err().contains("set up for 64 MiB"));
@@ -1184,15 +1189,7 @@ mod tests {
     #[test]
     fn a_linux_record_in_the_hello_is_versioned_and_validated() {
         let cfg = config();
-        let good = Hello {
-            protocol: PROTOCOL_VERSION,
-            state_version: STATE_VERSION,
-            mem_bytes: MEM,
-            vcpus: 1,
-            disk_bytes: 0,
-            lease_ms: 1000,
-            linux: Some(LinuxHello::of(&linux_record())),
-        };
+        let good = Hello { linux: Some(LinuxHello::of(&linux_record())), ..good_hello() };
         assert!(check_hello(&cfg, &good).is_ok());
         let check = |f: &dyn Fn(&mut LinuxHello)| {
             let mut h = good.clone();
