@@ -147,12 +147,17 @@ impl OutputCommit {
         self.queue.is_empty()
     }
 
-    fn release_front(&mut self, at: Instant, out: &mut Released) {
-        let b = self.queue.pop_front().expect("checked by the caller");
+    /// Counts batch `b`'s frames as released at `at` (with their hold).
+    fn frames_out(&mut self, b: &Batch, at: Instant) {
         if !b.frames.is_empty() {
             self.holds_ms.push(at.saturating_duration_since(b.since).as_secs_f64() * 1e3);
         }
         self.frames_released += b.frames.len() as u64;
+    }
+
+    fn release_front(&mut self, at: Instant, out: &mut Released) {
+        let b = self.queue.pop_front().expect("checked by the caller");
+        self.frames_out(&b, at);
         self.disk_released += b.disk.len() as u64;
         self.released_through = Some(b.id);
         out.frames.extend(b.frames);
@@ -231,20 +236,17 @@ impl OutputCommit {
     ) -> Released {
         let mut out = Released::default();
         for b in std::mem::take(&mut self.queue) {
+            if completed {
+                self.frames_out(&b, at);
+                out.frames.extend(b.frames);
+            } else {
+                self.frames_dropped += b.frames.len() as u64;
+            }
             if keep_disk {
                 self.disk_released += b.disk.len() as u64;
                 out.disk.extend(b.disk);
             } else {
                 self.disk_dropped += b.disk.len() as u64;
-            }
-            if completed {
-                self.frames_released += b.frames.len() as u64;
-                if !b.frames.is_empty() {
-                    self.holds_ms.push(at.saturating_duration_since(b.since).as_secs_f64() * 1e3);
-                }
-                out.frames.extend(b.frames);
-            } else {
-                self.frames_dropped += b.frames.len() as u64;
             }
         }
         if completed {

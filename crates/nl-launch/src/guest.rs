@@ -23,14 +23,7 @@ pub fn parse_cidr(s: &str) -> Result<([u8; 4], u8)> {
 /// Size of a disk image `--disk` creates when the file is missing.
 pub const DEFAULT_DISK_BYTES: u64 = 256 << 20;
 
-/// The disk a workload needs (blkbench, filecache), if it needs one.
-pub fn disk_needed(w: &WorkloadParams) -> Option<u64> {
-    match w.kind {
-        nl_abi::WORKLOAD_BLKBENCH => Some(nl_workloads::blk::BLKBENCH_DISK_BYTES),
-        nl_abi::WORKLOAD_FILECACHE => Some(nl_workloads::filecache::disk_bytes(w.data_bytes)),
-        _ => None,
-    }
-}
+pub use nl_workloads::disk_needed;
 
 /// Size of the image to create for a workload: 256 MiB, or more if it needs more.
 pub fn disk_size_for(w: &WorkloadParams) -> u64 {

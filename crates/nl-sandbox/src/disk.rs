@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 
 use nl_vmm::DiskConfig;
 
+use crate::audit::Backing;
 use crate::config::{SandboxConfig, SetConfig};
 use crate::SandboxError;
 
@@ -33,11 +34,15 @@ pub const DEFAULT_SIZE_MIB: u64 = 256;
 /// Largest image the set creates (1 TiB, sparse).
 pub const MAX_SIZE_MIB: u64 = 1 << 20;
 
-/// The least image size a sandbox's workload needs, in bytes.
+/// The least image size a sandbox's workloads (its own and a `replace`
+/// alternative) need, in bytes (workloads that do not parse are refused by
+/// the configuration's own checks).
 pub fn needed_bytes(s: &SandboxConfig) -> Option<u64> {
-    let kinds =
-        std::iter::once(&s.workload).chain(s.recovery.replace_with.as_ref()).map(|w| &w.kind);
-    kinds.filter(|k| *k == "blkbench").map(|_| nl_workloads::blk::BLKBENCH_DISK_BYTES).max()
+    std::iter::once(&s.workload)
+        .chain(s.recovery.replace_with.as_ref())
+        .filter_map(|w| w.params().ok())
+        .filter_map(|p| nl_workloads::disk_needed(&p))
+        .max()
 }
 
 /// The static checks (nothing opened): a disk where the workload needs
@@ -91,12 +96,12 @@ fn shared(a: &str, b: &str, path: &Path) -> SandboxError {
     ))
 }
 
-/// One opened image: who has it, how, and which file it is.
+/// One opened image: who has it, how, and which file it is (identified as
+/// the memory audit identifies a memory file).
 struct Opened {
     sandbox: usize,
     readonly: bool,
-    dev: u64,
-    ino: u64,
+    backing: Backing,
     path: PathBuf,
 }
 
@@ -162,18 +167,18 @@ pub fn open_all(c: &SetConfig) -> Result<Vec<Option<DiskConfig>>, SandboxError> 
         let me = Opened {
             sandbox: i,
             readonly: d.readonly,
-            dev: meta.dev(),
-            ino: meta.ino(),
+            backing: Backing { dev: meta.dev(), ino: meta.ino() },
             path: d.path.clone(),
         };
         for o in &opened {
-            if (o.dev, o.ino) == (me.dev, me.ino) && !(o.readonly && me.readonly) {
+            if o.backing == me.backing && !(o.readonly && me.readonly) {
                 return Err(shared(&c.sandboxes[o.sandbox].name, &s.name, &me.path));
             }
         }
         for (j, other) in c.sandboxes.iter().enumerate() {
             let Some(m) = other.memory_file.as_ref() else { continue };
-            let same = std::fs::metadata(m).is_ok_and(|x| (x.dev(), x.ino()) == (me.dev, me.ino));
+            let same = std::fs::metadata(m)
+                .is_ok_and(|x| Backing { dev: x.dev(), ino: x.ino() } == me.backing);
             if same {
                 return Err(cfg_err(format!(
                     "disk image {} is sandbox '{}''s memory_file",

@@ -166,6 +166,15 @@ pub const fn tlbwalk_ws_bytes(pages: u64) -> u64 {
 /// also make one `halt()` call.
 pub const EXITS_HALT_EVERY: u64 = 8;
 
+/// The disk a workload needs (blkbench, filecache), in bytes, if it needs one.
+pub fn disk_needed(w: &WorkloadParams) -> Option<u64> {
+    match w.kind {
+        WORKLOAD_BLKBENCH => Some(blk::BLKBENCH_DISK_BYTES),
+        WORKLOAD_FILECACHE => Some(filecache::disk_bytes(w.data_bytes)),
+        _ => None,
+    }
+}
+
 /// Checks that `params` describe a workload this engine can run.
 pub fn validate(params: &WorkloadParams) -> Result<(), &'static str> {
     match params.kind {
