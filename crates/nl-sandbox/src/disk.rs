@@ -13,8 +13,9 @@
 //! The isolation rule is the memory audit's ([`crate::audit`]) applied to
 //! files: an image (by device and inode, so a second name, a hard link or
 //! a symlink, is the same image) reachable from two sandboxes is refused
-//! unless both have it read-only, and no image may be a sandbox's
-//! `memory_file`.
+//! unless both have it read-only, and no image may be memory any sandbox
+//! maps: its RAM (a fresh memfd or its `memory_file`), a channel region or
+//! a state region, under whatever name (`/proc/self/fd/N` included).
 
 use std::collections::BTreeMap;
 use std::fs::OpenOptions;
@@ -23,7 +24,7 @@ use std::path::{Path, PathBuf};
 
 use nl_vmm::DiskConfig;
 
-use crate::audit::Backing;
+use crate::audit::{Backing, Mapping};
 use crate::config::{SandboxConfig, SetConfig};
 use crate::SandboxError;
 
@@ -108,9 +109,14 @@ struct Opened {
 /// Opens (creating sparse where missing) every sandbox's image, checks
 /// each is a regular file large enough for its workload, and audits them
 /// by device and inode: an image reachable from two sandboxes unless both
-/// only read it, or that is a sandbox's `memory_file`, is refused. Returns
-/// each sandbox's disk for its VM (the path as configured).
-pub fn open_all(c: &SetConfig) -> Result<Vec<Option<DiskConfig>>, SandboxError> {
+/// only read it, or that is the backing of any of the set's `memory`
+/// mappings (the isolation audit's: RAM, channel and state regions), is
+/// refused before anything is written to it. Returns each sandbox's disk
+/// for its VM (the path as configured).
+pub fn open_all(
+    c: &SetConfig,
+    memory: &[Mapping],
+) -> Result<Vec<Option<DiskConfig>>, SandboxError> {
     validate(c)?;
     let mut opened: Vec<Opened> = Vec::new();
     let mut out = Vec::new();
@@ -143,6 +149,20 @@ pub fn open_all(c: &SetConfig) -> Result<Vec<Option<DiskConfig>>, SandboxError> 
         if !meta.is_file() {
             return Err(cfg_err(format!("disk image {} is not a regular file", d.path.display())));
         }
+        // Before anything is sized or written: an image that is some
+        // sandbox's memory (a memfd reached as /proc/self/fd/N is a regular
+        // file too) would let a guest's disk writes land in that memory.
+        let backing = Backing { dev: meta.dev(), ino: meta.ino() };
+        if let Some(m) = memory.iter().find(|m| m.backing == backing) {
+            let owner = c.sandboxes.get(m.sandbox).map_or("?", |o| o.name.as_str());
+            return Err(SandboxError::Isolation(format!(
+                "sandbox '{}': disk image {} is the {} of sandbox '{owner}': a disk image \
+                 may not be memory any sandbox maps",
+                s.name,
+                d.path.display(),
+                m.what
+            )));
+        }
         if meta.len() == 0 && !d.readonly {
             // Created just now (or empty): sized sparse, nothing written.
             file.set_len(size).map_err(|e| {
@@ -164,27 +184,10 @@ pub fn open_all(c: &SetConfig) -> Result<Vec<Option<DiskConfig>>, SandboxError> 
                 d.path.display()
             )));
         }
-        let me = Opened {
-            sandbox: i,
-            readonly: d.readonly,
-            backing: Backing { dev: meta.dev(), ino: meta.ino() },
-            path: d.path.clone(),
-        };
+        let me = Opened { sandbox: i, readonly: d.readonly, backing, path: d.path.clone() };
         for o in &opened {
             if o.backing == me.backing && !(o.readonly && me.readonly) {
                 return Err(shared(&c.sandboxes[o.sandbox].name, &s.name, &me.path));
-            }
-        }
-        for (j, other) in c.sandboxes.iter().enumerate() {
-            let Some(m) = other.memory_file.as_ref() else { continue };
-            let same = std::fs::metadata(m)
-                .is_ok_and(|x| Backing { dev: x.dev(), ino: x.ino() } == me.backing);
-            if same {
-                return Err(cfg_err(format!(
-                    "disk image {} is sandbox '{}''s memory_file",
-                    d.path.display(),
-                    c.sandboxes[j].name
-                )));
             }
         }
         opened.push(me);
@@ -212,8 +215,34 @@ mod tests {
         .unwrap()
     }
 
+    /// What the set maps as memory before it opens disks: here each
+    /// sandbox's `memory_file` (a set's RAM memfds, channels and state
+    /// regions are mappings too).
+    fn memory(c: &SetConfig) -> Vec<Mapping> {
+        c.sandboxes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                let f = std::fs::File::open(s.memory_file.as_ref()?).ok()?;
+                Some(ram(i, Backing::of(&f).unwrap(), "RAM in its memory_file"))
+            })
+            .collect()
+    }
+
+    fn ram(sandbox: usize, backing: Backing, what: &str) -> Mapping {
+        Mapping {
+            sandbox,
+            backing,
+            offset: 0,
+            len: 1 << 20,
+            writable: true,
+            channel: None,
+            what: what.into(),
+        }
+    }
+
     fn err(c: &SetConfig) -> String {
-        match c.validate(2).and_then(|()| open_all(c).map(drop)) {
+        match c.validate(2).and_then(|()| open_all(c, &memory(c)).map(drop)) {
             Ok(()) => panic!("accepted: {c:?}"),
             Err(e) => e.to_string(),
         }
@@ -250,7 +279,7 @@ mod tests {
         let (a, b) = (dir.as_path().join("a.img"), dir.as_path().join("b.img"));
         let c = set("blkbench", &disk(&a, ""), &disk(&b, r#", "size_mib": 4"#), "");
         c.validate(2).unwrap();
-        let disks = open_all(&c).unwrap();
+        let disks = open_all(&c, &[]).unwrap();
         assert_eq!(disks[0], Some(DiskConfig { path: a.clone(), readonly: false }));
         assert_eq!(std::fs::metadata(&a).unwrap().len(), DEFAULT_SIZE_MIB << 20);
         assert_eq!(std::fs::metadata(&b).unwrap().len(), 4 << 20);
@@ -258,7 +287,7 @@ mod tests {
         assert!(std::fs::metadata(&a).unwrap().blocks() < 64);
         // An existing image is kept as it is (a restart's data stays).
         std::fs::write(&b, vec![7u8; 8192]).unwrap();
-        open_all(&c).unwrap();
+        open_all(&c, &[]).unwrap();
         assert_eq!(std::fs::read(&b).unwrap(), vec![7u8; 8192]);
     }
 
@@ -281,7 +310,7 @@ mod tests {
             let ro = r#", "readonly": true"#;
             let c = set("idle", &disk(&a, ro), &disk(other, ro), "");
             c.validate(2).unwrap();
-            assert_eq!(open_all(&c).unwrap().iter().flatten().count(), 2);
+            assert_eq!(open_all(&c, &[]).unwrap().iter().flatten().count(), 2);
         }
         // Another sandbox's memory file, under another name.
         let mem = dir.as_path().join("mem");
@@ -291,12 +320,44 @@ mod tests {
         let c = set("idle", &disk(&mem_link, ""), "", "");
         let mut c = c;
         c.sandboxes[1].memory_file = Some(mem.clone());
-        assert!(err(&c).contains("is sandbox 'b''s memory_file"));
+        let e = err(&c);
+        assert!(e.contains("is the RAM in its memory_file of sandbox 'b'"), "{e}");
         // Not a regular file; too small for blkbench.
         assert!(err(&set("idle", &disk(dir.as_path(), ""), "", "")).contains("not a regular file"));
         let small = dir.as_path().join("small.img");
         std::fs::write(&small, vec![0u8; 4096]).unwrap();
         assert!(err(&set("blkbench", &disk(&small, ""), "", ""))
             .contains("holds 0 MiB, blkbench needs 128 MiB"));
+    }
+
+    /// A memfd is a regular file, and `/proc/self/fd/N` names it: an image
+    /// path that reaches any sandbox's memory (its RAM, a channel region)
+    /// is refused by the memory's identity, whatever the path, and nothing
+    /// is written to it (not even its size).
+    #[test]
+    fn an_image_that_is_some_sandboxs_memory_is_refused_whatever_its_name() {
+        use std::os::fd::AsRawFd;
+        let dir = TempDir::new().unwrap();
+        let own = dir.as_path().join("own.img");
+        let m = nl_memory::GuestMemory::new("disk-audit-test", 64 << 20).unwrap();
+        let len = m.fd().metadata().unwrap().len();
+        for what in ["RAM", "channel 'ab' region 0"] {
+            let path = PathBuf::from(format!("/proc/self/fd/{}", m.fd().as_raw_fd()));
+            let c = set("idle", &disk(&own, ""), &disk(&path, ""), "");
+            c.validate(2).unwrap();
+            let mapped = [ram(0, Backing::of(m.fd()).unwrap(), what)];
+            let e = open_all(&c, &mapped).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!(
+                    "sandbox 'b': disk image {} is the {what} of sandbox 'a'",
+                    path.display()
+                )),
+                "{e}"
+            );
+            assert_eq!(m.fd().metadata().unwrap().len(), len, "the memory was resized");
+            assert!(m.allocated_ranges().unwrap().is_empty(), "the memory was written");
+            // The same memfd is accepted once no sandbox maps it.
+            assert_eq!(open_all(&c, &[]).unwrap().iter().flatten().count(), 2);
+        }
     }
 }

@@ -353,8 +353,9 @@ impl SandboxSet {
         let names: Vec<String> = config.sandboxes.iter().map(|s| s.name.clone()).collect();
         audit(&mappings, &names)?;
         // The disk images again (the record re-opens them by path): still
-        // regular files, and still reachable from one sandbox only.
-        crate::disk::open_all(&config)?;
+        // regular files, still reachable from one sandbox only, and none of
+        // them any sandbox's memory in this process.
+        crate::disk::open_all(&config, &mappings)?;
         let vm_images =
             nl_vmm::handover::Images { kernel: images.kernel.clone(), user: images.user.clone() };
         let mut sandboxes = Vec::new();

@@ -283,9 +283,9 @@ impl SandboxSet {
         }
         let names: Vec<String> = config.sandboxes.iter().map(|s| s.name.clone()).collect();
         audit(&mappings, &names)?;
-        // Disks after the memory files exist: an image that is some
-        // sandbox's memory_file under another name is refused too.
-        let disks = crate::disk::open_all(&config)?;
+        // Disks after the memory exists: an image that is any sandbox's
+        // memory (RAM, memory_file, channel, state region) is refused too.
+        let disks = crate::disk::open_all(&config, &mappings)?;
         let links = config
             .links
             .iter()
