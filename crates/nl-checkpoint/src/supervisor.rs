@@ -396,6 +396,12 @@ impl<'a> Supervisor<'a> {
         if hold_disk {
             vm.hold_disk_writes(true)?;
         }
+        // The devices' own writes to guest memory (virtio-blk's read data,
+        // used rings, status bytes; virtio-net's received frames) are not in
+        // KVM's dirty log: the shadow engines are told of them at each
+        // checkpoint and rollback, or a rollback would leave, say, a used
+        // ring ahead of the driver's restored view of it.
+        vm.track_vmm_writes(true);
         vm.start()?;
         vm.pause();
         let setup = (|| {
@@ -407,6 +413,7 @@ impl<'a> Supervisor<'a> {
             Ok(x) => x,
             Err(e) => {
                 // Unsupervised from here: nothing is held any more.
+                vm.track_vmm_writes(false);
                 let _ = vm.hold_disk_writes(false);
                 vm.resume();
                 return Err(e);
@@ -505,6 +512,18 @@ impl<'a> Supervisor<'a> {
         t.duration_since(self.start).as_secs_f64() * 1e3
     }
 
+    /// Tells the engine of every page the devices wrote since the last
+    /// call (the vCPUs stopped: the list is complete up to now).
+    fn note_device_writes(&mut self) {
+        for (gpa, len) in self.vm.take_vmm_writes() {
+            let first = gpa & !(crate::PAGE as u64 - 1);
+            let end = gpa.saturating_add(len.max(1));
+            for page in (first..end).step_by(crate::PAGE) {
+                self.engine.note_vmm_write(page);
+            }
+        }
+    }
+
     /// Pause, checkpoint, resume.
     fn checkpoint(&mut self) -> Result<(), CheckpointError> {
         let t0 = Instant::now();
@@ -513,6 +532,7 @@ impl<'a> Supervisor<'a> {
         self.vm.pause();
         let r = (|| {
             let state = self.vm.save_state()?;
+            self.note_device_writes();
             let stats = self.engine.checkpoint(self.vm)?;
             self.maybe_write_disk()?;
             Ok::<_, CheckpointError>((state, stats))
@@ -717,6 +737,7 @@ impl<'a> Supervisor<'a> {
             )));
         };
         let undo = self.states.len() - 1 - target;
+        self.note_device_writes();
         let stats = self.engine.rollback(self.vm, undo)?;
         self.states.truncate(target + 1);
         let kept = self.states.back().expect("the target is kept");
@@ -881,6 +902,7 @@ impl<'a> Supervisor<'a> {
     }
 
     fn report(mut self, outcome: VmOutcome) -> Result<RunReport, CheckpointError> {
+        self.vm.track_vmm_writes(false);
         if let Some(oc) = self.output.as_mut() {
             // A completed guest's output is final; any other run's is not
             // (its state is lost with the run).
