@@ -232,8 +232,9 @@ fn a_links_members_get_only_the_frames_the_host_sends_them_never_a_members_own()
     // Foreign: unicast for another MAC (a: 4 for b and 5 for c; b: 3 + 5).
     let foreign: Vec<u64> = ml.members.iter().map(|m| m.foreign).collect();
     assert_eq!(foreign, [9, 8], "{ml:?}");
-    // The link took its filter off the TAP when it closed: a private user
-    // of the TAP gets the host's frames, and none were left queued.
+    // After the link closed, a private user of the (persistent) TAP gets
+    // the host's frames (no drop-all filter left on it), and none were
+    // left queued.
     ns.0.run_in(|| {
         let mut tap = Tap::open("nltap0").map_err(anyhow::Error::msg)?;
         let mut buf = vec![0u8; 2048];

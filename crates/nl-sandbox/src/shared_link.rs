@@ -212,7 +212,8 @@ pub struct SharedLink {
 
 impl Drop for SharedLink {
     fn drop(&mut self) {
-        // A persistent TAP would keep the filter for its next user.
+        // Clears tun's record of the filter, which it may attach again to
+        // the next descriptor of a persistent TAP (`keep_host_frames`).
         self.tap.keep_host_frames();
     }
 }
