@@ -606,8 +606,10 @@ fn warm_rejuvenation_carries_a_sandbox_with_its_own_tap() {
 }
 
 /// A set on a shared link (one TAP, two sandboxes with their own MAC and
-/// address) on a host: the link's thread runs under the host's process
-/// seccomp filter (a syscall outside it would kill the host), both members
+/// address) on a host: the link's packet sockets are opened under the
+/// host's process seccomp filter and read by the devices' receive threads
+/// under the device filter (a syscall outside either would kill the
+/// host), both members
 /// answer at their own address, and a warm rejuvenation, which cannot carry
 /// a link yet, is refused with the reason while the set runs on.
 #[test]

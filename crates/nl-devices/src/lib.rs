@@ -12,6 +12,7 @@ pub mod bus;
 pub mod control;
 pub mod echo;
 pub mod i8042;
+pub mod packet;
 pub mod serial;
 pub mod tap;
 

@@ -159,18 +159,54 @@ impl Tap {
     }
 
     /// A stand-in for a TAP over a shared link's port ([`Port`]): frames
-    /// come from the link's thread, which reads the real TAP
-    /// (`nl_sandbox::shared_link`), and go straight to the shared TAP (one
-    /// write per frame, as every writer of a TAP does). Non-blocking, like
-    /// a TAP; `name` is the shared TAP's, for reports.
+    /// come from the port's packet socket on the shared TAP, which the
+    /// kernel fills with the frames the host sends out of it that are for
+    /// this member (`nl_sandbox::shared_link`), one frame per read, and go
+    /// straight to the shared TAP (one write per frame, as every writer of
+    /// a TAP does). Non-blocking, like a TAP (the socket was opened so);
+    /// `name` is the shared TAP's, for reports.
     pub fn over_port(port: &Port, name: &str) -> std::io::Result<Tap> {
-        let s = port.rx.try_clone()?;
-        s.set_nonblocking(true)?;
-        Ok(Tap {
-            file: File::from(std::os::fd::OwnedFd::from(s)),
-            name: name.to_string(),
-            tx: Some(port.tx.clone()),
-        })
+        let rx = port.rx.try_clone()?;
+        Ok(Tap { file: File::from(rx), name: name.to_string(), tx: Some(port.tx.clone()) })
+    }
+
+    /// Attaches a drop-all filter to the TAP's own queue (TUNATTACHFILTER:
+    /// the kernel attaches it to every descriptor of the TAP, and to any
+    /// attached later while the TAP exists). A frame the host sends out of
+    /// the TAP still passes the packet taps (a shared link's members
+    /// receive it there: [`crate::packet`]) but is then dropped and counted
+    /// in the interface's TX `dropped` instead of waiting in a queue that
+    /// nobody reads. Writes into the TAP are not filtered.
+    pub fn drop_host_frames(&self) -> Result<(), String> {
+        let f = crate::packet::Filter::new().drop_all();
+        let prog = f.prog();
+        // SAFETY: TUNATTACHFILTER reads one `sock_fprog`, which `prog` is;
+        // its one instruction lives in `f`, borrowed across the call (the
+        // kernel copies it).
+        let r = unsafe { libc::ioctl(self.file.as_raw_fd(), libc::TUNATTACHFILTER as _, &prog) };
+        if r < 0 {
+            return Err(format!(
+                "cannot attach a filter to TAP {}: {}",
+                self.name,
+                std::io::Error::last_os_error()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Detaches the TAP's own filter (TUNDETACHFILTER). tun keeps an
+    /// attached filter on record for a persistent TAP and tries to attach
+    /// it again to the next descriptor (from the user pointer it was given);
+    /// on this kernel (6.18) a reopened TAP delivered frames all the same
+    /// (checked), but detaching is what clears the record on any kernel.
+    /// `false` if the kernel refused.
+    pub fn keep_host_frames(&self) -> bool {
+        // TUNDETACHFILTER reads no argument (its declared type is a
+        // `sock_fprog`; an empty one is passed).
+        let prog = libc::sock_fprog { len: 0, filter: std::ptr::null_mut() };
+        // SAFETY: the ioctl takes a pointer to a `sock_fprog`, which `prog`
+        // is, and does not read it.
+        unsafe { libc::ioctl(self.file.as_raw_fd(), libc::TUNDETACHFILTER as _, &prog) == 0 }
     }
 
     /// A second handle on the same TAP (its frames can be written from
@@ -212,21 +248,22 @@ impl Tap {
     }
 }
 
-/// One member's port on a shared link: the guest end of a connected
-/// datagram socket pair (one frame per datagram) whose other end the
-/// link's thread writes the member's frames into, and a handle on the
-/// shared TAP the member's frames go out on. A VM's virtio-net device uses
-/// it as its TAP ([`Tap::over_port`]). Clones share both; two ports are
-/// equal only if they are one socket.
+/// One member's port on a shared link: a non-blocking packet socket on
+/// the shared TAP that the kernel fills with the frames for the member
+/// (one frame per read: [`crate::packet::PacketSocket`]), and a handle on
+/// the shared TAP the member's frames go out on. A VM's virtio-net device
+/// uses it as its TAP ([`Tap::over_port`]). Clones share both; two ports
+/// are equal only if they are one socket.
 #[derive(Clone, Debug)]
 pub struct Port {
-    rx: std::sync::Arc<std::os::unix::net::UnixDatagram>,
+    rx: std::sync::Arc<std::os::fd::OwnedFd>,
     tx: std::sync::Arc<File>,
 }
 
 impl Port {
-    pub fn new(guest_end: std::os::unix::net::UnixDatagram, tap: File) -> Port {
-        Port { rx: std::sync::Arc::new(guest_end), tx: std::sync::Arc::new(tap) }
+    /// `rx` gives one frame per read and does not block.
+    pub fn new(rx: std::os::fd::OwnedFd, tap: File) -> Port {
+        Port { rx: std::sync::Arc::new(rx), tx: std::sync::Arc::new(tap) }
     }
 }
 

@@ -35,8 +35,9 @@ pub struct SetConfig {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LinkMode {
-    /// By destination MAC in the VMM: each sandbox gets the frames for
-    /// its MAC and every broadcast or multicast frame.
+    /// By destination MAC, in each sandbox's packet filter on the TAP:
+    /// each sandbox gets the frames for its MAC and every broadcast or
+    /// multicast frame.
     #[default]
     Demux,
     /// Every frame to every sandbox on the link (its RX interrupt in
@@ -45,7 +46,7 @@ pub enum LinkMode {
     Multicast,
 }
 
-/// A shared link: a host TAP that the set's link thread owns.
+/// A shared link: a host TAP that the set owns and its sandboxes share.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LinkConfig {

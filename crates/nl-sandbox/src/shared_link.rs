@@ -3,46 +3,50 @@
 //! its Fig. 11, and its interrupt multicast, Table 3).
 //!
 //! The set opens the TAP once and gives every sandbox on the link a
-//! *port*: a connected pair of datagram sockets (one frame per datagram),
-//! whose guest end stands behind the sandbox's device as its TAP
-//! ([`nl_devices::tap::Tap::over_port`]). One host thread per link
-//! (`link-NAME`) moves the frames from the TAP to the ports: in mode
-//! `demux` by destination MAC (a frame for no member's MAC is dropped and
-//! counted; a broadcast or multicast frame goes to every member); in mode
-//! `multicast` every frame to every member, whose device then raises its
-//! RX interrupt (with `net.rx_irq`) and whose guest drops what is not for
-//! its MAC (smoltcp's early demultiplexing), as Quest-V multicasts the
-//! NIC's interrupt to every sandbox kernel. A member's device writes its
-//! frames straight to the shared TAP (a second handle on it), so sending
-//! costs no hop through the thread.
+//! *port* ([`nl_devices::tap::Port`]), which stands behind the sandbox's
+//! device as its TAP ([`nl_devices::tap::Tap::over_port`]). Its receive
+//! side is a packet socket of the member's own on the TAP
+//! ([`nl_devices::packet`]): the kernel copies each frame the host sends
+//! out of the TAP to every member's socket whose filter accepts it, before
+//! tun's transmit, so no thread of ours is on the way in. A member's
+//! filter takes only frames the host sends (packet type
+//! `PACKET_OUTGOING`: never a frame a member transmitted), of 14 to 1514
+//! bytes, and in mode `demux` only those for the member's MAC or a group
+//! (broadcast, multicast) address; in mode `multicast` every such frame,
+//! and the member's device raises its RX interrupt for it (with
+//! `net.rx_irq`) and its guest drops what is not for its MAC (smoltcp's
+//! early demultiplexing), as Quest-V multicasts the NIC's interrupt to
+//! every sandbox kernel. The TAP's own queue, which nobody reads, has a
+//! drop-all filter ([`Tap::drop_host_frames`]). A member's device writes
+//! its frames straight to the shared TAP (a second handle on it).
 //!
 //! Frames between two members of one link are not switched locally: they
-//! go out on the TAP, as through one NIC. A port whose socket is full
-//! (its guest does not take frames) drops the frame and counts it, as a
-//! full receive ring does. The link and its thread live as long as the
-//! set; a restarted sandbox keeps its port (the TAP stand-in moves from
-//! the old VM to the new one, as a TAP of its own does). A set with a link
-//! is not carried across a rejuvenation or a microreboot.
+//! go into the host through the TAP, as through one NIC. A member's
+//! socket whose buffer is full (its guest does not take frames) drops the
+//! frame and the kernel counts it, as a full receive ring does. The
+//! counters come from the sockets' `PACKET_STATISTICS` (members'
+//! deliveries and drops) and from count-only sockets (frames from the
+//! host, frames for no member, a multicast member's foreign frames),
+//! which hold a frame or two and count the rest as dropped. The link
+//! lives as long as the set; a restarted sandbox keeps its port (the TAP
+//! stand-in moves from the old VM to the new one, as a TAP of its own
+//! does). A set with a link is not carried across a rejuvenation or a
+//! microreboot.
 
 use std::collections::BTreeMap;
-use std::os::unix::net::UnixDatagram;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
-use std::thread::JoinHandle;
+use std::sync::Mutex;
 
+use nl_devices::packet::{self, Cond, Filter, PacketSocket};
 use nl_devices::tap::{Port, Tap};
 use serde::Serialize;
-use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use crate::config::{LinkConfig, LinkMode, SetConfig};
 use crate::SandboxError;
 
-/// Largest frame moved (Ethernet without offloads, as the device's).
-const MAX_FRAME: usize = 1514;
-/// Frames moved per wake-up (then `quit` is checked again).
-const BATCH: usize = 64;
-/// The epoll token of the TAP.
-const TAP_TOKEN: u64 = 0;
+/// Largest frame delivered (Ethernet without offloads, as the device's).
+const MAX_FRAME: u32 = 1514;
+/// Smallest: an Ethernet header.
+const MIN_FRAME: u32 = 14;
 
 /// Checks the set's `links`: names and TAPs unique and valid, a host
 /// address that parses, at least one sandbox on each, and each member's
@@ -105,23 +109,55 @@ pub fn validate(c: &SetConfig) -> Result<(), SandboxError> {
     Ok(())
 }
 
-/// Counters of one member of a link.
-#[derive(Default)]
-struct MemberCounters {
-    /// Frames from the TAP put into the member's port.
-    delivered: AtomicU64,
-    /// Of those, unicast frames for another MAC (mode `multicast` only).
-    foreign: AtomicU64,
-    /// Frames for the member dropped: its port was full.
-    dropped: AtomicU64,
+/// A frame the host sends, of a length a device takes.
+fn outgoing() -> Filter {
+    Filter::new()
+        .len()
+        .require(Cond::Ge(MIN_FRAME))
+        .refuse(Cond::Gt(MAX_FRAME))
+        .pkttype()
+        .require(Cond::Eq(u32::from(packet::PACKET_OUTGOING)))
 }
 
+/// What member `mac`'s socket takes in `mode`: every outgoing frame
+/// (`multicast`), or those for its MAC or a group address (`demux`).
+pub fn member_filter(mode: LinkMode, mac: [u8; 6]) -> Filter {
+    match mode {
+        LinkMode::Multicast => outgoing().accept(),
+        LinkMode::Demux => outgoing().byte(0).accept_if(Cond::Set(1)).require_dst(mac).accept(),
+    }
+}
+
+/// The outgoing unicast frames for another MAC than `mac` (counted for
+/// a `multicast` member: its foreign frames).
+pub fn foreign_filter(mac: [u8; 6]) -> Filter {
+    outgoing().byte(0).refuse(Cond::Set(1)).refuse_dst(mac).accept()
+}
+
+/// The outgoing frames no member takes: runts and oversized frames, and
+/// in `demux` unicast frames for no member's MAC.
+pub fn unknown_filter(mode: LinkMode, macs: &[[u8; 6]]) -> Filter {
+    let f = Filter::new()
+        .pkttype()
+        .require(Cond::Eq(u32::from(packet::PACKET_OUTGOING)))
+        .len()
+        .accept_unless(Cond::Ge(MIN_FRAME))
+        .accept_if(Cond::Gt(MAX_FRAME));
+    match mode {
+        LinkMode::Multicast => f.drop_all(),
+        LinkMode::Demux => {
+            macs.iter().fold(f.byte(0).refuse(Cond::Set(1)), |f, &m| f.refuse_dst(m)).accept()
+        }
+    }
+}
+
+/// Counters of one member of a link, summed over the sockets' readings
+/// (the kernel resets them on each).
 #[derive(Default)]
-struct LinkCounters {
-    from_tap: AtomicU64,
-    /// Unicast frames from the TAP for no member's MAC (mode `demux`),
-    /// and runt or oversized frames.
-    unknown: AtomicU64,
+struct Totals {
+    delivered: u64,
+    foreign: u64,
+    dropped: u64,
 }
 
 /// One member's share of a link's counters.
@@ -129,8 +165,12 @@ struct LinkCounters {
 pub struct MemberReport {
     pub sandbox: String,
     pub mac: String,
+    /// Frames from the host the kernel put into the member's socket.
     pub delivered: u64,
+    /// Unicast frames for another MAC the link offered the member (mode
+    /// `multicast` only).
     pub foreign: u64,
+    /// Frames for the member dropped: its socket's buffer was full.
     pub dropped: u64,
 }
 
@@ -140,10 +180,11 @@ pub struct LinkReport {
     pub name: String,
     pub tap: String,
     pub mode: LinkMode,
+    /// Frames the host sent out of the TAP.
     pub from_tap: u64,
+    /// Of those, frames no member took: runts and frames over 1514 bytes,
+    /// and in mode `demux` unicast frames for no member's MAC.
     pub unknown: u64,
-    /// CPU time of the link's thread so far (ms).
-    pub thread_cpu_ms: f64,
     pub members: Vec<MemberReport>,
 }
 
@@ -151,26 +192,29 @@ struct Member {
     sandbox: String,
     mac: [u8; 6],
     port: Port,
-    counters: Arc<MemberCounters>,
+    /// The port's receive side (for its statistics).
+    rx: PacketSocket,
+    /// Counts the member's foreign frames (mode `multicast`).
+    foreign: Option<PacketSocket>,
 }
 
-/// An open shared link and its thread (ended and joined on drop).
+/// An open shared link: its TAP, its members' sockets and the count-only
+/// ones. Dropping it takes the TAP's drop-all filter off again.
 pub struct SharedLink {
     config: LinkConfig,
+    tap: Tap,
     members: Vec<Member>,
-    counters: Arc<LinkCounters>,
-    quit: Arc<AtomicBool>,
-    /// The thread's id once it runs (0 before).
-    tid: Arc<std::sync::atomic::AtomicI32>,
-    thread: Option<JoinHandle<()>>,
+    from_tap: PacketSocket,
+    unknown: PacketSocket,
+    /// Link totals (from the host, unknown) and the members', in order.
+    totals: Mutex<((u64, u64), Vec<Totals>)>,
 }
 
 impl Drop for SharedLink {
     fn drop(&mut self) {
-        self.quit.store(true, Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        // Clears tun's record of the filter, which it may attach again to
+        // the next descriptor of a persistent TAP (`keep_host_frames`).
+        self.tap.keep_host_frames();
     }
 }
 
@@ -178,9 +222,14 @@ fn mac_text(m: [u8; 6]) -> String {
     m.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
 }
 
+/// A count-only socket holds at most about this much (the kernel raises
+/// it to its minimum, about one frame).
+const COUNT_ONLY_RCVBUF: usize = 1;
+
 impl SharedLink {
     /// Opens link `l` of set `c` (its TAP, configured with the link's
-    /// host address), a port per member, and starts its thread.
+    /// host address), a port per member and the count-only sockets, in
+    /// the calling thread's network namespace.
     pub fn open(c: &SetConfig, l: &LinkConfig) -> Result<SharedLink, SandboxError> {
         let err = |e: String| SandboxError::Resource(format!("link '{}': {e}", l.name));
         let tap = Tap::open(&l.tap).map_err(err)?;
@@ -188,58 +237,39 @@ impl SharedLink {
             let (ip, prefix) = crate::net::parse_cidr(h).map_err(err)?;
             tap.configure_host(ip, prefix).map_err(err)?;
         }
+        tap.drop_host_frames().map_err(err)?;
+        let ifindex = packet::ifindex(&l.tap)
+            .map_err(|e| err(format!("no interface index for TAP {}: {e}", l.tap)))?;
+        let sock = |what: &str, f: &Filter, rcvbuf| {
+            PacketSocket::open(ifindex, f, rcvbuf)
+                .map_err(|e| err(format!("cannot open a packet socket ({what}): {e}")))
+        };
         let mut members = Vec::new();
-        let mut host_ends = Vec::new();
         for s in &c.sandboxes {
             let Some(n) = s.net.as_ref().filter(|n| n.link.as_ref() == Some(&l.name)) else {
                 continue;
             };
             let mac = crate::net::parse_mac(&n.mac).map_err(err)?;
-            let (guest, host) =
-                UnixDatagram::pair().map_err(|e| err(format!("cannot create a port: {e}")))?;
-            host.set_nonblocking(true).map_err(|e| err(e.to_string()))?;
-            host_ends.push(host);
-            members.push(Member {
-                sandbox: s.name.clone(),
-                mac,
-                port: Port::new(
-                    guest,
-                    tap.try_clone_file().map_err(|e| err(format!("cannot share the TAP: {e}")))?,
-                ),
-                counters: Arc::default(),
-            });
+            let rx = sock(&s.name, &member_filter(l.mode, mac), None)?;
+            let port = Port::new(
+                rx.try_clone_fd().map_err(|e| err(format!("cannot share a socket: {e}")))?,
+                tap.try_clone_file().map_err(|e| err(format!("cannot share the TAP: {e}")))?,
+            );
+            let foreign = match l.mode {
+                LinkMode::Multicast => {
+                    Some(sock("foreign count", &foreign_filter(mac), Some(COUNT_ONLY_RCVBUF))?)
+                }
+                LinkMode::Demux => None,
+            };
+            members.push(Member { sandbox: s.name.clone(), mac, port, rx, foreign });
         }
-        let epoll = Epoll::new().map_err(|e| err(format!("epoll: {e}")))?;
-        let add = |fd, token| {
-            epoll
-                .ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, token))
-                .map_err(|e| err(format!("epoll: {e}")))
-        };
-        add(tap.raw_fd(), TAP_TOKEN)?;
-        let quit = Arc::new(AtomicBool::new(false));
-        let counters = Arc::new(LinkCounters::default());
-        let mut name = format!("link-{}", l.name);
-        name.truncate(15);
-        let ctx = Mover {
-            mode: l.mode,
-            tap,
-            ports: host_ends,
-            macs: members.iter().map(|m| m.mac).collect(),
-            member: members.iter().map(|m| m.counters.clone()).collect(),
-            link: counters.clone(),
-            buf: vec![0; MAX_FRAME + 1],
-        };
-        let q = quit.clone();
-        let tid = Arc::new(std::sync::atomic::AtomicI32::new(0));
-        let t = tid.clone();
-        let thread = std::thread::Builder::new()
-            .name(name)
-            .spawn(move || {
-                t.store(nl_sync::tid(), Relaxed);
-                ctx.run(&epoll, &q)
-            })
-            .map_err(|e| err(format!("cannot start its thread: {e}")))?;
-        Ok(SharedLink { config: l.clone(), members, counters, quit, tid, thread: Some(thread) })
+        let host = Filter::new().pkttype().require(Cond::Eq(u32::from(packet::PACKET_OUTGOING)));
+        let from_tap = sock("host count", &host.accept(), Some(COUNT_ONLY_RCVBUF))?;
+        let macs: Vec<[u8; 6]> = members.iter().map(|m| m.mac).collect();
+        let unknown =
+            sock("unknown count", &unknown_filter(l.mode, &macs), Some(COUNT_ONLY_RCVBUF))?;
+        let totals = Mutex::new(((0, 0), members.iter().map(|_| Totals::default()).collect()));
+        Ok(SharedLink { config: l.clone(), tap, members, from_tap, unknown, totals })
     }
 
     /// Sandbox `name`'s port on the link.
@@ -251,126 +281,102 @@ impl SharedLink {
         &self.config.name
     }
 
+    /// The counters so far (read from the kernel; a socket that cannot be
+    /// read adds nothing).
     pub fn report(&self) -> LinkReport {
+        // Frames a socket accepted, including the ones it dropped.
+        let seen = |s: &PacketSocket| s.take_stats().map_or(0, |(n, _)| n);
+        let mut t = self.totals.lock().unwrap_or_else(|p| p.into_inner());
+        // Members first: a frame sent meanwhile is then in `from_tap` too,
+        // so a member's delivered and dropped never exceed it.
+        for (m, mt) in self.members.iter().zip(t.1.iter_mut()) {
+            let (n, drops) = m.rx.take_stats().unwrap_or((0, 0));
+            mt.delivered += n.saturating_sub(drops);
+            mt.dropped += drops;
+            mt.foreign += m.foreign.as_ref().map_or(0, seen);
+        }
+        t.0 .1 += seen(&self.unknown);
+        t.0 .0 += seen(&self.from_tap);
         LinkReport {
             name: self.config.name.clone(),
             tap: self.config.tap.clone(),
             mode: self.config.mode,
-            from_tap: self.counters.from_tap.load(Relaxed),
-            unknown: self.counters.unknown.load(Relaxed),
-            thread_cpu_ms: crate::periodic::thread_cpu_ns(self.tid.load(Relaxed))
-                .map_or(0.0, |ns| ns as f64 / 1e6),
+            from_tap: t.0 .0,
+            unknown: t.0 .1,
             members: self
                 .members
                 .iter()
-                .map(|m| MemberReport {
+                .zip(&t.1)
+                .map(|(m, mt)| MemberReport {
                     sandbox: m.sandbox.clone(),
                     mac: mac_text(m.mac),
-                    delivered: m.counters.delivered.load(Relaxed),
-                    foreign: m.counters.foreign.load(Relaxed),
-                    dropped: m.counters.dropped.load(Relaxed),
+                    delivered: mt.delivered,
+                    foreign: mt.foreign,
+                    dropped: mt.dropped,
                 })
                 .collect(),
         }
     }
 }
 
-/// The link thread's state.
-struct Mover {
-    mode: LinkMode,
-    tap: Tap,
-    ports: Vec<UnixDatagram>,
-    macs: Vec<[u8; 6]>,
-    member: Vec<Arc<MemberCounters>>,
-    link: Arc<LinkCounters>,
-    buf: Vec<u8>,
-}
-
-/// Whether a frame for `dst` goes to member `mac` in `mode` (and whether
-/// it is foreign to it: unicast for another MAC).
-pub fn route(mode: LinkMode, dst: [u8; 6], mac: [u8; 6]) -> (bool, bool) {
-    let group = dst[0] & 1 != 0;
-    let foreign = !group && dst != mac;
-    match mode {
-        LinkMode::Demux => (!foreign, false),
-        LinkMode::Multicast => (true, foreign),
-    }
-}
-
-impl Mover {
-    fn run(mut self, epoll: &Epoll, quit: &AtomicBool) {
-        let mut events = [EpollEvent::default(); 1];
-        while !quit.load(Relaxed) {
-            // Bounded waits, so `quit` is seen within 10 ms.
-            let n = match epoll.wait(10, &mut events) {
-                Ok(n) => n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(_) => {
-                    std::thread::sleep(std::time::Duration::from_millis(10));
-                    continue;
-                }
-            };
-            if events[..n].iter().any(|e| e.data() == TAP_TOKEN) {
-                self.move_arrivals();
-            }
-        }
-    }
-
-    fn move_arrivals(&mut self) {
-        for _ in 0..BATCH {
-            let len = match self.tap.recv(&mut self.buf) {
-                Ok(Some(n)) => n,
-                _ => return,
-            };
-            self.link.from_tap.fetch_add(1, Relaxed);
-            if !(14..=MAX_FRAME).contains(&len) {
-                self.link.unknown.fetch_add(1, Relaxed);
-                continue;
-            }
-            let mut dst = [0u8; 6];
-            dst.copy_from_slice(&self.buf[..6]);
-            let mut taken = false;
-            for (i, port) in self.ports.iter().enumerate() {
-                let (to, foreign) = route(self.mode, dst, self.macs[i]);
-                if !to {
-                    continue;
-                }
-                taken = true;
-                let c = &self.member[i];
-                if port.send(&self.buf[..len]).is_ok() {
-                    c.delivered.fetch_add(1, Relaxed);
-                    if foreign {
-                        c.foreign.fetch_add(1, Relaxed);
-                    }
-                } else {
-                    c.dropped.fetch_add(1, Relaxed);
-                }
-            }
-            if !taken {
-                self.link.unknown.fetch_add(1, Relaxed);
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::route;
+    use super::{foreign_filter, member_filter, unknown_filter};
     use crate::config::LinkMode::{Demux, Multicast};
     use crate::SetConfig;
+    use nl_devices::packet::{PACKET_BROADCAST, PACKET_HOST, PACKET_OTHERHOST, PACKET_OUTGOING};
 
     const A: [u8; 6] = [0x52, 0x54, 0, 0, 0, 2];
     const B: [u8; 6] = [0x52, 0x54, 0, 0, 0, 3];
+    const C: [u8; 6] = [0x52, 0x54, 0, 0, 0, 4];
+    const ALL: [u8; 6] = [0xff; 6];
+    const V6: [u8; 6] = [0x33, 0x33, 0, 0, 0, 1];
+
+    fn frame(dst: [u8; 6], len: usize) -> Vec<u8> {
+        let mut f = vec![0u8; len];
+        let n = len.min(6);
+        f[..n].copy_from_slice(&dst[..n]);
+        f
+    }
+
+    /// Whether `f` takes a host-sent frame for `dst` of `len` bytes.
+    fn out(f: &nl_devices::packet::Filter, dst: [u8; 6], len: usize) -> bool {
+        f.accepts(&frame(dst, len), PACKET_OUTGOING)
+    }
 
     #[test]
-    fn demux_routes_by_mac_and_multicast_to_everyone() {
-        assert_eq!(route(Demux, A, A), (true, false));
-        assert_eq!(route(Demux, B, A), (false, false));
-        assert_eq!(route(Demux, [0xff; 6], A), (true, false));
-        assert_eq!(route(Demux, [0x33, 0x33, 0, 0, 0, 1], A), (true, false));
-        assert_eq!(route(Multicast, A, A), (true, false));
-        assert_eq!(route(Multicast, B, A), (true, true));
-        assert_eq!(route(Multicast, [0xff; 6], A), (true, false));
+    fn demux_takes_its_mac_and_groups_and_multicast_takes_everything_the_host_sends() {
+        let d = member_filter(Demux, A);
+        assert!(out(&d, A, 60) && out(&d, ALL, 60) && out(&d, V6, 60));
+        assert!(!out(&d, B, 60) && !out(&d, C, 60));
+        let m = member_filter(Multicast, A);
+        assert!(out(&m, A, 60) && out(&m, B, 60) && out(&m, ALL, 60) && out(&m, V6, 60));
+        for f in [&d, &m] {
+            // Sizes: an Ethernet header to 1514 bytes.
+            assert!(out(f, A, 14) && out(f, A, 1514));
+            assert!(!out(f, A, 13) && !out(f, A, 1515) && !out(f, A, 0) && !out(f, A, 65535));
+            // Never a frame a member transmitted (the host receives it).
+            for t in [PACKET_HOST, PACKET_BROADCAST, PACKET_OTHERHOST] {
+                for dst in [A, B, ALL] {
+                    assert!(!f.accepts(&frame(dst, 60), t));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_count_only_filters_take_foreign_and_unknown_frames() {
+        let f = foreign_filter(A);
+        assert!(out(&f, B, 60) && out(&f, C, 60));
+        assert!(!out(&f, A, 60) && !out(&f, ALL, 60) && !out(&f, V6, 60));
+        assert!(!f.accepts(&frame(B, 60), PACKET_OTHERHOST));
+        let u = unknown_filter(Demux, &[A, B]);
+        assert!(out(&u, C, 60) && out(&u, A, 13) && out(&u, A, 1515));
+        assert!(!out(&u, A, 60) && !out(&u, B, 60) && !out(&u, ALL, 60) && !out(&u, V6, 60));
+        assert!(!u.accepts(&frame(C, 60), PACKET_OTHERHOST));
+        let u = unknown_filter(Multicast, &[A, B]);
+        assert!(out(&u, A, 13) && out(&u, A, 1515));
+        assert!(!out(&u, C, 60) && !out(&u, A, 60) && !out(&u, ALL, 60));
     }
 
     fn set(links: &str, a_net: &str, b_net: &str) -> String {

@@ -55,9 +55,10 @@ pub struct NetConfig {
     #[serde(default)]
     pub spare: bool,
     /// A port on a shared link instead of a TAP of its own: `tap` (the
-    /// link's TAP, for reports) is not opened; the device's frames go
-    /// through the port to the link's thread, which owns the TAP
-    /// (`nl_sandbox::shared_link`). Not carried in records: a set with a
+    /// link's TAP, for reports) is not opened; the device receives
+    /// through the port's packet socket on the link's TAP and sends to
+    /// the TAP, which the set owns (`nl_sandbox::shared_link`). Not
+    /// carried in records: a set with a
     /// shared link is not carried across a rejuvenation.
     #[serde(skip)]
     pub port: Option<nl_devices::tap::Port>,

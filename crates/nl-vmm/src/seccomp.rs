@@ -89,7 +89,10 @@
 //!   It still refuses what the VMM never does: `ptrace`, `mount`,
 //!   `personality`, `acct`, module loading, `bpf`, `perf_event_open`,
 //!   namespaces (`unshare`, `setns`), `reboot`, `kexec_*`, keyrings,
-//!   raw `AF_PACKET` is allowed only as far as `socket` is (any family).
+//!   raw `AF_PACKET` is allowed only as far as `socket` is (any family:
+//!   a shared link opens its packet sockets and attaches their classic
+//!   filters with `setsockopt`, not `bpf`, on the thread that creates the
+//!   set; its members' receive threads only `read` them).
 //!
 //! Not in any allowlist: `ptrace` (the fault injector ptraces the VMM from
 //! its own process; a filtered thread can be traced).
