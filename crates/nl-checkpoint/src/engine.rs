@@ -69,10 +69,6 @@ pub struct IntervalStats {
     pub capture: Option<Capture>,
     /// The shadow engines: pages the checkpoint's scan visited.
     pub scanned: usize,
-    /// The shadow engines: undo buffers the scan had to allocate (its pool
-    /// had too few), and the scan's time (ms).
-    pub fresh: usize,
-    pub scan_ms: f64,
 }
 
 /// What a rollback did.
@@ -188,10 +184,10 @@ impl Engine {
     }
 
     /// Work done between checkpoints, while the guest runs, so that the next
-    /// pause does less (until `deadline`): the shadow engines back buffers
-    /// for their pool (the next checkpoint's new shadow copies), up to what
-    /// the last interval needed, within `budget_pages` (the ring's page
-    /// budget).
+    /// pause does less (until `deadline`): the shadow engines back their
+    /// shadow image and fill their buffer pool for the next checkpoint's
+    /// undo copies, up to what the last interval needed, within
+    /// `budget_pages` (the ring's page budget).
     pub fn prepare(&mut self, deadline: std::time::Instant, budget_pages: usize) {
         if let Engine::Shadow(e) = self {
             e.prepare(deadline, budget_pages);
@@ -340,8 +336,6 @@ impl CowEngine {
             presaved: if self.predict { ended.len() } else { 0 },
             capture: None,
             scanned: 0,
-            fresh: 0,
-            scan_ms: 0.0,
         };
         self.faults_at_start = faults;
         let predicted = if self.predict { ended.gpas() } else { Vec::new() };
@@ -415,8 +409,6 @@ pub struct ShadowEngine {
     pool: PagePool,
     /// Pages the last checkpoint saved (what the next may need from `pool`).
     last_changed: usize,
-    /// Allocated guest pages at the last checkpoint (auto mode).
-    last_allocated: usize,
 }
 
 impl ShadowEngine {
@@ -434,8 +426,6 @@ impl ShadowEngine {
             vm.set_dirty_logging(true)?;
         }
         let shadow = Shadow::capture(&view)?;
-        let last_allocated =
-            view.allocated_ranges()?.iter().map(|(s, e)| ((e - s) / PAGE as u64) as usize).sum();
         if capture == Capture::DirtyLog {
             vm.dirty_bitmaps()?; // clears the log: tracking starts now
         }
@@ -449,7 +439,6 @@ impl ShadowEngine {
             threads,
             pool: PagePool::default(),
             last_changed: 0,
-            last_allocated,
         })
     }
 
@@ -493,11 +482,14 @@ impl ShadowEngine {
             &mut undo,
             &mut Vec::new(),
         )?;
-        let scan_ms = t0.elapsed().as_secs_f64() * 1e3;
         self.history.push_back(undo);
         self.last_changed = st.changed;
         let captured = self.capture;
         if let Some(p) = &mut self.policy {
+            // The scan's cost as measured now (the host's load changes it):
+            // per page visited, on one thread.
+            let us = t0.elapsed().as_secs_f64() * 1e6 * self.threads as f64;
+            p.observe_scan(captured, us, st.visited, st.changed);
             // Faults are paid per page written, changed or not: the log's
             // count; the compare capture sees the pages that changed.
             let dirty = if captured == Capture::DirtyLog { candidates } else { st.changed };
@@ -510,18 +502,6 @@ impl ShadowEngine {
                     .map(|(s, e)| ((e - s) / PAGE as u64) as usize)
                     .sum()
             };
-            let grew = allocated.saturating_sub(self.last_allocated);
-            self.last_allocated = allocated;
-            // The scan's cost as measured now (the host's load changes it):
-            // per page visited, on one thread. Not from a scan that paid
-            // one-time costs: buffers allocated in the pause, or pages the
-            // guest allocated since the last checkpoint (their first read
-            // through the VMM's mapping faults). One such scan would make the
-            // compare look dear for good, since only compare scans correct it.
-            if st.fresh + grew <= st.visited / 16 {
-                let us = t0.elapsed().as_secs_f64() * 1e6 * self.threads as f64;
-                p.observe_scan(captured, us, st.visited, st.changed);
-            }
             let next = p.next(dirty, allocated);
             self.switch(vm, next)?;
         }
@@ -531,8 +511,6 @@ impl ShadowEngine {
             presaved: 0,
             capture: Some(captured),
             scanned: st.visited,
-            fresh: st.fresh,
-            scan_ms,
         })
     }
 
@@ -566,20 +544,21 @@ impl ShadowEngine {
     }
 
     /// See [`Engine::prepare`]. The pool is filled first (the next pause
-    /// needs it), to what the next checkpoint is expected to take; it
-    /// holds at most `budget_pages` less what the ring holds, plus one
-    /// interval.
+    /// needs it), to the last interval's pages and a quarter more; it holds
+    /// at most `budget_pages` less what the ring holds, plus one interval.
     fn prepare(&mut self, deadline: std::time::Instant, budget_pages: usize) {
         let held: usize = self.history.iter().map(PageSet::len).sum();
         let room = budget_pages.saturating_sub(held) + self.last_changed;
-        let want = self.expected_pages().min(room);
+        let want = (self.last_changed + self.last_changed / 4 + 64).min(room);
+        if self.pool.len() > 2 * want {
+            self.pool.trim(2 * want);
+        }
         self.pool.fill_to(want, deadline);
-    }
-
-    /// Undo buffers the next checkpoint is expected to take: the last
-    /// interval's changed pages and a quarter more.
-    fn expected_pages(&self) -> usize {
-        self.last_changed + self.last_changed / 4 + 64
+        if std::time::Instant::now() < deadline {
+            if let Ok(r) = self.view.allocated_ranges() {
+                self.shadow.prefault(&r, deadline);
+            }
+        }
     }
 
     /// Switches the running interval's capture (at a checkpoint: the shadow

@@ -11,7 +11,6 @@
 //!   dirty-log baseline, the fault-free compare capture and `auto`, which
 //!   picks dirty log or compare interval by interval; each rolls memory back
 //!   along a ring of checkpoints.
-//! * [`slab`]: page buffers backed ahead of use (the crate's `unsafe`).
 //! * [`shadow`]: the full shadow image of the dirty-log/compare/auto engines
 //!   and its parallel scan.
 //! * [`policy`]: the auto mode's choice from the dirty rate and unit costs.
@@ -31,7 +30,6 @@ pub mod output_commit;
 pub mod pages;
 pub mod policy;
 pub mod shadow;
-pub mod slab;
 pub mod supervisor;
 pub mod tracker;
 

@@ -2,74 +2,24 @@
 
 use std::collections::HashMap;
 
-use crate::slab::SlabPage;
 use crate::PAGE;
 
-/// One saved page: from the allocator (the copy-on-write engines' fault
-/// thread) or from a pre-backed slab (the shadow engines' pool), or a page
-/// of zeros that holds no buffer (the shadow engines' undo copy of a page
-/// the guest had not allocated).
-pub enum Page {
-    Heap(Box<[u8; PAGE]>),
-    Slab(SlabPage),
-    Zero,
-}
-
-static ZERO: [u8; PAGE] = [0; PAGE];
-
-impl Page {
-    /// A fresh zeroed page from the allocator (its first touch may fault).
-    pub fn fresh() -> Self {
-        Page::Heap(Box::new([0u8; PAGE]))
-    }
-}
-
-impl std::ops::Deref for Page {
-    type Target = [u8; PAGE];
-    fn deref(&self) -> &[u8; PAGE] {
-        match self {
-            Page::Heap(b) => b,
-            Page::Slab(s) => s,
-            Page::Zero => &ZERO,
-        }
-    }
-}
-
-impl std::ops::DerefMut for Page {
-    /// A [`Page::Zero`] written to becomes a buffer of its own first.
-    fn deref_mut(&mut self) -> &mut [u8; PAGE] {
-        if matches!(self, Page::Zero) {
-            *self = Page::fresh();
-        }
-        match self {
-            Page::Heap(b) => b,
-            Page::Slab(s) => s,
-            Page::Zero => unreachable!("replaced above"),
-        }
-    }
-}
+/// One saved page.
+pub type Page = Box<[u8; PAGE]>;
 
 /// Page buffers to reuse. On a host whose own page faults are slow (a PVM
 /// host is itself a guest under shadow paging), a freshly allocated buffer
-/// costs a fault per page saved, many times the copy: buffers come from
-/// slab chunks backed ahead of use ([`crate::slab`]), between checkpoints,
-/// and those of dropped checkpoints are kept here and filled again.
+/// costs a fault and a page clear per page saved, several times the copy:
+/// buffers of dropped checkpoints are kept here and filled again.
 #[derive(Default)]
 pub struct PagePool {
     free: Vec<Page>,
-    /// Pages backed by this pool so far (free or handed out).
-    backed: usize,
-    /// Buffers a scan had to allocate because the pool ran dry.
-    fresh: u64,
 }
 
 impl PagePool {
     /// A buffer (content unspecified).
     pub fn take(&mut self) -> Page {
-        self.free.pop().unwrap_or_else(|| {
-            self.fresh += 1;
-            Page::fresh()
-        })
+        self.free.pop().unwrap_or_else(|| Box::new([0u8; PAGE]))
     }
 
     /// Up to `n` buffers for a worker thread.
@@ -78,59 +28,30 @@ impl PagePool {
         self.free.split_off(at)
     }
 
-    /// Takes back a buffer ([`Page::Zero`] holds none and is dropped).
     pub fn give(&mut self, page: Page) {
-        if !matches!(page, Page::Zero) {
-            self.free.push(page);
-        }
+        self.free.push(page);
     }
 
     pub fn give_all(&mut self, pages: impl IntoIterator<Item = Page>) {
-        self.free.extend(pages.into_iter().filter(|p| !matches!(p, Page::Zero)));
+        self.free.extend(pages);
     }
 
-    /// Counts buffers a scan allocated itself (the pool had too few).
-    pub fn note_fresh(&mut self, n: usize) {
-        self.fresh += n as u64;
-    }
-
-    /// Buffers allocated in scans so far, because the pool ran dry.
-    pub fn fresh(&self) -> u64 {
-        self.fresh
-    }
-
-    /// Pages the pool has backed itself (free now or in use).
-    pub fn backed(&self) -> usize {
-        self.backed
-    }
-
-    /// Backs buffers (2 MiB slab blocks, touched) until the pool holds
-    /// `target` or `deadline` passes. Run between checkpoints, while the
-    /// guest runs, so that the next checkpoint's copies land in memory that
-    /// is already backed.
+    /// Allocates buffers (each touched, so it is backed by host memory)
+    /// until the pool holds `target` or `deadline` passes. Run between
+    /// checkpoints, while the guest runs, so that the next checkpoint's
+    /// copies land in memory that is already backed: on this host a first
+    /// touch costs a page fault of 3 to 6 µs, several times the copy.
     pub fn fill_to(&mut self, target: usize, deadline: std::time::Instant) {
+        const STEP: usize = 64;
         while self.free.len() < target && std::time::Instant::now() < deadline {
-            match crate::slab::carve(1) {
-                Some(pages) => {
-                    self.backed += pages.len();
-                    self.free.extend(pages.into_iter().map(Page::Slab));
-                }
-                None => {
-                    // No mapping to be had: the allocator, 64 at a time.
-                    let n = (target - self.free.len()).min(64);
-                    self.backed += n;
-                    self.free.extend((0..n).map(|_| Page::fresh()));
-                }
-            }
+            let n = (target - self.free.len()).min(STEP);
+            self.free.extend((0..n).map(|_| Box::new([0u8; PAGE])));
         }
     }
 
     /// Frees buffers beyond `keep`.
     pub fn trim(&mut self, keep: usize) {
-        if self.free.len() > keep {
-            self.backed -= (self.free.len() - keep).min(self.backed);
-            self.free.truncate(keep);
-        }
+        self.free.truncate(keep);
     }
 
     /// Buffers held.
@@ -164,7 +85,7 @@ impl PageSet {
         if self.pages.contains_key(&gpa) {
             return false;
         }
-        let mut b = Page::fresh();
+        let mut b = Box::new([0u8; PAGE]);
         b.copy_from_slice(&content[..PAGE]);
         self.pages.insert(gpa, b);
         true
@@ -240,33 +161,12 @@ mod fill_tests {
     fn fill_reaches_its_target_and_trim_frees_the_rest() {
         let mut p = PagePool::default();
         p.fill_to(300, Instant::now() + Duration::from_secs(60));
-        // Whole 2 MiB slab blocks: at least the target, at most a block more.
-        assert!(p.len() >= 300 && p.len() < 300 + crate::slab::BLOCK_PAGES, "{}", p.len());
-        assert_eq!(p.backed(), p.len());
-        let n = p.len();
+        assert_eq!(p.len(), 300);
         // Already full: nothing more.
         p.fill_to(100, Instant::now() + Duration::from_secs(60));
-        assert_eq!(p.len(), n);
+        assert_eq!(p.len(), 300);
         p.trim(120);
         assert_eq!(p.len(), 120);
-    }
-
-    /// Buffers come from the filled pool, and only an empty pool makes
-    /// fresh ones (counted: each may fault inside a pause).
-    #[test]
-    fn a_filled_pool_hands_out_backed_buffers_and_counts_fresh_ones() {
-        let mut p = PagePool::default();
-        p.fill_to(10, Instant::now() + Duration::from_secs(60));
-        let n = p.len();
-        let taken: Vec<Page> = (0..n).map(|_| p.take()).collect();
-        assert!(taken.iter().all(|pg| matches!(pg, Page::Slab(_))));
-        assert_eq!(p.fresh(), 0);
-        let extra = p.take();
-        assert!(matches!(extra, Page::Heap(_)));
-        assert_eq!(p.fresh(), 1);
-        p.give_all(taken);
-        p.give(extra);
-        assert_eq!(p.len(), n + 1);
     }
 
     #[test]

@@ -241,11 +241,6 @@ pub struct RunReport {
     pub presaved_pages_avg: f64,
     /// The shadow engines: pages the checkpoints' scans visited, on average.
     pub scanned_pages_avg: f64,
-    /// The shadow engines: the scans' time per checkpoint, on average (ms),
-    /// and undo buffers they had to allocate inside the pause (the pool had
-    /// too few; each may cost a page fault there).
-    pub scan_ms_avg: f64,
-    pub undo_fresh_pages: u64,
     /// Intervals captured with the dirty log and with the fault-free
     /// compare, and the auto mode's switches between them.
     pub intervals_dirty_log: u64,
@@ -365,8 +360,6 @@ pub struct Supervisor<'a> {
     pages_max: usize,
     presaved_sum: u64,
     scanned_sum: u64,
-    scan_ms_sum: f64,
-    fresh_sum: u64,
     captures: [u64; 2],
     pauses: Vec<f64>,
     /// Consecutive checkpoints that took longer than the interval.
@@ -459,8 +452,6 @@ impl<'a> Supervisor<'a> {
             pages_max: 0,
             presaved_sum: 0,
             scanned_sum: 0,
-            scan_ms_sum: 0.0,
-            fresh_sum: 0,
             captures: [0; 2],
             pauses: Vec::new(),
             overruns: 0,
@@ -564,8 +555,6 @@ impl<'a> Supervisor<'a> {
         self.pages_max = self.pages_max.max(stats.pages);
         self.presaved_sum += stats.presaved as u64;
         self.scanned_sum += stats.scanned as u64;
-        self.scan_ms_sum += stats.scan_ms;
-        self.fresh_sum += stats.fresh as u64;
         match stats.capture {
             Some(crate::policy::Capture::DirtyLog) => self.captures[0] += 1,
             Some(crate::policy::Capture::Compare) => self.captures[1] += 1,
@@ -938,8 +927,6 @@ impl<'a> Supervisor<'a> {
             checkpoint_pct_of_memory: 100.0 * pages_avg / mem_pages,
             presaved_pages_avg: self.presaved_sum as f64 / n,
             scanned_pages_avg: self.scanned_sum as f64 / n,
-            scan_ms_avg: self.scan_ms_sum / n,
-            undo_fresh_pages: self.fresh_sum,
             intervals_dirty_log: self.captures[0],
             intervals_compare: self.captures[1],
             capture_switches: self.engine.policy().map_or(0, |p| p.switches),
