@@ -84,6 +84,12 @@ pub struct OutputCommitStats {
     /// end) undid before they reached it.
     pub disk_writes_released: u64,
     pub disk_writes_dropped: u64,
+    /// The most bytes of disk writes held at once, and the times the disk
+    /// left the guest's requests in its ring because that reached the
+    /// device's cap (`nl_devices::virtio::blk::DEFAULT_HOLD_CAP`): the
+    /// guest then waits for releases, memory stays bounded.
+    pub disk_held_bytes_max: u64,
+    pub disk_hold_cap_waits: u64,
 }
 
 /// The held output of one run (see the module doc).
@@ -275,6 +281,7 @@ impl OutputCommit {
             rollbacks_past_released_output: self.past_released,
             disk_writes_released: self.disk_released,
             disk_writes_dropped: self.disk_dropped,
+            ..Default::default()
         }
     }
 }

@@ -499,6 +499,7 @@ impl<'a> Supervisor<'a> {
             self.vm.release_net_output(&out.frames);
         }
         self.vm.release_disk_writes(&out.disk);
+        self.vm.serve_disk_if_unblocked();
     }
 
     /// Checks the guest's result when it reports completion; a failed check
@@ -839,6 +840,13 @@ impl<'a> Supervisor<'a> {
                 }
                 Some(VmOutcome::Stopped) => break VmOutcome::Stopped,
                 Some(o) => Some(o.message()),
+                None if self.vm.disk_waiting_at_cap() => {
+                    // Held back by the VMM (its disk at the cap on held
+                    // writes until releases come): not the guest's hang.
+                    self.clock.update(&self.vm.vcpu_threads());
+                    judge.reset();
+                    None
+                }
                 None => {
                     let clock = self.clock.update(&self.vm.vcpu_threads()).to_vec();
                     judge.observe(self.vm.progress_marker(), &clock, &self.clock.live()).map(|h| {
@@ -925,7 +933,14 @@ impl<'a> Supervisor<'a> {
                 tracing::warn!("checkpoint: the disk's last writes did not reach the image: {e}");
             }
         }
-        let output_commit = self.output.as_ref().map(OutputCommit::stats);
+        let output_commit = self.output.as_ref().map(|oc| {
+            let mut st = oc.stats();
+            if let Some((blk, _, _)) = self.vm.blk_stats() {
+                st.disk_held_bytes_max = blk.held_bytes_max;
+                st.disk_hold_cap_waits = blk.hold_cap_waits;
+            }
+            st
+        });
         if let Some(live) = &self.cfg.live {
             *live.output_commit.lock().unwrap_or_else(|e| e.into_inner()) = output_commit.clone();
         }

@@ -727,6 +727,7 @@ type Release<'r> = &'r (dyn Fn(&[Vec<u8>], &[DiskWrite]) + Sync);
 /// frames to the network.
 fn release_output(vm: &Vm, frames: &[Vec<u8>], disk: &[DiskWrite]) {
     vm.release_disk_writes(disk);
+    vm.serve_disk_if_unblocked();
     vm.release_net_output(frames);
 }
 

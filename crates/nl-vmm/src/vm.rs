@@ -668,6 +668,13 @@ impl Vm {
         for (s, v) in self.slots().iter().zip(&state.vcpus) {
             v.restore(&s.fd.lock())?;
         }
+        // Requests the guest had submitted while the disk was at its cap on
+        // held writes were not served when this state was saved (its device
+        // state says so): serve them now once under the cap, or the guest
+        // would wait for them forever.
+        if let Some(b) = &self.blk {
+            serve_unblocked(&mut b.lock());
+        }
         // The guest may now answer from another process or host (a
         // takeover, failover or restore): tell the network where it is.
         self.announce();
@@ -1076,7 +1083,12 @@ impl Vm {
     /// writes every held sector out and stops holding (`false`).
     pub fn hold_disk_writes(&self, on: bool) -> Result<(), VmmError> {
         match &self.blk {
-            Some(b) => b.lock().device_mut().hold_writes(on).map_err(VmmError::Disk),
+            Some(b) => {
+                let mut t = b.lock();
+                let r = t.device_mut().hold_writes(on).map_err(VmmError::Disk);
+                serve_unblocked(&mut t);
+                r
+            }
             None => Ok(()),
         }
     }
@@ -1100,10 +1112,35 @@ impl Vm {
         }
     }
 
+    /// Serves the requests the disk left in its ring at its cap on held
+    /// writes, once releases brought it under the cap. Called by whoever
+    /// releases, with the VM running or paused in a consistent state (not
+    /// between a rollback of memory and the restore of the device state:
+    /// the queue would then be read against the wrong memory).
+    pub fn serve_disk_if_unblocked(&self) {
+        if let Some(b) = &self.blk {
+            serve_unblocked(&mut b.lock());
+        }
+    }
+
+    /// Whether the disk holds back the guest's requests at its cap on held
+    /// writes: the guest may be waiting for the VMM, not hung.
+    pub fn disk_waiting_at_cap(&self) -> bool {
+        self.blk.as_ref().is_some_and(|b| b.lock().device().is_waiting())
+    }
+
     /// Drops the held disk writes unwritten (the VM is fenced).
     pub fn discard_disk_writes(&self) {
         if let Some(b) = &self.blk {
             b.lock().device_mut().discard_held();
+        }
+    }
+
+    /// Caps the bytes of disk writes held and not yet released (see
+    /// `nl_devices::virtio::blk::DEFAULT_HOLD_CAP`).
+    pub fn set_disk_hold_cap(&self, bytes: u64) {
+        if let Some(b) = &self.blk {
+            b.lock().device_mut().set_hold_cap(bytes);
         }
     }
 
@@ -1286,5 +1323,13 @@ impl Drop for Vm {
         // End the receive thread first: it holds the device and writes guest memory.
         drop(self.rx.lock().take());
         self.stop();
+    }
+}
+
+/// Serves the requests a disk left in its ring at its cap on held writes,
+/// once releases (or a discard, or the end of holding) brought it under.
+fn serve_unblocked(t: &mut MmioTransport<Block>) {
+    if t.device_mut().take_unblocked() {
+        t.service(0);
     }
 }

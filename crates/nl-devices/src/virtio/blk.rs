@@ -5,9 +5,13 @@
 //! a VMM buffer). Supported: IN, OUT, FLUSH (fdatasync), GET_ID; a
 //! read-only disk offers VIRTIO_BLK_F_RO and fails OUT with IOERR.
 //!
-//! For replication the device can hold the guest's writes (output commit,
-//! see [`super::held_writes`]): they are kept in memory, read back by later
-//! reads, and reach the image only when released.
+//! For replication and rollback the device can hold the guest's writes
+//! (output commit, see [`super::held_writes`]): they are kept in memory,
+//! read back by later reads, and reach the image only when released. What
+//! is held is capped ([`DEFAULT_HOLD_CAP`]): at the cap the device takes no
+//! more requests from the guest (they wait in the ring, as on a disk whose
+//! write cache is full) until releases bring it under, so a guest that
+//! writes faster than its writes can be released costs bounded memory.
 
 use std::fs::File;
 use std::io::{Seek, SeekFrom};
@@ -23,13 +27,16 @@ use virtio_queue::{desc::split::Descriptor, DescriptorChain, Queue};
 use vm_memory::{Address, Bytes, GuestMemory, Permissions};
 
 use super::held_writes::{DiskWrite, HeldWrites};
-use super::{for_each_chain, GuestMem, QueueError, VirtioDevice};
+use super::{for_each_chain_while, GuestMem, QueueError, VirtioDevice};
 
 pub const SECTOR: u64 = 512;
 /// Largest data transfer of one request; bigger ones fail with IOERR.
 pub const MAX_REQUEST_BYTES: u64 = 4 << 20;
 /// Queue size offered.
 pub const QUEUE_SIZE: u16 = 256;
+/// Held, unreleased write bytes at which a holding device stops taking
+/// requests (256 MiB).
+pub const DEFAULT_HOLD_CAP: u64 = 256 << 20;
 /// Longest descriptor chain accepted (header + data + status).
 const MAX_CHAIN: usize = 66;
 
@@ -47,6 +54,10 @@ pub struct BlkStats {
     /// failed to (the host's image could not be written).
     pub released: u64,
     pub release_errors: u64,
+    /// Times the device left the guest's requests in the ring because the
+    /// held writes had reached the cap, and the most bytes ever held.
+    pub hold_cap_waits: u64,
+    pub held_bytes_max: u64,
 }
 
 /// The block device model.
@@ -59,6 +70,10 @@ pub struct Block {
     stats: BlkStats,
     /// Output commit: the guest's writes held until released.
     held: Option<HeldWrites>,
+    /// See [`DEFAULT_HOLD_CAP`].
+    hold_cap: u64,
+    /// Requests were left in the ring at the cap (serve them once under).
+    waiting: bool,
     /// Guest ranges written by the device since the last `take_written`.
     dma: Vec<(u64, u64)>,
 }
@@ -100,6 +115,8 @@ impl Block {
             id,
             stats: BlkStats::default(),
             held: None,
+            hold_cap: DEFAULT_HOLD_CAP,
+            waiting: false,
             dma: Vec::new(),
         }
     }
@@ -149,6 +166,31 @@ impl Block {
             }
             h.released(w);
         }
+    }
+
+    /// Sets the cap on held, unreleased write bytes (a request is taken
+    /// while the held bytes are under it, so with nothing held any request
+    /// fits).
+    pub fn set_hold_cap(&mut self, bytes: u64) {
+        self.hold_cap = bytes.max(1);
+    }
+
+    /// Whether requests were left in the ring at the cap and the held
+    /// writes are now under it (or no longer held): the caller then
+    /// services the queue. Clears the flag.
+    pub fn take_unblocked(&mut self) -> bool {
+        let under = self.held.as_ref().is_none_or(|h| h.bytes() < self.hold_cap);
+        let go = self.waiting && under;
+        if go {
+            self.waiting = false;
+        }
+        go
+    }
+
+    /// Whether the device stopped taking requests at the cap and has not
+    /// been unblocked since (the guest may be waiting for it).
+    pub fn is_waiting(&self) -> bool {
+        self.waiting
     }
 
     /// Drops every held write unwritten (the VM is stopped: its epoch was
@@ -240,6 +282,7 @@ impl Block {
                     }
                     if let Some(h) = self.held.as_mut() {
                         h.write(sector, buf);
+                        self.stats.held_bytes_max = self.stats.held_bytes_max.max(h.bytes());
                     }
                 } else {
                     if self.file.seek(SeekFrom::Start(sector * SECTOR)).is_err() {
@@ -373,7 +416,41 @@ impl VirtioDevice for Block {
         queue: &mut Queue,
         mem: &GuestMem,
     ) -> Result<bool, QueueError> {
-        for_each_chain(queue, mem, |c| self.chain(mem, c))
+        // At the cap, the requests stay in the ring until releases bring
+        // the held writes under it ([`Block::take_unblocked`]).
+        let this = std::cell::RefCell::new(self);
+        let more = || {
+            let mut me = this.borrow_mut();
+            let full = me.held.as_ref().is_some_and(|h| h.bytes() >= me.hold_cap);
+            if full {
+                me.waiting = true;
+                me.stats.hold_cap_waits += 1;
+            }
+            !full
+        };
+        for_each_chain_while(queue, mem, more, |c| this.borrow_mut().chain(mem, c))
+    }
+
+    /// Only requests left in the ring at the cap are device state (the
+    /// rest is served within its notify): `{"waiting": true}` then, else
+    /// nothing, as before the cap existed.
+    fn save(&self) -> serde_json::Value {
+        if self.waiting {
+            serde_json::json!({ "waiting": true })
+        } else {
+            serde_json::Value::Null
+        }
+    }
+
+    fn restore(&mut self, state: &serde_json::Value) -> Result<(), String> {
+        self.waiting = match state {
+            serde_json::Value::Null => false,
+            v => match v.get("waiting") {
+                Some(serde_json::Value::Bool(w)) => *w,
+                _ => return Err(format!("virtio-blk state {v} is not {{\"waiting\": bool}}")),
+            },
+        };
+        Ok(())
     }
 
     fn stats(&self) -> serde_json::Value {
@@ -647,6 +724,42 @@ mod tests {
         r.t.device_mut().release(&stale);
         assert_eq!(r.request(VIRTIO_BLK_T_OUT, 6, BUF, 512), OK);
         assert_eq!(image(&r, 6, 512), vec![7u8; 512], "written straight through again");
+    }
+
+    /// At the cap on held bytes the device takes no more requests: they
+    /// wait in the ring (no status, nothing used) until releases bring the
+    /// held writes under the cap, and are then served in order.
+    #[test]
+    fn at_the_hold_cap_requests_wait_in_the_ring_until_releases() {
+        let mut r = rig(false, 16);
+        r.t.device_mut().hold_writes(true).unwrap();
+        r.t.device_mut().set_hold_cap(1024);
+        r.mem.write_slice(&[1u8; 1024], GuestAddress(BUF)).unwrap();
+        assert_eq!(r.request(VIRTIO_BLK_T_OUT, 0, BUF, 1024), OK, "under the cap: taken");
+        assert!(!r.t.device_mut().take_unblocked(), "nothing waits");
+        r.mem.write_slice(&[2u8; 512], GuestAddress(BUF)).unwrap();
+        assert_eq!(r.request(VIRTIO_BLK_T_OUT, 8, BUF, 512), None, "at the cap: left in the ring");
+        assert_eq!(r.t.device().stats().writes, 1);
+        assert!(!r.t.device_mut().take_unblocked(), "still at the cap");
+        let taken = r.t.device_mut().take_held();
+        r.t.device_mut().release(&taken);
+        assert!(r.t.device_mut().take_unblocked());
+        r.t.service(0);
+        let used: u16 = r.mem.read_obj(GuestAddress(USED + 2)).unwrap();
+        assert_eq!(used, r.avail, "the waiting request was served");
+        assert_eq!(r.mem.read_obj::<u8>(GuestAddress(STATUS)).unwrap(), VIRTIO_BLK_S_OK as u8);
+        let s = r.t.device().stats();
+        assert_eq!((s.writes, s.held_bytes_max), (2, 1024));
+        assert!(s.hold_cap_waits >= 1);
+        // A discard, and the end of holding, unblock too.
+        r.mem.write_slice(&[3u8; 1024], GuestAddress(BUF)).unwrap();
+        assert_eq!(r.request(VIRTIO_BLK_T_OUT, 16, BUF, 1024), OK, "512 held: under the cap");
+        assert_eq!(r.request(VIRTIO_BLK_T_OUT, 24, BUF, 512), None);
+        r.t.device_mut().discard_held();
+        assert!(r.t.device_mut().take_unblocked());
+        r.t.service(0);
+        assert_eq!(r.t.device().stats().writes, 4);
+        assert_eq!(image(&r, 16, 512), vec![0u8; 512], "discarded, never written");
     }
 
     #[test]

@@ -46,12 +46,16 @@ pub struct HeldWrites {
     journal: Vec<DiskWrite>,
     /// The newest held content of each sector.
     sectors: BTreeMap<u64, HeldSector>,
+    /// Bytes of the writes held and not yet released (taken or not): what
+    /// holding costs in memory, bounded by the device's cap.
+    bytes: u64,
 }
 
 impl HeldWrites {
     /// Holds a write of `data` (whole sectors) at `sector`.
     pub fn write(&mut self, sector: u64, data: Vec<u8>) {
         let data: Arc<[u8]> = data.into();
+        self.bytes += data.len() as u64;
         let seq = self.next_seq;
         self.next_seq += 1;
         for i in 0..data.len() / SECTOR as usize {
@@ -86,6 +90,7 @@ impl HeldWrites {
     /// After `w` reached the image: forgets its sectors unless a newer
     /// held write replaced them.
     pub fn released(&mut self, w: &DiskWrite) {
+        self.bytes = self.bytes.saturating_sub(w.data.len() as u64);
         for s in w.sector..w.sector + w.sectors() {
             if self.sectors.get(&s).is_some_and(|(seq, _, _)| *seq == w.seq) {
                 self.sectors.remove(&s);
@@ -104,6 +109,11 @@ impl HeldWrites {
 
     pub fn is_empty(&self) -> bool {
         self.sectors.is_empty() && self.journal.is_empty()
+    }
+
+    /// Bytes of the writes held and not yet released.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
     }
 }
 
@@ -135,8 +145,10 @@ mod tests {
         h.released(&taken[0]);
         let r = read(&h, 10, 2, &[7u8; 1024]);
         assert_eq!((r[0], r[512]), (7, 2));
+        assert_eq!(h.bytes(), 512, "the second write is not released yet");
         h.released(&taken[2]);
         assert!(h.is_empty());
+        assert_eq!(h.bytes(), 0);
     }
 
     #[test]
