@@ -1136,14 +1136,6 @@ impl Vm {
         }
     }
 
-    /// Caps the bytes of disk writes held and not yet released (see
-    /// `nl_devices::virtio::blk::DEFAULT_HOLD_CAP`).
-    pub fn set_disk_hold_cap(&self, bytes: u64) {
-        if let Some(b) = &self.blk {
-            b.lock().device_mut().set_hold_cap(bytes);
-        }
-    }
-
     /// The disk's size in sectors, if the VM has a disk.
     pub fn disk_sectors(&self) -> Option<u64> {
         self.blk.as_ref().map(|b| b.lock().device().capacity_sectors())

@@ -760,6 +760,29 @@ mod tests {
         r.t.service(0);
         assert_eq!(r.t.device().stats().writes, 4);
         assert_eq!(image(&r, 16, 512), vec![0u8; 512], "discarded, never written");
+        // A request waiting at the cap is device state: a device restored
+        // from a state saved then serves it once under the cap (a rollback,
+        // a takeover, a carried VM), and one saved without waits does not.
+        assert_eq!(r.request(VIRTIO_BLK_T_OUT, 32, BUF, 1024), OK);
+        assert_eq!(r.request(VIRTIO_BLK_T_OUT, 40, BUF, 512), None);
+        let saved = r.t.save();
+        let dev = Block::open(&r._dir.path().join("disk.img"), false).unwrap();
+        let mut fresh = MmioTransport::new(dev, r.mem.clone());
+        fresh.restore(&saved).unwrap();
+        fresh.device_mut().hold_writes(true).unwrap();
+        assert!(fresh.device().is_waiting());
+        assert!(fresh.device_mut().take_unblocked(), "nothing held in the new device");
+        fresh.service(0);
+        let used: u16 = r.mem.read_obj(GuestAddress(USED + 2)).unwrap();
+        assert_eq!(used, r.avail, "the restored device served the waiting request");
+        assert!(!fresh.device().is_waiting());
+        let dev = Block::open(&r._dir.path().join("disk.img"), false).unwrap();
+        let mut again = MmioTransport::new(dev, r.mem.clone());
+        again.restore(&fresh.save()).unwrap();
+        assert!(!again.device().is_waiting());
+        let mut bad = saved.clone();
+        bad["device"] = serde_json::json!({"waiting": 1});
+        assert!(again.restore(&bad).is_err(), "a malformed device state is refused");
     }
 
     #[test]
