@@ -255,37 +255,12 @@ impl PacketSocket {
         // SAFETY: `fd` is a fresh descriptor nothing else owns.
         let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
         let fd = file.as_raw_fd();
-        let prog = filter.prog();
-        // SAFETY: SO_ATTACH_FILTER reads one `sock_fprog`, which `prog`
-        // is; its instructions live in `filter`, borrowed across the call
-        // (the kernel copies them).
-        let r = unsafe {
-            libc::setsockopt(
-                fd,
-                libc::SOL_SOCKET,
-                libc::SO_ATTACH_FILTER,
-                (&prog as *const libc::sock_fprog).cast(),
-                std::mem::size_of::<libc::sock_fprog>() as libc::socklen_t,
-            )
-        };
-        if r < 0 {
-            return Err(sys());
-        }
+        // The filter's instructions live in `filter`, borrowed across the
+        // call (the kernel copies them).
+        set_socket_option(fd, libc::SO_ATTACH_FILTER, &filter.prog())?;
         if let Some(bytes) = rcvbuf {
             let v = bytes.min(i32::MAX as usize) as libc::c_int;
-            // SAFETY: SO_RCVBUF reads one `int`, which `v` is.
-            let r = unsafe {
-                libc::setsockopt(
-                    fd,
-                    libc::SOL_SOCKET,
-                    libc::SO_RCVBUF,
-                    (&v as *const libc::c_int).cast(),
-                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-                )
-            };
-            if r < 0 {
-                return Err(sys());
-            }
+            set_socket_option(fd, libc::SO_RCVBUF, &v)?;
         }
         // SAFETY: `sockaddr_ll` is plain data; all zeroes is a valid value.
         let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
@@ -346,6 +321,26 @@ impl PacketSocket {
     pub fn raw_fd(&self) -> std::os::fd::RawFd {
         self.0.as_raw_fd()
     }
+}
+
+/// `setsockopt(fd, SOL_SOCKET, name, value)` for an option whose value is
+/// one `T` (`SO_ATTACH_FILTER`: a `sock_fprog`; `SO_RCVBUF`: an `int`).
+fn set_socket_option<T>(fd: libc::c_int, name: libc::c_int, value: &T) -> std::io::Result<()> {
+    // SAFETY: the kernel reads `size_of::<T>()` bytes from `value`, one
+    // `T`, which is what the option named by the caller takes.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            name,
+            (value as *const T).cast(),
+            std::mem::size_of::<T>() as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 #[cfg(test)]

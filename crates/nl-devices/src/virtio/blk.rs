@@ -179,12 +179,27 @@ impl Block {
     /// writes are now under it (or no longer held): the caller then
     /// services the queue. Clears the flag.
     pub fn take_unblocked(&mut self) -> bool {
-        let under = self.held.as_ref().is_none_or(|h| h.bytes() < self.hold_cap);
-        let go = self.waiting && under;
+        let go = self.waiting && !self.at_cap();
         if go {
             self.waiting = false;
         }
         go
+    }
+
+    /// Whether the held, unreleased writes have reached the cap.
+    fn at_cap(&self) -> bool {
+        self.held.as_ref().is_some_and(|h| h.bytes() >= self.hold_cap)
+    }
+
+    /// Whether the device may take the guest's next request: not at the
+    /// cap; at the cap the request stays in the ring, and the device waits.
+    fn room_for_a_request(&mut self) -> bool {
+        if self.at_cap() {
+            self.waiting = true;
+            self.stats.hold_cap_waits += 1;
+            return false;
+        }
+        true
     }
 
     /// Whether the device stopped taking requests at the cap and has not
@@ -418,17 +433,7 @@ impl VirtioDevice for Block {
     ) -> Result<bool, QueueError> {
         // At the cap, the requests stay in the ring until releases bring
         // the held writes under it ([`Block::take_unblocked`]).
-        let this = std::cell::RefCell::new(self);
-        let more = || {
-            let mut me = this.borrow_mut();
-            let full = me.held.as_ref().is_some_and(|h| h.bytes() >= me.hold_cap);
-            if full {
-                me.waiting = true;
-                me.stats.hold_cap_waits += 1;
-            }
-            !full
-        };
-        for_each_chain_while(queue, mem, more, |c| this.borrow_mut().chain(mem, c))
+        for_each_chain_while(queue, mem, self, Block::room_for_a_request, |b, c| b.chain(mem, c))
     }
 
     /// Only requests left in the ring at the cap are device state (the

@@ -578,28 +578,33 @@ pub(crate) fn next_chain<'m>(
 pub(crate) fn for_each_chain(
     queue: &mut Queue,
     mem: &GuestMem,
-    f: impl FnMut(virtio_queue::DescriptorChain<&GuestMem>) -> Result<(u16, u32), QueueError>,
+    mut f: impl FnMut(virtio_queue::DescriptorChain<&GuestMem>) -> Result<(u16, u32), QueueError>,
 ) -> Result<bool, QueueError> {
-    for_each_chain_while(queue, mem, || true, f)
+    for_each_chain_while(queue, mem, &mut f, |_| true, |f, c| f(c))
 }
 
-/// [`for_each_chain`], taking the next chain only while `more()` says so
-/// (the chains not taken stay in the ring for a later notify or service).
-pub(crate) fn for_each_chain_while(
+/// [`for_each_chain`] over a device `dev`, taking the next chain only while
+/// `more(dev)` says so (the chains not taken stay in the ring for a later
+/// notify or service).
+pub(crate) fn for_each_chain_while<S: ?Sized>(
     queue: &mut Queue,
     mem: &GuestMem,
-    mut more: impl FnMut() -> bool,
-    mut f: impl FnMut(virtio_queue::DescriptorChain<&GuestMem>) -> Result<(u16, u32), QueueError>,
+    dev: &mut S,
+    mut more: impl FnMut(&mut S) -> bool,
+    mut f: impl FnMut(
+        &mut S,
+        virtio_queue::DescriptorChain<&GuestMem>,
+    ) -> Result<(u16, u32), QueueError>,
 ) -> Result<bool, QueueError> {
     let mut used = false;
     // At most one queue's worth per notify, whatever the guest does to the
     // avail index meanwhile (another vCPU may keep adding chains).
     for _ in 0..queue.size() {
-        if !more() {
+        if !more(dev) {
             break;
         }
         let Some(chain) = next_chain(queue, mem)? else { break };
-        let (head, len) = f(chain)?;
+        let (head, len) = f(dev, chain)?;
         queue
             .add_used(mem, head, len)
             .map_err(|e| QueueError(format!("cannot write the used ring: {e}")))?;
