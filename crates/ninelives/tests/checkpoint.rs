@@ -44,6 +44,7 @@ fn ckpt(mode: Mode, script: Vec<(Duration, GuestFault)>) -> CheckpointConfig {
         disk_path: None,
         disk_key: None,
         output_commit: false,
+        commit_rule: Default::default(),
         live: None,
     }
 }

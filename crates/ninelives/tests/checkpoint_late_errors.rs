@@ -39,6 +39,7 @@ fn cfg(mode: Mode, script: Vec<(Duration, GuestFault)>, max_rollbacks: u32) -> C
         disk_path: None,
         disk_key: None,
         output_commit: false,
+        commit_rule: Default::default(),
         live: None,
     }
 }

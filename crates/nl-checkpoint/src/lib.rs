@@ -34,7 +34,7 @@ pub mod supervisor;
 pub mod tracker;
 
 pub use engine::Mode;
-pub use supervisor::{CheckpointConfig, Live, RollbackRecord, RunReport, Supervisor};
+pub use supervisor::{CheckpointConfig, CommitRule, Live, RollbackRecord, RunReport, Supervisor};
 
 /// Guest page size.
 pub const PAGE: usize = 4096;

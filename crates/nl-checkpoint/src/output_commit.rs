@@ -199,6 +199,17 @@ impl OutputCommit {
         out
     }
 
+    /// The batches of checkpoints up to `id`, in guest order, to leave now
+    /// ([`crate::supervisor::CommitRule::NextCheckpoint`]: `id` is the
+    /// checkpoint before the newest).
+    pub fn release_through(&mut self, id: u64, at: Instant) -> Released {
+        let mut out = Released::default();
+        while self.queue.front().is_some_and(|b| b.id <= id) {
+            self.release_front(at, &mut out);
+        }
+        out
+    }
+
     /// A rollback to checkpoint `target`: returns what leaves now (batches
     /// up to `target`, part of its state) and whether the rollback undoes
     /// output already released. Later batches, `device_held` frames
@@ -321,6 +332,28 @@ mod tests {
         assert!(oc.releasable_frames(&[161 * MS], &[true], L, t0).is_empty());
         assert_eq!(oc.stats().frames_released, 6);
         assert_eq!(oc.held_frames(), 14);
+    }
+
+    #[test]
+    fn next_checkpoint_releases_through_the_one_before_the_newest_and_a_rollback_there_undoes_none()
+    {
+        let t0 = Instant::now();
+        let mut oc = run(3, t0);
+        // Checkpoint 3 is the newest: batches 1 and 2 leave.
+        let out = oc.release_through(2, t0);
+        assert_eq!(out.frames, [frames(1, 2), frames(2, 2)].concat());
+        assert!(oc.release_through(2, t0).frames.is_empty(), "nothing leaves twice");
+        assert_eq!(oc.held_frames(), 2);
+        // A first rollback goes to checkpoint 2: batch 3 dropped, nothing
+        // that left undone.
+        let (out, past) = oc.rollback(2, 1, 0, t0);
+        assert!(out.frames.is_empty());
+        assert!(!past);
+        assert_eq!(oc.stats().frames_dropped, 3);
+        // One further back would have.
+        let (_, past) = oc.rollback(1, 0, 0, t0);
+        assert!(past);
+        assert_eq!(oc.stats().rollbacks_past_released_output, 1);
     }
 
     #[test]

@@ -129,9 +129,61 @@ pub struct CheckpointConfig {
     /// Hold the network device's output until no rollback can undo it
     /// ([`crate::output_commit`]).
     pub output_commit: bool,
+    /// When held output leaves, and so how far a first rollback goes back
+    /// (see [`CommitRule`]).
+    pub commit_rule: CommitRule,
     /// Faults injected while the run goes, and its rollbacks so far, shared
     /// with another thread.
     pub live: Option<Arc<Live>>,
+}
+
+/// When output commit lets held output leave, and with it how far back a
+/// rollback that is not a recurrence goes: the two must agree, or a
+/// rollback undoes output that has left.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CommitRule {
+    /// Once its checkpoint is a rollback target for any error the enabled
+    /// detectors can find: `L` of guest time after it (the module doc).
+    /// Safe against latent errors found up to `L` after their fault; a
+    /// reply waits about `L` of guest time plus one interval.
+    #[default]
+    DetectionLatency,
+    /// When the checkpoint after its own is taken, as Remus releases an
+    /// epoch's output once the backup has its checkpoint: the assumption
+    /// is that an error is found within one checkpoint interval of its
+    /// fault (an exception, a triple fault, a write to a read-only window;
+    /// also a fault that waits for the guest's next timer tick). A first
+    /// rollback then goes back to the checkpoint before the newest (and a
+    /// hang at least the time it observed). An error found later (a hang,
+    /// a corruption read later) comes back after that rollback, and its
+    /// recurrence goes back `L`, `2L`, ... past output that has left:
+    /// counted (`rollbacks_past_released_output`), never hidden. A reply
+    /// waits one to two intervals, however little the guest runs.
+    NextCheckpoint,
+}
+
+/// How much guest time before a detection a rollback's target must
+/// predate: the base latency `latency_ns` (`L`), at least `observed_ns`
+/// (the latency this detection is known to have had), doubled per
+/// recurrence. Under [`CommitRule::NextCheckpoint`] a first detection
+/// goes back only `observed_ns` in guest time (the target is also at least
+/// one checkpoint back: [`first_target_by_count`]) and recurrences go
+/// back `L`, `2L`, ...
+pub fn look_back_ns(rule: CommitRule, latency_ns: u64, observed_ns: u64, recurrence: u32) -> u64 {
+    let doubled = |base: u64, times: u32| base.saturating_mul(1 << times.min(40));
+    match (rule, recurrence) {
+        (CommitRule::DetectionLatency, r) => doubled(latency_ns.max(observed_ns), r),
+        (CommitRule::NextCheckpoint, 0) => observed_ns,
+        (CommitRule::NextCheckpoint, r) => doubled(latency_ns.max(observed_ns), r - 1),
+    }
+}
+
+/// Under [`CommitRule::NextCheckpoint`], a first rollback's target among
+/// `kept` checkpoints (oldest first) goes back at least to the one before
+/// the newest, whose output is the newest that may have left.
+pub fn first_target_by_count(rule: CommitRule, recurrence: u32, kept: usize) -> Option<usize> {
+    (rule == CommitRule::NextCheckpoint && recurrence == 0).then(|| kept.saturating_sub(2))
 }
 
 /// A running supervisor's link to other threads: faults to inject (the
@@ -494,7 +546,17 @@ impl<'a> Supervisor<'a> {
         }
         let working = self.working();
         let Some(oc) = self.output.as_mut() else { return };
-        let out = oc.releasable(self.clock.now(), &working, self.latency_ns, Instant::now());
+        let out = match self.cfg.commit_rule {
+            CommitRule::DetectionLatency => {
+                oc.releasable(self.clock.now(), &working, self.latency_ns, Instant::now())
+            }
+            // Through the checkpoint before the newest: the newest a first
+            // rollback may go back to.
+            CommitRule::NextCheckpoint => match self.states.len() {
+                n if n >= 2 => oc.release_through(self.states[n - 2].id, Instant::now()),
+                _ => Default::default(),
+            },
+        };
         if !out.frames.is_empty() {
             self.vm.release_net_output(&out.frames);
         }
@@ -723,13 +785,24 @@ impl<'a> Supervisor<'a> {
             }
             _ => 0,
         };
-        let latency = self.latency_ns.max(observed_ns).saturating_mul(1 << self.recurrence.min(40));
-        let target = rollback_target(
+        let latency =
+            look_back_ns(self.cfg.commit_rule, self.latency_ns, observed_ns, self.recurrence);
+        let by_time = rollback_target(
             self.states.iter().map(|k| (k.clock.as_slice(), k.first)),
             &now,
             &working,
             latency,
         );
+        let target =
+            match first_target_by_count(self.cfg.commit_rule, self.recurrence, self.states.len()) {
+                // No look-back in time (an error found at once): by count
+                // alone. By time, a checkpoint "strictly older than now"
+                // could be many back on an idle guest, whose clock moves
+                // in ticks.
+                Some(by_count) if latency == 0 => Some(by_count),
+                Some(by_count) => by_time.map(|t| t.min(by_count)),
+                None => by_time,
+            };
         let Some(target) = target else {
             return Ok(Err(format!(
                 "{reason}; no kept checkpoint is {:.0} ms of guest time older, \
@@ -984,7 +1057,7 @@ impl<'a> Supervisor<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::rollback_target;
+    use super::{first_target_by_count, look_back_ns, rollback_target, CommitRule};
 
     const MS: u64 = 1_000_000;
 
@@ -1031,5 +1104,29 @@ mod tests {
         // Without the run's first checkpoint nothing is old enough.
         assert_eq!(target(&kept[1..], &[300 * MS], &[true], 1000 * MS), None);
         assert_eq!(target(&[], &[300 * MS], &[true], 0), None);
+    }
+
+    #[test]
+    fn next_checkpoint_a_first_rollback_goes_back_one_checkpoint_then_doubles_from_l() {
+        let l = 100 * MS;
+        let r = CommitRule::NextCheckpoint;
+        // An error found at once: no look-back in time, one checkpoint by count.
+        assert_eq!(look_back_ns(r, l, 0, 0), 0);
+        assert_eq!(first_target_by_count(r, 0, 10), Some(8));
+        assert_eq!(first_target_by_count(r, 0, 1), Some(0), "the run's first checkpoint");
+        // A hang is known to be at least its observed latency old.
+        assert_eq!(look_back_ns(r, l, 130 * MS, 0), 130 * MS);
+        // It came back: L, then 2L, 4L, by time only.
+        assert_eq!(first_target_by_count(r, 1, 10), None);
+        assert_eq!(look_back_ns(r, l, 0, 1), l);
+        assert_eq!(look_back_ns(r, l, 0, 2), 2 * l);
+        assert_eq!(look_back_ns(r, l, 0, 3), 4 * l);
+        // The default: L, 2L, 4L from the first detection, by time only.
+        let d = CommitRule::DetectionLatency;
+        assert_eq!(first_target_by_count(d, 0, 10), None);
+        assert_eq!(look_back_ns(d, l, 0, 0), l);
+        assert_eq!(look_back_ns(d, l, 130 * MS, 0), 130 * MS);
+        assert_eq!(look_back_ns(d, l, 0, 2), 4 * l);
+        assert_eq!(look_back_ns(d, l, 0, 99), u64::MAX, "saturates");
     }
 }

@@ -131,6 +131,7 @@ pub fn protected_run(a: &CheckpointArgs, quiet: bool) -> Result<ProtectedRun> {
         disk_path: (a.disk_every > 0).then(|| a.disk_path.clone()),
         disk_key,
         output_commit: false,
+        commit_rule: Default::default(),
         live: None,
     };
     if !quiet {

@@ -275,6 +275,13 @@ pub struct RecoveryConfig {
     /// one checkpoint interval.
     #[serde(default)]
     pub output_commit: Option<bool>,
+    /// `rollback` with output commit: when held output leaves
+    /// (`detection_latency`, the default: `detect.heartbeat_cpu_ms` of guest
+    /// time after its checkpoint; `next_checkpoint`: when the checkpoint
+    /// after its own is taken, assuming errors are found within one
+    /// interval; see nl_checkpoint's `CommitRule`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release: Option<nl_checkpoint::CommitRule>,
 }
 
 impl RecoveryConfig {
@@ -304,6 +311,7 @@ impl Default for RecoveryConfig {
             window_ms: default_window_ms(),
             checkpoint_interval_ms: default_checkpoint_interval_ms(),
             output_commit: None,
+            release: None,
         }
     }
 }
@@ -623,6 +631,9 @@ fn check_recovery(s: &SandboxConfig) -> Result<(), SandboxError> {
     }
     if r.output_commit.is_some() && r.policy != RecoveryPolicy::Rollback {
         return bad("recovery.output_commit is only for the policy 'rollback'".into());
+    }
+    if r.release.is_some() && !r.output_commit() {
+        return bad("recovery.release is only for the policy 'rollback' with output_commit".into());
     }
     let d = &s.detect;
     if !(10..=600_000).contains(&d.heartbeat_cpu_ms) {
@@ -976,5 +987,26 @@ mod tests {
         let storm =
             r#"{"sandboxes": [{"name": "a", "cores": [0], "workload": {"kind": "storm"}}]}"#;
         assert!(err(storm, 2).contains("the storm workload needs its first channel"));
+        let recovery = |r: &str| {
+            format!(
+                r#"{{"sandboxes": [{{"name": "a", "cores": [0], "workload": {{"kind": "idle"}}, "recovery": {r}}}]}}"#
+            )
+        };
+        let only = "recovery.release is only for the policy 'rollback' with output_commit";
+        assert!(err(&recovery(r#"{"policy": "restart", "release": "next_checkpoint"}"#), 2)
+            .contains(only));
+        let no_commit =
+            r#"{"policy": "rollback", "output_commit": false, "release": "next_checkpoint"}"#;
+        assert!(err(&recovery(no_commit), 2).contains(only));
+        assert!(err(&recovery(r#"{"policy": "rollback", "release": "soon"}"#), 2)
+            .contains("unknown variant `soon`"));
+        let ok =
+            SetConfig::parse(&recovery(r#"{"policy": "rollback", "release": "next_checkpoint"}"#))
+                .expect("release next_checkpoint under rollback");
+        ok.validate(2).expect("valid");
+        assert_eq!(
+            ok.sandboxes[0].recovery.release,
+            Some(nl_checkpoint::CommitRule::NextCheckpoint)
+        );
     }
 }

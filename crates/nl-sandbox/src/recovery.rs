@@ -254,6 +254,7 @@ fn run_rollback(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome {
         disk_path: None,
         disk_key: None,
         output_commit: r.output_commit(),
+        commit_rule: r.release.unwrap_or_default(),
         live: Some(sb.live.clone()),
     };
     let start_ms = set.elapsed_ms();

@@ -18,6 +18,9 @@
 //!   fixed time of the supervised run, since the supervisor owns the VM.
 //!   Its output is held until no rollback can undo it (output commit, the
 //!   default); `rollback-nocommit` is the same without it, for comparison;
+//!   `rollback-nextcheckpoint` holds it until the checkpoint after its
+//!   own (`recovery.release: "next_checkpoint"`: errors assumed found
+//!   within one interval; a first rollback goes back one checkpoint);
 //! * `remote`: service `kv` with its state region (4 MiB) is taken over by
 //!   the standby `spare`, which gets the TAP; `web` restarts as the new
 //!   standby.
@@ -130,12 +133,17 @@ fn web_config(policy: &str, cores: [usize; 2]) -> String {
             r#"{{"sandboxes": [{{"name": "web", "cores": [{c0}], "workload": {kv}, {net},
                 "recovery": {{"policy": "replace", "replace_with": {kv}}}}}]}}"#
         ),
-        "rollback" | "rollback-nocommit" => format!(
+        "rollback" | "rollback-nocommit" | "rollback-nextcheckpoint" => format!(
             r#"{{"sandboxes": [{{"name": "web", "cores": [{c0}], "workload": {kv}, {net},
                 "detect": {{"heartbeat_cpu_ms": {ROLLBACK_HEARTBEAT_CPU_MS}}},
                 "recovery": {{"policy": "rollback", "checkpoint_interval_ms": 20,
-                              "output_commit": {}}}}}]}}"#,
-            policy == "rollback"
+                              "output_commit": {}{}}}}}]}}"#,
+            policy != "rollback-nocommit",
+            if policy == "rollback-nextcheckpoint" {
+                r#", "release": "next_checkpoint""#
+            } else {
+                ""
+            }
         ),
         p => format!(
             r#"{{"sandboxes": [{{"name": "web", "cores": [{c0}], "workload": {kv}, {net},
@@ -284,6 +292,8 @@ fn run_one(ns: &Netns, policy: &str, rep: usize, cores: [usize; 2]) -> Result<Ti
 /// Acknowledged kv writes across many rollbacks with output commit.
 #[derive(Clone, Debug, Serialize)]
 pub struct KvRollbacks {
+    /// `rollback` or `rollback-nextcheckpoint` (the release rule).
+    pub policy: String,
     pub faults: u64,
     pub rollbacks: u64,
     pub kv_ops: u64,
@@ -297,13 +307,13 @@ pub struct KvRollbacks {
     pub faults_secs: f64,
 }
 
-/// `faults` faults into one kv sandbox under `rollback` with output commit
-/// while kvload runs (see the module doc); each fault once the previous
+/// `faults` faults into one kv sandbox under `policy` (`rollback` or
+/// `rollback-nextcheckpoint`: output commit either way) while kvload runs (see the module doc); each fault once the previous
 /// rollback is done and the service answers a ping again (bounded waits).
-pub fn kv_rollbacks(faults: u64, cores: [usize; 2]) -> Result<KvRollbacks> {
+pub fn kv_rollbacks(faults: u64, cores: [usize; 2], policy: &str) -> Result<KvRollbacks> {
     let ns = Netns::with_tap(&format!("nl-kvrb-{}", std::process::id()), "nltap0")?;
     // Every fault gets its rollback (the default gives up after 5).
-    let config = web_config("rollback", cores).replace(
+    let config = web_config(policy, cores).replace(
         r#""policy": "rollback","#,
         &format!(r#""policy": "rollback", "max_recoveries": {}, "#, (faults + 5).min(1000)),
     );
@@ -364,6 +374,7 @@ pub fn kv_rollbacks(faults: u64, cores: [usize; 2]) -> Result<KvRollbacks> {
                 Ok((kv, secs))
             })?;
             Ok(KvRollbacks {
+                policy: policy.to_string(),
                 faults,
                 rollbacks: web.rollbacks(),
                 kv_ops: kv.ops,

@@ -1118,8 +1118,9 @@ fn questv(d: &Data, out: &Path) -> Result<Section> {
         ),
         &t3.map_or(String::new(), |t| {
             format!(
-                "{} pings every {} ms, {} repetitions; RX interrupts pinged/neighbour: private {}/{}, multicast {}/{}; issue's target at most {}",
+                "{} pings every {} ms, {} repetitions; {}RX interrupts pinged/neighbour: private {}/{}, multicast {}/{}; issue's target at most {}",
                 t["pings"], t["interval_ms"], t["reps"],
+                num(t, "demux_ratio").map_or(String::new(), |d| format!("shared TAP without multicast (demux) / private {d:.3}; ")),
                 t["private"]["interrupts_pinged"]["median"], t["private"]["interrupts_neighbour"]["median"],
                 t["multicast"]["interrupts_pinged"]["median"], t["multicast"]["interrupts_neighbour"]["median"],
                 t["target_at_most"]
@@ -1259,13 +1260,20 @@ fn questv(d: &Data, out: &Path) -> Result<Section> {
     }
     // Issue 19: acknowledged kv writes across many rollbacks with output
     // commit (bench sandbox-recovery --kv-rollbacks).
-    if let Some(k) = rec.map(|r| &r["kv_rollbacks"]).filter(|k| k.is_object()) {
+    // A list per release rule (an object in records written before).
+    let kv_rollbacks: Vec<&Value> = match rec.map(|r| &r["kv_rollbacks"]) {
+        Some(Value::Array(v)) => v.iter().collect(),
+        Some(k) if k.is_object() => vec![k],
+        _ => Vec::new(),
+    };
+    for k in kv_rollbacks {
         let n = num(k, "faults").unwrap_or(f64::NAN);
+        let rule = k["policy"].as_str().unwrap_or("rollback");
         let ours = num(k, "kv_lost")
             .map(|lost| Ours { value: lost, interval: None, text: format!("{lost:.0}") })
             .ok_or_else(|| missing("sandbox-recovery"));
         rows.push(with_note(
-            row(format!("Acknowledged kv writes lost across {n:.0} rollbacks (output commit)"), None, ours, Better::Lower),
+            row(format!("Acknowledged kv writes lost across {n:.0} rollbacks (output commit, {rule})"), None, ours, Better::Lower),
             &format!(
                 "{:.0} rollbacks, {:.0} kv ops ({:.0} PUTs), unverified {:.0}; replies held {:.0} ms median, {:.0} ms max; rollbacks past released output {:.0}; target 0",
                 num(k, "rollbacks").unwrap_or(f64::NAN),
