@@ -669,11 +669,14 @@ impl<'a> Supervisor<'a> {
             // successor is, which is newer, so it never is one. Its loss
             // costs nothing, and the ring keeps spanning `L` of guest time
             // (else rollbacks, and released output, go back too far).
+            // Under `NextCheckpoint` the one before the newest is the
+            // first rollback's target whatever its clock: kept.
+            let last = match self.cfg.commit_rule {
+                CommitRule::DetectionLatency => self.states.len() - 1,
+                CommitRule::NextCheckpoint => self.states.len().saturating_sub(2),
+            };
             let j = (self.engine.history_pages() <= budget)
-                .then(|| {
-                    (1..self.states.len() - 1)
-                        .find(|&j| self.states[j].clock == self.states[j + 1].clock)
-                })
+                .then(|| (1..last).find(|&j| self.states[j].clock == self.states[j + 1].clock))
                 .flatten()
                 .unwrap_or(1);
             self.engine.merge_at(j - 1);

@@ -20,7 +20,8 @@
 //!   default); `rollback-nocommit` is the same without it, for comparison;
 //!   `rollback-nextcheckpoint` holds it until the checkpoint after its
 //!   own (`recovery.release: "next_checkpoint"`: errors assumed found
-//!   within one interval; a first rollback goes back one checkpoint);
+//!   within one interval; a first rollback goes back one checkpoint),
+//!   with a checkpoint every 5 ms, since its gap is two to four intervals;
 //! * `remote`: service `kv` with its state region (4 MiB) is taken over by
 //!   the standby `spare`, which gets the TAP; `web` restarts as the new
 //!   standby.
@@ -136,8 +137,11 @@ fn web_config(policy: &str, cores: [usize; 2]) -> String {
         "rollback" | "rollback-nocommit" | "rollback-nextcheckpoint" => format!(
             r#"{{"sandboxes": [{{"name": "web", "cores": [{c0}], "workload": {kv}, {net},
                 "detect": {{"heartbeat_cpu_ms": {ROLLBACK_HEARTBEAT_CPU_MS}}},
-                "recovery": {{"policy": "rollback", "checkpoint_interval_ms": 20,
+                "recovery": {{"policy": "rollback", "checkpoint_interval_ms": {},
                               "output_commit": {}{}}}}}]}}"#,
+            // A reply waits one to two intervals, and a rollback undoes one
+            // to two: the gap is two to four intervals.
+            if policy == "rollback-nextcheckpoint" { 5 } else { 20 },
             policy != "rollback-nocommit",
             if policy == "rollback-nextcheckpoint" {
                 r#", "release": "next_checkpoint""#
