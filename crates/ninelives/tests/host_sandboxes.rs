@@ -686,8 +686,10 @@ fn check_each_member_gets_only_its_own_frames(ns: &Netns, sock: &std::path::Path
         assert!(answered > 100, "{ip} answered {answered} of 200: {p}");
         let (l1, n1) = link_now(sock);
         let d1 = tap_tx_dropped(ns);
-        let state = format!("{ip}: link before {l0}, after {l1}; devices before {n0:?}, after {n1:?}");
-        let grew = |a: u64, b: u64| b.checked_sub(a).unwrap_or_else(|| panic!("went back: {state}"));
+        let state =
+            format!("{ip}: link before {l0}, after {l1}; devices before {n0:?}, after {n1:?}");
+        let grew =
+            |a: u64, b: u64| b.checked_sub(a).unwrap_or_else(|| panic!("went back: {state}"));
         let delivered = |l: &Value, m: usize| count(l, &["members", &m.to_string(), "delivered"]);
         let rx = |n: &[Value; 2], m: usize| count(&n[m], &["rx_frames"]);
         let (got, other_got) = (
@@ -779,7 +781,10 @@ fn warm_rejuvenation_carries_a_set_on_a_shared_link() {
         for (ip, ping) in pings {
             let j = ping_report(ping);
             answered += count(&j, &["received"]);
-            assert!(ns.wait_answering_at(ip, Duration::from_secs(30)), "round {round}: {ip} silent");
+            assert!(
+                ns.wait_answering_at(ip, Duration::from_secs(30)),
+                "round {round}: {ip} silent"
+            );
             eprintln!(
                 "link round {round}, {ip}: ping sent {} received {} longest gap {} ms; set \
                  downtime {} ms",

@@ -333,8 +333,8 @@ impl PacketSocket {
     /// is instead.
     pub fn from_inherited(file: File, ifindex: u32) -> Result<Self, String> {
         let fd = file.as_raw_fd();
-        let domain = get_int_option(fd, libc::SO_DOMAIN)
-            .map_err(|e| format!("not a socket ({e})"))?;
+        let domain =
+            get_int_option(fd, libc::SO_DOMAIN).map_err(|e| format!("not a socket ({e})"))?;
         let kind = get_int_option(fd, libc::SO_TYPE).map_err(|e| format!("not a socket ({e})"))?;
         if domain != libc::AF_PACKET || kind != libc::SOCK_RAW {
             return Err(format!(
@@ -348,9 +348,8 @@ impl PacketSocket {
         let mut len = std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t;
         // SAFETY: getsockname writes at most `len` bytes (one `sockaddr_ll`)
         // into `sll`, which has that many, and the length into `len`.
-        let r = unsafe {
-            libc::getsockname(fd, (&mut sll as *mut libc::sockaddr_ll).cast(), &mut len)
-        };
+        let r =
+            unsafe { libc::getsockname(fd, (&mut sll as *mut libc::sockaddr_ll).cast(), &mut len) };
         if r < 0 {
             return Err(format!("cannot read its address: {}", std::io::Error::last_os_error()));
         }
@@ -392,13 +391,7 @@ impl PacketSocket {
         // SAFETY: the kernel writes at most `len` instructions (it refuses a
         // longer program) into `got`, which holds that many.
         let r = unsafe {
-            libc::getsockopt(
-                fd,
-                libc::SOL_SOCKET,
-                SO_GET_FILTER,
-                got.as_mut_ptr().cast(),
-                &mut len,
-            )
+            libc::getsockopt(fd, libc::SOL_SOCKET, SO_GET_FILTER, got.as_mut_ptr().cast(), &mut len)
         };
         if r < 0 {
             return Err(std::io::Error::last_os_error());

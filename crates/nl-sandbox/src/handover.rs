@@ -396,7 +396,10 @@ impl SandboxSet {
                 )));
             }
             let f = st.file().ok_or_else(|| {
-                SandboxError::Resource(format!("service '{}': its state region has no memfd", svc.name))
+                SandboxError::Resource(format!(
+                    "service '{}': its state region has no memfd",
+                    svc.name
+                ))
             })?;
             let ino = Backing::of(f)?.ino;
             fds.push(FdRecord { fd: f.as_raw_fd(), ino });
@@ -620,17 +623,20 @@ impl SandboxSet {
             let port = links.iter().find_map(|l| l.port(&s.name));
             let tap = match (taps.next().flatten(), &port, &vm_cfg.net) {
                 (Some(_), Some(_), _) => {
-                    return bad(format!("sandbox '{}' is on a link but has a TAP of its own", s.name))
+                    return bad(format!(
+                        "sandbox '{}' is on a link but has a TAP of its own",
+                        s.name
+                    ))
                 }
                 (Some(tap), None, _) => Some(tap),
-                (None, Some(p), Some(n)) => Some(
-                    nl_devices::tap::Tap::over_port(p, &n.tap).map_err(|e| {
+                (None, Some(p), Some(n)) => {
+                    Some(nl_devices::tap::Tap::over_port(p, &n.tap).map_err(|e| {
                         SandboxError::Resource(format!(
                             "sandbox '{}': cannot use its port on link TAP {}: {e}",
                             s.name, n.tap
                         ))
-                    })?,
-                ),
+                    })?)
+                }
                 (None, Some(_), None) => {
                     return bad(format!("sandbox '{}' is on a link but its VM has no net", s.name))
                 }
@@ -788,7 +794,10 @@ mod tests {
             (states("nobody", 4 << 20), "mapped in 'nobody'"),
             (states("web", 2 << 20), "is 'echo' (2097152 bytes) in the record"),
             (CarriedStates { version: 9, ..states("web", 4 << 20) }, "version 9"),
-            (CarriedStates { regions: vec![], ..states("web", 4 << 20) }, "1 state regions configured but 0"),
+            (
+                CarriedStates { regions: vec![], ..states("web", 4 << 20) },
+                "1 state regions configured but 0",
+            ),
         ];
         for (st, want) in cases {
             let e = st.check(&c, &[0]).unwrap_err();

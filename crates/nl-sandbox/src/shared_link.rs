@@ -357,7 +357,10 @@ impl SharedLink {
             )));
         }
         if carried.mode != l.mode {
-            return Err(bad(format!("mode {:?} in the record, {:?} configured", carried.mode, l.mode)));
+            return Err(bad(format!(
+                "mode {:?} in the record, {:?} configured",
+                carried.mode, l.mode
+            )));
         }
         let mut members = Vec::new();
         for s in &c.sandboxes {
@@ -381,7 +384,9 @@ impl SharedLink {
             .collect();
         if l.mode == LinkMode::Multicast {
             roles.extend(
-                members.iter().map(|(n, mac)| (format!("'{n}' foreign count"), foreign_filter(*mac))),
+                members
+                    .iter()
+                    .map(|(n, mac)| (format!("'{n}' foreign count"), foreign_filter(*mac))),
             );
         }
         let host = Filter::new().pkttype().require(Cond::Eq(u32::from(packet::PACKET_OUTGOING)));
@@ -630,7 +635,9 @@ mod tests {
                     set.carry_shared(vec![r], Vec::new());
                     let v = serde_json::to_value(set).unwrap();
                     let mut taken = std::collections::BTreeSet::new();
-                    inherit(&v, &mut taken).map(|mut s| s.links.remove(0)).map_err(|e| e.to_string())
+                    inherit(&v, &mut taken)
+                        .map(|mut s| s.links.remove(0))
+                        .map_err(|e| e.to_string())
                 };
                 let adopt = |r: &LinkRecord| {
                     inherited(r).and_then(|i| {

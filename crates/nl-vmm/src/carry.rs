@@ -128,8 +128,7 @@ impl SetRecord {
         }
         let r: Self =
             serde_json::from_value(v.clone()).map_err(|e| bad(format!("corrupt ({e})")))?;
-        if r.version < SET_RECORD_VERSION && (!r.links.is_empty() || !r.state_regions.is_empty())
-        {
+        if r.version < SET_RECORD_VERSION && (!r.links.is_empty() || !r.state_regions.is_empty()) {
             return Err(bad(format!(
                 "shared links or state regions in a version {} record",
                 r.version
@@ -171,8 +170,15 @@ impl SetRecord {
                 return Err(bad(format!("the link on TAP {} has no sockets", l.tap)));
             }
         }
-        let shared = r.links.iter().flat_map(|l| std::iter::once(l.tap_fd).chain(l.sockets.clone()));
-        for fd in r.channels.iter().map(|c| c.fd).chain(shared).chain(r.state_regions.iter().map(|s| s.fd)) {
+        let shared =
+            r.links.iter().flat_map(|l| std::iter::once(l.tap_fd).chain(l.sockets.clone()));
+        for fd in r
+            .channels
+            .iter()
+            .map(|c| c.fd)
+            .chain(shared)
+            .chain(r.state_regions.iter().map(|s| s.fd))
+        {
             if !fds.insert(fd) {
                 return Err(bad(format!("descriptor {fd} used twice")));
             }
@@ -540,11 +546,19 @@ mod tests {
         // A memfd where the TAP should be.
         let (fd, _) = memfd_fd(4096);
         let e = err(shared_only(vec![link(fd, vec![900_001])], vec![]));
-        assert!(e.contains(&format!("link on TAP nltap0: descriptor {fd}: inherited descriptor is not an attached TAP")), "{e}");
+        assert!(
+            e.contains(&format!(
+                "link on TAP nltap0: descriptor {fd}: inherited descriptor is not an attached TAP"
+            )),
+            "{e}"
+        );
         // A state region that is another inode than recorded.
         let (fd, ino) = memfd_fd(2 << 20);
         let e = err(shared_only(vec![], vec![FdRecord { fd, ino: ino + 1 }]));
-        assert!(e.contains(&format!("descriptor {fd} is inode {ino}, the record says {}", ino + 1)), "{e}");
+        assert!(
+            e.contains(&format!("descriptor {fd} is inode {ino}, the record says {}", ino + 1)),
+            "{e}"
+        );
         let e = err(shared_only(vec![], vec![FdRecord { fd: 900_002, ino }]));
         assert!(e.contains("state region descriptor 900002 is not open"), "{e}");
         // The right inode is taken (its size and kind are the front end's
