@@ -1,7 +1,8 @@
 //! Sandbox sets on a running host (`/v1/sandboxes`): created beside an
 //! ordinary VM, listed, inspected while running and after, refused with
 //! the right status when the request is wrong, destroyed, and carried
-//! through a microreset, warm rejuvenations and a microreboot of the host.
+//! through a microreset, warm rejuvenations and a microreboot of the host
+//! (channels, TAPs, services, shared links, state regions).
 
 use crate::common;
 
@@ -605,23 +606,10 @@ fn warm_rejuvenation_carries_a_sandbox_with_its_own_tap() {
     stop_host(&sock, &mut child);
 }
 
-/// A set on a shared link (one TAP, two sandboxes with their own MAC and
-/// address) on a host: the link's packet sockets are opened under the
-/// host's process seccomp filter and read by the devices' receive threads
-/// under the device filter (a syscall outside either would kill the
-/// host), both members
-/// answer at their own address, and a warm rejuvenation, which cannot carry
-/// a link yet, is refused with the reason while the set runs on.
-#[test]
-fn a_host_runs_a_set_on_a_shared_link_and_refuses_to_carry_it() {
-    if !kvm_available() {
-        return;
-    }
-    let Some(ns) = Netns::new("sbxlink") else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("api.sock");
-    let (mut child, _end) = host_in(&ns, &sock);
-    let [c0, c1] = two_cores();
+/// `POST /v1/sandboxes` of set `lan`: a `demux` link on TAP nltap0 (the
+/// namespace's, 10.0.0.1/24) with netbench sandboxes a (10.0.0.2) and b
+/// (10.0.0.3) on it.
+fn link_set_body(c0: usize, c1: usize) -> String {
     let member = |name: &str, core: usize, last: u8| {
         json!({"name": name, "cores": [core], "mem_mib": 48,
                "workload": {"kind": "netbench", "duration_ms": 0},
@@ -630,24 +618,271 @@ fn a_host_runs_a_set_on_a_shared_link_and_refuses_to_carry_it() {
     };
     let set = json!({"links": [{"name": "lan", "tap": "nltap0", "mode": "demux"}],
                      "sandboxes": [member("a", c0, 2), member("b", c1, 3)]});
-    let body = json!({"name": "lan", "set": set, "timeout_secs": 300}).to_string();
-    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&body));
+    json!({"name": "lan", "set": set, "timeout_secs": 600}).to_string()
+}
+
+/// Set `lan`'s link counters and its two sandboxes' device counters now.
+fn link_now(sock: &std::path::Path) -> (Value, [Value; 2]) {
+    let (st, v) = http_json(sock, "GET", "/v1/sandboxes/lan", None);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["state"], "running", "the set ended: {v}");
+    let net = |i: usize| v["sandbox_stats"][i]["net"].clone();
+    (v["link_stats"][0].clone(), [net(0), net(1)])
+}
+
+fn count(v: &Value, path: &[&str]) -> u64 {
+    let mut v = v;
+    for k in path {
+        v = match k.parse::<usize>() {
+            Ok(i) => &v[i],
+            Err(_) => &v[*k],
+        };
+    }
+    v.as_u64().unwrap_or_else(|| panic!("no count at {path:?}"))
+}
+
+/// TAP nltap0's transmit drops (`/proc/net/dev` in namespace `ns`): with
+/// a link's drop-all filter on the TAP, every frame the host sends out of
+/// it counts there (nobody reads the TAP's own queue).
+fn tap_tx_dropped(ns: &Netns) -> u64 {
+    let o = ns.0.command("cat").unwrap().arg("/proc/net/dev").output().unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    let line = text
+        .lines()
+        .find_map(|l| l.trim_start().strip_prefix("nltap0:"))
+        .unwrap_or_else(|| panic!("no nltap0 in {text}"));
+    // Receive: bytes packets errs drop fifo frame compressed multicast;
+    // transmit: bytes packets errs drop ...
+    line.split_whitespace().nth(11).and_then(|n| n.parse().ok()).expect("a drop count")
+}
+
+/// `ninelives ping` of `ip` from namespace `ns` every `interval` for
+/// `secs` seconds: its JSON report.
+fn ping_at(ns: &Netns, ip: &str, interval: &str, secs: &str) -> Value {
+    let c = ns
+        .ninelives(&["ping", "--target", ip, "--interval", interval, "--duration", secs, "--json"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    ping_report(c)
+}
+
+/// Pings each member of set `lan` in turn (every 5 ms for 1 s) and checks
+/// with the link's and the devices' counters that only the member pinged
+/// got the pings: its socket delivered and its device received at least
+/// the pings answered, the other member's under 50 frames (the host's
+/// broadcasts: ARP), no member dropped or was offered a foreign frame
+/// meanwhile; and that the TAP's transmit drops grow by at least the pings
+/// (weak: once the TAP's unread queue is full, tun drops and counts every
+/// frame without the drop-all filter too).
+fn check_each_member_gets_only_its_own_frames(ns: &Netns, sock: &std::path::Path) {
+    for (who, other, ip) in [(0, 1, "10.0.0.2"), (1, 0, "10.0.0.3")] {
+        let (l0, n0) = link_now(sock);
+        let d0 = tap_tx_dropped(ns);
+        let p = ping_at(ns, ip, "5ms", "1");
+        let answered = count(&p, &["received"]);
+        assert!(answered > 100, "{ip} answered {answered} of 200: {p}");
+        let (l1, n1) = link_now(sock);
+        let d1 = tap_tx_dropped(ns);
+        let state =
+            format!("{ip}: link before {l0}, after {l1}; devices before {n0:?}, after {n1:?}");
+        let grew =
+            |a: u64, b: u64| b.checked_sub(a).unwrap_or_else(|| panic!("went back: {state}"));
+        let delivered = |l: &Value, m: usize| count(l, &["members", &m.to_string(), "delivered"]);
+        let rx = |n: &[Value; 2], m: usize| count(&n[m], &["rx_frames"]);
+        let (got, other_got) = (
+            grew(delivered(&l0, who), delivered(&l1, who)),
+            grew(delivered(&l0, other), delivered(&l1, other)),
+        );
+        let (rx_got, rx_other) =
+            (grew(rx(&n0, who), rx(&n1, who)), grew(rx(&n0, other), rx(&n1, other)));
+        assert!(got >= answered && rx_got >= answered, "{state}");
+        assert!(other_got < 50 && rx_other < 50, "the other member got {ip}'s frames: {state}");
+        // No foreign frame and no drop in this window (a member's socket
+        // may have dropped frames before, while its VM was paused for a
+        // handover and its buffer filled).
+        for m in 0..2 {
+            for k in ["foreign", "dropped"] {
+                let n = |l: &Value| count(l, &["members", &m.to_string(), k]);
+                assert_eq!(grew(n(&l0), n(&l1)), 0, "member {m}'s {k}: {state}");
+            }
+        }
+        assert!(grew(count(&l0, &["from_tap"]), count(&l1, &["from_tap"])) >= got, "{state}");
+        assert!(grew(d0, d1) >= answered, "the TAP's queue kept frames ({d0} -> {d1}): {state}");
+    }
+}
+
+/// The link of set `lan` is the one `before` was, with its counters
+/// carried on: the same name, TAP, mode and members (sandbox, MAC), and
+/// at least `sent` more frames from the host (the pings answered since).
+fn check_same_link(before: &Value, after: &Value, sent: u64) {
+    for k in ["name", "tap", "mode"] {
+        assert_eq!(after[k], before[k], "{before} -> {after}");
+    }
+    assert_eq!((after["name"].as_str(), after["mode"].as_str()), (Some("lan"), Some("demux")));
+    for i in 0..2 {
+        for k in ["sandbox", "mac"] {
+            assert_eq!(after["members"][i][k], before["members"][i][k], "{before} -> {after}");
+        }
+    }
+    assert!(
+        count(after, &["from_tap"]) >= count(before, &["from_tap"]) + sent,
+        "the link's counters started over: {before} -> {after} ({sent} pings answered)"
+    );
+}
+
+/// A set on a shared link (one TAP, two sandboxes with their own MAC and
+/// address) created over a host's API is carried by warm rejuvenation:
+/// twice, with a 1 ms ping to each member across each handover, the new
+/// process takes the link over (the TAP's descriptor and the link's packet
+/// sockets, each checked to carry its role's filter) and both members
+/// answer at their own address after each. Before and after, each member
+/// gets only its own frames (the link's and the devices' counters, no
+/// foreign frame, no drop) and the TAP's queue drops what nobody reads;
+/// the set reports the same link, its counters carried on. Prints each
+/// member's longest ping gap per handover. The link's sockets are opened
+/// under the host's process seccomp filter and read by the devices'
+/// receive threads under the device filter (a syscall outside either
+/// would kill the host).
+#[test]
+fn warm_rejuvenation_carries_a_set_on_a_shared_link() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(ns) = Netns::new("sbxlink") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    let (mut child, _end) = host_in(&ns, &sock);
+    let [c0, c1] = two_cores();
+    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&link_set_body(c0, c1)));
     assert_eq!(st, 201, "{v}");
     for ip in ["10.0.0.2", "10.0.0.3"] {
         assert!(ns.wait_answering_at(ip, Duration::from_secs(60)), "{ip} never answered");
     }
-    let (st, r) = http_json(&sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
-    assert_eq!(st, 409, "{r}");
-    let e = r["error"].as_str().unwrap_or_default();
-    assert!(e.contains("shared link 'lan'"), "{r}");
-    let (st, v) = http_json(&sock, "GET", "/v1/sandboxes/lan", None);
-    assert_eq!(st, 200, "{v}");
-    assert_eq!(v["state"], "running", "{v}");
-    for ip in ["10.0.0.2", "10.0.0.3"] {
-        assert!(ns.wait_answering_at(ip, Duration::from_secs(30)), "{ip}: no answer after");
+    check_each_member_gets_only_its_own_frames(&ns, &sock);
+    let (before, _) = link_now(&sock);
+    let mut pid = http_json(&sock, "GET", "/v1/info", None).1["pid"].as_u64().unwrap();
+    let mut answered = 0;
+    for round in 1..=2u64 {
+        let pings = ["10.0.0.2", "10.0.0.3"].map(|ip| (ip, start_ping_at(&ns, ip)));
+        std::thread::sleep(Duration::from_millis(300));
+        let (st, r) = http_json(&sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
+        assert_eq!(st, 200, "{r}");
+        assert_eq!(r["report"]["ok"], true, "round {round}: {r}");
+        assert_eq!(r["report"]["sets"], json!(["lan"]), "{r}");
+        let new_pid = http_json(&sock, "GET", "/v1/info", None).1["pid"].as_u64().unwrap();
+        assert_ne!(new_pid, pid, "round {round}: a new process serves");
+        pid = new_pid;
+        let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
+        assert_eq!(list["sets"][0]["name"], "lan", "{list}");
+        assert_eq!(list["sets"][0]["handovers"], round, "{list}");
+        for (ip, ping) in pings {
+            let j = ping_report(ping);
+            answered += count(&j, &["received"]);
+            assert!(
+                ns.wait_answering_at(ip, Duration::from_secs(30)),
+                "round {round}: {ip} silent"
+            );
+            eprintln!(
+                "link round {round}, {ip}: ping sent {} received {} longest gap {} ms; set \
+                 downtime {} ms",
+                j["sent"], j["received"], j["longest_gap_ms"], r["report"]["sets_downtime_ms"]
+            );
+        }
     }
-    assert!(child.try_wait().unwrap().is_none(), "the host died");
+    let (after, _) = link_now(&sock);
+    check_same_link(&before, &after, answered);
+    check_each_member_gets_only_its_own_frames(&ns, &sock);
     stop_host(&sock, &mut child);
+}
+
+/// A microreboot (a fault in the host's API thread, the process exec'd
+/// afresh in place) carries a set on a shared link the same way: with a
+/// 1 ms ping to each member across it, the fresh process (same pid) takes
+/// the link's TAP and sockets over, both members answer at their own
+/// address, the set reports the same link with its counters carried on,
+/// each member still gets only its own frames, and the recovery line
+/// counts the set.
+#[test]
+fn a_microreboot_carries_a_set_on_a_shared_link() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(ns) = Netns::new("sbxlmr") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    // The connection reading request FAULT_AT faults; requests before it:
+    // the create, the counters, then `info`s.
+    const FAULT_AT: usize = 20;
+    let mut child = ns
+        .ninelives(&["host", "--api", sock.to_str().unwrap(), "--recovery", "microreboot"])
+        .env("NINELIVES_API_FAULT", format!("segv:{FAULT_AT}"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _end = EndHostOnDrop(sock.to_path_buf());
+    wait_for_socket(&sock);
+    let [c0, c1] = two_cores();
+    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&link_set_body(c0, c1)));
+    assert_eq!(st, 201, "{v}");
+    for ip in ["10.0.0.2", "10.0.0.3"] {
+        assert!(ns.wait_answering_at(ip, Duration::from_secs(60)), "{ip} never answered");
+    }
+    let (before, _) = link_now(&sock);
+    let mut sent = 2;
+    let pings = ["10.0.0.2", "10.0.0.3"].map(|ip| (ip, start_ping_at(&ns, ip)));
+    std::thread::sleep(Duration::from_millis(300));
+    pad_requests(&sock, &mut sent, FAULT_AT);
+    let r = nl_vmm::api::request_timeout(&sock, &json!({"op": "info"}), Duration::from_secs(30));
+    assert!(
+        r.is_err() || r.as_ref().unwrap()["ok"] != true,
+        "the faulting request was answered: {r:?}"
+    );
+    let t = Instant::now();
+    loop {
+        let info =
+            nl_vmm::api::request_timeout(&sock, &json!({"op": "info"}), Duration::from_secs(30));
+        if let Ok(v) = info {
+            if v["generation"] == 1 {
+                assert_eq!(v["pid"], child.id(), "{v}");
+                break;
+            }
+        }
+        assert!(child.try_wait().unwrap().is_none(), "the host died");
+        assert!(t.elapsed() < Duration::from_secs(60), "the host did not serve again");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut answered = 0;
+    for (ip, ping) in pings {
+        let j = ping_report(ping);
+        answered += count(&j, &["received"]);
+        assert!(ns.wait_answering_at(ip, Duration::from_secs(30)), "{ip}: no answer after it");
+        eprintln!(
+            "link microreboot, {ip}: ping sent {} received {} longest gap {} ms",
+            j["sent"], j["received"], j["longest_gap_ms"]
+        );
+    }
+    let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
+    assert_eq!(list["sets"][0]["name"], "lan", "{list}");
+    assert_eq!(list["sets"][0]["handovers"], 1, "{list}");
+    let (after, _) = link_now(&sock);
+    check_same_link(&before, &after, answered);
+    check_each_member_gets_only_its_own_frames(&ns, &sock);
+    stop_host(&sock, &mut child);
+    let err = {
+        use std::io::Read;
+        let mut e = String::new();
+        child.stderr.take().unwrap().read_to_string(&mut e).unwrap();
+        e
+    };
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("NINELIVES-RECOVERED "))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(line.contains("\"sets\":1"), "{line}");
 }
 
 /// `POST /v1/sandboxes` of set `svc`: service `echo` with owner `web` (on
@@ -816,6 +1051,102 @@ fn a_microreboot_carries_a_service_set_with_its_tap() {
     assert!(line.contains("\"sets\":1"), "{line}");
 }
 
+/// Reads keys `k0`..`k{n-1}` (and `first`) from the kv service at
+/// 10.0.0.2 in namespace `ns`: each must hold the value written,
+/// `v{i}` (`1`). Returns the keys read.
+fn read_back(ns: &Netns, n: u64, when: &str) -> u64 {
+    ns.0.run_in(|| {
+        let mut c = crate::sandbox_state::Client::new();
+        let first = c.must("GET first", Duration::from_secs(60));
+        assert_eq!(first, "VAL 1", "{when}: first");
+        let mut wrong = Vec::new();
+        for i in 0..n {
+            let r = c.must(&format!("GET k{i}"), Duration::from_secs(30));
+            if r != format!("VAL v{i}") {
+                wrong.push(format!("k{i}: {r}"));
+            }
+        }
+        assert!(wrong.is_empty(), "{when}: {} of {n} keys lost or wrong: {wrong:?}", wrong.len());
+        Ok(n)
+    })
+    .unwrap()
+}
+
+/// Writes `PUT k{i} v{i}` for `i` in `range` to the kv service at
+/// 10.0.0.2 in namespace `ns`, each acknowledged (`OK`) before the next.
+fn write_acked(ns: &Netns, range: std::ops::Range<u64>) {
+    ns.0.run_in(|| {
+        let mut c = crate::sandbox_state::Client::new();
+        for i in range {
+            assert_eq!(c.must(&format!("PUT k{i} v{i}"), Duration::from_secs(30)), "OK", "k{i}");
+        }
+        Ok(())
+    })
+    .unwrap()
+}
+
+/// A kv service with a state region (owner `web` on TAP nltap0, standby
+/// `spare`) is carried by a warm rejuvenation: 200 writes acknowledged
+/// before it are read back after it (the new process maps the same memfd
+/// and gives the slot to the holder's rebuilt VM), then 100 more are
+/// written, and a takeover in the new process (a bad RIP injected into
+/// `web`) moves the region to `spare`, which loads the table and answers
+/// all 301 keys with their values.
+#[test]
+fn warm_rejuvenation_carries_a_state_region_and_a_takeover_keeps_its_writes() {
+    let _one_at_a_time = common::pace_sensitive();
+    if !kvm_available() {
+        return;
+    }
+    let Some(ns) = Netns::new("sbxstate") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    let (mut child, _end) = host_in(&ns, &sock);
+    let [c0, c1] = two_cores();
+    let net = json!({"tap": "nltap0", "mac": "52:54:00:5a:00:02", "ipv4": "10.0.0.2/24"});
+    let kv = json!({"kind": "kv", "duration_ms": 0});
+    let set = json!({"sandboxes": [
+        {"name": "web", "cores": [c0], "mem_mib": 48, "net": net, "workload": kv,
+         "recovery": {"policy": "restart"}},
+        {"name": "spare", "cores": [c1], "mem_mib": 48, "workload": kv,
+         "recovery": {"policy": "restart"}}
+    ], "services": [{"name": "kv", "owner": "web", "standby": "spare", "state": {"mib": 4}}]});
+    let body = json!({"name": "svc", "set": set, "timeout_secs": 600}).to_string();
+    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&body));
+    assert_eq!(st, 201, "{v}");
+    ns.0.run_in(|| {
+        let mut c = crate::sandbox_state::Client::new();
+        assert_eq!(c.must("PUT first 1", Duration::from_secs(60)), "OK");
+        Ok(())
+    })
+    .unwrap();
+    write_acked(&ns, 0..200);
+    let (st, r) = http_json(&sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["report"]["ok"], true, "{r}");
+    assert_eq!(r["report"]["sets"], json!(["svc"]), "{r}");
+    let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
+    assert_eq!(list["sets"][0]["handovers"], 1, "{list}");
+    read_back(&ns, 200, "after the rejuvenation");
+    write_acked(&ns, 200..300);
+    let (holder, standby, takeovers) = service_now(&sock);
+    assert_eq!((holder.as_str(), standby.as_str()), ("web", "spare"));
+    assert!(takeovers.is_empty(), "{takeovers:?}");
+    // A takeover in the new process: the region moves to spare.
+    let fault = json!({"kind": "register", "cpu": 0, "reg": "rip", "bit": 40});
+    let req = json!({"op": "sandbox_inject", "name": "svc", "sandbox": "web", "fault": fault});
+    let r = nl_vmm::api::request_timeout(&sock, &req, Duration::from_secs(30)).unwrap();
+    assert_eq!(r["ok"], true, "{r}");
+    wait_for("the standby to take the service over", Duration::from_secs(60), || {
+        service_now(&sock).0 == "spare"
+    });
+    let (_, _, takeovers) = service_now(&sock);
+    assert_eq!(takeovers.len(), 1, "{takeovers:?}");
+    assert_eq!(takeovers[0]["ok"], true, "{takeovers:?}");
+    read_back(&ns, 300, "after the takeover");
+    stop_host(&sock, &mut child);
+}
+
 /// `ninelives host --api SOCK` in namespace `ns`, listening; the guard
 /// ends whichever process serves `sock` if the test fails midway.
 fn host_in(ns: &Netns, sock: &std::path::Path) -> (std::process::Child, EndHostOnDrop) {
@@ -840,7 +1171,12 @@ fn wait_for_socket(sock: &std::path::Path) {
 /// `ninelives ping` of the sandbox at 10.0.0.2 from namespace `ns`: every
 /// 1 ms for 3 s, its JSON report on stdout.
 fn start_ping(ns: &Netns) -> std::process::Child {
-    ns.ninelives(&["ping", "--target", "10.0.0.2", "--interval", "1ms"])
+    start_ping_at(ns, "10.0.0.2")
+}
+
+/// [`start_ping`] of the sandbox at `ip`.
+fn start_ping_at(ns: &Netns, ip: &str) -> std::process::Child {
+    ns.ninelives(&["ping", "--target", ip, "--interval", "1ms"])
         .args(["--duration", "3", "--json"])
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())

@@ -42,17 +42,18 @@ fn config(policy: &str) -> String {
 
 /// A small kv client: one request at a time, reconnecting after any error
 /// (a takeover resets the connection). Every call is bounded by timeouts.
-struct Client {
+/// (Also used by `host_sandboxes`: a state region carried by a host.)
+pub(crate) struct Client {
     conn: Option<BufReader<TcpStream>>,
 }
 
 impl Client {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Client { conn: None }
     }
 
     /// The response line (without its newline), or None (not answered).
-    fn request(&mut self, line: &str) -> Option<String> {
+    pub(crate) fn request(&mut self, line: &str) -> Option<String> {
         if self.conn.is_none() {
             let s = TcpStream::connect_timeout(&kv_addr(), Duration::from_millis(300)).ok()?;
             s.set_read_timeout(Some(Duration::from_millis(500))).ok()?;
@@ -72,7 +73,7 @@ impl Client {
     }
 
     /// A request retried (bounded) until answered.
-    fn must(&mut self, line: &str, limit: Duration) -> String {
+    pub(crate) fn must(&mut self, line: &str, limit: Duration) -> String {
         let t = Instant::now();
         for _ in 0..10_000 {
             if let Some(r) = self.request(line) {

@@ -34,6 +34,9 @@ pub const PACKET_BROADCAST: u8 = 1;
 pub const PACKET_OTHERHOST: u8 = 3;
 /// `PACKET_STATISTICS` (linux/if_packet.h), at level `SOL_PACKET`.
 const PACKET_STATISTICS: libc::c_int = 6;
+/// `SO_GET_FILTER` (asm-generic/socket.h: the same number as
+/// `SO_ATTACH_FILTER`), read with `getsockopt`.
+const SO_GET_FILTER: libc::c_int = libc::SO_ATTACH_FILTER;
 /// The snap length an accepting filter returns (whole frames).
 const ACCEPT: u32 = 0x4_0000;
 
@@ -321,6 +324,108 @@ impl PacketSocket {
     pub fn raw_fd(&self) -> std::os::fd::RawFd {
         self.0.as_raw_fd()
     }
+
+    /// Takes over a descriptor inherited across exec (a shared link carried
+    /// to a new VMM process) after checking that it is what
+    /// [`PacketSocket::open`] made: an `AF_PACKET` `SOCK_RAW` socket bound
+    /// to interface `ifindex` for every protocol (`ETH_P_ALL`). Made
+    /// non-blocking again (a device reads it so). The message says what it
+    /// is instead.
+    pub fn from_inherited(file: File, ifindex: u32) -> Result<Self, String> {
+        let fd = file.as_raw_fd();
+        let domain =
+            get_int_option(fd, libc::SO_DOMAIN).map_err(|e| format!("not a socket ({e})"))?;
+        let kind = get_int_option(fd, libc::SO_TYPE).map_err(|e| format!("not a socket ({e})"))?;
+        if domain != libc::AF_PACKET || kind != libc::SOCK_RAW {
+            return Err(format!(
+                "not a raw packet socket (domain {domain}, type {kind}; want {}, {})",
+                libc::AF_PACKET,
+                libc::SOCK_RAW
+            ));
+        }
+        // SAFETY: `sockaddr_ll` is plain data; all zeroes is a valid value.
+        let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t;
+        // SAFETY: getsockname writes at most `len` bytes (one `sockaddr_ll`)
+        // into `sll`, which has that many, and the length into `len`.
+        let r =
+            unsafe { libc::getsockname(fd, (&mut sll as *mut libc::sockaddr_ll).cast(), &mut len) };
+        if r < 0 {
+            return Err(format!("cannot read its address: {}", std::io::Error::last_os_error()));
+        }
+        let protocol = u16::from_be(sll.sll_protocol);
+        if sll.sll_family != libc::AF_PACKET as u16
+            || sll.sll_ifindex != ifindex as i32
+            || protocol != libc::ETH_P_ALL as u16
+        {
+            return Err(format!(
+                "bound to interface {} for protocol {protocol:#06x}, not to interface {ifindex} \
+                 for every protocol",
+                sll.sll_ifindex
+            ));
+        }
+        set_nonblocking(fd).map_err(|e| format!("cannot make it non-blocking: {e}"))?;
+        Ok(PacketSocket(file))
+    }
+
+    /// Whether the socket's filter is `filter`, instruction for
+    /// instruction (`SO_GET_FILTER`: the classic program as attached).
+    /// False without a filter.
+    pub fn has_filter(&self, filter: &Filter) -> std::io::Result<bool> {
+        let fd = self.0.as_raw_fd();
+        // The option's length is counted in instructions, not bytes.
+        let mut n: libc::socklen_t = 0;
+        // SAFETY: with a length of 0 the kernel writes no instruction, only
+        // the program's length into `n`.
+        let r = unsafe {
+            libc::getsockopt(fd, libc::SOL_SOCKET, SO_GET_FILTER, std::ptr::null_mut(), &mut n)
+        };
+        if r < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if n as usize != filter.0.len() {
+            return Ok(false);
+        }
+        let mut got = vec![libc::sock_filter { code: 0, jt: 0, jf: 0, k: 0 }; filter.0.len()];
+        let mut len = got.len() as libc::socklen_t;
+        // SAFETY: the kernel writes at most `len` instructions (it refuses a
+        // longer program) into `got`, which holds that many.
+        let r = unsafe {
+            libc::getsockopt(fd, libc::SOL_SOCKET, SO_GET_FILTER, got.as_mut_ptr().cast(), &mut len)
+        };
+        if r < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let same = |a: &libc::sock_filter, b: &libc::sock_filter| {
+            (a.code, a.jt, a.jf, a.k) == (b.code, b.jt, b.jf, b.k)
+        };
+        Ok(len as usize == got.len() && got.iter().zip(&filter.0).all(|(a, b)| same(a, b)))
+    }
+}
+
+/// `getsockopt(fd, SOL_SOCKET, name)` of an option whose value is an `int`.
+fn get_int_option(fd: libc::c_int, name: libc::c_int) -> std::io::Result<libc::c_int> {
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: the kernel writes at most `len` bytes (one `int`) into `v`.
+    let r = unsafe {
+        libc::getsockopt(fd, libc::SOL_SOCKET, name, (&mut v as *mut libc::c_int).cast(), &mut len)
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(v)
+}
+
+/// Sets `O_NONBLOCK` on `fd`'s open file description.
+fn set_nonblocking(fd: libc::c_int) -> std::io::Result<()> {
+    // SAFETY: F_GETFL/F_SETFL only read and write the file status flags of fd.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: as above.
+    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// `setsockopt(fd, SOL_SOCKET, name, value)` for an option whose value is
@@ -397,6 +502,35 @@ mod tests {
         assert!(f.accepts(&frame([0x53, 0x54, 0, 0, 0, 2], 60), 0));
         // Too short to hold a MAC: refused, as the kernel does.
         assert!(!f.accepts(&frame(A, 4), 0));
+    }
+
+    /// An inherited descriptor is taken as a link's socket only if it is a
+    /// raw packet socket bound to the interface named, and its filter is
+    /// read back as attached (on loopback, in the test's namespace; skipped
+    /// without the right to open packet sockets).
+    #[test]
+    fn inherited_packet_sockets_are_checked_and_their_filters_read_back() {
+        let lo = ifindex("lo").expect("loopback");
+        let f = Filter::new().pkttype().require(Cond::Eq(u32::from(PACKET_OUTGOING))).accept();
+        let s = match PacketSocket::open(lo, &f, Some(1)) {
+            Ok(s) => s,
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => return,
+            Err(e) => panic!("{e}"),
+        };
+        let dup = || File::from(s.try_clone_fd().unwrap());
+        let back = PacketSocket::from_inherited(dup(), lo).unwrap();
+        assert!(back.has_filter(&f).unwrap());
+        assert!(!back.has_filter(&Filter::new().drop_all()).unwrap());
+        let other = Filter::new().pkttype().require(Cond::Eq(u32::from(PACKET_HOST))).accept();
+        assert!(!back.has_filter(&other).unwrap(), "same length, another constant");
+        let e = PacketSocket::from_inherited(dup(), lo + 1000).unwrap_err();
+        assert!(e.contains(&format!("not to interface {}", lo + 1000)), "{e}");
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let e = PacketSocket::from_inherited(File::from(OwnedFd::from(udp)), lo).unwrap_err();
+        assert!(e.contains("not a raw packet socket"), "{e}");
+        let file = tempfile::tempfile().unwrap();
+        let e = PacketSocket::from_inherited(file, lo).unwrap_err();
+        assert!(e.contains("not a socket"), "{e}");
     }
 
     #[test]

@@ -29,9 +29,30 @@
 //! (the holder has the TAP, the standby a spare device); the standby's
 //! monitor takes a later takeover in the new process as before.
 //!
+//! A shared link goes with its set (a set record of version 2): the
+//! link's TAP descriptor and every one of its packet sockets cross exec
+//! as they are, still bound to the TAP and filtered, so a frame the host
+//! sends to a member during the pause waits in that member's socket and
+//! nothing is re-opened (re-creating the sockets in the new process would
+//! lose what the old ones held, and open a moment in which a frame reaches
+//! neither). The new process checks the TAP's interface, that every socket
+//! is a raw packet socket bound to it, and that each carries exactly the
+//! filter of its role ([`crate::shared_link::SharedLink::adopt`]: a
+//! member's socket swapped with another's is refused), attaches the TAP's
+//! drop-all filter again, and puts each member's port behind its rebuilt
+//! VM's spare device before it runs. The link's counters so far are in
+//! the record ([`CarriedLinks`]); the old process, whose set stays
+//! suspended, never takes the TAP's filter off.
+//!
+//! A service's state region goes the same way: its memfd (checked by inode,
+//! to be a memfd, and of the configured size), and which sandbox has its
+//! slot ([`CarriedStates`]: it must be the service's holder in the carried
+//! registry). The new process maps the same memfd and gives the slot to
+//! that sandbox's rebuilt VM before it runs; the standby still has none,
+//! and a later takeover moves it as before.
+//!
 //! Not carried: sandboxes under `rollback` (their checkpoint supervisor
-//! lives in the old process), services with a state region (its memfd and
-//! slot are not in the record yet), a set while a takeover is half done
+//! lives in the old process), a set while a takeover is half done
 //! (refused: try again), and sets in which some sandbox has already ended;
 //! a doorbell rung during the pause is not replayed (the receivers poll
 //! their rings as well).
@@ -65,6 +86,94 @@ pub struct CarriedSandboxes {
     /// such a record of a set with services is refused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub services: Option<CarriedRegistry>,
+    /// The shared links' counters, for a set with `links` (their
+    /// descriptors are in the set record's `links`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub links: Option<CarriedLinks>,
+    /// Who has each state region's slot, for a set whose services have
+    /// state regions (their memfds are in the set record's
+    /// `state_regions`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub states: Option<CarriedStates>,
+}
+
+/// The version of [`CarriedLinks`] and [`CarriedStates`] this binary
+/// writes and reads.
+pub const SHARED_VERSION: u32 = 1;
+
+/// A set's shared links in a handover record: per link (in configuration
+/// order) its counters so far.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CarriedLinks {
+    pub version: u32,
+    pub links: Vec<crate::shared_link::LinkReport>,
+}
+
+/// One service's state region in a handover record.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CarriedState {
+    pub service: String,
+    pub bytes: u64,
+    /// The sandbox whose VM has the region's slot (the service's holder).
+    pub mapped_in: String,
+}
+
+/// A set's state regions in a handover record, in the order of the
+/// services that have one.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CarriedStates {
+    pub version: u32,
+    pub regions: Vec<CarriedState>,
+}
+
+impl CarriedStates {
+    /// Checks the regions against the configuration and the carried
+    /// registry (`holders`: each service's holder by sandbox index, in
+    /// service order): the version; one entry per service with a state
+    /// region, by name and in order, with its configured size; its slot in
+    /// the service's holder. Returns each region's (service index, bytes,
+    /// sandbox with the slot).
+    pub fn check(
+        &self,
+        config: &SetConfig,
+        holders: &[usize],
+    ) -> Result<Vec<(usize, u64, usize)>, String> {
+        if self.version != SHARED_VERSION {
+            return Err(format!(
+                "state regions version {}; this binary reads version {SHARED_VERSION}",
+                self.version
+            ));
+        }
+        let with: Vec<(usize, &crate::config::ServiceConfig)> =
+            config.services.iter().enumerate().filter(|(_, v)| v.state.is_some()).collect();
+        if with.len() != self.regions.len() {
+            return Err(format!(
+                "{} state regions configured but {} in the record",
+                with.len(),
+                self.regions.len()
+            ));
+        }
+        let mut out = Vec::new();
+        for ((k, v), r) in with.into_iter().zip(&self.regions) {
+            let bytes = v.state.map_or(0, |st| st.mib << 20);
+            if r.service != v.name || r.bytes != bytes {
+                return Err(format!(
+                    "state region of service '{}' ({} bytes) is '{}' ({} bytes) in the record",
+                    v.name, bytes, r.service, r.bytes
+                ));
+            }
+            let at = config.sandboxes.iter().position(|s| s.name == r.mapped_in);
+            let holder = holders.get(k).copied();
+            if at.is_none() || at != holder {
+                return Err(format!(
+                    "state region of service '{}' is mapped in '{}', not in its holder",
+                    v.name, r.mapped_in
+                ));
+            }
+            out.push((k, bytes, holder.unwrap_or_default()));
+        }
+        Ok(out)
+    }
 }
 
 /// The version of [`CarriedRegistry`] this binary writes and reads.
@@ -141,18 +250,6 @@ impl CarriedRegistry {
 impl SandboxSet {
     /// Why this set cannot be carried to a new process now, if it cannot.
     pub fn carry_blocker(&self) -> Option<String> {
-        if let Some(l) = self.config.links.first() {
-            return Some(format!(
-                "shared link '{}' (its TAP and ports) is not passed to a new process yet",
-                l.name
-            ));
-        }
-        if let Some(svc) = self.config.services.iter().find(|v| v.state.is_some()) {
-            return Some(format!(
-                "service '{}' has a state region, which is not passed to a new process yet",
-                svc.name
-            ));
-        }
         if let Some(sb) = self.sandboxes.iter().find(|sb| sb.monitor.handover_pending()) {
             return Some(format!(
                 "a takeover by sandbox '{}' is in progress; try again",
@@ -198,6 +295,11 @@ impl SandboxSet {
         for vm in &vms {
             vm.pause();
         }
+        // From now on the set may live on in a new process over the same
+        // TAPs: its links here never take a TAP's drop-all filter off.
+        for l in &self.links {
+            l.set_armed(false);
+        }
         let r = self.describe(name, &vms, paused_at_ns, extra);
         if r.is_err() {
             self.resume_after_handover();
@@ -225,8 +327,11 @@ impl SandboxSet {
             rec.memory = MemorySource::Memfd { fd, ino };
             rec.state = Some(String::from_utf8(state.to_bytes()).expect("JSON is UTF-8"));
             rec.paused_at_ns = paused_at_ns;
-            // The TAP stays attached: frames queued meanwhile survive.
-            rec.tap_fd = vm.tap_fd();
+            // The TAP stays attached: frames queued meanwhile survive. A
+            // link member's device is over its port (a socket of the link,
+            // carried with the link's).
+            let on_link = sb.config.net.as_ref().is_some_and(|n| n.link.is_some());
+            rec.tap_fd = if on_link { None } else { vm.tap_fd() };
             records.push(rec);
             violations.push(sb.monitor.violation_state());
         }
@@ -257,16 +362,64 @@ impl SandboxSet {
             reg.check(&self.config, &has_tap).map_err(SandboxError::Resource)?;
             Some(reg)
         };
-        let carried = CarriedSandboxes { config: self.config.clone(), violations, services };
+        let (link_records, link_counts): (Vec<_>, Vec<_>) =
+            self.links.iter().map(|l| l.carried()).unzip();
+        let links = (!self.links.is_empty())
+            .then_some(CarriedLinks { version: SHARED_VERSION, links: link_counts });
+        let (state_records, states) = self.carried_states()?;
+        let carried =
+            CarriedSandboxes { config: self.config.clone(), violations, services, links, states };
         let config = serde_json::json!({"sandboxes": carried, "frontend": extra});
         let mut r = SetRecord::new(name, config);
         r.vms = records;
         r.channels = channels;
+        r.carry_shared(link_records, state_records);
         Ok(r)
     }
 
-    /// The handover did not happen: every sandbox runs on here.
+    /// The state regions' memfds and who has each one's slot (its holder:
+    /// anything else is a takeover or restart in progress, refused).
+    fn carried_states(&self) -> Result<(Vec<FdRecord>, Option<CarriedStates>), SandboxError> {
+        use std::os::fd::AsRawFd;
+        let names: Vec<String> = self.sandboxes.iter().map(|s| s.config.name.clone()).collect();
+        let holders = self.services.report(&names);
+        let mut fds = Vec::new();
+        let mut regions = Vec::new();
+        for (svc, h) in self.services.services.iter().zip(&holders) {
+            let Some(st) = &svc.state else { continue };
+            let mapped = st.mapped_in().and_then(|i| names.get(i));
+            if mapped != Some(&h.holder) {
+                return Err(SandboxError::Resource(format!(
+                    "service '{}': its state region is not mapped in its holder '{}' now (a \
+                     takeover or restart in progress); try again",
+                    svc.name, h.holder
+                )));
+            }
+            let f = st.file().ok_or_else(|| {
+                SandboxError::Resource(format!(
+                    "service '{}': its state region has no memfd",
+                    svc.name
+                ))
+            })?;
+            let ino = Backing::of(f)?.ino;
+            fds.push(FdRecord { fd: f.as_raw_fd(), ino });
+            regions.push(CarriedState {
+                service: svc.name.clone(),
+                bytes: st.bytes,
+                mapped_in: h.holder.clone(),
+            });
+        }
+        let states =
+            (!regions.is_empty()).then_some(CarriedStates { version: SHARED_VERSION, regions });
+        Ok((fds, states))
+    }
+
+    /// The handover did not happen: every sandbox runs on here (and its
+    /// links own their TAPs' filters again).
     pub fn resume_after_handover(&self) {
+        for l in &self.links {
+            l.set_armed(true);
+        }
         for sb in &self.sandboxes {
             sb.vm().resume();
         }
@@ -282,7 +435,15 @@ impl SandboxSet {
         carried: CarriedSandboxes,
         images: &Images,
     ) -> Result<Self, SandboxError> {
-        let InheritedSet { record, memories, states, taps, channels: files } = set;
+        let InheritedSet {
+            record,
+            memories,
+            states,
+            taps,
+            channels: files,
+            links: inherited_links,
+            state_regions,
+        } = set;
         let config = carried.config;
         let bad = |m: String| Err(SandboxError::Config(format!("carried set: {m}")));
         config.validate(affinity::host_cores()?.len())?;
@@ -307,6 +468,57 @@ impl SandboxSet {
                 config.channels.len(),
                 files.len()
             ));
+        }
+        // Shared links: their descriptors and counters.
+        if inherited_links.len() != config.links.len() {
+            return bad(format!(
+                "{} shared links configured but {} in the record",
+                config.links.len(),
+                inherited_links.len()
+            ));
+        }
+        let link_counts = match (&carried.links, config.links.is_empty()) {
+            (None, true) => Vec::new(),
+            (None, false) => return bad("its shared links have no counters in the record".into()),
+            (Some(c), _) if c.version != SHARED_VERSION => {
+                return bad(format!(
+                    "links version {}; this binary reads version {SHARED_VERSION}",
+                    c.version
+                ))
+            }
+            (Some(c), _) if c.links.len() != config.links.len() => {
+                return bad(format!(
+                    "{} shared links configured but {} counted in the record",
+                    config.links.len(),
+                    c.links.len()
+                ))
+            }
+            (Some(c), _) => c.links.clone(),
+        };
+        // State regions: which service, its size, who has its slot.
+        let holders: Vec<usize> = registry.iter().map(|r| r.0).collect();
+        let with_state = config.services.iter().any(|v| v.state.is_some());
+        let plan = match (&carried.states, with_state) {
+            (None, false) => Vec::new(),
+            (None, true) => return bad("its state regions are not in the record".into()),
+            (Some(c), _) => c.check(&config, &holders).map_err(|e| {
+                SandboxError::Config(format!("carried set: state regions refused: {e}"))
+            })?,
+        };
+        if state_regions.len() != plan.len() {
+            return bad(format!(
+                "{} state regions but {} state-region memfds",
+                plan.len(),
+                state_regions.len()
+            ));
+        }
+        let mut regions: Vec<Option<Arc<crate::state::StateRegion>>> =
+            vec![None; config.services.len()];
+        let mut slots = Vec::new();
+        for (&(k, bytes, holder), f) in plan.iter().zip(state_regions) {
+            let st = crate::state::StateRegion::over_file(&config.services[k].name, f, bytes)?;
+            regions[k] = Some(Arc::new(st));
+            slots.push((k, holder));
         }
         let kvm = nl_vmm::open_kvm()
             .map_err(|e| SandboxError::Resource(format!("cannot open /dev/kvm: {e}")))?;
@@ -347,7 +559,21 @@ impl SandboxSet {
                 channel: None,
                 what: "RAM".into(),
             });
-            let windows = channel_windows(&config, &channels, i, &s.name, &mut mappings);
+            let mut windows = channel_windows(&config, &channels, i, &s.name, &mut mappings);
+            // A state region: in the owner's and the standby's windows (as
+            // at creation), a slot (an audited mapping) in its holder's.
+            for (v, st) in config.services.iter().zip(&regions) {
+                let Some(st) = st else { continue };
+                if v.owner == s.name || v.standby == s.name {
+                    windows.state = Some(st.window());
+                    windows.keep.push(st.keepalive());
+                }
+            }
+            for &(k, holder) in &slots {
+                if let (true, Some(st)) = (holder == i, &regions[k]) {
+                    mappings.push(st.mapping(i));
+                }
+            }
             plans.push((memory, windows, backing));
         }
         let names: Vec<String> = config.sandboxes.iter().map(|s| s.name.clone()).collect();
@@ -356,6 +582,12 @@ impl SandboxSet {
         // regular files, still reachable from one sandbox only, and none of
         // them any sandbox's memory in this process.
         crate::disk::open_all(&config, &mappings)?;
+        // The links over their inherited TAPs and sockets, each socket's
+        // filter checked, before any member's VM exists.
+        let mut links = Vec::new();
+        for ((l, inherited), counts) in config.links.iter().zip(inherited_links).zip(&link_counts) {
+            links.push(crate::shared_link::SharedLink::adopt(&config, l, inherited, counts)?);
+        }
         let vm_images =
             nl_vmm::handover::Images { kernel: images.kernel.clone(), user: images.user.clone() };
         let mut sandboxes = Vec::new();
@@ -387,7 +619,30 @@ impl SandboxSet {
                 windows.clone(),
             )
             .map_err(|e| SandboxError::Vm(s.name.clone(), format!("restore: {e}")))?;
-            if let Some(tap) = taps.next().flatten() {
+            // A link member's device goes over its port on the link.
+            let port = links.iter().find_map(|l| l.port(&s.name));
+            let tap = match (taps.next().flatten(), &port, &vm_cfg.net) {
+                (Some(_), Some(_), _) => {
+                    return bad(format!(
+                        "sandbox '{}' is on a link but has a TAP of its own",
+                        s.name
+                    ))
+                }
+                (Some(tap), None, _) => Some(tap),
+                (None, Some(p), Some(n)) => {
+                    Some(nl_devices::tap::Tap::over_port(p, &n.tap).map_err(|e| {
+                        SandboxError::Resource(format!(
+                            "sandbox '{}': cannot use its port on link TAP {}: {e}",
+                            s.name, n.tap
+                        ))
+                    })?)
+                }
+                (None, Some(_), None) => {
+                    return bad(format!("sandbox '{}' is on a link but its VM has no net", s.name))
+                }
+                (None, None, _) => None,
+            };
+            if let Some(tap) = tap {
                 if vm.attach_tap(tap).is_err() {
                     return bad(format!("sandbox '{}' has a TAP but no net device", s.name));
                 }
@@ -395,15 +650,22 @@ impl SandboxSet {
                 // peer that lost its entry learns it again.
                 vm.announce();
             }
+            // The state region it holds: its slot before it runs.
+            for &(k, holder) in &slots {
+                if let (true, Some(st)) = (holder == i, &regions[k]) {
+                    st.map_into(i, &vm)?;
+                }
+            }
             // A restart builds from the configured workload (the carried VM
-            // may run a `replace` workload).
+            // may run a `replace` workload), on the same port.
             let workload = s.workload.params().map_err(SandboxError::Config)?;
+            let net = vm_cfg.net.clone().map(|n| nl_vmm::NetConfig { port: port.clone(), ..n });
             sandboxes.push(Sandbox {
                 index: i,
                 config: s.clone(),
                 vm: Lock::new("sandbox.vm", Arc::new(vm)),
                 monitor,
-                vm_config: nl_vmm::VmConfig { workload, ..vm_cfg },
+                vm_config: nl_vmm::VmConfig { workload, net, ..vm_cfg },
                 windows,
                 ram_backing,
                 script: Lock::new("sandbox.script", Vec::new()),
@@ -411,7 +673,7 @@ impl SandboxSet {
             });
         }
         let budgets = Lock::new("sandbox.budgets", sandboxes.iter().map(|_| None).collect());
-        let services = crate::service::Registry::new(&config);
+        let services = crate::service::Registry::with_states(&config, regions);
         services.restore_carried(&registry);
         Ok(Self {
             config,
@@ -423,19 +685,23 @@ impl SandboxSet {
             stop: AtomicBool::new(false),
             budgets,
             services,
-            // Refused by `carry_blocker`: a carried set has no link.
-            links: Vec::new(),
+            links,
         })
     }
 
     /// Starts the sandboxes of a carried set: pinned to their cores, their
-    /// budgets applied again. On error every sandbox is stopped.
+    /// budgets applied again; then its links are this process's (armed:
+    /// dropped, they take their TAPs' drop-all filter off). On error every
+    /// sandbox is stopped.
     pub fn start_carried(&self) -> Result<(), SandboxError> {
         for sb in &self.sandboxes {
             if let Err(e) = self.start_vm(sb) {
                 self.stop_all();
                 return Err(e);
             }
+        }
+        for l in &self.links {
+            l.set_armed(true);
         }
         Ok(())
     }
@@ -497,5 +763,48 @@ mod tests {
         let mut r = registry("web", "spare");
         r.services[0].name = "other".into();
         assert!(r.check(&c, &[true, false]).unwrap_err().contains("is 'other' in the registry"));
+    }
+
+    fn with_state() -> SetConfig {
+        let mut c = config();
+        c.services[0].state = Some(serde_json::from_value(serde_json::json!({"mib": 4})).unwrap());
+        c
+    }
+
+    fn states(mapped_in: &str, bytes: u64) -> CarriedStates {
+        CarriedStates {
+            version: SHARED_VERSION,
+            regions: vec![CarriedState {
+                service: "echo".into(),
+                bytes,
+                mapped_in: mapped_in.into(),
+            }],
+        }
+    }
+
+    #[test]
+    fn carried_state_regions_are_checked_against_the_configuration_and_the_holders() {
+        let c = with_state();
+        // Holder web (sandbox 0): the slot is in web's VM.
+        assert_eq!(states("web", 4 << 20).check(&c, &[0]).unwrap(), vec![(0, 4 << 20, 0)]);
+        // After a takeover spare holds the service, and the slot.
+        assert_eq!(states("spare", 4 << 20).check(&c, &[1]).unwrap(), vec![(0, 4 << 20, 1)]);
+        let cases = [
+            (states("spare", 4 << 20), "mapped in 'spare', not in its holder"),
+            (states("nobody", 4 << 20), "mapped in 'nobody'"),
+            (states("web", 2 << 20), "is 'echo' (2097152 bytes) in the record"),
+            (CarriedStates { version: 9, ..states("web", 4 << 20) }, "version 9"),
+            (
+                CarriedStates { regions: vec![], ..states("web", 4 << 20) },
+                "1 state regions configured but 0",
+            ),
+        ];
+        for (st, want) in cases {
+            let e = st.check(&c, &[0]).unwrap_err();
+            assert!(e.contains(want), "{e}");
+        }
+        // A service without a state region has no entry.
+        let e = states("web", 4 << 20).check(&config(), &[0]).unwrap_err();
+        assert!(e.contains("0 state regions configured but 1"), "{e}");
     }
 }

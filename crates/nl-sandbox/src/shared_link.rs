@@ -30,15 +30,25 @@
 //! which hold a frame or two and count the rest as dropped. The link
 //! lives as long as the set; a restarted sandbox keeps its port (the TAP
 //! stand-in moves from the old VM to the new one, as a TAP of its own
-//! does). A set with a link is not carried across a rejuvenation or a
-//! microreboot.
+//! does).
+//!
+//! A warm rejuvenation or a microreboot carries the link: the TAP's
+//! descriptor and every socket of the link (members' and count-only) cross
+//! exec as they are ([`SharedLink::carried`]), still bound and filtered, so
+//! frames the host sends during the pause wait in the members' sockets
+//! and the counters go on; the new process checks each inherited socket's
+//! filter against the one its role needs ([`SharedLink::adopt`]) and
+//! attaches the TAP's drop-all filter again before any member runs. A link
+//! whose set is handed over never takes that filter off: only a link that
+//! runs in its process (armed) does when it is dropped.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use nl_devices::packet::{self, Cond, Filter, PacketSocket};
 use nl_devices::tap::{Port, Tap};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::config::{LinkConfig, LinkMode, SetConfig};
 use crate::SandboxError;
@@ -161,7 +171,7 @@ struct Totals {
 }
 
 /// One member's share of a link's counters.
-#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct MemberReport {
     pub sandbox: String,
     pub mac: String,
@@ -174,8 +184,9 @@ pub struct MemberReport {
     pub dropped: u64,
 }
 
-/// A link's counters.
-#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+/// A link's counters (also what a handover record carries of a link
+/// besides its descriptors).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct LinkReport {
     pub name: String,
     pub tap: String,
@@ -208,13 +219,20 @@ pub struct SharedLink {
     unknown: PacketSocket,
     /// Link totals (from the host, unknown) and the members', in order.
     totals: Mutex<((u64, u64), Vec<Totals>)>,
+    /// Whether dropping the link takes the TAP's drop-all filter off: only
+    /// while the link runs in this process, never once its set was handed
+    /// to a new process (which uses the same TAP) nor before a carried
+    /// link has started here (the old process may still take it back).
+    armed: AtomicBool,
 }
 
 impl Drop for SharedLink {
     fn drop(&mut self) {
         // Clears tun's record of the filter, which it may attach again to
         // the next descriptor of a persistent TAP (`keep_host_frames`).
-        self.tap.keep_host_frames();
+        if self.armed.load(Ordering::SeqCst) {
+            self.tap.keep_host_frames();
+        }
     }
 }
 
@@ -269,7 +287,170 @@ impl SharedLink {
         let unknown =
             sock("unknown count", &unknown_filter(l.mode, &macs), Some(COUNT_ONLY_RCVBUF))?;
         let totals = Mutex::new(((0, 0), members.iter().map(|_| Totals::default()).collect()));
-        Ok(SharedLink { config: l.clone(), tap, members, from_tap, unknown, totals })
+        Ok(SharedLink {
+            config: l.clone(),
+            tap,
+            members,
+            from_tap,
+            unknown,
+            totals,
+            armed: AtomicBool::new(true),
+        })
+    }
+
+    /// Every socket of the link in the order a handover record lists them:
+    /// the members' (in configuration order), in `multicast` mode the
+    /// members' foreign counters, then the host count and the unknown
+    /// count.
+    fn sockets(&self) -> Vec<&PacketSocket> {
+        let rx = self.members.iter().map(|m| &m.rx);
+        let foreign = self.members.iter().filter_map(|m| m.foreign.as_ref());
+        rx.chain(foreign).chain([&self.from_tap, &self.unknown]).collect()
+    }
+
+    /// What a handover record holds of the link: the TAP's and every
+    /// socket's descriptor (they stay open here), and its counters so far
+    /// (read from the kernel now; what the sockets count from here on
+    /// moves with them).
+    pub fn carried(&self) -> (nl_vmm::carry::LinkRecord, LinkReport) {
+        let rec = nl_vmm::carry::LinkRecord {
+            tap: self.config.tap.clone(),
+            tap_fd: self.tap.raw_fd(),
+            sockets: self.sockets().iter().map(|s| s.raw_fd()).collect(),
+        };
+        (rec, self.report())
+    }
+
+    /// Whether dropping the link takes the TAP's drop-all filter off (see
+    /// [`SharedLink::adopt`]): off while its set is suspended for a
+    /// handover and after, on again if the handover fails or once a
+    /// carried link runs.
+    pub fn set_armed(&self, on: bool) {
+        self.armed.store(on, Ordering::SeqCst);
+    }
+
+    /// Link `l` of set `c` over what a new process inherited: the TAP (its
+    /// interface checked to be the link's), every socket in the order of
+    /// [`SharedLink::carried`], each checked to carry exactly the filter
+    /// its role needs (a socket of another member, a count-only one or one
+    /// without a filter is refused), and the counters so far. The TAP's
+    /// drop-all filter is attached again (the same program, replacing the
+    /// one the kernel kept: no moment without one). Not armed: dropping it
+    /// before [`SharedLink::set_armed`] leaves the TAP as it is, for the old
+    /// process that may take the set back.
+    pub fn adopt(
+        c: &SetConfig,
+        l: &LinkConfig,
+        inherited: nl_vmm::carry::InheritedLink,
+        carried: &LinkReport,
+    ) -> Result<SharedLink, SandboxError> {
+        let bad = |m: String| SandboxError::Config(format!("carried link '{}': {m}", l.name));
+        let nl_vmm::carry::InheritedLink { tap, sockets } = inherited;
+        if tap.name() != l.tap || carried.name != l.name || carried.tap != l.tap {
+            return Err(bad(format!(
+                "the record's link '{}' on TAP {} (descriptor on {}) is not the configured one \
+                 on TAP {}",
+                carried.name,
+                carried.tap,
+                tap.name(),
+                l.tap
+            )));
+        }
+        if carried.mode != l.mode {
+            return Err(bad(format!(
+                "mode {:?} in the record, {:?} configured",
+                carried.mode, l.mode
+            )));
+        }
+        let mut members = Vec::new();
+        for s in &c.sandboxes {
+            let Some(n) = s.net.as_ref().filter(|n| n.link.as_ref() == Some(&l.name)) else {
+                continue;
+            };
+            members.push((s.name.clone(), crate::net::parse_mac(&n.mac).map_err(bad)?));
+        }
+        let named: Vec<&str> = carried.members.iter().map(|m| m.sandbox.as_str()).collect();
+        if named != members.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>() {
+            return Err(bad(format!(
+                "members {named:?} in the record, {:?} configured",
+                members.iter().map(|(n, _)| n).collect::<Vec<_>>()
+            )));
+        }
+        // Each socket's role and the filter it must carry, in record order.
+        let macs: Vec<[u8; 6]> = members.iter().map(|m| m.1).collect();
+        let mut roles: Vec<(String, Filter)> = members
+            .iter()
+            .map(|(n, mac)| (format!("member '{n}'"), member_filter(l.mode, *mac)))
+            .collect();
+        if l.mode == LinkMode::Multicast {
+            roles.extend(
+                members
+                    .iter()
+                    .map(|(n, mac)| (format!("'{n}' foreign count"), foreign_filter(*mac))),
+            );
+        }
+        let host = Filter::new().pkttype().require(Cond::Eq(u32::from(packet::PACKET_OUTGOING)));
+        roles.push(("host count".into(), host.accept()));
+        roles.push(("unknown count".into(), unknown_filter(l.mode, &macs)));
+        if sockets.len() != roles.len() {
+            return Err(bad(format!(
+                "{} sockets in the record, the link has {}",
+                sockets.len(),
+                roles.len()
+            )));
+        }
+        for (i, (sock, (role, filter))) in sockets.iter().zip(&roles).enumerate() {
+            match sock.has_filter(filter) {
+                Ok(true) => {}
+                Ok(false) => {
+                    return Err(bad(format!(
+                        "socket {i} (descriptor {}) does not carry the {role}'s filter",
+                        sock.raw_fd()
+                    )))
+                }
+                Err(e) => {
+                    return Err(bad(format!(
+                        "socket {i} (descriptor {}): cannot read its filter: {e}",
+                        sock.raw_fd()
+                    )))
+                }
+            }
+        }
+        // The frames nobody reads from the TAP's queue stay dropped (the
+        // kernel kept the filter with the TAP; attached again all the same).
+        tap.drop_host_frames().map_err(bad)?;
+        let mut sockets = sockets.into_iter();
+        let mut out = Vec::new();
+        for (name, mac) in &members {
+            let rx = sockets.next().expect("counted above");
+            let port = Port::new(
+                rx.try_clone_fd().map_err(|e| bad(format!("cannot share a socket: {e}")))?,
+                tap.try_clone_file().map_err(|e| bad(format!("cannot share the TAP: {e}")))?,
+            );
+            out.push(Member { sandbox: name.clone(), mac: *mac, port, rx, foreign: None });
+        }
+        if l.mode == LinkMode::Multicast {
+            for m in &mut out {
+                m.foreign = sockets.next();
+            }
+        }
+        let (Some(from_tap), Some(unknown)) = (sockets.next(), sockets.next()) else {
+            unreachable!("counted above");
+        };
+        let totals = carried
+            .members
+            .iter()
+            .map(|m| Totals { delivered: m.delivered, foreign: m.foreign, dropped: m.dropped })
+            .collect();
+        Ok(SharedLink {
+            config: l.clone(),
+            tap,
+            members: out,
+            from_tap,
+            unknown,
+            totals: Mutex::new(((carried.from_tap, carried.unknown), totals)),
+            armed: AtomicBool::new(false),
+        })
     }
 
     /// Sandbox `name`'s port on the link.
@@ -409,6 +590,106 @@ mod tests {
         assert_eq!((a.tap.as_str(), a.host_ip, a.spare), ("nltap0", None, false));
         let demux = set(r#"{"name": "lan", "tap": "nltap0"}"#, A_NET, B_NET);
         assert_eq!(SetConfig::parse(&demux).unwrap().links[0].mode, Demux);
+    }
+
+    /// Runs `f` on a thread of its own in a fresh network namespace (what
+    /// it creates there goes with the namespace); None without the right
+    /// to make one.
+    fn in_own_netns<T: Send>(f: impl FnOnce() -> T + Send) -> Option<T> {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).ok()?;
+                Some(f())
+            })
+            .join()
+            .expect("the namespace's thread")
+        })
+    }
+
+    /// A link carried to a new process is taken over only with its own
+    /// sockets in their places: each checked to be a packet socket bound
+    /// to the link's TAP and to carry the filter of its role. Both modes,
+    /// on a TAP in a namespace of the test's own.
+    #[test]
+    fn a_carried_link_is_adopted_only_with_each_socket_in_its_place() {
+        use nl_devices::packet::{ifindex, PacketSocket};
+        use nl_vmm::carry::{inherit, InheritedLink, LinkRecord, SetRecord};
+        for mode in ["demux", "multicast"] {
+            let ran = in_own_netns(|| {
+                let lan = format!(r#"{{"name": "lan", "tap": "nlcarry0", "mode": "{mode}"}}"#);
+                let c = SetConfig::parse(&set(&lan, A_NET, B_NET)).unwrap();
+                let link = super::SharedLink::open(&c, &c.links[0]).expect("the link");
+                let (rec, counts) = link.carried();
+                let roles = if mode == "demux" { 4 } else { 6 };
+                assert_eq!(rec.sockets.len(), roles, "{mode}: members, foreign, host, unknown");
+                // What a new process inherits: the same sockets under other
+                // descriptor numbers.
+                let inherited = |r: &LinkRecord| -> Result<InheritedLink, String> {
+                    let dup = |fd: i32| nix::unistd::dup(fd).expect("dup");
+                    let r = LinkRecord {
+                        tap: r.tap.clone(),
+                        tap_fd: dup(r.tap_fd),
+                        sockets: r.sockets.iter().map(|&f| dup(f)).collect(),
+                    };
+                    let mut set = SetRecord::new("s", serde_json::json!({}));
+                    set.carry_shared(vec![r], Vec::new());
+                    let v = serde_json::to_value(set).unwrap();
+                    let mut taken = std::collections::BTreeSet::new();
+                    inherit(&v, &mut taken)
+                        .map(|mut s| s.links.remove(0))
+                        .map_err(|e| e.to_string())
+                };
+                let adopt = |r: &LinkRecord| {
+                    inherited(r).and_then(|i| {
+                        super::SharedLink::adopt(&c, &c.links[0], i, &counts)
+                            .map_err(|e| e.to_string())
+                    })
+                };
+                let back = adopt(&rec).unwrap_or_else(|e| panic!("{mode}: {e}"));
+                assert!(back.port("a").is_some() && back.port("b").is_some());
+                assert_eq!(back.report().members.len(), 2);
+                drop(back);
+                let refused = |r: LinkRecord, want: &str| {
+                    let e = adopt(&r).err().unwrap_or_else(|| panic!("{mode}: accepted {r:?}"));
+                    assert!(e.contains(want), "{mode}: {e}");
+                };
+                // Two members' sockets swapped (in `multicast` mode their
+                // filters are one program, every frame for every member:
+                // interchangeable, so taken); a count-only socket in a
+                // member's place; one missing.
+                let mut r = rec.clone();
+                r.sockets.swap(0, 1);
+                if mode == "demux" {
+                    refused(r, "socket 0 (descriptor");
+                } else {
+                    assert!(adopt(&r).is_ok(), "{mode}: swapped members refused");
+                }
+                let mut r = rec.clone();
+                r.sockets.swap(1, roles - 1);
+                refused(r, "does not carry the member 'b''s filter");
+                let mut r = rec.clone();
+                r.sockets.pop();
+                refused(r, &format!("{} sockets in the record, the link has {roles}", roles - 1));
+                // A packet socket with the right filter on another interface.
+                let a = crate::net::parse_mac("52:54:00:00:00:02").unwrap();
+                let lo = ifindex("lo").unwrap();
+                let filter = super::member_filter(c.links[0].mode, a);
+                let on_lo = PacketSocket::open(lo, &filter, Some(1)).unwrap();
+                let mut r = rec.clone();
+                r.sockets[0] = on_lo.raw_fd();
+                refused(r, &format!("bound to interface {lo}"));
+                // The TAP where a socket should be, and a socket for the TAP.
+                let mut r = rec.clone();
+                r.sockets[0] = rec.tap_fd;
+                refused(r, "not a socket");
+                let mut r = rec.clone();
+                r.tap_fd = rec.sockets[0];
+                refused(r, "not an attached TAP");
+            });
+            if ran.is_none() {
+                return;
+            }
+        }
     }
 
     #[test]

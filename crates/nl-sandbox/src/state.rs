@@ -7,6 +7,12 @@
 //! failed holder's stopped VM). So the region is writable in at most one
 //! sandbox at any time, which [`StateRegion::map_into`] enforces.
 //!
+//! A warm rejuvenation or a microreboot carries the region: its memfd,
+//! the sandbox that has the slot and the size go into the set's handover
+//! record, and the new process maps the same memfd
+//! ([`StateRegion::over_file`]) and gives the slot to the same sandbox's
+//! rebuilt VM before it runs. Nothing is copied.
+//!
 //! The kv service keeps its table there (`nl_workloads::kv`: entries with
 //! a CRC, a journal): the sandbox that takes the service over loads it,
 //! replays a torn update, drops and counts corrupt entries, and every
@@ -69,6 +75,43 @@ impl StateRegion {
             map: Arc::new(map),
             mapped_in: Lock::new("sandbox.state", None),
         })
+    }
+
+    /// A region over an inherited memfd (a set carried to a new VMM
+    /// process: [`crate::handover`]), checked to be a memfd (a shmem file:
+    /// `F_GET_SEALS` answers only for those) of exactly `bytes`, mapped in
+    /// the VMM. No sandbox has its slot yet ([`StateRegion::map_into`]).
+    pub fn over_file(service: &str, fd: std::fs::File, bytes: u64) -> Result<Self, SandboxError> {
+        use std::os::fd::AsRawFd;
+        let bad = |m: String| {
+            SandboxError::Resource(format!("service '{service}': inherited state region: {m}"))
+        };
+        nix::fcntl::fcntl(fd.as_raw_fd(), nix::fcntl::FcntlArg::F_GET_SEALS)
+            .map_err(|e| bad(format!("not a memfd ({e})")))?;
+        let len = fd.metadata().map_err(|e| bad(format!("cannot stat it: {e}")))?.len();
+        if len != bytes {
+            return Err(bad(format!("{len} bytes, the service's region has {bytes}")));
+        }
+        let backing = Backing::of(&fd)?;
+        let map = GuestRegionMmap::from_range(
+            GuestAddress(0),
+            bytes as usize,
+            Some(FileOffset::new(fd, 0)),
+        )
+        .map_err(|e| bad(format!("cannot map it: {e}")))?;
+        Ok(Self {
+            service: service.into(),
+            bytes,
+            backing,
+            map: Arc::new(map),
+            mapped_in: Lock::new("sandbox.state", None),
+        })
+    }
+
+    /// Its memfd (named in a handover record).
+    pub fn file(&self) -> Option<&std::fs::File> {
+        use vm_memory::GuestMemoryRegion;
+        self.map.file_offset().map(|f| f.file())
     }
 
     /// The VM windows' entry for it: (gpa, size).
@@ -153,5 +196,42 @@ impl StateRegion {
     pub fn write(&self, offset: u64, data: &[u8]) -> bool {
         offset.checked_add(data.len() as u64).is_some_and(|end| end <= self.bytes)
             && self.map.write_slice(data, MemoryRegionAddress(offset)).is_ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn memfd(bytes: u64) -> std::fs::File {
+        let f = memfd_create(c"state-test", MemFdCreateFlag::MFD_CLOEXEC)
+            .map(std::fs::File::from)
+            .unwrap();
+        f.set_len(bytes).unwrap();
+        f
+    }
+
+    #[test]
+    fn an_inherited_state_region_must_be_a_memfd_of_the_services_size() {
+        let err = |f: std::fs::File, bytes| StateRegion::over_file("kv", f, bytes).err().unwrap();
+        let e = err(memfd(2 << 20), 4 << 20).to_string();
+        assert!(e.contains("service 'kv': inherited state region: 2097152 bytes"), "{e}");
+        // A socket, and a file on disk (this crate's manifest).
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let e = err(std::fs::File::from(std::os::fd::OwnedFd::from(a)), 2 << 20).to_string();
+        assert!(e.contains("not a memfd"), "{e}");
+        let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+        let on_disk = std::fs::File::open(manifest).unwrap();
+        let len = on_disk.metadata().unwrap().len();
+        let e = err(on_disk, len).to_string();
+        assert!(e.contains("not a memfd"), "{e}");
+        // The right one keeps what was written through the old mapping.
+        let f = memfd(2 << 20);
+        let old = StateRegion::over_file("kv", f.try_clone().unwrap(), 2 << 20).unwrap();
+        assert!(old.write(4096, b"acknowledged"));
+        let new = StateRegion::over_file("kv", f, 2 << 20).unwrap();
+        assert_eq!(new.read(4096, 12), b"acknowledged");
+        assert_eq!(new.mapped_in(), None);
+        assert!(new.file().is_some());
     }
 }

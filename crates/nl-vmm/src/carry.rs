@@ -12,6 +12,13 @@
 //! process hands each set, its memory, saved states and channel memfds
 //! ([`InheritedSet`]) back to the front end ([`Carrier::adopt`]), which
 //! rebuilds it; [`Carrier::start`] then runs every adopted set.
+//!
+//! Version 2 of a set record adds what a set shares with the host beyond
+//! its memory: each shared link's TAP and packet sockets ([`LinkRecord`],
+//! checked here to be a TAP attached to the interface named and raw packet
+//! sockets bound to it, [`InheritedLink`]), and its services' state-region
+//! memfds (checked by inode as the channels' are). A set without either is
+//! still written as version 1, which older binaries read.
 
 use std::collections::BTreeSet;
 use std::fs::File;
@@ -26,14 +33,36 @@ use crate::handover::{take_fd, MemorySource, VmRecord};
 use crate::state::VmState;
 use crate::VmmError;
 
-/// The version of a [`SetRecord`] this binary writes and reads.
-pub const SET_RECORD_VERSION: u32 = 1;
+/// The newest version of a [`SetRecord`] this binary writes and reads: 2
+/// adds [`SetRecord::links`] and [`SetRecord::state_regions`]. A record
+/// with neither is written as version 1 ([`PLAIN_SET_RECORD_VERSION`]).
+pub const SET_RECORD_VERSION: u32 = 2;
+/// The version of a set record without links or state regions.
+pub const PLAIN_SET_RECORD_VERSION: u32 = 1;
 
 /// An inherited descriptor and the inode it must be.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FdRecord {
     pub fd: i32,
     pub ino: u64,
+}
+
+/// A shared link in a set record: its TAP (interface `tap`, descriptor
+/// `tap_fd`) and its packet sockets on it, in the front end's order.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinkRecord {
+    pub tap: String,
+    pub tap_fd: i32,
+    pub sockets: Vec<i32>,
+}
+
+/// A shared link as the new process inherited it: the TAP, checked to be
+/// attached to the interface its record names, and its sockets, each
+/// checked to be a raw packet socket bound to that interface (their
+/// filters are the front end's to check).
+pub struct InheritedLink {
+    pub tap: nl_devices::tap::Tap,
+    pub sockets: Vec<nl_devices::packet::PacketSocket>,
 }
 
 /// One set in a handover record.
@@ -50,17 +79,36 @@ pub struct SetRecord {
     pub vms: Vec<VmRecord>,
     /// The channels' memfds, in channel order.
     pub channels: Vec<FdRecord>,
+    /// Version 2: the set's shared links, in link order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub links: Vec<LinkRecord>,
+    /// Version 2: the memfds of its services' state regions, in the order
+    /// of the services that have one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub state_regions: Vec<FdRecord>,
 }
 
 impl SetRecord {
     pub fn new(name: &str, config: serde_json::Value) -> Self {
         Self {
-            version: SET_RECORD_VERSION,
+            version: PLAIN_SET_RECORD_VERSION,
             name: name.into(),
             config,
             vms: Vec::new(),
             channels: Vec::new(),
+            links: Vec::new(),
+            state_regions: Vec::new(),
         }
+    }
+
+    /// Adds the set's shared links and state regions (a version 2 record
+    /// if there are any).
+    pub fn carry_shared(&mut self, links: Vec<LinkRecord>, state_regions: Vec<FdRecord>) {
+        if !links.is_empty() || !state_regions.is_empty() {
+            self.version = SET_RECORD_VERSION;
+        }
+        self.links = links;
+        self.state_regions = state_regions;
     }
 
     /// Parses and checks one set record: its version, its name, every VM
@@ -71,13 +119,21 @@ impl SetRecord {
         let name = v.get("name").and_then(|n| n.as_str()).unwrap_or("?").to_string();
         let bad = |m: String| VmmError::State(format!("sandbox set record '{name}' refused: {m}"));
         let version = v.get("version").and_then(|n| n.as_u64());
-        if version != Some(u64::from(SET_RECORD_VERSION)) {
+        let known = u64::from(PLAIN_SET_RECORD_VERSION)..=u64::from(SET_RECORD_VERSION);
+        if !version.is_some_and(|v| known.contains(&v)) {
             return Err(bad(format!(
-                "version {version:?}; this binary reads version {SET_RECORD_VERSION}"
+                "version {version:?}; this binary reads versions {PLAIN_SET_RECORD_VERSION} to \
+                 {SET_RECORD_VERSION}"
             )));
         }
         let r: Self =
             serde_json::from_value(v.clone()).map_err(|e| bad(format!("corrupt ({e})")))?;
+        if r.version < SET_RECORD_VERSION && (!r.links.is_empty() || !r.state_regions.is_empty()) {
+            return Err(bad(format!(
+                "shared links or state regions in a version {} record",
+                r.version
+            )));
+        }
         if r.name.is_empty()
             || r.name.len() > 64
             || !r.name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
@@ -106,9 +162,25 @@ impl SetRecord {
                 }
             }
         }
-        for c in &r.channels {
-            if !fds.insert(c.fd) {
-                return Err(bad(format!("descriptor {} used twice", c.fd)));
+        for l in &r.links {
+            if l.tap.is_empty() || l.tap.len() >= 16 || l.tap.contains(['/', ' ', '\0']) {
+                return Err(bad(format!("a link's TAP name '{}' is not an interface name", l.tap)));
+            }
+            if l.sockets.is_empty() {
+                return Err(bad(format!("the link on TAP {} has no sockets", l.tap)));
+            }
+        }
+        let shared =
+            r.links.iter().flat_map(|l| std::iter::once(l.tap_fd).chain(l.sockets.clone()));
+        for fd in r
+            .channels
+            .iter()
+            .map(|c| c.fd)
+            .chain(shared)
+            .chain(r.state_regions.iter().map(|s| s.fd))
+        {
+            if !fds.insert(fd) {
+                return Err(bad(format!("descriptor {fd} used twice")));
             }
         }
         Ok(r)
@@ -121,7 +193,13 @@ impl SetRecord {
             _ => None,
         });
         let taps = self.vms.iter().filter_map(|v| v.tap_fd);
-        vms.chain(taps).chain(self.channels.iter().map(|c| c.fd)).collect()
+        let links =
+            self.links.iter().flat_map(|l| std::iter::once(l.tap_fd).chain(l.sockets.clone()));
+        vms.chain(taps)
+            .chain(self.channels.iter().map(|c| c.fd))
+            .chain(links)
+            .chain(self.state_regions.iter().map(|s| s.fd))
+            .collect()
     }
 }
 
@@ -138,6 +216,10 @@ pub struct InheritedSet {
     /// cannot be rebuilt closes its TAPs with it.
     pub taps: Vec<Option<nl_devices::tap::Tap>>,
     pub channels: Vec<File>,
+    /// The shared links, in the record's order.
+    pub links: Vec<InheritedLink>,
+    /// The state regions' memfds (inodes checked), in the record's order.
+    pub state_regions: Vec<File>,
 }
 
 /// What a front end does with its sets at a handover.
@@ -188,8 +270,12 @@ pub(crate) fn resume() {
     }
 }
 
-/// Takes one set's inherited descriptors and parses its states.
-fn inherit(v: &serde_json::Value, taken: &mut BTreeSet<i32>) -> Result<InheritedSet, VmmError> {
+/// Takes one set's inherited descriptors and parses its states: every
+/// descriptor must be open and not taken yet, each memfd the inode its
+/// record names, each TAP attached to its interface, each link socket a raw
+/// packet socket bound to its link's TAP. The error names the set and
+/// what is wrong (public for the front end's tests).
+pub fn inherit(v: &serde_json::Value, taken: &mut BTreeSet<i32>) -> Result<InheritedSet, VmmError> {
     let record = SetRecord::parse(v)?;
     let name = record.name.clone();
     let bad = |m: String| VmmError::State(format!("sandbox set record '{name}' refused: {m}"));
@@ -232,7 +318,30 @@ fn inherit(v: &serde_json::Value, taken: &mut BTreeSet<i32>) -> Result<Inherited
         check_ino(&f, c.fd, c.ino)?;
         channels.push(f);
     }
-    Ok(InheritedSet { record, memories, states, taps, channels })
+    let mut links = Vec::new();
+    for l in &record.links {
+        let what = |fd: i32, e: String| bad(format!("link on TAP {}: descriptor {fd}: {e}", l.tap));
+        let f = take_fd(l.tap_fd, taken, "link TAP").map_err(|e| bad(e.to_string()))?;
+        let tap = nl_devices::tap::Tap::from_attached(f, &l.tap).map_err(|e| what(l.tap_fd, e))?;
+        let ifindex = nl_devices::packet::ifindex(&l.tap)
+            .map_err(|e| bad(format!("link on TAP {}: no such interface here: {e}", l.tap)))?;
+        let mut sockets = Vec::new();
+        for &fd in &l.sockets {
+            let f = take_fd(fd, taken, "link socket").map_err(|e| bad(e.to_string()))?;
+            sockets.push(
+                nl_devices::packet::PacketSocket::from_inherited(f, ifindex)
+                    .map_err(|e| what(fd, e))?,
+            );
+        }
+        links.push(InheritedLink { tap, sockets });
+    }
+    let mut state_regions = Vec::new();
+    for s in &record.state_regions {
+        let f = take_fd(s.fd, taken, "state region").map_err(|e| bad(e.to_string()))?;
+        check_ino(&f, s.fd, s.ino)?;
+        state_regions.push(f);
+    }
+    Ok(InheritedSet { record, memories, states, taps, channels, links, state_regions })
 }
 
 /// Rebuilds every set of a record in the new process (not started).
@@ -332,7 +441,7 @@ mod tests {
     #[test]
     fn corrupt_set_records_are_refused_by_what_is_wrong() {
         let cases: [(&str, serde_json::Value, &str); 6] = [
-            ("version", json!(2), "version Some(2); this binary reads version 1"),
+            ("version", json!(3), "version Some(3); this binary reads versions 1 to 2"),
             ("name", json!("a b"), "must be 1 to 64"),
             ("vms", json!("many"), "corrupt"),
             ("channels", json!([{"fd": 7, "ino": 1}]), "descriptor 7 used twice"),
@@ -374,5 +483,89 @@ mod tests {
         v["vms"][0]["vcpus"] = json!(0);
         let e = SetRecord::parse(&v).unwrap_err().to_string();
         assert!(e.contains("out of range"), "{e}");
+    }
+
+    fn link(tap_fd: i32, sockets: Vec<i32>) -> LinkRecord {
+        LinkRecord { tap: "nltap0".into(), tap_fd, sockets }
+    }
+
+    #[test]
+    fn links_and_state_regions_make_a_version_2_record_and_are_checked() {
+        let mut r = SetRecord::parse(&sample()).unwrap();
+        r.carry_shared(Vec::new(), Vec::new());
+        assert_eq!(r.version, PLAIN_SET_RECORD_VERSION, "nothing shared: still version 1");
+        r.carry_shared(vec![link(10, vec![11, 12])], vec![FdRecord { fd: 13, ino: 5 }]);
+        assert_eq!(r.version, SET_RECORD_VERSION);
+        let v = serde_json::to_value(&r).unwrap();
+        let back = SetRecord::parse(&v).unwrap();
+        assert_eq!(back.fds(), vec![7, 8, 10, 11, 12, 13], "memfds, channels, links, states");
+        assert_eq!(back.links, r.links);
+        // A version 1 record cannot have them (an older writer had none).
+        let mut old = v.clone();
+        old["version"] = json!(1);
+        let e = SetRecord::parse(&old).unwrap_err().to_string();
+        assert!(e.contains("shared links or state regions in a version 1 record"), "{e}");
+        let cases: [(&str, serde_json::Value, &str); 5] = [
+            ("links", json!([link(10, vec![11, 7])]), "descriptor 7 used twice"),
+            ("links", json!([link(8, vec![11])]), "descriptor 8 used twice"),
+            ("links", json!([link(10, vec![])]), "has no sockets"),
+            ("links", json!([{"tap": "a/b", "tap_fd": 10, "sockets": [11]}]), "not an interface"),
+            ("state_regions", json!([{"fd": 11, "ino": 1}]), "descriptor 11 used twice"),
+        ];
+        for (field, value, want) in cases {
+            let mut w = v.clone();
+            w[field] = value;
+            let e = SetRecord::parse(&w).unwrap_err().to_string();
+            assert!(e.contains(want), "{field}: {e}");
+        }
+    }
+
+    /// A record of no VMs naming `links` and `states`, for [`inherit`].
+    fn shared_only(links: Vec<LinkRecord>, states: Vec<FdRecord>) -> serde_json::Value {
+        let mut r = SetRecord::new("pair", json!({}));
+        r.carry_shared(links, states);
+        serde_json::to_value(r).unwrap()
+    }
+
+    /// A descriptor of a fresh memfd of `bytes`, given up (for `take_fd`).
+    fn memfd_fd(bytes: u64) -> (i32, u64) {
+        use std::os::fd::IntoRawFd;
+        let f = nl_memory::create_memfd("carry-test").unwrap();
+        f.set_len(bytes).unwrap();
+        let ino = f.metadata().unwrap().ino();
+        (f.into_raw_fd(), ino)
+    }
+
+    #[test]
+    fn inherited_links_and_state_regions_must_be_open_and_of_their_kind() {
+        let ok = |v: &serde_json::Value| inherit(v, &mut BTreeSet::new()).map(|_| ());
+        let err = |v: serde_json::Value| ok(&v).unwrap_err().to_string();
+        // Not open (no descriptor this high exists in a test).
+        let e = err(shared_only(vec![link(900_000, vec![900_001])], vec![]));
+        assert!(e.contains("link TAP descriptor 900000 is not open"), "{e}");
+        // A memfd where the TAP should be.
+        let (fd, _) = memfd_fd(4096);
+        let e = err(shared_only(vec![link(fd, vec![900_001])], vec![]));
+        assert!(
+            e.contains(&format!(
+                "link on TAP nltap0: descriptor {fd}: inherited descriptor is not an attached TAP"
+            )),
+            "{e}"
+        );
+        // A state region that is another inode than recorded.
+        let (fd, ino) = memfd_fd(2 << 20);
+        let e = err(shared_only(vec![], vec![FdRecord { fd, ino: ino + 1 }]));
+        assert!(
+            e.contains(&format!("descriptor {fd} is inode {ino}, the record says {}", ino + 1)),
+            "{e}"
+        );
+        let e = err(shared_only(vec![], vec![FdRecord { fd: 900_002, ino }]));
+        assert!(e.contains("state region descriptor 900002 is not open"), "{e}");
+        // The right inode is taken (its size and kind are the front end's
+        // to check: nl_sandbox::state).
+        let (fd, ino) = memfd_fd(2 << 20);
+        let v = shared_only(vec![], vec![FdRecord { fd, ino }]);
+        let set = inherit(&v, &mut BTreeSet::new()).unwrap();
+        assert_eq!(set.state_regions.len(), 1);
     }
 }

@@ -7,9 +7,11 @@
 //! carries every set to the new process ([`nl_vmm::carry`], through
 //! [`nl_sandbox::handover`]): its sandboxes' memory and channels stay in
 //! their memfds, their vCPU and device state moves, and the supervision
-//! goes on with the time limit that remained. A host refuses to rejuvenate
-//! only with a set that cannot be carried (a `rollback` sandbox, or a
-//! sandbox that ended while others run).
+//! goes on with the time limit that remained; a set's shared links (their
+//! TAPs and packet sockets) and its services' state regions go with it.
+//! A host refuses to rejuvenate only with a set that cannot be carried (a
+//! `rollback` sandbox, a takeover half done, or a sandbox that ended while
+//! others run).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -232,10 +234,14 @@ impl HostFrontend {
                     "beats": s.vm().control().vcpus.iter().map(|c| c.snapshot().beats).sum::<u64>(),
                     // Its budget's counters (`io`: budget.io's cgroup).
                     "throttling": r.set.throttling(s.index),
+                    // Its current VM's virtio-net counters (with a device).
+                    "net": s.vm().net_stats().map(|n| n.0),
                 })
             })
             .collect();
         v["channel_stats"] = serde_json::to_value(r.set.channel_stats()).unwrap_or(Value::Null);
+        let links: Vec<_> = r.set.links.iter().map(|l| l.report()).collect();
+        v["link_stats"] = serde_json::to_value(links).unwrap_or(Value::Null);
         let names: Vec<String> = r.set.sandboxes.iter().map(|s| s.config.name.clone()).collect();
         v["services"] = serde_json::to_value(r.set.services.report(&names)).unwrap_or(Value::Null);
         v

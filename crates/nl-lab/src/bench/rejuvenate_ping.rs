@@ -169,18 +169,23 @@ impl PingNet {
             "net_tap":TAP,"net_ip":GUEST_CIDR})
     }
 
-    fn ping(&self, interval: &str, secs: &str) -> Result<std::process::Output> {
+    fn ping(&self, target: &str, interval: &str, secs: &str) -> Result<std::process::Output> {
         let mut c = self.command()?;
-        c.args(["ping", "--target", GUEST, "--interval", interval, "--duration", secs, "--json"]);
+        c.args(["ping", "--target", target, "--interval", interval, "--duration", secs, "--json"]);
         c.stdin(Stdio::null()).stderr(Stdio::null()).output().context("cannot run ninelives ping")
     }
 
     /// Waits (bounded in attempts and time) until the guest answers a short
     /// ping; false if it did not within `limit`.
     fn wait_answering(&self, limit: Duration) -> Result<bool> {
+        self.wait_answering_at(GUEST, limit)
+    }
+
+    /// [`PingNet::wait_answering`] for the guest at `target`.
+    pub fn wait_answering_at(&self, target: &str, limit: Duration) -> Result<bool> {
         let t = Instant::now();
         for _ in 0..1000 {
-            if self.ping("10ms", "0.05")?.status.success() {
+            if self.ping(target, "10ms", "0.05")?.status.success() {
                 return Ok(true);
             }
             if t.elapsed() > limit {
@@ -193,7 +198,12 @@ impl PingNet {
     /// A plain 1 ms ping for `secs` without a rejuvenation: the gaps this
     /// machine shows anyway.
     fn baseline(&self, secs: f64) -> Result<Value> {
-        let o = self.ping("1ms", &format!("{secs}"))?;
+        self.baseline_at(GUEST, secs)
+    }
+
+    /// [`PingNet::baseline`] of the guest at `target`.
+    pub fn baseline_at(&self, target: &str, secs: f64) -> Result<Value> {
+        let o = self.ping(target, "1ms", &format!("{secs}"))?;
         let j = last_json(&String::from_utf8_lossy(&o.stdout))
             .context("the baseline ping printed no result")?;
         Ok(json!({
@@ -206,12 +216,18 @@ impl PingNet {
     /// Starts a 1 ms ping and lets it run for a short window; the caller
     /// then rejuvenates between [`Probe::begin`] and [`Probe::end`].
     fn start_probe(&self) -> Result<Probe> {
+        let p = self.start_probe_at(GUEST)?;
+        std::thread::sleep(WINDOW);
+        Ok(p)
+    }
+
+    /// A 1 ms ping of the guest at `target`, started now.
+    fn start_probe_at(&self, target: &str) -> Result<Probe> {
         let mut c = self.command()?;
-        c.args(["ping", "--target", GUEST, "--interval", "1ms", "--duration", PROBE_MAX_SECS]);
+        c.args(["ping", "--target", target, "--interval", "1ms", "--duration", PROBE_MAX_SECS]);
         c.args(["--until-stdin-eof", "--json"]);
         let run = PingRun::start(c)?;
-        std::thread::sleep(WINDOW);
-        Ok(Probe { run, begin: None, end: None })
+        Ok(Probe { run, target: target.to_string(), begin: None, end: None })
     }
 }
 
@@ -236,9 +252,27 @@ pub fn across<T>(
     Ok((r, Some(probe.finish(net)?)))
 }
 
+/// [`across`] with a 1 ms ping of each guest in `targets` at once (e.g.
+/// the members of a shared link): one report per target, in order.
+pub fn across_each<T>(
+    net: &PingNet,
+    targets: &[&str],
+    rejuvenate: impl FnOnce() -> Result<T>,
+) -> Result<(T, Vec<Value>)> {
+    let mut probes = targets.iter().map(|t| net.start_probe_at(t)).collect::<Result<Vec<_>>>()?;
+    std::thread::sleep(WINDOW);
+    probes.iter_mut().for_each(Probe::begin);
+    let r = rejuvenate()?;
+    probes.iter_mut().for_each(Probe::end);
+    let reports = probes.into_iter().map(|p| p.finish(net)).collect::<Result<Vec<_>>>()?;
+    Ok((r, reports))
+}
+
 /// A running 1 ms pinger across one rejuvenation; killed on drop.
 struct Probe {
     run: PingRun,
+    /// The guest it pings.
+    target: String,
     begin: Option<Instant>,
     end: Option<Instant>,
 }
@@ -265,7 +299,7 @@ impl Probe {
     /// * the pings sent, received and lost, and whether the guest answered
     ///   again after the request returned.
     fn finish(self, net: &PingNet) -> Result<Value> {
-        let answered = net.wait_answering(ANSWER_LIMIT)?;
+        let answered = net.wait_answering_at(&self.target, ANSWER_LIMIT)?;
         std::thread::sleep(WINDOW);
         let r = self.run.finish()?;
         let (begin, end) = (self.begin.map(|t| r.ms_at(t)), self.end.map(|t| r.ms_at(t)));

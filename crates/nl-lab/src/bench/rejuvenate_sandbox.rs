@@ -10,6 +10,11 @@
 //! around it. Without a ping namespace (not root) the rows are skipped and
 //! say so.
 //!
+//! The link rows do the same for a set on a shared link (two netbench
+//! members on the bench's TAP, a `demux` link), pinging both members every
+//! 1 ms across each warm rejuvenation: the new process takes the link's TAP
+//! and packet sockets over.
+//!
 //! The microreboot rows do the same across a recovery instead: each
 //! repetition starts a host with `--recovery microreboot` whose API
 //! connection reading a given request crashes (`NINELIVES_API_FAULT`), so
@@ -91,6 +96,107 @@ fn summary(runs: Vec<Value>, what: &str, events: &str, json: bool) -> Value {
         );
     }
     json!({"runs": runs, "gap_ms": gap, "lost": lost})
+}
+
+/// The link set's name on the host.
+const LINK_SET: &str = "rjlan";
+/// Its members' addresses (on the bench's TAP, 10.0.0.1/24).
+const MEMBERS: [&str; 2] = ["10.0.0.2", "10.0.0.3"];
+
+/// The `sandbox_create` request of the link rows: a `demux` link on the
+/// bench's TAP with netbench sandboxes a (10.0.0.2, the host's first core)
+/// and b (10.0.0.3, its last).
+fn link_create_request() -> Result<Value> {
+    let cores = nl_sandbox::affinity::host_cores()?;
+    let member = |name: &str, core: usize, last: u8| {
+        json!({"name": name, "cores": [core], "mem_mib": 48,
+            "workload": {"kind": "netbench", "duration_ms": 0},
+            "net": {"link": "lan", "mac": format!("52:54:00:5a:00:{last:02x}"),
+                    "ipv4": format!("10.0.0.{last}/24")}})
+    };
+    let (first, last) = (cores[0], cores[cores.len() - 1]);
+    Ok(json!({"op": "sandbox_create", "name": LINK_SET, "timeout_secs": 3600, "set": {
+        "links": [{"name": "lan", "tap": ping::TAP, "mode": "demux"}],
+        "sandboxes": [member("a", first, 2), member("b", last, 3)]
+    }}))
+}
+
+/// `reps` warm rejuvenations of a host holding a set on a shared link
+/// (two members), each with a 1 ms ping to both members across it: per
+/// repetition each member's longest gap overlapping the rejuvenation and
+/// the longer of the two (`gap_ms`: its median [min, max] over the
+/// repetitions), the pings lost and the load average before and after.
+pub(crate) fn link_rows(
+    h: &HostProc,
+    net: Option<&PingNet>,
+    reps: u32,
+    json: bool,
+) -> Result<Value> {
+    let Some(net) = net else {
+        return Ok(json!({"skipped": "no ping namespace (needs root)"}));
+    };
+    let r = h.req(link_create_request()?)?;
+    if r.get("error").is_some() {
+        bail!("cannot create the link set: {r}");
+    }
+    let mut baseline = Vec::new();
+    for ip in MEMBERS {
+        if !net.wait_answering_at(ip, Duration::from_secs(60))? {
+            bail!("link member {ip} never answered a ping");
+        }
+        baseline.push(net.baseline_at(ip, 1.0)?);
+    }
+    let loadavg_before = crate::json_out::loadavg();
+    let mut runs = Vec::new();
+    for rep in 0..reps {
+        let (report, probes) = ping::across_each(net, &MEMBERS, || rejuvenate(h, "warm", &None))?;
+        if report["sets"] != json!([LINK_SET]) {
+            bail!("warm rejuvenation {rep} did not carry the link set: {report}");
+        }
+        // A gap under the probe's resolution has no `gap_ms`: counted as 0.
+        let gaps: Vec<f64> = probes.iter().map(|p| p["gap_ms"].as_f64().unwrap_or(0.0)).collect();
+        let row = json!({"rep": rep, "ping": {"a": probes[0], "b": probes[1]},
+            "gap_ms": gaps.iter().copied().fold(0.0, f64::max),
+            "gaps_ms": gaps, "loadavg": crate::json_out::loadavg(),
+            "sets_downtime_ms": report["sets_downtime_ms"],
+            "total_downtime_ms": report["total_downtime_ms"]});
+        if !json {
+            println!(
+                "warm, sandbox set on a shared link, rep {rep}: set downtime {} ms; a: {}; b: {}",
+                row["sets_downtime_ms"],
+                ping::describe(&probes[0]),
+                ping::describe(&probes[1])
+            );
+        }
+        runs.push(row);
+    }
+    let loadavg_after = crate::json_out::loadavg();
+    h.req(json!({"op": "sandbox_destroy", "name": LINK_SET}))?;
+    let of = |f: &dyn Fn(&Value) -> f64| {
+        crate::stats::Summary::of(&runs.iter().map(f).collect::<Vec<_>>())
+    };
+    let gap = of(&|r| r["gap_ms"].as_f64().unwrap_or(f64::NAN));
+    let gap_a = of(&|r| r["gaps_ms"][0].as_f64().unwrap_or(f64::NAN));
+    let gap_b = of(&|r| r["gaps_ms"][1].as_f64().unwrap_or(f64::NAN));
+    let lost: u64 = runs
+        .iter()
+        .flat_map(|r| [&r["ping"]["a"]["lost"], &r["ping"]["b"]["lost"]])
+        .filter_map(Value::as_u64)
+        .sum();
+    if !json {
+        println!(
+            "warm, sandbox set on a shared link: longest ping gap of either member {} ms (a {}, \
+             b {}), {lost} pings lost in {} rejuvenations; loadavg {loadavg_before} before, \
+             {loadavg_after} after",
+            gap.show(1),
+            gap_a.show(1),
+            gap_b.show(1),
+            runs.len()
+        );
+    }
+    Ok(json!({"runs": runs, "gap_ms": gap, "gap_a_ms": gap_a, "gap_b_ms": gap_b,
+        "lost": lost, "baseline": baseline,
+        "loadavg_before": loadavg_before, "loadavg_after": loadavg_after}))
 }
 
 /// The request whose connection crashes the host of a microreboot row:

@@ -447,6 +447,12 @@ fn warm(d: &Data, out: &Path) -> Result<Section> {
             "ours: one netbench sandbox on its TAP, pinged every 1 ms across each warm rejuvenation (the new process takes the TAP descriptor over)",
         ),
         (
+            "sandbox_link",
+            "rejuvenations",
+            "warm rejuvenation carrying a sandbox set on a shared link",
+            "ours: two netbench sandboxes on one shared TAP (a demux link), both pinged every 1 ms across each warm rejuvenation; the longer of the two members' gaps (the new process takes the TAP and the link's packet sockets over)",
+        ),
+        (
             "sandbox_microreboot",
             "microreboots",
             "VMM microreboot carrying a sandbox set with its own TAP",
