@@ -212,7 +212,7 @@ impl Shadow {
         let shared = std::sync::Mutex::new(
             pool.as_deref_mut().map_or_else(Vec::new, |p| p.take_many(p.len())),
         );
-        let measured = &|(g, base, img): (&[(u64, u64, usize)], usize, &mut [u8])| {
+        let measured = &|(g, base, img): Part<'_>| {
             let (cpu0, faults0) = (nl_vmm::progress::own_cpu_ns(), own_faults());
             let mut r = scan_part(view, g, base, img, update, &shared)?;
             r.cpu_ns = cpu0.zip(nl_vmm::progress::own_cpu_ns()).map(|(a, b)| b.saturating_sub(a));
@@ -281,6 +281,10 @@ impl Shadow {
         Ok(())
     }
 }
+
+/// One scan thread's work: its ranges (with their image offsets), the
+/// image offset its part starts at, and that part of the image.
+type Part<'a> = (&'a [(u64, u64, usize)], usize, &'a mut [u8]);
 
 /// What one scan thread found.
 struct PartResult {
