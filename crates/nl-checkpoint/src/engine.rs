@@ -19,7 +19,7 @@ use nl_vmm::Vm;
 use serde::{Deserialize, Serialize};
 use vm_memory::{Bytes, GuestAddress};
 
-use crate::pages::{PagePool, PageSet};
+use crate::pages::{Backer, PagePool, PageSet};
 use crate::policy::{Capture, Policy, UnitCosts};
 use crate::shadow::Shadow;
 use crate::tracker::WriteTracker;
@@ -194,6 +194,14 @@ impl Engine {
         }
     }
 
+    /// The shadow engines' undo buffers so far (None for the CoW engines).
+    pub fn buffers(&self) -> Option<BufferStats> {
+        match self {
+            Engine::Shadow(e) => Some(e.buffers()),
+            Engine::Cow(_) => None,
+        }
+    }
+
     /// Pages held right now for the running interval.
     pub fn current_pages(&self) -> usize {
         match self {
@@ -230,6 +238,23 @@ impl Engine {
             Engine::Shadow(_) => None,
         }
     }
+}
+
+/// The shadow engines' undo buffers over a run: where they came from and
+/// the memory they took.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct BufferStats {
+    /// Buffers a checkpoint's scan had to allocate itself, in the pause
+    /// (the pool ran out): each a first-touch page fault there.
+    pub fresh_in_pause: u64,
+    /// Buffers the background backer backed ahead of need (0: it could not
+    /// be started, and the pool was filled between checkpoints instead).
+    pub backed_ahead: u64,
+    /// The most bytes the backer's chunks had mapped at once (the ring's
+    /// and the pool's buffers, and the chunks they keep mapped).
+    pub backed_bytes_max: usize,
+    /// The most buffers the pool held at a checkpoint's start.
+    pub pool_max: usize,
 }
 
 /// Merges history entry `i + 1` into entry `i` (see [`Engine::merge_at`]):
@@ -373,6 +398,11 @@ impl CowEngine {
     }
 }
 
+/// Pages in `[start, end)` ranges.
+fn pages_in(ranges: &[(u64, u64)]) -> usize {
+    ranges.iter().map(|(s, e)| ((e - s) / PAGE as u64) as usize).sum()
+}
+
 /// Coalesces sorted page addresses into (start, length) runs.
 fn runs(gpas: &[u64]) -> Vec<(u64, u64)> {
     let mut out: Vec<(u64, u64)> = Vec::new();
@@ -409,6 +439,15 @@ pub struct ShadowEngine {
     pool: PagePool,
     /// Pages the last checkpoint saved (what the next may need from `pool`).
     last_changed: usize,
+    /// Backs `pool`'s buffers in bulk while the guest runs (None: it could
+    /// not be started; `prepare` fills the pool itself then).
+    backer: Option<Backer>,
+    buffers: BufferStats,
+    /// Pages the guest has allocated, as of the last compare capture or
+    /// [`ShadowEngine::prepare`]: the policy's count, which the pause need
+    /// not find itself (walking the memfd for it took 2 to 6 ms of each
+    /// dirty-log pause, 8% of a profiled run's samples).
+    allocated: usize,
 }
 
 impl ShadowEngine {
@@ -439,7 +478,21 @@ impl ShadowEngine {
             threads,
             pool: PagePool::default(),
             last_changed: 0,
+            backer: Backer::start()
+                .map_err(|e| tracing::warn!("checkpoint: no background buffer backer: {e}"))
+                .ok(),
+            buffers: BufferStats::default(),
+            allocated: 0,
         })
+    }
+
+    fn buffers(&self) -> BufferStats {
+        let mut b = self.buffers;
+        if let Some(k) = &self.backer {
+            b.backed_ahead = k.backed_pages();
+            b.backed_bytes_max = k.mapped_bytes_max();
+        }
+        b
     }
 
     /// The pages that may differ from the shadow, as ranges: the dirty log's
@@ -449,7 +502,8 @@ impl ShadowEngine {
         if self.capture == Capture::Compare {
             self.vmm_dirty.clear();
             let r = self.view.allocated_ranges()?;
-            let n = r.iter().map(|(s, e)| ((e - s) / PAGE as u64) as usize).sum();
+            let n = pages_in(&r);
+            self.allocated = n;
             return Ok((r, n));
         }
         let mut gpas: Vec<u64> = std::mem::take(&mut self.vmm_dirty).into_iter().collect();
@@ -471,6 +525,13 @@ impl ShadowEngine {
     }
 
     fn checkpoint(&mut self, vm: &Vm) -> Result<IntervalStats, CheckpointError> {
+        // The scan gets the host's cores: the backer waits until it is done,
+        // and what it backed so far joins the pool.
+        let _hold = self.backer.as_ref().map(Backer::hold);
+        if let Some(b) = &self.backer {
+            self.pool.give_all(b.take_ready());
+        }
+        self.buffers.pool_max = self.buffers.pool_max.max(self.pool.len());
         let (ranges, candidates) = self.candidates(vm)?;
         let t0 = std::time::Instant::now();
         let mut undo = PageSet::new();
@@ -484,23 +545,27 @@ impl ShadowEngine {
         )?;
         self.history.push_back(undo);
         self.last_changed = st.changed;
+        self.buffers.fresh_in_pause += st.fresh as u64;
         let captured = self.capture;
         if let Some(p) = &mut self.policy {
             // The scan's cost as measured now (the host's load changes it):
-            // per page visited, on one thread.
-            let us = t0.elapsed().as_secs_f64() * 1e6 * self.threads as f64;
-            p.observe_scan(captured, us, st.visited, st.changed);
+            // per page visited, on one thread. Its threads' CPU time, not
+            // wall time: on a busy host they wait for a core, which says
+            // nothing about the capture. Scans that paid one-time costs
+            // are left out ([`Policy::observe_scan`]).
+            let us =
+                st.cpu_us.unwrap_or_else(|| t0.elapsed().as_secs_f64() * 1e6 * self.threads as f64);
+            p.observe_scan(captured, us, st.visited, st.changed, st.faults);
             // Faults are paid per page written, changed or not: the log's
             // count; the compare capture sees the pages that changed.
             let dirty = if captured == Capture::DirtyLog { candidates } else { st.changed };
             let allocated = if captured == Capture::Compare {
                 candidates
             } else {
-                self.view
-                    .allocated_ranges()?
-                    .iter()
-                    .map(|(s, e)| ((e - s) / PAGE as u64) as usize)
-                    .sum()
+                if self.allocated == 0 {
+                    self.allocated = pages_in(&self.view.allocated_ranges()?);
+                }
+                self.allocated
             };
             let next = p.next(dirty, allocated);
             self.switch(vm, next)?;
@@ -515,6 +580,7 @@ impl ShadowEngine {
     }
 
     fn rollback(&mut self, vm: &Vm, undo_n: usize) -> Result<RollbackStats, CheckpointError> {
+        let _hold = self.backer.as_ref().map(Backer::hold);
         // The pages written since the newest checkpoint get their shadow
         // copies back: all the dirty log names, or those a compare finds.
         let (ranges, _) = self.candidates(vm)?;
@@ -543,21 +609,30 @@ impl ShadowEngine {
         Ok(RollbackStats { pages, levels: undo_n as u32 + 1 })
     }
 
-    /// See [`Engine::prepare`]. The pool is filled first (the next pause
-    /// needs it), to the last interval's pages and a quarter more; it holds
-    /// at most `budget_pages` less what the ring holds, plus one interval.
+    /// See [`Engine::prepare`]. The next checkpoint may need the last
+    /// interval's pages and a quarter more; the pool holds at most
+    /// `budget_pages` less what the ring holds, plus one interval (the ring
+    /// is merged back under its budget after each checkpoint).
+    ///
+    /// With the backer, twice that need is backed ahead in its thread (a
+    /// guest that writes more each interval still finds buffers ready), and
+    /// this thread only sets the target; without it, the pool is filled here
+    /// until `deadline`.
     fn prepare(&mut self, deadline: std::time::Instant, budget_pages: usize) {
         let held: usize = self.history.iter().map(PageSet::len).sum();
         let room = budget_pages.saturating_sub(held) + self.last_changed;
         let want = (self.last_changed + self.last_changed / 4 + 64).min(room);
-        if self.pool.len() > 2 * want {
-            self.pool.trim(2 * want);
+        let ahead = if self.backer.is_some() { (2 * want).min(room) } else { want };
+        if self.pool.len() > 2 * ahead {
+            self.pool.trim(2 * ahead);
         }
-        self.pool.fill_to(want, deadline);
-        if std::time::Instant::now() < deadline {
-            if let Ok(r) = self.view.allocated_ranges() {
-                self.shadow.prefault(&r, deadline);
-            }
+        match &self.backer {
+            Some(b) => b.set_want(ahead.saturating_sub(self.pool.len())),
+            None => self.pool.fill_to(want, deadline),
+        }
+        if let Ok(r) = self.view.allocated_ranges() {
+            self.allocated = pages_in(&r);
+            self.shadow.prefault(&r, deadline);
         }
     }
 

@@ -4,7 +4,11 @@
 //! Two checkpoints are always kept; when an error is detected the VM is
 //! rolled back in place to the older (committed) one and continues.
 //!
-//! * [`pages`]: the pre-write page copies of one interval (DP_i in the paper).
+//! * [`pages`]: the pre-write page copies of one interval (DP_i in the paper),
+//!   the pool of buffers they reuse and the background thread that backs
+//!   new ones in bulk ahead of need.
+//! * [`slab`]: page buffers carved from anonymous mappings backed in bulk
+//!   (the crate's one `unsafe` module).
 //! * [`tracker`]: userfaultfd write-protection of guest RAM and the fault
 //!   thread that saves a page before its first write.
 //! * [`engine`]: the ways to take checkpoints: CoW-B, CoW-P, the KVM
@@ -30,6 +34,7 @@ pub mod output_commit;
 pub mod pages;
 pub mod policy;
 pub mod shadow;
+pub mod slab;
 pub mod supervisor;
 pub mod tracker;
 

@@ -300,6 +300,9 @@ pub struct RunReport {
     pub capture_switches: u64,
     /// The auto mode's unit costs (its start-up calibration).
     pub unit_costs: Option<crate::policy::UnitCosts>,
+    /// The shadow engines' undo buffers: allocated in pauses, backed ahead
+    /// by the background backer, the memory they took (None: CoW modes).
+    pub undo_buffers: Option<crate::engine::BufferStats>,
     /// VM paused per checkpoint.
     pub pause_ms_avg: f64,
     pub pause_ms_max: f64,
@@ -1044,6 +1047,7 @@ impl<'a> Supervisor<'a> {
             intervals_compare: self.captures[1],
             capture_switches: self.engine.policy().map_or(0, |p| p.switches),
             unit_costs: self.engine.policy().map(|p| p.costs),
+            undo_buffers: self.engine.buffers(),
             pause_ms_avg: self.pauses.iter().sum::<f64>() / self.pauses.len().max(1) as f64,
             pause_ms_max: self.pauses.iter().copied().fold(0.0, f64::max),
             rollbacks: self.rollbacks,
