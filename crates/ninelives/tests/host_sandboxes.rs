@@ -798,6 +798,25 @@ fn warm_rejuvenation_carries_a_set_on_a_shared_link() {
     stop_host(&sock, &mut child);
 }
 
+/// `ninelives host` in `ns` on `sock` with microreboot recovery, whose API
+/// connection reading request `fault_at` faults; its API socket is up.
+fn microrebooting_host(
+    ns: &Netns,
+    sock: &std::path::Path,
+    fault_at: usize,
+) -> (std::process::Child, EndHostOnDrop) {
+    let child = ns
+        .ninelives(&["host", "--api", sock.to_str().unwrap(), "--recovery", "microreboot"])
+        .env("NINELIVES_API_FAULT", format!("segv:{fault_at}"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let end = EndHostOnDrop(sock.to_path_buf());
+    wait_for_socket(sock);
+    (child, end)
+}
+
 /// A microreboot (a fault in the host's API thread, the process exec'd
 /// afresh in place) carries a set on a shared link the same way: with a
 /// 1 ms ping to each member across it, the fresh process (same pid) takes
@@ -816,15 +835,7 @@ fn a_microreboot_carries_a_set_on_a_shared_link() {
     // The connection reading request FAULT_AT faults; requests before it:
     // the create, the counters, then `info`s.
     const FAULT_AT: usize = 20;
-    let mut child = ns
-        .ninelives(&["host", "--api", sock.to_str().unwrap(), "--recovery", "microreboot"])
-        .env("NINELIVES_API_FAULT", format!("segv:{FAULT_AT}"))
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let _end = EndHostOnDrop(sock.to_path_buf());
-    wait_for_socket(&sock);
+    let (mut child, _end) = microrebooting_host(&ns, &sock, FAULT_AT);
     let [c0, c1] = two_cores();
     let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&link_set_body(c0, c1)));
     assert_eq!(st, 201, "{v}");
@@ -992,15 +1003,7 @@ fn a_microreboot_carries_a_service_set_with_its_tap() {
     // The connection reading request FAULT_AT faults; requests before it:
     // the create, then `info`s.
     const FAULT_AT: usize = 20;
-    let mut child = ns
-        .ninelives(&["host", "--api", sock.to_str().unwrap(), "--recovery", "microreboot"])
-        .env("NINELIVES_API_FAULT", format!("segv:{FAULT_AT}"))
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let _end = EndHostOnDrop(sock.to_path_buf());
-    wait_for_socket(&sock);
+    let (mut child, _end) = microrebooting_host(&ns, &sock, FAULT_AT);
     let [c0, c1] = two_cores();
     let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&service_set_body(c0, c1)));
     assert_eq!(st, 201, "{v}");
