@@ -392,17 +392,8 @@ mod fill_tests {
 #[cfg(test)]
 mod backer_tests {
     use super::*;
+    use crate::slab::thread_minor_faults;
     use std::time::{Duration, Instant};
-
-    /// Minor page faults of the calling thread so far (getrusage
-    /// RUSAGE_THREAD), so other threads (the backer's) do not count.
-    fn thread_minor_faults() -> i64 {
-        // SAFETY: getrusage writes one rusage into the zeroed value given.
-        let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-        // SAFETY: `u` is a valid rusage for getrusage to fill.
-        assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) }, 0);
-        u.ru_minflt
-    }
 
     /// Waits (without a time assertion: at most a minute, for a loaded
     /// host) until the backer has `n` pages ready.

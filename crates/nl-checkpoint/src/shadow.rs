@@ -506,17 +506,8 @@ mod tests {
 #[cfg(test)]
 mod prefault_tests {
     use super::*;
+    use crate::slab::thread_minor_faults;
     use std::time::{Duration, Instant};
-
-    /// Minor page faults of the calling thread so far (getrusage
-    /// RUSAGE_THREAD), so other test threads do not count.
-    fn thread_minor_faults() -> i64 {
-        // SAFETY: getrusage writes one rusage into the zeroed value given.
-        let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-        // SAFETY: `u` is a valid rusage for getrusage to fill.
-        assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) }, 0);
-        u.ru_minflt
-    }
 
     /// A prefault of the allocated ranges with time to finish backs those
     /// pages: the guest-side writes that follow (here, this thread writing
