@@ -158,6 +158,19 @@ pub fn populate(bytes: &mut [u8]) -> bool {
     }
 }
 
+/// Minor page faults of the calling thread so far (getrusage
+/// RUSAGE_THREAD, so other threads do not count); for the tests of the
+/// pool and of the shadow image's backing.
+#[cfg(test)]
+pub(crate) fn thread_minor_faults() -> i64 {
+    // SAFETY: an all-zero `rusage` is a valid value of this plain C struct.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage fills the one `rusage` it is given, which lives
+    // across the call.
+    assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) }, 0);
+    u.ru_minflt
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -184,17 +197,4 @@ mod tests {
         drop(last);
         assert_eq!(live.load(Ordering::Relaxed), 0, "unmapped with its last page");
     }
-}
-
-/// Minor page faults of the calling thread so far (getrusage
-/// RUSAGE_THREAD, so other threads do not count); for the tests of the
-/// pool and of the shadow image's backing.
-#[cfg(test)]
-pub(crate) fn thread_minor_faults() -> i64 {
-    // SAFETY: an all-zero `rusage` is a valid value of this plain C struct.
-    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: getrusage fills the one `rusage` it is given, which lives
-    // across the call.
-    assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) }, 0);
-    u.ru_minflt
 }
