@@ -61,13 +61,24 @@ impl StateRegion {
             .map(std::fs::File::from)
             .map_err(|e| err("cannot create its memfd", e.to_string()))?;
         fd.set_len(bytes).map_err(|e| err("cannot size its memfd", e.to_string()))?;
+        Self::mapped(service, fd, bytes, |e| err("cannot map its memfd", e))
+    }
+
+    /// The region over memfd `fd` of `bytes`, mapped in the VMM, with no
+    /// sandbox holding its slot; `map_err` words a failed mapping.
+    fn mapped(
+        service: &str,
+        fd: std::fs::File,
+        bytes: u64,
+        map_err: impl FnOnce(String) -> SandboxError,
+    ) -> Result<Self, SandboxError> {
         let backing = Backing::of(&fd)?;
         let map = GuestRegionMmap::from_range(
             GuestAddress(0),
             bytes as usize,
             Some(FileOffset::new(fd, 0)),
         )
-        .map_err(|e| err("cannot map its memfd", e.to_string()))?;
+        .map_err(|e| map_err(e.to_string()))?;
         Ok(Self {
             service: service.into(),
             bytes,
@@ -92,20 +103,7 @@ impl StateRegion {
         if len != bytes {
             return Err(bad(format!("{len} bytes, the service's region has {bytes}")));
         }
-        let backing = Backing::of(&fd)?;
-        let map = GuestRegionMmap::from_range(
-            GuestAddress(0),
-            bytes as usize,
-            Some(FileOffset::new(fd, 0)),
-        )
-        .map_err(|e| bad(format!("cannot map it: {e}")))?;
-        Ok(Self {
-            service: service.into(),
-            bytes,
-            backing,
-            map: Arc::new(map),
-            mapped_in: Lock::new("sandbox.state", None),
-        })
+        Self::mapped(service, fd, bytes, |e| bad(format!("cannot map it: {e}")))
     }
 
     /// Its memfd (named in a handover record).
