@@ -81,6 +81,11 @@ pub struct BenchSandboxRecoveryArgs {
     /// counting acknowledged writes lost (0: skip it).
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(0..=1000))]
     pub kv_rollbacks: u64,
+    /// With Fig. 6 and `remote`: faults, each into the current holder of a
+    /// kv service with its state region while kvload runs, counting
+    /// acknowledged writes lost across the takeovers (0: skip it).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(0..=1000))]
+    pub kv_takeovers: u64,
     /// Write fig6.svg and fig10.svg into this directory.
     #[arg(long)]
     pub plot: Option<PathBuf>,
@@ -819,6 +824,10 @@ struct Out {
     /// `rollback-nextcheckpoint`).
     kv_rollbacks: Vec<crate::bench::sandbox_service_timeline::KvRollbacks>,
     kv_rollbacks_error: Option<String>,
+    /// The `remote` service with its state region across `--kv-takeovers`
+    /// faults.
+    kv_takeovers: Option<crate::bench::sandbox_service_timeline::KvTakeovers>,
+    kv_takeovers_error: Option<String>,
     fig10: Option<Fig10>,
 }
 
@@ -1073,6 +1082,35 @@ pub fn bench(a: BenchSandboxRecoveryArgs) -> Result<ExitCode> {
             r.output_commit.as_ref().map_or(0, |o| o.rollbacks_past_released_output),
         );
     }
+    let (mut kv_takeovers, mut kv_takeovers_error) = (None, None);
+    if fig6.is_some() && wanted("remote") && a.kv_takeovers > 0 {
+        match crate::bench::sandbox_service_timeline::kv_takeovers(a.kv_takeovers, cores()?) {
+            Ok(r) => {
+                let gaps = Summary::of(&r.ping_gap_ms).show(1);
+                let first = Summary::of(&r.first_reply_ms).show(1);
+                println!(
+                    "kv across {} takeovers (state region, kvload running): {} takeovers ({} ok) in {:.1} s, {} kv ops ({} PUTs, {} unacknowledged), acknowledged writes lost {}, unverified {}, digest {:?}; table loads {}, corrupt entries dropped {}; ping gap per takeover {gaps} ms; first reply {first} ms after detection",
+                    r.faults,
+                    r.takeovers,
+                    r.takeovers_ok,
+                    r.faults_secs,
+                    r.kv_ops,
+                    r.kv_puts,
+                    r.kv_unacked_puts,
+                    r.kv_lost,
+                    r.kv_unverified,
+                    r.kv_digest_ok,
+                    r.table_loads,
+                    r.table_dropped,
+                );
+                kv_takeovers = Some(r);
+            }
+            Err(e) => {
+                println!("kv across {} takeovers: FAILED: {e:#}", a.kv_takeovers);
+                kv_takeovers_error = Some(format!("{e:#}"));
+            }
+        }
+    }
     let campaign = if a.injections > 0 {
         let c = campaign(a.injections, a.seed)?;
         println!("campaign: {} injections into svc (restart): {:?}", c.injections, c.counts);
@@ -1153,6 +1191,8 @@ pub fn bench(a: BenchSandboxRecoveryArgs) -> Result<ExitCode> {
             fig6_skipped,
             kv_rollbacks,
             kv_rollbacks_error,
+            kv_takeovers,
+            kv_takeovers_error,
             fig10,
         };
         print_json(&with_provenance(serde_json::to_value(&out)?, &prov));

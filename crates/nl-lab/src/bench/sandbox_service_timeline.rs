@@ -35,7 +35,9 @@
 //! [`kv_rollbacks`]: one kv sandbox under `rollback` with output commit,
 //! kvload running, N faults one after another (each once the previous
 //! rollback is done and the service answers again): acknowledged writes
-//! lost across N rollbacks (issue 19).
+//! lost across N rollbacks (issue 19). [`kv_takeovers`]: the same across
+//! N takeovers of the `remote` service with its state region, each fault
+//! into the current holder.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -394,6 +396,167 @@ pub fn kv_rollbacks(faults: u64, cores: [usize; 2], policy: &str) -> Result<KvRo
     })
 }
 
+/// Acknowledged kv writes across many takeovers of a service with its
+/// state region (issue 19: "zero acknowledged kv writes lost across 20
+/// takeovers with the state region").
+#[derive(Clone, Debug, Serialize)]
+pub struct KvTakeovers {
+    pub faults: u64,
+    /// Takeovers recorded, and those that succeeded.
+    pub takeovers: u64,
+    pub takeovers_ok: u64,
+    pub kv_ops: u64,
+    pub kv_puts: u64,
+    /// Wrong GETs during the load and wrong values read back after it.
+    pub kv_lost: u64,
+    pub kv_unverified: u64,
+    /// PUTs whose connection broke before their ack (not acknowledged).
+    pub kv_unacked_puts: u64,
+    pub kv_digest_ok: Option<bool>,
+    /// The state region's table: loads by a new holder, entries dropped as
+    /// corrupt.
+    pub table_loads: u64,
+    pub table_dropped: u64,
+    /// Per takeover, ms after its detection: the new holder's first reply.
+    pub first_reply_ms: Vec<f64>,
+    /// The ping client's longest silence around each fault, ms.
+    pub ping_gap_ms: Vec<f64>,
+    /// From the first fault to the takeover after the last, s.
+    pub faults_secs: f64,
+}
+
+/// `faults` faults, each into the service's current holder, of the
+/// `remote` set (kv with a 4 MiB state region, owner `web`, standby
+/// `spare`) while kvload runs; each fault once the standby is up again
+/// (its own restart after the last takeover recorded) and the service
+/// answers a ping (bounded waits). Counts what kvload found lost.
+pub fn kv_takeovers(faults: u64, cores: [usize; 2]) -> Result<KvTakeovers> {
+    let ns = Netns::with_tap(&format!("nl-kvto-{}", std::process::id()), "nltap0")?;
+    // Every fault gets its takeover (the default gives up after 5 within
+    // 10 s), in both sandboxes.
+    let config = web_config("remote", cores).replace(
+        r#""policy": "restart""#,
+        &format!(r#""policy": "restart", "max_recoveries": {}"#, (faults + 5).min(1000)),
+    );
+    let config = SetConfig::parse(&config)?;
+    let echo: SocketAddr = format!("{SERVICE}:7").parse()?;
+    let kv_at: SocketAddr = format!("{SERVICE}:{}", nl_abi::KV_TCP_PORT).parse()?;
+    ns.run_in(|| {
+        let kvm = nl_vmm::open_kvm()?;
+        let s = SandboxSet::create(&kvm, config, &super::sandbox_recovery::images())?;
+        let r = super::sandbox_recovery::supervised(&s, |s| -> Result<KvTakeovers> {
+            if !wait_for(Duration::from_secs(90), || answers(echo)) {
+                bail!("kv-takeovers: the service never answered its first ping");
+            }
+            let names: Vec<String> = s.sandboxes.iter().map(|b| b.config.name.clone()).collect();
+            let service = || s.services.report(&names).remove(0);
+            let stop = std::sync::atomic::AtomicBool::new(false);
+            let cfg = LoadConfig {
+                duration: Duration::from_secs(10 * faults + 60),
+                connections: 2,
+                keys: 400,
+                put_pct: 50,
+                seed: 1,
+                prefix: "kvto-".into(),
+                verify_stall: Duration::from_secs(20),
+                timeline: false,
+            };
+            let (kv, ping, faults_ms, faults_secs) = std::thread::scope(|scope| -> Result<_> {
+                let loader = scope.spawn(|| {
+                    kvload::load_until(&cfg, &stop, &|| {
+                        kvload::tcp_link(kv_at, Duration::from_millis(500))
+                    })
+                });
+                let pinger = scope.spawn(|| {
+                    crate::ping::ping(
+                        echo,
+                        Duration::from_millis(1),
+                        Duration::from_secs(10 * faults + 60),
+                        Some(&stop),
+                    )
+                });
+                let t0 = std::time::Instant::now();
+                let mut faults_ms = Vec::new();
+                let body = (|| -> Result<()> {
+                    for i in 0..faults {
+                        let r = service();
+                        let standby = s.get(&r.standby).expect("the standby");
+                        // The standby is up: its restart after the last
+                        // takeover is recorded and its new VM heartbeats.
+                        let ready = || {
+                            standby.monitor.recovery_count() >= standby.monitor.detections().len()
+                                && standby.vm().control().vcpus[0].snapshot().beats > 0
+                                && standby.monitor.next_vm_ready()
+                        };
+                        if !wait_for(Duration::from_secs(120), ready) {
+                            bail!("kv-takeovers: standby '{}' not ready within 120 s", r.standby);
+                        }
+                        // Writes acknowledged by this holder.
+                        std::thread::sleep(Duration::from_millis(300));
+                        if !wait_for(Duration::from_secs(30), || answers(echo)) {
+                            bail!("kv-takeovers: no answer within 30 s before fault {}", i + 1);
+                        }
+                        faults_ms.push(unix_now_ms());
+                        s.inject(&r.holder, &BAD_RIP)?;
+                        if !wait_for(Duration::from_secs(30), || {
+                            service().takeovers.len() as u64 > i
+                        }) {
+                            bail!("kv-takeovers: fault {} not taken over within 30 s", i + 1);
+                        }
+                    }
+                    Ok(())
+                })();
+                let secs = t0.elapsed().as_secs_f64();
+                std::thread::sleep(Duration::from_millis(500));
+                stop.store(true, std::sync::atomic::Ordering::SeqCst);
+                let kv = loader.join().map_err(|_| anyhow!("the kv client panicked"))?;
+                let ping = pinger.join().map_err(|_| anyhow!("the pinger panicked"))?;
+                body?;
+                Ok((kv, ping?, faults_ms, secs))
+            })?;
+            let r = service();
+            let header = s.services.services[0].state.as_ref().map(|st| st.header());
+            // The pinger stopped before this.
+            let end_ms = unix_now_ms() - ping.start_unix_ms;
+            Ok(KvTakeovers {
+                faults,
+                takeovers: r.takeovers.len() as u64,
+                takeovers_ok: r.takeovers.iter().filter(|t| t.ok).count() as u64,
+                kv_ops: kv.ops,
+                kv_puts: kv.puts,
+                kv_lost: kv.mismatches + kv.readback_mismatches,
+                kv_unverified: kv.unverified,
+                kv_unacked_puts: kv.unacked_puts,
+                kv_digest_ok: kv.digest_ok,
+                table_loads: header.as_ref().map_or(0, |h| h.loads),
+                table_dropped: header.as_ref().map_or(0, |h| h.dropped),
+                first_reply_ms: r.takeovers.iter().filter_map(|t| t.first_reply_ms).collect(),
+                ping_gap_ms: gaps_per_fault(
+                    &ping.arrivals_ms,
+                    &faults_ms.iter().map(|f| f - ping.start_unix_ms).collect::<Vec<_>>(),
+                    end_ms,
+                ),
+                faults_secs,
+            })
+        })?;
+        r
+    })
+}
+
+/// Per fault at `faults_ms` (sorted), the longest silence of `times_ms`
+/// (sorted) from it on ([`gap_after`]) until the next fault (or `end_ms`).
+pub fn gaps_per_fault(times_ms: &[f64], faults_ms: &[f64], end_ms: f64) -> Vec<f64> {
+    faults_ms
+        .iter()
+        .enumerate()
+        .map(|(k, &at)| {
+            let until = faults_ms.get(k + 1).copied().unwrap_or(end_ms);
+            let upto = times_ms.partition_point(|&t| t < until);
+            gap_after(&times_ms[..upto], at, until)
+        })
+        .collect()
+}
+
 /// `reps` runs of each of `policies`, in a namespace of their own, the
 /// policies interleaved rep by rep (so the host's load falls on all alike).
 pub fn measure(policies: &[&'static str], reps: usize) -> Result<Vec<TimelinePolicy>> {
@@ -433,6 +596,19 @@ mod tests {
     #[test]
     fn bins_count_events_per_ten_milliseconds() {
         assert_eq!(bins(&[0.0, 9.9, 10.0, 35.0, 40.0, -1.0, 99.0], 40.0), vec![2, 1, 0, 1]);
+    }
+
+    #[test]
+    fn each_fault_gets_the_longest_silence_until_the_next_fault() {
+        // Replies every 1 ms, but 20 ms of silence after the first fault
+        // (from 10.5) and 5 ms after the second (from 40.5).
+        let t: Vec<f64> = (0..100)
+            .map(f64::from)
+            .filter(|&x| !(11.0..31.0).contains(&x) && !(41.0..46.0).contains(&x))
+            .collect();
+        assert_eq!(gaps_per_fault(&t, &[10.2, 40.2], 100.0), vec![21.0, 6.0]);
+        // No reply after the last fault: silent to the end.
+        assert_eq!(gaps_per_fault(&t[..5], &[4.5], 10.0), vec![6.0]);
     }
 
     #[test]

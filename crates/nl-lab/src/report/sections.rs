@@ -1292,6 +1292,27 @@ fn questv(d: &Data, out: &Path) -> Result<Section> {
             ),
         ));
     }
+    // Issue 19: acknowledged kv writes across many takeovers with the state
+    // region (bench sandbox-recovery --kv-takeovers).
+    if let Some(k) = rec.map(|r| &r["kv_takeovers"]).filter(|k| k.is_object()) {
+        let n = num(k, "faults").unwrap_or(f64::NAN);
+        let ours = num(k, "kv_lost")
+            .map(|lost| Ours { value: lost, interval: None, text: format!("{lost:.0}") })
+            .ok_or_else(|| missing("sandbox-recovery"));
+        rows.push(with_note(
+            row(format!("Acknowledged kv writes lost across {n:.0} takeovers (state region)"), None, ours, Better::Lower),
+            &format!(
+                "{:.0} takeovers ({:.0} ok), {:.0} kv ops ({:.0} PUTs), unverified {:.0}; table loads {:.0}, corrupt entries dropped {:.0}; target 0",
+                num(k, "takeovers").unwrap_or(f64::NAN),
+                num(k, "takeovers_ok").unwrap_or(f64::NAN),
+                num(k, "kv_ops").unwrap_or(f64::NAN),
+                num(k, "kv_puts").unwrap_or(f64::NAN),
+                num(k, "kv_unverified").unwrap_or(f64::NAN),
+                num(k, "table_loads").unwrap_or(f64::NAN),
+                num(k, "table_dropped").unwrap_or(f64::NAN),
+            ),
+        ));
+    }
     if policies.is_empty() {
         rows.push(row(
             "Fig. 6: service back after a fault in the serving sandbox (s)",
