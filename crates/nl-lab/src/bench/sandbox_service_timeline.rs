@@ -313,86 +313,129 @@ pub struct KvRollbacks {
     pub faults_secs: f64,
 }
 
-/// `faults` faults into one kv sandbox under `policy` (`rollback` or
-/// `rollback-nextcheckpoint`: output commit either way) while kvload runs (see the module doc); each fault once the previous
-/// rollback is done and the service answers a ping again (bounded waits).
-pub fn kv_rollbacks(faults: u64, cores: [usize; 2], policy: &str) -> Result<KvRollbacks> {
-    let ns = Netns::with_tap(&format!("nl-kvrb-{}", std::process::id()), "nltap0")?;
-    // Every fault gets its rollback (the default gives up after 5).
-    let config = web_config(policy, cores).replace(
-        r#""policy": "rollback","#,
-        &format!(r#""policy": "rollback", "max_recoveries": {}, "#, (faults + 5).min(1000)),
+/// The set of `config` in a namespace of its own (`tag`), every sandbox
+/// of policy `policy` allowed `faults` + 5 recoveries (the default gives up
+/// after 5 within 10 s): runs `body` once the service answers a ping, then
+/// `after` over its result once the supervision ended.
+fn with_kv_set<T: Send>(
+    tag: &str,
+    config: &str,
+    policy: &str,
+    faults: u64,
+    body: impl FnOnce(&SandboxSet) -> Result<T> + Send,
+    after: impl FnOnce(&SandboxSet, T) -> T + Send,
+) -> Result<T> {
+    let ns = Netns::with_tap(&format!("nl-{tag}-{}", std::process::id()), "nltap0")?;
+    let config = config.replace(
+        &format!(r#""policy": "{policy}""#),
+        &format!(r#""policy": "{policy}", "max_recoveries": {}"#, (faults + 5).min(1000)),
     );
     let config = SetConfig::parse(&config)?;
     let echo: SocketAddr = format!("{SERVICE}:7").parse()?;
-    let kv_at: SocketAddr = format!("{SERVICE}:{}", nl_abi::KV_TCP_PORT).parse()?;
     ns.run_in(|| {
         let kvm = nl_vmm::open_kvm()?;
         let s = SandboxSet::create(&kvm, config, &super::sandbox_recovery::images())?;
-        let r = super::sandbox_recovery::supervised(&s, |s| -> Result<KvRollbacks> {
+        let r = super::sandbox_recovery::supervised(&s, |s| -> Result<T> {
             if !wait_for(Duration::from_secs(90), || answers(echo)) {
-                bail!("kv-rollbacks: the service never answered its first ping");
+                bail!("{tag}: the service never answered its first ping");
             }
-            let web = s.get("web").expect("web");
-            let stop = std::sync::atomic::AtomicBool::new(false);
-            // Long enough for every fault; the load stops after the last.
-            let cfg = LoadConfig {
-                duration: Duration::from_secs(3 * faults + 30),
-                connections: 2,
-                keys: 100,
-                put_pct: 50,
-                seed: 1,
-                prefix: "kvrb-".into(),
-                verify_stall: Duration::from_secs(20),
-                timeline: false,
-            };
-            let (kv, faults_secs) = std::thread::scope(|scope| -> Result<_> {
-                let loader = scope.spawn(|| {
-                    kvload::load_until(&cfg, &stop, &|| {
-                        kvload::tcp_link(kv_at, ROLLBACK_KV_TIMEOUT)
-                    })
-                });
-                let t0 = std::time::Instant::now();
-                let body = (|| -> Result<()> {
-                    for i in 0..faults {
-                        // Writes acknowledged since the last rollback, and
-                        // the guest re-ran what it undid (else the fault is
-                        // the same error back and the look-back doubles).
-                        std::thread::sleep(Duration::from_millis(300));
-                        if !wait_for(Duration::from_secs(60), || web.rollback_settled()) {
-                            bail!("kv-rollbacks: rollback {i} not settled within 60 s");
-                        }
-                        s.inject("web", &BAD_RIP)?;
-                        if !wait_for(Duration::from_secs(30), || web.rollbacks() > i) {
-                            bail!("kv-rollbacks: fault {} not rolled back within 30 s", i + 1);
-                        }
-                        if !wait_for(Duration::from_secs(30), || answers(echo)) {
-                            bail!("kv-rollbacks: no answer within 30 s after rollback {}", i + 1);
-                        }
-                    }
-                    Ok(())
-                })();
-                let secs = t0.elapsed().as_secs_f64();
-                std::thread::sleep(Duration::from_millis(500));
-                stop.store(true, std::sync::atomic::Ordering::SeqCst);
-                let kv = loader.join().map_err(|_| anyhow!("the kv client panicked"))?;
-                body?;
-                Ok((kv, secs))
-            })?;
-            Ok(KvRollbacks {
-                policy: policy.to_string(),
-                faults,
-                rollbacks: web.rollbacks(),
-                kv_ops: kv.ops,
-                kv_puts: kv.puts,
-                kv_lost: kv.mismatches + kv.readback_mismatches,
-                kv_unverified: kv.unverified,
-                kv_digest_ok: kv.digest_ok,
-                output_commit: None,
-                faults_secs,
-            })
+            body(s)
         })?;
-        r.map(|r| KvRollbacks { output_commit: s.get("web").and_then(|w| w.output_commit()), ..r })
+        r.map(|r| after(&s, r))
+    })
+}
+
+/// kvload against the service (2 connections, `keys` keys, half PUTs,
+/// requests timing out after `timeout`; `prefix` names its keys) while
+/// `fault(i)` runs for each of `faults`, then half a second more. With
+/// `ping`, a client pings the service every 1 ms beside it. Returns what
+/// kvload found, the seconds the faults took, and the ping's report.
+fn faults_under_load(
+    faults: u64,
+    keys: u64,
+    prefix: &str,
+    timeout: Duration,
+    ping: bool,
+    mut fault: impl FnMut(u64) -> Result<()>,
+) -> Result<(kvload::KvReport, f64, Option<crate::ping::PingReport>)> {
+    let echo: SocketAddr = format!("{SERVICE}:7").parse()?;
+    let kv_at: SocketAddr = format!("{SERVICE}:{}", nl_abi::KV_TCP_PORT).parse()?;
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    // Long enough for every fault; the load stops after the last.
+    let longest = Duration::from_secs(10 * faults + 60);
+    let cfg = LoadConfig {
+        duration: longest,
+        connections: 2,
+        keys,
+        put_pct: 50,
+        seed: 1,
+        prefix: prefix.into(),
+        verify_stall: Duration::from_secs(20),
+        timeline: false,
+    };
+    std::thread::scope(|scope| {
+        let loader =
+            scope.spawn(|| kvload::load_until(&cfg, &stop, &|| kvload::tcp_link(kv_at, timeout)));
+        let pinger = ping.then(|| {
+            scope.spawn(|| crate::ping::ping(echo, Duration::from_millis(1), longest, Some(&stop)))
+        });
+        let t0 = std::time::Instant::now();
+        let body = (0..faults).try_for_each(&mut fault);
+        let secs = t0.elapsed().as_secs_f64();
+        std::thread::sleep(Duration::from_millis(500));
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let kv = loader.join().map_err(|_| anyhow!("the kv client panicked"))?;
+        let ping = match pinger {
+            Some(h) => Some(h.join().map_err(|_| anyhow!("the pinger panicked"))??),
+            None => None,
+        };
+        body?;
+        Ok((kv, secs, ping))
+    })
+}
+
+/// `faults` faults into one kv sandbox under `policy` (`rollback` or
+/// `rollback-nextcheckpoint`: output commit either way) while kvload runs
+/// (see the module doc); each fault once the previous rollback is done
+/// and the service answers a ping again (bounded waits).
+pub fn kv_rollbacks(faults: u64, cores: [usize; 2], policy: &str) -> Result<KvRollbacks> {
+    let echo: SocketAddr = format!("{SERVICE}:7").parse()?;
+    let body = |s: &SandboxSet| -> Result<KvRollbacks> {
+        let web = s.get("web").expect("web");
+        let (kv, faults_secs, _) =
+            faults_under_load(faults, 100, "kvrb-", ROLLBACK_KV_TIMEOUT, false, |i| {
+                // Writes acknowledged since the last rollback, and the guest
+                // re-ran what it undid (else the fault is the same error
+                // back and the look-back doubles).
+                std::thread::sleep(Duration::from_millis(300));
+                if !wait_for(Duration::from_secs(60), || web.rollback_settled()) {
+                    bail!("kv-rollbacks: rollback {i} not settled within 60 s");
+                }
+                s.inject("web", &BAD_RIP)?;
+                if !wait_for(Duration::from_secs(30), || web.rollbacks() > i) {
+                    bail!("kv-rollbacks: fault {} not rolled back within 30 s", i + 1);
+                }
+                if !wait_for(Duration::from_secs(30), || answers(echo)) {
+                    bail!("kv-rollbacks: no answer within 30 s after rollback {}", i + 1);
+                }
+                Ok(())
+            })?;
+        Ok(KvRollbacks {
+            policy: policy.to_string(),
+            faults,
+            rollbacks: web.rollbacks(),
+            kv_ops: kv.ops,
+            kv_puts: kv.puts,
+            kv_lost: kv.mismatches + kv.readback_mismatches,
+            kv_unverified: kv.unverified,
+            kv_digest_ok: kv.digest_ok,
+            output_commit: None,
+            faults_secs,
+        })
+    };
+    with_kv_set("kvrb", &web_config(policy, cores), "rollback", faults, body, |s, r| KvRollbacks {
+        output_commit: s.get("web").and_then(|w| w.output_commit()),
+        ..r
     })
 }
 
@@ -427,120 +470,69 @@ pub struct KvTakeovers {
 
 /// `faults` faults, each into the service's current holder, of the
 /// `remote` set (kv with a 4 MiB state region, owner `web`, standby
-/// `spare`) while kvload runs; each fault once the standby is up again
-/// (its own restart after the last takeover recorded) and the service
-/// answers a ping (bounded waits). Counts what kvload found lost.
+/// `spare`) while kvload and a 1 ms ping run; each fault once the standby
+/// is up again (its own restart after the last takeover recorded) and the
+/// service answers a ping (bounded waits). Counts what kvload found lost.
 pub fn kv_takeovers(faults: u64, cores: [usize; 2]) -> Result<KvTakeovers> {
-    let ns = Netns::with_tap(&format!("nl-kvto-{}", std::process::id()), "nltap0")?;
-    // Every fault gets its takeover (the default gives up after 5 within
-    // 10 s), in both sandboxes.
-    let config = web_config("remote", cores).replace(
-        r#""policy": "restart""#,
-        &format!(r#""policy": "restart", "max_recoveries": {}"#, (faults + 5).min(1000)),
-    );
-    let config = SetConfig::parse(&config)?;
     let echo: SocketAddr = format!("{SERVICE}:7").parse()?;
-    let kv_at: SocketAddr = format!("{SERVICE}:{}", nl_abi::KV_TCP_PORT).parse()?;
-    ns.run_in(|| {
-        let kvm = nl_vmm::open_kvm()?;
-        let s = SandboxSet::create(&kvm, config, &super::sandbox_recovery::images())?;
-        let r = super::sandbox_recovery::supervised(&s, |s| -> Result<KvTakeovers> {
-            if !wait_for(Duration::from_secs(90), || answers(echo)) {
-                bail!("kv-takeovers: the service never answered its first ping");
-            }
-            let names: Vec<String> = s.sandboxes.iter().map(|b| b.config.name.clone()).collect();
-            let service = || s.services.report(&names).remove(0);
-            let stop = std::sync::atomic::AtomicBool::new(false);
-            let cfg = LoadConfig {
-                duration: Duration::from_secs(10 * faults + 60),
-                connections: 2,
-                keys: 400,
-                put_pct: 50,
-                seed: 1,
-                prefix: "kvto-".into(),
-                verify_stall: Duration::from_secs(20),
-                timeline: false,
-            };
-            let (kv, ping, faults_ms, faults_secs) = std::thread::scope(|scope| -> Result<_> {
-                let loader = scope.spawn(|| {
-                    kvload::load_until(&cfg, &stop, &|| {
-                        kvload::tcp_link(kv_at, Duration::from_millis(500))
-                    })
-                });
-                let pinger = scope.spawn(|| {
-                    crate::ping::ping(
-                        echo,
-                        Duration::from_millis(1),
-                        Duration::from_secs(10 * faults + 60),
-                        Some(&stop),
-                    )
-                });
-                let t0 = std::time::Instant::now();
-                let mut faults_ms = Vec::new();
-                let body = (|| -> Result<()> {
-                    for i in 0..faults {
-                        let r = service();
-                        let standby = s.get(&r.standby).expect("the standby");
-                        // The standby is up: its restart after the last
-                        // takeover is recorded and its new VM heartbeats.
-                        let ready = || {
-                            standby.monitor.recovery_count() >= standby.monitor.detections().len()
-                                && standby.vm().control().vcpus[0].snapshot().beats > 0
-                                && standby.monitor.next_vm_ready()
-                        };
-                        if !wait_for(Duration::from_secs(120), ready) {
-                            bail!("kv-takeovers: standby '{}' not ready within 120 s", r.standby);
-                        }
-                        // Writes acknowledged by this holder.
-                        std::thread::sleep(Duration::from_millis(300));
-                        if !wait_for(Duration::from_secs(30), || answers(echo)) {
-                            bail!("kv-takeovers: no answer within 30 s before fault {}", i + 1);
-                        }
-                        faults_ms.push(unix_now_ms());
-                        s.inject(&r.holder, &BAD_RIP)?;
-                        if !wait_for(Duration::from_secs(30), || {
-                            service().takeovers.len() as u64 > i
-                        }) {
-                            bail!("kv-takeovers: fault {} not taken over within 30 s", i + 1);
-                        }
-                    }
-                    Ok(())
-                })();
-                let secs = t0.elapsed().as_secs_f64();
-                std::thread::sleep(Duration::from_millis(500));
-                stop.store(true, std::sync::atomic::Ordering::SeqCst);
-                let kv = loader.join().map_err(|_| anyhow!("the kv client panicked"))?;
-                let ping = pinger.join().map_err(|_| anyhow!("the pinger panicked"))?;
-                body?;
-                Ok((kv, ping?, faults_ms, secs))
+    let body = |s: &SandboxSet| -> Result<KvTakeovers> {
+        let names: Vec<String> = s.sandboxes.iter().map(|b| b.config.name.clone()).collect();
+        let service = || s.services.report(&names).remove(0);
+        let mut faults_ms = Vec::new();
+        let timeout = Duration::from_millis(500);
+        let (kv, faults_secs, ping) =
+            faults_under_load(faults, 400, "kvto-", timeout, true, |i| {
+                let r = service();
+                let standby = s.get(&r.standby).expect("the standby");
+                // The standby is up: its restart after the last takeover is
+                // recorded, its new VM heartbeats and its next one is built.
+                let ready = || {
+                    standby.monitor.recovery_count() >= standby.monitor.detections().len()
+                        && standby.vm().control().vcpus[0].snapshot().beats > 0
+                        && standby.monitor.next_vm_ready()
+                };
+                if !wait_for(Duration::from_secs(120), ready) {
+                    bail!("kv-takeovers: standby '{}' not ready within 120 s", r.standby);
+                }
+                // Writes acknowledged by this holder.
+                std::thread::sleep(Duration::from_millis(300));
+                if !wait_for(Duration::from_secs(30), || answers(echo)) {
+                    bail!("kv-takeovers: no answer within 30 s before fault {}", i + 1);
+                }
+                faults_ms.push(unix_now_ms());
+                s.inject(&r.holder, &BAD_RIP)?;
+                if !wait_for(Duration::from_secs(30), || service().takeovers.len() as u64 > i) {
+                    bail!("kv-takeovers: fault {} not taken over within 30 s", i + 1);
+                }
+                Ok(())
             })?;
-            let r = service();
-            let header = s.services.services[0].state.as_ref().map(|st| st.header());
-            // The pinger stopped before this.
-            let end_ms = unix_now_ms() - ping.start_unix_ms;
-            Ok(KvTakeovers {
-                faults,
-                takeovers: r.takeovers.len() as u64,
-                takeovers_ok: r.takeovers.iter().filter(|t| t.ok).count() as u64,
-                kv_ops: kv.ops,
-                kv_puts: kv.puts,
-                kv_lost: kv.mismatches + kv.readback_mismatches,
-                kv_unverified: kv.unverified,
-                kv_unacked_puts: kv.unacked_puts,
-                kv_digest_ok: kv.digest_ok,
-                table_loads: header.as_ref().map_or(0, |h| h.loads),
-                table_dropped: header.as_ref().map_or(0, |h| h.dropped),
-                first_reply_ms: r.takeovers.iter().filter_map(|t| t.first_reply_ms).collect(),
-                ping_gap_ms: gaps_per_fault(
-                    &ping.arrivals_ms,
-                    &faults_ms.iter().map(|f| f - ping.start_unix_ms).collect::<Vec<_>>(),
-                    end_ms,
-                ),
-                faults_secs,
-            })
-        })?;
-        r
-    })
+        let ping = ping.expect("the pinger ran");
+        // The pinger stopped before this.
+        let end_ms = unix_now_ms() - ping.start_unix_ms;
+        let r = service();
+        let header = s.services.services[0].state.as_ref().map(|st| st.header());
+        Ok(KvTakeovers {
+            faults,
+            takeovers: r.takeovers.len() as u64,
+            takeovers_ok: r.takeovers.iter().filter(|t| t.ok).count() as u64,
+            kv_ops: kv.ops,
+            kv_puts: kv.puts,
+            kv_lost: kv.mismatches + kv.readback_mismatches,
+            kv_unverified: kv.unverified,
+            kv_unacked_puts: kv.unacked_puts,
+            kv_digest_ok: kv.digest_ok,
+            table_loads: header.as_ref().map_or(0, |h| h.loads),
+            table_dropped: header.as_ref().map_or(0, |h| h.dropped),
+            first_reply_ms: r.takeovers.iter().filter_map(|t| t.first_reply_ms).collect(),
+            ping_gap_ms: gaps_per_fault(
+                &ping.arrivals_ms,
+                &faults_ms.iter().map(|f| f - ping.start_unix_ms).collect::<Vec<_>>(),
+                end_ms,
+            ),
+            faults_secs,
+        })
+    };
+    with_kv_set("kvto", &web_config("remote", cores), "restart", faults, body, |_, r| r)
 }
 
 /// Per fault at `faults_ms` (sorted), the longest silence of `times_ms`
@@ -600,13 +592,14 @@ mod tests {
 
     #[test]
     fn each_fault_gets_the_longest_silence_until_the_next_fault() {
-        // Replies every 1 ms, but 20 ms of silence after the first fault
-        // (from 10.5) and 5 ms after the second (from 40.5).
+        // Replies every 1 ms, but 5 ms of silence after the first fault
+        // (at 10.2) and 20 ms after the second (at 40.2): the second's
+        // longer silence is not the first's.
         let t: Vec<f64> = (0..100)
             .map(f64::from)
-            .filter(|&x| !(11.0..31.0).contains(&x) && !(41.0..46.0).contains(&x))
+            .filter(|&x| !(11.0..16.0).contains(&x) && !(41.0..61.0).contains(&x))
             .collect();
-        assert_eq!(gaps_per_fault(&t, &[10.2, 40.2], 100.0), vec![21.0, 6.0]);
+        assert_eq!(gaps_per_fault(&t, &[10.2, 40.2], 100.0), vec![6.0, 21.0]);
         // No reply after the last fault: silent to the end.
         assert_eq!(gaps_per_fault(&t[..5], &[4.5], 10.0), vec![6.0]);
     }
