@@ -81,6 +81,16 @@ pub struct BenchSandboxRecoveryArgs {
     /// counting acknowledged writes lost (0: skip it).
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(0..=1000))]
     pub kv_rollbacks: u64,
+    /// The `rollback` row: svc's checkpoint interval (ms, 5..=10000).
+    /// Its channel output is held until released (output commit), so the
+    /// stream p sees advances at most once per interval.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(5..=10_000))]
+    pub rollback_interval_ms: u64,
+    /// The `rollback` row: svc's `recovery.release` (`next_checkpoint` or
+    /// `detection_latency`, which holds its channel output about
+    /// `detect.heartbeat_cpu_ms`, 1 s, of guest time).
+    #[arg(long, default_value = "next_checkpoint", value_parser = ["next_checkpoint", "detection_latency"])]
+    pub rollback_release: String,
     /// Write fig6.svg and fig10.svg into this directory.
     #[arg(long)]
     pub plot: Option<PathBuf>,
@@ -212,8 +222,12 @@ fn longest_gap(samples: &[(f64, (u64, u64))]) -> f64 {
     samples.last().map_or(gap, |end| gap.max(end.0 - last))
 }
 
-fn policy_run(policy: &str) -> Result<PolicyRun> {
+fn policy_run(policy: &str, a: &BenchSandboxRecoveryArgs) -> Result<PolicyRun> {
     let extra = match policy {
+        "rollback" => format!(
+            r#""recovery": {{"policy": "rollback", "checkpoint_interval_ms": {}, "release": "{}"}},"#,
+            a.rollback_interval_ms, a.rollback_release
+        ),
         "replace" => r#""recovery": {"policy": "replace", "replace_with": {"kind": "chanstream", "duration_ms": 0, "send_every_us": 500}},"#.to_string(),
         p => format!(r#""recovery": {{"policy": "{p}"}},"#),
     };
@@ -960,16 +974,17 @@ pub fn bench(a: BenchSandboxRecoveryArgs) -> Result<ExitCode> {
         }
         let mut runs = Vec::new();
         for _ in 0..a.reps {
-            runs.push(policy_run(policy)?);
+            runs.push(policy_run(policy, &a)?);
         }
         let p = policy_result(policy, runs);
         println!(
-            "{policy:8}: service gap {} ms; detection {} ms; recovered {}/{}; healthy pair errors {}; new VM built ahead in {}/{}",
+            "{policy:8}: service gap {} ms; detection {} ms; recovered {}/{}; healthy pair errors {}; p's errors (svc's stream included) {}; new VM built ahead in {}/{}",
             p.service_gap_ms.show(1),
             p.detection_ms.show(2),
             p.runs.iter().filter(|r| r.recovered).count(),
             p.runs.len(),
             p.runs.iter().map(|r| r.q_errors).sum::<u64>(),
+            p.runs.iter().map(|r| r.p_errors).sum::<u64>(),
             p.runs.iter().filter(|r| r.phases.image_prepared).count(),
             p.runs.len(),
         );
