@@ -1095,9 +1095,10 @@ mod tests {
                     }
                 }
                 if attempt < 2 && round % 3 != 0 {
-                    // A fault: back to the checkpoint.
+                    // A fault: back to the checkpoint, as the supervisor
+                    // does it (the restored words are released).
                     restore(x.own, &k);
-                    release(x.own, &k);
+                    release(x.own, &snapshot(x.own));
                     x = saved.clone();
                     xs = saved_xs;
                 }
