@@ -39,7 +39,9 @@ pub mod supervisor;
 pub mod tracker;
 
 pub use engine::Mode;
-pub use supervisor::{CheckpointConfig, CommitRule, Live, RollbackRecord, RunReport, Supervisor};
+pub use supervisor::{
+    CheckpointConfig, CommitRule, HeldRegion, Live, RollbackRecord, RunReport, Supervisor,
+};
 
 /// Guest page size.
 pub const PAGE: usize = 4096;

@@ -239,6 +239,12 @@ impl OutputCommit {
         (out, past)
     }
 
+    /// Counts a rollback that undid released output other than frames
+    /// (a held channel's records, `crate::supervisor::HeldRegion`).
+    pub fn note_past_released(&mut self) {
+        self.past_released += 1;
+    }
+
     /// The end of the run: with `completed`, every queued frame and
     /// `device_held` are returned to be sent; otherwise all are dropped.
     /// With `keep_disk`, the queued disk writes are returned to go to the

@@ -65,6 +65,14 @@
 //! (unless a recurrence or a ring merge goes back past released output:
 //! counted in [`RollbackRecord::past_released_output`]). Without it frames
 //! go straight out, and a rollback undoes state the network has seen.
+//!
+//! The same holds for a sandbox's channel regions given to
+//! [`Supervisor::start_holding`] (`nl_workloads::channel`, "Held output"):
+//! at each checkpoint the supervisor records their owner words (head,
+//! acknowledgement, ...), publishes a checkpoint's words as the released
+//! view when its output may leave by [`CheckpointConfig::commit_rule`],
+//! and on a rollback writes the target's words back, so peers never read a
+//! record, nor reuse ring space, that a rollback takes back.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -80,6 +88,7 @@ use crate::engine::{Engine, Mode};
 use crate::inject::{self, GuestFault, Rng};
 use crate::output_commit::{OutputCommit, OutputCommitStats};
 use crate::CheckpointError;
+use nl_workloads::channel;
 
 /// Consecutive checkpoints longer than the interval that end a run.
 pub const MAX_OVERRUNS: u32 = 5;
@@ -319,12 +328,18 @@ pub struct RunReport {
     pub outcome: VmOutcome,
 }
 
+/// A sandbox channel region whose owner is the supervised VM and whose
+/// output the supervisor holds (`nl_workloads::channel`, "Held output").
+pub type HeldRegion = Arc<dyn channel::HeaderWords>;
+
 /// One kept checkpoint's non-memory state, when it was taken (wall time,
 /// for reports) and the guest's clock then.
 struct Kept {
     /// Sequence number among the run's checkpoints (0: the first).
     id: u64,
     state: VmState,
+    /// The held channel regions' owner words then (one per held region).
+    channels: Vec<channel::HeaderSnapshot>,
     taken: Instant,
     clock: Vec<u64>,
     first: bool,
@@ -428,6 +443,10 @@ pub struct Supervisor<'a> {
     injections: Vec<(Instant, InjectionRecord)>,
     /// Held output (with `cfg.output_commit`).
     output: Option<OutputCommit>,
+    /// Channel regions whose output is held (with `cfg.output_commit`),
+    /// and the checkpoint whose words they publish.
+    held: Vec<HeldRegion>,
+    held_released: Option<u64>,
     /// The next checkpoint's sequence number.
     next_id: u64,
 }
@@ -435,6 +454,22 @@ pub struct Supervisor<'a> {
 impl<'a> Supervisor<'a> {
     /// Starts the VM and takes checkpoint 0.
     pub fn start(vm: &'a Vm, cfg: CheckpointConfig) -> Result<Self, CheckpointError> {
+        Self::start_holding(vm, cfg, Vec::new())
+    }
+
+    /// [`Supervisor::start`] for a VM that owns the channel regions `held`
+    /// (a sandbox's own output regions): with `cfg.output_commit` their
+    /// output is held like the network's. What the guest publishes and
+    /// acknowledges on them becomes visible to its peers once released by
+    /// `cfg.commit_rule`, and a rollback writes its target's header words
+    /// back (`nl_workloads::channel::{hold, release, restore}`). Without
+    /// output commit `held` is ignored.
+    pub fn start_holding(
+        vm: &'a Vm,
+        cfg: CheckpointConfig,
+        held: Vec<HeldRegion>,
+    ) -> Result<Self, CheckpointError> {
+        let held = if cfg.output_commit { held } else { Vec::new() };
         if cfg.interval < Duration::from_millis(5) {
             return Err(CheckpointError::Config(format!(
                 "--interval {:?} is too short: at least 5 ms",
@@ -457,8 +492,13 @@ impl<'a> Supervisor<'a> {
         // checkpoint and rollback, or a rollback would leave, say, a used
         // ring ahead of the driver's restored view of it.
         vm.track_vmm_writes(true);
+        // Before the first instruction: nothing is visible unreleased.
+        for r in &held {
+            channel::hold(&**r);
+        }
         vm.start()?;
         vm.pause();
+        let channels = held.iter().map(|r| channel::snapshot(&**r)).collect();
         let setup = (|| {
             let state = vm.save_state()?;
             let engine = Engine::start(cfg.mode, vm, cfg.block_pages)?;
@@ -496,6 +536,7 @@ impl<'a> Supervisor<'a> {
             states: VecDeque::from([Kept {
                 id: 0,
                 state,
+                channels,
                 taken: now,
                 clock: vec![0; vcpus],
                 first: true,
@@ -525,6 +566,8 @@ impl<'a> Supervisor<'a> {
             rollbacks: Vec::new(),
             injections: Vec::new(),
             output,
+            held,
+            held_released: None,
             next_id: 1,
         })
         .map(|mut s| {
@@ -544,6 +587,7 @@ impl<'a> Supervisor<'a> {
     /// Sends the held output whose checkpoint no rollback can undo any more
     /// (see [`crate::output_commit`]).
     fn release_output(&mut self) {
+        self.release_channels();
         if self.output.as_ref().is_none_or(OutputCommit::is_empty) {
             return;
         }
@@ -565,6 +609,33 @@ impl<'a> Supervisor<'a> {
         }
         self.vm.release_disk_writes(&out.disk);
         self.vm.serve_disk_if_unblocked();
+    }
+
+    /// Publishes the held channel regions' words of the newest checkpoint
+    /// whose output may leave by the commit rule: the one a first rollback
+    /// would go back to at most (`DetectionLatency`: the newest kept that
+    /// qualifies with `L` now; `NextCheckpoint`: the one before the newest).
+    fn release_channels(&mut self) {
+        if self.held.is_empty() {
+            return;
+        }
+        let at = match self.cfg.commit_rule {
+            CommitRule::DetectionLatency => rollback_target(
+                self.states.iter().map(|k| (k.clock.as_slice(), k.first)),
+                self.clock.now(),
+                &self.working(),
+                self.latency_ns,
+            ),
+            CommitRule::NextCheckpoint => Some(self.states.len().saturating_sub(2)),
+        };
+        let Some(k) = at.and_then(|i| self.states.get(i)) else { return };
+        if self.held_released.is_some_and(|r| r >= k.id) {
+            return;
+        }
+        for (r, s) in self.held.iter().zip(&k.channels) {
+            channel::release(&**r, s);
+        }
+        self.held_released = Some(k.id);
     }
 
     /// Checks the guest's result when it reports completion; a failed check
@@ -596,6 +667,8 @@ impl<'a> Supervisor<'a> {
         let own_cpu = || nl_vmm::progress::own_cpu_ns().unwrap_or(0);
         let cpu0 = own_cpu();
         self.vm.pause();
+        // The guest's channel words with its vCPUs out: this checkpoint's.
+        let channels = self.held.iter().map(|r| channel::snapshot(&**r)).collect();
         let r = (|| {
             let state = self.vm.save_state()?;
             self.note_device_writes();
@@ -646,7 +719,7 @@ impl<'a> Supervisor<'a> {
             Some(crate::policy::Capture::Compare) => self.captures[1] += 1,
             None => {}
         }
-        self.states.push_back(Kept { id, state, taken: t0, clock, first: false });
+        self.states.push_back(Kept { id, state, channels, taken: t0, clock, first: false });
         self.trim_ring();
         self.release_output();
         Ok(())
@@ -842,6 +915,29 @@ impl<'a> Supervisor<'a> {
                 );
             }
         }
+        if !self.held.is_empty() {
+            // The guest's channel words go back with its RAM (its vCPUs are
+            // halted); the target's words are part of its state, so they
+            // are released (nothing past them ever was, unless released
+            // output is undone: counted as for frames).
+            for (r, s) in self.held.iter().zip(&kept.channels) {
+                channel::restore(&**r, s);
+                channel::release(&**r, &channel::snapshot(&**r));
+            }
+            if self.held_released.is_some_and(|r| r > kept.id) {
+                if !past_released_output {
+                    if let Some(oc) = self.output.as_mut() {
+                        oc.note_past_released();
+                    }
+                    reason.push_str(
+                        "; output commit: the target is older than channel output already \
+                         released, which this rollback undoes",
+                    );
+                }
+                past_released_output = true;
+            }
+            self.held_released = Some(kept.id);
+        }
         self.vm.restore_state(&kept.state)?;
         self.vm.relaunch()?;
         let age_ns = least_since(&kept.clock, &now, &working);
@@ -1002,6 +1098,12 @@ impl<'a> Supervisor<'a> {
                 VmOutcome::GuestError { .. } | VmOutcome::Crashed { .. } | VmOutcome::Hung { .. }
             );
             let completed = outcome == VmOutcome::Completed;
+            if completed {
+                // A completed guest's channel output is final too.
+                for r in &self.held {
+                    channel::release(&**r, &channel::snapshot(&**r));
+                }
+            }
             let out = oc.finish(completed, keep_disk, device_held, Instant::now());
             self.vm.release_net_output(&out.frames);
             self.vm.release_disk_writes(&out.disk);

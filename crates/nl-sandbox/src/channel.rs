@@ -67,6 +67,31 @@ impl Words for Mapped<'_> {
     }
 }
 
+/// One region's header words over the host's mapping, as the checkpoint
+/// supervisor of its owner holds its output with
+/// (`nl_workloads::channel::HeaderWords`; `nl_checkpoint::HeldRegion`).
+struct RegionHeader {
+    map: Arc<GuestRegionMmap>,
+    base: u64,
+}
+
+impl nl_workloads::channel::HeaderWords for RegionHeader {
+    fn load(&self, word: usize) -> u64 {
+        if word >= nl_workloads::channel::HEADER_WORDS {
+            return 0;
+        }
+        let at = MemoryRegionAddress(self.base + word as u64 * 8);
+        self.map.load::<u64>(at, Ordering::Acquire).unwrap_or(0)
+    }
+    fn store(&self, word: usize, value: u64) {
+        if word < nl_workloads::channel::HEADER_WORDS {
+            let at = MemoryRegionAddress(self.base + word as u64 * 8);
+            // The header lies inside the mapping: this cannot fail.
+            let _ = self.map.store(value, at, Ordering::Release);
+        }
+    }
+}
+
 /// Records one check reads at most (a bound on one monitor round's work).
 const CHECK_RECORDS: usize = 4096;
 
@@ -257,6 +282,16 @@ impl HostChannel {
     /// The memfd holding both regions.
     pub fn file(&self) -> Option<&std::fs::File> {
         self.map.file_offset().map(|f| f.file())
+    }
+
+    /// Region `region`'s header, for the checkpoint supervisor of its
+    /// owner (a sandbox under `rollback` with output commit) to hold its
+    /// output (`nl_workloads::channel`, "Held output").
+    pub fn held_region(&self, region: usize) -> nl_checkpoint::HeldRegion {
+        Arc::new(RegionHeader {
+            map: self.map.clone(),
+            base: region.min(1) as u64 * CHANNEL_REGION_BYTES,
+        })
     }
 
     /// Keeps the host mapping alive as long as a VM uses it.

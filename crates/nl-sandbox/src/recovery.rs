@@ -14,9 +14,10 @@
 //!   (CoW-P μCheckpoints in 16-page blocks every
 //!   `recovery.checkpoint_interval_ms`); a detected
 //!   error rolls it back in place, so it keeps its state. Its network
-//!   output is held until no rollback can undo it
-//!   (`recovery.output_commit`, on by default; nl_checkpoint's
-//!   `output_commit`).
+//!   output, and what it publishes and acknowledges on its channels, are
+//!   held until no rollback can undo them (`recovery.output_commit`, on by
+//!   default; nl_checkpoint's `output_commit`; `nl_workloads::channel`,
+//!   "Held output").
 //!
 //! A recovery that fails leaves the sandbox stopped and reported, never
 //! half-restored. More than `recovery.max_recoveries` faults within
@@ -262,7 +263,17 @@ fn run_rollback(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome {
     if let Err(e) = crate::affinity::pin(0, &sb.config.cores) {
         return VmOutcome::Crashed { cpu: 0, message: e.to_string() };
     }
-    let report = Supervisor::start(&vm, cfg).and_then(|s| s.run());
+    // Its own channel regions: what it publishes and acknowledges there is
+    // held like its network output (nl_workloads::channel, "Held output").
+    let held = if r.output_commit() {
+        set.own_regions_of(sb.index)
+            .into_iter()
+            .filter_map(|(c, region)| set.channels.get(c).map(|ch| ch.held_region(region)))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let report = Supervisor::start_holding(&vm, cfg, held).and_then(|s| s.run());
     let report = match report {
         Ok(r) => r,
         Err(e) => {

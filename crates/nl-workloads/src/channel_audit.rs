@@ -22,7 +22,8 @@ use core::sync::atomic::AtomicU64;
 use core::sync::atomic::Ordering::{self, Acquire, Relaxed};
 
 use crate::channel::{
-    record_crc, record_words, HEADER_WORDS, MAGIC, PAD, RECORD_HEADER_WORDS, W_GEN, W_HEAD, W_MAGIC,
+    record_crc, record_words, HEADER_WORDS, HELD, MAGIC, PAD, RECORD_HEADER_WORDS, W_FLAGS, W_GEN,
+    W_HEAD, W_MAGIC, W_REL_GEN, W_REL_HEAD,
 };
 
 /// A region's words as the audit reads them: host memory as atomics, or a
@@ -174,12 +175,24 @@ impl Audit {
             if gen == 0 || region.load(W_MAGIC, Relaxed) != MAGIC {
                 return step;
             }
+            // Held output (`crate::channel`, "Held output"): what the peer
+            // reads, the released generation up to the released head; the
+            // writer's own head says which words it may be rewriting.
+            let held = region.load(W_FLAGS, Acquire) & HELD != 0;
+            let moved = || {
+                region.load(W_GEN, Acquire) != gen
+                    || (held && region.load(W_REL_GEN, Acquire) != gen)
+            };
+            if held && region.load(W_REL_GEN, Acquire) != gen {
+                return step;
+            }
             if gen != self.generation {
                 self.start(gen, check);
             }
-            let head = region.load(W_HEAD, Acquire);
+            let raw = region.load(W_HEAD, Acquire);
+            let head = if held { raw.min(region.load(W_REL_HEAD, Acquire)) } else { raw };
             // The writer re-initialised while we read the head.
-            if region.load(W_GEN, Acquire) != gen {
+            if moved() {
                 continue;
             }
             if head == self.pos {
@@ -192,7 +205,7 @@ impl Audit {
                 check.start(false);
                 continue;
             }
-            if !safe(head, self.pos) {
+            if !safe(raw, self.pos) {
                 self.lose_track(head, &mut step, check);
                 continue;
             }
@@ -215,12 +228,12 @@ impl Audit {
             }
             // Read it again: the words may have been reused meanwhile, or
             // the writer restarted.
-            let head2 = region.load(W_HEAD, Acquire);
-            if region.load(W_GEN, Acquire) != gen || head2 < head {
+            let raw2 = region.load(W_HEAD, Acquire);
+            if moved() || raw2 < raw {
                 continue;
             }
-            if !safe(head2, self.pos) {
-                self.lose_track(head2, &mut step, check);
+            if !safe(raw2, self.pos) {
+                self.lose_track(if held { head } else { raw2 }, &mut step, check);
                 continue;
             }
             if w0 == PAD {
