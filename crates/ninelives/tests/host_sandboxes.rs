@@ -817,6 +817,54 @@ fn microrebooting_host(
     (child, end)
 }
 
+/// Makes the microrebooting host on `sock` (request `fault_at` faults;
+/// `sent` requests so far) microreboot: pads the requests, sends the
+/// faulting one, and waits (bounded) until the fresh process (the same
+/// pid, generation 1) serves.
+fn microreboot(
+    sock: &std::path::Path,
+    child: &mut std::process::Child,
+    sent: &mut usize,
+    fault_at: usize,
+) {
+    pad_requests(sock, sent, fault_at);
+    let r = nl_vmm::api::request_timeout(sock, &json!({"op": "info"}), Duration::from_secs(30));
+    assert!(
+        r.is_err() || r.as_ref().unwrap()["ok"] != true,
+        "the faulting request was answered: {r:?}"
+    );
+    let t = Instant::now();
+    loop {
+        let info =
+            nl_vmm::api::request_timeout(sock, &json!({"op": "info"}), Duration::from_secs(30));
+        if let Ok(v) = info {
+            if v["generation"] == 1 {
+                assert_eq!(v["pid"], child.id(), "{v}");
+                break;
+            }
+        }
+        assert!(child.try_wait().unwrap().is_none(), "the host died");
+        assert!(t.elapsed() < Duration::from_secs(60), "the host did not serve again");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Stops the host and returns the recovery line its microreboot printed
+/// on stderr.
+fn stop_and_recovery_line(sock: &std::path::Path, child: &mut std::process::Child) -> String {
+    stop_host(sock, child);
+    let err = {
+        use std::io::Read;
+        let mut e = String::new();
+        child.stderr.take().unwrap().read_to_string(&mut e).unwrap();
+        e
+    };
+    err.lines()
+        .find(|l| l.starts_with("NINELIVES-RECOVERED "))
+        .unwrap_or_else(|| panic!("{err}"))
+        .to_string()
+}
+
 /// A microreboot (a fault in the host's API thread, the process exec'd
 /// afresh in place) carries a set on a shared link the same way: with a
 /// 1 ms ping to each member across it, the fresh process (same pid) takes
@@ -846,26 +894,7 @@ fn a_microreboot_carries_a_set_on_a_shared_link() {
     let mut sent = 2;
     let pings = ["10.0.0.2", "10.0.0.3"].map(|ip| (ip, start_ping_at(&ns, ip)));
     std::thread::sleep(Duration::from_millis(300));
-    pad_requests(&sock, &mut sent, FAULT_AT);
-    let r = nl_vmm::api::request_timeout(&sock, &json!({"op": "info"}), Duration::from_secs(30));
-    assert!(
-        r.is_err() || r.as_ref().unwrap()["ok"] != true,
-        "the faulting request was answered: {r:?}"
-    );
-    let t = Instant::now();
-    loop {
-        let info =
-            nl_vmm::api::request_timeout(&sock, &json!({"op": "info"}), Duration::from_secs(30));
-        if let Ok(v) = info {
-            if v["generation"] == 1 {
-                assert_eq!(v["pid"], child.id(), "{v}");
-                break;
-            }
-        }
-        assert!(child.try_wait().unwrap().is_none(), "the host died");
-        assert!(t.elapsed() < Duration::from_secs(60), "the host did not serve again");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    microreboot(&sock, &mut child, &mut sent, FAULT_AT);
     let mut answered = 0;
     for (ip, ping) in pings {
         let j = ping_report(ping);
@@ -882,17 +911,7 @@ fn a_microreboot_carries_a_set_on_a_shared_link() {
     let (after, _) = link_now(&sock);
     check_same_link(&before, &after, answered);
     check_each_member_gets_only_its_own_frames(&ns, &sock);
-    stop_host(&sock, &mut child);
-    let err = {
-        use std::io::Read;
-        let mut e = String::new();
-        child.stderr.take().unwrap().read_to_string(&mut e).unwrap();
-        e
-    };
-    let line = err
-        .lines()
-        .find(|l| l.starts_with("NINELIVES-RECOVERED "))
-        .unwrap_or_else(|| panic!("{err}"));
+    let line = stop_and_recovery_line(&sock, &mut child);
     assert!(line.contains("\"sets\":1"), "{line}");
 }
 
@@ -961,10 +980,7 @@ fn warm_rejuvenation_carries_a_service_set_and_a_takeover_works_after_it() {
     assert_eq!((holder.as_str(), standby.as_str()), ("web", "spare"));
     assert!(takeovers.is_empty(), "{takeovers:?}");
     // A takeover in the new process.
-    let fault = json!({"kind": "register", "cpu": 0, "reg": "rip", "bit": 40});
-    let req = json!({"op": "sandbox_inject", "name": "svc", "sandbox": "web", "fault": fault});
-    let r = nl_vmm::api::request_timeout(&sock, &req, Duration::from_secs(30)).unwrap();
-    assert_eq!(r["ok"], true, "{r}");
+    inject_bad_rip(&sock, "svc", "web");
     wait_for("the standby to take the service over", Duration::from_secs(60), || {
         service_now(&sock).0 == "spare"
     });
@@ -1011,23 +1027,7 @@ fn a_microreboot_carries_a_service_set_with_its_tap() {
     assert!(ns.wait_answering(Duration::from_secs(60)), "the owner never answered");
     let ping = start_ping(&ns);
     std::thread::sleep(Duration::from_millis(300));
-    pad_requests(&sock, &mut sent, FAULT_AT);
-    let r = nl_vmm::api::request_timeout(&sock, &json!({"op": "info"}), Duration::from_secs(30));
-    assert!(
-        r.is_err() || r.as_ref().unwrap()["ok"] != true,
-        "the faulting request was answered: {r:?}"
-    );
-    let t = Instant::now();
-    loop {
-        let info =
-            nl_vmm::api::request_timeout(&sock, &json!({"op": "info"}), Duration::from_secs(30));
-        if info.as_ref().is_ok_and(|v| v["generation"] == 1) {
-            break;
-        }
-        assert!(child.try_wait().unwrap().is_none(), "the host died");
-        assert!(t.elapsed() < Duration::from_secs(60), "the host did not serve again");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    microreboot(&sock, &mut child, &mut sent, FAULT_AT);
     let j = ping_report(ping);
     assert!(ns.wait_answering(Duration::from_secs(30)), "no answer after the microreboot");
     eprintln!(
@@ -1040,17 +1040,7 @@ fn a_microreboot_carries_a_service_set_with_its_tap() {
     let (holder, standby, takeovers) = service_now(&sock);
     assert_eq!((holder.as_str(), standby.as_str()), ("web", "spare"));
     assert!(takeovers.is_empty(), "{takeovers:?}");
-    stop_host(&sock, &mut child);
-    let err = {
-        use std::io::Read;
-        let mut e = String::new();
-        child.stderr.take().unwrap().read_to_string(&mut e).unwrap();
-        e
-    };
-    let line = err
-        .lines()
-        .find(|l| l.starts_with("NINELIVES-RECOVERED "))
-        .unwrap_or_else(|| panic!("{err}"));
+    let line = stop_and_recovery_line(&sock, &mut child);
     assert!(line.contains("\"sets\":1"), "{line}");
 }
 
@@ -1088,6 +1078,38 @@ fn write_acked(ns: &Netns, range: std::ops::Range<u64>) {
     .unwrap()
 }
 
+/// Writes `PUT first 1` to the kv service at 10.0.0.2 in namespace `ns`
+/// (waiting for it to answer, bounded), acknowledged.
+fn put_first(ns: &Netns) {
+    ns.0.run_in(|| {
+        let mut c = crate::sandbox_state::Client::new();
+        assert_eq!(c.must("PUT first 1", Duration::from_secs(60)), "OK");
+        Ok(())
+    })
+    .unwrap();
+}
+
+/// Injects an unmapped RIP (the next instruction faults) into sandbox
+/// `sandbox` of set `set` through the host's API.
+fn inject_bad_rip(sock: &std::path::Path, set: &str, sandbox: &str) {
+    let fault = json!({"kind": "register", "cpu": 0, "reg": "rip", "bit": 40});
+    let req = json!({"op": "sandbox_inject", "name": set, "sandbox": sandbox, "fault": fault});
+    let r = nl_vmm::api::request_timeout(sock, &req, Duration::from_secs(30)).unwrap();
+    assert_eq!(r["ok"], true, "{r}");
+}
+
+/// A warm rejuvenation of the host on `sock`, which must carry set `set`
+/// (its `handovers` then `handovers`); returns the rejuvenation's answer.
+fn rejuvenate_warm(sock: &std::path::Path, set: &str, handovers: u64) -> Value {
+    let (st, r) = http_json(sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["report"]["ok"], true, "{r}");
+    assert_eq!(r["report"]["sets"], json!([set]), "{r}");
+    let (_, list) = http_json(sock, "GET", "/v1/sandboxes", None);
+    assert_eq!(list["sets"][0]["handovers"], handovers, "{list}");
+    r
+}
+
 /// A kv service with a state region (owner `web` on TAP nltap0, standby
 /// `spare`) is carried by a warm rejuvenation: 200 writes acknowledged
 /// before it are read back after it (the new process maps the same memfd
@@ -1117,29 +1139,16 @@ fn warm_rejuvenation_carries_a_state_region_and_a_takeover_keeps_its_writes() {
     let body = json!({"name": "svc", "set": set, "timeout_secs": 600}).to_string();
     let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&body));
     assert_eq!(st, 201, "{v}");
-    ns.0.run_in(|| {
-        let mut c = crate::sandbox_state::Client::new();
-        assert_eq!(c.must("PUT first 1", Duration::from_secs(60)), "OK");
-        Ok(())
-    })
-    .unwrap();
+    put_first(&ns);
     write_acked(&ns, 0..200);
-    let (st, r) = http_json(&sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
-    assert_eq!(st, 200, "{r}");
-    assert_eq!(r["report"]["ok"], true, "{r}");
-    assert_eq!(r["report"]["sets"], json!(["svc"]), "{r}");
-    let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
-    assert_eq!(list["sets"][0]["handovers"], 1, "{list}");
+    rejuvenate_warm(&sock, "svc", 1);
     read_back(&ns, 200, "after the rejuvenation");
     write_acked(&ns, 200..300);
     let (holder, standby, takeovers) = service_now(&sock);
     assert_eq!((holder.as_str(), standby.as_str()), ("web", "spare"));
     assert!(takeovers.is_empty(), "{takeovers:?}");
     // A takeover in the new process: the region moves to spare.
-    let fault = json!({"kind": "register", "cpu": 0, "reg": "rip", "bit": 40});
-    let req = json!({"op": "sandbox_inject", "name": "svc", "sandbox": "web", "fault": fault});
-    let r = nl_vmm::api::request_timeout(&sock, &req, Duration::from_secs(30)).unwrap();
-    assert_eq!(r["ok"], true, "{r}");
+    inject_bad_rip(&sock, "svc", "web");
     wait_for("the standby to take the service over", Duration::from_secs(60), || {
         service_now(&sock).0 == "spare"
     });
@@ -1153,8 +1162,18 @@ fn warm_rejuvenation_carries_a_state_region_and_a_takeover_keeps_its_writes() {
 /// `ninelives host --api SOCK` in namespace `ns`, listening; the guard
 /// ends whichever process serves `sock` if the test fails midway.
 fn host_in(ns: &Netns, sock: &std::path::Path) -> (std::process::Child, EndHostOnDrop) {
+    host_in_with(ns, sock, &[])
+}
+
+/// [`host_in`] with `env` set.
+fn host_in_with(
+    ns: &Netns,
+    sock: &std::path::Path,
+    env: &[(&str, &str)],
+) -> (std::process::Child, EndHostOnDrop) {
     let child = ns
         .ninelives(&["host", "--api", sock.to_str().unwrap()])
+        .envs(env.iter().copied())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -1240,4 +1259,153 @@ fn warm_rejuvenation_carries_a_sandbox_with_its_own_disk() {
     assert!(a["disk"]["writes"].as_u64() > Some(0), "no writes after the handover: {a}");
     assert_eq!(a["disk"]["errors"], 0, "{a}");
     stop_host(&sock, &mut child);
+}
+
+/// `POST /v1/sandboxes` of set `rb`: one kv sandbox under `rollback`
+/// (output commit on, released at the next checkpoint, 20 ms checkpoints,
+/// 100 ms heartbeat bound) on TAP nltap0 at 10.0.0.2. Its table is in
+/// guest RAM only (no state region): a restart would lose it. (Released
+/// after the detection latency instead, a reply of the mostly idle guest
+/// waits for 100 ms of its guest time: a single client's requests then
+/// took over 30 s each.)
+fn rollback_kv_body(c0: usize) -> String {
+    let net = json!({"tap": "nltap0", "mac": "52:54:00:5a:00:02", "ipv4": "10.0.0.2/24"});
+    let set = json!({"sandboxes": [
+        {"name": "kv", "cores": [c0], "mem_mib": 48, "net": net,
+         "workload": {"kind": "kv", "duration_ms": 0},
+         "detect": {"heartbeat_cpu_ms": 100},
+         "recovery": {"policy": "rollback", "max_recoveries": 100, "window_ms": 1000,
+                      "checkpoint_interval_ms": 20, "release": "next_checkpoint"}}
+    ]});
+    json!({"name": "rb", "set": set, "timeout_secs": 600}).to_string()
+}
+
+/// Sandbox `kv` of set `rb` now: its rollbacks so far (over every process
+/// it ran in); the set must be running (the sandbox's own VM shows an
+/// outcome for a moment between a fault and its rollback).
+fn rollbacks_now(sock: &std::path::Path) -> u64 {
+    let (st, v) = http_json(sock, "GET", "/v1/sandboxes/rb", None);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["state"], "running", "the set ended: {v}");
+    v["sandbox_stats"][0]["rollbacks"].as_u64().unwrap_or_else(|| panic!("no rollbacks: {v}"))
+}
+
+/// The rollback kv sandbox of [`rollback_kv_body`] across `hand_over` (a
+/// warm rejuvenation or a microreboot of its host, or one that fails):
+/// 100 writes acknowledged before are read back after it from the same
+/// guest (no restart: its table is in its RAM), 50 more are written; then
+/// a bad RIP injected into it is rolled back by whichever process serves
+/// now (the rollback count grows), and all 150 keys read back again and
+/// 10 more are written.
+fn rollback_kv_across(ns: &Netns, sock: &std::path::Path, hand_over: impl FnOnce()) {
+    put_first(ns);
+    write_acked(ns, 0..100);
+    assert_eq!(rollbacks_now(sock), 0);
+    hand_over();
+    read_back(ns, 100, "after the handover");
+    write_acked(ns, 100..150);
+    inject_bad_rip(sock, "rb", "kv");
+    wait_for("a rollback after the handover", Duration::from_secs(60), || rollbacks_now(sock) >= 1);
+    read_back(ns, 150, "after the rollback after the handover");
+    write_acked(ns, 150..160);
+}
+
+/// A set with a `rollback` sandbox is carried by a warm rejuvenation
+/// (issue 18): its supervisor ends its run at the pause (output released,
+/// ring dropped), the new process supervises the same guest with a fresh
+/// ring, every write acknowledged before is read back, and a fault after
+/// the handover is rolled back in the new process. Prints the set's
+/// downtime and the load average.
+#[test]
+fn warm_rejuvenation_carries_a_rollback_sandbox_and_rolls_back_after_it() {
+    let _one_at_a_time = common::pace_sensitive();
+    if !kvm_available() {
+        return;
+    }
+    let Some(ns) = Netns::new("sbxrbw") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    let (mut child, _end) = host_in(&ns, &sock);
+    let [c0, _] = two_cores();
+    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&rollback_kv_body(c0)));
+    assert_eq!(st, 201, "{v}");
+    let pid = child.id() as u64;
+    rollback_kv_across(&ns, &sock, || {
+        let before = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+        let r = rejuvenate_warm(&sock, "rb", 1);
+        let (_, info) = http_json(&sock, "GET", "/v1/info", None);
+        assert_ne!(info["pid"].as_u64(), Some(pid), "a new process serves");
+        let after = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+        eprintln!(
+            "rollback sandbox carried by warm rejuvenation: set downtime {} ms; loadavg {} \
+             before, {} after",
+            r["report"]["sets_downtime_ms"],
+            before.trim(),
+            after.trim()
+        );
+    });
+    stop_host(&sock, &mut child);
+}
+
+/// A warm rejuvenation that fails (its new process refuses the set record,
+/// `NINELIVES_HANDOVER_SELFTEST=corrupt-sets`) leaves a rollback sandbox
+/// supervised in the old process: its supervisor had ended its run at the
+/// pause, and its monitor starts a new one over the paused VM (a fresh
+/// ring, first checkpoint before it runs). Every acknowledged write is
+/// read back and a fault after it is rolled back.
+#[test]
+fn a_failed_rejuvenation_leaves_a_rollback_sandbox_supervised_in_the_old_process() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(ns) = Netns::new("sbxrbf") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    let corrupt = [("NINELIVES_HANDOVER_SELFTEST", "corrupt-sets")];
+    let (mut child, _end) = host_in_with(&ns, &sock, &corrupt);
+    let [c0, _] = two_cores();
+    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&rollback_kv_body(c0)));
+    assert_eq!(st, 201, "{v}");
+    rollback_kv_across(&ns, &sock, || {
+        let (st, r) = http_json(&sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
+        assert_eq!(st, 200, "{r}");
+        assert_eq!(r["report"]["ok"], false, "{r}");
+        assert_eq!(r["report"]["rolled_back"], true, "{r}");
+        let (_, info) = http_json(&sock, "GET", "/v1/info", None);
+        assert_eq!(info["pid"], child.id(), "{info}");
+    });
+    stop_host(&sock, &mut child);
+}
+
+/// The same across a microreboot (a fault in the host's API thread, the
+/// process exec'd afresh in place): the old process's microreboot thread
+/// has the rollback supervisor end its run before the exec, the fresh
+/// process (same pid) supervises the same guest, every acknowledged write
+/// is read back, a fault after it is rolled back, and the recovery line
+/// counts the set.
+#[test]
+fn a_microreboot_carries_a_rollback_sandbox_and_rolls_back_after_it() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(ns) = Netns::new("sbxrbm") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    // The connection reading request FAULT_AT faults; requests before it:
+    // the create, the rollback counts, then `info`s.
+    const FAULT_AT: usize = 20;
+    let (mut child, _end) = microrebooting_host(&ns, &sock, FAULT_AT);
+    let [c0, _] = two_cores();
+    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&rollback_kv_body(c0)));
+    assert_eq!(st, 201, "{v}");
+    rollback_kv_across(&ns, &sock, || {
+        // The create and one rollback count so far.
+        let mut sent = 2;
+        microreboot(&sock, &mut child, &mut sent, FAULT_AT);
+        let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
+        assert_eq!(list["sets"][0]["name"], "rb", "{list}");
+        assert_eq!(list["sets"][0]["handovers"], 1, "{list}");
+    });
+    let line = stop_and_recovery_line(&sock, &mut child);
+    assert!(line.contains("\"sets\":1"), "{line}");
 }

@@ -73,6 +73,27 @@
 //! view when its output may leave by [`CheckpointConfig::commit_rule`],
 //! and on a rollback writes the target's words back, so peers never read a
 //! record, nor reuse ring space, that a rollback takes back.
+//!
+//! # Handing the VM over
+//!
+//! A VMM process that hands its guests to a new one (a warm rejuvenation,
+//! a microreboot) cannot move the ring: it lives in this process's heap
+//! and its write tracking in this process's mappings. So the run ends
+//! instead ([`Live::request_handover`]): at its next step with no error
+//! detected the supervisor pauses the VM, sends every frame and writes
+//! every disk write it holds, drops the ring (its write protection lifted)
+//! and returns with [`RunReport::handed_over`], the VM left paused. The
+//! state at that pause becomes committed: nothing can roll it back any
+//! more, because whoever supervises the guest next (a new supervisor here
+//! if the handover fails, or one in the new process) starts a fresh ring
+//! whose first checkpoint is taken before the vCPUs run again
+//! ([`Supervisor::start`] over a started VM only pauses it; a VM that
+//! never ran is started paused). No fault is injected while a handover is
+//! asked for, and a run whose last rollback has not settled
+//! ([`Live::settled`]: its error may still come back) goes on until it
+//! has. An error already in the guest at the pause but found after it
+//! cannot be undone past that first checkpoint, as for any state older
+//! than released output.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -207,6 +228,9 @@ pub struct Live {
     settled: AtomicBool,
     /// The last run's output commit statistics (set when it ends).
     output_commit: Mutex<Option<OutputCommitStats>>,
+    /// A handover asks the run to end with the VM paused and its output
+    /// released ([`Live::request_handover`]).
+    handover: AtomicBool,
 }
 
 impl Live {
@@ -236,6 +260,32 @@ impl Live {
     /// time only accrues while it runs).
     pub fn settled(&self) -> bool {
         self.rollbacks() == 0 || self.settled.load(Ordering::SeqCst)
+    }
+
+    /// Asks the running supervisor (or the next one to start) to end its
+    /// run for a handover at its next step with no error detected: the VM
+    /// paused, every frame and disk write it holds released, its ring
+    /// dropped; the run's report says [`RunReport::handed_over`] (see the
+    /// module doc). Stands until [`Live::cancel_handover`].
+    pub fn request_handover(&self) {
+        self.handover.store(true, Ordering::SeqCst);
+    }
+
+    /// Withdraws a handover request (the handover is over, or failed).
+    pub fn cancel_handover(&self) {
+        self.handover.store(false, Ordering::SeqCst);
+    }
+
+    pub fn handover_requested(&self) -> bool {
+        self.handover.load(Ordering::SeqCst)
+    }
+
+    /// Counts `n` rollbacks done before this process supervised the guest
+    /// (a previous VMM process's, carried over). They are settled: a run
+    /// hands its VM over only once its last rollback is.
+    pub fn carry_rollbacks(&self, n: u64) {
+        self.rollbacks.fetch_add(n, Ordering::SeqCst);
+        self.settled.store(true, Ordering::SeqCst);
     }
 
     /// The output commit statistics of the last run that ended (`None`:
@@ -325,6 +375,10 @@ pub struct RunReport {
     pub disk_bytes_last: u64,
     /// Output commit's frames and hold times (`None`: output not held).
     pub output_commit: Option<OutputCommitStats>,
+    /// The run ended for a handover ([`Live::request_handover`]): the VM
+    /// is paused, its output released, the ring dropped (`outcome`:
+    /// stopped).
+    pub handed_over: bool,
     pub outcome: VmOutcome,
 }
 
@@ -452,7 +506,10 @@ pub struct Supervisor<'a> {
 }
 
 impl<'a> Supervisor<'a> {
-    /// Starts the VM and takes checkpoint 0.
+    /// Starts the VM and takes checkpoint 0 before it runs: a VM never
+    /// started is started paused; one already started (handed over by an
+    /// earlier run of this process, paused) is paused. Either way checkpoint
+    /// 0 is the state it runs on from, and every rollback keeps it.
     pub fn start(vm: &'a Vm, cfg: CheckpointConfig) -> Result<Self, CheckpointError> {
         Self::start_holding(vm, cfg, Vec::new())
     }
@@ -492,12 +549,20 @@ impl<'a> Supervisor<'a> {
         // checkpoint and rollback, or a rollback would leave, say, a used
         // ring ahead of the driver's restored view of it.
         vm.track_vmm_writes(true);
-        // Before the first instruction: nothing is visible unreleased.
+        if !vm.started() {
+            // Its vCPU threads park before their first instruction.
+            vm.request_pause();
+            vm.start()?;
+        }
+        vm.pause();
+        // Before the guest's next instruction: checkpoint 0 is committed,
+        // so what its regions show now is released (nothing, for a VM that
+        // never ran; everything so far, for one handed over or resumed
+        // after a failed handover) and the rest is held.
         for r in &held {
             channel::hold(&**r);
+            channel::release(&**r, &channel::snapshot(&**r));
         }
-        vm.start()?;
-        vm.pause();
         let channels = held.iter().map(|r| channel::snapshot(&**r)).collect();
         let setup = (|| {
             let state = vm.save_state()?;
@@ -981,16 +1046,23 @@ impl<'a> Supervisor<'a> {
         let mut judge =
             HangJudge::new(self.cfg.hang_timeout.as_nanos().min(u128::from(u64::MAX)) as u64);
         let mut observed_ns = 0;
+        let mut handed_over = false;
         let outcome = loop {
             if let Some(e) = self.engine.error() {
                 self.vm.halt_vcpus();
                 return Err(CheckpointError::Uffd(e));
             }
-            let live = self.cfg.live.as_ref().map(|l| l.take_faults()).unwrap_or_default();
+            // No fault goes in while a handover is asked for: the state at
+            // its pause becomes committed (queued faults wait in `live`).
+            let handing_over = self.cfg.live.as_ref().is_some_and(|l| l.handover_requested());
+            let live = match &self.cfg.live {
+                Some(l) if !handing_over => l.take_faults(),
+                _ => Vec::new(),
+            };
             for fault in live.into_iter().rev() {
                 plan.push_front((Duration::ZERO, Some(fault)));
             }
-            if plan.front().is_some_and(|(t, _)| self.start.elapsed() >= *t) {
+            if !handing_over && plan.front().is_some_and(|(t, _)| self.start.elapsed() >= *t) {
                 let (_, scripted) = plan.pop_front().expect("checked");
                 let fault = scripted.unwrap_or_else(|| inject::pick(&mut rng, self.vm));
                 if let Some(gpa) = inject::apply(self.vm, &fault)? {
@@ -1052,6 +1124,19 @@ impl<'a> Supervisor<'a> {
                 next = Instant::now() + self.cfg.interval;
                 continue;
             }
+            // Not before the guest re-ran what its last rollback undid: that
+            // error may come back, and the handover commits the state.
+            if handing_over && self.cfg.live.as_ref().is_some_and(|l| l.settled()) {
+                // Nothing detected just now: pause, and hand over unless an
+                // error came in between (then roll back first).
+                self.vm.pause();
+                if self.vm.poll_outcome().is_none() {
+                    handed_over = true;
+                    break VmOutcome::Stopped;
+                }
+                self.vm.resume();
+                continue;
+            }
             if self.start.elapsed() > self.cfg.time_limit {
                 self.vm.halt_vcpus();
                 break VmOutcome::TimedOut { limit_ms: self.cfg.time_limit.as_millis() as u64 };
@@ -1081,14 +1166,21 @@ impl<'a> Supervisor<'a> {
                 next.saturating_duration_since(Instant::now()).min(Duration::from_millis(2)),
             );
         };
-        self.report(outcome)
+        self.report(outcome, handed_over)
     }
 
-    fn report(mut self, outcome: VmOutcome) -> Result<RunReport, CheckpointError> {
+    /// Ends the run: its output settled, its ring dropped with `self`
+    /// (the write protection lifted).
+    fn report(
+        mut self,
+        outcome: VmOutcome,
+        handed_over: bool,
+    ) -> Result<RunReport, CheckpointError> {
         self.vm.track_vmm_writes(false);
         if let Some(oc) = self.output.as_mut() {
-            // A completed guest's output is final; any other run's is not
-            // (its state is lost with the run).
+            // A completed guest's output is final, and so is a handed-over
+            // guest's (its state at the pause is committed: see the module
+            // doc); any other run's is not (its state is lost with the run).
             let device_held = self.vm.hold_net_output(false);
             // The disk keeps the guest's last writes unless the run ended
             // in an error its state holds (then the image stays at the
@@ -1097,9 +1189,10 @@ impl<'a> Supervisor<'a> {
                 outcome,
                 VmOutcome::GuestError { .. } | VmOutcome::Crashed { .. } | VmOutcome::Hung { .. }
             );
-            let completed = outcome == VmOutcome::Completed;
+            let completed = outcome == VmOutcome::Completed || handed_over;
             if completed {
-                // A completed guest's channel output is final too.
+                // A completed guest's channel output is final too, and so
+                // is a handed-over one's (the module doc).
                 for r in &self.held {
                     channel::release(&**r, &channel::snapshot(&**r));
                 }
@@ -1159,6 +1252,7 @@ impl<'a> Supervisor<'a> {
             disk_capture_ms_max: self.disk_capture_ms_max,
             disk_bytes_last: self.disk_bytes_last,
             output_commit,
+            handed_over,
             outcome,
         })
     }

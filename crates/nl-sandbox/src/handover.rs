@@ -51,17 +51,69 @@
 //! that sandbox's rebuilt VM before it runs; the standby still has none,
 //! and a later takeover moves it as before.
 //!
-//! Not carried: sandboxes under `rollback` (their checkpoint supervisor
-//! lives in the old process), a set while a takeover is half done
+//! A sandbox under `rollback` goes too, but not its checkpoint ring: the
+//! ring is in the old process's heap and its write tracking on the old
+//! process's mapping of the guest's memory. The handover makes the state
+//! at the pause the committed state instead:
+//!
+//! 1. Before any sandbox pauses, each rollback sandbox's supervisor is
+//!    asked to end its run ([`nl_checkpoint::Live::request_handover`]). At
+//!    its next step with no error detected it pauses the VM, sends every
+//!    frame it holds to the TAP, writes every disk write it holds to the
+//!    image, drops its ring (the write protection lifted) and returns; its
+//!    monitor then waits at the sandbox's [`RollbackGate`]. The handover
+//!    waits for that (bounded: [`QUIESCE_BOUND`]; a supervisor that does
+//!    not answer fails the handover and everything runs on here).
+//!    Releasing everything is safe because nothing will ever roll the
+//!    guest back behind that pause: the next supervisor of this guest
+//!    starts a fresh ring whose first checkpoint is taken with the vCPUs
+//!    still parked, before they run again ([`nl_checkpoint::Supervisor::start`]).
+//!    So nothing acknowledged to a client is lost (the reply left, and the
+//!    state that sent it is the committed one), and nothing left that a
+//!    rollback could undo.
+//! 2. The other sandboxes pause as before; every VM's state is saved.
+//! 3. In the new process the carried VM is not started with the others:
+//!    its monitor starts a new supervisor over it, which starts it paused,
+//!    takes checkpoint 0 (the carried state), holds output again and only
+//!    then lets it run. A fault after the handover is rolled back in the
+//!    new process; the rollbacks counted so far are carried
+//!    ([`CarriedSandboxes::rollbacks`]) and the new process's detections
+//!    and recoveries go to its monitor as for other policies.
+//! 4. A handover that fails (the old process resumes its sets,
+//!    [`SandboxSet::resume_after_handover`]) does not resume a rollback
+//!    sandbox's VM itself: its gate tells the waiting monitor, which starts
+//!    a new supervisor over the paused VM (a fresh ring, first checkpoint
+//!    before it runs), as the new process would have.
+//!
+//! A microreboot takes the same path: the old process's microreboot
+//! thread pauses and saves the sets before its exec, while the monitors
+//! and supervisors still run, so each rollback supervisor releases its
+//! output and disk writes as above, and the carried state is committed.
+//! Had a supervisor not answered (its thread stuck in the fault), its
+//! set is left behind with a report rather than carried: its memory might
+//! be half rolled back, and the disk writes it held, which the guest
+//! believes written, would be lost with the process. (Dropping only its
+//! held frames would be safe, since the guest's TCP retransmits what no
+//! client acknowledged, but the disk writes make carrying that state
+//! wrong.) The cost: the handover commits whatever the guest did up to the
+//! pause, so an error already in the guest then but found only after it
+//! cannot be rolled back past the new run's first checkpoint (it recurs
+//! and the sandbox gives up after `recovery.max_recoveries`), as for any
+//! state whose output has left. A sandbox that rolled back and has not yet
+//! re-run what the rollback undid (its error may still come back) blocks a
+//! handover until it has ([`SandboxSet::carry_blocker`]).
+//!
+//! Not carried: a set while a takeover is half done (refused: try again),
+//! a set with a rollback sandbox whose last rollback has not settled
 //! (refused: try again), and sets in which some sandbox has already ended;
 //! a doorbell rung during the pause is not replayed (the receivers poll
 //! their rings as well).
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use nl_sync::Lock;
+use nl_sync::{Condvar, Lock};
 use nl_vmm::carry::{FdRecord, InheritedSet, SetRecord};
 use nl_vmm::handover::{memfd_of, mono_ns, MemorySource, VmRecord};
 use nl_vmm::windows::Violation;
@@ -95,6 +147,90 @@ pub struct CarriedSandboxes {
     /// `state_regions`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub states: Option<CarriedStates>,
+    /// Per sandbox: the rollbacks its supervisors did so far (`rollback`
+    /// sandboxes; absent in records written before they were carried).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rollbacks: Vec<u64>,
+}
+
+/// How long a handover waits for a `rollback` sandbox's supervisor to end
+/// its run (it does at its next step, within milliseconds; a checkpoint or
+/// a rollback in progress finishes first). Under a microreboot's recovery
+/// limit (`nl_vmm::recovery::RECOVERY_LIMIT`, 2 s); a warm rejuvenation
+/// that runs out of it fails, its sets run on, and may be tried again.
+pub const QUIESCE_BOUND: Duration = Duration::from_secs(1);
+
+/// Where a `rollback` sandbox's monitor waits once its supervisor ended its
+/// run for a handover, until the handover is over (see the module doc).
+pub struct RollbackGate {
+    state: Arc<Lock<GateState>>,
+    cond: Condvar,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GateState {
+    /// Supervised (or about to be).
+    Running,
+    /// The supervisor's run ended for a handover: the VM paused, its
+    /// output released, no ring.
+    Quiesced,
+    /// The handover failed: supervise the VM again here.
+    Resume,
+}
+
+impl Default for RollbackGate {
+    fn default() -> Self {
+        Self { state: Lock::new("sandbox.rollback_gate", GateState::Running), cond: Condvar::new() }
+    }
+}
+
+impl RollbackGate {
+    /// A handover begins: forget how an earlier one ended.
+    fn request(&self) {
+        *self.state.lock() = GateState::Running;
+    }
+
+    /// Waits (at most `bound`) until the supervisor's run has ended for
+    /// the handover.
+    fn wait_quiesced(&self, bound: Duration) -> bool {
+        let t = Instant::now();
+        let mut g = self.state.lock();
+        while *g != GateState::Quiesced {
+            if t.elapsed() >= bound {
+                return false;
+            }
+            g.wait_for(&self.cond, Duration::from_millis(20));
+        }
+        true
+    }
+
+    /// The handover failed: the waiting monitor supervises the VM again.
+    fn resume(&self) {
+        *self.state.lock() = GateState::Resume;
+        self.cond.notify_all();
+    }
+
+    /// The monitor's side: its supervisor's run ended for a handover.
+    /// Waits until the handover failed (`true`: supervise again) or
+    /// `stop` says to end (`false`; the handover succeeded and this
+    /// process ends, or the set is stopped or out of time).
+    pub(crate) fn quiesced(&self, stop: impl Fn() -> bool) -> bool {
+        let mut g = self.state.lock();
+        if *g != GateState::Resume {
+            *g = GateState::Quiesced;
+            self.cond.notify_all();
+        }
+        loop {
+            if *g == GateState::Resume {
+                *g = GateState::Running;
+                return true;
+            }
+            if stop() {
+                return false;
+            }
+            g.wait_for(&self.cond, Duration::from_millis(50));
+        }
+    }
 }
 
 /// The version of [`CarriedLinks`] and [`CarriedStates`] this binary
@@ -257,10 +393,13 @@ impl SandboxSet {
             ));
         }
         for sb in &self.sandboxes {
-            if sb.config.recovery.policy == RecoveryPolicy::Rollback {
+            // The handover commits the state at its pause (module doc): not
+            // while the error a rollback undid may still come back.
+            if sb.config.recovery.policy == RecoveryPolicy::Rollback && !sb.rollback_settled() {
                 return Some(format!(
-                    "sandbox '{}' runs under rollback recovery, whose checkpoint supervisor \
-                     cannot move to a new process",
+                    "sandbox '{}' rolled back and has not yet re-run what that rollback undid \
+                     (its error may come back, and a handover would commit its state); try \
+                     again",
                     sb.config.name
                 ));
             }
@@ -289,11 +428,34 @@ impl SandboxSet {
         }
         let paused_at_ns = mono_ns();
         let vms: Vec<Arc<Vm>> = self.sandboxes.iter().map(|sb| sb.vm()).collect();
-        for vm in &vms {
-            vm.request_pause();
+        // A rollback sandbox's supervisor pauses its VM itself, its output
+        // released and its ring dropped (it owns the VM's pauses: the
+        // handover must not pause it under a checkpoint).
+        let rollback = |sb: &Sandbox| sb.config.recovery.policy == RecoveryPolicy::Rollback;
+        for sb in self.sandboxes.iter().filter(|sb| rollback(sb)) {
+            sb.gate.request();
+            sb.live.request_handover();
         }
-        for vm in &vms {
-            vm.pause();
+        for (sb, vm) in self.sandboxes.iter().zip(&vms) {
+            if !rollback(sb) {
+                vm.request_pause();
+            }
+        }
+        for (sb, vm) in self.sandboxes.iter().zip(&vms) {
+            if !rollback(sb) {
+                vm.pause();
+            }
+        }
+        for sb in self.sandboxes.iter().filter(|sb| rollback(sb)) {
+            if !sb.gate.wait_quiesced(QUIESCE_BOUND) {
+                self.resume_after_handover();
+                return Err(SandboxError::Resource(format!(
+                    "sandbox '{}': its checkpoint supervisor did not stop for the handover \
+                     within {} ms; try again",
+                    sb.config.name,
+                    QUIESCE_BOUND.as_millis()
+                )));
+            }
         }
         // From now on the set may live on in a new process over the same
         // TAPs: its links here never take a TAP's drop-all filter off.
@@ -367,8 +529,15 @@ impl SandboxSet {
         let links = (!self.links.is_empty())
             .then_some(CarriedLinks { version: SHARED_VERSION, links: link_counts });
         let (state_records, states) = self.carried_states()?;
-        let carried =
-            CarriedSandboxes { config: self.config.clone(), violations, services, links, states };
+        let rollbacks = self.sandboxes.iter().map(Sandbox::rollbacks).collect();
+        let carried = CarriedSandboxes {
+            config: self.config.clone(),
+            violations,
+            services,
+            links,
+            states,
+            rollbacks,
+        };
         let config = serde_json::json!({"sandboxes": carried, "frontend": extra});
         let mut r = SetRecord::new(name, config);
         r.vms = records;
@@ -415,13 +584,20 @@ impl SandboxSet {
     }
 
     /// The handover did not happen: every sandbox runs on here (and its
-    /// links own their TAPs' filters again).
+    /// links own their TAPs' filters again). A rollback sandbox is not
+    /// resumed here: its monitor starts a new supervisor over the paused
+    /// VM, which takes a first checkpoint before it runs (module doc).
     pub fn resume_after_handover(&self) {
         for l in &self.links {
             l.set_armed(true);
         }
         for sb in &self.sandboxes {
-            sb.vm().resume();
+            if sb.config.recovery.policy == RecoveryPolicy::Rollback {
+                sb.live.cancel_handover();
+                sb.gate.resume();
+            } else {
+                sb.vm().resume();
+            }
         }
     }
 
@@ -453,6 +629,9 @@ impl SandboxSet {
         }
         if carried.violations.len() != n {
             return bad(format!("{} sandboxes but {} monitors", n, carried.violations.len()));
+        }
+        if !carried.rollbacks.is_empty() && carried.rollbacks.len() != n {
+            return bad(format!("{} sandboxes but {} rollback counts", n, carried.rollbacks.len()));
         }
         let has_tap: Vec<bool> = taps.iter().map(Option::is_some).collect();
         let registry = match (&carried.services, config.services.is_empty()) {
@@ -597,6 +776,8 @@ impl SandboxSet {
             let monitor = Monitor::new(&s.name, s.on_violation);
             let (count, log) = carried.violations[i].clone();
             monitor.carry_violations(count, log);
+            let live = Arc::new(nl_checkpoint::Live::default());
+            live.carry_rollbacks(carried.rollbacks.get(i).copied().unwrap_or(0));
             windows.guard = Some(monitor.clone());
             let vm_cfg = record.vms[i].config(&vm_images);
             // The VM is rebuilt with a spare device (nothing opened by
@@ -669,7 +850,8 @@ impl SandboxSet {
                 windows,
                 ram_backing,
                 script: Lock::new("sandbox.script", Vec::new()),
-                live: Arc::new(nl_checkpoint::Live::default()),
+                live,
+                gate: Arc::new(RollbackGate::default()),
             });
         }
         let budgets = Lock::new("sandbox.budgets", sandboxes.iter().map(|_| None).collect());
@@ -690,12 +872,14 @@ impl SandboxSet {
     }
 
     /// Starts the sandboxes of a carried set: pinned to their cores, their
-    /// budgets applied again; then its links are this process's (armed:
-    /// dropped, they take their TAPs' drop-all filter off). On error every
-    /// sandbox is stopped.
+    /// budgets applied again (a rollback sandbox starts under its new
+    /// checkpoint supervisor when [`SandboxSet::supervise`] begins, first
+    /// checkpoint before it runs); then its links are this process's
+    /// (armed: dropped, they take their TAPs' drop-all filter off). On
+    /// error every sandbox is stopped.
     pub fn start_carried(&self) -> Result<(), SandboxError> {
         for sb in &self.sandboxes {
-            if let Err(e) = self.start_vm(sb) {
+            if let Err(e) = self.start(sb) {
                 self.stop_all();
                 return Err(e);
             }
@@ -763,6 +947,39 @@ mod tests {
         let mut r = registry("web", "spare");
         r.services[0].name = "other".into();
         assert!(r.check(&c, &[true, false]).unwrap_err().contains("is 'other' in the registry"));
+    }
+
+    #[test]
+    fn a_rollback_gate_lets_its_monitor_supervise_again_only_after_a_failed_handover() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let g = Arc::new(RollbackGate::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let monitor = |g: &Arc<RollbackGate>| {
+            let (g, stop) = (g.clone(), stop.clone());
+            std::thread::spawn(move || g.quiesced(|| stop.load(SeqCst)))
+        };
+        // The handover waits until the supervisor's run has ended.
+        g.request();
+        assert!(!g.wait_quiesced(Duration::from_millis(30)));
+        let m = monitor(&g);
+        assert!(g.wait_quiesced(Duration::from_secs(10)));
+        // It failed: the monitor supervises the paused VM again.
+        g.resume();
+        assert!(m.join().unwrap());
+        // The handover gave up before the run ended: once it does, the
+        // monitor goes on at once.
+        g.request();
+        g.resume();
+        assert!(g.quiesced(|| false));
+        // A resume left from an earlier handover does not let the monitor
+        // of the next one go on: it waits until the set ends (the handover
+        // succeeded and this process's set is stopped).
+        g.resume();
+        g.request();
+        let m = monitor(&g);
+        assert!(g.wait_quiesced(Duration::from_secs(10)));
+        stop.store(true, SeqCst);
+        assert!(!m.join().unwrap());
     }
 
     fn with_state() -> SetConfig {

@@ -235,73 +235,97 @@ fn finish(sb: &Sandbox, pending: &mut Option<Pending>) {
 
 /// `rollback`: the sandbox runs under nl-checkpoint's supervisor, which
 /// checkpoints it, detects (outcome, vCPU-time heartbeat) and rolls back.
+/// A handover ends the supervisor's run (the VM paused, its output
+/// released, the ring dropped, [`crate::handover`]); if the handover fails
+/// a new supervisor takes the paused VM over here with a fresh ring.
 fn run_rollback(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome {
     let vm = sb.vm();
     let r = &sb.config.recovery;
-    let cfg = CheckpointConfig {
-        // CoW-P in 16-page blocks: write faults cannot starve a writing
-        // guest on a loaded host (nl-checkpoint's own tests do the same).
-        mode: Mode::CowP,
-        block_pages: 16,
-        interval: Duration::from_millis(r.checkpoint_interval_ms),
-        inject: 0,
-        script: sb.take_script(),
-        seed: 1,
-        hang_timeout: Duration::from_millis(sb.config.detect.heartbeat_cpu_ms),
-        latency_bound: None,
-        max_rollbacks: r.max_recoveries,
-        time_limit: limit,
-        disk_every: 0,
-        disk_path: None,
-        disk_key: None,
-        output_commit: r.output_commit(),
-        commit_rule: r.release.unwrap_or_default(),
-        live: Some(sb.live.clone()),
-    };
-    let start_ms = set.elapsed_ms();
+    let deadline = Instant::now() + limit;
     // The vCPU threads inherit this thread's affinity.
     if let Err(e) = crate::affinity::pin(0, &sb.config.cores) {
         return VmOutcome::Crashed { cpu: 0, message: e.to_string() };
     }
-    // Its own channel regions: what it publishes and acknowledges there is
-    // held like its network output (nl_workloads::channel, "Held output").
-    let held = if r.output_commit() {
-        set.own_regions_of(sb.index)
-            .into_iter()
-            .filter_map(|(c, region)| set.channels.get(c).map(|ch| ch.held_region(region)))
-            .collect()
-    } else {
-        Vec::new()
-    };
-    let report = Supervisor::start_holding(&vm, cfg, held).and_then(|s| s.run());
-    let report = match report {
-        Ok(r) => r,
-        Err(e) => {
+    loop {
+        let cfg = CheckpointConfig {
+            // CoW-P in 16-page blocks: write faults cannot starve a writing
+            // guest on a loaded host (nl-checkpoint's own tests do the same).
+            mode: Mode::CowP,
+            block_pages: 16,
+            interval: Duration::from_millis(r.checkpoint_interval_ms),
+            inject: 0,
+            script: sb.take_script(),
+            seed: 1,
+            hang_timeout: Duration::from_millis(sb.config.detect.heartbeat_cpu_ms),
+            latency_bound: None,
+            max_rollbacks: r.max_recoveries,
+            time_limit: deadline.saturating_duration_since(Instant::now()),
+            disk_every: 0,
+            disk_path: None,
+            disk_key: None,
+            output_commit: r.output_commit(),
+            commit_rule: r.release.unwrap_or_default(),
+            live: Some(sb.live.clone()),
+        };
+        let start_ms = set.elapsed_ms();
+        // Its own channel regions: what it publishes and acknowledges there
+        // is held like its network output (nl_workloads::channel, "Held
+        // output").
+        let held = if r.output_commit() {
+            set.own_regions_of(sb.index)
+                .into_iter()
+                .filter_map(|(c, region)| set.channels.get(c).map(|ch| ch.held_region(region)))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let report = Supervisor::start_holding(&vm, cfg, held).and_then(|s| s.run());
+        let report = match report {
+            Ok(r) => r,
+            Err(e) => {
+                vm.stop();
+                let message = format!("rollback supervision failed: {e}");
+                sb.monitor.give_up(message.clone());
+                return VmOutcome::Crashed { cpu: 0, message };
+            }
+        };
+        for rb in &report.rollbacks {
+            let detector = Detector::of_reason(&rb.reason);
+            let detection = sb.monitor.detected(detector, rb.reason.clone(), start_ms + rb.at_ms);
+            sb.monitor.recovered(RecoveryRecord {
+                detection,
+                policy: "rollback",
+                ok: true,
+                error: None,
+                phases: Phases {
+                    reentry_ms: Some(rb.rollback_ms),
+                    first_reply_ms: None,
+                    ..Default::default()
+                },
+            });
+        }
+        if report.handed_over {
+            sb.monitor.set_doing("handed over", set.elapsed_ms());
+            // Until the handover fails (supervise again here) or this
+            // process's set ends (it went on in the new process; or it is
+            // destroyed, its VMs stopped).
+            let stop =
+                || set.stop_requested() || Instant::now() > deadline || vm.poll_outcome().is_some();
+            if sb.gate.quiesced(stop) {
+                continue;
+            }
             vm.stop();
-            let message = format!("rollback supervision failed: {e}");
-            sb.monitor.give_up(message.clone());
-            return VmOutcome::Crashed { cpu: 0, message };
+            return if set.stop_requested() {
+                VmOutcome::Stopped
+            } else {
+                VmOutcome::TimedOut { limit_ms: limit.as_millis() as u64 }
+            };
         }
-    };
-    for rb in &report.rollbacks {
-        let detector = Detector::of_reason(&rb.reason);
-        let detection = sb.monitor.detected(detector, rb.reason.clone(), start_ms + rb.at_ms);
-        sb.monitor.recovered(RecoveryRecord {
-            detection,
-            policy: "rollback",
-            ok: true,
-            error: None,
-            phases: Phases {
-                reentry_ms: Some(rb.rollback_ms),
-                first_reply_ms: None,
-                ..Default::default()
-            },
-        });
-    }
-    if let VmOutcome::Crashed { message, .. } = &report.outcome {
-        if message.starts_with("gave up") {
-            sb.monitor.give_up(message.clone());
+        if let VmOutcome::Crashed { message, .. } = &report.outcome {
+            if message.starts_with("gave up") {
+                sb.monitor.give_up(message.clone());
+            }
         }
+        return report.outcome;
     }
-    report.outcome
 }

@@ -48,6 +48,9 @@ pub struct Sandbox {
     /// `rollback`: faults injected through its supervisor while it runs,
     /// and its rollbacks so far.
     pub(crate) live: Arc<nl_checkpoint::Live>,
+    /// `rollback`: where its monitor waits while a handover has its
+    /// supervisor's run ended ([`crate::handover`]).
+    pub(crate) gate: Arc<crate::handover::RollbackGate>,
 }
 
 impl Sandbox {
@@ -349,6 +352,7 @@ impl SandboxSet {
                 ram_backing,
                 script: Lock::new("sandbox.script", Vec::new()),
                 live: Arc::new(nl_checkpoint::Live::default()),
+                gate: Arc::new(crate::handover::RollbackGate::default()),
             });
         }
         let budgets = Lock::new("sandbox.budgets", sandboxes.iter().map(|_| None).collect());

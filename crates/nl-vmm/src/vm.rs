@@ -479,6 +479,12 @@ impl Vm {
         Ok(kernel.entry)
     }
 
+    /// Whether [`Vm::start`] was called (its vCPU threads may have ended
+    /// since, or be paused).
+    pub fn started(&self) -> bool {
+        self.started.load(Relaxed)
+    }
+
     /// Starts the vCPU threads (and the net receive thread, if configured).
     pub fn start(&self) -> Result<(), VmmError> {
         if self.started.swap(true, Relaxed) {

@@ -8,10 +8,12 @@
 //! [`nl_sandbox::handover`]): its sandboxes' memory and channels stay in
 //! their memfds, their vCPU and device state moves, and the supervision
 //! goes on with the time limit that remained; a set's shared links (their
-//! TAPs and packet sockets) and its services' state regions go with it.
-//! A host refuses to rejuvenate only with a set that cannot be carried (a
-//! `rollback` sandbox, a takeover half done, or a sandbox that ended while
-//! others run).
+//! TAPs and packet sockets) and its services' state regions go with it,
+//! and so do `rollback` sandboxes (their output released at the pause, a
+//! fresh checkpoint ring in the new process: see nl_sandbox::handover).
+//! A host refuses to rejuvenate only with a set that cannot be carried now
+//! (a takeover half done, a rollback whose error may still come back, or
+//! a sandbox that ended while others run).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -236,6 +238,11 @@ impl HostFrontend {
                     "throttling": r.set.throttling(s.index),
                     // Its current VM's virtio-net counters (with a device).
                     "net": s.vm().net_stats().map(|n| n.0),
+                    // Recoveries its monitor recorded (a rollback sandbox's
+                    // when a supervised run ends), and a rollback sandbox's
+                    // rollbacks as they happen, over every process it ran in.
+                    "recoveries": s.monitor.recovery_count(),
+                    "rollbacks": s.rollbacks(),
                 })
             })
             .collect();

@@ -56,8 +56,9 @@ pub struct BenchRejuvenateArgs {
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(3..))]
     pub reps: u32,
     /// Skip the sandbox-set rows (`--reps` warm rejuvenations of a host
-    /// holding a sandbox set with its own TAP, then a set on a shared link
-    /// with two members, pinged every 1 ms; and the microreboot rows).
+    /// holding a sandbox set with its own TAP, the same under `rollback`,
+    /// then a set on a shared link with two members, pinged every 1 ms;
+    /// and the microreboot rows).
     #[arg(long)]
     pub no_sandbox_set: bool,
 }
@@ -245,11 +246,12 @@ pub fn bench(a: BenchRejuvenateArgs) -> Result<ExitCode> {
             }
         }
     }
-    let (sandbox_set, sandbox_link) = if a.no_sandbox_set {
-        (Value::Null, Value::Null)
+    let (sandbox_set, sandbox_rollback, sandbox_link) = if a.no_sandbox_set {
+        (Value::Null, Value::Null, Value::Null)
     } else {
         (
             crate::bench::rejuvenate_sandbox::rows(&h, net.as_ref(), a.reps, a.json)?,
+            crate::bench::rejuvenate_sandbox::rollback_rows(&h, net.as_ref(), a.reps, a.json)?,
             crate::bench::rejuvenate_sandbox::link_rows(&h, net.as_ref(), a.reps, a.json)?,
         )
     };
@@ -281,7 +283,8 @@ pub fn bench(a: BenchRejuvenateArgs) -> Result<ExitCode> {
     if a.json {
         let v = json!({
             "reps": a.reps, "runs": runs, "summary": summary(&runs), "model": model, "ping": ping_info, "filecache": filecache,
-            "sandbox_set": sandbox_set, "sandbox_link": sandbox_link,
+            "sandbox_set": sandbox_set, "sandbox_rollback": sandbox_rollback,
+            "sandbox_link": sandbox_link,
             "sandbox_microreboot": sandbox_microreboot,
             "not_measured": not_measured,
         });

@@ -10,6 +10,12 @@
 //! around it. Without a ping namespace (not root) the rows are skipped and
 //! say so.
 //!
+//! The rollback rows do the same with that sandbox under `rollback`
+//! recovery (output commit on, released at the next checkpoint, 20 ms
+//! checkpoints): its supervisor ends its run at the handover's pause (its
+//! held replies sent) and the new process supervises it with a fresh ring
+//! (nl_sandbox::handover); the gap includes the replies' hold.
+//!
 //! The link rows do the same for a set on a shared link (two netbench
 //! members on the bench's TAP, a `demux` link), pinging both members every
 //! 1 ms across each warm rejuvenation: the new process takes the link's TAP
@@ -44,14 +50,49 @@ fn create_request() -> Result<Value> {
     }}))
 }
 
+/// [`create_request`] with the sandbox under `rollback` (the rollback rows).
+fn rollback_create_request() -> Result<Value> {
+    let mut r = create_request()?;
+    r["set"]["sandboxes"][0]["detect"] = json!({"heartbeat_cpu_ms": 100});
+    r["set"]["sandboxes"][0]["recovery"] = json!({"policy": "rollback",
+        "checkpoint_interval_ms": 20, "release": "next_checkpoint"});
+    Ok(r)
+}
+
 /// `reps` warm rejuvenations of a host holding the set, each with a 1 ms
 /// ping across it. Returns the rows (JSON) and prints one line each unless
 /// `json`.
 pub(crate) fn rows(h: &HostProc, net: Option<&PingNet>, reps: u32, json: bool) -> Result<Value> {
+    warm_rows(h, net, reps, json, create_request()?, "with its own TAP")
+}
+
+/// [`rows`] with the sandbox under `rollback`, plus the load average
+/// before and after.
+pub(crate) fn rollback_rows(
+    h: &HostProc,
+    net: Option<&PingNet>,
+    reps: u32,
+    json: bool,
+) -> Result<Value> {
+    let before = crate::json_out::loadavg();
+    let mut v = warm_rows(h, net, reps, json, rollback_create_request()?, "under rollback")?;
+    v["loadavg_before"] = json!(before);
+    v["loadavg_after"] = json!(crate::json_out::loadavg());
+    Ok(v)
+}
+
+fn warm_rows(
+    h: &HostProc,
+    net: Option<&PingNet>,
+    reps: u32,
+    json: bool,
+    create: Value,
+    what: &str,
+) -> Result<Value> {
     let Some(net) = net else {
         return Ok(json!({"skipped": "no ping namespace (needs root)"}));
     };
-    let r = h.req(create_request()?)?;
+    let r = h.req(create)?;
     if r.get("error").is_some() {
         bail!("cannot create the sandbox set: {r}");
     }
@@ -68,7 +109,7 @@ pub(crate) fn rows(h: &HostProc, net: Option<&PingNet>, reps: u32, json: bool) -
         if !json {
             let p = row["ping"].clone();
             println!(
-                "warm, sandbox set with its own TAP, rep {rep}: set downtime {} ms, {}",
+                "warm, sandbox set {what}, rep {rep}: set downtime {} ms, {}",
                 row["sets_downtime_ms"],
                 ping::describe(&p)
             );
@@ -76,7 +117,7 @@ pub(crate) fn rows(h: &HostProc, net: Option<&PingNet>, reps: u32, json: bool) -
         runs.push(row);
     }
     h.req(json!({"op": "sandbox_destroy", "name": SET}))?;
-    let mut rows = summary(runs, "warm", "rejuvenations", json);
+    let mut rows = summary(runs, &format!("warm ({what})"), "rejuvenations", json);
     rows["baseline"] = json!(baseline);
     Ok(rows)
 }
@@ -90,7 +131,7 @@ fn summary(runs: Vec<Value>, what: &str, events: &str, json: bool) -> Value {
     let gap = crate::stats::Summary::of(&gaps);
     if !json {
         println!(
-            "{what}, sandbox set with its own TAP: ping gap {} ms, {lost} pings lost in {} {events}",
+            "{what}, sandbox set: ping gap {} ms, {lost} pings lost in {} {events}",
             gap.show(1),
             runs.len()
         );
@@ -282,5 +323,5 @@ pub(crate) fn microreboot_rows(
         let _ = h.req(json!({"op": "sandbox_destroy", "name": SET}));
         drop(h);
     }
-    Ok(summary(runs, "microreboot", "microreboots", json))
+    Ok(summary(runs, "microreboot (with its own TAP)", "microreboots", json))
 }
