@@ -182,6 +182,12 @@ fn killed_primary_is_taken_over(tag: &str, tracking: &[&str]) {
     assert!(since >= 1000.0, "took over {since} ms after the last frame, within the lease");
     assert!(stderr(&o).contains("waiting out the primary's lease"), "{}", stderr(&o));
     assert_built_ahead(&j);
+    // The log says it too: built once the full copy was in, used at the
+    // takeover.
+    let err = stderr(&o);
+    assert!(err.contains("VM built ahead of a takeover"), "{err}");
+    assert!(err.contains("; built ahead: "), "{err}");
+    assert!(!err.contains("building the VM in the takeover"), "{err}");
 }
 
 /// The backup built its VM ahead of the takeover, once the primary's full
@@ -197,6 +203,43 @@ fn assert_built_ahead(j: &serde_json::Value) {
     for phase in ["handoff_ms", "wait_prebuild_ms", "restore_state_ms"] {
         assert!(t[phase].as_f64().is_some(), "{phase} missing: {t}");
     }
+}
+
+/// Without the VM built ahead (`--no-prebuild`: the path a build ahead that
+/// failed, or that does not fit the last state, falls back to) the backup
+/// builds the VM in the takeover over the same memory, says so in its log
+/// and its JSON (`prebuilt` false, `fallback` naming why, the build's time
+/// in `build_ms`), and the guest's digest still verifies.
+#[test]
+fn without_a_vm_built_ahead_the_takeover_builds_one_and_says_so() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(n) = Pair::new("nb") else { return };
+    let backup = n.backup(&["--allow-primary", "10.9.0.1", "--no-prebuild"]);
+    let mut primary = n.primary(&["--epoch", "20", "--duration", "6"]);
+    // Killed once the backup holds an acknowledged epoch (bounded: 60 s).
+    assert!(
+        wait_protected(&mut primary, Duration::from_secs(60)),
+        "the primary never reported an acknowledged epoch"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    primary.kill().expect("kill the primary");
+    let _ = primary.wait();
+    let o = finish(backup, 60);
+    let j = last_json(&o);
+    let err = stderr(&o);
+    assert_eq!(j["activated"], true, "{err}");
+    assert_eq!(j["digest_ok"], true, "{}{err}", stdout(&o));
+    let t = &j["takeover"];
+    assert_eq!(j["prebuilt"], false, "a VM was built ahead despite --no-prebuild: {t}");
+    assert_eq!(t["prebuilt"], false, "{t}");
+    assert_eq!(t["fallback"], "--no-prebuild", "{t}");
+    assert!(t["build_ms"].as_f64().is_some_and(|b| b > 0.0), "{t}");
+    assert!(t["build"]["prepare_ms"].as_f64().is_some_and(|p| p > 0.0), "{t}");
+    assert!(!err.contains("building the VM ahead of a takeover"), "{err}");
+    assert!(err.contains("building the VM in the takeover: --no-prebuild"), "{err}");
+    assert!(err.contains("built in the takeover"), "{err}");
 }
 
 /// With the defaults: selective re-protection and write-fault prediction
@@ -320,6 +363,9 @@ fn partition_fences_the_primary_and_the_backup_takes_over() {
     let j = last_json(&bo);
     assert_eq!(j["activated"], true, "{}", stderr(&bo));
     assert_eq!(j["digest_ok"], true, "{}{}", stdout(&bo), stderr(&bo));
+    // Declared gone by the lease alone (no closed connection): the VM
+    // built ahead is used all the same.
+    assert_built_ahead(&j);
 }
 
 /// The guest's disk is replicated with its epochs: blkbench's files written

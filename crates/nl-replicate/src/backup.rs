@@ -827,7 +827,16 @@ fn receive(
                 log(m);
             }
         }
-        let got = frames.recv_timeout(cfg.heartbeat);
+        // Wake for the next heartbeat or the moment the primary's lease
+        // runs out, whichever comes first: waiting a whole heartbeat after
+        // any frame let a partitioned primary be declared gone up to one
+        // heartbeat (a tenth of the lease, at most 100 ms) after its lease.
+        let wait = cfg
+            .heartbeat
+            .saturating_sub(last_beat.elapsed())
+            .min(cfg.lease.saturating_sub(last_heard.elapsed()))
+            .max(Duration::from_millis(1));
+        let got = frames.recv_timeout(wait);
         if last_beat.elapsed() >= cfg.heartbeat {
             // Best effort: a failed heartbeat shows up as a read error too.
             let _ = seal.write_frame(&mut s, Kind::Heartbeat, 0, 0, &[]);

@@ -730,7 +730,13 @@ struct Kill {
     epoch: Option<u64>,
     /// Detection to the VM's vCPUs started on the backup.
     takeover_ms: Option<f64>,
+    /// The primary's last frame to the VM's vCPUs started on the backup:
+    /// detection (the lease) plus the takeover.
     since_last_frame_ms: Option<f64>,
+    /// The primary's last frame to the backup declaring it gone (the lease
+    /// and how late the backup noticed it ran out):
+    /// `since_last_frame_ms - takeover_ms`.
+    detection_ms: Option<f64>,
     /// The backup had built the VM ahead (after the full copy): the
     /// takeover only loaded the last state and started it.
     prebuilt: Option<bool>,
@@ -930,6 +936,10 @@ fn kill_once(t: &Topo, i: u32, a: &BenchReplicateArgs, seed: &mut u64) -> Result
         epoch: bj["epoch"].as_u64(),
         takeover_ms: bj["takeover_ms"].as_f64(),
         since_last_frame_ms: bj["since_last_frame_ms"].as_f64(),
+        detection_ms: bj["since_last_frame_ms"]
+            .as_f64()
+            .zip(bj["takeover_ms"].as_f64())
+            .map(|(s, t)| s - t),
         prebuilt: bj["prebuilt"].as_bool(),
         takeover: bj["takeover"].clone(),
         lost_acked_writes: lost,
@@ -1122,6 +1132,7 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
     let takeovers = kills.iter().filter(|k| k.activated).count();
     let prebuilt = kills.iter().filter(|k| k.prebuilt == Some(true)).count();
     let takeover_ms: Vec<f64> = kills.iter().filter_map(|k| k.takeover_ms).collect();
+    let detection_ms: Vec<f64> = kills.iter().filter_map(|k| k.detection_ms).collect();
     let min = |v: &[f64]| v.iter().copied().fold(f64::NAN, f64::min);
     let ping_gaps: Vec<f64> = kills.iter().filter_map(|k| k.ping_gap_ms).collect();
     let elsewhere: Vec<f64> = kills.iter().filter_map(|k| k.ping_gap_elsewhere_ms).collect();
@@ -1135,6 +1146,14 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
             max(&takeover_ms),
             prebuilt,
             takeovers
+        );
+        eprintln!(
+            "kill campaign: detection median {:.1} ms [{:.1}, {:.1}] after the primary's last frame \
+             (lease {} ms); failover = detection + takeover",
+            median(&detection_ms),
+            min(&detection_ms),
+            max(&detection_ms),
+            a.kill_lease_ms
         );
         eprintln!(
             "kill campaign: {} kills, {} takeovers, {} lost acknowledged writes, client gap median {:.0} ms, \
@@ -1197,6 +1216,9 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
             "takeover_ms_median": finite(median(&takeover_ms)),
             "takeover_ms_min": finite(min(&takeover_ms)),
             "takeover_ms_max": finite(max(&takeover_ms)),
+            "detection_ms_median": finite(median(&detection_ms)),
+            "detection_ms_min": finite(min(&detection_ms)),
+            "detection_ms_max": finite(max(&detection_ms)),
             "lost_acked_writes": lost,
             "client_gap_ms_max": gaps.iter().copied().fold(0.0, f64::max),
             "client_gap_ms_median": median(&gaps),
