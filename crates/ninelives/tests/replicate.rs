@@ -145,6 +145,20 @@ fn wait_protected(c: &mut Child, within: Duration) -> bool {
     rx.recv_timeout(within).is_ok()
 }
 
+/// Kills `primary` once the backup holds an acknowledged epoch (not after
+/// a fixed time: on a loaded host the first epoch can take longer; bounded:
+/// 60 s), and returns the backup's output (it runs on, bounded: 60 s).
+fn kill_once_protected(mut primary: Child, backup: Child) -> Output {
+    assert!(
+        wait_protected(&mut primary, Duration::from_secs(60)),
+        "the primary never reported an acknowledged epoch"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    primary.kill().expect("kill the primary");
+    let _ = primary.wait();
+    finish(backup, 60)
+}
+
 /// Waits for `c` up to `secs` (then kills it) and returns its output.
 fn finish(mut c: Child, secs: u64) -> Output {
     let end = Instant::now() + Duration::from_secs(secs);
@@ -217,16 +231,8 @@ fn without_a_vm_built_ahead_the_takeover_builds_one_and_says_so() {
     }
     let Some(n) = Pair::new("nb") else { return };
     let backup = n.backup(&["--allow-primary", "10.9.0.1", "--no-prebuild"]);
-    let mut primary = n.primary(&["--epoch", "20", "--duration", "6"]);
-    // Killed once the backup holds an acknowledged epoch (bounded: 60 s).
-    assert!(
-        wait_protected(&mut primary, Duration::from_secs(60)),
-        "the primary never reported an acknowledged epoch"
-    );
-    std::thread::sleep(Duration::from_millis(300));
-    primary.kill().expect("kill the primary");
-    let _ = primary.wait();
-    let o = finish(backup, 60);
+    let primary = n.primary(&["--epoch", "20", "--duration", "6"]);
+    let o = kill_once_protected(primary, backup);
     let j = last_json(&o);
     let err = stderr(&o);
     assert_eq!(j["activated"], true, "{err}");
@@ -410,17 +416,8 @@ fn disk_writes_are_replicated_and_survive_a_takeover() {
 
     // Killed mid-run: the backup's VM goes on with the disk as of its epoch.
     let backup = n.backup(&["--disk", bd, "--allow-primary", "10.9.0.1", "--lease-ms", "3000"]);
-    let mut primary = n.primary(&[&work[..], &["--duration", "3"]].concat());
-    // Killed once the backup holds an acknowledged epoch (not after a fixed
-    // time: on a loaded host the first epoch can take longer than that).
-    assert!(
-        wait_protected(&mut primary, Duration::from_secs(60)),
-        "the primary never reported an acknowledged epoch"
-    );
-    std::thread::sleep(Duration::from_millis(300));
-    primary.kill().expect("kill the primary");
-    let _ = primary.wait();
-    let o = finish(backup, 60);
+    let primary = n.primary(&[&work[..], &["--duration", "3"]].concat());
+    let o = kill_once_protected(primary, backup);
     let j = last_json(&o);
     assert_eq!(j["activated"], true, "{}", stderr(&o));
     assert!(j["epoch"].as_u64().unwrap() > 0, "{j}");
