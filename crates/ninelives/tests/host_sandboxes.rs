@@ -564,11 +564,7 @@ fn warm_rejuvenation_carries_a_sandbox_with_its_own_tap() {
     if !kvm_available() {
         return;
     }
-    // Declared first: the namespace is deleted after the host is gone.
-    let Some(ns) = Netns::new("sbxtap") else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("api.sock");
-    let (mut child, _end) = host_in(&ns, &sock);
+    let Some(mut h) = NsHost::start("sbxtap", Host::Plain) else { return };
     let [c0, _] = two_cores();
     let set = json!({"sandboxes": [
         {"name": "web", "cores": [c0], "mem_mib": 48,
@@ -576,34 +572,33 @@ fn warm_rejuvenation_carries_a_sandbox_with_its_own_tap() {
          "net": {"tap": "nltap0", "mac": "52:54:00:5a:00:02", "ipv4": "10.0.0.2/24"}}
     ]});
     let body = json!({"name": "web", "set": set, "timeout_secs": 300}).to_string();
-    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&body));
-    assert_eq!(st, 201, "{v}");
-    assert!(ns.wait_answering(Duration::from_secs(60)), "the sandbox never answered");
-    let mut pid = http_json(&sock, "GET", "/v1/info", None).1["pid"].as_u64().unwrap();
+    h.create(&body);
+    assert!(h.ns.wait_answering(Duration::from_secs(60)), "the sandbox never answered");
+    let mut pid = http_json(&h.sock, "GET", "/v1/info", None).1["pid"].as_u64().unwrap();
     for round in 1..=2u64 {
-        let ping = start_ping(&ns);
+        let ping = start_ping(&h.ns);
         std::thread::sleep(Duration::from_millis(300));
-        let (st, r) = http_json(&sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
+        let (st, r) = http_json(&h.sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
         assert_eq!(st, 200, "{r}");
         assert_eq!(r["report"]["ok"], true, "round {round}: {r}");
         assert_eq!(r["report"]["sets"], json!(["web"]), "{r}");
-        let new_pid = http_json(&sock, "GET", "/v1/info", None).1["pid"].as_u64().unwrap();
+        let new_pid = http_json(&h.sock, "GET", "/v1/info", None).1["pid"].as_u64().unwrap();
         assert_ne!(new_pid, pid, "round {round}: a new process serves");
         pid = new_pid;
-        let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
+        let (_, list) = http_json(&h.sock, "GET", "/v1/sandboxes", None);
         assert_eq!(list["sets"][0]["name"], "web", "{list}");
         assert_eq!(list["sets"][0]["handovers"], round, "{list}");
         let j = ping_report(ping);
-        assert!(ns.wait_answering(Duration::from_secs(30)), "round {round}: no answer after it");
+        assert!(h.ns.wait_answering(Duration::from_secs(30)), "round {round}: no answer after it");
         eprintln!(
             "round {round}: ping sent {} received {} longest gap {} ms; set downtime {} ms",
             j["sent"], j["received"], j["longest_gap_ms"], r["report"]["sets_downtime_ms"]
         );
     }
-    let (st, v) = http_json(&sock, "GET", "/v1/sandboxes/web", None);
+    let (st, v) = http_json(&h.sock, "GET", "/v1/sandboxes/web", None);
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["state"], "running", "{v}");
-    stop_host(&sock, &mut child);
+    stop_host(&h.sock, &mut h.child);
 }
 
 /// `POST /v1/sandboxes` of set `lan`: a `demux` link on TAP nltap0 (the
@@ -751,38 +746,34 @@ fn warm_rejuvenation_carries_a_set_on_a_shared_link() {
     if !kvm_available() {
         return;
     }
-    let Some(ns) = Netns::new("sbxlink") else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("api.sock");
-    let (mut child, _end) = host_in(&ns, &sock);
+    let Some(mut h) = NsHost::start("sbxlink", Host::Plain) else { return };
     let [c0, c1] = two_cores();
-    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&link_set_body(c0, c1)));
-    assert_eq!(st, 201, "{v}");
+    h.create(&link_set_body(c0, c1));
     for ip in ["10.0.0.2", "10.0.0.3"] {
-        assert!(ns.wait_answering_at(ip, Duration::from_secs(60)), "{ip} never answered");
+        assert!(h.ns.wait_answering_at(ip, Duration::from_secs(60)), "{ip} never answered");
     }
-    check_each_member_gets_only_its_own_frames(&ns, &sock);
-    let (before, _) = link_now(&sock);
-    let mut pid = http_json(&sock, "GET", "/v1/info", None).1["pid"].as_u64().unwrap();
+    check_each_member_gets_only_its_own_frames(&h.ns, &h.sock);
+    let (before, _) = link_now(&h.sock);
+    let mut pid = http_json(&h.sock, "GET", "/v1/info", None).1["pid"].as_u64().unwrap();
     let mut answered = 0;
     for round in 1..=2u64 {
-        let pings = ["10.0.0.2", "10.0.0.3"].map(|ip| (ip, start_ping_at(&ns, ip)));
+        let pings = ["10.0.0.2", "10.0.0.3"].map(|ip| (ip, start_ping_at(&h.ns, ip)));
         std::thread::sleep(Duration::from_millis(300));
-        let (st, r) = http_json(&sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
+        let (st, r) = http_json(&h.sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
         assert_eq!(st, 200, "{r}");
         assert_eq!(r["report"]["ok"], true, "round {round}: {r}");
         assert_eq!(r["report"]["sets"], json!(["lan"]), "{r}");
-        let new_pid = http_json(&sock, "GET", "/v1/info", None).1["pid"].as_u64().unwrap();
+        let new_pid = http_json(&h.sock, "GET", "/v1/info", None).1["pid"].as_u64().unwrap();
         assert_ne!(new_pid, pid, "round {round}: a new process serves");
         pid = new_pid;
-        let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
+        let (_, list) = http_json(&h.sock, "GET", "/v1/sandboxes", None);
         assert_eq!(list["sets"][0]["name"], "lan", "{list}");
         assert_eq!(list["sets"][0]["handovers"], round, "{list}");
         for (ip, ping) in pings {
             let j = ping_report(ping);
             answered += count(&j, &["received"]);
             assert!(
-                ns.wait_answering_at(ip, Duration::from_secs(30)),
+                h.ns.wait_answering_at(ip, Duration::from_secs(30)),
                 "round {round}: {ip} silent"
             );
             eprintln!(
@@ -792,29 +783,10 @@ fn warm_rejuvenation_carries_a_set_on_a_shared_link() {
             );
         }
     }
-    let (after, _) = link_now(&sock);
+    let (after, _) = link_now(&h.sock);
     check_same_link(&before, &after, answered);
-    check_each_member_gets_only_its_own_frames(&ns, &sock);
-    stop_host(&sock, &mut child);
-}
-
-/// `ninelives host` in `ns` on `sock` with microreboot recovery, whose API
-/// connection reading request `fault_at` faults; its API socket is up.
-fn microrebooting_host(
-    ns: &Netns,
-    sock: &std::path::Path,
-    fault_at: usize,
-) -> (std::process::Child, EndHostOnDrop) {
-    let child = ns
-        .ninelives(&["host", "--api", sock.to_str().unwrap(), "--recovery", "microreboot"])
-        .env("NINELIVES_API_FAULT", format!("segv:{fault_at}"))
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let end = EndHostOnDrop(sock.to_path_buf());
-    wait_for_socket(sock);
-    (child, end)
+    check_each_member_gets_only_its_own_frames(&h.ns, &h.sock);
+    stop_host(&h.sock, &mut h.child);
 }
 
 /// Makes the microrebooting host on `sock` (request `fault_at` faults;
@@ -877,41 +849,37 @@ fn a_microreboot_carries_a_set_on_a_shared_link() {
     if !kvm_available() {
         return;
     }
-    let Some(ns) = Netns::new("sbxlmr") else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("api.sock");
     // The connection reading request FAULT_AT faults; requests before it:
     // the create, the counters, then `info`s.
     const FAULT_AT: usize = 20;
-    let (mut child, _end) = microrebooting_host(&ns, &sock, FAULT_AT);
+    let Some(mut h) = NsHost::start("sbxlmr", Host::Microrebooting(FAULT_AT)) else { return };
     let [c0, c1] = two_cores();
-    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&link_set_body(c0, c1)));
-    assert_eq!(st, 201, "{v}");
+    h.create(&link_set_body(c0, c1));
     for ip in ["10.0.0.2", "10.0.0.3"] {
-        assert!(ns.wait_answering_at(ip, Duration::from_secs(60)), "{ip} never answered");
+        assert!(h.ns.wait_answering_at(ip, Duration::from_secs(60)), "{ip} never answered");
     }
-    let (before, _) = link_now(&sock);
+    let (before, _) = link_now(&h.sock);
     let mut sent = 2;
-    let pings = ["10.0.0.2", "10.0.0.3"].map(|ip| (ip, start_ping_at(&ns, ip)));
+    let pings = ["10.0.0.2", "10.0.0.3"].map(|ip| (ip, start_ping_at(&h.ns, ip)));
     std::thread::sleep(Duration::from_millis(300));
-    microreboot(&sock, &mut child, &mut sent, FAULT_AT);
+    microreboot(&h.sock, &mut h.child, &mut sent, FAULT_AT);
     let mut answered = 0;
     for (ip, ping) in pings {
         let j = ping_report(ping);
         answered += count(&j, &["received"]);
-        assert!(ns.wait_answering_at(ip, Duration::from_secs(30)), "{ip}: no answer after it");
+        assert!(h.ns.wait_answering_at(ip, Duration::from_secs(30)), "{ip}: no answer after it");
         eprintln!(
             "link microreboot, {ip}: ping sent {} received {} longest gap {} ms",
             j["sent"], j["received"], j["longest_gap_ms"]
         );
     }
-    let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
+    let (_, list) = http_json(&h.sock, "GET", "/v1/sandboxes", None);
     assert_eq!(list["sets"][0]["name"], "lan", "{list}");
     assert_eq!(list["sets"][0]["handovers"], 1, "{list}");
-    let (after, _) = link_now(&sock);
+    let (after, _) = link_now(&h.sock);
     check_same_link(&before, &after, answered);
-    check_each_member_gets_only_its_own_frames(&ns, &sock);
-    let line = stop_and_recovery_line(&sock, &mut child);
+    check_each_member_gets_only_its_own_frames(&h.ns, &h.sock);
+    let line = stop_and_recovery_line(&h.sock, &mut h.child);
     assert!(line.contains("\"sets\":1"), "{line}");
 }
 
@@ -951,56 +919,52 @@ fn warm_rejuvenation_carries_a_service_set_and_a_takeover_works_after_it() {
     if !kvm_available() {
         return;
     }
-    let Some(ns) = Netns::new("sbxsvc") else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("api.sock");
-    let (mut child, _end) = host_in(&ns, &sock);
+    let Some(mut h) = NsHost::start("sbxsvc", Host::Plain) else { return };
     let [c0, c1] = two_cores();
-    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&service_set_body(c0, c1)));
-    assert_eq!(st, 201, "{v}");
-    assert!(ns.wait_answering(Duration::from_secs(60)), "the owner never answered");
+    h.create(&service_set_body(c0, c1));
+    assert!(h.ns.wait_answering(Duration::from_secs(60)), "the owner never answered");
     let rejuvenate = |round: u64| {
-        let ping = start_ping(&ns);
+        let ping = start_ping(&h.ns);
         std::thread::sleep(Duration::from_millis(300));
-        let (st, r) = http_json(&sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
+        let (st, r) = http_json(&h.sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
         assert_eq!(st, 200, "{r}");
         assert_eq!(r["report"]["ok"], true, "round {round}: {r}");
         assert_eq!(r["report"]["sets"], json!(["svc"]), "{r}");
-        let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
+        let (_, list) = http_json(&h.sock, "GET", "/v1/sandboxes", None);
         assert_eq!(list["sets"][0]["handovers"], round, "{list}");
         let j = ping_report(ping);
-        assert!(ns.wait_answering(Duration::from_secs(30)), "round {round}: no answer after it");
+        assert!(h.ns.wait_answering(Duration::from_secs(30)), "round {round}: no answer after it");
         eprintln!(
             "service round {round}: ping sent {} received {} longest gap {} ms; set downtime {} ms",
             j["sent"], j["received"], j["longest_gap_ms"], r["report"]["sets_downtime_ms"]
         );
     };
     rejuvenate(1);
-    let (holder, standby, takeovers) = service_now(&sock);
+    let (holder, standby, takeovers) = service_now(&h.sock);
     assert_eq!((holder.as_str(), standby.as_str()), ("web", "spare"));
     assert!(takeovers.is_empty(), "{takeovers:?}");
     // A takeover in the new process.
-    inject_bad_rip(&sock, "svc", "web");
+    inject_bad_rip(&h.sock, "svc", "web");
     wait_for("the standby to take the service over", Duration::from_secs(60), || {
-        service_now(&sock).0 == "spare"
+        service_now(&h.sock).0 == "spare"
     });
-    let (holder, standby, takeovers) = service_now(&sock);
+    let (holder, standby, takeovers) = service_now(&h.sock);
     assert_eq!((holder.as_str(), standby.as_str()), ("spare", "web"));
     assert_eq!(takeovers.len(), 1, "{takeovers:?}");
     assert_eq!(takeovers[0]["ok"], true, "{takeovers:?}");
-    assert!(ns.wait_answering(Duration::from_secs(60)), "the standby never answered");
+    assert!(h.ns.wait_answering(Duration::from_secs(60)), "the standby never answered");
     // The failed holder restarts as the new standby (until then the set
     // cannot be carried: one of its sandboxes has ended).
     wait_for("'web' to run again as the standby", Duration::from_secs(120), || {
-        let (_, v) = http_json(&sock, "GET", "/v1/sandboxes/svc", None);
+        let (_, v) = http_json(&h.sock, "GET", "/v1/sandboxes/svc", None);
         v["sandbox_stats"][0]["state"] == "running"
     });
     // The swapped registry is carried too.
     rejuvenate(2);
-    let (holder, standby, takeovers) = service_now(&sock);
+    let (holder, standby, takeovers) = service_now(&h.sock);
     assert_eq!((holder.as_str(), standby.as_str()), ("spare", "web"));
     assert_eq!(takeovers.len(), 1, "the takeover record is carried: {takeovers:?}");
-    stop_host(&sock, &mut child);
+    stop_host(&h.sock, &mut h.child);
 }
 
 /// A microreboot (a fault in the VMM's API thread, the process exec'd
@@ -1013,34 +977,30 @@ fn a_microreboot_carries_a_service_set_with_its_tap() {
     if !kvm_available() {
         return;
     }
-    let Some(ns) = Netns::new("sbxmr") else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("api.sock");
     // The connection reading request FAULT_AT faults; requests before it:
     // the create, then `info`s.
     const FAULT_AT: usize = 20;
-    let (mut child, _end) = microrebooting_host(&ns, &sock, FAULT_AT);
+    let Some(mut h) = NsHost::start("sbxmr", Host::Microrebooting(FAULT_AT)) else { return };
     let [c0, c1] = two_cores();
-    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&service_set_body(c0, c1)));
-    assert_eq!(st, 201, "{v}");
+    h.create(&service_set_body(c0, c1));
     let mut sent = 1;
-    assert!(ns.wait_answering(Duration::from_secs(60)), "the owner never answered");
-    let ping = start_ping(&ns);
+    assert!(h.ns.wait_answering(Duration::from_secs(60)), "the owner never answered");
+    let ping = start_ping(&h.ns);
     std::thread::sleep(Duration::from_millis(300));
-    microreboot(&sock, &mut child, &mut sent, FAULT_AT);
+    microreboot(&h.sock, &mut h.child, &mut sent, FAULT_AT);
     let j = ping_report(ping);
-    assert!(ns.wait_answering(Duration::from_secs(30)), "no answer after the microreboot");
+    assert!(h.ns.wait_answering(Duration::from_secs(30)), "no answer after the microreboot");
     eprintln!(
         "microreboot: ping sent {} received {} longest gap {} ms",
         j["sent"], j["received"], j["longest_gap_ms"]
     );
-    let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
+    let (_, list) = http_json(&h.sock, "GET", "/v1/sandboxes", None);
     assert_eq!(list["sets"][0]["name"], "svc", "{list}");
     assert_eq!(list["sets"][0]["handovers"], 1, "{list}");
-    let (holder, standby, takeovers) = service_now(&sock);
+    let (holder, standby, takeovers) = service_now(&h.sock);
     assert_eq!((holder.as_str(), standby.as_str()), ("web", "spare"));
     assert!(takeovers.is_empty(), "{takeovers:?}");
-    let line = stop_and_recovery_line(&sock, &mut child);
+    let line = stop_and_recovery_line(&h.sock, &mut h.child);
     assert!(line.contains("\"sets\":1"), "{line}");
 }
 
@@ -1123,10 +1083,7 @@ fn warm_rejuvenation_carries_a_state_region_and_a_takeover_keeps_its_writes() {
     if !kvm_available() {
         return;
     }
-    let Some(ns) = Netns::new("sbxstate") else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("api.sock");
-    let (mut child, _end) = host_in(&ns, &sock);
+    let Some(mut h) = NsHost::start("sbxstate", Host::Plain) else { return };
     let [c0, c1] = two_cores();
     let net = json!({"tap": "nltap0", "mac": "52:54:00:5a:00:02", "ipv4": "10.0.0.2/24"});
     let kv = json!({"kind": "kv", "duration_ms": 0});
@@ -1137,50 +1094,81 @@ fn warm_rejuvenation_carries_a_state_region_and_a_takeover_keeps_its_writes() {
          "recovery": {"policy": "restart"}}
     ], "services": [{"name": "kv", "owner": "web", "standby": "spare", "state": {"mib": 4}}]});
     let body = json!({"name": "svc", "set": set, "timeout_secs": 600}).to_string();
-    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&body));
-    assert_eq!(st, 201, "{v}");
-    put_first(&ns);
-    write_acked(&ns, 0..200);
-    rejuvenate_warm(&sock, "svc", 1);
-    read_back(&ns, 200, "after the rejuvenation");
-    write_acked(&ns, 200..300);
-    let (holder, standby, takeovers) = service_now(&sock);
+    h.create(&body);
+    put_first(&h.ns);
+    write_acked(&h.ns, 0..200);
+    rejuvenate_warm(&h.sock, "svc", 1);
+    read_back(&h.ns, 200, "after the rejuvenation");
+    write_acked(&h.ns, 200..300);
+    let (holder, standby, takeovers) = service_now(&h.sock);
     assert_eq!((holder.as_str(), standby.as_str()), ("web", "spare"));
     assert!(takeovers.is_empty(), "{takeovers:?}");
     // A takeover in the new process: the region moves to spare.
-    inject_bad_rip(&sock, "svc", "web");
+    inject_bad_rip(&h.sock, "svc", "web");
     wait_for("the standby to take the service over", Duration::from_secs(60), || {
-        service_now(&sock).0 == "spare"
+        service_now(&h.sock).0 == "spare"
     });
-    let (_, _, takeovers) = service_now(&sock);
+    let (_, _, takeovers) = service_now(&h.sock);
     assert_eq!(takeovers.len(), 1, "{takeovers:?}");
     assert_eq!(takeovers[0]["ok"], true, "{takeovers:?}");
-    read_back(&ns, 300, "after the takeover");
-    stop_host(&sock, &mut child);
+    read_back(&h.ns, 300, "after the takeover");
+    stop_host(&h.sock, &mut h.child);
 }
 
-/// `ninelives host --api SOCK` in namespace `ns`, listening; the guard
-/// ends whichever process serves `sock` if the test fails midway.
-fn host_in(ns: &Netns, sock: &std::path::Path) -> (std::process::Child, EndHostOnDrop) {
-    host_in_with(ns, sock, &[])
+/// How a test's [`NsHost`] is started.
+enum Host<'e> {
+    Plain,
+    /// With these environment variables set.
+    Env(&'e [(&'e str, &'e str)]),
+    /// With microreboot recovery; its API connection reading request N
+    /// faults.
+    Microrebooting(usize),
 }
 
-/// [`host_in`] with `env` set.
-fn host_in_with(
-    ns: &Netns,
-    sock: &std::path::Path,
-    env: &[(&str, &str)],
-) -> (std::process::Child, EndHostOnDrop) {
-    let child = ns
-        .ninelives(&["host", "--api", sock.to_str().unwrap()])
-        .envs(env.iter().copied())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let end = EndHostOnDrop(sock.to_path_buf());
-    wait_for_socket(sock);
-    (child, end)
+/// `ninelives host --api SOCK` in a network namespace of the test's own,
+/// listening. Fields drop in order: the guard ends whichever process
+/// serves `sock` if the test fails midway, then the socket's directory
+/// goes, and the namespace last, after the host is gone.
+struct NsHost {
+    _end: EndHostOnDrop,
+    child: std::process::Child,
+    sock: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+    ns: Netns,
+}
+
+impl NsHost {
+    /// `None` when the namespace cannot be made (`Netns::new` reports the
+    /// missing prerequisite).
+    fn start(tag: &str, how: Host) -> Option<NsHost> {
+        let ns = Netns::new(tag)?;
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("api.sock");
+        let mut cmd = ns.ninelives(&["host", "--api", sock.to_str().unwrap()]);
+        cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+        match how {
+            Host::Plain => {}
+            Host::Env(env) => {
+                cmd.envs(env.iter().copied());
+            }
+            Host::Microrebooting(fault_at) => {
+                cmd.args(["--recovery", "microreboot"])
+                    .env("NINELIVES_API_FAULT", format!("segv:{fault_at}"))
+                    .stderr(std::process::Stdio::piped());
+            }
+        }
+        let child = cmd.spawn().unwrap();
+        let end = EndHostOnDrop(sock.clone());
+        wait_for_socket(&sock);
+        Some(NsHost { _end: end, child, sock, _dir: dir, ns })
+    }
+
+    /// `POST /v1/sandboxes` of `body`, which must be created.
+    fn create(&self, body: &str) -> Value {
+        let (st, v) = http_json(&self.sock, "POST", "/v1/sandboxes", Some(body));
+        assert_eq!(st, 201, "{v}");
+        v
+    }
 }
 
 /// Waits (bounded: 20 s) until a host listens on `sock`.
@@ -1322,18 +1310,14 @@ fn warm_rejuvenation_carries_a_rollback_sandbox_and_rolls_back_after_it() {
     if !kvm_available() {
         return;
     }
-    let Some(ns) = Netns::new("sbxrbw") else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("api.sock");
-    let (mut child, _end) = host_in(&ns, &sock);
+    let Some(mut h) = NsHost::start("sbxrbw", Host::Plain) else { return };
     let [c0, _] = two_cores();
-    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&rollback_kv_body(c0)));
-    assert_eq!(st, 201, "{v}");
-    let pid = child.id() as u64;
-    rollback_kv_across(&ns, &sock, || {
+    h.create(&rollback_kv_body(c0));
+    let pid = h.child.id() as u64;
+    rollback_kv_across(&h.ns, &h.sock, || {
         let before = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-        let r = rejuvenate_warm(&sock, "rb", 1);
-        let (_, info) = http_json(&sock, "GET", "/v1/info", None);
+        let r = rejuvenate_warm(&h.sock, "rb", 1);
+        let (_, info) = http_json(&h.sock, "GET", "/v1/info", None);
         assert_ne!(info["pid"].as_u64(), Some(pid), "a new process serves");
         let after = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
         eprintln!(
@@ -1344,7 +1328,7 @@ fn warm_rejuvenation_carries_a_rollback_sandbox_and_rolls_back_after_it() {
             after.trim()
         );
     });
-    stop_host(&sock, &mut child);
+    stop_host(&h.sock, &mut h.child);
 }
 
 /// A warm rejuvenation that fails (its new process refuses the set record,
@@ -1358,23 +1342,22 @@ fn a_failed_rejuvenation_leaves_a_rollback_sandbox_supervised_in_the_old_process
     if !kvm_available() {
         return;
     }
-    let Some(ns) = Netns::new("sbxrbf") else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("api.sock");
-    let corrupt = [("NINELIVES_HANDOVER_SELFTEST", "corrupt-sets")];
-    let (mut child, _end) = host_in_with(&ns, &sock, &corrupt);
+    let Some(mut h) =
+        NsHost::start("sbxrbf", Host::Env(&[("NINELIVES_HANDOVER_SELFTEST", "corrupt-sets")]))
+    else {
+        return;
+    };
     let [c0, _] = two_cores();
-    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&rollback_kv_body(c0)));
-    assert_eq!(st, 201, "{v}");
-    rollback_kv_across(&ns, &sock, || {
-        let (st, r) = http_json(&sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
+    h.create(&rollback_kv_body(c0));
+    rollback_kv_across(&h.ns, &h.sock, || {
+        let (st, r) = http_json(&h.sock, "POST", "/v1/rejuvenate", Some(r#"{"mode":"warm"}"#));
         assert_eq!(st, 200, "{r}");
         assert_eq!(r["report"]["ok"], false, "{r}");
         assert_eq!(r["report"]["rolled_back"], true, "{r}");
-        let (_, info) = http_json(&sock, "GET", "/v1/info", None);
-        assert_eq!(info["pid"], child.id(), "{info}");
+        let (_, info) = http_json(&h.sock, "GET", "/v1/info", None);
+        assert_eq!(info["pid"], h.child.id(), "{info}");
     });
-    stop_host(&sock, &mut child);
+    stop_host(&h.sock, &mut h.child);
 }
 
 /// The same across a microreboot (a fault in the host's API thread, the
@@ -1388,24 +1371,20 @@ fn a_microreboot_carries_a_rollback_sandbox_and_rolls_back_after_it() {
     if !kvm_available() {
         return;
     }
-    let Some(ns) = Netns::new("sbxrbm") else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("api.sock");
     // The connection reading request FAULT_AT faults; requests before it:
     // the create, the rollback counts, then `info`s.
     const FAULT_AT: usize = 20;
-    let (mut child, _end) = microrebooting_host(&ns, &sock, FAULT_AT);
+    let Some(mut h) = NsHost::start("sbxrbm", Host::Microrebooting(FAULT_AT)) else { return };
     let [c0, _] = two_cores();
-    let (st, v) = http_json(&sock, "POST", "/v1/sandboxes", Some(&rollback_kv_body(c0)));
-    assert_eq!(st, 201, "{v}");
-    rollback_kv_across(&ns, &sock, || {
+    h.create(&rollback_kv_body(c0));
+    rollback_kv_across(&h.ns, &h.sock, || {
         // The create and one rollback count so far.
         let mut sent = 2;
-        microreboot(&sock, &mut child, &mut sent, FAULT_AT);
-        let (_, list) = http_json(&sock, "GET", "/v1/sandboxes", None);
+        microreboot(&h.sock, &mut h.child, &mut sent, FAULT_AT);
+        let (_, list) = http_json(&h.sock, "GET", "/v1/sandboxes", None);
         assert_eq!(list["sets"][0]["name"], "rb", "{list}");
         assert_eq!(list["sets"][0]["handovers"], 1, "{list}");
     });
-    let line = stop_and_recovery_line(&sock, &mut child);
+    let line = stop_and_recovery_line(&h.sock, &mut h.child);
     assert!(line.contains("\"sets\":1"), "{line}");
 }
