@@ -102,13 +102,13 @@ fn reg_mut<'a>(r: &'a mut kvm_bindings::kvm_regs, name: &str) -> &'a mut u64 {
     }
 }
 
-/// Applies `fault` to a VM. Pauses the VM around it. Returns the guest
-/// address the VMM wrote, if it wrote memory.
+/// Applies `fault` to a VM, which is held paused around it
+/// ([`Vm::hold_paused`]: never resumed mid-checkpoint, nor mid-fault by a
+/// checkpoint). Returns the guest address the VMM wrote, if it wrote
+/// memory.
 pub fn apply(vm: &Vm, fault: &GuestFault) -> Result<Option<u64>, CheckpointError> {
-    vm.pause();
-    let r = apply_paused(vm, fault);
-    vm.resume();
-    r
+    let _hold = vm.hold_paused();
+    apply_paused(vm, fault)
 }
 
 fn apply_paused(vm: &Vm, fault: &GuestFault) -> Result<Option<u64>, CheckpointError> {

@@ -549,6 +549,8 @@ impl<'a> Supervisor<'a> {
         // checkpoint and rollback, or a rollback would leave, say, a used
         // ring ahead of the driver's restored view of it.
         vm.track_vmm_writes(true);
+        // No visit (`Vm::hold_paused`) between here and checkpoint 0.
+        let section = vm.exclusive();
         if !vm.started() {
             // Its vCPU threads park before their first instruction.
             vm.request_pause();
@@ -588,6 +590,7 @@ impl<'a> Supervisor<'a> {
             oc.push(0, &[], true, frames, disk, since, Instant::now());
         }
         vm.resume();
+        drop(section);
         let now = Instant::now();
         let vcpus = vm.config().vcpus as usize;
         let latency = cfg.hang_timeout.max(cfg.latency_bound.unwrap_or_default());
@@ -731,6 +734,9 @@ impl<'a> Supervisor<'a> {
         let t0 = Instant::now();
         let own_cpu = || nl_vmm::progress::own_cpu_ns().unwrap_or(0);
         let cpu0 = own_cpu();
+        // A visit (`Vm::hold_paused`, a fault injected from outside) never
+        // overlaps the pause, so it never resumes the guest mid-capture.
+        let section = self.vm.exclusive();
         self.vm.pause();
         // The guest's channel words with its vCPUs out: this checkpoint's.
         let channels = self.held.iter().map(|r| channel::snapshot(&**r)).collect();
@@ -751,6 +757,7 @@ impl<'a> Supervisor<'a> {
             oc.push(id, &clock, false, frames, disk, since, Instant::now());
         }
         self.vm.resume();
+        drop(section);
         let (state, stats) = r?;
         self.next_id += 1;
         let pause = t0.elapsed();
@@ -917,6 +924,7 @@ impl<'a> Supervisor<'a> {
         all_working: bool,
     ) -> Result<Result<(), String>, CheckpointError> {
         let t0 = Instant::now();
+        let _section = self.vm.exclusive();
         self.clock.update(&self.vm.vcpu_threads());
         self.vm.halt_vcpus();
         let now = self.clock.now().to_vec();
@@ -1129,12 +1137,14 @@ impl<'a> Supervisor<'a> {
             if handing_over && self.cfg.live.as_ref().is_some_and(|l| l.settled()) {
                 // Nothing detected just now: pause, and hand over unless an
                 // error came in between (then roll back first).
+                let section = self.vm.exclusive();
                 self.vm.pause();
                 if self.vm.poll_outcome().is_none() {
                     handed_over = true;
                     break VmOutcome::Stopped;
                 }
                 self.vm.resume();
+                drop(section);
                 continue;
             }
             if self.start.elapsed() > self.cfg.time_limit {

@@ -165,7 +165,8 @@ pub fn apply(set: &SandboxSet, name: &str, fault: &SandboxFault) -> Result<(), S
     let err = |e: String| SandboxError::Vm(name.into(), format!("fault injection: {e}"));
     match fault {
         SandboxFault::Guest { fault } => {
-            inject::apply(&vm, fault).map_err(|e| err(e.to_string()))?;
+            // A `rollback` sandbox's supervisor injects it at its next step.
+            set.inject(name, fault)?;
         }
         SandboxFault::ViolatingWrite { channel, offset } => {
             let gpa = nl_abi::channel_peer_gpa(*channel) + offset % nl_abi::CHANNEL_REGION_BYTES;
@@ -193,24 +194,27 @@ pub fn apply(set: &SandboxSet, name: &str, fault: &SandboxFault) -> Result<(), S
 }
 
 /// Sets vCPU 0's RAX to `rax` and writes `code` over the instruction it is
-/// at (the guest is identity mapped), with the VM paused around it.
+/// at (the guest is identity mapped), with the VM held paused around it
+/// ([`nl_vmm::Vm::hold_paused`]: a `rollback` sandbox's supervisor pauses
+/// and resumes the same VM for its checkpoints meanwhile).
 fn store_at_rip(vm: &nl_vmm::Vm, rax: u64, code: &[u8]) -> Result<(), String> {
-    vm.pause();
-    let r = vm
-        .with_vcpu(0, |fd| -> Result<u64, String> {
-            let mut regs = fd.get_regs().map_err(|e| format!("KVM_GET_REGS: {e}"))?;
-            regs.rax = rax;
-            fd.set_regs(&regs).map_err(|e| format!("KVM_SET_REGS: {e}"))?;
-            Ok(regs.rip)
-        })
-        .map_err(|e| e.to_string())
-        .and_then(|r| r)
-        .and_then(|rip| {
-            vm.memory()
-                .mem()
-                .write_slice(code, GuestAddress(rip))
-                .map_err(|e| format!("writing the code at {rip:#x}: {e}"))
-        });
-    vm.resume();
-    r
+    let _hold = vm.hold_paused();
+    vm.with_vcpu(0, |fd| -> Result<u64, String> {
+        let mut regs = fd.get_regs().map_err(|e| format!("KVM_GET_REGS: {e}"))?;
+        regs.rax = rax;
+        fd.set_regs(&regs).map_err(|e| format!("KVM_SET_REGS: {e}"))?;
+        Ok(regs.rip)
+    })
+    .map_err(|e| e.to_string())
+    .and_then(|r| r)
+    .and_then(|rip| {
+        vm.memory()
+            .mem()
+            .write_slice(code, GuestAddress(rip))
+            .map_err(|e| format!("writing the code at {rip:#x}: {e}"))?;
+        // A `rollback` sandbox's checkpoints must see the code change
+        // (KVM's dirty log does not), or a rollback would keep it.
+        vm.note_vmm_write(rip, code.len() as u64);
+        Ok(())
+    })
 }

@@ -54,7 +54,7 @@ pub mod windows;
 
 pub use config::{DiskConfig, NetConfig, VmConfig};
 pub use error::VmmError;
-pub use vm::{Vm, VmOutcome};
+pub use vm::{PauseHold, Vm, VmOutcome};
 
 /// Environment variable naming another KVM device node than /dev/kvm.
 pub const KVM_DEVICE_ENV: &str = "NINELIVES_KVM_DEVICE";

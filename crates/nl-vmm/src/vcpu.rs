@@ -7,7 +7,9 @@
 //! the guest, and only then parks. A parked vCPU's state is therefore exactly
 //! the guest's architectural state, and its `VcpuFd` is free for state calls.
 
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::atomic::{
+    AtomicBool, AtomicI32, AtomicU32, AtomicU64, Ordering::Relaxed, Ordering::SeqCst,
+};
 use std::sync::Arc;
 
 use nl_sync::{Condvar, Guard, Lock};
@@ -89,8 +91,17 @@ struct Counts {
 }
 
 /// Run control shared by the VM and all its vCPU threads.
+///
+/// Two kinds of pause keep the vCPUs parked: the pause flag
+/// ([`Self::pause`], [`Self::resume`]: one owner at a time, as the
+/// checkpoint supervisor, a handover or the API use it), and holds
+/// ([`Self::hold`], [`Self::release_hold`]: counted, for a short visit
+/// such as a fault injection). A resume clears the flag only: while a hold
+/// is out the vCPUs stay parked, and a hold's release never lets a VM run
+/// that someone else paused.
 pub struct RunControl {
     pause: AtomicBool,
+    holds: AtomicU32,
     stop: AtomicBool,
     counts: Arc<Lock<Counts>>,
     cond: Condvar,
@@ -100,6 +111,7 @@ impl Default for RunControl {
     fn default() -> Self {
         Self {
             pause: AtomicBool::new(false),
+            holds: AtomicU32::new(0),
             stop: AtomicBool::new(false),
             counts: Lock::new("vm.run_counts", Counts::default()),
             cond: Condvar::new(),
@@ -125,22 +137,48 @@ impl RunControl {
         let mut c = self.counts();
         c.parked += 1;
         self.cond.notify_all();
-        while self.pause.load(Relaxed) && !self.stop.load(Relaxed) {
+        while self.parks() && !self.stop.load(Relaxed) {
             c.wait(&self.cond);
         }
         c.parked -= 1;
         self.cond.notify_all();
     }
 
-    /// Raises the pause flag and waits until every live vCPU thread has parked,
-    /// calling `kick` (which interrupts KVM_RUN) every millisecond meanwhile.
     /// Raises the pause flag without waiting; [`Self::pause`] then waits.
     pub(crate) fn request_pause(&self) {
         self.pause.store(true, Relaxed);
     }
 
+    /// Raises the pause flag and waits until every live vCPU thread has parked,
+    /// calling `kick` (which interrupts KVM_RUN) every millisecond meanwhile.
     pub(crate) fn pause(&self, kick: impl Fn()) {
         self.pause.store(true, Relaxed);
+        self.wait_parked(kick);
+    }
+
+    /// Takes a hold (see the type's doc) and waits until every live vCPU
+    /// thread has parked.
+    pub(crate) fn hold(&self, kick: impl Fn()) {
+        self.holds.fetch_add(1, Relaxed);
+        self.wait_parked(kick);
+    }
+
+    /// Gives a hold back; the vCPUs run again only if nothing else keeps
+    /// them parked.
+    pub(crate) fn release_hold(&self) {
+        let _c = self.counts();
+        let _ = self.holds.fetch_update(Relaxed, Relaxed, |h| h.checked_sub(1));
+        self.cond.notify_all();
+    }
+
+    /// Whether a vCPU thread must park: the pause flag or a hold.
+    fn parks(&self) -> bool {
+        self.pause.load(Relaxed) || self.holds.load(Relaxed) > 0
+    }
+
+    /// Waits until every live vCPU thread has parked, calling `kick`
+    /// (which interrupts KVM_RUN) every millisecond meanwhile.
+    fn wait_parked(&self, kick: impl Fn()) {
         loop {
             let c = self.counts();
             if c.parked >= c.active {
@@ -170,7 +208,7 @@ impl RunControl {
     /// counted). An unpaused VM has no parked thread. Returns what changed.
     pub(crate) fn repair_counts(&self, live: u32) -> Option<String> {
         let mut c = self.counts.try_lock_for(Duration::from_millis(20))?;
-        let parked = if self.pause.load(Relaxed) { c.parked.min(live) } else { 0 };
+        let parked = if self.parks() { c.parked.min(live) } else { 0 };
         if c.active == live && c.parked == parked {
             return None;
         }
@@ -195,7 +233,7 @@ impl RunControl {
     }
 
     pub(crate) fn paused(&self) -> bool {
-        self.pause.load(Relaxed)
+        self.parks()
     }
 
     /// A stop was requested (and not yet cleared by a relaunch).
@@ -355,7 +393,7 @@ fn vcpu_loop(
         if ctx.run.stop.load(Relaxed) {
             return VcpuStop::Stopped;
         }
-        if ctx.run.pause.load(Relaxed) {
+        if ctx.run.parks() {
             // Complete any I/O still owed to the guest, then park with the fd unlocked.
             vcpu.set_kvm_immediate_exit(1);
             let _ = vcpu.run();
@@ -465,5 +503,86 @@ fn vcpu_loop(
             }
             Err(e) => return VcpuStop::Internal(format!("KVM_RUN failed: {e}")),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    /// A stand-in vCPU thread on `run`: counts steps while it may run,
+    /// parks as a vCPU thread does, ends when stopped (bounded).
+    fn stand_in(run: &Arc<RunControl>, steps: &Arc<AtomicU64>) -> std::thread::JoinHandle<()> {
+        run.thread_started();
+        let (run, steps) = (run.clone(), steps.clone());
+        std::thread::spawn(move || {
+            for _ in 0..100_000_000u64 {
+                if run.stop.load(Relaxed) {
+                    break;
+                }
+                if run.parks() {
+                    run.park();
+                    continue;
+                }
+                steps.fetch_add(1, Relaxed);
+                std::thread::yield_now();
+            }
+            run.thread_ended();
+        })
+    }
+
+    /// Waits (bounded: 10 s) until the stand-in takes a step.
+    fn runs_again(steps: &AtomicU64) -> bool {
+        let (s, t) = (steps.load(Relaxed), Instant::now());
+        while t.elapsed() < Duration::from_secs(10) {
+            if steps.load(Relaxed) > s {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        false
+    }
+
+    /// No step while parked: sampled before and after a short wait.
+    fn stays_parked(steps: &AtomicU64) -> bool {
+        let s = steps.load(Relaxed);
+        std::thread::sleep(Duration::from_millis(30));
+        steps.load(Relaxed) == s
+    }
+
+    /// A supervisor's resume does not end a fault injector's hold, and the
+    /// hold's release does not resume a VM the supervisor paused: the
+    /// vCPUs run only when neither keeps them parked.
+    #[test]
+    fn a_resume_does_not_end_a_hold_nor_a_release_a_pause() {
+        let run = Arc::new(RunControl::default());
+        let steps = Arc::new(AtomicU64::new(0));
+        let t = stand_in(&run, &steps);
+        assert!(runs_again(&steps), "the stand-in never ran");
+
+        // The injector holds; the supervisor pauses and resumes meanwhile.
+        run.hold(|| {});
+        run.pause(|| {});
+        run.resume();
+        assert!(run.paused(), "a resume ended the hold");
+        assert!(stays_parked(&steps), "the vCPU ran during a hold");
+        run.release_hold();
+        assert!(runs_again(&steps), "the release did not let the vCPU run");
+
+        // The supervisor pauses; the injector holds and releases meanwhile.
+        run.pause(|| {});
+        run.hold(|| {});
+        run.release_hold();
+        assert!(run.paused(), "the release ended the pause");
+        assert!(stays_parked(&steps), "the vCPU ran during a pause");
+        run.resume();
+        assert!(runs_again(&steps), "the resume did not let the vCPU run");
+
+        // A release without a hold never underflows into a hold.
+        run.release_hold();
+        assert!(!run.paused());
+        run.request_stop();
+        t.join().unwrap();
     }
 }

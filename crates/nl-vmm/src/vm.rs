@@ -119,6 +119,22 @@ pub struct Vm {
     memory: GuestMemory,
     /// Sandbox channel windows (their host mappings outlive the VM fd).
     windows: Option<Arc<crate::windows::VmWindows>>,
+    /// Taken by [`Vm::hold_paused`] and [`Vm::exclusive`].
+    pauser: Arc<Lock<()>>,
+    /// [`Vm::note_vmm_write`]s, while tracked.
+    vmm_writes: Arc<Lock<Option<Vec<(u64, u64)>>>>,
+}
+
+/// A [`Vm::hold_paused`]: the VM stays paused while it lives.
+pub struct PauseHold<'v> {
+    vm: &'v Vm,
+    _section: nl_sync::Guard<'v, ()>,
+}
+
+impl Drop for PauseHold<'_> {
+    fn drop(&mut self) {
+        self.vm.run.release_hold();
+    }
 }
 
 fn supported_cpuid(kvm: &Kvm) -> Result<CpuId, VmmError> {
@@ -397,6 +413,8 @@ impl Vm {
             vm_fd,
             memory,
             windows: None,
+            pauser: Lock::new("vm.pauser", ()),
+            vmm_writes: Lock::new("vm.vmm_writes", None),
         })
     }
 
@@ -592,9 +610,30 @@ impl Vm {
         self.kick_all();
     }
 
-    /// Lets paused vCPUs run again.
+    /// Lets paused vCPUs run again (unless a [`Vm::hold_paused`] is out).
     pub fn resume(&self) {
         self.run.resume();
+    }
+
+    /// Keeps the VM paused until the returned hold is dropped, beside
+    /// whoever else pauses it: a [`Vm::resume`] meanwhile does not let the
+    /// vCPUs run, and dropping the hold does not resume a VM that someone
+    /// else paused. For a short visit to a running VM's state (a fault
+    /// injected by an API request or a campaign) while a supervisor pauses
+    /// and resumes it for its checkpoints. One hold at a time, and never
+    /// while a [`Vm::exclusive`] section runs: a checkpoint or rollback
+    /// never sees a half-made visit, nor a visit a half-made checkpoint.
+    pub fn hold_paused(&self) -> PauseHold<'_> {
+        let section = self.pauser.lock();
+        self.run.hold(|| self.kick_all());
+        self.rx_barrier();
+        PauseHold { vm: self, _section: section }
+    }
+
+    /// Keeps [`Vm::hold_paused`] out while the guard lives: a checkpoint
+    /// supervisor's pause-capture-resume and rollback sections.
+    pub fn exclusive(&self) -> nl_sync::Guard<'_, ()> {
+        self.pauser.lock()
     }
 
     pub fn is_paused(&self) -> bool {
@@ -1032,8 +1071,12 @@ impl Vm {
     }
 
     /// Starts or stops recording the guest memory the VMM's own devices write
-    /// (virtio DMA), which KVM's dirty log does not see.
+    /// (virtio DMA), which KVM's dirty log does not see, and what
+    /// [`Vm::note_vmm_write`] is told.
     pub fn track_vmm_writes(&self, on: bool) {
+        let mut w = self.vmm_writes.lock();
+        *w = on.then(Vec::new);
+        drop(w);
         if let Some(n) = &self.net {
             n.lock().track_writes(on);
         }
@@ -1042,9 +1085,19 @@ impl Vm {
         }
     }
 
-    /// Guest ranges `(gpa, len)` the devices wrote since the last call.
+    /// Records a write of the VMM's own to guest memory outside the devices
+    /// (a fault injected from outside a checkpoint supervisor), while
+    /// [`Vm::track_vmm_writes`] is on; nothing otherwise.
+    pub fn note_vmm_write(&self, gpa: u64, len: u64) {
+        if let Some(w) = self.vmm_writes.lock().as_mut() {
+            w.push((gpa, len));
+        }
+    }
+
+    /// Guest ranges `(gpa, len)` the devices (and [`Vm::note_vmm_write`])
+    /// wrote since the last call.
     pub fn take_vmm_writes(&self) -> Vec<(u64, u64)> {
-        let mut out = Vec::new();
+        let mut out = self.vmm_writes.lock().as_mut().map(std::mem::take).unwrap_or_default();
         if let Some(n) = &self.net {
             out.extend(n.lock().take_writes());
         }
