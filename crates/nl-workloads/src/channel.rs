@@ -10,7 +10,8 @@
 //! workloads over the channel windows named in the boot info, and the host
 //! (unit tests here, native baselines in the bench) over ordinary memory. It
 //! works on `&[AtomicU64]`: shared memory another agent writes concurrently,
-//! read and written word by word, with no `unsafe` here.
+//! read and written word by word. The only `unsafe` here is the call of the
+//! SSE4.2 CRC after CPUID said the CPU has it ("The record CRC" below).
 //!
 //! # Region layout (64-bit words)
 //!
@@ -30,12 +31,28 @@
 //! | 13..16 | reserved (0) | |
 //! | 16.. | ring of records | owner's sender |
 //!
-//! A record starts on a word: word 0 = `len | crc32 << 32`, word 1 = sequence
+//! A record starts on a word: word 0 = `len | crc << 32`, word 1 = sequence
 //! number (0, 1, 2, ... per generation), then `ceil(len / 8)` payload words
-//! (little-endian bytes). The CRC-32 covers `len` (4 bytes LE), the sequence
-//! number (8 bytes LE) and the payload. A record never wraps: when it does
-//! not fit before the end of the ring, the sender writes [`PAD`] and
-//! continues at ring offset 0.
+//! (little-endian bytes). The CRC ([`record_crc`], CRC-32C) covers `len`
+//! (4 bytes LE), the sequence number (8 bytes LE) and the payload. A record
+//! never wraps: when it does not fit before the end of the ring, the sender
+//! writes [`PAD`] and continues at ring offset 0.
+//!
+//! # The record CRC
+//!
+//! CRC-32C (Castagnoli; [`crc32c`]), computed with the SSE4.2 `crc32`
+//! instruction when CPUID leaf 1 says the CPU has it
+//! ([`crc32c_in_hardware`], asked once), else with portable slice-by-8
+//! tables; both give the same value, so a host and a guest (or two CPUs)
+//! always agree. The guest is built for baseline x86-64 (its ring 0 is
+//! emulated on PVM and must not meet SSE4 or AVX), so a compile-time choice
+//! would give the guest the tables: the CRC was what held its streaming to
+//! about 1 GB/s (docs/sandboxes.md, Fig. 9). The instruction works on
+//! general-purpose registers only, so it needs no vector state, and it runs
+//! only in guest ring 3 (natively, on PVM) or on the host: the guest kernel
+//! does not link this crate. The reference guest's vCPUs see KVM's supported
+//! CPUID unmasked (`nl_arch::regs::vcpu_cpuid`), so a host with SSE4.2 shows
+//! it to guest ring 3; a guest without it computes the same CRC in tables.
 //!
 //! # What the receiver checks
 //!
@@ -176,13 +193,147 @@ impl RecvStats {
     }
 }
 
-/// CRC-32 of a record: length, sequence number, payload.
+/// CRC-32C of a record: length (4 bytes LE), sequence number (8 bytes
+/// LE), payload. See "The record CRC" in the module docs.
 pub fn record_crc(len: u32, seq: u64, payload: &[u8]) -> u32 {
-    let mut h = crc32fast::Hasher::new();
-    h.update(&len.to_le_bytes());
-    h.update(&seq.to_le_bytes());
-    h.update(payload);
-    h.finalize()
+    #[cfg(target_arch = "x86_64")]
+    if crc32c_in_hardware() {
+        #[allow(unsafe_code)]
+        // SAFETY: `crc32c_in_hardware` saw CPUID.1:ECX.SSE4_2, so the CPU
+        // executes the `crc32` instruction `record_crc_sse42` is compiled to.
+        return unsafe { record_crc_sse42(len, seq, payload) };
+    }
+    record_crc_portable(len, seq, payload)
+}
+
+/// CRC-32C (Castagnoli) of `data`: initial value and final XOR all ones,
+/// reflected polynomial [`CRC32C_POLY`]. The same value on every CPU:
+/// [`crc32c_in_hardware`] only decides how it is computed.
+pub fn crc32c(data: &[u8]) -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    if crc32c_in_hardware() {
+        #[allow(unsafe_code)]
+        // SAFETY: as in `record_crc`.
+        return !unsafe { crc32c_sse42(!0, data) };
+    }
+    !crc32c_portable(!0, data)
+}
+
+/// The reflected CRC-32C polynomial (0x1EDC6F41 bit-reversed).
+pub const CRC32C_POLY: u32 = 0x82F6_3B78;
+
+/// Whether this CPU computes CRC-32C with the SSE4.2 `crc32` instruction
+/// (CPUID leaf 1, ECX bit 20), asked once and remembered. Only ring-3 code
+/// and the host call it: the guest kernel does not link this crate (ring 0
+/// is emulated on PVM and must not meet SSE4.2 instructions).
+pub fn crc32c_in_hardware() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use core::sync::atomic::AtomicU8;
+        // 0: not asked yet; 1: no; 2: yes.
+        static SSE42: AtomicU8 = AtomicU8::new(0);
+        match SSE42.load(Relaxed) {
+            1 => false,
+            2 => true,
+            _ => {
+                let yes = core::arch::x86_64::__cpuid(1).ecx & (1 << 20) != 0;
+                SSE42.store(if yes { 2 } else { 1 }, Relaxed);
+                yes
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Slice-by-8 tables of the portable CRC-32C: `T[k][b]` is the CRC of byte
+/// `b` followed by `k` zero bytes.
+static CRC32C_TABLES: [[u32; 256]; 8] = crc32c_tables();
+
+const fn crc32c_tables() -> [[u32; 256]; 8] {
+    let mut t = [[0u32; 256]; 8];
+    let mut b = 0;
+    while b < 256 {
+        let mut c = b as u32;
+        let mut i = 0;
+        while i < 8 {
+            c = if c & 1 != 0 { (c >> 1) ^ CRC32C_POLY } else { c >> 1 };
+            i += 1;
+        }
+        t[0][b] = c;
+        b += 1;
+    }
+    let mut k = 1;
+    while k < 8 {
+        let mut b = 0;
+        while b < 256 {
+            let prev = t[k - 1][b];
+            t[k][b] = (prev >> 8) ^ t[0][(prev & 0xff) as usize];
+            b += 1;
+        }
+        k += 1;
+    }
+    t
+}
+
+/// The CRC-32C register after `data`, from register `crc` (no inversion
+/// here: the callers invert at the start and the end), in portable code.
+fn crc32c_portable(mut crc: u32, data: &[u8]) -> u32 {
+    let t = &CRC32C_TABLES;
+    let mut words = data.chunks_exact(8);
+    for w in &mut words {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(w);
+        let lo = u32::from_le_bytes([b[0], b[1], b[2], b[3]]) ^ crc;
+        let hi = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+        crc = t[7][(lo & 0xff) as usize]
+            ^ t[6][((lo >> 8) & 0xff) as usize]
+            ^ t[5][((lo >> 16) & 0xff) as usize]
+            ^ t[4][(lo >> 24) as usize]
+            ^ t[3][(hi & 0xff) as usize]
+            ^ t[2][((hi >> 8) & 0xff) as usize]
+            ^ t[1][((hi >> 16) & 0xff) as usize]
+            ^ t[0][(hi >> 24) as usize];
+    }
+    for &b in words.remainder() {
+        crc = (crc >> 8) ^ t[0][((crc ^ u32::from(b)) & 0xff) as usize];
+    }
+    crc
+}
+
+fn record_crc_portable(len: u32, seq: u64, payload: &[u8]) -> u32 {
+    let c = crc32c_portable(!0, &len.to_le_bytes());
+    let c = crc32c_portable(c, &seq.to_le_bytes());
+    !crc32c_portable(c, payload)
+}
+
+/// [`crc32c_portable`] with the SSE4.2 `crc32` instruction: eight bytes per
+/// instruction, general-purpose registers only (no vector state).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse4.2")]
+fn crc32c_sse42(crc: u32, data: &[u8]) -> u32 {
+    use core::arch::x86_64::{_mm_crc32_u64, _mm_crc32_u8};
+    let mut c = u64::from(crc);
+    let mut words = data.chunks_exact(8);
+    for w in &mut words {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(w);
+        c = _mm_crc32_u64(c, u64::from_le_bytes(b));
+    }
+    let mut c = c as u32;
+    for &b in words.remainder() {
+        c = _mm_crc32_u8(c, b);
+    }
+    c
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse4.2")]
+fn record_crc_sse42(len: u32, seq: u64, payload: &[u8]) -> u32 {
+    use core::arch::x86_64::{_mm_crc32_u32, _mm_crc32_u64};
+    let c = _mm_crc32_u32(!0, len);
+    let c = _mm_crc32_u64(u64::from(c), seq) as u32;
+    !crc32c_sse42(c, payload)
 }
 
 /// One end of a channel: sends into its own region, receives from the
@@ -781,6 +932,108 @@ mod tests {
         x.own[W_HEAD].store(1, Release);
         assert_eq!(y.recv(&mut buf), None);
         assert_eq!(y.stats().bad_header, 2);
+    }
+
+    /// CRC-32C check values: the catalogue's "123456789" and RFC 3720
+    /// (iSCSI) B.4.
+    fn crc32c_vectors() -> Vec<(Vec<u8>, u32)> {
+        std::vec![
+            (Vec::new(), 0),
+            (b"123456789".to_vec(), 0xE306_9283),
+            (std::vec![0u8; 32], 0x8A91_36AA),
+            (std::vec![0xffu8; 32], 0x62A8_AB43),
+            ((0..32u8).collect(), 0x46DD_794E),
+            ((0..32u8).rev().collect(), 0x113F_DB5C),
+        ]
+    }
+
+    #[test]
+    fn crc32c_gives_the_known_check_values_in_both_implementations() {
+        for (data, want) in crc32c_vectors() {
+            assert_eq!(!crc32c_portable(!0, &data), want, "portable, {data:?}");
+            assert_eq!(crc32c(&data), want, "dispatched, {data:?}");
+            #[cfg(target_arch = "x86_64")]
+            if crc32c_in_hardware() {
+                #[allow(unsafe_code)]
+                // SAFETY: the CPU has SSE4.2 (checked just above).
+                let hw = !unsafe { crc32c_sse42(!0, &data) };
+                assert_eq!(hw, want, "sse4.2, {data:?}");
+            }
+        }
+        // A record's CRC is that of its length, sequence number and payload
+        // laid end to end.
+        let mut r = Vec::from(9u32.to_le_bytes());
+        r.extend_from_slice(&7u64.to_le_bytes());
+        r.extend_from_slice(b"123456789");
+        assert_eq!(record_crc(9, 7, b"123456789"), crc32c(&r));
+        assert_eq!(record_crc_portable(9, 7, b"123456789"), crc32c(&r));
+    }
+
+    #[test]
+    fn the_sse42_crc_equals_the_portable_one_at_every_length_and_alignment() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if !crc32c_in_hardware() {
+                std::eprintln!("no SSE4.2 on this CPU: only the portable CRC-32C runs here");
+                return;
+            }
+            let mut x = 0x5EED_u64;
+            let buf: Vec<u8> = (0..20_000)
+                .map(|_| {
+                    x = crate::mix64(x);
+                    x as u8
+                })
+                .collect();
+            let lens = (0..=300).chain([511, 512, 513, 4095, 4096, 4097, 16_384, 19_990]);
+            for len in lens {
+                for align in 0..8 {
+                    let d = &buf[align..align + len];
+                    #[allow(unsafe_code)]
+                    // SAFETY: the CPU has SSE4.2 (checked above).
+                    let (hw, rec) = unsafe {
+                        (crc32c_sse42(0x1234_5678, d), record_crc_sse42(len as u32, x, d))
+                    };
+                    assert_eq!(hw, crc32c_portable(0x1234_5678, d), "len {len} align {align}");
+                    assert_eq!(
+                        rec,
+                        record_crc_portable(len as u32, x, d),
+                        "len {len} align {align}"
+                    );
+                    x = crate::mix64(x);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_corrupt_crc_or_tail_byte_is_rejected_and_counted_every_time() {
+        // Odd lengths: the last payload word is partly padding, and its
+        // bytes go through the CRC's byte-at-a-time tail.
+        let (mut x, mut y) = pair(HEADER_WORDS + 4096);
+        let mut buf = [0u8; 512];
+        let mut bad = 0;
+        for (i, len) in [1usize, 7, 13, 300, 301].into_iter().enumerate() {
+            let p = payload(i as u64, len);
+            // One corrupt record, then the same payload intact.
+            x.send(&p).unwrap();
+            let at = (x.head - record_words(len) as u64) as usize;
+            let (w, bit) = if i % 2 == 0 {
+                // A bit of the stored CRC.
+                (&ring(&x)[at], 1u64 << 40)
+            } else {
+                // A bit of the payload's last byte.
+                (&ring(&x)[at + record_words(len) - 1], 1u64 << (8 * ((len - 1) % 8)))
+            };
+            w.store(w.load(Relaxed) ^ bit, Relaxed);
+            x.send(&p).unwrap();
+            bad += 1;
+            // The corrupt record is skipped; the next one arrives.
+            assert_eq!(y.recv(&mut buf), Some(len), "length {len}");
+            assert_eq!(&buf[..len], &p[..]);
+            let s = y.stats();
+            assert_eq!((s.bad_crc, s.rejected(), s.received), (bad, bad, bad), "length {len}");
+        }
+        assert_eq!(y.recv(&mut buf), None);
     }
 
     #[test]

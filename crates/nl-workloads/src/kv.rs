@@ -9,7 +9,8 @@
 //! the journal, every other slot is [`SLOT_WORDS`] words: a tag word (0 =
 //! empty, [`DEAD`] = a dropped entry, else `TAG | key_len | val_len << 8 |
 //! crc32 << 16`), the key ([`MAX_KEY`] bytes) and the value ([`MAX_VALUE`]
-//! bytes). The CRC-32 (as the channel records use) covers the slot's index,
+//! bytes). The CRC-32 (IEEE, `crc32fast`; not the channel records' CRC-32C:
+//! not on a hot path, and a table keeps its format) covers the slot's index,
 //! the lengths, the key and the value. It is filled to at most 7/8.
 //!
 //! A PUT first writes the entry to the journal (its tag last), then to its

@@ -124,10 +124,11 @@ pub fn chanbench(cpu: u64, boot: &BootInfo) -> ! {
             print(
                 cpu,
                 format_args!(
-                    "chanbench end={end} messages={} rejected={} resyncs={}\n",
+                    "chanbench end={end} messages={} rejected={} resyncs={} crc={}\n",
                     s.messages,
                     st.rejected(),
-                    st.resyncs
+                    st.resyncs,
+                    if nl_workloads::channel::crc32c_in_hardware() { "sse4.2" } else { "portable" }
                 ),
             );
             done(cpu, s.messages, cycles, s.digest)

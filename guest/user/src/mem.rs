@@ -58,6 +58,17 @@ pub unsafe extern "C" fn memset(dest: *mut u8, c: i32, n: usize) -> *mut u8 {
 #[no_mangle]
 pub unsafe extern "C" fn memcmp(a: *const u8, b: *const u8, n: usize) -> i32 {
     let mut i = 0;
+    // Eight bytes at a time while they are equal (chanbench compares every
+    // message in full: a byte loop held its streaming down), then the bytes
+    // of the first differing word, or the tail.
+    while i + 8 <= n {
+        let x = a.add(i).cast::<u64>().read_unaligned();
+        let y = b.add(i).cast::<u64>().read_unaligned();
+        if x != y {
+            break;
+        }
+        i += 8;
+    }
     while i < n {
         let (x, y) = (*a.add(i), *b.add(i));
         if x != y {

@@ -52,6 +52,12 @@ pub struct BenchSandboxArgs {
     /// Milliseconds of each storm run and of each budget-curve window.
     #[arg(long, default_value_t = 3000)]
     pub storm_ms: u64,
+    /// Budget curves (`budgets`): the unbudgeted receiver sends one message
+    /// back every this many µs (0: as fast as the sender drains them, the
+    /// first version's setting, in which the sender's budget went mostly
+    /// into draining the receiver's flood).
+    #[arg(long, default_value_t = 100_000)]
+    pub budget_echo_us: u64,
     /// Pings (3 ms apart) per Table 3 run (`interrupts`).
     #[arg(long, default_value_t = 1500)]
     pub pings: u64,
@@ -264,13 +270,20 @@ pub struct Storm {
 /// a high and a low reserved budget. The paper's Hi is 50% utilization
 /// (sender and receiver, 100 ms periods); its Low's budget is not in the
 /// text we have. Here the sender alone is budgeted (10 ms periods), so the
-/// difference is the sender's budget's.
+/// difference is the sender's budget's; the receiver sends back only one
+/// message every `echo_us` (chanstream ends both send and receive).
 #[derive(Clone, Debug, Serialize)]
 pub struct BudgetCurves {
     pub reps: usize,
     pub cores: [usize; 2],
     pub hi: (u64, u64),
     pub low: (u64, u64),
+    /// The receiver's send period in µs (0: as fast as it can).
+    pub echo_us: u64,
+    /// Messages per second the budgeted sender drained from the receiver
+    /// over the window (its budget's other use).
+    pub hi_tx_drained_per_sec: Spread,
+    pub low_tx_drained_per_sec: Spread,
     /// 64-byte messages per second received from the sender.
     pub hi_msgs_per_sec: Spread,
     pub low_msgs_per_sec: Spread,
@@ -912,14 +925,19 @@ fn print_storm(st: &Storm) {
     );
 }
 
-fn chanstream_pair(cores: [usize; 2], budget: (u64, u64), ms: u64) -> Result<SetConfig> {
+fn chanstream_pair(
+    cores: [usize; 2],
+    budget: (u64, u64),
+    ms: u64,
+    echo_us: u64,
+) -> Result<SetConfig> {
     let (r, p) = budget;
     let text = format!(
         r#"{{"sandboxes": [
             {{"name": "tx", "cores": [{}], "mem_mib": 48, "budget": {{"runtime_us": {r}, "period_us": {p}, "reserve": true}},
               "workload": {{"kind": "chanstream", "duration_ms": {ms}, "send_every_us": 0}}}},
             {{"name": "rx", "cores": [{}], "mem_mib": 48,
-              "workload": {{"kind": "chanstream", "duration_ms": {ms}, "send_every_us": 0}}}}
+              "workload": {{"kind": "chanstream", "duration_ms": {ms}, "send_every_us": {echo_us}}}}}
         ], "channels": [{{"name": "c", "between": ["tx", "rx"]}}]}}"#,
         cores[0], cores[1]
     );
@@ -931,6 +949,7 @@ fn chanstream_pair(cores: [usize; 2], budget: (u64, u64), ms: u64) -> Result<Set
 /// sender's host CPU share over it, and its reservation's windows.
 struct StreamSample {
     msgs_per_sec: f64,
+    tx_drained_per_sec: f64,
     tx_cpu_share: f64,
     reserved: Option<nl_sandbox::reserve::ReserveStats>,
 }
@@ -945,11 +964,12 @@ fn stream_window(
     cores: [usize; 2],
     budget: (u64, u64),
     ms: u64,
+    echo_us: u64,
 ) -> Result<StreamSample> {
     use std::sync::atomic::Ordering::Relaxed;
     let set = SandboxSet::create(
         kvm,
-        chanstream_pair(cores, budget, 0)?,
+        chanstream_pair(cores, budget, 0, echo_us)?,
         &nl_launch::guest::sandbox_images(),
     )?;
     set.start_all()?;
@@ -976,15 +996,20 @@ fn stream_window(
             }
             std::thread::sleep(Duration::from_millis(200));
             let cpu = || nl_sandbox::periodic::thread_cpu_ns(tid).unwrap_or(0);
-            let (t0, rx0, cpu0) = (std::time::Instant::now(), rx.vcpus[0].ops.load(Relaxed), cpu());
+            // The guests publish what they received (OPS) every 2 ms.
+            let (rx_ops, tx_ops) = (&rx.vcpus[0].ops, &tx.vcpus[0].ops);
+            let (t0, rx0, tx0, cpu0) =
+                (std::time::Instant::now(), rx_ops.load(Relaxed), tx_ops.load(Relaxed), cpu());
             std::thread::sleep(Duration::from_millis(ms));
-            let (dt, rx1, cpu1) = (t0.elapsed(), rx.vcpus[0].ops.load(Relaxed), cpu());
+            let (dt, rx1, tx1, cpu1) =
+                (t0.elapsed(), rx_ops.load(Relaxed), tx_ops.load(Relaxed), cpu());
             let errors = rx.vcpus[0].digest.load(Relaxed) + tx.vcpus[0].digest.load(Relaxed);
             if errors != 0 {
                 bail!("{errors} messages were corrupt, lost or duplicated");
             }
             Ok((
                 rx1.saturating_sub(rx0) as f64 / dt.as_secs_f64(),
+                tx1.saturating_sub(tx0) as f64 / dt.as_secs_f64(),
                 cpu1.saturating_sub(cpu0) as f64 / dt.as_nanos() as f64,
             ))
         })();
@@ -992,7 +1017,7 @@ fn stream_window(
         let report = supervisor.join().map_err(|_| anyhow::anyhow!("the supervisor panicked"));
         (measured, report)
     });
-    let (msgs_per_sec, tx_cpu_share) = measured?;
+    let (msgs_per_sec, tx_drained_per_sec, tx_cpu_share) = measured?;
     let report = report?;
     let reserved = report
         .sandboxes
@@ -1000,7 +1025,7 @@ fn stream_window(
         .find(|s| s.name == "tx")
         .and_then(|s| s.throttling)
         .and_then(|t| t.reserved);
-    Ok(StreamSample { msgs_per_sec, tx_cpu_share, reserved })
+    Ok(StreamSample { msgs_per_sec, tx_drained_per_sec, tx_cpu_share, reserved })
 }
 
 /// Fig. 9's Hi and Low budget curves: 64-byte chanstream messages from a
@@ -1015,7 +1040,7 @@ pub fn budget_curves(a: &BenchSandboxArgs) -> Result<BudgetCurves> {
     let (mut his, mut lows) = (Vec::new(), Vec::new());
     for _ in 0..a.reps {
         for (b, out) in [(hi, &mut his), (low, &mut lows)] {
-            out.push(stream_window(&kvm, cores, b, a.storm_ms)?);
+            out.push(stream_window(&kvm, cores, b, a.storm_ms, a.budget_echo_us)?);
         }
     }
     let share = |b: (u64, u64)| b.0 as f64 / b.1 as f64;
@@ -1026,6 +1051,9 @@ pub fn budget_curves(a: &BenchSandboxArgs) -> Result<BudgetCurves> {
         cores,
         hi,
         low,
+        echo_us: a.budget_echo_us,
+        hi_tx_drained_per_sec: spread(his.iter().map(|x| x.tx_drained_per_sec).collect()),
+        low_tx_drained_per_sec: spread(lows.iter().map(|x| x.tx_drained_per_sec).collect()),
         throughput_ratio: spread(hr.iter().zip(&lr).map(|(h, l)| h / l.max(1.0)).collect()),
         budget_ratio: share(hi) / share(low),
         hi_msgs_per_budget_sec: spread(hr.iter().map(|h| h / share(hi)).collect()),
@@ -1061,6 +1089,12 @@ fn print_budgets(b: &BudgetCurves) {
         "  the sender's host CPU share: Hi {}, Low {}",
         s(b.hi_tx_cpu_share, 3),
         s(b.low_tx_cpu_share, 3)
+    );
+    println!(
+        "  the receiver sends back one message every {} us (0: as fast as it can); the sender drained from it: Hi {} msgs/s, Low {} msgs/s",
+        b.echo_us,
+        s(b.hi_tx_drained_per_sec, 0),
+        s(b.low_tx_drained_per_sec, 0)
     );
     println!(
         "  Hi / Low throughput {} against a budget ratio of {:.2}; load average before: {}; after: {}",
