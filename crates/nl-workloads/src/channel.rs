@@ -236,7 +236,13 @@ pub fn crc32c_in_hardware() -> bool {
             1 => false,
             2 => true,
             _ => {
-                let yes = core::arch::x86_64::__cpuid(1).ecx & (1 << 20) != 0;
+                // An `unsafe` call before Rust 1.89 (the workspace's
+                // minimum is 1.87); a safe one since.
+                #[allow(unsafe_code, unused_unsafe)]
+                // SAFETY: CPUID exists on every x86-64 CPU; leaf 1 reads
+                // feature bits and has no other effect.
+                let leaf1 = unsafe { core::arch::x86_64::__cpuid(1) };
+                let yes = leaf1.ecx & (1 << 20) != 0;
                 SSE42.store(if yes { 2 } else { 1 }, Relaxed);
                 yes
             }
