@@ -236,8 +236,8 @@ pub fn crc32c_in_hardware() -> bool {
             1 => false,
             2 => true,
             _ => {
-                // An `unsafe` call before Rust 1.89 (the workspace's
-                // minimum is 1.87); a safe one since.
+                // An `unsafe` call on older compilers (the workspace's
+                // minimum is 1.87), a safe one on newer ones.
                 #[allow(unsafe_code, unused_unsafe)]
                 // SAFETY: CPUID exists on every x86-64 CPU; leaf 1 reads
                 // feature bits and has no other effect.
