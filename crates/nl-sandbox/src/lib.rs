@@ -98,3 +98,27 @@ pub enum SandboxError {
     #[error("sandbox '{0}': {1}")]
     Vm(String, String),
 }
+
+/// Debug trace of the recovery path (`NL_SANDBOX_TRACE=1`): one line on
+/// stderr per event, `trace <unix ms> <thread> <event>`, so that events of
+/// the monitors, the VM builders and a bench's clients can be placed on
+/// one clock. Off (one relaxed load) unless the variable is set.
+pub fn trace(event: std::fmt::Arguments) {
+    use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
+    static ON: AtomicU8 = AtomicU8::new(2);
+    let on = match ON.load(Relaxed) {
+        2 => {
+            let v = u8::from(std::env::var_os("NL_SANDBOX_TRACE").is_some_and(|v| v == "1"));
+            ON.store(v, Relaxed);
+            v
+        }
+        v => v,
+    };
+    if on == 1 {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64() * 1e3);
+        let t = std::thread::current();
+        eprintln!("trace {now:.3} {} {event}", t.name().unwrap_or("-"));
+    }
+}

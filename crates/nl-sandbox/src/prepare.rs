@@ -149,12 +149,16 @@ pub(crate) fn start(sb: &Sandbox) -> Option<Builder> {
 fn run(recipe: &Recipe, kvm: &kvm_ioctls::Kvm, monitor: &Monitor, done: &AtomicBool) {
     while !done.load(Ordering::SeqCst) {
         if !monitor.next_vm_ready() {
+            crate::trace(format_args!("{}: build next VM: begin", recipe.name));
             let built = crate::set::anonymous_ram(&recipe.name, recipe.mem_bytes)
                 .and_then(|memory| recipe.create(kvm, memory));
             match built {
                 // Finished meanwhile: the VM is dropped here.
                 Ok(_) if done.load(Ordering::SeqCst) => return,
-                Ok(vm) => monitor.stash_next_vm(vm),
+                Ok(vm) => {
+                    crate::trace(format_args!("{}: build next VM: end", recipe.name));
+                    monitor.stash_next_vm(vm)
+                }
                 Err(e) => {
                     eprintln!("ninelives: {e}; its restarts build their own VMs");
                     return;

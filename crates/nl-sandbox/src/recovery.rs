@@ -155,9 +155,11 @@ pub(crate) fn run(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome 
         finish(sb, &mut pending);
         let (detector, detail) = found;
         let detection = sb.monitor.detected(detector, detail.clone(), set.elapsed_ms());
+        crate::trace(format_args!("{}: detected {}", sb.config.name, detector.name()));
         // Only this sandbox's vCPUs stop; the others run on their threads.
         vm.stop();
         let stopped_ms = ms_since(t0);
+        crate::trace(format_args!("{}: stopped", sb.config.name));
         let outcome = match vm.poll_outcome() {
             Some(o) if o != VmOutcome::Stopped && o != VmOutcome::Completed => o,
             _ => match detector {
@@ -172,6 +174,7 @@ pub(crate) fn run(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome 
             sb.monitor.set_doing("handing its service over", set.elapsed_ms());
             crate::service::finish_watch(set, &mut watch);
             crate::service::take_over(set, sb, svc, &detection, t0);
+            crate::trace(format_args!("{}: take_over returned", sb.config.name));
         }
         let policy = sb.config.recovery.policy;
         if policy == RecoveryPolicy::Stop {
@@ -192,7 +195,9 @@ pub(crate) fn run(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome 
         recent.push(t0);
         let mut phases = Phases { stopped_ms, ..Default::default() };
         sb.monitor.set_doing(crate::monitor::REBUILDING, set.elapsed_ms());
-        match set.rebuild(sb, policy, t0, &mut phases) {
+        let rebuilt = set.rebuild(sb, policy, t0, &mut phases);
+        crate::trace(format_args!("{}: rebuild done ok={}", sb.config.name, rebuilt.is_ok()));
+        match rebuilt {
             Ok(()) => {
                 det.reset(vcpus);
                 let record = RecoveryRecord {

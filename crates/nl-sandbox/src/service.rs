@@ -284,12 +284,16 @@ pub(crate) fn take_over(
     let Some(tap) = sb.vm().take_tap() else {
         return fail(record, format!("sandbox '{}' holds no TAP", sb.config.name));
     };
-    // The state region leaves the failed holder's (stopped) VM before the
-    // standby may map it.
+    // The state region leaves the failed holder before the standby may map
+    // it. Its VM is stopped for good (the monitor stopped it; it is replaced
+    // by a restart, never run again): the slot stays in it, unreachable,
+    // and goes with it. Removing the slot here would wait for the kernel
+    // (see StateRegion::release_stopped) with the TAP not yet handed over.
     if let Some(st) = &s.state {
-        st.unmap_from(sb.index, &sb.vm());
+        st.release_stopped(sb.index);
     }
     record.notified_ms = ms(t0);
+    crate::trace(format_args!("{}: TAP handed to {}", sb.config.name, standby.config.name));
     standby.monitor.hand_over(Handover { service: svc, tap, t0, record });
     // A standby whose monitor is rebuilding its VM (its own restart) takes
     // the TAP once that ends: worth waiting for up to REBUILD_WAIT, since
@@ -309,8 +313,9 @@ pub(crate) fn take_over(
     if let Some(h) = standby.monitor.take_handover() {
         let (doing, since) = standby.monitor.doing();
         let _ = sb.vm().attach_tap(h.tap);
+        // Its stopped VM still has the slot (release_stopped above).
         if let Some(st) = &s.state {
-            if let Err(e) = st.map_into(sb.index, &sb.vm()) {
+            if let Err(e) = st.reclaim_stopped(sb.index) {
                 eprintln!("ninelives: service '{}': {e}", s.name);
             }
         }
@@ -350,6 +355,7 @@ pub(crate) fn standby_pass(set: &SandboxSet, sb: &Sandbox, watch: &mut Option<Wa
             Ok(()) => {
                 let mut record = h.record;
                 record.attached_ms = ms(h.t0);
+                crate::trace(format_args!("{}: TAP attached", sb.config.name));
                 // The service is this sandbox's now: recorded at once, so a
                 // takeover with no client traffic is seen without delay.
                 record.ok = true;
@@ -389,11 +395,13 @@ pub(crate) fn standby_pass(set: &SandboxSet, sb: &Sandbox, watch: &mut Option<Wa
         };
         if r.announced_ms.is_none() && n.guest_announcements > w.arp0 {
             r.announced_ms = ms(w.t0);
+            crate::trace(format_args!("{}: guest announced", sb.config.name));
         }
         // Any other frame the guest sends: its first reply (or its first
         // ARP request, when a client's frame made it look up the sender).
         if r.first_reply_ms.is_none() && n.tx_frames > w.tx0 + (n.guest_announcements - w.arp0) {
             r.first_reply_ms = ms(w.t0);
+            crate::trace(format_args!("{}: first other frame", sb.config.name));
         }
         if r.announced_ms.is_some() && r.first_reply_ms.is_some() {
             *watch = None;

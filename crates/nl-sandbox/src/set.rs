@@ -515,11 +515,16 @@ impl SandboxSet {
             None => self.next_vm(sb, policy)?,
         };
         phases.image_ms = ms();
-        // A state region this sandbox holds moves to its new VM.
+        // A state region this sandbox holds moves to its new VM. The old VM
+        // is stopped for good: its slot goes with it (removing it would wait
+        // for the kernel: StateRegion::release_stopped).
         let state = self.services.state_mapped_in(sb.index);
         if let Some(st) = &state {
-            st.unmap_from(sb.index, &sb.vm());
-            st.map_into(sb.index, &vm)?;
+            st.release_stopped(sb.index);
+            if let Err(e) = st.map_into(sb.index, &vm) {
+                let _ = st.reclaim_stopped(sb.index);
+                return Err(e);
+            }
         }
         if let Some(tap) = sb.vm().take_tap() {
             vm.attach_tap(tap).map_err(|_| {
@@ -530,6 +535,7 @@ impl SandboxSet {
             })?;
         }
         let old = std::mem::replace(&mut *sb.vm.lock(), Arc::new(vm));
+        crate::trace(format_args!("{}: rebuild: starting new VM", sb.config.name));
         if let Err(e) = self.start_vm(sb) {
             sb.vm().stop();
             if let Some(tap) = sb.vm().take_tap() {
@@ -537,7 +543,8 @@ impl SandboxSet {
             }
             if let Some(st) = &state {
                 st.unmap_from(sb.index, &sb.vm());
-                let _ = st.map_into(sb.index, &old);
+                // The old VM kept its slot (release_stopped).
+                let _ = st.reclaim_stopped(sb.index);
             }
             *sb.vm.lock() = old;
             return Err(e);
@@ -782,5 +789,9 @@ pub(crate) fn channel_windows(
 /// Drops `vm` on a detached thread (inline if no thread can be started:
 /// the refused closure, and `vm` with it, is dropped here).
 fn release_in_background(name: &str, vm: Arc<Vm>) {
-    let _ = std::thread::Builder::new().name(format!("release-{name}")).spawn(move || drop(vm));
+    let _ = std::thread::Builder::new().name(format!("release-{name}")).spawn(move || {
+        crate::trace(format_args!("release old VM: begin"));
+        drop(vm);
+        crate::trace(format_args!("release old VM: end"));
+    });
 }

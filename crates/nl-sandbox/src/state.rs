@@ -3,9 +3,11 @@
 //! slot for (read-write, at [`nl_abi::STATE_REGION_GPA`]). The standby's
 //! VM has the range in its guest page tables and its boot info but no slot
 //! behind it: it cannot reach the region until a takeover moves the slot
-//! to it ([`StateRegion::map_into`], after [`StateRegion::unmap_from`] the
-//! failed holder's stopped VM). So the region is writable in at most one
-//! sandbox at any time, which [`StateRegion::map_into`] enforces.
+//! to it ([`StateRegion::map_into`], after [`StateRegion::release_stopped`]
+//! took it from the failed holder, whose stopped VM, never run again, keeps
+//! its slot until it is released). So the region is writable in at most
+//! one running sandbox at any time, which [`StateRegion::map_into`]
+//! enforces.
 //!
 //! A warm rejuvenation or a microreboot carries the region: its memfd,
 //! the sandbox that has the slot and the size go into the set's handover
@@ -173,6 +175,43 @@ impl StateRegion {
         }
     }
 
+    /// Takes the region from sandbox `i` whose VM is stopped for good (its
+    /// vCPU threads ended by `Vm::stop`, and the VM is replaced by a new one
+    /// or stays stopped; it never runs again), *without* removing the slot
+    /// from that VM: no guest can reach the region through it, and the
+    /// slot goes when the VM is released. Removing a slot
+    /// (`KVM_SET_USER_MEMORY_REGION`) waits for SRCU grace periods and for
+    /// every memory-map invalidation in progress anywhere in this process
+    /// (another sandbox's old VM being unmapped by its release thread, a VM
+    /// being built): on a takeover it held the TAP back from the standby
+    /// for 130 ms to 2.2 s (issue 19, docs/sandboxes.md). Returns whether
+    /// `i` had the region.
+    pub fn release_stopped(&self, i: usize) -> bool {
+        let mut m = self.mapped_in.lock();
+        let had = *m == Some(i);
+        if had {
+            *m = None;
+        }
+        had
+    }
+
+    /// Gives the region back to sandbox `i` whose stopped VM still has its
+    /// slot ([`StateRegion::release_stopped`] left it there): a takeover
+    /// that failed. Refused while another sandbox has it.
+    pub fn reclaim_stopped(&self, i: usize) -> Result<(), SandboxError> {
+        let mut m = self.mapped_in.lock();
+        match *m {
+            Some(other) if other != i => Err(SandboxError::Isolation(format!(
+                "service '{}': its state region is still mapped in sandbox {other}",
+                self.service
+            ))),
+            _ => {
+                *m = Some(i);
+                Ok(())
+            }
+        }
+    }
+
     /// The table header stored at the start of the region.
     pub fn header(&self) -> nl_workloads::kv::Header {
         let words: Vec<u64> = (0..8u64)
@@ -231,5 +270,29 @@ mod tests {
         assert_eq!(new.read(4096, 12), b"acknowledged");
         assert_eq!(new.mapped_in(), None);
         assert!(new.file().is_some());
+    }
+    /// A takeover (or a restart) takes the region from its stopped holder
+    /// without that VM (`release_stopped` has no VM to remove a slot from:
+    /// nothing waits for the kernel before the TAP is handed over), and a
+    /// failed takeover gives it back to the holder whose VM kept the slot;
+    /// a second sandbox can never have it while one does.
+    #[test]
+    fn a_stopped_holder_gives_the_region_up_without_its_vm_and_can_take_it_back() {
+        let st = StateRegion::create("kv", 2 << 20).unwrap();
+        assert_eq!(st.mapped_in(), None);
+        // As if sandbox 0's VM had the slot.
+        st.reclaim_stopped(0).unwrap();
+        assert_eq!(st.mapped_in(), Some(0));
+        let e = st.reclaim_stopped(1).unwrap_err().to_string();
+        assert!(e.contains("still mapped in sandbox 0"), "{e}");
+        assert!(!st.release_stopped(1), "sandbox 1 did not have it");
+        assert_eq!(st.mapped_in(), Some(0));
+        // The holder stopped: the region is free for the standby.
+        assert!(st.release_stopped(0));
+        assert_eq!(st.mapped_in(), None, "released without the holder's VM");
+        assert!(!st.release_stopped(0), "released once");
+        // The takeover failed: back to the holder, whose VM kept the slot.
+        st.reclaim_stopped(0).unwrap();
+        assert_eq!(st.mapped_in(), Some(0));
     }
 }

@@ -178,18 +178,26 @@ pub fn bins(times_ms: &[f64], end_ms: f64) -> Vec<u32> {
 /// to `end_ms` when none comes after it. The run's start bounds it when no
 /// event came before.
 pub fn gap_after(times_ms: &[f64], at_ms: f64, end_ms: f64) -> f64 {
+    silence_after(times_ms, at_ms, end_ms).0
+}
+
+/// [`gap_after`], and when that silence began (the event before it, or the
+/// run's start), on the same clock.
+pub fn silence_after(times_ms: &[f64], at_ms: f64, end_ms: f64) -> (f64, f64) {
     let mut prev = times_ms.iter().copied().filter(|&t| t <= at_ms).fold(0.0, f64::max);
-    let mut gap: f64 = 0.0;
+    let (mut gap, mut start): (f64, f64) = (0.0, prev);
     let mut any = false;
     for &t in times_ms.iter().filter(|&&t| t > at_ms) {
-        gap = gap.max(t - prev);
+        if t - prev > gap {
+            (gap, start) = (t - prev, prev);
+        }
         prev = t;
         any = true;
     }
     if any {
-        gap
+        (gap, start)
     } else {
-        end_ms - prev
+        (end_ms - prev, prev)
     }
 }
 
@@ -464,6 +472,9 @@ pub struct KvTakeovers {
     pub first_reply_ms: Vec<f64>,
     /// The ping client's longest silence around each fault, ms.
     pub ping_gap_ms: Vec<f64>,
+    /// When each of those silences began, ms after its fault (the
+    /// injection; negative: the last reply before it).
+    pub ping_gap_start_ms: Vec<f64>,
     /// From the first fault to the takeover after the last, s.
     pub faults_secs: f64,
 }
@@ -500,6 +511,7 @@ pub fn kv_takeovers(faults: u64, cores: [usize; 2]) -> Result<KvTakeovers> {
                     bail!("kv-takeovers: no answer within 30 s before fault {}", i + 1);
                 }
                 faults_ms.push(unix_now_ms());
+                nl_sandbox::trace(format_args!("bench: fault {} into {}", i + 1, r.holder));
                 s.inject(&r.holder, &BAD_RIP)?;
                 if !wait_for(Duration::from_secs(30), || service().takeovers.len() as u64 > i) {
                     bail!("kv-takeovers: fault {} not taken over within 30 s", i + 1);
@@ -511,6 +523,11 @@ pub fn kv_takeovers(faults: u64, cores: [usize; 2]) -> Result<KvTakeovers> {
         let end_ms = unix_now_ms() - ping.start_unix_ms;
         let r = service();
         let header = s.services.services[0].state.as_ref().map(|st| st.header());
+        let silences = silences_per_fault(
+            &ping.arrivals_ms,
+            &faults_ms.iter().map(|f| f - ping.start_unix_ms).collect::<Vec<_>>(),
+            end_ms,
+        );
         Ok(KvTakeovers {
             faults,
             takeovers: r.takeovers.len() as u64,
@@ -524,11 +541,8 @@ pub fn kv_takeovers(faults: u64, cores: [usize; 2]) -> Result<KvTakeovers> {
             table_loads: header.as_ref().map_or(0, |h| h.loads),
             table_dropped: header.as_ref().map_or(0, |h| h.dropped),
             first_reply_ms: r.takeovers.iter().filter_map(|t| t.first_reply_ms).collect(),
-            ping_gap_ms: gaps_per_fault(
-                &ping.arrivals_ms,
-                &faults_ms.iter().map(|f| f - ping.start_unix_ms).collect::<Vec<_>>(),
-                end_ms,
-            ),
+            ping_gap_ms: silences.iter().map(|s| s.0).collect(),
+            ping_gap_start_ms: silences.iter().map(|s| s.1).collect(),
             faults_secs,
         })
     };
@@ -538,13 +552,19 @@ pub fn kv_takeovers(faults: u64, cores: [usize; 2]) -> Result<KvTakeovers> {
 /// Per fault at `faults_ms` (sorted), the longest silence of `times_ms`
 /// (sorted) from it on ([`gap_after`]) until the next fault (or `end_ms`).
 pub fn gaps_per_fault(times_ms: &[f64], faults_ms: &[f64], end_ms: f64) -> Vec<f64> {
+    silences_per_fault(times_ms, faults_ms, end_ms).into_iter().map(|(g, _)| g).collect()
+}
+
+/// [`gaps_per_fault`] with each silence's start (ms after its fault).
+pub fn silences_per_fault(times_ms: &[f64], faults_ms: &[f64], end_ms: f64) -> Vec<(f64, f64)> {
     faults_ms
         .iter()
         .enumerate()
         .map(|(k, &at)| {
             let until = faults_ms.get(k + 1).copied().unwrap_or(end_ms);
             let upto = times_ms.partition_point(|&t| t < until);
-            gap_after(&times_ms[..upto], at, until)
+            let (gap, start) = silence_after(&times_ms[..upto], at, until);
+            (gap, start - at)
         })
         .collect()
 }
