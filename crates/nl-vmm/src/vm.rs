@@ -122,8 +122,11 @@ pub struct Vm {
     /// Taken by [`Vm::hold_paused`] and [`Vm::exclusive`].
     pauser: Arc<Lock<()>>,
     /// [`Vm::note_vmm_write`]s, while tracked.
-    vmm_writes: Arc<Lock<Option<Vec<(u64, u64)>>>>,
+    vmm_writes: Arc<Lock<Option<Vec<GuestRange>>>>,
 }
+
+/// A guest range `(gpa, len)`.
+type GuestRange = (u64, u64);
 
 /// A [`Vm::hold_paused`]: the VM stays paused while it lives.
 pub struct PauseHold<'v> {
