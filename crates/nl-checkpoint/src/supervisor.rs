@@ -561,11 +561,16 @@ impl<'a> Supervisor<'a> {
         // so what its regions show now is released (nothing, for a VM that
         // never ran; everything so far, for one handed over or resumed
         // after a failed handover) and the rest is held.
-        for r in &held {
-            channel::hold(&**r);
-            channel::release(&**r, &channel::snapshot(&**r));
-        }
-        let channels = held.iter().map(|r| channel::snapshot(&**r)).collect();
+        let channels = held
+            .iter()
+            .map(|r| {
+                channel::hold(&**r);
+                // Checkpoint 0's words, released as they are.
+                let words = channel::snapshot(&**r);
+                channel::release(&**r, &words);
+                words
+            })
+            .collect();
         let setup = (|| {
             let state = vm.save_state()?;
             let engine = Engine::start(cfg.mode, vm, cfg.block_pages)?;
