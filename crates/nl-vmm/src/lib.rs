@@ -33,6 +33,7 @@ mod dirty;
 pub mod error;
 pub mod handover;
 pub mod host;
+mod irq_routes;
 
 pub mod detect;
 pub mod event_log;

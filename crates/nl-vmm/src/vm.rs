@@ -200,9 +200,7 @@ impl Vm {
         for (gpa, size) in vm.windows.iter().flat_map(|w| w.user_ranges()) {
             nl_arch::paging::map_user_window(vm.memory.mem(), gpa, size)?;
         }
-        if vm.rx_irq() {
-            vm.route_net_interrupt()?;
-        }
+        vm.route_interrupts()?;
         let cpuid = supported_cpuid(kvm)?;
         let entry = vm.load_images()?;
         for (cpu, slot) in vm.slots().iter().enumerate() {
@@ -251,6 +249,7 @@ impl Vm {
         let mut vm = Self::prepare(kvm, id, config, memory)?;
         windows.register(&vm.vm_fd, vm.memory.regions().len() as u32)?;
         vm.windows = Some(Arc::new(windows));
+        vm.route_interrupts()?;
         vm.load_state(state)?;
         Ok(vm)
     }
@@ -268,6 +267,7 @@ impl Vm {
         let created_at = Instant::now();
         config.validate().map_err(VmmError::Config)?;
         let vm = Self::assemble(kvm, id, config, memory, created_at, false)?;
+        vm.route_interrupts()?;
         let cpuid = supported_cpuid(kvm)?;
         for (cpu, slot) in vm.slots().iter().enumerate() {
             let fd = slot.fd.lock();
@@ -524,20 +524,22 @@ impl Vm {
         self.config.net.as_ref().is_some_and(|n| n.rx_irq)
     }
 
-    /// Routes the net device's IOAPIC pin to NET_VECTOR on vCPU 0 (edge,
-    /// unmasked), as firmware would for the reference guest.
-    fn route_net_interrupt(&self) -> Result<(), VmmError> {
-        let mut c = kvm_bindings::kvm_irqchip {
-            chip_id: kvm_bindings::KVM_IRQCHIP_IOAPIC,
-            ..Default::default()
-        };
-        self.vm_fd.get_irqchip(&mut c).map_err(kvm_err("KVM_GET_IRQCHIP"))?;
-        // SAFETY: chip_id is KVM_IRQCHIP_IOAPIC, so `ioapic` is the member KVM filled in;
-        // `bits` covers the whole redirection entry.
-        unsafe {
-            c.chip.ioapic.redirtbl[VIRTIO_NET_GSI as usize].bits = u64::from(NET_VECTOR);
+    /// Routes the reference guest's irqfd interrupts to vCPU 0 by MSI
+    /// (`crate::irq_routes`, which says why): the net device's receive
+    /// interrupt to NET_VECTOR, as firmware would, and the channel
+    /// doorbells to DOORBELL_VECTOR.
+    fn route_interrupts(&self) -> Result<(), VmmError> {
+        let mut routes = Vec::new();
+        if self.rx_irq() {
+            routes.push((VIRTIO_NET_GSI, NET_VECTOR));
         }
-        self.vm_fd.set_irqchip(&c).map_err(kvm_err("KVM_SET_IRQCHIP"))
+        if self.windows.as_ref().is_some_and(|w| w.rung_into()) {
+            routes.push((nl_abi::DOORBELL_GSI, nl_abi::DOORBELL_VECTOR));
+        }
+        if routes.is_empty() {
+            return Ok(());
+        }
+        crate::irq_routes::route_to_vcpu0(&self.vm_fd, &routes)
     }
 
     /// Waits until the net receive thread is done with the device (after a

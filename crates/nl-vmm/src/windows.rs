@@ -179,41 +179,29 @@ impl VmWindows {
         self.register_doorbells(vm)
     }
 
-    /// Registers the doorbells with KVM (the VM's in-kernel irqchip exists)
-    /// and routes [`nl_abi::DOORBELL_GSI`] to [`nl_abi::DOORBELL_VECTOR`].
+    /// Registers the doorbells with KVM (the VM's in-kernel irqchip exists;
+    /// [`VmWindows::rung_into`] says whether [`nl_abi::DOORBELL_GSI`] needs
+    /// its route, set with the VM's others: `crate::irq_routes`).
     fn register_doorbells(&self, vm: &VmFd) -> Result<(), VmmError> {
         let err = |what: &'static str| {
             move |e: kvm_ioctls::Error| VmmError::Config(format!("doorbell: {what} failed: {e}"))
         };
-        let mut irq = false;
         for d in &self.doorbells {
             match d {
                 Doorbell::Ring { gpa, fd } => vm
                     .register_ioevent(fd.as_ref(), &IoEventAddress::Mmio(*gpa), NoDatamatch)
                     .map_err(err("KVM_IOEVENTFD"))?,
-                Doorbell::Irq { fd } => {
-                    vm.register_irqfd(fd.as_ref(), nl_abi::DOORBELL_GSI)
-                        .map_err(err("KVM_IRQFD"))?;
-                    irq = true;
-                }
+                Doorbell::Irq { fd } => vm
+                    .register_irqfd(fd.as_ref(), nl_abi::DOORBELL_GSI)
+                    .map_err(err("KVM_IRQFD"))?,
             }
-        }
-        if irq {
-            let mut c = kvm_bindings::kvm_irqchip {
-                chip_id: kvm_bindings::KVM_IRQCHIP_IOAPIC,
-                ..Default::default()
-            };
-            vm.get_irqchip(&mut c).map_err(err("KVM_GET_IRQCHIP"))?;
-            // SAFETY: chip_id is KVM_IRQCHIP_IOAPIC, so `ioapic` is the member
-            // KVM filled in; `bits` covers the whole redirection entry (edge,
-            // fixed, physical destination 0 = vCPU 0, unmasked).
-            unsafe {
-                c.chip.ioapic.redirtbl[nl_abi::DOORBELL_GSI as usize].bits =
-                    u64::from(nl_abi::DOORBELL_VECTOR);
-            }
-            vm.set_irqchip(&c).map_err(err("KVM_SET_IRQCHIP"))?;
         }
         Ok(())
+    }
+
+    /// Whether a doorbell rings into this VM.
+    pub(crate) fn rung_into(&self) -> bool {
+        self.doorbells.iter().any(|d| matches!(d, Doorbell::Irq { .. }))
     }
 }
 
