@@ -48,6 +48,10 @@ pub struct PingReport {
     pub received: u64,
     /// Longest time without a reply, from the first send to the last reply
     /// (or to the end of the run when replies stopped), in milliseconds.
+    /// Replies are timed by the kernel when they arrive (`SO_TIMESTAMPNS`),
+    /// not when this thread reads them. A pause of the pinger itself (see
+    /// [`PingReport::client_stall_ms`]) still counts: a silence is never
+    /// under-reported.
     pub longest_gap_ms: f64,
     /// When that gap began (the reply before it, or the first send), in
     /// milliseconds since the first send.
@@ -57,6 +61,14 @@ pub struct PingReport {
     /// Every gap of at least 3 intervals (the 256 longest), by start time:
     /// tells a gap at a known moment (e.g. a rejuvenation) from others.
     pub long_gaps: Vec<Gap>,
+    /// The longest a ping left after its scheduled send time, in
+    /// milliseconds: how long this pinger itself was held up (descheduled).
+    pub client_stall_ms: f64,
+    /// Whether the pinger ran as a real-time thread (`SCHED_FIFO`, priority
+    /// 1: it preempts every ordinary thread, vCPU threads included, on the
+    /// few moments it runs). It tries when it may (root); otherwise on a
+    /// busy host its own waits for a core show up as gaps.
+    pub client_realtime: bool,
     pub rtt_median_ms: Option<f64>,
     pub rtt_p99_ms: Option<f64>,
     pub rtt_max_ms: Option<f64>,
@@ -111,6 +123,15 @@ pub fn ping(
     let sock = UdpSocket::bind(bind).context("cannot open a UDP socket")?;
     grow_receive_buffer(&sock);
     sock.connect(target).with_context(|| format!("cannot reach {target}"))?;
+    // Kernel receive times: a reply that waited in the socket while this
+    // thread did not run is timed when it came.
+    let kernel_times =
+        nix::sys::socket::setsockopt(&sock, nix::sys::socket::sockopt::ReceiveTimestampns, &true)
+            .is_ok();
+    // The measuring thread keeps pace with its schedule on a busy host.
+    let client_realtime = nl_sandbox::affinity::set_fifo(0, 1).is_ok();
+    let _ordinary_again = RestorePolicy(client_realtime);
+    let mut client_stall = Duration::ZERO;
     // One slot per ping sent (grown as they go out: a run stopped early
     // never holds memory for the pings it did not send).
     let mut replied: Vec<Option<Duration>> = Vec::new();
@@ -137,6 +158,9 @@ pub fn ping(
             p[8..].copy_from_slice(&(now.as_nanos() as u64).to_le_bytes());
             // A send error (e.g. no route yet) counts as a lost ping.
             let _ = sock.send(&p);
+            // When it left (this thread may be descheduled before the send).
+            let left = start.elapsed();
+            client_stall = client_stall.max(left.saturating_sub(interval * next as u32));
             replied.push(None);
             next += 1;
             continue;
@@ -145,9 +169,11 @@ pub fn ping(
             .saturating_sub(now)
             .max(Duration::from_micros(50));
         sock.set_read_timeout(Some(wait))?;
-        match sock.recv(&mut buf) {
-            Ok(16) => {
-                let at = start.elapsed();
+        match receive(&sock, &mut buf, kernel_times) {
+            Ok((16, kernel_at)) => {
+                let at = kernel_at
+                    .map(|t| Duration::from_secs_f64(((t - start_unix_ms) / 1e3).max(0.0)))
+                    .unwrap_or_else(|| start.elapsed());
                 let seq = u64::from_le_bytes(buf[..8].try_into().unwrap_or_default());
                 let sent = Duration::from_nanos(u64::from_le_bytes(
                     buf[8..16].try_into().unwrap_or_default(),
@@ -171,6 +197,8 @@ pub fn ping(
         }
     }
     let run_end = start.elapsed().min(end_send);
+    // Kernel times of replies read in a burst may be a hair out of order.
+    arrivals.sort();
     let mut gaps = Vec::with_capacity(arrivals.len() + 1);
     let mut prev = Duration::ZERO;
     for &a in &arrivals {
@@ -222,8 +250,47 @@ pub fn ping(
         rtt_p99_ms: pick(0.99),
         rtt_max_ms: rtts.last().copied(),
         bad_windows,
+        client_stall_ms: ms(client_stall),
+        client_realtime,
         arrivals_ms: arrivals.iter().map(|&a| ms(a)).collect(),
     })
+}
+
+/// Makes the calling thread an ordinary thread again when dropped, if it
+/// was made real-time (the pinger may run on a caller's thread).
+struct RestorePolicy(bool);
+
+impl Drop for RestorePolicy {
+    fn drop(&mut self) {
+        if self.0 {
+            let _ = nl_sandbox::affinity::set_other(0);
+        }
+    }
+}
+
+/// One datagram into `buf`: its length and, with `kernel_times`, when the
+/// kernel received it (ms since the Unix epoch).
+fn receive(
+    sock: &UdpSocket,
+    buf: &mut [u8],
+    kernel_times: bool,
+) -> std::io::Result<(usize, Option<f64>)> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+    use std::os::fd::AsRawFd;
+    if !kernel_times {
+        return sock.recv(buf).map(|n| (n, None));
+    }
+    let mut space = nix::cmsg_space!(nix::sys::time::TimeSpec);
+    let mut iov = [std::io::IoSliceMut::new(buf)];
+    let msg = recvmsg::<()>(sock.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::empty())
+        .map_err(std::io::Error::from)?;
+    let at = msg.cmsgs().find_map(|c| match c {
+        ControlMessageOwned::ScmTimestampns(t) => {
+            Some(t.tv_sec() as f64 * 1e3 + t.tv_nsec() as f64 / 1e6)
+        }
+        _ => None,
+    });
+    Ok((msg.bytes, at))
 }
 
 pub fn run(a: PingArgs) -> Result<ExitCode> {

@@ -91,6 +91,10 @@ pub struct TimelineRun {
     /// Longest interval without a ping reply from the fault on
     /// ([`gap_after`]), ms.
     pub ping_gap_ms: f64,
+    /// The pinger's own longest hold-up (`PingReport::client_stall_ms`),
+    /// and whether it ran real-time.
+    pub ping_client_stall_ms: f64,
+    pub ping_client_realtime: bool,
     /// The same for kv answers (any answer of any connection).
     pub kv_gap_ms: f64,
     /// Ping replies and kv answers per [`BIN_MS`] from the clients' start.
@@ -283,6 +287,8 @@ fn run_one(ns: &Netns, policy: &str, rep: usize, cores: [usize; 2]) -> Result<Ti
             Ok(TimelineRun {
                 fault_ms,
                 ping_gap_ms: gap_after(&ping.arrivals_ms, fault_ms, end_ms),
+                ping_client_stall_ms: ping.client_stall_ms,
+                ping_client_realtime: ping.client_realtime,
                 kv_gap_ms: gap_after(&kv_times, fault_ms, end_ms),
                 ping_per_bin: bins(&ping.arrivals_ms, end_ms),
                 kv_per_bin: bins(&kv_times, end_ms),
@@ -475,6 +481,10 @@ pub struct KvTakeovers {
     /// When each of those silences began, ms after its fault (the
     /// injection; negative: the last reply before it).
     pub ping_gap_start_ms: Vec<f64>,
+    /// The pinger's own longest hold-up over the run, ms, and whether it
+    /// ran real-time (`PingReport`).
+    pub ping_client_stall_ms: f64,
+    pub ping_client_realtime: bool,
     /// From the first fault to the takeover after the last, s.
     pub faults_secs: f64,
 }
@@ -543,6 +553,8 @@ pub fn kv_takeovers(faults: u64, cores: [usize; 2]) -> Result<KvTakeovers> {
             first_reply_ms: r.takeovers.iter().filter_map(|t| t.first_reply_ms).collect(),
             ping_gap_ms: silences.iter().map(|s| s.0).collect(),
             ping_gap_start_ms: silences.iter().map(|s| s.1).collect(),
+            ping_client_stall_ms: ping.client_stall_ms,
+            ping_client_realtime: ping.client_realtime,
             faults_secs,
         })
     };
@@ -579,9 +591,10 @@ pub fn measure(policies: &[&'static str], reps: usize) -> Result<Vec<TimelinePol
         for (i, p) in policies.iter().enumerate() {
             let r = run_one(&ns, p, rep, cores)?;
             eprintln!(
-                "fig6 {p:8} rep {}: ping gap {:.1} ms, kv gap {:.1} ms, {} kv ops, {} lost",
+                "fig6 {p:8} rep {}: ping gap {:.1} ms (pinger held up {:.1} ms at most), kv gap {:.1} ms, {} kv ops, {} lost",
                 rep + 1,
                 r.ping_gap_ms,
+                r.ping_client_stall_ms,
                 r.kv_gap_ms,
                 r.kv_ops,
                 r.kv_lost
