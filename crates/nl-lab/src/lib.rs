@@ -30,4 +30,5 @@ pub mod process;
 pub mod report;
 pub mod sandbox_campaign;
 pub mod shards;
+pub mod stalls;
 pub mod stats;

@@ -1138,7 +1138,7 @@ pub fn bench(a: BenchSandboxRecoveryArgs) -> Result<ExitCode> {
                 let gaps = Summary::of(&r.ping_gap_ms).show(1);
                 let first = Summary::of(&r.first_reply_ms).show(1);
                 println!(
-                    "kv across {} takeovers (state region, kvload running): {} takeovers ({} ok) in {:.1} s, {} kv ops ({} PUTs, {} unacknowledged), acknowledged writes lost {}, unverified {}, digest {:?}; table loads {}, corrupt entries dropped {}; ping gap per takeover {gaps} ms ({} over 50 ms, beginning {} ms after their faults); first reply {first} ms after detection",
+                    "kv across {} takeovers (state region, kvload running): {} takeovers ({} ok) in {:.1} s, {} kv ops ({} PUTs, {} unacknowledged), acknowledged writes lost {}, unverified {}, digest {:?}; table loads {}, corrupt entries dropped {}; ping gap per takeover {gaps} ms ({} over 50 ms, beginning {} ms after their faults; the host core stall each overlaps: {}); host core stalls over 50 ms in the run: {} (nl_lab::stalls); first reply {first} ms after detection",
                     r.faults,
                     r.takeovers,
                     r.takeovers_ok,
@@ -1161,6 +1161,16 @@ pub fn bench(a: BenchSandboxRecoveryArgs) -> Result<ExitCode> {
                             .map(|(_, &s)| s)
                             .collect::<Vec<_>>()
                     ),
+                    format_args!(
+                        "{:.1?}",
+                        r.ping_gap_ms
+                            .iter()
+                            .zip(&r.ping_gap_host_stall_ms)
+                            .filter(|(&g, _)| g > 50.0)
+                            .map(|(_, s)| s.unwrap_or(0.0))
+                            .collect::<Vec<_>>()
+                    ),
+                    r.host_stalls_over_50ms,
                 );
                 kv_takeovers = Some(r);
             }

@@ -95,6 +95,9 @@ pub struct TimelineRun {
     /// and whether it ran real-time.
     pub ping_client_stall_ms: f64,
     pub ping_client_realtime: bool,
+    /// The longest host core stall ([`crate::stalls`]) that overlaps the
+    /// longest ping gap, ms: a core not even a real-time thread got.
+    pub ping_gap_host_stall_ms: Option<f64>,
     /// The same for kv answers (any answer of any connection).
     pub kv_gap_ms: f64,
     /// Ping replies and kv answers per [`BIN_MS`] from the clients' start.
@@ -258,6 +261,7 @@ fn run_one(ns: &Netns, policy: &str, rep: usize, cores: [usize; 2]) -> Result<Ti
                 verify_stall: Duration::from_secs(5),
                 timeline: true,
             };
+            let probe = crate::stalls::StallProbe::start(&nl_sandbox::affinity::host_cores()?);
             let (ping, kv, fault_unix_ms) = std::thread::scope(|scope| -> Result<_> {
                 let pinger = scope
                     .spawn(|| crate::ping::ping(echo, Duration::from_millis(1), CLIENT_RUN, None));
@@ -284,9 +288,15 @@ fn run_one(ns: &Netns, policy: &str, rep: usize, cores: [usize; 2]) -> Result<Ti
             let kv_times: Vec<f64> =
                 kv.answered_ms.iter().map(|t| t + kv.start_unix_ms - ping.start_unix_ms).collect();
             let end_ms = CLIENT_RUN.as_secs_f64() * 1e3;
+            let stalls = probe.finish();
+            let (ping_gap_ms, gap_start) = silence_after(&ping.arrivals_ms, fault_ms, end_ms);
+            let gap_unix = ping.start_unix_ms + gap_start;
             Ok(TimelineRun {
                 fault_ms,
-                ping_gap_ms: gap_after(&ping.arrivals_ms, fault_ms, end_ms),
+                ping_gap_ms,
+                ping_gap_host_stall_ms: stalls
+                    .overlapping(gap_unix, gap_unix + ping_gap_ms)
+                    .map(|st| st.ms),
                 ping_client_stall_ms: ping.client_stall_ms,
                 ping_client_realtime: ping.client_realtime,
                 kv_gap_ms: gap_after(&kv_times, fault_ms, end_ms),
@@ -485,6 +495,11 @@ pub struct KvTakeovers {
     /// ran real-time (`PingReport`).
     pub ping_client_stall_ms: f64,
     pub ping_client_realtime: bool,
+    /// Per takeover, the longest host core stall ([`crate::stalls`])
+    /// that overlaps its longest ping silence, ms.
+    pub ping_gap_host_stall_ms: Vec<Option<f64>>,
+    /// Host core stalls over 50 ms during the run.
+    pub host_stalls_over_50ms: u64,
     /// From the first fault to the takeover after the last, s.
     pub faults_secs: f64,
 }
@@ -501,6 +516,7 @@ pub fn kv_takeovers(faults: u64, cores: [usize; 2]) -> Result<KvTakeovers> {
         let service = || s.services.report(&names).remove(0);
         let mut faults_ms = Vec::new();
         let timeout = Duration::from_millis(500);
+        let probe = crate::stalls::StallProbe::start(&nl_sandbox::affinity::host_cores()?);
         let (kv, faults_secs, ping) =
             faults_under_load(faults, 400, "kvto-", timeout, true, |i| {
                 let r = service();
@@ -533,6 +549,7 @@ pub fn kv_takeovers(faults: u64, cores: [usize; 2]) -> Result<KvTakeovers> {
         let end_ms = unix_now_ms() - ping.start_unix_ms;
         let r = service();
         let header = s.services.services[0].state.as_ref().map(|st| st.header());
+        let stalls = probe.finish();
         let silences = silences_per_fault(
             &ping.arrivals_ms,
             &faults_ms.iter().map(|f| f - ping.start_unix_ms).collect::<Vec<_>>(),
@@ -555,6 +572,14 @@ pub fn kv_takeovers(faults: u64, cores: [usize; 2]) -> Result<KvTakeovers> {
             ping_gap_start_ms: silences.iter().map(|s| s.1).collect(),
             ping_client_stall_ms: ping.client_stall_ms,
             ping_client_realtime: ping.client_realtime,
+            ping_gap_host_stall_ms: silences
+                .iter()
+                .zip(&faults_ms)
+                .map(|(&(gap, start), &fault)| {
+                    stalls.overlapping(fault + start, fault + start + gap).map(|st| st.ms)
+                })
+                .collect(),
+            host_stalls_over_50ms: stalls.stalls().iter().filter(|st| st.ms > 50.0).count() as u64,
             faults_secs,
         })
     };
@@ -591,10 +616,11 @@ pub fn measure(policies: &[&'static str], reps: usize) -> Result<Vec<TimelinePol
         for (i, p) in policies.iter().enumerate() {
             let r = run_one(&ns, p, rep, cores)?;
             eprintln!(
-                "fig6 {p:8} rep {}: ping gap {:.1} ms (pinger held up {:.1} ms at most), kv gap {:.1} ms, {} kv ops, {} lost",
+                "fig6 {p:8} rep {}: ping gap {:.1} ms (pinger held up {:.1} ms at most; a host core stall over it: {:.1} ms), kv gap {:.1} ms, {} kv ops, {} lost",
                 rep + 1,
                 r.ping_gap_ms,
                 r.ping_client_stall_ms,
+                r.ping_gap_host_stall_ms.unwrap_or(0.0),
                 r.kv_gap_ms,
                 r.kv_ops,
                 r.kv_lost
