@@ -248,6 +248,10 @@ pub struct StormArm {
     /// throttled by its budget.
     pub storm_rings_per_sec: Spread,
     pub storm_throttled_periods: Spread,
+    /// Per repetition: host core stalls of the core (wake-ups of a
+    /// real-time probe more than 20 ms late, `nl_lab::stalls`), each a
+    /// stretch in which no thread of the host got that core.
+    pub host_core_stalls: Spread,
     pub samples: Vec<nl_sandbox::periodic::PeriodReport>,
     pub reserved: Vec<nl_sandbox::reserve::ReserveStats>,
 }
@@ -841,8 +845,13 @@ pub fn storm(a: &BenchSandboxArgs) -> Result<Storm> {
     ];
     let loadavg_before = loadavg();
     let kvm = nl_vmm::open_kvm()?;
-    type Sample =
-        (nl_sandbox::periodic::PeriodReport, u64, u64, Option<nl_sandbox::reserve::ReserveStats>);
+    type Sample = (
+        nl_sandbox::periodic::PeriodReport,
+        u64,
+        u64,
+        Option<nl_sandbox::reserve::ReserveStats>,
+        u64,
+    );
     let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); arms.len()];
     for _ in 0..a.reps {
         for (k, (what, reservation, storm_budget)) in arms.iter().enumerate() {
@@ -854,14 +863,16 @@ pub fn storm(a: &BenchSandboxArgs) -> Result<Storm> {
                 storm_budget: *storm_budget,
                 duration_ms: a.storm_ms,
             };
+            let probe = crate::stalls::StallProbe::start(&[core]);
             let (report, _) = run_set(&kvm, SetConfig::parse(&set.config())?, what)?;
+            let stalls = probe.finish().stalls().len() as u64;
             let p = report.sandboxes[0].periods.clone().ok_or_else(|| {
                 anyhow::anyhow!("{what}: the periodic sandbox reported no periods")
             })?;
             let st = &report.sandboxes[1];
             let throttled = st.throttling.map_or(0, |t| t.throttled_periods);
             let reserved = report.sandboxes[0].throttling.and_then(|t| t.reserved);
-            samples[k].push((p, st.ops, throttled, reserved));
+            samples[k].push((p, st.ops, throttled, reserved, stalls));
         }
     }
     let secs = a.storm_ms as f64 / 1e3;
@@ -875,6 +886,7 @@ pub fn storm(a: &BenchSandboxArgs) -> Result<Storm> {
             periodic: periodic_shares(&v.iter().map(|s| (&s.0, s.3.as_ref())).collect::<Vec<_>>()),
             storm_rings_per_sec: spread(v.iter().map(|s| s.1 as f64 / secs).collect()),
             storm_throttled_periods: spread(v.iter().map(|s| s.2 as f64).collect()),
+            host_core_stalls: spread(v.iter().map(|s| s.4 as f64).collect()),
             reserved: v.iter().filter_map(|s| s.3).collect(),
             samples: v.into_iter().map(|s| s.0).collect(),
         })
@@ -898,13 +910,14 @@ fn print_storm(st: &Storm) {
     );
     for arm in &st.arms {
         println!(
-            "  {}: worst period / need {}, periods that got it {}, mean CPU share {}; storm {} rings/s, {} periods throttled",
+            "  {}: worst period / need {}, periods that got it {}, mean CPU share {}; storm {} rings/s, {} periods throttled; host core stalls over 20 ms {}",
             arm.what,
             s(arm.periodic.worst_over_need, 3),
             s(arm.periodic.met_share, 3),
             s(arm.periodic.mean_share, 3),
             s(arm.storm_rings_per_sec, 0),
-            s(arm.storm_throttled_periods, 0)
+            s(arm.storm_throttled_periods, 0),
+            s(arm.host_core_stalls, 0)
         );
         if let (Some(w), Some(m), Some(l)) = (
             arm.periodic.host_worst_over_runtime,
