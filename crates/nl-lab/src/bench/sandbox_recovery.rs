@@ -1137,6 +1137,19 @@ pub fn bench(a: BenchSandboxRecoveryArgs) -> Result<ExitCode> {
             Ok(r) => {
                 let gaps = Summary::of(&r.ping_gap_ms).show(1);
                 let first = Summary::of(&r.first_reply_ms).show(1);
+                let stalls: Vec<f64> =
+                    r.ping_gap_host_stall_ms.iter().map(|s| s.unwrap_or(0.0)).collect();
+                // Of each silence over 50 ms, the value in `v`.
+                let over_50 = |v: &[f64]| {
+                    let v: Vec<f64> = r
+                        .ping_gap_ms
+                        .iter()
+                        .zip(v)
+                        .filter(|(&g, _)| g > 50.0)
+                        .map(|(_, &x)| x)
+                        .collect();
+                    format!("{v:.1?}")
+                };
                 println!(
                     "kv across {} takeovers (state region, kvload running): {} takeovers ({} ok) in {:.1} s, {} kv ops ({} PUTs, {} unacknowledged), acknowledged writes lost {}, unverified {}, digest {:?}; table loads {}, corrupt entries dropped {}; ping gap per takeover {gaps} ms ({} over 50 ms, beginning {} ms after their faults; the host core stall each overlaps: {}); host core stalls over 50 ms in the run: {} (nl_lab::stalls); first reply {first} ms after detection",
                     r.faults,
@@ -1152,24 +1165,8 @@ pub fn bench(a: BenchSandboxRecoveryArgs) -> Result<ExitCode> {
                     r.table_loads,
                     r.table_dropped,
                     r.ping_gap_ms.iter().filter(|&&g| g > 50.0).count(),
-                    format_args!(
-                        "{:.1?}",
-                        r.ping_gap_ms
-                            .iter()
-                            .zip(&r.ping_gap_start_ms)
-                            .filter(|(&g, _)| g > 50.0)
-                            .map(|(_, &s)| s)
-                            .collect::<Vec<_>>()
-                    ),
-                    format_args!(
-                        "{:.1?}",
-                        r.ping_gap_ms
-                            .iter()
-                            .zip(&r.ping_gap_host_stall_ms)
-                            .filter(|(&g, _)| g > 50.0)
-                            .map(|(_, s)| s.unwrap_or(0.0))
-                            .collect::<Vec<_>>()
-                    ),
+                    over_50(&r.ping_gap_start_ms),
+                    over_50(&stalls),
                     r.host_stalls_over_50ms,
                 );
                 kv_takeovers = Some(r);
