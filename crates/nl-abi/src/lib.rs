@@ -496,8 +496,8 @@ pub struct ChannelWindow {
 // Channel doorbells: a write by ring 3 to `channel_doorbell_gpa(i)` (no
 // memory slot there) is matched by KVM against an ioeventfd and signals an
 // eventfd that the peer's VM has registered as an irqfd on [`DOORBELL_GSI`],
-// whose IOAPIC pin the VMM routes to [`DOORBELL_VECTOR`] on vCPU 0. Neither
-// VMM runs on that path.
+// which the VMM routes by MSI to [`DOORBELL_VECTOR`] on vCPU 0. Neither VMM
+// runs on that path.
 
 /// Where the doorbell pages start (one 2 MiB user-writable page-table entry
 /// above the channel windows; no memory behind it).

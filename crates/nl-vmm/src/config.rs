@@ -37,8 +37,8 @@ pub struct NetConfig {
     pub ipv4: [u8; 4],
     pub prefix: u8,
     /// A VMM thread moves frames from the TAP into posted receive buffers
-    /// as they arrive and raises the device's interrupt (IOAPIC pin
-    /// [`nl_abi::VIRTIO_NET_GSI`] routed to [`nl_abi::NET_VECTOR`]), so the
+    /// as they arrive and raises the device's interrupt (GSI
+    /// [`nl_abi::VIRTIO_NET_GSI`] routed by MSI to [`nl_abi::NET_VECTOR`]), so the
     /// guest may halt when idle instead of polling (experimental).
     #[serde(default)]
     pub rx_irq: bool,
