@@ -69,6 +69,15 @@ impl StallReport {
         v
     }
 
+    /// How much of `from..to` (ms since the Unix epoch) the stalls cover,
+    /// summed over the cores, ms.
+    pub fn covering(&self, from: f64, to: f64) -> f64 {
+        self.stalls()
+            .iter()
+            .map(|s| (s.end_unix_ms.min(to) - s.start_unix_ms().max(from)).max(0.0))
+            .fold(0.0, |a, b| a + b)
+    }
+
     /// The longest stall that overlaps `from..to` (ms since the Unix
     /// epoch), if any.
     pub fn overlapping(&self, from: f64, to: f64) -> Option<Stall> {
@@ -162,6 +171,8 @@ mod tests {
         assert_eq!(r.overlapping(1090.0, 1200.0).map(|s| s.core), Some(0));
         assert_eq!(r.overlapping(1030.0, 1040.0).map(|s| s.ms), Some(100.0));
         assert!(r.overlapping(1200.0, 1900.0).is_none());
+        assert_eq!(r.covering(1030.0, 1060.0), 30.0 + 20.0);
+        assert_eq!(r.covering(1200.0, 1900.0), 0.0);
         assert_eq!(r.stalls().len(), 3);
     }
 

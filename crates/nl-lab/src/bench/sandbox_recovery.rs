@@ -213,6 +213,10 @@ pub struct PolicyRun {
     /// (p's include what it rejected of svc's stream).
     pub p_errors: u64,
     pub q_errors: u64,
+    /// How much of the longest gap host core stalls covered (`nl_lab::stalls`,
+    /// summed over both cores), ms; `None` for the remote row.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service_gap_host_stalls_ms: Option<f64>,
 }
 
 /// What the sampler saw around one fault.
@@ -256,6 +260,7 @@ fn policy_run(policy: &str, a: &BenchSandboxRecoveryArgs) -> Result<PolicyRun> {
         p => format!(r#""recovery": {{"policy": "{p}"}},"#),
     };
     let s = create(&trio(&extra)?)?;
+    let probe = crate::stalls::StallProbe::start(&cores()?);
     let (w, p_errors, q_errors) = supervised(&s, |s| -> Result<(Window, u64, u64)> {
         let svc = s.get("svc").expect("svc");
         if !wait_for(Duration::from_secs(60), || service_mark(s).1 > 1000 && healthy_mark(s) > 1000)
@@ -320,14 +325,21 @@ fn policy_run(policy: &str, a: &BenchSandboxRecoveryArgs) -> Result<PolicyRun> {
         })?;
         Ok((w, regs(s, "p").digest, regs(s, "q").digest))
     })??;
+    let stalls = probe.finish();
+    // The set's clock on the Unix clock.
+    let to_unix = unix_now_ms() - s.elapsed_ms();
+    let (gap, gap_start) = longest_gap_at(&w.samples);
     // Read after supervision ended (a rollback sandbox reports then).
     let svc = s.get("svc").expect("svc");
     let det = svc.monitor.detections();
     let rec = svc.monitor.recoveries();
     Ok(PolicyRun {
         recovered: w.recovered && rec.first().is_some_and(|r| r.ok),
-        service_gap_ms: longest_gap(&w.samples),
-        service_gap_start_ms: Some(longest_gap_at(&w.samples).1 - w.inject_ms),
+        service_gap_host_stalls_ms: Some(
+            stalls.covering(to_unix + gap_start, to_unix + gap_start + gap),
+        ),
+        service_gap_ms: gap,
+        service_gap_start_ms: Some(gap_start - w.inject_ms),
         gap_around_fault_ms: Some(longest_gap(
             &w.samples
                 .iter()
@@ -436,6 +448,7 @@ fn remote_run(ns: &crate::netns::Netns) -> Result<PolicyRun> {
                 service_gap_ms: gap,
                 service_gap_start_ms: None,
                 gap_around_fault_ms: None,
+                service_gap_host_stalls_ms: None,
                 detection_ms: det.first().map_or(f64::NAN, |d| d.at_ms - inject_set_ms),
                 detector: t.detector.clone(),
                 phases: nl_sandbox::recovery::Phases {
@@ -1030,6 +1043,12 @@ pub fn bench(a: BenchSandboxRecoveryArgs) -> Result<ExitCode> {
             p.runs.iter().map(|r| r.p_errors).sum::<u64>(),
             p.runs.iter().filter(|r| r.phases.image_prepared).count(),
             p.runs.len(),
+        );
+        println!(
+            "          per run: longest gap {:.1?} ms, beginning {:.1?} ms after the fault, host core stalls covering it {:.1?} ms (nl_lab::stalls)",
+            p.runs.iter().map(|r| r.service_gap_ms).collect::<Vec<_>>(),
+            p.runs.iter().map(|r| r.service_gap_start_ms.unwrap_or(f64::NAN)).collect::<Vec<_>>(),
+            p.runs.iter().map(|r| r.service_gap_host_stalls_ms.unwrap_or(0.0)).collect::<Vec<_>>(),
         );
         for (name, s) in &p.phases_ms {
             if s.median.is_finite() {
