@@ -62,6 +62,11 @@ pub struct StallReport {
 }
 
 impl StallReport {
+    /// Whether the probe ran (on at least one core).
+    pub fn ran(&self) -> bool {
+        !self.cores.is_empty()
+    }
+
     /// Every stall, by start time.
     pub fn stalls(&self) -> Vec<Stall> {
         let mut v: Vec<Stall> = self.cores.iter().flat_map(|c| c.stalls.iter().copied()).collect();
@@ -101,6 +106,15 @@ fn unix_ms() -> f64 {
 }
 
 impl StallProbe {
+    /// Starts one probe thread on each of `cores` (a core it cannot be
+    /// pinned to gets none; none at all when `on` is false). The probe
+    /// changes what it measures: its wake-ups are scheduling points on
+    /// every core (see docs/sandboxes.md, "The `rollback` row's late
+    /// stalls"), so benches run it only on request (`--stall-probe`).
+    pub fn start_if(on: bool, cores: &[usize]) -> StallProbe {
+        StallProbe::start(if on { cores } else { &[] })
+    }
+
     /// Starts one probe thread on each of `cores` (a core it cannot be
     /// pinned to gets none).
     pub fn start(cores: &[usize]) -> StallProbe {

@@ -71,6 +71,11 @@ pub struct BenchSandboxArgs {
     /// Print one JSON object as the last line of stdout.
     #[arg(long)]
     pub json: bool,
+    /// The storm part: run the host core stall probe (`nl_lab::stalls`) on
+    /// the shared core and report its stalls. Off by default: its
+    /// wake-ups change what it measures.
+    #[arg(long)]
+    pub stall_probe: bool,
 }
 
 /// The isolation check over many seeds.
@@ -251,7 +256,7 @@ pub struct StormArm {
     /// Per repetition: host core stalls of the core (wake-ups of a
     /// real-time probe more than 20 ms late, `nl_lab::stalls`), each a
     /// stretch in which no thread of the host got that core.
-    pub host_core_stalls: Spread,
+    pub host_core_stalls: Option<Spread>,
     pub samples: Vec<nl_sandbox::periodic::PeriodReport>,
     pub reserved: Vec<nl_sandbox::reserve::ReserveStats>,
 }
@@ -850,7 +855,7 @@ pub fn storm(a: &BenchSandboxArgs) -> Result<Storm> {
         u64,
         u64,
         Option<nl_sandbox::reserve::ReserveStats>,
-        u64,
+        Option<u64>,
     );
     let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); arms.len()];
     for _ in 0..a.reps {
@@ -863,9 +868,10 @@ pub fn storm(a: &BenchSandboxArgs) -> Result<Storm> {
                 storm_budget: *storm_budget,
                 duration_ms: a.storm_ms,
             };
-            let probe = crate::stalls::StallProbe::start(&[core]);
+            let probe = crate::stalls::StallProbe::start_if(a.stall_probe, &[core]);
             let (report, _) = run_set(&kvm, SetConfig::parse(&set.config())?, what)?;
-            let stalls = probe.finish().stalls().len() as u64;
+            let stalls = probe.finish();
+            let stalls = stalls.ran().then(|| stalls.stalls().len() as u64);
             let p = report.sandboxes[0].periods.clone().ok_or_else(|| {
                 anyhow::anyhow!("{what}: the periodic sandbox reported no periods")
             })?;
@@ -886,7 +892,9 @@ pub fn storm(a: &BenchSandboxArgs) -> Result<Storm> {
             periodic: periodic_shares(&v.iter().map(|s| (&s.0, s.3.as_ref())).collect::<Vec<_>>()),
             storm_rings_per_sec: spread(v.iter().map(|s| s.1 as f64 / secs).collect()),
             storm_throttled_periods: spread(v.iter().map(|s| s.2 as f64).collect()),
-            host_core_stalls: spread(v.iter().map(|s| s.4 as f64).collect()),
+            host_core_stalls: a
+                .stall_probe
+                .then(|| spread(v.iter().map(|s| s.4.unwrap_or(0) as f64).collect())),
             reserved: v.iter().filter_map(|s| s.3).collect(),
             samples: v.into_iter().map(|s| s.0).collect(),
         })
@@ -910,14 +918,16 @@ fn print_storm(st: &Storm) {
     );
     for arm in &st.arms {
         println!(
-            "  {}: worst period / need {}, periods that got it {}, mean CPU share {}; storm {} rings/s, {} periods throttled; host core stalls over 20 ms {}",
+            "  {}: worst period / need {}, periods that got it {}, mean CPU share {}; storm {} rings/s, {} periods throttled{}",
             arm.what,
             s(arm.periodic.worst_over_need, 3),
             s(arm.periodic.met_share, 3),
             s(arm.periodic.mean_share, 3),
             s(arm.storm_rings_per_sec, 0),
             s(arm.storm_throttled_periods, 0),
-            s(arm.host_core_stalls, 0)
+            arm.host_core_stalls
+                .map(|h| format!("; host core stalls over 20 ms {} (--stall-probe)", s(h, 0)))
+                .unwrap_or_default()
         );
         if let (Some(w), Some(m), Some(l)) = (
             arm.periodic.host_worst_over_runtime,

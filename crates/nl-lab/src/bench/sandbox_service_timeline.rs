@@ -214,7 +214,13 @@ fn answers(to: SocketAddr) -> bool {
 }
 
 /// One run of `policy` in `ns` (see the module documentation).
-fn run_one(ns: &Netns, policy: &str, rep: usize, cores: [usize; 2]) -> Result<TimelineRun> {
+fn run_one(
+    ns: &Netns,
+    policy: &str,
+    rep: usize,
+    cores: [usize; 2],
+    stall_probe: bool,
+) -> Result<TimelineRun> {
     let config = SetConfig::parse(&web_config(policy, cores))?;
     let echo: SocketAddr = format!("{SERVICE}:7").parse()?;
     let kv_at: SocketAddr = format!("{SERVICE}:{}", nl_abi::KV_TCP_PORT).parse()?;
@@ -261,7 +267,10 @@ fn run_one(ns: &Netns, policy: &str, rep: usize, cores: [usize; 2]) -> Result<Ti
                 verify_stall: Duration::from_secs(5),
                 timeline: true,
             };
-            let probe = crate::stalls::StallProbe::start(&nl_sandbox::affinity::host_cores()?);
+            let probe = crate::stalls::StallProbe::start_if(
+                stall_probe,
+                &nl_sandbox::affinity::host_cores()?,
+            );
             let (ping, kv, fault_unix_ms) = std::thread::scope(|scope| -> Result<_> {
                 let pinger = scope
                     .spawn(|| crate::ping::ping(echo, Duration::from_millis(1), CLIENT_RUN, None));
@@ -498,8 +507,9 @@ pub struct KvTakeovers {
     /// Per takeover, the longest host core stall ([`crate::stalls`])
     /// that overlaps its longest ping silence, ms.
     pub ping_gap_host_stall_ms: Vec<Option<f64>>,
-    /// Host core stalls over 50 ms during the run.
-    pub host_stalls_over_50ms: u64,
+    /// Host core stalls over 50 ms during the run (`None`: the probe did
+    /// not run).
+    pub host_stalls_over_50ms: Option<u64>,
     /// From the first fault to the takeover after the last, s.
     pub faults_secs: f64,
 }
@@ -509,14 +519,15 @@ pub struct KvTakeovers {
 /// `spare`) while kvload and a 1 ms ping run; each fault once the standby
 /// is up again (its own restart after the last takeover recorded) and the
 /// service answers a ping (bounded waits). Counts what kvload found lost.
-pub fn kv_takeovers(faults: u64, cores: [usize; 2]) -> Result<KvTakeovers> {
+pub fn kv_takeovers(faults: u64, cores: [usize; 2], stall_probe: bool) -> Result<KvTakeovers> {
     let echo: SocketAddr = format!("{SERVICE}:7").parse()?;
     let body = |s: &SandboxSet| -> Result<KvTakeovers> {
         let names: Vec<String> = s.sandboxes.iter().map(|b| b.config.name.clone()).collect();
         let service = || s.services.report(&names).remove(0);
         let mut faults_ms = Vec::new();
         let timeout = Duration::from_millis(500);
-        let probe = crate::stalls::StallProbe::start(&nl_sandbox::affinity::host_cores()?);
+        let probe =
+            crate::stalls::StallProbe::start_if(stall_probe, &nl_sandbox::affinity::host_cores()?);
         let (kv, faults_secs, ping) =
             faults_under_load(faults, 400, "kvto-", timeout, true, |i| {
                 let r = service();
@@ -579,7 +590,9 @@ pub fn kv_takeovers(faults: u64, cores: [usize; 2]) -> Result<KvTakeovers> {
                     stalls.overlapping(fault + start, fault + start + gap).map(|st| st.ms)
                 })
                 .collect(),
-            host_stalls_over_50ms: stalls.stalls().iter().filter(|st| st.ms > 50.0).count() as u64,
+            host_stalls_over_50ms: stalls
+                .ran()
+                .then(|| stalls.stalls().iter().filter(|st| st.ms > 50.0).count() as u64),
             faults_secs,
         })
     };
@@ -608,19 +621,30 @@ pub fn silences_per_fault(times_ms: &[f64], faults_ms: &[f64], end_ms: f64) -> V
 
 /// `reps` runs of each of `policies`, in a namespace of their own, the
 /// policies interleaved rep by rep (so the host's load falls on all alike).
-pub fn measure(policies: &[&'static str], reps: usize) -> Result<Vec<TimelinePolicy>> {
+pub fn measure(
+    policies: &[&'static str],
+    reps: usize,
+    stall_probe: bool,
+) -> Result<Vec<TimelinePolicy>> {
     let ns = Netns::with_tap(&format!("nl-fig6-{}", std::process::id()), "nltap0")?;
     let cores = super::sandbox_recovery::cores()?;
     let mut runs: Vec<Vec<TimelineRun>> = vec![Vec::new(); policies.len()];
     for rep in 0..reps {
         for (i, p) in policies.iter().enumerate() {
-            let r = run_one(&ns, p, rep, cores)?;
+            let r = run_one(&ns, p, rep, cores, stall_probe)?;
             eprintln!(
-                "fig6 {p:8} rep {}: ping gap {:.1} ms (pinger held up {:.1} ms at most; a host core stall over it: {:.1} ms), kv gap {:.1} ms, {} kv ops, {} lost",
+                "fig6 {p:8} rep {}: ping gap {:.1} ms (pinger held up {:.1} ms at most{}), kv gap {:.1} ms, {} kv ops, {} lost",
                 rep + 1,
                 r.ping_gap_ms,
                 r.ping_client_stall_ms,
-                r.ping_gap_host_stall_ms.unwrap_or(0.0),
+                if stall_probe {
+                    format!(
+                        "; a host core stall over it: {:.1} ms",
+                        r.ping_gap_host_stall_ms.unwrap_or(0.0)
+                    )
+                } else {
+                    String::new()
+                },
                 r.kv_gap_ms,
                 r.kv_ops,
                 r.kv_lost
