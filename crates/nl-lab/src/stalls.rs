@@ -133,12 +133,23 @@ impl StallProbe {
     }
 
     /// Stops the probe and returns what it saw.
-    pub fn finish(self) -> StallReport {
+    pub fn finish(mut self) -> StallReport {
         self.stop.store(true, Ordering::Relaxed);
         StallReport {
             threshold_ms: STALL_MS,
-            cores: self.threads.into_iter().filter_map(|t| t.join().ok()).collect(),
+            cores: std::mem::take(&mut self.threads)
+                .into_iter()
+                .filter_map(|t| t.join().ok())
+                .collect(),
         }
+    }
+}
+
+/// A probe given up on (a bench that failed before [`StallProbe::finish`])
+/// stops its threads; they end within a millisecond.
+impl Drop for StallProbe {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
     }
 }
 
@@ -188,6 +199,15 @@ mod tests {
         assert_eq!(r.covering(1030.0, 1060.0), 30.0 + 20.0);
         assert_eq!(r.covering(1200.0, 1900.0), 0.0);
         assert_eq!(r.stalls().len(), 3);
+    }
+
+    #[test]
+    fn a_dropped_probe_stops_its_threads() {
+        let core = nl_sandbox::affinity::host_cores().expect("this process's cores")[0];
+        let p = StallProbe::start(&[core]);
+        let stop = p.stop.clone();
+        drop(p);
+        assert!(stop.load(Ordering::Relaxed), "a dropped probe left its threads running");
     }
 
     #[test]
