@@ -341,7 +341,7 @@ pub fn run(a: PingArgs) -> Result<ExitCode> {
     })
 }
 
-fn unix_ms(t: std::time::SystemTime) -> f64 {
+pub(crate) fn unix_ms(t: std::time::SystemTime) -> f64 {
     t.duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3)
 }
 

@@ -99,12 +99,6 @@ pub struct StallProbe {
     threads: Vec<JoinHandle<CoreStalls>>,
 }
 
-fn unix_ms() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64() * 1e3)
-}
-
 impl StallProbe {
     /// Starts one probe thread on each of `cores` (a core it cannot be
     /// pinned to gets none; none at all when `on` is false). The probe
@@ -169,7 +163,11 @@ fn probe(core: usize, stop: &AtomicBool) -> CoreStalls {
         }
         c.worst_ms = c.worst_ms.max(late);
         if late > STALL_MS && c.stalls.len() < MAX_STALLS {
-            c.stalls.push(Stall { core, end_unix_ms: unix_ms(), ms: late });
+            c.stalls.push(Stall {
+                core,
+                end_unix_ms: crate::ping::unix_ms(std::time::SystemTime::now()),
+                ms: late,
+            });
         }
     }
     c

@@ -892,9 +892,11 @@ pub fn storm(a: &BenchSandboxArgs) -> Result<Storm> {
             periodic: periodic_shares(&v.iter().map(|s| (&s.0, s.3.as_ref())).collect::<Vec<_>>()),
             storm_rings_per_sec: spread(v.iter().map(|s| s.1 as f64 / secs).collect()),
             storm_throttled_periods: spread(v.iter().map(|s| s.2 as f64).collect()),
-            host_core_stalls: a
-                .stall_probe
-                .then(|| spread(v.iter().map(|s| s.4.unwrap_or(0) as f64).collect())),
+            host_core_stalls: v
+                .iter()
+                .map(|s| s.4.map(|n| n as f64))
+                .collect::<Option<Vec<f64>>>()
+                .map(spread),
             reserved: v.iter().filter_map(|s| s.3).collect(),
             samples: v.into_iter().map(|s| s.0).collect(),
         })
