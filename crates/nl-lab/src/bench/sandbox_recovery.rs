@@ -473,9 +473,7 @@ fn remote_run(ns: &crate::netns::Netns) -> Result<PolicyRun> {
 }
 
 pub(super) fn unix_now_ms() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64() * 1e3)
+    crate::ping::unix_ms(std::time::SystemTime::now())
 }
 
 /// The per-policy summaries of `runs`.
