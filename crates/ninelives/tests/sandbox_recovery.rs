@@ -7,7 +7,7 @@ use crate::common;
 
 use std::time::Duration;
 
-use common::{kvm_available, sandbox_set, two_cores, wait_for, LOADED};
+use common::{kvm_available, sandbox_set, thread_policy, two_cores, wait_for, LOADED};
 use nl_checkpoint::inject::GuestFault;
 use nl_sandbox::detect::Detector;
 use nl_sandbox::{SandboxSet, SetReport};
@@ -44,6 +44,17 @@ fn supervised_started(
         }
         report
     })
+}
+
+/// This process's threads named `name`.
+fn threads_named(name: &str) -> Vec<i32> {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else { return Vec::new() };
+    dir.filter_map(|e| {
+        let tid: i32 = e.ok()?.file_name().to_str()?.parse().ok()?;
+        let comm = std::fs::read_to_string(format!("/proc/self/task/{tid}/comm")).ok()?;
+        (comm.trim_end() == name).then_some(tid)
+    })
+    .collect()
 }
 
 /// An unmapped RIP: the next instruction faults (#PF) in guest ring 3.
@@ -278,25 +289,41 @@ fn rollback_recovers_in_place_and_the_sandbox_keeps_its_state() {
     let [c0, c1] = two_cores();
     let s = sandbox_set(&format!(
         r#"{{"sandboxes": [
-            {{"name": "m", "cores": [{c0}], "mem_mib": 48,
+            {{"name": "rb", "cores": [{c0}], "mem_mib": 48,
               "workload": {{"kind": "memwrite", "ws_mib": 2, "duration_ms": 2000}},
               "recovery": {{"policy": "rollback", "checkpoint_interval_ms": 100}}}},
             {{"name": "p", "cores": [{c1}], "mem_mib": 48, "workload": {{"kind": "chanstream", "duration_ms": 0}}}},
             {{"name": "q", "cores": [{c0}], "mem_mib": 48, "workload": {{"kind": "chanstream", "duration_ms": 0}}}}
         ], "channels": [{{"name": "pq", "between": ["p", "q"]}}]}}"#
     ));
-    s.get("m").expect("m").set_script(vec![(Duration::from_millis(1000), BAD_RIP)]);
+    s.get("rb").expect("rb").set_script(vec![(Duration::from_millis(1000), BAD_RIP)]);
     let r = supervised(&s, Duration::from_secs(120), |s| {
-        let m = s.get("m").expect("m");
+        let m = s.get("rb").expect("rb");
+        // Its supervisor sleeps between checkpoints as a real-time thread
+        // (so that its wake-up does not wait behind the vCPU thread on its
+        // core) and works as an ordinary one: seen real-time in some of
+        // 300 samples 1 ms apart.
+        let (mut fifo, mut other) = (0, 0);
+        for _ in 0..300 {
+            for p in threads_named("monitor-rb").into_iter().filter_map(thread_policy) {
+                match p {
+                    p if p == libc::SCHED_FIFO as u64 => fifo += 1,
+                    _ => other += 1,
+                }
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        eprintln!("its supervisor was real-time in {fifo} and ordinary in {other} samples");
+        assert!(fifo > 0, "its supervisor never slept as a real-time thread (needs CAP_SYS_NICE)");
         // Its detections are reported when its supervised run ends.
-        wait_for("m to complete", Duration::from_secs(100), || m.monitor.recovery_count() == 1);
+        wait_for("rb to complete", Duration::from_secs(100), || m.monitor.recovery_count() == 1);
     });
     let m = &r.sandboxes[0];
     assert_eq!(m.outcome, VmOutcome::Completed, "{}\n{}", m.message, m.console);
     assert!(m.verified, "state kept across the rollback: {:?}", m.problem);
     assert_eq!(m.recoveries.len(), 1, "{:?}", m.recoveries);
     assert_eq!(m.recoveries[0].policy, "rollback");
-    assert_eq!(m.detections[0].sandbox, "m");
+    assert_eq!(m.detections[0].sandbox, "rb");
     healthy(&r, &["p", "q"]);
 }
 

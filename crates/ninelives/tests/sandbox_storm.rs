@@ -20,7 +20,7 @@ use crate::common;
 
 use std::time::{Duration, Instant};
 
-use common::{assert_completed_and_verified, kvm_available, sandbox_set, two_cores};
+use common::{assert_completed_and_verified, kvm_available, sandbox_set, thread_policy, two_cores};
 use nl_sandbox::periodic::{thread_cpu_ns, StormSet};
 
 const PERIOD_US: u64 = 10_000;
@@ -31,13 +31,6 @@ const RESERVATION: (u64, u64) = (7_000, 10_000);
 /// The storm's budget: 1 ms of every 10 ms.
 const STORM: (u64, u64) = (1_000, 10_000);
 const DURATION_MS: u64 = 3_000;
-
-/// A thread's scheduling policy (`/proc/self/task/TID/stat`, field 41).
-fn policy(tid: i32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).ok()?;
-    // Fields after the command name (which may hold blanks) start at 3.
-    stat.rsplit_once(')')?.1.split_whitespace().nth(41 - 3)?.parse().ok()
-}
 
 /// A thread's host CPU time, sampled until it is gone.
 #[derive(Default, Debug, Clone, Copy)]
@@ -87,7 +80,7 @@ fn a_budgeted_doorbell_storm_is_held_to_its_budget_beside_a_periodic_sandbox() {
     let rt = std::fs::read_to_string(format!("{dir}/cpu.rt_runtime_us")).expect("its cgroup");
     let net = nl_sandbox::reserve::safety_net_us(RESERVATION.0, RESERVATION.1);
     assert_eq!(rt.trim(), net.to_string());
-    assert_eq!(policy(storm_tid), Some(libc::SCHED_OTHER as u64), "the storm's policy");
+    assert_eq!(thread_policy(storm_tid), Some(libc::SCHED_OTHER as u64), "the storm's policy");
     let t0 = Instant::now();
     let (report, storm, periodic, (fifo, other)) = std::thread::scope(|s| {
         // Beside the sampler (not before it: the run is short and the host
@@ -95,7 +88,7 @@ fn a_budgeted_doorbell_storm_is_held_to_its_budget_beside_a_periodic_sandbox() {
         let policies = s.spawn(move || {
             let (mut fifo, mut other) = (0, 0);
             for _ in 0..300 {
-                match policy(periodic_tid) {
+                match thread_policy(periodic_tid) {
                     Some(p) if p == libc::SCHED_FIFO as u64 => fifo += 1,
                     Some(p) if p == libc::SCHED_OTHER as u64 => other += 1,
                     _ => break,

@@ -503,6 +503,9 @@ pub struct Supervisor<'a> {
     held_released: Option<u64>,
     /// The next checkpoint's sequence number.
     next_id: u64,
+    /// Sleep between checkpoints as a real-time thread
+    /// ([`Supervisor::with_realtime_wake`]).
+    realtime_wake: bool,
 }
 
 impl<'a> Supervisor<'a> {
@@ -642,6 +645,7 @@ impl<'a> Supervisor<'a> {
             held,
             held_released: None,
             next_id: 1,
+            realtime_wake: false,
         })
         .map(|mut s| {
             s.release_output();
@@ -715,6 +719,16 @@ impl<'a> Supervisor<'a> {
     /// is a detected error (see the module doc).
     pub fn with_result_check(mut self, check: ResultCheck<'a>) -> Self {
         self.result_check = Some(check);
+        self
+    }
+
+    /// Sleeps between its checkpoints as a real-time thread and works as
+    /// an ordinary one ([`nl_vmm::sched::RealtimeSleep`]): for a supervisor
+    /// that shares its core with the guest's vCPU threads, so that its
+    /// wake-up does not wait behind them (a sandbox's). Without the
+    /// privilege it says so once and sleeps as an ordinary thread.
+    pub fn with_realtime_wake(mut self) -> Self {
+        self.realtime_wake = true;
         self
     }
 
@@ -1177,9 +1191,18 @@ impl<'a> Supervisor<'a> {
                 let until = Instant::now() + next.saturating_duration_since(Instant::now()) / 4;
                 self.engine.prepare(until, self.ring_budget_pages());
             }
+            let rt = self.realtime_wake.then(nl_vmm::sched::RealtimeSleep::enter);
+            if rt.as_ref().is_some_and(|r| !r.on()) {
+                tracing::warn!(
+                    "checkpoint: cannot sleep as a real-time thread (needs CAP_SYS_NICE); \
+                     its wake-ups may wait behind the guest's vCPU threads"
+                );
+                self.realtime_wake = false;
+            }
             std::thread::sleep(
                 next.saturating_duration_since(Instant::now()).min(Duration::from_millis(2)),
             );
+            drop(rt);
         };
         self.report(outcome, handed_over)
     }

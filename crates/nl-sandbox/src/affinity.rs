@@ -34,7 +34,7 @@ pub fn pin(tid: i32, cores: &[usize]) -> Result<(), SandboxError> {
 /// (a reserving budget's vCPU threads in their window, and the server that
 /// opens and closes it, [`crate::reserve`]).
 pub fn set_fifo(tid: i32, priority: i32) -> Result<(), SandboxError> {
-    set_policy(tid, libc::SCHED_FIFO, priority).map_err(|e| {
+    nl_vmm::sched::set_fifo(tid, priority).map_err(|e| {
         SandboxError::Resource(format!(
             "cannot make thread {tid} SCHED_FIFO (priority {priority}) for its reserved budget: {e}"
         ))
@@ -43,18 +43,7 @@ pub fn set_fifo(tid: i32, priority: i32) -> Result<(), SandboxError> {
 
 /// Makes thread `tid` an ordinary (`SCHED_OTHER`) thread again.
 pub fn set_other(tid: i32) -> std::io::Result<()> {
-    set_policy(tid, libc::SCHED_OTHER, 0)
-}
-
-fn set_policy(tid: i32, policy: i32, priority: i32) -> std::io::Result<()> {
-    let param = libc::sched_param { sched_priority: priority };
-    // SAFETY: sched_setscheduler only reads `param`, a valid sched_param
-    // that outlives the call; a bad tid is an error return, not UB.
-    let r = unsafe { libc::sched_setscheduler(tid, policy, &param) };
-    if r != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    nl_vmm::sched::set_other(tid)
 }
 
 /// `CLOCK_MONOTONIC` now, in nanoseconds.

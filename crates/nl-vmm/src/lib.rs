@@ -12,6 +12,7 @@
 //! * [`events`]: the host's recurring events (VM supervision).
 //! * [`progress`]: guest progress in vCPU-thread CPU time (hang judgement).
 //! * [`seccomp`]: a seccomp-bpf filter per VMM thread kind.
+//! * [`sched`]: real-time and ordinary scheduling of host threads.
 //! * [`kick`]: interrupting a vCPU thread out of KVM_RUN with a signal.
 //! * [`windows`]: memory windows beside RAM (sandbox channels), read-only
 //!   ones guarded: a guest write to one is a reported violation.
@@ -45,6 +46,7 @@ mod netrx;
 pub mod progress;
 pub mod recovery;
 pub mod rejuvenate;
+pub mod sched;
 pub mod seccomp;
 pub mod selftest;
 pub mod state;

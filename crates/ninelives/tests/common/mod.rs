@@ -529,3 +529,10 @@ pub fn pace_sensitive() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
+
+/// A thread's scheduling policy (`libc::SCHED_*`), from its `stat`.
+pub fn thread_policy(tid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).ok()?;
+    // Fields after the command name (which may hold blanks) start at 3.
+    stat.rsplit_once(')')?.1.split_whitespace().nth(41 - 3)?.parse().ok()
+}

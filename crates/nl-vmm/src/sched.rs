@@ -1,0 +1,94 @@
+//! The scheduling policy of host threads: `SCHED_FIFO` for the threads that
+//! must get their core when they wake (a sandbox's reserved budget, a
+//! supervisor's checkpoint wake-up), and back to ordinary.
+
+/// Makes thread `tid` (0: the calling thread) `SCHED_FIFO` at `priority`.
+/// Threads it starts afterwards inherit that policy.
+pub fn set_fifo(tid: i32, priority: i32) -> std::io::Result<()> {
+    set_policy(tid, libc::SCHED_FIFO, priority)
+}
+
+/// Makes thread `tid` an ordinary (`SCHED_OTHER`) thread again.
+pub fn set_other(tid: i32) -> std::io::Result<()> {
+    set_policy(tid, libc::SCHED_OTHER, 0)
+}
+
+fn set_policy(tid: i32, policy: i32, priority: i32) -> std::io::Result<()> {
+    let param = libc::sched_param { sched_priority: priority };
+    // SAFETY: sched_setscheduler only reads `param`, a valid sched_param
+    // that outlives the call; a bad tid is an error return, not UB.
+    let r = unsafe { libc::sched_setscheduler(tid, policy, &param) };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The calling thread's scheduling policy (`libc::SCHED_*`).
+pub fn policy() -> i32 {
+    // SAFETY: sched_getscheduler takes a tid and touches no memory.
+    unsafe { libc::sched_getscheduler(0) }
+}
+
+/// A real-time sleep: while it lives the calling thread is `SCHED_FIFO`
+/// at priority 1 (with `SCHED_RESET_ON_FORK`, so no thread started
+/// meanwhile inherits it), and it is ordinary again when dropped.
+///
+/// For a thread that sleeps between short pieces of work on a core whose
+/// other threads run a guest: on a PVM host an ordinary thread's wake-up
+/// may wait behind a vCPU thread for hundreds of milliseconds, a real-time
+/// one does not (docs/sandboxes.md, "The `rollback` row's late stalls").
+/// The work itself then runs as an ordinary thread, so it competes fairly.
+#[must_use = "the thread is real-time only while the guard lives"]
+pub struct RealtimeSleep {
+    on: bool,
+}
+
+impl RealtimeSleep {
+    /// Enters it; without the privilege (`CAP_SYS_NICE`, or an `RLIMIT_RTPRIO`
+    /// of at least 1) the thread stays ordinary and [`RealtimeSleep::on`]
+    /// says so.
+    pub fn enter() -> Self {
+        let on = set_policy(0, libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, 1).is_ok();
+        RealtimeSleep { on }
+    }
+
+    /// Whether the thread is real-time now.
+    pub fn on(&self) -> bool {
+        self.on
+    }
+}
+
+impl Drop for RealtimeSleep {
+    fn drop(&mut self) {
+        if self.on {
+            let _ = set_other(0);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_realtime_sleep_is_fifo_while_it_lives_and_ordinary_after() {
+        std::thread::spawn(|| {
+            assert_eq!(policy(), libc::SCHED_OTHER);
+            let rt = RealtimeSleep::enter();
+            if !rt.on() {
+                // Without the privilege: refused, and the thread unchanged.
+                assert_eq!(policy(), libc::SCHED_OTHER);
+                return;
+            }
+            assert_eq!(policy() & !libc::SCHED_RESET_ON_FORK, libc::SCHED_FIFO);
+            // A thread started meanwhile is ordinary.
+            let child = std::thread::spawn(policy).join().unwrap();
+            assert_eq!(child, libc::SCHED_OTHER);
+            drop(rt);
+            assert_eq!(policy(), libc::SCHED_OTHER);
+        })
+        .join()
+        .unwrap();
+    }
+}
