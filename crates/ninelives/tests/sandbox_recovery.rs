@@ -299,10 +299,9 @@ fn rollback_recovers_in_place_and_the_sandbox_keeps_its_state() {
     s.get("rb").expect("rb").set_script(vec![(Duration::from_millis(1000), BAD_RIP)]);
     let r = supervised(&s, Duration::from_secs(120), |s| {
         let m = s.get("rb").expect("rb");
-        // Its supervisor sleeps between checkpoints as a real-time thread
-        // (so that its wake-up does not wait behind the vCPU thread on its
-        // core) and works as an ordinary one: seen real-time in some of
-        // 300 samples 1 ms apart.
+        // Its supervisor runs as a real-time thread (so that its wake-ups
+        // do not wait behind the vCPU thread on its core): seen real-time
+        // in some of 300 samples 1 ms apart.
         let (mut fifo, mut other) = (0, 0);
         for _ in 0..300 {
             for p in threads_named("monitor-rb").into_iter().filter_map(thread_policy) {
@@ -314,7 +313,7 @@ fn rollback_recovers_in_place_and_the_sandbox_keeps_its_state() {
             std::thread::sleep(Duration::from_millis(1));
         }
         eprintln!("its supervisor was real-time in {fifo} and ordinary in {other} samples");
-        assert!(fifo > 0, "its supervisor never slept as a real-time thread (needs CAP_SYS_NICE)");
+        assert!(fifo > 0, "its supervisor never ran as a real-time thread (needs CAP_SYS_NICE)");
         // Its detections are reported when its supervised run ends.
         wait_for("rb to complete", Duration::from_secs(100), || m.monitor.recovery_count() == 1);
     });

@@ -503,9 +503,8 @@ pub struct Supervisor<'a> {
     held_released: Option<u64>,
     /// The next checkpoint's sequence number.
     next_id: u64,
-    /// Sleep between checkpoints as a real-time thread
-    /// ([`Supervisor::with_realtime_wake`]).
-    realtime_wake: bool,
+    /// Run as a real-time thread ([`Supervisor::with_realtime`]).
+    realtime: bool,
 }
 
 impl<'a> Supervisor<'a> {
@@ -645,7 +644,7 @@ impl<'a> Supervisor<'a> {
             held,
             held_released: None,
             next_id: 1,
-            realtime_wake: false,
+            realtime: false,
         })
         .map(|mut s| {
             s.release_output();
@@ -722,13 +721,16 @@ impl<'a> Supervisor<'a> {
         self
     }
 
-    /// Sleeps between its checkpoints as a real-time thread and works as
-    /// an ordinary one ([`nl_vmm::sched::RealtimeSleep`]): for a supervisor
-    /// that shares its core with the guest's vCPU threads, so that its
-    /// wake-up does not wait behind them (a sandbox's). Without the
-    /// privilege it says so once and sleeps as an ordinary thread.
-    pub fn with_realtime_wake(mut self) -> Self {
-        self.realtime_wake = true;
+    /// Runs as a real-time thread (`SCHED_FIFO` priority 1, ordinary
+    /// again when [`Supervisor::run`] returns; threads it starts are
+    /// ordinary: [`nl_vmm::sched::Realtime`]): for a supervisor that shares
+    /// its core with the guest's vCPU threads, whose wake-ups could
+    /// otherwise wait behind them for seconds on a PVM host (a sandbox's).
+    /// Its work is bounded: the pause, and [`Engine::prepare`] for at most
+    /// a quarter of each interval. Without the privilege it says so once
+    /// and runs as an ordinary thread.
+    pub fn with_realtime(mut self) -> Self {
+        self.realtime = true;
         self
     }
 
@@ -1074,6 +1076,13 @@ impl<'a> Supervisor<'a> {
             HangJudge::new(self.cfg.hang_timeout.as_nanos().min(u128::from(u64::MAX)) as u64);
         let mut observed_ns = 0;
         let mut handed_over = false;
+        let realtime = self.realtime.then(nl_vmm::sched::Realtime::enter);
+        if realtime.as_ref().is_some_and(|r| !r.on()) {
+            tracing::warn!(
+                "checkpoint: cannot run the supervisor as a real-time thread (needs \
+                 CAP_SYS_NICE); its wake-ups may wait behind the guest's vCPU threads"
+            );
+        }
         let outcome = loop {
             if let Some(e) = self.engine.error() {
                 self.vm.halt_vcpus();
@@ -1191,18 +1200,9 @@ impl<'a> Supervisor<'a> {
                 let until = Instant::now() + next.saturating_duration_since(Instant::now()) / 4;
                 self.engine.prepare(until, self.ring_budget_pages());
             }
-            let rt = self.realtime_wake.then(nl_vmm::sched::RealtimeSleep::enter);
-            if rt.as_ref().is_some_and(|r| !r.on()) {
-                tracing::warn!(
-                    "checkpoint: cannot sleep as a real-time thread (needs CAP_SYS_NICE); \
-                     its wake-ups may wait behind the guest's vCPU threads"
-                );
-                self.realtime_wake = false;
-            }
             std::thread::sleep(
                 next.saturating_duration_since(Instant::now()).min(Duration::from_millis(2)),
             );
-            drop(rt);
         };
         self.report(outcome, handed_over)
     }

@@ -18,10 +18,10 @@
 //!   held until no rollback can undo them (`recovery.output_commit`, on by
 //!   default; nl_checkpoint's `output_commit`; `nl_workloads::channel`,
 //!   "Held output"). The supervisor runs on the sandbox's cores, beside
-//!   its vCPU threads, and sleeps between checkpoints as a real-time
-//!   thread ([`Supervisor::with_realtime_wake`]): an ordinary one's
-//!   wake-up could wait behind them for seconds on a PVM host, and with
-//!   no checkpoint nothing held is released.
+//!   its vCPU threads, as a real-time thread
+//!   ([`Supervisor::with_realtime`]): an ordinary one's wake-up could wait
+//!   behind them for seconds on a PVM host, and with no checkpoint nothing
+//!   held is released.
 //!
 //! A recovery that fails leaves the sandbox stopped and reported, never
 //! half-restored. More than `recovery.max_recoveries` faults within
@@ -289,7 +289,7 @@ fn run_rollback(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome {
             Vec::new()
         };
         let report =
-            Supervisor::start_holding(&vm, cfg, held).and_then(|s| s.with_realtime_wake().run());
+            Supervisor::start_holding(&vm, cfg, held).and_then(|s| s.with_realtime().run());
         let report = match report {
             Ok(r) => r,
             Err(e) => {

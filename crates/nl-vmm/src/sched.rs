@@ -1,6 +1,6 @@
 //! The scheduling policy of host threads: `SCHED_FIFO` for the threads that
 //! must get their core when they wake (a sandbox's reserved budget, a
-//! supervisor's checkpoint wake-up), and back to ordinary.
+//! supervisor beside its guest's vCPU threads), and back to ordinary.
 
 /// Makes thread `tid` (0: the calling thread) `SCHED_FIFO` at `priority`.
 /// Threads it starts afterwards inherit that policy.
@@ -30,27 +30,29 @@ pub fn policy() -> i32 {
     unsafe { libc::sched_getscheduler(0) }
 }
 
-/// A real-time sleep: while it lives the calling thread is `SCHED_FIFO`
-/// at priority 1 (with `SCHED_RESET_ON_FORK`, so no thread started
-/// meanwhile inherits it), and it is ordinary again when dropped.
+/// A real-time stretch: while it lives the calling thread is `SCHED_FIFO`
+/// at priority 1, with `SCHED_RESET_ON_FORK` (so threads it starts
+/// meanwhile, vCPU threads among them, are ordinary), and it is ordinary
+/// again when dropped.
 ///
 /// For a thread that sleeps between short pieces of work on a core whose
-/// other threads run a guest: on a PVM host an ordinary thread's wake-up
-/// may wait behind a vCPU thread for hundreds of milliseconds, a real-time
-/// one does not (docs/sandboxes.md, "The `rollback` row's late stalls").
-/// The work itself then runs as an ordinary thread, so it competes fairly.
+/// other threads run a guest: on a PVM host an ordinary thread woken there
+/// may wait behind a vCPU thread for seconds, a real-time one does not
+/// (docs/sandboxes.md, "The `rollback` row's late stalls"). Measured there:
+/// being real-time only while asleep, and ordinary for the work, was worse
+/// than being ordinary throughout; real-time throughout removed the late
+/// stalls. So the guard is meant to span the thread's whole loop.
 #[must_use = "the thread is real-time only while the guard lives"]
-pub struct RealtimeSleep {
+pub struct Realtime {
     on: bool,
 }
 
-impl RealtimeSleep {
+impl Realtime {
     /// Enters it; without the privilege (`CAP_SYS_NICE`, or an `RLIMIT_RTPRIO`
-    /// of at least 1) the thread stays ordinary and [`RealtimeSleep::on`]
-    /// says so.
+    /// of at least 1) the thread stays ordinary and [`Realtime::on`] says so.
     pub fn enter() -> Self {
         let on = set_policy(0, libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, 1).is_ok();
-        RealtimeSleep { on }
+        Realtime { on }
     }
 
     /// Whether the thread is real-time now.
@@ -59,7 +61,7 @@ impl RealtimeSleep {
     }
 }
 
-impl Drop for RealtimeSleep {
+impl Drop for Realtime {
     fn drop(&mut self) {
         if self.on {
             let _ = set_other(0);
@@ -72,10 +74,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_realtime_sleep_is_fifo_while_it_lives_and_ordinary_after() {
+    fn a_realtime_stretch_is_fifo_while_it_lives_and_ordinary_after() {
         std::thread::spawn(|| {
             assert_eq!(policy(), libc::SCHED_OTHER);
-            let rt = RealtimeSleep::enter();
+            let rt = Realtime::enter();
             if !rt.on() {
                 // Without the privilege: refused, and the thread unchanged.
                 assert_eq!(policy(), libc::SCHED_OTHER);
