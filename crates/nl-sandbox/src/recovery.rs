@@ -256,6 +256,17 @@ fn run_rollback(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome {
         return VmOutcome::Crashed { cpu: 0, message: e.to_string() };
     }
     loop {
+        // Its guest runs only under a supervisor, which takes its first
+        // checkpoint before the guest's next instruction (fresh, carried
+        // by a handover, or after a failed one). Found running here, it
+        // ran unsupervised: its output was not held and no checkpoint
+        // covers what it did, so it is stopped and reported.
+        if vm.started() && !vm.is_paused() && vm.poll_outcome().is_none() {
+            vm.stop();
+            let message = "its guest ran before its first checkpoint (unsupervised)".to_string();
+            sb.monitor.give_up(message.clone());
+            return VmOutcome::Crashed { cpu: 0, message };
+        }
         let cfg = CheckpointConfig {
             // CoW-P in 16-page blocks: write faults cannot starve a writing
             // guest on a loaded host (nl-checkpoint's own tests do the same).
