@@ -24,12 +24,6 @@ fn set_policy(tid: i32, policy: i32, priority: i32) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The calling thread's scheduling policy (`libc::SCHED_*`).
-pub fn policy() -> i32 {
-    // SAFETY: sched_getscheduler takes a tid and touches no memory.
-    unsafe { libc::sched_getscheduler(0) }
-}
-
 /// A real-time stretch: while it lives the calling thread is `SCHED_FIFO`
 /// at priority 1, with `SCHED_RESET_ON_FORK` (so threads it starts
 /// meanwhile, vCPU threads among them, are ordinary), and it is ordinary
@@ -72,6 +66,12 @@ impl Drop for Realtime {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The calling thread's scheduling policy (`libc::SCHED_*`).
+    fn policy() -> i32 {
+        // SAFETY: sched_getscheduler takes a tid and touches no memory.
+        unsafe { libc::sched_getscheduler(0) }
+    }
 
     #[test]
     fn a_realtime_stretch_is_fifo_while_it_lives_and_ordinary_after() {
