@@ -127,3 +127,40 @@ fn digest_ok_after(vm: &Vm) -> bool {
         r.phase == nl_abi::PHASE_DONE && rep.digest == r.digest
     })
 }
+
+/// A caller's detector (`Supervisor::with_detector`, a sandbox's channel
+/// detectors under `rollback`) is polled while the guest runs: each
+/// detection is rolled back like the supervisor's own, and the detector is
+/// told to forget what it knew on its first call and on the first after
+/// each rollback.
+#[test]
+fn a_callers_detector_is_rolled_back_and_told_to_forget_after_each_rollback() {
+    if !kvm_available() {
+        return;
+    }
+    let kvm = nl_vmm::open_kvm().unwrap();
+    let vm = Vm::create(&kvm, 0, config(params(nl_abi::WORKLOAD_COMPUTE, 1500), 1)).unwrap();
+    let (mut calls, mut fresh_calls, mut fired) = (0u32, 0u32, 0u32);
+    let report = Supervisor::start(&vm, cfg(Mode::CowP, Vec::new(), 10))
+        .unwrap()
+        .with_detector(Box::new(|_: &Vm, fresh: bool| {
+            if fresh {
+                fresh_calls += 1;
+                calls = 0;
+            }
+            calls += 1;
+            // Twice, some polls after the start or the last rollback.
+            (calls == 50 && fired < 2).then(|| {
+                fired += 1;
+                format!("the caller's detector fired ({fired})")
+            })
+        }))
+        .run()
+        .unwrap();
+    assert_eq!(report.outcome, VmOutcome::Completed, "{report:#?}");
+    let rbs = &report.rollbacks;
+    assert_eq!(rbs.len(), 2, "{rbs:#?}");
+    assert!(rbs.iter().all(|r| r.reason.contains("the caller's detector fired")), "{rbs:#?}");
+    assert_eq!(fresh_calls, 3, "told to forget {fresh_calls} times over 2 rollbacks");
+    assert!(digest_ok_after(&vm));
+}

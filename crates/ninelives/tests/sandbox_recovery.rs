@@ -547,6 +547,45 @@ fn the_channel_check_blames_a_wrong_messages_writer_and_a_false_reports_reporter
     );
 }
 
+/// Under `rollback` the sandbox's channel detectors run too (beside the
+/// checkpoint supervisor's outcome and heartbeat): svc's receive report
+/// turning false (corrupt messages that p's stream, as the host reads it,
+/// does not hold) is found by the channel check and rolled back, not left
+/// to end as a wrong result; svc then streams on, and p sees nothing.
+#[test]
+fn under_rollback_the_channel_check_finds_a_false_report_and_rolls_it_back() {
+    if !kvm_available() {
+        return;
+    }
+    let s = sandbox_set(&three_at(
+        r#""recovery": {"policy": "rollback", "checkpoint_interval_ms": 20,
+                        "release": "next_checkpoint", "max_recoveries": 20, "window_ms": 1000},"#,
+        1000,
+    ));
+    let r = supervised(&s, Duration::from_secs(180), |s| {
+        let svc = s.get("svc").expect("svc");
+        wait_for("both streaming", Duration::from_secs(60), || consumed(s, 0) > 2000);
+        // svc's guest rewrites the word at each drain: keep writing,
+        // bounded, until a rollback.
+        let mut k = 1;
+        wait_for("svc's false report rolled back", Duration::from_secs(30), || {
+            let c = nl_workloads::chanstream::Counters { corrupt: k, ..Default::default() };
+            s.channels[0].set_verdict(0, nl_workloads::chanstream::pack(&c));
+            k += 1;
+            svc.rollbacks() >= 1
+        });
+        let before = consumed(s, 0);
+        wait_for("svc streaming again", Duration::from_secs(60), || consumed(s, 0) > before + 500);
+    });
+    let svc = &r.sandboxes[0];
+    let d: Vec<_> = svc.detections.iter().map(|d| (d.detector, d.detail.as_str())).collect();
+    assert!(!d.is_empty(), "{d:?}");
+    assert_eq!(d[0].0, Detector::ChannelCheck, "{d:?}");
+    assert!(d[0].1.contains("its own receive state is wrong"), "{d:?}");
+    assert!(svc.recoveries.iter().all(|r| r.policy == "rollback" && r.ok), "{:?}", svc.recoveries);
+    healthy(&r, &["p", "q"]);
+}
+
 /// Issue 19: a `chanstream` sandbox under `rollback` with output commit
 /// (released at the next checkpoint) is rolled back again and again. What
 /// it publishes and acknowledges on its channel is held until no rollback

@@ -40,7 +40,8 @@ pub mod tracker;
 
 pub use engine::Mode;
 pub use supervisor::{
-    CheckpointConfig, CommitRule, HeldRegion, Live, RollbackRecord, RunReport, Supervisor,
+    CheckpointConfig, CommitRule, ExtraDetector, HeldRegion, Live, RollbackRecord, RunReport,
+    Supervisor,
 };
 
 /// Guest page size.

@@ -127,6 +127,13 @@ pub fn ring_capacity(latency: Duration, interval: Duration) -> usize {
 /// error: the supervisor rolls back instead of accepting the result.
 pub type ResultCheck<'a> = Box<dyn FnMut(&Vm) -> Result<(), String> + 'a>;
 
+/// A detector of the caller's, polled while the guest runs (after the
+/// supervisor's own: outcome and hang): `Some(reason)` is a detected error,
+/// rolled back like any other. The flag is `true` on its first call and on
+/// the first after each rollback: what it remembered of the guest is then
+/// out of date (a sandbox's channel detectors, say).
+pub type ExtraDetector<'a> = Box<dyn FnMut(&Vm, bool) -> Option<String> + 'a>;
+
 /// How a VM is protected.
 #[derive(Clone, Debug)]
 pub struct CheckpointConfig {
@@ -463,6 +470,7 @@ pub struct Supervisor<'a> {
     vm: &'a Vm,
     cfg: CheckpointConfig,
     result_check: Option<ResultCheck<'a>>,
+    detector: Option<ExtraDetector<'a>>,
     /// Consecutive recurrences of an error (see the module doc).
     recurrence: u32,
     last_rollback: Option<LastRollback>,
@@ -605,6 +613,7 @@ impl<'a> Supervisor<'a> {
             vm,
             cfg,
             result_check: None,
+            detector: None,
             recurrence: 0,
             last_rollback: None,
             engine,
@@ -718,6 +727,16 @@ impl<'a> Supervisor<'a> {
     /// is a detected error (see the module doc).
     pub fn with_result_check(mut self, check: ResultCheck<'a>) -> Self {
         self.result_check = Some(check);
+        self
+    }
+
+    /// Polls `detector` as well while the guest runs (see
+    /// [`ExtraDetector`]); its detections are rolled back like the
+    /// supervisor's own. Its latency (fault to detection, in guest time)
+    /// must be covered by the hang timeout or
+    /// [`CheckpointConfig::latency_bound`], like every detector's.
+    pub fn with_detector(mut self, detector: ExtraDetector<'a>) -> Self {
+        self.detector = Some(detector);
         self
     }
 
@@ -1076,6 +1095,9 @@ impl<'a> Supervisor<'a> {
             HangJudge::new(self.cfg.hang_timeout.as_nanos().min(u128::from(u64::MAX)) as u64);
         let mut observed_ns = 0;
         let mut handed_over = false;
+        // The caller's detector has to forget what it knew (see
+        // `ExtraDetector`).
+        let mut fresh = true;
         let realtime = self.realtime.then(nl_vmm::sched::Realtime::enter);
         if realtime.as_ref().is_some_and(|r| !r.on()) {
             tracing::warn!(
@@ -1132,13 +1154,19 @@ impl<'a> Supervisor<'a> {
                 }
                 None => {
                     let clock = self.clock.update(&self.vm.vcpu_threads()).to_vec();
-                    judge.observe(self.vm.progress_marker(), &clock, &self.clock.live()).map(|h| {
-                        observed_ns = h.ran_ns;
-                        format!(
-                            "guest stopped heartbeating while its vCPUs ran {} ms",
-                            h.ran_ns / 1_000_000
-                        )
-                    })
+                    judge
+                        .observe(self.vm.progress_marker(), &clock, &self.clock.live())
+                        .map(|h| {
+                            observed_ns = h.ran_ns;
+                            format!(
+                                "guest stopped heartbeating while its vCPUs ran {} ms",
+                                h.ran_ns / 1_000_000
+                            )
+                        })
+                        .or_else(|| {
+                            let d = self.detector.as_mut()?;
+                            d(self.vm, std::mem::take(&mut fresh))
+                        })
                 }
             };
             if let Some(reason) = detected {
@@ -1157,6 +1185,7 @@ impl<'a> Supervisor<'a> {
                     break VmOutcome::Crashed { cpu: 0, message };
                 }
                 judge.reset();
+                fresh = true;
                 next = Instant::now() + self.cfg.interval;
                 continue;
             }

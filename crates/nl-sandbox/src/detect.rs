@@ -77,6 +77,12 @@ impl Detector {
     /// The detector behind a rollback reason of nl-checkpoint's supervisor
     /// (an outcome's message or its hang verdict).
     pub fn of_reason(reason: &str) -> Self {
+        // The channel detectors' own (`Detectors::poll_channels`).
+        for d in [Detector::OutputStall, Detector::ChannelCheck, Detector::ChannelLag] {
+            if reason.strip_prefix(d.name()).is_some_and(|r| r.starts_with(':')) {
+                return d;
+            }
+        }
         if reason.contains("isolation violation") {
             Detector::ChannelViolation
         } else if reason.contains("heartbeating") {
@@ -229,12 +235,40 @@ impl Detectors {
                 format!("no heartbeat while its vCPUs ran {} ms", h.ran_ns / 1_000_000),
             )));
         }
-        let now = clock.iter().zip(&live).filter(|(_, l)| **l).map(|(c, _)| *c).min()?;
+        self.channel_detectors(channels, &clock, &live).map(Ok)
+    }
+
+    /// The detectors on the sandbox's channels alone (output stall, channel
+    /// check, channel lag), for a sandbox whose outcome and heartbeat
+    /// another supervisor watches (`rollback`: nl-checkpoint's). Its
+    /// detections name the detector first (`channel-check: ...`), which
+    /// [`Detector::of_reason`] reads back.
+    pub fn poll_channels(&mut self, vm: &Vm, channels: &[HostChannel]) -> Option<String> {
+        if Instant::now() < self.next_slow {
+            return None;
+        }
+        self.next_slow = Instant::now() + SLOW_PERIOD;
+        let clock = self.clock.update(&vm.vcpu_threads()).to_vec();
+        let live = self.clock.live();
+        if vm.is_paused() {
+            return None;
+        }
+        self.channel_detectors(channels, &clock, &live)
+            .map(|(d, why)| format!("{}: {why}", d.name()))
+    }
+
+    fn channel_detectors(
+        &mut self,
+        channels: &[HostChannel],
+        clock: &[u64],
+        live: &[bool],
+    ) -> Option<(Detector, String)> {
+        let now = clock.iter().zip(live).filter(|(_, l)| **l).map(|(c, _)| *c).min()?;
         if let Some(f) = self.output_stall(channels, now) {
-            return Some(Ok(f));
+            return Some(f);
         }
         if let Some(f) = self.channel_check(channels) {
-            return Some(Ok(f));
+            return Some(f);
         }
         let bound = self.cfg.channel_lag_words?;
         let grace = self.cfg.channel_lag_cpu_ms.saturating_mul(1_000_000);
@@ -255,14 +289,14 @@ impl Detectors {
             match l.since {
                 Some((a, t)) if a == ack => {
                     if now.saturating_sub(t) >= grace {
-                        return Some(Ok((
+                        return Some((
                             Detector::ChannelLag,
                             format!(
                                 "channel '{}': {lag} words published by the peer not consumed (bound {bound}) while the sandbox ran {} ms",
                                 c.name,
                                 now.saturating_sub(t) / 1_000_000
                             ),
-                        )));
+                        ));
                     }
                 }
                 _ => l.since = Some((ack, now)),

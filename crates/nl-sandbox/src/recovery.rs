@@ -31,7 +31,7 @@
 use std::time::{Duration, Instant};
 
 use nl_checkpoint::{CheckpointConfig, Mode, Supervisor};
-use nl_vmm::VmOutcome;
+use nl_vmm::{Vm, VmOutcome};
 use serde::Serialize;
 
 use crate::config::RecoveryPolicy;
@@ -57,6 +57,30 @@ pub struct Phases {
     /// The first message it published again (a heartbeat for a sandbox
     /// without channels).
     pub first_reply_ms: Option<f64>,
+}
+
+/// The detection latency of a sandbox's channel detectors that are on
+/// (guest time), for the rollback supervisor's look-back.
+fn channel_latency(d: &crate::config::DetectConfig) -> Option<Duration> {
+    let lag = d.channel_lag_words.map(|_| d.channel_lag_cpu_ms);
+    lag.into_iter().chain(d.output_stall_cpu_ms).max().map(Duration::from_millis)
+}
+
+/// A `rollback` sandbox's result when its guest reports completion: a
+/// workload without end (a service) must not complete, and one with an
+/// end must have the result the host computes (`verify::check`).
+fn result_check(set: &SandboxSet, sb: &Sandbox, vm: &Vm) -> Result<(), String> {
+    if sb.config.workload.endless() && !set.stop_requested() {
+        return Err(format!(
+            "completed, but its workload ({}, duration_ms 0) runs without end",
+            sb.config.workload.kind
+        ));
+    }
+    let regs: Vec<_> = vm.control().vcpus.iter().map(|r| r.snapshot()).collect();
+    match crate::verify::check(set, sb, &regs) {
+        (true, _) => Ok(()),
+        (false, why) => Err(why.unwrap_or_else(|| "wrong result".into())),
+    }
 }
 
 /// One recovery.
@@ -277,7 +301,8 @@ fn run_rollback(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome {
             script: sb.take_script(),
             seed: 1,
             hang_timeout: Duration::from_millis(sb.config.detect.heartbeat_cpu_ms),
-            latency_bound: None,
+            // The channel detectors' own latencies, where they are on.
+            latency_bound: channel_latency(&sb.config.detect),
             max_rollbacks: r.max_recoveries,
             time_limit: deadline.saturating_duration_since(Instant::now()),
             disk_every: 0,
@@ -299,8 +324,30 @@ fn run_rollback(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome {
         } else {
             Vec::new()
         };
-        let report =
-            Supervisor::start_holding(&vm, cfg, held).and_then(|s| s.with_realtime().run());
+        // Beside the supervisor's own detectors (outcome, heartbeat): the
+        // sandbox's channel detectors, as under the other policies, and its
+        // result checked at completion, so a wrong result is rolled back
+        // instead of reported as done.
+        let vcpus = sb.config.vcpus() as usize;
+        let mut det = Detectors::new(
+            &sb.config.detect,
+            vcpus,
+            &set.receives_of(sb.index),
+            sb.config.channel_check(),
+        );
+        let detector = move |vm: &Vm, fresh: bool| {
+            if fresh {
+                det.reset(vcpus);
+            }
+            det.poll_channels(vm, &set.channels)
+        };
+        let check = |vm: &Vm| result_check(set, sb, vm);
+        let report = Supervisor::start_holding(&vm, cfg, held).and_then(|s| {
+            s.with_realtime()
+                .with_detector(Box::new(detector))
+                .with_result_check(Box::new(check))
+                .run()
+        });
         let report = match report {
             Ok(r) => r,
             Err(e) => {
