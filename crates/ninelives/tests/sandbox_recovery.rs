@@ -565,6 +565,7 @@ fn under_rollback_the_channel_check_finds_a_false_report_and_rolls_it_back() {
     let r = supervised(&s, Duration::from_secs(180), |s| {
         let svc = s.get("svc").expect("svc");
         wait_for("both streaming", Duration::from_secs(60), || consumed(s, 0) > 2000);
+        assert!(!svc.monitor.ended(), "svc's monitor ended while it streams");
         // svc's guest rewrites the word at each drain: keep writing,
         // bounded, until a rollback.
         let mut k = 1;
@@ -584,6 +585,9 @@ fn under_rollback_the_channel_check_finds_a_false_report_and_rolls_it_back() {
     assert!(d[0].1.contains("its own receive state is wrong"), "{d:?}");
     assert!(svc.recoveries.iter().all(|r| r.policy == "rollback" && r.ok), "{:?}", svc.recoveries);
     healthy(&r, &["p", "q"]);
+    // Its outcome is final once its monitor says so (what the campaign
+    // waits for before it reads a completion).
+    assert!(s.get("svc").expect("svc").monitor.ended(), "svc's monitor never ended");
 }
 
 /// Issue 19: a `chanstream` sandbox under `rollback` with output commit

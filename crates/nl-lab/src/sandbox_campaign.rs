@@ -638,12 +638,15 @@ fn run_body(c: &Campaign, seed: u64, t0: Instant, rec: &mut RunRecord) -> Result
             }
             rec.phases_ms.injected = ms();
             // The target's run plays out: it completes (perhaps after
-            // recoveries), is given up, or its recovery fails.
+            // recoveries), is given up, or its recovery fails. A completion
+            // counts once its monitor has ended: until then it may still be
+            // found wrong and recovered (a `rollback` sandbox's result
+            // check rolls a wrong completion back).
             let end = Instant::now() + RUN_BOUND;
             let policy = c.policy;
             wait_for(RUN_BOUND, || {
                 let o = svc.vm().poll_outcome();
-                o == Some(VmOutcome::Completed)
+                (o == Some(VmOutcome::Completed) && svc.monitor.ended())
                     || svc.monitor.gave_up_reason().is_some()
                     || svc.monitor.recoveries().iter().any(|r| !r.ok)
                     || (policy == RecoveryPolicy::Stop

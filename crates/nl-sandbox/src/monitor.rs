@@ -41,6 +41,10 @@ pub struct Monitor {
 
 /// What [`Monitor::doing`] says while the monitor rebuilds its sandbox's VM.
 pub const REBUILDING: &str = "rebuilding its VM";
+/// [`Monitor::doing`] once the monitor loop has ended (the sandbox's
+/// outcome is final: a `rollback` sandbox's completion, say, was accepted
+/// by its result check and not rolled back).
+pub const ENDED: &str = "ended";
 
 /// Detections and recoveries kept in full per sandbox (all are counted in
 /// the campaign's own records).
@@ -111,6 +115,11 @@ impl Monitor {
     /// What the monitor loop is doing and since when (set-elapsed ms).
     pub fn doing(&self) -> (&'static str, f64) {
         *self.doing.lock()
+    }
+
+    /// Whether the monitor loop has ended (see [`ENDED`]).
+    pub fn ended(&self) -> bool {
+        self.doing().0 == ENDED
     }
 
     /// Whether a VM for the next restart is ready.

@@ -100,9 +100,18 @@ fn ms_since(t: Instant) -> Option<f64> {
 /// The monitor loop of one sandbox: detect, recover, until the sandbox
 /// completes, is stopped, gives up or `limit` passes.
 pub(crate) fn run(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome {
-    if sb.config.recovery.policy == RecoveryPolicy::Rollback {
-        return run_rollback(set, sb, limit);
-    }
+    let outcome = if sb.config.recovery.policy == RecoveryPolicy::Rollback {
+        run_rollback(set, sb, limit)
+    } else {
+        run_local(set, sb, limit)
+    };
+    sb.monitor.set_doing(crate::monitor::ENDED, set.elapsed_ms());
+    outcome
+}
+
+/// [`run`] under the policies of a new VM (`stop`, `restart`, `replace`)
+/// and remote takeover.
+fn run_local(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome {
     let deadline = Instant::now() + limit;
     let vcpus = sb.config.vcpus() as usize;
     let mut det = Detectors::new(
