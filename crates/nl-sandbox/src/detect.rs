@@ -219,16 +219,7 @@ impl Detectors {
         if let Some(o) = vm.poll_outcome() {
             return Some(of_outcome(&o).ok_or(o));
         }
-        if Instant::now() < self.next_slow {
-            return None;
-        }
-        self.next_slow = Instant::now() + SLOW_PERIOD;
-        let clock = self.clock.update(&vm.vcpu_threads()).to_vec();
-        let live = self.clock.live();
-        if vm.is_paused() {
-            self.judge.reset();
-            return None;
-        }
+        let (clock, live) = self.slow_round(vm)?;
         if let Some(h) = self.judge.observe(vm.progress_marker(), &clock, &live) {
             return Some(Ok((
                 Detector::LostHeartbeat,
@@ -244,17 +235,25 @@ impl Detectors {
     /// detections name the detector first (`channel-check: ...`), which
     /// [`Detector::of_reason`] reads back.
     pub fn poll_channels(&mut self, vm: &Vm, channels: &[HostChannel]) -> Option<String> {
+        let (clock, live) = self.slow_round(vm)?;
+        self.channel_detectors(channels, &clock, &live)
+            .map(|(d, why)| format!("{}: {why}", d.name()))
+    }
+
+    /// The vCPUs' clocks and which are live, for a round of the detectors
+    /// that read /proc and the channel headers (`None`: not yet
+    /// [`SLOW_PERIOD`] since the last, or the VM paused: nothing to judge).
+    fn slow_round(&mut self, vm: &Vm) -> Option<(Vec<u64>, Vec<bool>)> {
         if Instant::now() < self.next_slow {
             return None;
         }
         self.next_slow = Instant::now() + SLOW_PERIOD;
         let clock = self.clock.update(&vm.vcpu_threads()).to_vec();
-        let live = self.clock.live();
         if vm.is_paused() {
+            self.judge.reset();
             return None;
         }
-        self.channel_detectors(channels, &clock, &live)
-            .map(|(d, why)| format!("{}: {why}", d.name()))
+        Some((clock, self.clock.live()))
     }
 
     fn channel_detectors(

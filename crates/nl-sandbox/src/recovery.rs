@@ -109,17 +109,22 @@ pub(crate) fn run(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome 
     outcome
 }
 
+/// The sandbox's detectors, as its config asks.
+fn detectors(set: &SandboxSet, sb: &Sandbox) -> Detectors {
+    Detectors::new(
+        &sb.config.detect,
+        sb.config.vcpus() as usize,
+        &set.receives_of(sb.index),
+        sb.config.channel_check(),
+    )
+}
+
 /// [`run`] under the policies of a new VM (`stop`, `restart`, `replace`)
 /// and remote takeover.
 fn run_local(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome {
     let deadline = Instant::now() + limit;
     let vcpus = sb.config.vcpus() as usize;
-    let mut det = Detectors::new(
-        &sb.config.detect,
-        vcpus,
-        &set.receives_of(sb.index),
-        sb.config.channel_check(),
-    );
+    let mut det = detectors(set, sb);
     // The recovery whose late phases (guest init, first reply) are pending.
     let mut pending: Option<Pending> = None;
     let mut recent: Vec<Instant> = Vec::new();
@@ -338,12 +343,7 @@ fn run_rollback(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome {
         // result checked at completion, so a wrong result is rolled back
         // instead of reported as done.
         let vcpus = sb.config.vcpus() as usize;
-        let mut det = Detectors::new(
-            &sb.config.detect,
-            vcpus,
-            &set.receives_of(sb.index),
-            sb.config.channel_check(),
-        );
+        let mut det = detectors(set, sb);
         let detector = move |vm: &Vm, fresh: bool| {
             if fresh {
                 det.reset(vcpus);
