@@ -686,13 +686,8 @@ fn run_body(c: &Campaign, seed: u64, t0: Instant, rec: &mut RunRecord) -> Result
         ev.from_faulty = end_of(s, "sp", "p")?;
         let svc = s.get("svc").context("no svc")?;
         let completed = svc_outcome == Some(VmOutcome::Completed);
-        let (verified, problem) = if completed {
-            let vm = svc.vm();
-            let regs: Vec<_> = vm.control().vcpus.iter().map(|r| r.snapshot()).collect();
-            nl_sandbox::verify::check(s, svc, &regs)
-        } else {
-            (false, None)
-        };
+        let (verified, problem) =
+            if completed { nl_sandbox::verify::check_vm(s, svc, &svc.vm()) } else { (false, None) };
         let rs = svc.monitor.recoveries();
         ev.target = TargetView {
             outcome: svc_outcome.as_ref().map(outcome_name),

@@ -66,18 +66,27 @@ fn channel_latency(d: &crate::config::DetectConfig) -> Option<Duration> {
     lag.into_iter().chain(d.output_stall_cpu_ms).max().map(Duration::from_millis)
 }
 
+/// Why a completion of the sandbox's guest is a failure, if it is: a
+/// workload without end (a service) that reports completion was derailed
+/// (a flipped stack pointer can return it into its exit), unless the set
+/// is stopping.
+fn completed_without_end(set: &SandboxSet, sb: &Sandbox) -> Option<String> {
+    (sb.config.workload.endless() && !set.stop_requested()).then(|| {
+        format!(
+            "completed, but its workload ({}, duration_ms 0) runs without end",
+            sb.config.workload.kind
+        )
+    })
+}
+
 /// A `rollback` sandbox's result when its guest reports completion: a
 /// workload without end (a service) must not complete, and one with an
 /// end must have the result the host computes (`verify::check`).
 fn result_check(set: &SandboxSet, sb: &Sandbox, vm: &Vm) -> Result<(), String> {
-    if sb.config.workload.endless() && !set.stop_requested() {
-        return Err(format!(
-            "completed, but its workload ({}, duration_ms 0) runs without end",
-            sb.config.workload.kind
-        ));
+    if let Some(why) = completed_without_end(set, sb) {
+        return Err(why);
     }
-    let regs: Vec<_> = vm.control().vcpus.iter().map(|r| r.snapshot()).collect();
-    match crate::verify::check(set, sb, &regs) {
+    match crate::verify::check_vm(set, sb, vm) {
         (true, _) => Ok(()),
         (false, why) => Err(why.unwrap_or_else(|| "wrong result".into())),
     }
@@ -172,24 +181,17 @@ fn run_local(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome {
                 std::thread::sleep(Duration::from_micros(nap));
                 continue;
             }
-            // A workload without end (a service) that reports completion
-            // was derailed (a flipped stack pointer can return it into its
-            // exit): a failure, not an end.
-            Some(Err(VmOutcome::Completed))
-                if sb.config.workload.endless() && !set.stop_requested() =>
-            {
-                (
-                    Detector::GuestError,
-                    format!(
-                        "completed, but its workload ({}, duration_ms 0) runs without end",
-                        sb.config.workload.kind
-                    ),
-                )
-            }
+            // A service's completion is a failure, not an end.
             Some(Err(o)) => {
-                finish(sb, &mut pending);
-                crate::service::finish_watch(set, &mut watch);
-                return o;
+                match (o == VmOutcome::Completed).then(|| completed_without_end(set, sb)).flatten()
+                {
+                    Some(why) => (Detector::GuestError, why),
+                    None => {
+                        finish(sb, &mut pending);
+                        crate::service::finish_watch(set, &mut watch);
+                        return o;
+                    }
+                }
             }
             Some(Ok(f)) => f,
         };

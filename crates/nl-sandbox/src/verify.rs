@@ -5,6 +5,12 @@ use nl_devices::control::VcpuRegsSnapshot;
 
 use crate::set::{Sandbox, SandboxSet};
 
+/// [`check`] on the registers of `vm`, the sandbox's VM as it completed.
+pub fn check_vm(set: &SandboxSet, sb: &Sandbox, vm: &nl_vmm::Vm) -> (bool, Option<String>) {
+    let regs: Vec<_> = vm.control().vcpus.iter().map(|r| r.snapshot()).collect();
+    check(set, sb, &regs)
+}
+
 /// Whether the sandbox's result is right, and what is wrong if not.
 pub fn check(set: &SandboxSet, sb: &Sandbox, regs: &[VcpuRegsSnapshot]) -> (bool, Option<String>) {
     let p = &sb.params();
