@@ -656,3 +656,80 @@ fn rollback_holds_channel_output_so_the_peer_never_sees_it_undone() {
     assert_eq!(sp.regions[1].errors(), 0, "p on svc's stream: {:?}", sp.regions[1]);
     assert_eq!(sp.regions[0].errors(), 0, "svc on p's stream: {:?}", sp.regions[0]);
 }
+
+/// Writes its workload's end over svc's ring-3 code (`GuestFault::Exit`),
+/// again while its vCPU is in the kernel (refused), until it is applied
+/// (bounded). Under `rollback` the supervisor applies it at its next step
+/// and itself waits for ring 3.
+fn end_svc(s: &SandboxSet) {
+    wait_for("svc's end written", Duration::from_secs(30), || {
+        match s.inject("svc", &GuestFault::Exit { cpu: 0 }) {
+            Ok(_) => true,
+            Err(e) => {
+                assert!(e.to_string().contains("try again"), "{e}");
+                std::thread::sleep(Duration::from_millis(1));
+                false
+            }
+        }
+    });
+}
+
+/// Issue 19: a service (a workload without end) that completes has failed:
+/// a control-flow error that returns it into its exit must not end it as
+/// done. Under `restart` its monitor detects the completion as a guest
+/// error and restarts it, and it streams again.
+#[test]
+fn under_restart_a_service_that_completes_is_detected_and_restarted() {
+    if !kvm_available() {
+        return;
+    }
+    let s = sandbox_set(&three(r#""recovery": {"policy": "restart"},"#));
+    let r = supervised(&s, Duration::from_secs(120), |s| {
+        let svc = s.get("svc").expect("svc");
+        wait_for("both streaming", Duration::from_secs(60), || consumed(s, 0) > 1000);
+        end_svc(s);
+        wait_for("svc's completion detected", Duration::from_secs(30), || {
+            !svc.monitor.detections().is_empty()
+        });
+        wait_for("the restart", Duration::from_secs(60), || svc.monitor.recovery_count() >= 1);
+        let before = consumed(s, 0);
+        wait_for("svc streaming again", Duration::from_secs(60), || consumed(s, 0) > before + 500);
+    });
+    let svc = &r.sandboxes[0];
+    assert_eq!(svc.outcome, VmOutcome::Stopped, "{}", svc.message);
+    let d = &svc.detections[0];
+    assert_eq!(d.detector, Detector::GuestError, "{d:?}");
+    assert!(d.detail.contains("runs without end"), "{d:?}");
+    assert!(svc.recoveries.iter().all(|r| r.policy == "restart" && r.ok), "{:?}", svc.recoveries);
+    healthy(&r, &["p", "q"]);
+}
+
+/// Issue 19: the same under `rollback`: the supervisor's result check
+/// refuses the completion and rolls svc back to its last checkpoint (the
+/// code the fault overwrote comes back with it), and it streams on.
+#[test]
+fn under_rollback_a_service_that_completes_is_rolled_back() {
+    if !kvm_available() {
+        return;
+    }
+    let s = sandbox_set(&three(
+        r#""recovery": {"policy": "rollback", "checkpoint_interval_ms": 20,
+                        "release": "next_checkpoint", "max_recoveries": 20, "window_ms": 1000},"#,
+    ));
+    let r = supervised(&s, Duration::from_secs(180), |s| {
+        let svc = s.get("svc").expect("svc");
+        wait_for("both streaming", Duration::from_secs(60), || consumed(s, 0) > 1000);
+        end_svc(s);
+        wait_for("svc's completion rolled back", Duration::from_secs(30), || svc.rollbacks() >= 1);
+        let before = consumed(s, 0);
+        wait_for("svc streaming again", Duration::from_secs(60), || consumed(s, 0) > before + 500);
+        assert!(!svc.monitor.ended(), "svc's monitor ended on a completion it rolled back");
+    });
+    let svc = &r.sandboxes[0];
+    assert_eq!(svc.outcome, VmOutcome::Stopped, "{}", svc.message);
+    let d = &svc.detections[0];
+    assert_eq!(d.detector, Detector::GuestError, "{d:?}");
+    assert!(d.detail.contains("runs without end"), "{d:?}");
+    assert!(svc.recoveries.iter().all(|r| r.policy == "rollback" && r.ok), "{:?}", svc.recoveries);
+    healthy(&r, &["p", "q"]);
+}

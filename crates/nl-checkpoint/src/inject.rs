@@ -36,6 +36,15 @@ pub enum GuestFault {
     Spin {
         cpu: usize,
     },
+    /// The workload's own end (it reports `PHASE_DONE` and exits) written
+    /// over the ring-3 instruction vCPU `cpu` is at: the program ends early,
+    /// as one does when a control-flow error returns it into its end. A
+    /// workload without end (a service) then completes, which is a failure;
+    /// one with an end completes with a wrong result. Refused with
+    /// [`CheckpointError::NotNow`] while the vCPU is in the kernel.
+    Exit {
+        cpu: usize,
+    },
 }
 
 /// A small deterministic generator (splitmix64) so a campaign is replayable from its seed.
@@ -148,7 +157,49 @@ fn apply_paused(vm: &Vm, fault: &GuestFault) -> Result<Option<u64>, CheckpointEr
                 .map_err(|e| CheckpointError::GuestMemory { gpa: rip, why: e.to_string() })?;
             Ok(Some(rip))
         }
+        GuestFault::Exit { cpu } => {
+            let (rip, ring) = vm
+                .with_vcpu(cpu, |fd| {
+                    let r = fd.get_regs().map_err(|e| format!("KVM_GET_REGS: {e}"))?;
+                    let s = fd.get_sregs().map_err(|e| format!("KVM_GET_SREGS: {e}"))?;
+                    Ok::<_, String>((r.rip, s.cs.selector & 3))
+                })?
+                .map_err(CheckpointError::Config)?;
+            if ring != 3 {
+                return Err(CheckpointError::NotNow(format!(
+                    "vCPU {cpu} is in the kernel (ring {ring}), not in its workload: try again"
+                )));
+            }
+            vm.memory()
+                .mem()
+                .write_slice(&end_code(cpu as u64), GuestAddress(rip))
+                .map_err(|e| CheckpointError::GuestMemory { gpa: rip, why: e.to_string() })?;
+            Ok(Some(rip))
+        }
     }
+}
+
+/// Bytes the VMM writes for one fault, at most ([`end_code`]'s): a caller
+/// that tracks the VMM's writes notes the pages of `gpa` to `gpa +
+/// MAX_WRITE - 1`.
+pub const MAX_WRITE: usize = 23;
+
+/// A ring-3 program's end, as the reference guest's user program ends
+/// (`guest/user`): `PHASE_DONE` into vCPU `cpu`'s phase register, then the
+/// exit syscall (its gate is `int3`, see nl-abi).
+fn end_code(cpu: u64) -> [u8; MAX_WRITE] {
+    let mut c = [0u8; MAX_WRITE];
+    // movabs rax, control_reg(cpu, PHASE)
+    c[..2].copy_from_slice(&[0x48, 0xB8]);
+    c[2..10].copy_from_slice(&control_reg(cpu, reg::PHASE).to_le_bytes());
+    // mov qword ptr [rax], PHASE_DONE
+    c[10..13].copy_from_slice(&[0x48, 0xC7, 0x00]);
+    c[13..17].copy_from_slice(&(PHASE_DONE as u32).to_le_bytes());
+    // mov eax, SYS_EXIT; int3
+    c[17] = 0xB8;
+    c[18..22].copy_from_slice(&(SYS_EXIT as u32).to_le_bytes());
+    c[22] = 0xCC;
+    c
 }
 
 #[cfg(test)]

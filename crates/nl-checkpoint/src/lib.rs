@@ -59,4 +59,8 @@ pub enum CheckpointError {
     GuestMemory { gpa: u64, why: String },
     #[error("{0}")]
     Config(String),
+    /// A fault that cannot be applied at this moment (the vCPU is not where
+    /// it must be): try again.
+    #[error("{0}")]
+    NotNow(String),
 }

@@ -1123,14 +1123,23 @@ impl<'a> Supervisor<'a> {
             if !handing_over && plan.front().is_some_and(|(t, _)| self.start.elapsed() >= *t) {
                 let (_, scripted) = plan.pop_front().expect("checked");
                 let fault = scripted.unwrap_or_else(|| inject::pick(&mut rng, self.vm));
-                if let Some(gpa) = inject::apply(self.vm, &fault)? {
-                    // A written instruction may straddle a page boundary.
-                    self.engine.note_vmm_write(gpa);
-                    self.engine.note_vmm_write(gpa + 1);
+                match inject::apply(self.vm, &fault) {
+                    Ok(at) => {
+                        if let Some(gpa) = at {
+                            // Written code may straddle a page boundary.
+                            self.engine.note_vmm_write(gpa);
+                            self.engine.note_vmm_write(gpa + inject::MAX_WRITE as u64 - 1);
+                        }
+                        let now = Instant::now();
+                        let rec = InjectionRecord { at_ms: self.ms_since_start(now), fault };
+                        self.injections.push((now, rec));
+                    }
+                    // Not where it must be now: again at the next step.
+                    Err(CheckpointError::NotNow(_)) => {
+                        plan.push_front((Duration::ZERO, Some(fault)))
+                    }
+                    Err(e) => return Err(e),
                 }
-                let now = Instant::now();
-                let rec = InjectionRecord { at_ms: self.ms_since_start(now), fault };
-                self.injections.push((now, rec));
             }
             let mut all_working = false;
             let detected = match self.vm.poll_outcome() {

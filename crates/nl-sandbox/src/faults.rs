@@ -129,6 +129,7 @@ impl SandboxFault {
             SandboxFault::Guest { fault: GuestFault::Memory { .. } } => "memory-flip",
             SandboxFault::Guest { fault: GuestFault::Register { .. } } => "register-flip",
             SandboxFault::Guest { fault: GuestFault::Spin { .. } } => "spin",
+            SandboxFault::Guest { fault: GuestFault::Exit { .. } } => "exit",
             SandboxFault::ViolatingWrite { .. } => "violating-write",
             SandboxFault::BrokenDriver { .. } => "broken-driver",
             SandboxFault::MmioStorm { .. } => "mmio-storm",

@@ -270,25 +270,26 @@ impl HostFrontend {
                 .filter(|&v| v < max)
                 .ok_or_else(|| ApiError::bad(format!("fault.{k} must be an integer below {max}")))
         };
-        let fault = match f.get("kind").and_then(Value::as_str) {
-            Some("register") => {
-                let reg = f.get("reg").and_then(Value::as_str).unwrap_or("");
-                let reg = REGISTERS.iter().find(|r| **r == reg).ok_or_else(|| {
-                    ApiError::bad(format!("fault.reg '{reg}' is not one of {REGISTERS:?}"))
-                })?;
-                GuestFault::Register {
-                    cpu: num("cpu", 64)? as usize,
-                    reg,
-                    bit: num("bit", 64)? as u32,
+        let fault =
+            match f.get("kind").and_then(Value::as_str) {
+                Some("register") => {
+                    let reg = f.get("reg").and_then(Value::as_str).unwrap_or("");
+                    let reg = REGISTERS.iter().find(|r| **r == reg).ok_or_else(|| {
+                        ApiError::bad(format!("fault.reg '{reg}' is not one of {REGISTERS:?}"))
+                    })?;
+                    GuestFault::Register {
+                        cpu: num("cpu", 64)? as usize,
+                        reg,
+                        bit: num("bit", 64)? as u32,
+                    }
                 }
-            }
-            Some("spin") => GuestFault::Spin { cpu: num("cpu", 64)? as usize },
-            _ => {
-                return Err(ApiError::bad(
-                    "fault.kind must be \"register\" (cpu, reg, bit) or \"spin\" (cpu)",
-                ))
-            }
-        };
+                Some("spin") => GuestFault::Spin { cpu: num("cpu", 64)? as usize },
+                Some("exit") => GuestFault::Exit { cpu: num("cpu", 64)? as usize },
+                _ => return Err(ApiError::bad(
+                    "fault.kind must be \"register\" (cpu, reg, bit), \"spin\" (cpu) or \"exit\" \
+                     (cpu)",
+                )),
+            };
         let set = {
             let sets = self.sets.lock();
             let r = sets.get(name).ok_or_else(|| not_found(name))?;
