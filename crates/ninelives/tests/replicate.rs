@@ -132,12 +132,18 @@ impl Drop for Pair {
 /// Reads the primary's stderr (bounded by `within`) until it reports its
 /// first acknowledged epoch; the rest of its stderr is drained meanwhile.
 fn wait_protected(c: &mut Child, within: Duration) -> bool {
+    wait_stderr(c, "the VM is protected", within)
+}
+
+/// Reads `c`'s stderr (bounded by `within`) until a line holds `needle`;
+/// the rest of its stderr is drained meanwhile.
+fn wait_stderr(c: &mut Child, needle: &'static str, within: Duration) -> bool {
     use std::io::BufRead;
     let err = c.stderr.take().expect("stderr is piped");
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
-            if line.contains("the VM is protected") {
+            if line.contains(needle) {
                 let _ = tx.send(());
             }
         }
@@ -308,6 +314,42 @@ fn the_defaults_are_on_and_each_no_flag_turns_exactly_its_own_off() {
 #[test]
 fn histase_primary_killed_mid_run_backup_takes_over_and_the_digest_verifies() {
     killed_primary_is_taken_over("h", &["--histase", "--pattern", "sequential"]);
+}
+
+/// The same with the fault-free compare capture (`--compare`): no write
+/// tracking; each epoch ships the pages whose content differs from a shadow
+/// of what the backup has. A random writer, so every epoch changes pages
+/// all over the working set.
+#[test]
+fn compare_primary_killed_mid_run_backup_takes_over_and_the_digest_verifies() {
+    killed_primary_is_taken_over("cmp", &["--compare", "--pattern", "random"]);
+}
+
+/// `--auto-capture` moves a random writer over its 64 MiB (thousands of
+/// write faults an epoch) from the dirty log to the compare capture, and
+/// says so; the primary is killed after the switch, and the backup, whose
+/// last epochs came from the compare, takes over with the guest's digest
+/// verified.
+#[test]
+fn auto_capture_moves_a_wide_writer_to_the_compare_and_the_backup_takes_over() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(n) = Pair::new("ac") else { return };
+    let backup = n.backup(&["--allow-primary", "10.9.0.1"]);
+    let mut primary =
+        n.primary(&["--epoch", "20", "--duration", "8", "--auto-capture", "--pattern", "random"]);
+    assert!(
+        wait_stderr(&mut primary, "switching to the compare capture", Duration::from_secs(6)),
+        "the primary never switched to the compare capture"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    primary.kill().expect("kill the primary");
+    let _ = primary.wait();
+    let o = finish(backup, 60);
+    let j = last_json(&o);
+    assert_eq!(j["activated"], true, "{}", stderr(&o));
+    assert_eq!(j["digest_ok"], true, "{}{}", stdout(&o), stderr(&o));
 }
 
 /// After a failover the new primary is protected again by a fresh backup

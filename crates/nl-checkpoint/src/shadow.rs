@@ -167,11 +167,41 @@ impl Shadow {
         view: &GuestMemory,
         ranges: &[(u64, u64)],
         threads: usize,
+        pool: Option<&mut PagePool>,
+        undo: &mut PageSet,
+        changed: &mut Vec<u64>,
+    ) -> Result<ScanStats, CheckpointError> {
+        let keep = if pool.is_some() { Keep::Undo } else { Keep::List };
+        self.scan_keeping(view, ranges, threads, keep, pool, undo, changed)
+    }
+
+    /// Visits the pages of `ranges` on `threads` threads, lists in `changed`
+    /// each page whose content in `view` differs from the shadow and
+    /// updates its shadow copy, keeping no old copy: the shadow then equals
+    /// `view` over `ranges`. Replication's fault-free capture: the shadow is
+    /// what the backup has, and `changed` what it must be sent.
+    pub fn sync(
+        &mut self,
+        view: &GuestMemory,
+        ranges: &[(u64, u64)],
+        threads: usize,
+        changed: &mut Vec<u64>,
+    ) -> Result<ScanStats, CheckpointError> {
+        let mut none = PageSet::default();
+        self.scan_keeping(view, ranges, threads, Keep::Sync, None, &mut none, changed)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn scan_keeping(
+        &mut self,
+        view: &GuestMemory,
+        ranges: &[(u64, u64)],
+        threads: usize,
+        keep: Keep,
         mut pool: Option<&mut PagePool>,
         undo: &mut PageSet,
         changed: &mut Vec<u64>,
     ) -> Result<ScanStats, CheckpointError> {
-        let update = pool.is_some();
         let work = self.clip(ranges);
         let total: u64 = work.iter().map(|(s, e, _)| (e - s) / PAGE as u64).sum();
         let threads = threads.clamp(1, 16).min(total.max(1) as usize);
@@ -214,7 +244,7 @@ impl Shadow {
         );
         let measured = &|(g, base, img): Part<'_>| {
             let (cpu0, faults0) = (nl_vmm::progress::own_cpu_ns(), own_faults());
-            let mut r = scan_part(view, g, base, img, update, &shared)?;
+            let mut r = scan_part(view, g, base, img, keep, &shared)?;
             r.cpu_ns = cpu0.zip(nl_vmm::progress::own_cpu_ns()).map(|(a, b)| b.saturating_sub(a));
             r.faults = own_faults().saturating_sub(faults0);
             Ok(r)
@@ -282,6 +312,17 @@ impl Shadow {
     }
 }
 
+/// What a scan does with a page whose content differs from the shadow.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Keep {
+    /// List it; the shadow stays as it was.
+    List,
+    /// Save the shadow's copy as the page's undo copy, then update it.
+    Undo,
+    /// List it and update the shadow, saving nothing.
+    Sync,
+}
+
 /// One scan thread's work: its ranges (with their image offsets), the
 /// image offset its part starts at, and that part of the image.
 type Part<'a> = (&'a [(u64, u64, usize)], usize, &'a mut [u8]);
@@ -322,7 +363,7 @@ fn scan_part(
     ranges: &[(u64, u64, usize)],
     base: usize,
     img: &mut [u8],
-    update: bool,
+    keep: Keep,
     shared: &std::sync::Mutex<Vec<Page>>,
 ) -> Result<PartResult, CheckpointError> {
     let mut spare: Vec<Page> = Vec::new();
@@ -342,7 +383,10 @@ fn scan_part(
                 let shadow = &mut img[at + i * PAGE..at + (i + 1) * PAGE];
                 if shadow != now {
                     let page = gpa + (i * PAGE) as u64;
-                    if update {
+                    if keep == Keep::Sync {
+                        shadow.copy_from_slice(now);
+                        diff.push(page);
+                    } else if keep == Keep::Undo {
                         let old = if shadow.iter().all(|&b| b == 0) {
                             Page::Zero
                         } else {
@@ -499,6 +543,39 @@ mod tests {
         let mut b = [1u8; 1];
         view.mem().read_slice(&mut b, GuestAddress(g)).unwrap();
         assert_eq!(b[0], 0);
+    }
+
+    /// Replication's sync lists every changed page on any thread count,
+    /// keeps no undo copy, and leaves the shadow equal to memory: the next
+    /// sync finds only what changed since.
+    #[test]
+    fn a_sync_lists_changed_pages_and_leaves_the_shadow_equal_to_memory() {
+        let view = mem(40);
+        let all: Vec<(u64, u64)> = vec![(0, u64::MAX / 2)];
+        let base = view.regions()[0].gpa;
+        for threads in [1, 2, 5] {
+            let mut shadow = Shadow::capture(&view).unwrap();
+            let want: Vec<u64> =
+                [3u64, 16, 17, 900].iter().map(|k| base + k * PAGE as u64).collect();
+            for (i, &g) in want.iter().enumerate() {
+                write(&view, g + 9, 0x40 + i as u8 + threads as u8);
+            }
+            let mut changed = Vec::new();
+            shadow.sync(&view, &all, threads, &mut changed).unwrap();
+            changed.sort_unstable();
+            assert_eq!(changed, want, "{threads} threads");
+            for &g in &want {
+                let mut now = vec![0u8; PAGE];
+                view.mem().read_slice(&mut now, GuestAddress(g)).unwrap();
+                assert_eq!(shadow.page(g).unwrap(), &now[..]);
+            }
+            let mut again = Vec::new();
+            shadow.sync(&view, &all, threads, &mut again).unwrap();
+            assert!(again.is_empty(), "{again:?}");
+            write(&view, want[1] + 9, 0);
+            shadow.sync(&view, &all, threads, &mut again).unwrap();
+            assert_eq!(again, vec![want[1]]);
+        }
     }
 }
 

@@ -99,6 +99,19 @@ pub struct PrimaryArgs {
     /// dirty, dropped if unchanged). Replaces selective re-protection and prediction.
     #[arg(long, conflicts_with_all = ["selective", "predict"])]
     pub histase: bool,
+    /// The fault-free compare capture: no write tracking (no dirty log, no write
+    /// faults); at each boundary every allocated page is compared with a shadow of
+    /// what the backup has, over the host's cores while the vCPUs are stopped, and
+    /// the pages that differ are sent. For guests that write most of their working
+    /// set every epoch. Replaces selective re-protection, prediction and --histase.
+    #[arg(long, conflicts_with_all = ["histase"])]
+    pub compare: bool,
+    /// Choose, epoch by epoch, between the dirty log (selective re-protection and
+    /// prediction) and the compare capture, by the guest time each loses with this
+    /// host's unit costs: the compare where the guest writes most of its memory every
+    /// epoch, the log where it writes little or predictably. The log names each switch.
+    #[arg(long, conflicts_with_all = ["histase", "compare", "direct"])]
+    pub auto_capture: bool,
     /// Spread the copy of each epoch's dirty pages into the staging buffer over the
     /// host's cores while the vCPUs are stopped (default: one thread). Experimental:
     /// the copy threads run briefly before their seccomp filter is installed.
@@ -274,10 +287,11 @@ impl PrimaryArgs {
     pub fn options(&self) -> Result<Options> {
         let d = Options::recommended();
         // Histase tracks writes with userfaultfd: it replaces both.
-        let selective = d.selective && !self.no_selective && !self.histase;
+        let selective = d.selective && !self.no_selective && !self.histase && !self.compare;
         // Sending from guest memory in the pause skips the staging copy
         // that prediction compares with what the backup has.
-        let predict = d.predict && !self.no_predict && !self.histase && !self.direct;
+        let predict =
+            d.predict && !self.no_predict && !self.histase && !self.compare && !self.direct;
         if predict && !selective {
             bail!(
                 "--no-selective: write-fault prediction works over selective re-protection; \
@@ -293,6 +307,8 @@ impl PrimaryArgs {
             output_epoch_ms: self.output_epoch_ms,
             output_spacing_rate: self.output_spacing_rate,
             histase: self.histase,
+            compare: self.compare,
+            auto_capture: self.auto_capture,
             serial_copy: !self.parallel_copy,
         })
     }
@@ -302,14 +318,15 @@ impl PrimaryArgs {
 type Verdict = (bool, f64, Option<String>);
 
 /// Runs `vm` as a replicated primary (it starts the VM) to its end, and
-/// verifies it. With `quiet`, only warnings, fencing and the moment the VM
-/// becomes protected are logged (--json keeps stdout for the report).
+/// verifies it. With `quiet`, only warnings, fencing, the moment the VM
+/// becomes protected and `--auto-capture`'s switches are logged (--json
+/// keeps stdout for the report).
 fn run_as_primary(vm: &Vm, cfg: PrimaryConfig, quiet: bool) -> Result<(PrimaryReport, Verdict)> {
     let mut log = |m: String| {
         let alarm = m.contains("WARNING") || m.contains("FENCED");
         if alarm {
             tracing::warn!("{m}");
-        } else if !quiet || m.contains("is protected") {
+        } else if !quiet || m.contains("is protected") || m.starts_with("capture: ") {
             tracing::info!("{m}");
         }
     };

@@ -23,6 +23,7 @@
 
 pub mod auth;
 pub mod backup;
+mod compare;
 mod predict;
 pub mod primary;
 pub mod protocol;

@@ -25,6 +25,8 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::auth::{primary_handshake, Deadline, Key};
+pub use crate::compare::AutoStats;
+use crate::compare::Compare;
 pub use crate::predict::GateStats;
 use crate::predict::{Histase, Predictor};
 use crate::protocol::*;
@@ -88,6 +90,18 @@ pub struct Options {
     /// to his_stride ahead and his_stride/3 behind in its 2 MiB table
     /// writable, treated as dirty and dropped at the boundary if unchanged.
     pub histase: bool,
+    /// The fault-free compare capture: no write tracking at all; at each
+    /// boundary every allocated page is compared with a shadow of what the
+    /// backup has, on the host's cores while the vCPUs are stopped, and the
+    /// pages that differ are shipped (`compare.rs`). Replaces `selective`,
+    /// `predict` and `histase`.
+    #[serde(default)]
+    pub compare: bool,
+    /// Chooses, epoch by epoch, between the dirty log (with `selective` and
+    /// `predict`) and the compare capture, by the guest time each loses
+    /// with this host's unit costs (`compare::Auto`). Needs `selective`.
+    #[serde(default)]
+    pub auto_capture: bool,
 }
 
 impl Options {
@@ -109,6 +123,8 @@ impl Options {
             predict: true,
             serial_copy: true,
             histase: false,
+            compare: false,
+            auto_capture: false,
         }
     }
 
@@ -138,6 +154,8 @@ impl Options {
             predict: false,
             serial_copy: true,
             histase: false,
+            compare: false,
+            auto_capture: false,
         }
     }
 }
@@ -246,6 +264,12 @@ pub struct PrimaryReport {
     /// epochs it was off, times it turned itself off (its precision
     /// collapsed), probed again, and stayed on after a probe.
     pub prediction_gate: Option<GateStats>,
+    /// The compare capture (`Options::compare`): pages compared per epoch
+    /// and the scan's wall time per epoch (ms, in the pause).
+    pub compared_per_epoch: Option<f64>,
+    pub compare_ms_avg: Option<f64>,
+    /// `--auto-capture`: epochs on each capture and switches.
+    pub auto_capture: Option<AutoStats>,
     /// Set when the backup was lost: why, and whether the primary went on
     /// unprotected or fenced itself.
     pub backup_lost: Option<String>,
@@ -942,6 +966,8 @@ pub struct Primary<'a> {
     pred: Option<Predictor>,
     /// Histase over userfaultfd (in place of KVM's dirty log).
     histase: Option<Histase>,
+    compare: Option<Compare>,
+    auto: Option<crate::compare::Auto>,
     /// Pages per millisecond the last boundary collected (guest- and
     /// VMM-written, over the time since the boundary before, at least the
     /// spacing): decides
@@ -965,6 +991,8 @@ impl<'a> Primary<'a> {
             die: None,
             pred: None,
             histase: None,
+            compare: None,
+            auto: None,
             last_rate: 0.0,
         }
     }
@@ -991,7 +1019,26 @@ impl<'a> Primary<'a> {
             }
             Err(e) => return Err(e),
         };
-        if self.cfg.opts.histase {
+        if self.cfg.opts.auto_capture {
+            if self.cfg.opts.compare || self.cfg.opts.histase || self.cfg.opts.direct {
+                return Err("--auto-capture chooses between the dirty log and the compare \
+                            capture itself: not with --compare, --histase or --direct"
+                    .into());
+            }
+            if !self.cfg.opts.selective {
+                return Err("--auto-capture works over selective re-protection".into());
+            }
+            self.compare = Some(Compare::new());
+            self.auto = Some(crate::compare::Auto::new());
+        }
+        if self.cfg.opts.compare {
+            if self.cfg.opts.selective || self.cfg.opts.predict || self.cfg.opts.histase {
+                return Err("--compare captures without write tracking: it replaces \
+                            --selective, --predict and --histase"
+                    .into());
+            }
+            self.compare = Some(Compare::new());
+        } else if self.cfg.opts.histase {
             if self.cfg.opts.selective || self.cfg.opts.predict {
                 return Err("--histase tracks writes with userfaultfd: it replaces --selective \
                             and --predict"
@@ -1359,6 +1406,11 @@ impl<'a> Primary<'a> {
         if let Some(p) = &self.pred {
             r.prediction_gate = Some(p.gate.stats);
         }
+        r.auto_capture = self.auto.as_ref().map(|a| a.stats);
+        if let Some(c) = self.compare.as_ref().filter(|c| c.scans > 0) {
+            r.compared_per_epoch = Some(c.scanned as f64 / c.scans as f64);
+            r.compare_ms_avg = Some(c.scan_ms / c.scans as f64);
+        }
         if let (Some(a), Some(b)) = (m.first_boundary, m.last_boundary) {
             if m.pauses.len() > 1 {
                 r.interval_ms_avg = ms(b - a) / (m.pauses.len() - 1) as f64;
@@ -1438,9 +1490,18 @@ impl<'a> Primary<'a> {
         let t = Instant::now();
         let vm = self.vm;
         // Reset the tracking: it starts at this copy.
-        match self.histase.as_mut() {
-            Some(h) => h.restart().map_err(Lost::Definitive)?,
-            None => {
+        if let Some(a) = self.auto.as_mut() {
+            a.reset();
+            if let Some(c) = self.compare.as_mut() {
+                c.forget();
+            }
+        }
+        match (self.histase.as_mut(), self.compare.as_mut()) {
+            (Some(h), _) => h.restart().map_err(Lost::Definitive)?,
+            (None, Some(c)) if self.auto.is_none() => {
+                c.restart(vm.memory()).map_err(Lost::Definitive)?
+            }
+            (None, _) => {
                 kvm_log(vm, self.cfg.opts.selective).map_err(Lost::Definitive)?;
             }
         }
@@ -1480,6 +1541,57 @@ impl<'a> Primary<'a> {
         Ok(())
     }
 
+    /// Whether this epoch's pages come from the compare capture.
+    fn comparing(&self) -> bool {
+        self.compare.is_some()
+            && self.auto.as_ref().is_none_or(|a| a.mode == crate::compare::Mode::Compare)
+    }
+
+    /// `--auto-capture`, at the end of a boundary's collect and copy (VM
+    /// paused): judges the epoch and switches the capture for the next.
+    /// Into the compare, the shadow is taken now (memory as the backup will
+    /// have it once this epoch is in); back to the log, every page written
+    /// since is re-protected and prediction starts afresh.
+    fn choose_capture(&mut self, shipped: usize, faults: u64) -> Result<(), String> {
+        let (Some(a), Some(c)) = (self.auto.as_mut(), self.compare.as_mut()) else {
+            return Ok(());
+        };
+        let vm = self.vm;
+        let allocated: usize = vm
+            .memory()
+            .allocated_ranges()
+            .map_err(|e| e.to_string())?
+            .iter()
+            .map(|(s, e)| (e - s).div_ceil(PAGE as u64) as usize)
+            .sum();
+        let before = a.mode;
+        let after = a.next(shipped, faults, c.last_scan.take(), allocated);
+        match (before, after) {
+            (crate::compare::Mode::Log, crate::compare::Mode::Compare) => {
+                c.restart(vm.memory())?;
+                (self.log)(format!(
+                    "capture: epoch {}: {faults} write faults for {shipped} pages of \
+                     {allocated}: switching to the compare capture",
+                    self.epoch - 1
+                ));
+            }
+            (crate::compare::Mode::Compare, crate::compare::Mode::Log) => {
+                c.forget();
+                kvm_log(vm, true)?;
+                if let Some(p) = self.pred.as_mut() {
+                    p.reset();
+                }
+                (self.log)(format!(
+                    "capture: epoch {}: {shipped} pages changed of {allocated}: back to the \
+                     dirty log",
+                    self.epoch - 1
+                ));
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
     /// One epoch boundary; the VM is paused on entry and running on return.
     fn boundary(&mut self, link: &mut Link<'_>) -> Result<(), Failure> {
         let vm = self.vm;
@@ -1491,12 +1603,20 @@ impl<'a> Primary<'a> {
         let fail = |why: String| Failure { lost: Lost::Definitive(why), held: Vec::new() };
         // Prediction leaves logged pages writable (their dirty bits set);
         // without it, or while it is off, every logged page is re-protected.
-        let clear =
-            self.cfg.opts.selective && self.pred.as_ref().is_none_or(|p| p.reprotects_all());
+        // Under the compare capture nothing is re-protected (with the log
+        // on, as under --auto-capture, a page faults once and stays
+        // writable) and prediction sits out.
+        let comparing = self.comparing();
+        let clear = !comparing
+            && self.cfg.opts.selective
+            && self.pred.as_ref().is_none_or(|p| p.reprotects_all());
         let tracked = self.histase.as_mut().map(|h| h.take()).transpose();
         let logged = match &tracked {
             Ok(Some(t)) => Ok(t.pages.clone()),
-            Ok(None) => kvm_log(vm, clear),
+            Ok(None) => match self.compare.as_mut() {
+                Some(c) if comparing => c.take(vm.memory()),
+                _ => kvm_log(vm, clear),
+            },
             Err(e) => Err(e.clone()),
         };
         let (logged, tracked) = match (logged, tracked) {
@@ -1513,6 +1633,7 @@ impl<'a> Primary<'a> {
         self.last_rate = pages.len() as f64 / over;
         // Each logged page took a write fault, except those left writable.
         let faults = match (&self.pred, &tracked) {
+            _ if comparing => 0,
             (_, Some(t)) => t.faults,
             (Some(p), None) => logged
                 .iter()
@@ -1610,6 +1731,7 @@ impl<'a> Primary<'a> {
         // Prediction: re-protect the pages found fake dirty last time, now
         // that this epoch's copy of them is taken and the VM is still paused.
         let cleared = match self.pred.as_mut() {
+            _ if comparing => Vec::new(),
             Some(p) if clear => {
                 // Everything logged was re-protected at the collect.
                 p.to_clear.clear();
@@ -1623,9 +1745,14 @@ impl<'a> Primary<'a> {
                 copied = Err(e.to_string());
             }
         }
+        if copied.is_ok() {
+            if let Err(e) = self.choose_capture(pages.len(), faults) {
+                copied = Err(e);
+            }
+        }
         vm.resume();
         let rr = match (self.pred.as_mut(), self.histase.as_mut(), &tracked) {
-            _ if copied.is_err() => rr,
+            _ if copied.is_err() || comparing => rr,
             (Some(p), _, _) => p.filter(&self.view, &rr, &mut buf, &logged, &cleared),
             (None, Some(h), Some(t)) => h.filter(&self.view, &rr, &mut buf, t),
             _ => rr,

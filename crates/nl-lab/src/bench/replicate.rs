@@ -89,7 +89,8 @@ pub struct BenchReplicateArgs {
     #[arg(long)]
     pub json: bool,
     /// Only the cells the report's HBFT figures read: the defaults, the
-    /// unoptimized baseline (`--no-selective --no-predict`), Histase, and
+    /// unoptimized baseline (`--no-selective --no-predict`), Histase, the
+    /// compare capture (`--compare`) and the choice (`--auto-capture`), and
     /// the epoch sweep of the defaults; kv: the defaults, the old rule of
     /// output-triggered epochs (`--output-epoch-ms 2 --output-spacing-rate
     /// 0`, every one 2 ms apart) and without them (`--no-output-epochs`)
@@ -192,6 +193,12 @@ struct Row {
     /// The predictor's gate: epochs on and off, times it turned itself off,
     /// probed, and stayed on after a probe (null without prediction).
     prediction_gate: serde_json::Value,
+    /// The compare capture (`--compare`): pages compared per epoch and the
+    /// scan's time per epoch, in the pause (null without it).
+    compared_per_epoch: Option<f64>,
+    compare_ms_avg: Option<f64>,
+    /// `--auto-capture`: epochs on the log and on the compare, switches.
+    auto_capture: serde_json::Value,
 }
 
 /// A row from a primary's report (as JSON: the kv primaries are processes).
@@ -250,6 +257,9 @@ fn row(
         precision: p["precision"].as_f64(),
         recall: p["recall"].as_f64(),
         prediction_gate: p["prediction_gate"].clone(),
+        compared_per_epoch: p["compared_per_epoch"].as_f64(),
+        compare_ms_avg: p["compare_ms_avg"].as_f64(),
+        auto_capture: p["auto_capture"].clone(),
     }
 }
 
@@ -280,7 +290,7 @@ fn print_row(r: &Row) {
     eprintln!(
         "{} {} @{} ms (pipeline {}): {:.3} of unreplicated ({:.3e} / {:.3e} ops/s), epoch every {:.1} ms, \
          {:.0} pages and {:.0} faults/epoch, pause {:.2} ms (copy {:.2} = {:.0}%, send {:.2} = {:.0}%), \
-         send {:.2}, ack wait {:.2}, stall {:.2}, output held {:.1} ms{}{}{}",
+         send {:.2}, ack wait {:.2}, stall {:.2}, output held {:.1} ms{}{}{}{}",
         r.workload, r.config, r.epoch_ms, r.pipeline, r.ratio, r.ops_per_sec,
         r.unreplicated_ops_per_sec, r.interval_ms_avg, r.pages_per_epoch,
         r.write_faults_per_epoch, r.pause_ms_avg, r.copy_ms_avg, 100.0 * r.copy_share_of_pause,
@@ -298,6 +308,16 @@ fn print_row(r: &Row) {
                     ),
                     _ => String::new(),
                 }
+            ),
+            _ => String::new(),
+        },
+        match (r.compared_per_epoch, r.compare_ms_avg) {
+            (Some(n), Some(t)) => format!(", compared {n:.0} pages/epoch in {t:.2} ms"),
+            _ => String::new(),
+        } + &match &r.auto_capture {
+            a if a.is_object() => format!(
+                " (auto: {} epochs on the log, {} on the compare, {} switches)",
+                a["epochs_log"], a["epochs_compare"], a["switches"]
             ),
             _ => String::new(),
         },
@@ -338,7 +358,8 @@ const OLD_OUTPUT_RULE: [&str; 4] = ["--output-epoch-ms", "2", "--output-spacing-
 /// defaults turned off (prediction, then selective re-protection too: the
 /// paper's unoptimized baseline), pipelining added, the old default
 /// (pipelined, nothing else), sending from guest memory in the pause,
-/// Histase over userfaultfd, the parallel copy; then the epoch sweep of the
+/// Histase over userfaultfd, the fault-free compare capture, the choice
+/// between the log and the compare epoch by epoch, the parallel copy; then the epoch sweep of the
 /// defaults (Figure 13). kv also with the old rule of output-triggered
 /// epochs (always 2 ms apart) and without them. `quick`: the 20 ms rows only.
 fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
@@ -352,6 +373,8 @@ fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
             .named(&format!("old default (--pipeline {p} --no-selective --no-predict)")),
         Case::new(20, &["--no-predict", "--direct"]),
         Case::new(20, &["--histase"]),
+        Case::new(20, &["--compare"]),
+        Case::new(20, &["--auto-capture"]),
         Case::new(20, &["--parallel-copy"]),
     ];
     if kv {
@@ -364,7 +387,8 @@ fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
         }
     }
     if a.core {
-        const CORE: [&str; 3] = ["default", "--no-selective --no-predict", "--histase"];
+        const CORE: [&str; 5] =
+            ["default", "--no-selective --no-predict", "--histase", "--compare", "--auto-capture"];
         let old = OLD_OUTPUT_RULE.join(" ");
         v.retain(|c| match kv {
             true => {
