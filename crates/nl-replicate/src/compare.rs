@@ -93,9 +93,14 @@ pub struct AutoStats {
 ///
 /// While comparing, the log's faults are estimated from the changed pages
 /// and the share of shipped pages that faulted in the last log epochs.
-/// A switch needs a 25% margin in two epochs in a row, and the first epoch
-/// after a switch (prediction warming up, the shadow just taken) is not
-/// judged, so noise does not make it flap.
+/// Into the compare, a switch needs a 25% margin in two epochs in a row;
+/// back to the log, which costs a fault on every page the guest then
+/// writes (all are protected again) and prediction starting afresh, a
+/// margin of 2 in four epochs in a row. The first epochs after a switch
+/// (prediction warming up, the shadow just taken) are not judged. Measured:
+/// with back-switches as easy as forth, a 64 MiB writer flapped 3 to 5
+/// times in 1.5 s and ran at 0.51 to 0.58 of unreplicated, under both
+/// captures alone (docs/performance.md).
 pub(crate) struct Auto {
     costs: nl_checkpoint::policy::UnitCosts,
     pub(crate) mode: Mode,
@@ -108,8 +113,15 @@ pub(crate) struct Auto {
     pub(crate) stats: AutoStats,
 }
 
-/// A switch must save at least this share of the current capture's cost.
+/// A switch to the compare must save at least this share of the log's cost.
 const MARGIN: f64 = 1.25;
+/// A switch back to the log must save at least this share of the compare's.
+const MARGIN_BACK: f64 = 2.0;
+/// Epochs in a row that must favour the other capture.
+const STREAK: u32 = 2;
+const STREAK_BACK: u32 = 4;
+/// Epochs after a switch that are not judged.
+const SETTLE: u32 = 2;
 
 impl Auto {
     pub(crate) fn new() -> Self {
@@ -187,14 +199,14 @@ impl Auto {
             }
         };
         let other = match self.mode {
-            Mode::Log if cmp * MARGIN < log => Some(Mode::Compare),
-            Mode::Compare if log * MARGIN < cmp => Some(Mode::Log),
+            Mode::Log if cmp * MARGIN < log => Some((Mode::Compare, STREAK)),
+            Mode::Compare if log * MARGIN_BACK < cmp => Some((Mode::Log, STREAK_BACK)),
             _ => None,
         };
         match other {
-            Some(m) if self.since > 1 => {
+            Some((m, streak)) if self.since > SETTLE => {
                 self.streak += 1;
-                if self.streak >= 2 {
+                if self.streak >= streak {
                     self.mode = m;
                     self.streak = 0;
                     self.since = 0;
@@ -229,14 +241,17 @@ mod tests {
     #[test]
     fn many_faults_move_to_the_compare_and_few_changes_move_back() {
         let mut a = auto();
-        assert_eq!(a.next(6700, 2600, None, 11500), Mode::Log, "first epoch not judged");
-        assert_eq!(a.next(6700, 2600, None, 11500), Mode::Log, "one epoch is no streak");
+        for i in 0..SETTLE + STREAK - 1 {
+            assert_eq!(a.next(6700, 2600, None, 11500), Mode::Log, "epoch {i}");
+        }
         assert_eq!(a.next(6700, 2600, None, 11500), Mode::Compare);
         for _ in 0..5 {
             assert_eq!(a.next(4000, 0, None, 11500), Mode::Compare);
         }
         // The guest now writes 50 pages an epoch.
-        assert_eq!(a.next(50, 0, None, 11500), Mode::Compare);
+        for i in 0..STREAK_BACK - 1 {
+            assert_eq!(a.next(50, 0, None, 11500), Mode::Compare, "epoch {i}");
+        }
         assert_eq!(a.next(50, 0, None, 11500), Mode::Log);
         assert_eq!(a.stats.switches, 2);
 
