@@ -130,6 +130,15 @@ impl Shadow {
         self.offset(gpa).map(|o| &self.image[o..o + PAGE])
     }
 
+    /// The shadow's copy of `[gpa, gpa + len)`, if that lies in one region
+    /// of guest RAM.
+    pub fn slice(&self, gpa: u64, len: usize) -> Option<&[u8]> {
+        let &(g, _, o) =
+            self.regions.iter().find(|&&(g, size, _)| gpa >= g && gpa + len as u64 <= g + size)?;
+        let at = o + (gpa - g) as usize;
+        Some(&self.image[at..at + len])
+    }
+
     /// Overwrites the shadow copy of page `gpa`.
     pub fn set_page(&mut self, gpa: u64, data: &[u8]) -> Result<(), CheckpointError> {
         let o = self
@@ -429,6 +438,10 @@ mod tests {
         GuestMemory::new("shadow-test", mib << 20).unwrap()
     }
 
+    fn last_gpa(view: &GuestMemory) -> u64 {
+        view.regions().last().map(|r| r.gpa + r.size - PAGE as u64).unwrap()
+    }
+
     fn write(view: &GuestMemory, gpa: u64, byte: u8) {
         view.mem().write_slice(&[byte], GuestAddress(gpa)).unwrap();
     }
@@ -569,6 +582,10 @@ mod tests {
                 view.mem().read_slice(&mut now, GuestAddress(g)).unwrap();
                 assert_eq!(shadow.page(g).unwrap(), &now[..]);
             }
+            let run = shadow.slice(want[1], 2 * PAGE).unwrap();
+            assert_eq!(&run[..PAGE], shadow.page(want[1]).unwrap());
+            assert_eq!(&run[PAGE..], shadow.page(want[2]).unwrap());
+            assert!(shadow.slice(last_gpa(&view), 2 * PAGE).is_none(), "past the end of RAM");
             let mut again = Vec::new();
             shadow.sync(&view, &all, threads, &mut again).unwrap();
             assert!(again.is_empty(), "{again:?}");

@@ -38,6 +38,16 @@ impl Compare {
         Ok(())
     }
 
+    /// What the backup has (and, after a boundary's scan, this epoch's
+    /// pages) of `[gpa, gpa + len)`: an epoch can be sent from here, with
+    /// the vCPUs running, until the next boundary's scan.
+    pub(crate) fn slice(&self, gpa: u64, len: usize) -> Result<&[u8], String> {
+        self.shadow
+            .as_ref()
+            .and_then(|s| s.slice(gpa, len))
+            .ok_or_else(|| format!("{gpa:#x}+{len:#x} is not in the compare's shadow"))
+    }
+
     /// Drops the shadow (the log tracks the epochs from now on).
     pub(crate) fn forget(&mut self) {
         self.shadow = None;

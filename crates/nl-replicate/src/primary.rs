@@ -1668,12 +1668,22 @@ impl<'a> Primary<'a> {
         self.epoch += 1;
         let rr = runs(&pages, PAGES_PER_FRAME as u32);
         let (mut copy, mut send_in) = (Duration::ZERO, Duration::ZERO);
-        let direct = self.cfg.opts.direct && matches!(link, Link::Sync(_));
+        // Under --compare with synchronous epochs the scan left this
+        // epoch's pages in the shadow, which nothing changes before the next
+        // boundary: they are sent from there with the vCPUs running, without
+        // a staging copy in the pause.
+        let from_shadow = comparing && self.auto.is_none() && !self.cfg.opts.direct;
+        let direct = (self.cfg.opts.direct || from_shadow) && matches!(link, Link::Sync(_));
         let mut result = Ok(());
         if direct {
-            // Send straight from guest memory while the vCPUs are paused.
+            // Send straight from guest memory while the vCPUs are paused, or
+            // from the compare's shadow after they resume.
             let Link::Sync(c) = link else { unreachable!("checked above") };
             let view = &self.view;
+            let shadow = self.compare.as_ref().filter(|_| from_shadow);
+            if from_shadow {
+                vm.resume();
+            }
             let t = Instant::now();
             let mut ds = disk.iter().cloned().map(Ok);
             let r = send_epoch(
@@ -1681,12 +1691,19 @@ impl<'a> Primary<'a> {
                 &mut c.seal,
                 epoch,
                 &rr,
-                |g, l| view.slice(g, l),
+                |g, l| match shadow {
+                    Some(s) => s.slice(g, l),
+                    None => view.slice(g, l),
+                },
                 &mut ds,
                 &state,
             );
-            send_in = t.elapsed();
-            vm.resume();
+            if from_shadow {
+                self.sums.send_after += ms(t.elapsed());
+            } else {
+                send_in = t.elapsed();
+                vm.resume();
+            }
             self.rep.bytes_sent += r.as_ref().map_or(0, |b| *b);
             let t = Instant::now();
             result = r
