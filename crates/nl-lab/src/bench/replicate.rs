@@ -89,8 +89,7 @@ pub struct BenchReplicateArgs {
     #[arg(long)]
     pub json: bool,
     /// Only the cells the report's HBFT figures read: the defaults, the
-    /// unoptimized baseline (`--no-selective --no-predict`), Histase, the
-    /// compare capture (`--compare`) and the choice (`--auto-capture`), and
+    /// unoptimized baseline (`--no-selective --no-predict`), Histase, and
     /// the epoch sweep of the defaults; kv: the defaults, the old rule of
     /// output-triggered epochs (`--output-epoch-ms 2 --output-spacing-rate
     /// 0`, every one 2 ms apart) and without them (`--no-output-epochs`)
@@ -102,6 +101,12 @@ pub struct BenchReplicateArgs {
     /// (repeatable; kept with --core).
     #[arg(long = "kv-cell", allow_hyphen_values = true)]
     pub kv_cells: Vec<String>,
+    /// Extra throughput cells (memwrite, blkbench) at 20 ms, each the
+    /// `replicate primary` flags that change the defaults, e.g. `--cell
+    /// --compare --cell --auto-capture` (repeatable; kept with --core; a
+    /// cell the run has already is not repeated).
+    #[arg(long = "cell", allow_hyphen_values = true)]
+    pub cells: Vec<String>,
     /// Run the throughput rows (kv too) beside busy-loop threads of the
     /// bench's own; the kill campaign runs without them.
     #[arg(long)]
@@ -387,8 +392,7 @@ fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
         }
     }
     if a.core {
-        const CORE: [&str; 5] =
-            ["default", "--no-selective --no-predict", "--histase", "--compare", "--auto-capture"];
+        const CORE: [&str; 3] = ["default", "--no-selective --no-predict", "--histase"];
         let old = OLD_OUTPUT_RULE.join(" ");
         v.retain(|c| match kv {
             true => {
@@ -397,10 +401,12 @@ fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
             false => CORE.contains(&c.name.as_str()),
         });
     }
-    if kv {
-        for flags in &a.kv_cells {
-            let flags: Vec<&str> = flags.split_whitespace().collect();
-            v.push(Case::new(20, &flags));
+    let extra = if kv { &a.kv_cells } else { &a.cells };
+    for flags in extra {
+        let flags: Vec<&str> = flags.split_whitespace().collect();
+        let c = Case::new(20, &flags);
+        if !v.iter().any(|o| o.name == c.name && o.epoch == 20) {
+            v.push(c);
         }
     }
     v
@@ -1385,6 +1391,22 @@ mod tests {
                 (d.clone(), 100)
             ]
         );
+        // Extra cells come after them, once each.
+        let b = <Cli as clap::Parser>::parse_from([
+            "x",
+            "--core",
+            "--epochs",
+            "20",
+            "--cell",
+            "--compare",
+            "--cell",
+            "--compare",
+            "--cell",
+            "--histase",
+        ])
+        .a;
+        let extra: Vec<String> = cases(&b, false, false).iter().map(|c| c.name.clone()).collect();
+        assert_eq!(extra, ["default", "--no-selective --no-predict", "--histase", "--compare"]);
         assert_eq!(
             names(true),
             vec![
@@ -1394,6 +1416,6 @@ mod tests {
             ]
         );
         let all = <Cli as clap::Parser>::parse_from(["x", "--epochs", "20,100"]).a;
-        assert_eq!(cases(&all, true, false).len(), 11);
+        assert_eq!(cases(&all, true, false).len(), 13);
     }
 }
