@@ -398,8 +398,9 @@ impl CowEngine {
     }
 }
 
-/// Pages in `[start, end)` ranges.
-fn pages_in(ranges: &[(u64, u64)]) -> usize {
+/// Pages in `[start, end)` ranges (page-aligned, as
+/// `GuestMemory::allocated_ranges` gives them).
+pub fn pages_in(ranges: &[(u64, u64)]) -> usize {
     ranges.iter().map(|(s, e)| ((e - s) / PAGE as u64) as usize).sum()
 }
 

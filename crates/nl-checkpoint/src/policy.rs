@@ -103,6 +103,38 @@ impl UnitCosts {
     pub fn compare_cost_us(&self, allocated: usize, dirty: usize) -> f64 {
         (allocated as f64 * self.compare_us + dirty as f64 * self.copy_us) / self.threads as f64
     }
+
+    /// Folds a scan's measured cost (`us` of thread time for `visited`
+    /// pages, `changed` of them copied) into the copy or compare cost: the
+    /// start-up calibration runs on a quiet cache, the scans on the host as
+    /// it is. Scans of fewer than 256 pages say too little.
+    ///
+    /// A scan whose threads took page faults on more than 1/16 of the
+    /// pages visited paid one-time costs (undo buffers, shadow image or
+    /// guest pages touched for the first time, 3 to 12 µs each on a PVM
+    /// host) and is not learnt from: one such compare scan made the compare
+    /// look dear for the rest of a run, which then stayed on the dirty log
+    /// at 1/400 of its unprotected rate (the log's faults throttle the
+    /// guest, so the dirty rate it sees stays low and the log looks cheap).
+    pub fn learn_scan(
+        &mut self,
+        capture: Capture,
+        us: f64,
+        visited: usize,
+        changed: usize,
+        faults: u64,
+    ) {
+        if visited < 256 || !us.is_finite() || faults > visited as u64 / 16 {
+            return;
+        }
+        match capture {
+            Capture::DirtyLog => self.copy_us = 0.5 * self.copy_us + 0.5 * us / visited as f64,
+            Capture::Compare => {
+                let cmp = (us - changed as f64 * self.copy_us).max(0.0) / visited as f64;
+                self.compare_us = 0.5 * self.compare_us + 0.5 * cmp;
+            }
+        }
+    }
 }
 
 /// Chooses the next interval's capture.
@@ -131,18 +163,8 @@ impl Policy {
         }
     }
 
-    /// Folds a checkpoint scan's measured cost (`us` of thread time for
-    /// `visited` pages, `changed` of them copied) into the copy or compare
-    /// cost: the start-up calibration runs on a quiet cache, the scans on
-    /// the host as it is. Scans of fewer than 256 pages say too little.
-    ///
-    /// A scan whose threads took page faults on more than 1/16 of the
-    /// pages visited paid one-time costs (undo buffers, shadow image or
-    /// guest pages touched for the first time, 3 to 12 µs each on a PVM
-    /// host) and is not learnt from: one such compare scan made the compare
-    /// look dear for the rest of a run, which then stayed on the dirty log
-    /// at 1/400 of its unprotected rate (the log's faults throttle the
-    /// guest, so the dirty rate it sees stays low and the log looks cheap).
+    /// Folds a checkpoint scan's measured cost into the unit costs
+    /// ([`UnitCosts::learn_scan`]).
     pub fn observe_scan(
         &mut self,
         capture: Capture,
@@ -151,17 +173,7 @@ impl Policy {
         changed: usize,
         faults: u64,
     ) {
-        if visited < 256 || !us.is_finite() || faults > visited as u64 / 16 {
-            return;
-        }
-        let c = &mut self.costs;
-        match capture {
-            Capture::DirtyLog => c.copy_us = 0.5 * c.copy_us + 0.5 * us / visited as f64,
-            Capture::Compare => {
-                let cmp = (us - changed as f64 * c.copy_us).max(0.0) / visited as f64;
-                c.compare_us = 0.5 * c.compare_us + 0.5 * cmp;
-            }
-        }
+        self.costs.learn_scan(capture, us, visited, changed, faults);
     }
 
     /// The interval that just ended wrote `dirty` pages (as far as its

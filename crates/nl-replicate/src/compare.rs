@@ -11,6 +11,7 @@
 
 use std::time::Instant;
 
+use nl_checkpoint::policy::Capture;
 use nl_checkpoint::shadow::{scan_threads, ScanStats, Shadow};
 use nl_memory::GuestMemory;
 
@@ -171,24 +172,7 @@ impl Auto {
     /// The log's and the compare's costs (µs) of an epoch that wrote
     /// `changed` pages with `faults` write faults, `allocated` pages in all.
     fn costs(&self, changed: usize, faults: f64, allocated: usize) -> (f64, f64) {
-        let c = &self.costs;
-        let log = faults * c.log_fault_us;
-        let cmp = (allocated as f64 * c.compare_us + changed as f64 * c.copy_us) / c.threads as f64;
-        (log, cmp)
-    }
-
-    /// Folds a compare scan's thread time (`cpu_us` for `visited` pages,
-    /// `changed` of them copied) into the compare cost; a scan that took
-    /// page faults on over 1/16 of its pages paid one-time costs and is not
-    /// learnt from (as nl-checkpoint's policy).
-    fn learn(&mut self, cpu_us: Option<f64>, visited: usize, changed: usize, faults: u64) {
-        let Some(us) = cpu_us.filter(|u| u.is_finite()) else { return };
-        if visited < 256 || faults > visited as u64 / 16 {
-            return;
-        }
-        let c = &mut self.costs;
-        let per = (us - changed as f64 * c.copy_us).max(0.0) / visited as f64;
-        c.compare_us = 0.5 * c.compare_us + 0.5 * per;
+        (faults * self.costs.log_fault_us, self.costs.compare_cost_us(allocated, changed))
     }
 
     /// The epoch that just ended; returns the capture of the next.
@@ -221,8 +205,10 @@ impl Auto {
             }
             Mode::Compare => {
                 self.stats.epochs_compare += 1;
-                if let Some(s) = scan {
-                    self.learn(s.cpu_us, s.visited, s.changed, s.faults);
+                // Learnt from as nl-checkpoint's auto mode learns from its
+                // compare scans (one-time faults left out).
+                if let Some((s, us)) = scan.and_then(|s| s.cpu_us.map(|us| (s, us))) {
+                    self.costs.learn_scan(Capture::Compare, us, s.visited, s.changed, s.faults);
                 }
                 self.costs(shipped, shipped as f64 * self.fault_share, allocated)
             }

@@ -1557,13 +1557,9 @@ impl<'a> Primary<'a> {
             return Ok(());
         };
         let vm = self.vm;
-        let allocated: usize = vm
-            .memory()
-            .allocated_ranges()
-            .map_err(|e| e.to_string())?
-            .iter()
-            .map(|(s, e)| (e - s).div_ceil(PAGE as u64) as usize)
-            .sum();
+        let allocated = nl_checkpoint::engine::pages_in(
+            &vm.memory().allocated_ranges().map_err(|e| e.to_string())?,
+        );
         let before = a.mode;
         let after = a.next(shipped, faults, c.last_scan.take(), allocated);
         match (before, after) {
