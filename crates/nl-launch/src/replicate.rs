@@ -106,12 +106,19 @@ pub struct PrimaryArgs {
     /// set every epoch. Replaces selective re-protection, prediction and --histase.
     #[arg(long, conflicts_with_all = ["histase"])]
     pub compare: bool,
-    /// Choose, epoch by epoch, between the dirty log (selective re-protection and
-    /// prediction) and the compare capture, by the guest time each loses with this
-    /// host's unit costs: the compare where the guest writes most of its memory every
-    /// epoch, the log where it writes little or predictably. The log names each switch.
-    #[arg(long, conflicts_with_all = ["histase", "compare", "direct"])]
+    /// On by default: choose, epoch by epoch, between the dirty log (selective
+    /// re-protection and prediction) and the compare capture. A model of the guest time
+    /// each loses with this host's unit costs proposes each switch, and the guest's
+    /// measured progress (its heartbeat's operations per second) keeps it or undoes it
+    /// (15% slower after it), the model then held off that switch for 0.5 s, doubling.
+    /// A guest without a heartbeat (Linux) stays on the dirty log. The log names each
+    /// switch and judgement.
+    #[arg(long, conflicts_with_all = ["histase", "compare", "direct", "no_auto_capture"])]
     pub auto_capture: bool,
+    /// Stay on the dirty log (selective re-protection and prediction): the default
+    /// before --auto-capture was.
+    #[arg(long)]
+    pub no_auto_capture: bool,
     /// Spread the copy of each epoch's dirty pages into the staging buffer over the
     /// host's cores while the vCPUs are stopped (default: one thread). Experimental:
     /// the copy threads run briefly before their seccomp filter is installed.
@@ -308,7 +315,15 @@ impl PrimaryArgs {
             output_spacing_rate: self.output_spacing_rate,
             histase: self.histase,
             compare: self.compare,
-            auto_capture: self.auto_capture,
+            // The default gives way to the captures that replace the log;
+            // asked for by name, it is checked against them.
+            auto_capture: self.auto_capture
+                || (d.auto_capture
+                    && !self.no_auto_capture
+                    && selective
+                    && !self.histase
+                    && !self.compare
+                    && !self.direct),
             serial_copy: !self.parallel_copy,
         })
     }
@@ -839,9 +854,10 @@ mod tests {
 
     /// The set of optimizations as comparable values.
     #[allow(clippy::type_complexity)]
-    fn on(o: &Options) -> (bool, bool, u32, (bool, u64, u64), bool, bool, bool) {
+    fn on(o: &Options) -> (bool, bool, u32, (bool, u64, u64), bool, bool, bool, (bool, bool)) {
         let out = (o.output_epochs, o.output_epoch_ms, o.output_spacing_rate);
-        (o.selective, o.predict, o.pipeline, out, o.direct, o.histase, o.serial_copy)
+        let cap = (o.compare, o.auto_capture);
+        (o.selective, o.predict, o.pipeline, out, o.direct, o.histase, o.serial_copy, cap)
     }
 
     #[test]
@@ -856,10 +872,28 @@ mod tests {
         let d = parse(&[]).unwrap();
         assert_eq!(on(&d), on(&Options::recommended()));
         assert!(d.selective && d.predict && d.output_epochs && d.output_spacing_rate > 0, "{d:?}");
+        assert!(d.auto_capture);
         let p = parse(&["--no-predict"]).unwrap();
         assert_eq!(on(&p), on(&Options { predict: false, ..d }));
+        let a = parse(&["--no-auto-capture"]).unwrap();
+        assert_eq!(on(&a), on(&Options { auto_capture: false, ..d }));
+        // The captures that replace the log turn the choice off.
         let s = parse(&["--no-selective", "--no-predict"]).unwrap();
-        assert_eq!(on(&s), on(&Options { predict: false, selective: false, ..d }));
+        assert_eq!(
+            on(&s),
+            on(&Options { predict: false, selective: false, auto_capture: false, ..d })
+        );
+        let c = parse(&["--compare"]).unwrap();
+        assert_eq!(
+            on(&c),
+            on(&Options {
+                predict: false,
+                selective: false,
+                compare: true,
+                auto_capture: false,
+                ..d
+            })
+        );
         let o = parse(&["--output-epoch-ms", "0"]).unwrap();
         assert_eq!(on(&o), on(&Options { output_epoch_ms: 0, ..d }));
         let o = parse(&["--no-output-epochs"]).unwrap();
@@ -873,10 +907,22 @@ mod tests {
         assert_eq!(on(&old), on(&d));
         // --direct has no staging copy for prediction to compare.
         let dr = parse(&["--direct"]).unwrap();
-        assert_eq!(on(&dr), on(&Options { predict: false, direct: true, ..d }));
+        assert_eq!(
+            on(&dr),
+            on(&Options { predict: false, direct: true, auto_capture: false, ..d })
+        );
         // Histase replaces both dirty-log optimizations.
         let h = parse(&["--histase"]).unwrap();
-        assert_eq!(on(&h), on(&Options { selective: false, predict: false, histase: true, ..d }));
+        assert_eq!(
+            on(&h),
+            on(&Options {
+                selective: false,
+                predict: false,
+                histase: true,
+                auto_capture: false,
+                ..d
+            })
+        );
     }
 
     #[test]

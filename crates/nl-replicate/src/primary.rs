@@ -124,7 +124,7 @@ impl Options {
             serial_copy: true,
             histase: false,
             compare: false,
-            auto_capture: false,
+            auto_capture: true,
         }
     }
 
@@ -1561,29 +1561,48 @@ impl<'a> Primary<'a> {
             &vm.memory().allocated_ranges().map_err(|e| e.to_string())?,
         );
         let before = a.mode;
-        let after = a.next(shipped, faults, c.last_scan.take(), allocated);
+        // The guest's own count of its progress (the reference guest's
+        // heartbeat); Linux keeps none.
+        let progress = vm.linux_record().is_none().then(|| (vm.heartbeat_ops(), Instant::now()));
+        let after = a.next(shipped, faults, c.last_scan.take(), allocated, progress);
+        let why = a.take_note();
         match (before, after) {
             (crate::compare::Mode::Log, crate::compare::Mode::Compare) => {
                 c.restart(vm.memory())?;
                 (self.log)(format!(
-                    "capture: epoch {}: {faults} write faults for {shipped} pages of \
-                     {allocated}: switching to the compare capture",
-                    self.epoch - 1
+                    "capture: epoch {}: {}: switching to the compare capture",
+                    self.epoch - 1,
+                    why.unwrap_or_else(|| format!(
+                        "{faults} write faults for {shipped} pages of {allocated}"
+                    ))
                 ));
             }
             (crate::compare::Mode::Compare, crate::compare::Mode::Log) => {
-                c.forget();
+                // The shadow is dropped at the next boundary: this epoch
+                // may still be sent from it.
                 kvm_log(vm, true)?;
                 if let Some(p) = self.pred.as_mut() {
                     p.reset();
                 }
                 (self.log)(format!(
-                    "capture: epoch {}: {shipped} pages changed of {allocated}: back to the \
-                     dirty log",
-                    self.epoch - 1
+                    "capture: epoch {}: {}: back to the dirty log",
+                    self.epoch - 1,
+                    why.unwrap_or_else(|| format!("{shipped} pages changed of {allocated}"))
                 ));
             }
-            _ => {}
+            (m, _) => {
+                if let Some(why) = why {
+                    (self.log)(format!(
+                        "capture: epoch {}: {why}: keeping {}",
+                        self.epoch - 1,
+                        if m == crate::compare::Mode::Log {
+                            "the dirty log"
+                        } else {
+                            "the compare capture"
+                        }
+                    ));
+                }
+            }
         }
         Ok(())
     }
@@ -1603,6 +1622,11 @@ impl<'a> Primary<'a> {
         // on, as under --auto-capture, a page faults once and stays
         // writable) and prediction sits out.
         let comparing = self.comparing();
+        if !comparing && self.auto.is_some() {
+            if let Some(c) = self.compare.as_mut() {
+                c.forget();
+            }
+        }
         let clear = !comparing
             && self.cfg.opts.selective
             && self.pred.as_ref().is_none_or(|p| p.reprotects_all());
@@ -1668,13 +1692,21 @@ impl<'a> Primary<'a> {
         // epoch's pages in the shadow, which nothing changes before the next
         // boundary: they are sent from there with the vCPUs running, without
         // a staging copy in the pause.
-        let from_shadow = comparing && self.auto.is_none() && !self.cfg.opts.direct;
+        let from_shadow = comparing && !self.cfg.opts.direct;
         let direct = (self.cfg.opts.direct || from_shadow) && matches!(link, Link::Sync(_));
         let mut result = Ok(());
         if direct {
             // Send straight from guest memory while the vCPUs are paused, or
             // from the compare's shadow after they resume.
             let Link::Sync(c) = link else { unreachable!("checked above") };
+            // --auto-capture judges the epoch while the vCPUs are stopped
+            // (back to the log, every page is protected again now).
+            let chosen = if from_shadow {
+                self.choose_capture(pages.len(), faults)
+                    .map_err(|e| Lost::Definitive(format!("choosing the capture: {e}")))
+            } else {
+                Ok(())
+            };
             let view = &self.view;
             let shadow = self.compare.as_ref().filter(|_| from_shadow);
             if from_shadow {
@@ -1702,9 +1734,10 @@ impl<'a> Primary<'a> {
             }
             self.rep.bytes_sent += r.as_ref().map_or(0, |b| *b);
             let t = Instant::now();
-            result = r
-                .map_err(|e| Lost::Definitive(format!("sending epoch {epoch}: {e}")))
-                .and_then(|_| wait_ack(c, epoch, self.cfg.lease));
+            result = chosen.and_then(|()| {
+                r.map_err(|e| Lost::Definitive(format!("sending epoch {epoch}: {e}")))
+                    .and_then(|_| wait_ack(c, epoch, self.cfg.lease))
+            });
             self.sums.ack_wait += ms(t.elapsed());
             if result.is_ok() {
                 self.sums.acked += 1;

@@ -783,6 +783,17 @@ impl Vm {
             .collect()
     }
 
+    /// The guest's operations so far by its own count: the sum over vCPUs
+    /// of the last value each wrote to its heartbeat register (0 for a
+    /// guest that writes none, such as Linux).
+    pub fn heartbeat_ops(&self) -> u64 {
+        self.control
+            .vcpus
+            .iter()
+            .map(|r| r.heartbeat.load(std::sync::atomic::Ordering::Relaxed))
+            .fold(0u64, u64::wrapping_add)
+    }
+
     /// A value that changes whenever the guest shows progress: a heartbeat
     /// or a phase change of any vCPU (also when a restore moves them back).
     pub fn progress_marker(&self) -> u64 {

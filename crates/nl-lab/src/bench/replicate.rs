@@ -321,8 +321,20 @@ fn print_row(r: &Row) {
             _ => String::new(),
         } + &match &r.auto_capture {
             a if a.is_object() => format!(
-                " (auto: {} epochs on the log, {} on the compare, {} switches)",
-                a["epochs_log"], a["epochs_compare"], a["switches"]
+                " (auto: {} epochs on the log, {} on the compare, {} switches, {} undone{})",
+                a["epochs_log"],
+                a["epochs_compare"],
+                a["switches"],
+                a["undone"],
+                match a["last_judged_ops_per_sec"].as_array().map(|r| {
+                    r.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect::<Vec<_>>()
+                }) {
+                    Some(r) if r.len() == 2 => format!(
+                        "; last judged switch: {:.3e} ops/s on the log, {:.3e} on the compare",
+                        r[0], r[1]
+                    ),
+                    _ => String::new(),
+                }
             ),
             _ => String::new(),
         },
@@ -379,7 +391,7 @@ fn cases(a: &BenchReplicateArgs, kv: bool, quick: bool) -> Vec<Case> {
         Case::new(20, &["--no-predict", "--direct"]),
         Case::new(20, &["--histase"]),
         Case::new(20, &["--compare"]),
-        Case::new(20, &["--auto-capture"]),
+        Case::new(20, &["--no-auto-capture"]),
         Case::new(20, &["--parallel-copy"]),
     ];
     if kv {
