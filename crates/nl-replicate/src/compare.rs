@@ -128,8 +128,9 @@ pub struct AutoStats {
 /// with back-switches as easy as forth, a 64 MiB writer flapped 3 to 5
 /// times in 1.5 s and ran at 0.51 to 0.58 of unreplicated, under both
 /// captures alone (docs/performance.md). Beside two busy loops the model
-/// still went back to the log and the guest ran at 0.07 of unreplicated
-/// against 0.41 under the compare: the gate undoes such a switch. A
+/// alone once went back to the log and the guest ran at 0.07 of
+/// unreplicated against 0.41 under the compare: the gate is there to undo
+/// such a switch (no bench run has made one since it came). A
 /// chooser by progress alone (each capture measured in turn) was tried
 /// and not kept: its first windows closed only after 16 to 20 epochs of a
 /// growing 64 MiB writer, which then ran at 0.22 to 0.55 against 0.85
