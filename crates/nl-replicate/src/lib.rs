@@ -23,6 +23,7 @@
 
 pub mod auth;
 pub mod backup;
+pub mod colo;
 mod compare;
 mod predict;
 pub mod primary;
