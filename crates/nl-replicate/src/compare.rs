@@ -91,8 +91,8 @@ pub struct AutoStats {
     pub epochs_log: u64,
     pub epochs_compare: u64,
     pub switches: u64,
-    /// Whether the guest's measured progress judged the switches (`Gate`);
-    /// false for a guest without a heartbeat (the model alone).
+    /// Whether the guest's measured progress was judging switches at the
+    /// end (`Gate`); false for a guest without a heartbeat, or idle.
     pub by_progress: bool,
     /// Switches undone because the guest ran slower after them.
     pub undone: u64,
@@ -258,7 +258,6 @@ impl Auto {
                 self.costs(shipped, shipped as f64 * self.fault_share, allocated)
             }
         };
-        let progress = progress.filter(|_| !self.gate.silent);
         if let Some((ops, now)) = progress {
             if let Some(m) = self.gate.step(self.mode, ops, allocated, now) {
                 self.switch(m);
@@ -268,7 +267,9 @@ impl Auto {
             }
             self.stats.last_judged_ops_per_sec = self.gate.judged.map(|(l, c)| [l, c]);
         }
-        self.stats.by_progress = progress.is_some() && !self.gate.silent;
+        // A silent guest's switches are not judged: the model waits.
+        let progress = progress.filter(|_| !self.gate.silent);
+        self.stats.by_progress = progress.is_some();
         let other = match self.mode {
             Mode::Log if cmp * MARGIN < log => Some((Mode::Compare, STREAK)),
             Mode::Compare if log * MARGIN_BACK < cmp => Some((Mode::Log, STREAK_BACK)),
@@ -328,9 +329,9 @@ struct Window {
 /// than in the last window before the switch, the switch is undone and the
 /// model may not make it again for `HOLD` (doubled at each further undo).
 /// A window over which memory grew by over 1/16 (first touches slow a
-/// guest whatever the capture) judges nothing. A guest whose count does
-/// not move over a window (Linux writes none) is [`Gate::silent`]: it
-/// stays on the dirty log.
+/// guest whatever the capture) judges nothing. While a guest's count does
+/// not move over a window (an idle guest; Linux writes none) it is
+/// [`Gate::silent`] and the model does not switch it.
 pub(crate) struct Gate {
     window: Option<Window>,
     /// The last closed window: the capture it was under, its rate, and
@@ -446,8 +447,10 @@ impl Gate {
         }
         let (done, grew) = (ops - w.ops, w.grew);
         self.window = Some(fresh);
-        if done == 0 {
-            self.silent = true;
+        // Silent until the count moves again (an idle guest, or one
+        // without a count).
+        self.silent = done == 0;
+        if self.silent {
             return None;
         }
         let rate = done as f64 / span.as_secs_f64();
@@ -618,7 +621,7 @@ mod tests {
     /// A window over which memory grew judges nothing (the switch stays
     /// even though the guest ran slower); a guest whose count never moves
     /// is silent, and stays on the log whatever the model says (as does
-    /// one without a count).
+    /// one without a count) until its count moves again.
     #[test]
     fn growing_memory_judges_nothing_and_a_silent_guest_stays_on_the_log() {
         let (mut a, mut at) = (auto(), Instant::now());
@@ -637,6 +640,15 @@ mod tests {
         }
         assert!(b.gate.silent && !b.stats.by_progress);
         assert_eq!((b.mode, b.stats.switches), (Mode::Log, 0));
+        // Its count moves again: the model may switch it.
+        let mut ops = 7;
+        for _ in 0..30 {
+            at += Duration::from_millis(20);
+            ops += 40;
+            b.next(6700, 2600, None, 11500, Some((ops, at)));
+        }
+        assert!(!b.gate.silent && b.stats.by_progress);
+        assert_eq!(b.mode, Mode::Compare);
         let mut c = auto();
         for _ in 0..30 {
             c.next(6700, 2600, None, 11500, None);
