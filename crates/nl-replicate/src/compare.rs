@@ -153,14 +153,6 @@ pub(crate) struct Auto {
     pub(crate) stats: AutoStats,
 }
 
-impl Auto {
-    /// What the progress chooser measured and decided at the last epoch,
-    /// if it did (a window closed).
-    pub(crate) fn take_note(&mut self) -> Option<String> {
-        Some(std::mem::take(&mut self.gate.note)).filter(|n| !n.is_empty())
-    }
-}
-
 /// A switch to the compare must save at least this share of the log's cost.
 const MARGIN: f64 = 1.25;
 /// A switch back to the log must save at least this share of the
@@ -201,6 +193,12 @@ impl Auto {
         self.streak = 0;
         self.since = 0;
         self.gate = Gate::new();
+    }
+
+    /// What the progress gate measured and decided at the last epoch, if
+    /// it did (a judged switch).
+    pub(crate) fn take_note(&mut self) -> Option<String> {
+        Some(std::mem::take(&mut self.gate.note)).filter(|n| !n.is_empty())
     }
 
     fn switch(&mut self, m: Mode) {
