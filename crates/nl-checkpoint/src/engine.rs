@@ -553,10 +553,10 @@ impl ShadowEngine {
             // per page visited, on one thread. Its threads' CPU time, not
             // wall time: on a busy host they wait for a core, which says
             // nothing about the capture. Scans that paid one-time costs
-            // are left out ([`Policy::observe_scan`]).
+            // are left out ([`UnitCosts::learn_scan`](crate::policy::UnitCosts::learn_scan)).
             let us =
                 st.cpu_us.unwrap_or_else(|| t0.elapsed().as_secs_f64() * 1e6 * self.threads as f64);
-            p.observe_scan(captured, us, st.visited, st.changed, st.faults);
+            p.costs.learn_scan(captured, us, st.visited, st.changed, st.faults);
             // Faults are paid per page written, changed or not: the log's
             // count; the compare capture sees the pages that changed.
             let dirty = if captured == Capture::DirtyLog { candidates } else { st.changed };

@@ -163,19 +163,6 @@ impl Policy {
         }
     }
 
-    /// Folds a checkpoint scan's measured cost into the unit costs
-    /// ([`UnitCosts::learn_scan`]).
-    pub fn observe_scan(
-        &mut self,
-        capture: Capture,
-        us: f64,
-        visited: usize,
-        changed: usize,
-        faults: u64,
-    ) {
-        self.costs.learn_scan(capture, us, visited, changed, faults);
-    }
-
     /// The interval that just ended wrote `dirty` pages (as far as its
     /// capture saw) out of `allocated`; returns the capture for the next.
     pub fn next(&mut self, dirty: usize, allocated: usize) -> Capture {
@@ -236,7 +223,7 @@ mod tests {
         assert_eq!(p.next(2000, 20000), Capture::Compare);
         // The scans take 4 us per page on this host as loaded now.
         for _ in 0..4 {
-            p.observe_scan(Capture::Compare, 20000.0 * 4.0 + 2000.0 * 0.5, 20000, 2000, 0);
+            p.costs.learn_scan(Capture::Compare, 20000.0 * 4.0 + 2000.0 * 0.5, 20000, 2000, 0);
         }
         assert!(p.costs.compare_us > 3.0, "{}", p.costs.compare_us);
         assert_eq!(p.next(2000, 20000), Capture::DirtyLog);
@@ -251,13 +238,13 @@ mod tests {
         assert_eq!(p.next(16000, 20000), Capture::Compare);
         for _ in 0..8 {
             // 15 µs per page, with a fault on 4000 of the 20000 pages.
-            p.observe_scan(Capture::Compare, 20000.0 * 15.0, 20000, 16000, 4000);
-            p.observe_scan(Capture::DirtyLog, 2000.0 * 20.0, 2000, 2000, 2000);
+            p.costs.learn_scan(Capture::Compare, 20000.0 * 15.0, 20000, 16000, 4000);
+            p.costs.learn_scan(Capture::DirtyLog, 2000.0 * 20.0, 2000, 2000, 2000);
         }
         assert_eq!((p.costs.compare_us, p.costs.copy_us), (0.5, 0.5));
         assert_eq!(p.next(16000, 20000), Capture::Compare);
         // The same scans without faults are learnt from.
-        p.observe_scan(Capture::Compare, 20000.0 * 15.0, 20000, 16000, 0);
+        p.costs.learn_scan(Capture::Compare, 20000.0 * 15.0, 20000, 16000, 0);
         assert!(p.costs.compare_us > 0.5);
     }
 

@@ -117,32 +117,30 @@ impl Shadow {
         true
     }
 
-    /// Offset of `gpa` in the image, if it is guest RAM.
-    fn offset(&self, gpa: u64) -> Option<usize> {
+    /// Offset in the image of `[gpa, gpa + len)`, if that lies in one
+    /// region of guest RAM.
+    fn offset(&self, gpa: u64, len: usize) -> Option<usize> {
         self.regions
             .iter()
-            .find(|(g, s, _)| gpa >= *g && gpa < *g + *s)
-            .map(|(g, _, o)| o + (gpa - g) as usize)
+            .find(|&&(g, size, _)| gpa >= g && gpa + len as u64 <= g + size)
+            .map(|&(g, _, o)| o + (gpa - g) as usize)
     }
 
     /// The shadow copy of page `gpa`.
     pub fn page(&self, gpa: u64) -> Option<&[u8]> {
-        self.offset(gpa).map(|o| &self.image[o..o + PAGE])
+        self.slice(gpa, PAGE)
     }
 
     /// The shadow's copy of `[gpa, gpa + len)`, if that lies in one region
     /// of guest RAM.
     pub fn slice(&self, gpa: u64, len: usize) -> Option<&[u8]> {
-        let &(g, _, o) =
-            self.regions.iter().find(|&&(g, size, _)| gpa >= g && gpa + len as u64 <= g + size)?;
-        let at = o + (gpa - g) as usize;
-        Some(&self.image[at..at + len])
+        self.offset(gpa, len).map(|at| &self.image[at..at + len])
     }
 
     /// Overwrites the shadow copy of page `gpa`.
     pub fn set_page(&mut self, gpa: u64, data: &[u8]) -> Result<(), CheckpointError> {
         let o = self
-            .offset(gpa)
+            .offset(gpa, PAGE)
             .ok_or(CheckpointError::GuestMemory { gpa, why: "not guest RAM".into() })?;
         self.image[o..o + PAGE].copy_from_slice(&data[..PAGE]);
         Ok(())
