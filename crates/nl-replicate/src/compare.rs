@@ -150,7 +150,8 @@ pub(crate) struct Auto {
     /// Whether the model's switches need the gate (always, but in the
     /// model's own unit tests).
     gated: bool,
-    pub(crate) stats: AutoStats,
+    /// The counts kept here; the gate's are added by [`Auto::stats`].
+    stats: AutoStats,
 }
 
 /// A switch to the compare must save at least this share of the log's cost.
@@ -199,6 +200,15 @@ impl Auto {
     /// it did (a judged switch).
     pub(crate) fn take_note(&mut self) -> Option<String> {
         Some(std::mem::take(&mut self.gate.note)).filter(|n| !n.is_empty())
+    }
+
+    /// The counts for the primary's report.
+    pub(crate) fn stats(&self) -> AutoStats {
+        AutoStats {
+            undone: self.gate.undone,
+            last_judged_ops_per_sec: self.gate.judged.map(|(l, c)| [l, c]),
+            ..self.stats
+        }
     }
 
     fn switch(&mut self, m: Mode) {
@@ -259,11 +269,8 @@ impl Auto {
         if let Some((ops, now)) = progress {
             if let Some(m) = self.gate.step(self.mode, ops, allocated, now) {
                 self.switch(m);
-                self.stats.undone = self.gate.undone;
-                self.stats.last_judged_ops_per_sec = self.gate.judged.map(|(l, c)| [l, c]);
                 return self.mode;
             }
-            self.stats.last_judged_ops_per_sec = self.gate.judged.map(|(l, c)| [l, c]);
         }
         // A silent guest's switches are not judged: the model waits.
         let progress = progress.filter(|_| !self.gate.silent);
@@ -520,14 +527,14 @@ mod tests {
             assert_eq!(a.next(50, 0, None, 11500, None), Mode::Compare, "epoch {i}");
         }
         assert_eq!(a.next(50, 0, None, 11500, None), Mode::Log);
-        assert_eq!(a.stats.switches, 2);
+        assert_eq!(a.stats().switches, 2);
 
         // Sequential 8 MiB under prediction: 2000 pages, 35 faults.
         let mut b = model();
         for _ in 0..10 {
             assert_eq!(b.next(2000, 35, None, 3000, None), Mode::Log);
         }
-        assert_eq!(b.stats.switches, 0);
+        assert_eq!(b.stats().switches, 0);
     }
 
     /// While the guest's memory grows, few changed pages do not move it
@@ -589,7 +596,7 @@ mod tests {
         let mut seen = Vec::new();
         for _ in 0..200 {
             drive(&mut a, &mut ops, &mut at, 1, rate);
-            seen.push((at, a.mode, a.stats.undone));
+            seen.push((at, a.mode, a.stats().undone));
         }
         let undo = |n| seen.iter().find(|e| e.2 == n).map(|e| e.0).expect("an undo");
         let next_try = |from: Instant| {
@@ -599,9 +606,9 @@ mod tests {
         assert!(next_try(u1) >= u1 + HOLD, "tried again before the hold");
         assert!(next_try(u2) >= u2 + 2 * HOLD, "the second hold was not doubled");
         assert_eq!(a.mode, Mode::Log);
-        let [log, cmp] = a.stats.last_judged_ops_per_sec.expect("a judged switch");
+        let [log, cmp] = a.stats().last_judged_ops_per_sec.expect("a judged switch");
         assert!(log > 3.0 * cmp, "{log} {cmp}");
-        assert!(a.stats.by_progress);
+        assert!(a.stats().by_progress);
     }
 
     /// A switch after which the guest runs faster is kept.
@@ -611,8 +618,8 @@ mod tests {
         let ran =
             drive(&mut a, &mut ops, &mut at, 60, |m| if m == Mode::Compare { 40 } else { 10 });
         assert_eq!(a.mode, Mode::Compare, "{ran:?}");
-        assert_eq!((a.stats.undone, a.stats.switches), (0, 1));
-        let [log, cmp] = a.stats.last_judged_ops_per_sec.expect("a judged switch");
+        assert_eq!((a.stats().undone, a.stats().switches), (0, 1));
+        let [log, cmp] = a.stats().last_judged_ops_per_sec.expect("a judged switch");
         assert!(cmp > 3.0 * log, "{log} {cmp}");
     }
 
@@ -630,14 +637,14 @@ mod tests {
             ops += if a.mode == Mode::Compare { 10 } else { 40 };
             a.next(6700, 2600, None, alloc, Some((ops, at)));
         }
-        assert_eq!((a.mode, a.stats.undone), (Mode::Compare, 0));
+        assert_eq!((a.mode, a.stats().undone), (Mode::Compare, 0));
         let mut b = auto();
         for _ in 0..30 {
             at += Duration::from_millis(20);
             b.next(6700, 2600, None, 11500, Some((7, at)));
         }
-        assert!(b.gate.silent && !b.stats.by_progress);
-        assert_eq!((b.mode, b.stats.switches), (Mode::Log, 0));
+        assert!(b.gate.silent && !b.stats().by_progress);
+        assert_eq!((b.mode, b.stats().switches), (Mode::Log, 0));
         // Its count moves again: the model may switch it.
         let mut ops = 7;
         for _ in 0..30 {
@@ -645,13 +652,13 @@ mod tests {
             ops += 40;
             b.next(6700, 2600, None, 11500, Some((ops, at)));
         }
-        assert!(!b.gate.silent && b.stats.by_progress);
+        assert!(!b.gate.silent && b.stats().by_progress);
         assert_eq!(b.mode, Mode::Compare);
         let mut c = auto();
         for _ in 0..30 {
             c.next(6700, 2600, None, 11500, None);
         }
-        assert_eq!((c.mode, c.stats.switches), (Mode::Log, 0));
+        assert_eq!((c.mode, c.stats().switches), (Mode::Log, 0));
     }
 
     /// A single epoch either way does not switch (noise).

@@ -1406,7 +1406,7 @@ impl<'a> Primary<'a> {
         if let Some(p) = &self.pred {
             r.prediction_gate = Some(p.gate.stats);
         }
-        r.auto_capture = self.auto.as_ref().map(|a| a.stats);
+        r.auto_capture = self.auto.as_ref().map(|a| a.stats());
         if let Some(c) = self.compare.as_ref().filter(|c| c.scans > 0) {
             r.compared_per_epoch = Some(c.scanned as f64 / c.scans as f64);
             r.compare_ms_avg = Some(c.scan_ms / c.scans as f64);
