@@ -215,6 +215,14 @@ impl Tap {
         self.file.try_clone()
     }
 
+    /// A stand-in for a TAP over one end of a `SOCK_SEQPACKET` socket pair
+    /// (non-blocking; one frame per message), whose other end the VMM
+    /// itself feeds: COLO's secondary VM receives the primary's input this
+    /// way. `name` is for reports.
+    pub fn over_socket(file: File, name: &str) -> Tap {
+        Tap { file, name: name.to_string(), tx: None }
+    }
+
     /// A stand-in over any file, for unit tests and fuzz targets of the
     /// devices above it (a socket pair stands in for the interface).
     #[cfg(any(test, fuzzing))]

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use nl_replicate::auth::Key;
-use nl_replicate::backup::{serve_with, BackupConfig, BackupEnd, HANDSHAKE_TIME};
+use nl_replicate::backup::{serve_colo, BackupConfig, BackupEnd, HANDSHAKE_TIME};
 use nl_replicate::primary::{Options, Primary, PrimaryConfig, PrimaryReport};
 use nl_vmm::linux::LinuxRecord;
 use nl_vmm::state::VmState;
@@ -24,7 +24,7 @@ pub enum ReplicateCmd {
     /// Run a VM whose every epoch is acknowledged by a backup before its output leaves.
     Primary(Box<PrimaryArgs>),
     /// Receive a primary's epochs and take over its VM when the primary is gone.
-    Backup(BackupArgs),
+    Backup(Box<BackupArgs>),
     /// Write a new replication key (32 random bytes, mode 0600) to PATH; never overwrites.
     Keygen {
         /// Where to write the key (must not exist yet).
@@ -119,6 +119,20 @@ pub struct PrimaryArgs {
     /// before --auto-capture was.
     #[arg(long)]
     pub no_auto_capture: bool,
+    /// COLO (experimental): the backup (started with --colo) runs a secondary VM on
+    /// this VM's input, and each frame the guest sends leaves as soon as the secondary
+    /// sent the same, without waiting for an epoch. An epoch is taken when the two
+    /// differ, when a frame waited --colo-timeout-ms, or every --colo-period-ms (not
+    /// --epoch). Reference guest with a network device, no disk, no --pipeline. On two
+    /// cores the secondary competes with the primary for CPU: see docs/replication.md.
+    #[arg(long, conflicts_with_all = ["pipeline"])]
+    pub colo: bool,
+    /// COLO: the longest a frame waits for the secondary's before an epoch releases it.
+    #[arg(long, default_value_t = Options::COLO_TIMEOUT_MS, requires = "colo")]
+    pub colo_timeout_ms: u64,
+    /// COLO: an epoch at least this often (in place of --epoch).
+    #[arg(long, default_value_t = Options::COLO_PERIOD_MS, requires = "colo")]
+    pub colo_period_ms: u64,
     /// Spread the copy of each epoch's dirty pages into the staging buffer over the
     /// host's cores while the vCPUs are stopped (default: one thread). Experimental:
     /// the copy threads run briefly before their seccomp filter is installed.
@@ -203,6 +217,14 @@ pub struct BackupArgs {
     /// Print the backup's report as one JSON object (last line of stdout).
     #[arg(long)]
     pub json: bool,
+    /// The primary runs its guest with --net-rx-irq (the guest halts while idle and
+    /// takes network interrupts): the VM built here must too.
+    #[arg(long)]
+    pub net_rx_irq: bool,
+    /// COLO: run a secondary VM for a primary started with --colo (over a private
+    /// copy of this backup's memory; on the primary's loss it is what takes over).
+    #[arg(long, conflicts_with_all = ["next_backup"])]
+    pub colo: bool,
     /// Build the VM only in the takeover, not ahead of it once the full
     /// copy is in (for measuring the difference).
     #[arg(long, hide = true)]
@@ -212,7 +234,7 @@ pub struct BackupArgs {
 pub fn replicate(c: ReplicateCmd) -> Result<ExitCode> {
     match c {
         ReplicateCmd::Primary(a) => primary(*a),
-        ReplicateCmd::Backup(a) => backup(a),
+        ReplicateCmd::Backup(a) => backup(*a),
         ReplicateCmd::Keygen { path } => {
             Key::generate(&path).map_err(anyhow::Error::msg)?;
             println!("wrote a new replication key to {} (mode 0600)", path.display());
@@ -325,6 +347,9 @@ impl PrimaryArgs {
                     && !self.compare
                     && !self.direct),
             serial_copy: !self.parallel_copy,
+            colo: self.colo,
+            colo_timeout_ms: self.colo_timeout_ms,
+            colo_period_ms: self.colo_period_ms,
         })
     }
 }
@@ -502,6 +527,7 @@ fn build_backup_vm(
         timer_hz: shape.timer_hz,
         net_tap: a.net_tap.clone(),
         net_ip: a.net_ip.clone(),
+        net_rx_irq: a.net_rx_irq,
         disk: a.disk.clone(),
         ..Default::default()
     };
@@ -649,6 +675,7 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
         lease: Duration::from_millis(a.lease_ms.max(50)),
         heartbeat: Duration::from_millis((a.lease_ms / 10).clamp(10, 100)),
         handshake: HANDSHAKE_TIME,
+        colo: a.colo,
     };
     nl_memory::GuestMemory::check_size(a.mem)?;
     let mut log = |m: String| tracing::info!("{m}");
@@ -688,8 +715,24 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
             Err(e) => tracing::warn!("cannot start the thread building the VM ahead: {e}"),
         }
     };
-    let end = serve_with(&cfg, &mut log, &mut first_copy).map_err(anyhow::Error::msg)?;
+    // COLO's secondary: the VM as a takeover would build it, but with a
+    // spare network device (its input comes from the primary) and no disk.
+    let mut build_secondary = |memory: nl_memory::GuestMemory, state: &VmState| {
+        // Its device is a spare: the name is not opened, only needed for
+        // the device to exist when the backup has no TAP of its own.
+        let net_tap = a.net_tap.clone().or_else(|| Some("nl-colo".into()));
+        let args = BackupArgs { disk: None, net_tap, ..a.clone() };
+        build_backup_vm(&args, &Shape::of(state), memory, true, None)
+            .map(|(vm, _)| vm)
+            .map_err(|e| format!("cannot build the secondary VM: {e:#}"))
+    };
+    let build: Option<&mut nl_replicate::backup::BuildSecondary> =
+        if a.colo { Some(&mut build_secondary) } else { None };
+    let end = serve_colo(&cfg, &mut log, &mut first_copy, build).map_err(anyhow::Error::msg)?;
     let (epoch, memory, state, reason, detected, last_heard, linux) = match end {
+        BackupEnd::ActivateSecondary { epoch, vm, reason, detected, last_heard, stats } => {
+            return take_over_with_secondary(&a, *vm, epoch, &reason, detected, last_heard, stats);
+        }
         BackupEnd::PrimaryFinished { message } => {
             println!("primary finished ({message}); backup stands down");
             if a.json {
@@ -830,6 +873,69 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
                 "digest_ok": digest_ok, "ops_per_sec": ops_per_sec, "takeover_ms": takeover_ms,
                 "since_last_frame_ms": since_last_frame_ms, "error": error,
                 "prebuilt": ph.prebuilt, "takeover": ph})
+        );
+    }
+    Ok(if digest_ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// COLO's failover: the secondary VM, which ran every input the primary's
+/// guest took and sent every reply the primary released, goes on as the
+/// VM, on the real TAP. Its output held since its last comparison leaves
+/// first (TCP drops what the client has seen already).
+fn take_over_with_secondary(
+    a: &BackupArgs,
+    vm: Vm,
+    epoch: u64,
+    reason: &str,
+    detected: Instant,
+    last_heard: Instant,
+    stats: nl_replicate::secondary::SecondaryStats,
+) -> Result<ExitCode> {
+    // Handed over paused, its output hook removed.
+    let t = Instant::now();
+    if let Some(tap) = a.net_tap.as_deref() {
+        let tap = nl_devices::tap::Tap::open(tap)
+            .map_err(|e| anyhow::anyhow!("cannot open the TAP for the secondary: {e}"))?;
+        if !tap.host_up() {
+            tracing::warn!("TAP {} is down on the host: the guest is unreachable", tap.name());
+        }
+        vm.replace_tap(tap).context("cannot move the secondary to the TAP")?;
+    } else {
+        tracing::warn!("no --net-tap: the secondary takes over without a network");
+    }
+    let held = vm.hold_net_output(false);
+    vm.release_net_output(&held);
+    vm.announce();
+    vm.resume();
+    let takeover_ms = ms_since(detected);
+    let since_last_frame_ms = ms_since(last_heard);
+    tracing::info!(
+        "primary gone ({reason}); the COLO secondary (last checkpoint: epoch {epoch}) runs on \
+         as the VM, {takeover_ms:.1} ms after detection ({:.1} ms to move it to the TAP)",
+        ms_since(t)
+    );
+    let started = Instant::now();
+    let outcome = vm.wait(Duration::from_secs(600));
+    let (digest_ok, ops_per_sec, error) = if outcome == VmOutcome::Completed {
+        verdict(&vm)?
+    } else {
+        (false, 0.0, Some(outcome.message()))
+    };
+    println!(
+        "the COLO secondary took over (last checkpoint: epoch {epoch}); ran to the end in {:.0} \
+         ms: digest {}{}",
+        started.elapsed().as_secs_f64() * 1e3,
+        if digest_ok { "verified" } else { "NOT verified" },
+        error.as_ref().map_or(String::new(), |e| format!(" ({e})"))
+    );
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({"activated": true, "colo_secondary": true, "epoch": epoch,
+                "reason": reason, "ok": digest_ok, "digest_ok": digest_ok,
+                "ops_per_sec": ops_per_sec, "takeover_ms": takeover_ms,
+                "since_last_frame_ms": since_last_frame_ms, "error": error,
+                "secondary": stats})
         );
     }
     Ok(if digest_ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })

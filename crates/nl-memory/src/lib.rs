@@ -86,6 +86,9 @@ pub struct GuestMemory {
     mem_bytes: u64,
     regions: Vec<RegionInfo>,
     mmap: GuestMem,
+    /// Mapped `MAP_PRIVATE` ([`GuestMemory::private_copy`]): writes stay
+    /// in this mapping, the memfd is only read.
+    private: bool,
 }
 
 impl GuestMemory {
@@ -121,7 +124,58 @@ impl GuestMemory {
         }
         let regions = layout(mem_bytes);
         let mmap = map_regions(&fd, &regions)?;
-        Ok(Self { fd, mem_bytes, regions, mmap })
+        Ok(Self { fd, mem_bytes, regions, mmap, private: false })
+    }
+
+    /// A copy-on-write view of this memory: a second mapping of the same
+    /// memfd, `MAP_PRIVATE`, so it reads what the memfd holds until it
+    /// writes a page, and its writes never reach the memfd (nor any other
+    /// mapping of it). [`GuestMemory::reset_private`] drops its writes.
+    /// COLO's secondary VM runs over such a copy of the backup's memory.
+    pub fn private_copy(&self) -> Result<GuestMemory, MemoryError> {
+        let mapped = self
+            .regions
+            .iter()
+            .map(|r| {
+                let region = vm_memory::MmapRegion::build(
+                    Some(FileOffset::from_arc(self.fd.clone(), r.fd_offset)),
+                    r.size as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_NORESERVE,
+                )
+                .map_err(|e| MemoryError::Map(e.to_string()))?;
+                GuestRegionMmap::new(region, GuestAddress(r.gpa))
+                    .ok_or_else(|| MemoryError::Map(format!("region at {:#x} wraps", r.gpa)))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mmap =
+            GuestMemoryMmap::from_regions(mapped).map_err(|e| MemoryError::Map(e.to_string()))?;
+        Ok(Self {
+            fd: self.fd.clone(),
+            mem_bytes: self.mem_bytes,
+            regions: self.regions.clone(),
+            mmap,
+            private: true,
+        })
+    }
+
+    /// Whether this is a [`GuestMemory::private_copy`].
+    pub fn is_private(&self) -> bool {
+        self.private
+    }
+
+    /// Drops every page this private copy wrote: it reads the memfd's
+    /// contents again (`MADV_DONTNEED` on a private file mapping). Refused
+    /// on shared memory, where it would not undo writes.
+    pub fn reset_private(&self) -> Result<(), MemoryError> {
+        if !self.private {
+            return Err(MemoryError::Map("only a private copy can be reset".into()));
+        }
+        for r in self.mmap.iter() {
+            memfd::discard(r.as_ptr() as u64, vm_memory::GuestMemoryRegion::len(r) as usize)
+                .map_err(|e| MemoryError::Map(format!("cannot reset a private copy: {e}")))?;
+        }
+        Ok(())
     }
 
     /// The vm-memory view of guest RAM.
@@ -237,6 +291,9 @@ impl GuestMemory {
             self.regions.iter().find(|r| gpa >= r.gpa && gpa + size <= r.gpa + r.size).ok_or_else(
                 || MemoryError::Map(format!("window {gpa:#x}+{size:#x} is not inside RAM")),
             )?;
+        if self.private {
+            return Err(MemoryError::Map("a private copy has no shared windows".into()));
+        }
         let info = RegionInfo { gpa, size, fd_offset: region.fd_offset + (gpa - region.gpa) };
         map_regions(&self.fd, &[info])
     }
@@ -291,6 +348,31 @@ mod tests {
         assert_eq!(v, 0xdead_beef);
         assert_eq!(other.mem().read_obj::<u64>(GuestAddress(0x3000)).unwrap(), 0x1234);
         assert_eq!(m.mem().num_regions(), 2);
+    }
+
+    #[test]
+    fn a_private_copy_reads_the_memfd_keeps_its_writes_and_resets() {
+        let m = GuestMemory::new("t", 4 << 30).unwrap();
+        let (lo, hi) = (GuestAddress(0x3000), GuestAddress(nl_abi::HIGH_RAM_GPA + 8));
+        m.mem().write_obj(7u64, lo).unwrap();
+        let p = m.private_copy().unwrap();
+        assert!(p.is_private() && !m.is_private());
+        assert_eq!(p.mem().read_obj::<u64>(lo).unwrap(), 7);
+        // Its writes stay its own, in both regions.
+        p.mem().write_obj(8u64, lo).unwrap();
+        p.mem().write_obj(9u64, hi).unwrap();
+        assert_eq!(m.mem().read_obj::<u64>(lo).unwrap(), 7);
+        assert_eq!(m.mem().read_obj::<u64>(hi).unwrap(), 0);
+        // The memfd changes under a page it did not write.
+        m.mem().write_obj(10u64, GuestAddress(0x5000)).unwrap();
+        assert_eq!(p.mem().read_obj::<u64>(GuestAddress(0x5000)).unwrap(), 10);
+        // A reset drops its writes: it reads the memfd again.
+        m.mem().write_obj(11u64, lo).unwrap();
+        p.reset_private().unwrap();
+        assert_eq!(p.mem().read_obj::<u64>(lo).unwrap(), 11);
+        assert_eq!(p.mem().read_obj::<u64>(hi).unwrap(), 0);
+        assert!(m.reset_private().is_err(), "shared memory is never reset");
+        assert!(p.window(0, 4096).is_err());
     }
 
     #[test]

@@ -64,3 +64,19 @@ pub fn populate(addr: u64, len: u64) -> io::Result<()> {
     }
     Ok(())
 }
+
+/// Drops the pages of `len` bytes mapped at `addr` (`MADV_DONTNEED`). On a
+/// private file mapping this throws away the mapping's own copies, so the
+/// range reads the file again. Callers pass only ranges of a private copy
+/// they own ([`crate::GuestMemory::reset_private`]).
+pub fn discard(addr: u64, len: usize) -> io::Result<()> {
+    // SAFETY: madvise changes only the page tables of the caller's own
+    // mapping at [addr, addr + len), which stays mapped; no Rust reference
+    // into it is live across the call (guest memory is accessed through
+    // volatile slices), and a private file mapping then reads the file.
+    let r = unsafe { libc::madvise(addr as *mut libc::c_void, len, libc::MADV_DONTNEED) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}

@@ -308,6 +308,7 @@ mod tests {
             disk_bytes: 0,
             lease_ms: 1000,
             linux: None,
+            colo: false,
         }
     }
 

@@ -406,6 +406,9 @@ pub struct BackupConfig {
     pub heartbeat: Duration,
     /// A peer's whole handshake must be done within this (not per byte).
     pub handshake: Duration,
+    /// Runs COLO's secondary VM for a primary that asks for it
+    /// ([`serve_colo`]); a primary that asks without it is refused.
+    pub colo: bool,
 }
 
 /// Default for [`BackupConfig::handshake`].
@@ -427,6 +430,19 @@ pub enum BackupEnd {
         last_heard: Instant,
         /// A Linux VM: how it was booted (from the primary's hello).
         linux: Option<Box<LinuxRecord>>,
+    },
+    /// COLO: the primary is gone and the secondary VM, which ran every
+    /// input the primary's guest received, takes over as it is (running,
+    /// its output still held, its network device on a socket pair: the
+    /// caller gives it the TAP).
+    ActivateSecondary {
+        /// The last epoch the secondary became.
+        epoch: u64,
+        vm: Box<nl_vmm::Vm>,
+        reason: String,
+        detected: Instant,
+        last_heard: Instant,
+        stats: crate::secondary::SecondaryStats,
     },
     /// The primary's VM finished: nothing to take over.
     PrimaryFinished { message: String },
@@ -491,6 +507,11 @@ pub fn check_hello(cfg: &BackupConfig, h: &Hello) -> Result<(), String> {
     if let Some(l) = &h.linux {
         l.check()?;
     }
+    if h.colo && !cfg.colo {
+        return Err("the primary runs COLO (--colo): start the backup with --colo, which runs \
+                    the secondary VM"
+            .into());
+    }
     if h.protocol != PROTOCOL_VERSION {
         return Err(format!(
             "protocol version {} does not match the backup's {PROTOCOL_VERSION}",
@@ -546,6 +567,8 @@ struct Attached {
     session: SessionKey,
     disk: Option<BackupDisk>,
     linux: Option<LinuxRecord>,
+    /// The primary asked for COLO.
+    colo: bool,
 }
 
 /// State shared by the accept and handshake threads.
@@ -592,6 +615,25 @@ pub fn serve_with(
     log: &mut dyn FnMut(String),
     first_copy: &mut FirstCopy,
 ) -> Result<BackupEnd, String> {
+    serve_colo(cfg, log, first_copy, None)
+}
+
+/// Builds COLO's secondary VM (not started) over the memory given, a
+/// [`GuestMemory::private_copy`] of the backup's, with a spare network
+/// device and no disk, for the epoch state given.
+pub type BuildSecondary<'f> = dyn FnMut(GuestMemory, &VmState) -> Result<nl_vmm::Vm, String> + 'f;
+
+/// [`serve_with`], running COLO's secondary VM (built by `secondary`) for
+/// a primary that asks for it: from the first epoch on, the secondary
+/// becomes each committed epoch, runs the primary's forwarded input, and
+/// its output goes to the primary. On the primary's loss it is the
+/// secondary that takes over ([`BackupEnd::ActivateSecondary`]).
+pub fn serve_colo(
+    cfg: &BackupConfig,
+    log: &mut dyn FnMut(String),
+    first_copy: &mut FirstCopy,
+    mut secondary: Option<&mut BuildSecondary<'_>>,
+) -> Result<BackupEnd, String> {
     let listener = TcpListener::bind(cfg.listen)
         .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
     log(format!("backup listening on {}", cfg.listen));
@@ -631,8 +673,10 @@ pub fn serve_with(
                 if let Some(l) = &linux {
                     log(format!("the primary's VM is a Linux VM (command line {:?})", l.cmdline));
                 }
+                let build = if a.colo { secondary.take() } else { None };
                 break rx.and_then(|rx| {
-                    receive(cfg, a.s, a.session, rx, linux, &events, log, first_copy)
+                    let mut r = Receiving { events: &events, log, first_copy, build };
+                    receive(cfg, a.s, a.session, rx, linux, &mut r)
                 });
             }
             Err(_) => break Err("the accept thread ended".into()),
@@ -729,15 +773,16 @@ fn handshake(
             _ => Ok(None),
         };
         let linux = p.hello.linux.as_ref().map(|l| l.record.clone());
-        let r = disk.and_then(|disk| Ok((p.welcome(&mut d, &cfg.key)?, disk, linux)));
+        let colo = p.hello.colo;
+        let r = disk.and_then(|disk| Ok((p.welcome(&mut d, &cfg.key)?, disk, linux, colo)));
         if r.is_err() {
             slot.taken.store(false, Ordering::SeqCst);
         }
         r
     })();
     match r {
-        Ok((session, disk, linux)) => {
-            let _ = tx.send(Event::Attached(Attached { s, peer, session, disk, linux }));
+        Ok((session, disk, linux, colo)) => {
+            let _ = tx.send(Event::Attached(Attached { s, peer, session, disk, linux, colo }));
         }
         Err(why) => {
             let _ = tx.send(Event::Log(format!("refused the peer at {peer}: {why}")));
@@ -748,36 +793,105 @@ fn handshake(
 
 /// Receives the authenticated primary's sealed frames until it is gone,
 /// finishes, or sends a bad stream.
-#[allow(clippy::too_many_arguments)]
+/// What [`receive`] reports to and calls.
+struct Receiving<'r, 'f, 'b> {
+    events: &'r mpsc::Receiver<Event>,
+    log: &'r mut dyn FnMut(String),
+    first_copy: &'r mut FirstCopy<'f>,
+    /// COLO: builds the secondary (the primary asked for COLO).
+    build: Option<&'r mut BuildSecondary<'b>>,
+}
+
+/// What the receive loop takes in: the primary's frames, each with its
+/// payload's CRC.
+type Got = Result<(Frame, u32), ProtoError>;
+
+fn sealed(seal: &std::sync::Mutex<Sealer>) -> std::sync::MutexGuard<'_, Sealer> {
+    seal.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Where the secondary's output goes: a thread of its own seals each frame
+/// and sends it to the primary under the backup's lock. The secondary's
+/// vCPU thread only queues it (and drops it when the queue is full, as a
+/// link would): a vCPU blocked on the stream could hold its device, and
+/// with it the receive thread that keeps the stream moving.
+fn colo_sink(
+    s: &TcpStream,
+    seal: &Arc<std::sync::Mutex<Sealer>>,
+) -> Result<crate::secondary::OutputSink, String> {
+    let mut s = s.try_clone().map_err(|e| format!("socket: {e}"))?;
+    let seal = seal.clone();
+    let (tx, rx) = mpsc::sync_channel::<(u64, Vec<u8>)>(4096);
+    std::thread::Builder::new()
+        .name("colo-out".into())
+        .spawn(move || {
+            nl_vmm::seccomp::apply(nl_vmm::seccomp::Kind::Replication);
+            while let Ok((g, f)) = rx.recv() {
+                // A failed send shows up as a read error too.
+                let _ = sealed(&seal).write_frame(&mut s, Kind::ColoOut, g, 0, &[&f]);
+            }
+        })
+        .map_err(|e| format!("cannot start the secondary's output thread: {e}"))?;
+    Ok(Box::new(move |g, f| {
+        let _ = tx.try_send((g, f.to_vec()));
+    }))
+}
+
 fn receive(
     cfg: &BackupConfig,
     mut s: TcpStream,
     session: SessionKey,
     mut rx: Receiver,
     linux: Option<LinuxRecord>,
-    events: &mpsc::Receiver<Event>,
-    log: &mut dyn FnMut(String),
-    first_copy: &mut FirstCopy,
+    r: &mut Receiving<'_, '_, '_>,
 ) -> Result<BackupEnd, String> {
-    let mut first_copy = Some(first_copy);
+    let (events, log) = (r.events, &mut *r.log);
+    let mut first_copy = Some(&mut *r.first_copy);
+    let mut build = r.build.take();
+    let mut secondary: Option<crate::secondary::Secondary> = None;
     let reader = s.try_clone().map_err(|e| format!("socket: {e}"))?;
     let mut reader = std::io::BufReader::with_capacity(256 << 10, reader);
     let mut open = session.opener(Dir::ToBackup);
-    let mut seal = session.sealer(Dir::ToPrimary);
-    type Got = Result<(Frame, u32), ProtoError>;
-    let (tx, frames) = mpsc::sync_channel::<Got>(64);
+    // Shared with the secondary's output thread, which sends its frames
+    // itself: the lock is held across each write, so frames leave in the
+    // order of their seals.
+    let seal = Arc::new(std::sync::Mutex::new(session.sealer(Dir::ToPrimary)));
+    // The secondary's feed once it runs: the receive thread writes the
+    // primary's input into it as it reads each frame.
+    let feed: Arc<std::sync::Mutex<Option<Arc<crate::secondary::Feed>>>> = Arc::default();
+    let (tx, frames) = mpsc::sync_channel::<Got>(256);
     // Spent payload buffers go back to the reader (no fresh allocation, so
     // no page faults, per frame once warm).
     let (spare_tx, spare_rx) = mpsc::channel::<Vec<u8>>();
+    let feed_rx = feed.clone();
+    // COLO's input never reaches this loop: the receive thread says when it
+    // last read a frame (microseconds since `base`), for the lease.
+    let base = Instant::now();
+    let heard = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let heard_rx = heard.clone();
     std::thread::Builder::new()
         .name("repl-rx".into())
         .spawn(move || {
             nl_vmm::seccomp::apply(nl_vmm::seccomp::Kind::Replication);
+            let mut buf = Vec::new();
             loop {
-                let mut buf = spare_rx.try_recv().unwrap_or_default();
-                let r = open
-                    .read_frame_into(&mut reader, &mut buf)
-                    .map(|(kind, epoch, seq, crc)| (Frame { kind, epoch, seq, payload: buf }, crc));
+                if buf.capacity() == 0 {
+                    buf = spare_rx.try_recv().unwrap_or_default();
+                }
+                let r = open.read_frame_into(&mut reader, &mut buf);
+                if let Ok((Kind::ColoIn, epoch, _, _)) = r {
+                    let us = u64::try_from(base.elapsed().as_micros()).unwrap_or(u64::MAX);
+                    heard_rx.store(us, Ordering::Relaxed);
+                    // Authenticated input for the secondary: fed at once,
+                    // the buffer kept for the next frame.
+                    let f = feed_rx.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                    if let Some(f) = f {
+                        f.input(epoch, &buf);
+                    }
+                    continue;
+                }
+                let payload = std::mem::take(&mut buf);
+                let r = r.map(|(kind, epoch, seq, crc)| (Frame { kind, epoch, seq, payload }, crc));
                 let end = r.is_err();
                 if tx.send(r).is_err() || end {
                     break;
@@ -789,7 +903,11 @@ fn receive(
     let mut last_beat = Instant::now();
     // Activation: only from the last acknowledged epoch, and only once the
     // primary's lease has run out (a closed connection alone is not enough).
-    let gone = |reason: String, rx: Receiver, last_heard: Instant, log: &mut dyn FnMut(String)| {
+    let gone = |reason: String,
+                rx: Receiver,
+                secondary: Option<crate::secondary::Secondary>,
+                last_heard: Instant,
+                log: &mut dyn FnMut(String)| {
         let left = cfg.lease.saturating_sub(last_heard.elapsed());
         if !left.is_zero() && rx.committed().is_some() {
             log(format!(
@@ -799,6 +917,28 @@ fn receive(
             std::thread::sleep(left);
         }
         let detected = Instant::now();
+        if let Some(sec) = secondary {
+            let (epoch, stats) = (rx.committed().map_or(0, |(e, _)| e), sec.stats());
+            match sec.into_vm() {
+                Ok(vm) => {
+                    return BackupEnd::ActivateSecondary {
+                        epoch,
+                        vm: Box::new(vm),
+                        reason,
+                        detected,
+                        last_heard,
+                        stats,
+                    }
+                }
+                // Never from the last epoch instead: the primary released
+                // replies the secondary sent after it.
+                Err(e) => {
+                    return BackupEnd::NothingToActivate {
+                        reason: format!("{reason}; the secondary cannot take over: {e}"),
+                    }
+                }
+            }
+        }
         let broken = rx.disk.as_ref().is_some_and(|d| d.broken);
         match rx.into_committed() {
             Some((epoch, memory, state)) => BackupEnd::Activate {
@@ -831,6 +971,8 @@ fn receive(
         // runs out, whichever comes first: waiting a whole heartbeat after
         // any frame let a partitioned primary be declared gone up to one
         // heartbeat (a tenth of the lease, at most 100 ms) after its lease.
+        let fed = base + Duration::from_micros(heard.load(Ordering::Relaxed));
+        last_heard = last_heard.max(fed);
         let wait = cfg
             .heartbeat
             .saturating_sub(last_beat.elapsed())
@@ -839,11 +981,13 @@ fn receive(
         let got = frames.recv_timeout(wait);
         if last_beat.elapsed() >= cfg.heartbeat {
             // Best effort: a failed heartbeat shows up as a read error too.
-            let _ = seal.write_frame(&mut s, Kind::Heartbeat, 0, 0, &[]);
+            let _ = sealed(&seal).write_frame(&mut s, Kind::Heartbeat, 0, 0, &[]);
             last_beat = Instant::now();
         }
         match got {
             Err(mpsc::RecvTimeoutError::Timeout) => {
+                let fed = base + Duration::from_micros(heard.load(Ordering::Relaxed));
+                last_heard = last_heard.max(fed);
                 if last_heard.elapsed() > cfg.lease {
                     let why = format!(
                         "no frame from the primary for {} ms (lease {} ms)",
@@ -853,19 +997,20 @@ fn receive(
                     // Stop acknowledging before anything else: the primary
                     // can release no more output. If the primary can still
                     // hear us, it learns that we take over and fences itself.
-                    let _ = seal.write_frame(&mut s, Kind::Takeover, 0, 0, &[]);
+                    let _ = sealed(&seal).write_frame(&mut s, Kind::Takeover, 0, 0, &[]);
                     let _ = s.shutdown(std::net::Shutdown::Both);
-                    return Ok(gone(why, rx, last_heard, log));
+                    return Ok(gone(why, rx, secondary, last_heard, log));
                 }
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => {
                 let _ = s.shutdown(std::net::Shutdown::Both);
-                return Ok(gone("receive thread ended".into(), rx, last_heard, log));
+                return Ok(gone("receive thread ended".into(), rx, secondary, last_heard, log));
             }
             Ok(Err(e @ (ProtoError::Closed | ProtoError::Truncated | ProtoError::Io(_)))) => {
                 rx.discard_staging();
                 let _ = s.shutdown(std::net::Shutdown::Both);
-                return Ok(gone(format!("primary connection lost: {e}"), rx, last_heard, log));
+                let why = format!("primary connection lost: {e}");
+                return Ok(gone(why, rx, secondary, last_heard, log));
             }
             Ok(Err(ProtoError::Timeout)) => {}
             Ok(Err(e)) => {
@@ -873,7 +1018,7 @@ fn receive(
                 // the primary's any more. Stand down (never activate).
                 let kept = rx.committed().map(|(e, _)| e);
                 let reason = format!("rejected epoch {}: {e}", rx.expected_epoch());
-                refuse_sealed(&mut s, &mut seal, &reason);
+                refuse_sealed(&mut s, &mut sealed(&seal), &reason);
                 let _ = s.shutdown(std::net::Shutdown::Both);
                 return Ok(BackupEnd::Rejected { reason, kept_epoch: kept });
             }
@@ -881,6 +1026,8 @@ fn receive(
                 last_heard = Instant::now();
                 match f.kind {
                     Kind::Heartbeat => {}
+                    // Fed by the receive thread before the secondary ran.
+                    Kind::ColoIn => {}
                     Kind::Done => {
                         let _ = s.shutdown(std::net::Shutdown::Both);
                         return Ok(BackupEnd::PrimaryFinished {
@@ -888,17 +1035,44 @@ fn receive(
                         });
                     }
                     _ => match rx.on_frame_ack(f, payload_crc, &mut |epoch| {
-                        seal.write_frame(&mut s, Kind::Ack, epoch, 0, &[])
+                        sealed(&seal).write_frame(&mut s, Kind::Ack, epoch, 0, &[])
                     }) {
                         Ok(done) => {
                             for b in rx.take_spare() {
                                 let _ = spare_tx.send(b);
                             }
-                            if done.is_some() {
-                                if let Some(f) = first_copy.take() {
-                                    match rx.committed().map(|(_, b)| VmState::from_bytes(b)) {
-                                        Some(Ok(state)) => f(rx.memory(), &state, linux.as_ref()),
-                                        _ => log("the first epoch's state does not decode".into()),
+                            if let Some(epoch) = done {
+                                let state = rx.committed().map(|(_, b)| VmState::from_bytes(b));
+                                let state = match state {
+                                    Some(Ok(state)) => Some(state),
+                                    _ => {
+                                        log(format!("epoch {epoch}'s state does not decode"));
+                                        None
+                                    }
+                                };
+                                if let (Some(f), Some(st)) = (first_copy.take(), &state) {
+                                    f(rx.memory(), st, linux.as_ref());
+                                }
+                                if let (Some(b), Some(st)) = (build.as_mut(), &state) {
+                                    let sink = colo_sink(&s, &seal)?;
+                                    let r = match secondary.as_mut() {
+                                        Some(sec) => sec.checkpoint(epoch, st),
+                                        None => colo_start(&rx, &mut **b, epoch, st, sink)
+                                            .map(|sec| {
+                                                log(format!("colo: the secondary VM runs from epoch {epoch}"));
+                                                *feed.lock().unwrap_or_else(|p| p.into_inner()) = Some(sec.feed());
+                                                secondary = Some(sec);
+                                            }),
+                                    };
+                                    if let Err(e) = r {
+                                        // Without a secondary nothing matches: the
+                                        // primary releases output by epochs only.
+                                        log(format!(
+                                            "WARNING: colo: {e}; the secondary is stopped"
+                                        ));
+                                        *feed.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                                        secondary = None;
+                                        build = None;
                                     }
                                 }
                             }
@@ -908,12 +1082,12 @@ fn receive(
                             // lost, and that epoch was not acknowledged.
                             let _ = s.shutdown(std::net::Shutdown::Both);
                             let why = format!("cannot acknowledge: {e}");
-                            return Ok(gone(why, rx, last_heard, log));
+                            return Ok(gone(why, rx, secondary, last_heard, log));
                         }
                         Err(e) => {
                             let kept = rx.committed().map(|(e, _)| e);
                             let reason = format!("rejected epoch {}: {e}", rx.expected_epoch());
-                            refuse_sealed(&mut s, &mut seal, &reason);
+                            refuse_sealed(&mut s, &mut sealed(&seal), &reason);
                             let _ = s.shutdown(std::net::Shutdown::Both);
                             return Ok(BackupEnd::Rejected { reason, kept_epoch: kept });
                         }
@@ -922,6 +1096,20 @@ fn receive(
             }
         }
     }
+}
+
+/// Builds and starts COLO's secondary over a private copy of the backup's
+/// memory, from committed epoch `epoch`.
+fn colo_start(
+    rx: &Receiver,
+    build: &mut BuildSecondary,
+    epoch: u64,
+    state: &VmState,
+    sink: crate::secondary::OutputSink,
+) -> Result<crate::secondary::Secondary, String> {
+    let mem = rx.memory().private_copy().map_err(|e| e.to_string())?;
+    let vm = build(mem, state)?;
+    crate::secondary::Secondary::start(vm, epoch, state, sink)
 }
 
 #[cfg(test)]
@@ -1146,6 +1334,7 @@ mod tests {
             lease: Duration::from_secs(1),
             heartbeat: Duration::from_millis(100),
             handshake: HANDSHAKE_TIME,
+            colo: false,
         }
     }
 
@@ -1159,6 +1348,7 @@ mod tests {
             disk_bytes: 0,
             lease_ms: 1000,
             linux: None,
+            colo: false,
         }
     }
 
@@ -1325,6 +1515,7 @@ mod serve_tests {
             lease: Duration::from_millis(lease_ms),
             heartbeat: Duration::from_millis(20),
             handshake,
+            colo: false,
         };
         let (tx, logs) = mpsc::channel();
         let end = std::thread::spawn(move || {
@@ -1361,6 +1552,7 @@ mod serve_tests {
             disk_bytes: 0,
             lease_ms: 100, // at most every test backup's lease
             linux: None,
+            colo: false,
         }
     }
 

@@ -345,6 +345,95 @@ impl<T> Comparator<T> {
     }
 }
 
+/// COLO's counts on the primary, for its report.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct ColoStats {
+    /// Frames released because the secondary sent the same.
+    pub matched: u64,
+    /// Frames released by an epoch (held when it was taken).
+    pub released_by_epoch: u64,
+    /// Epochs taken because the two VMs' outputs differed, because a frame
+    /// waited too long for the secondary's, or because the timer ran out.
+    pub divergences: u64,
+    pub timeouts: u64,
+    pub periodic: u64,
+    /// Frames the secondary sent that were compared, and those from
+    /// before the last epoch (dropped unread).
+    pub secondary_frames: u64,
+    pub stale_secondary: u64,
+    /// Frames the primary's guest received, forwarded to the secondary.
+    pub forwarded: u64,
+    /// How long a matched frame waited for the secondary's (ms).
+    pub match_wait_ms_avg: f64,
+    pub match_wait_ms_max: f64,
+}
+
+/// The primary's side of COLO: the frames its guest sent, held until the
+/// secondary sent the same or an epoch is taken.
+#[derive(Default)]
+pub struct Outbox {
+    cmp: Comparator<u64>,
+    frames: HashMap<u64, (Vec<u8>, Instant)>,
+    next: u64,
+    pub stats: ColoStats,
+    wait_sum: f64,
+}
+
+impl Outbox {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn take(&mut self, tags: Vec<u64>, now: Instant) -> Vec<Vec<u8>> {
+        let mut out = Vec::with_capacity(tags.len());
+        for t in tags {
+            if let Some((f, since)) = self.frames.remove(&t) {
+                let w = now.saturating_duration_since(since).as_secs_f64() * 1e3;
+                self.stats.matched += 1;
+                self.wait_sum += w;
+                self.stats.match_wait_ms_max = self.stats.match_wait_ms_max.max(w);
+                self.stats.match_wait_ms_avg = self.wait_sum / self.stats.matched as f64;
+                out.push(f);
+            }
+        }
+        out
+    }
+
+    /// A frame the primary's guest sent: held. Returns the frames that may
+    /// leave now, in order; `Err` when the two VMs differ.
+    pub fn primary(&mut self, frame: Vec<u8>, now: Instant) -> Result<Vec<Vec<u8>>, Divergence> {
+        let tag = self.next;
+        self.next += 1;
+        let r = self.cmp.primary(&frame, tag, now);
+        self.frames.insert(tag, (frame, now));
+        r.map(|tags| self.take(tags, now))
+    }
+
+    /// A frame the secondary sent. Returns the frames that may leave now.
+    pub fn secondary(&mut self, frame: &[u8], now: Instant) -> Result<Vec<Vec<u8>>, Divergence> {
+        self.stats.secondary_frames += 1;
+        self.cmp.secondary(frame).map(|tags| self.take(tags, now))
+    }
+
+    /// When the oldest frame still held was sent.
+    pub fn oldest(&self) -> Option<Instant> {
+        self.cmp.oldest_held()
+    }
+
+    /// An epoch was taken: every frame held leaves with it (in the order
+    /// sent), ahead of `more` (the frames the device held since).
+    pub fn checkpointed(&mut self, more: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
+        let mut tags = self.cmp.checkpointed();
+        tags.sort_unstable();
+        let mut out: Vec<Vec<u8>> =
+            tags.iter().filter_map(|t| self.frames.remove(t).map(|(f, _)| f)).collect();
+        self.frames.clear();
+        self.stats.released_by_epoch += (out.len() + more.len()) as u64;
+        out.extend(more);
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -399,6 +488,37 @@ mod tests {
         t[14..16].copy_from_slice(&window.to_be_bytes());
         t[20..].copy_from_slice(payload);
         f
+    }
+
+    /// The primary's side: a frame leaves (its bytes, as the primary's
+    /// guest sent them) once the secondary sent its match; what is still
+    /// held at an epoch leaves with it, in the order sent and ahead of the
+    /// device's frames; the counts say which way each left.
+    #[test]
+    fn the_outbox_releases_matched_frames_and_the_rest_at_an_epoch() {
+        let t0 = Instant::now();
+        let mut o = Outbox::new();
+        let a = tcp(1001, Some(20), "", b"value=1\n", 1, 512);
+        let b = tcp(1009, Some(40), "", b"value=2\n", 2, 512);
+        let c = tcp(1017, Some(60), "", b"value=3\n", 3, 512);
+        assert!(o.primary(a.clone(), t0).unwrap().is_empty());
+        assert!(o.primary(b.clone(), t0).unwrap().is_empty());
+        assert!(o.primary(c.clone(), t0).unwrap().is_empty());
+        assert_eq!(o.oldest(), Some(t0));
+        // The secondary's copy of `a` (its own IP id and window).
+        let later = t0 + std::time::Duration::from_millis(2);
+        let out = o.secondary(&tcp(1001, Some(20), "", b"value=1\n", 77, 4096), later).unwrap();
+        assert_eq!(out, vec![a], "the primary's own bytes leave");
+        assert_eq!(o.stats.matched, 1);
+        assert!((o.stats.match_wait_ms_avg - 2.0).abs() < 1e-6);
+        // A different reply at `b`'s sequence number: the VMs differ.
+        assert!(o.secondary(&tcp(1009, Some(40), "", b"value=9\n", 78, 4096), later).is_err());
+        // The epoch releases b and c, then the device's frame.
+        let d = vec![9u8; 60];
+        assert_eq!(o.checkpointed(vec![d.clone()]), vec![b, c, d]);
+        assert_eq!(o.stats.released_by_epoch, 3);
+        assert_eq!(o.oldest(), None);
+        assert!(o.checkpointed(Vec::new()).is_empty(), "nothing is released twice");
     }
 
     /// The same stream from both VMs, with different windows and IP ids and

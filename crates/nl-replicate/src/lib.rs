@@ -10,6 +10,9 @@
 //!   ack, then release the epoch's network output (output commit).
 //! * [`backup`]: stages each epoch and applies it only when complete and
 //!   verified; heartbeats; decides when the primary is gone.
+//! * [`colo`] and [`secondary`]: COLO (`--colo`): a secondary VM on the
+//!   backup runs on the primary's input, and a reply leaves as soon as the
+//!   secondary sent the same; a checkpoint only when they differ.
 //!
 //! Split brain: the primary releases output only for epochs the backup
 //! acknowledged, and the backup stops acknowledging before it activates.
@@ -29,3 +32,4 @@ mod predict;
 pub mod primary;
 pub mod protocol;
 mod ram;
+pub mod secondary;

@@ -102,9 +102,33 @@ pub struct Options {
     /// with this host's unit costs (`compare::Auto`). Needs `selective`.
     #[serde(default)]
     pub auto_capture: bool,
+    /// COLO (QEMU's coarse-grained lock-stepping): the backup runs a
+    /// secondary VM on the primary's input, and a frame leaves as soon as
+    /// the secondary sent the same ([`crate::colo`]); an epoch is taken only
+    /// when the two differ, when a frame waited [`Options::colo_timeout_ms`],
+    /// or when the epoch timer runs out. Synchronous epochs only; not for a
+    /// VM with a disk or a Linux VM.
+    #[serde(default)]
+    pub colo: bool,
+    /// COLO: the longest a frame waits for the secondary's before an epoch
+    /// is taken (which releases it).
+    #[serde(default)]
+    pub colo_timeout_ms: u64,
+    /// COLO: an epoch at least this often (in place of the epoch length),
+    /// to bound what an epoch carries and how far the secondary's private
+    /// copy drifts from the backup's memory.
+    #[serde(default)]
+    pub colo_period_ms: u64,
 }
 
 impl Options {
+    /// [`Options::colo_timeout_ms`] unless set.
+    pub const COLO_TIMEOUT_MS: u64 = 10;
+    /// [`Options::colo_period_ms`] unless set: kv at 8 connections ran
+    /// 4.1 to 4.2k ops/s with an epoch every 20 ms, 4.8 to 5.0k every 100 ms
+    /// and 5.2 to 5.3k every 500 ms (docs/performance.md, COLO).
+    pub const COLO_PERIOD_MS: u64 = 1000;
+
     /// The defaults: selective re-protection and write-fault prediction
     /// (which turns itself off while its guesses are wrong), epochs shipped
     /// by the epoch loop itself (no pipeline: at 20 ms epochs the pipelined
@@ -125,6 +149,9 @@ impl Options {
             histase: false,
             compare: false,
             auto_capture: true,
+            colo: false,
+            colo_timeout_ms: Self::COLO_TIMEOUT_MS,
+            colo_period_ms: Self::COLO_PERIOD_MS,
         }
     }
 
@@ -156,6 +183,9 @@ impl Options {
             histase: false,
             compare: false,
             auto_capture: false,
+            colo: false,
+            colo_timeout_ms: Self::COLO_TIMEOUT_MS,
+            colo_period_ms: Self::COLO_PERIOD_MS,
         }
     }
 }
@@ -270,6 +300,9 @@ pub struct PrimaryReport {
     pub compare_ms_avg: Option<f64>,
     /// `--auto-capture`: epochs on each capture and switches.
     pub auto_capture: Option<AutoStats>,
+    /// `--colo`: frames released by the comparison and by epochs, and why
+    /// epochs were taken.
+    pub colo: Option<crate::colo::ColoStats>,
     /// Set when the backup was lost: why, and whether the primary went on
     /// unprotected or fenced itself.
     pub backup_lost: Option<String>,
@@ -293,6 +326,9 @@ struct Conn {
     /// Seals the frames to the backup (the session's counter for them).
     seal: Sealer,
     frames: mpsc::Receiver<Result<Frame, ProtoError>>,
+    /// Signalled after each frame the reader thread passes on (COLO waits
+    /// for the secondary's output on it).
+    arrived: EventFd,
     last_heard: Instant,
 }
 
@@ -308,6 +344,7 @@ fn connect(cfg: &PrimaryConfig, vm: &Vm) -> Result<Conn, String> {
         disk_bytes: vm.disk_sectors().unwrap_or(0) * SECTOR,
         lease_ms: u64::try_from(cfg.lease.as_millis()).unwrap_or(u64::MAX),
         linux: vm.linux_record().map(LinuxHello::of),
+        colo: cfg.opts.colo,
     };
     // The whole handshake within two leases (a slow peer cannot hold the
     // primary longer, e.g. when it attaches a backup again mid-run).
@@ -323,7 +360,13 @@ impl Conn {
     fn new(s: TcpStream, session: &SessionKey) -> Result<Conn, String> {
         let mut reader = s.try_clone().map_err(|e| e.to_string())?;
         let mut open = session.opener(Dir::ToPrimary);
-        let (tx, frames) = mpsc::sync_channel(64);
+        // Unbounded: this thread must always read the stream (COLO's
+        // output arrives while the epoch loop sends an epoch, and a backup
+        // blocked on a full stream would stop reading ours).
+        let (tx, frames) = mpsc::channel();
+        let arrived = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
+            .map_err(|e| format!("cannot create an eventfd: {e}"))?;
+        let poke = arrived.try_clone().map_err(|e| format!("cannot clone an eventfd: {e}"))?;
         std::thread::Builder::new()
             .name("repl-acks".into())
             .spawn(move || {
@@ -334,10 +377,17 @@ impl Conn {
                     if tx.send(r).is_err() || end {
                         break;
                     }
+                    let _ = poke.write(1);
                 }
             })
             .map_err(|e| format!("cannot start the ack thread: {e}"))?;
-        Ok(Conn { s, seal: session.sealer(Dir::ToBackup), frames, last_heard: Instant::now() })
+        Ok(Conn {
+            s,
+            seal: session.sealer(Dir::ToBackup),
+            frames,
+            arrived,
+            last_heard: Instant::now(),
+        })
     }
 }
 
@@ -450,35 +500,46 @@ fn wait_ack(c: &mut Conn, epoch: u64, lease: Duration) -> Result<(), Lost> {
             Err(mpsc::RecvTimeoutError::Disconnected) => {
                 return Err(Lost::Definitive("the ack thread ended".into()))
             }
-            Ok(Ok(f)) => {
-                c.last_heard = Instant::now();
-                match f.kind {
-                    Kind::Ack if f.epoch == epoch => return Ok(()),
-                    Kind::Ack | Kind::Heartbeat => {}
-                    Kind::Takeover => {
-                        return Err(Lost::Silent("the backup announced that it takes over".into()))
-                    }
-                    Kind::Refuse => {
-                        return Err(Lost::Definitive(format!(
-                            "the backup refused the stream: {}",
-                            String::from_utf8_lossy(&f.payload)
-                        )))
-                    }
-                    k => return Err(Lost::Definitive(format!("unexpected {k:?} from the backup"))),
-                }
-            }
-            Ok(Err(ProtoError::Timeout)) => {}
-            Ok(Err(e @ ProtoError::Auth { .. })) => {
-                // Not the backup's frame (forged, replayed or modified on the
-                // way): the backup itself may be alive and may take over, so
-                // this is no proof that it is gone.
-                return Err(Lost::Silent(format!("a frame from the backup: {e}")));
-            }
-            Ok(Err(e @ (ProtoError::Bad(_) | ProtoError::Version { .. }))) => {
-                return Err(Lost::Definitive(format!("bad frame from the backup: {e}")))
-            }
-            Ok(Err(e)) => return Err(Lost::Definitive(format!("backup connection: {e}"))),
+            Ok(r) => match heard(c, r)? {
+                Some(f) if f.kind == Kind::Ack && f.epoch == epoch => return Ok(()),
+                // An older epoch's ack, or the secondary's output from before
+                // this epoch (stale).
+                Some(_) | None => {}
+            },
         }
+    }
+}
+
+/// A frame from the backup's stream, or why the backup is lost: `None` for
+/// what needs nothing more (a heartbeat, an older ack, a read timeout).
+fn heard(c: &mut Conn, r: Result<Frame, ProtoError>) -> Result<Option<Frame>, Lost> {
+    match r {
+        Ok(f) => {
+            c.last_heard = Instant::now();
+            match f.kind {
+                Kind::Ack | Kind::ColoOut => Ok(Some(f)),
+                Kind::Heartbeat => Ok(None),
+                Kind::Takeover => {
+                    Err(Lost::Silent("the backup announced that it takes over".into()))
+                }
+                Kind::Refuse => Err(Lost::Definitive(format!(
+                    "the backup refused the stream: {}",
+                    String::from_utf8_lossy(&f.payload)
+                ))),
+                k => Err(Lost::Definitive(format!("unexpected {k:?} from the backup"))),
+            }
+        }
+        Err(ProtoError::Timeout) => Ok(None),
+        Err(e @ ProtoError::Auth { .. }) => {
+            // Not the backup's frame (forged, replayed or modified on the
+            // way): the backup itself may be alive and may take over, so
+            // this is no proof that it is gone.
+            Err(Lost::Silent(format!("a frame from the backup: {e}")))
+        }
+        Err(e @ (ProtoError::Bad(_) | ProtoError::Version { .. })) => {
+            Err(Lost::Definitive(format!("bad frame from the backup: {e}")))
+        }
+        Err(e) => Err(Lost::Definitive(format!("backup connection: {e}"))),
     }
 }
 
@@ -863,14 +924,14 @@ fn sender(
 
 /// Waits for the network device to hold a frame (its output eventfd),
 /// so an output-triggered epoch ends as soon as output waits.
-struct OutputWait {
+pub(crate) struct OutputWait {
     epoll: Epoll,
     event: EventFd,
 }
 
 impl OutputWait {
     /// `None` for a VM without a network device.
-    fn new(vm: &Vm) -> std::io::Result<Option<OutputWait>> {
+    pub(crate) fn new(vm: &Vm) -> std::io::Result<Option<OutputWait>> {
         let Some(event) = vm.net_output_event().transpose()? else { return Ok(None) };
         let epoll = Epoll::new()?;
         epoll.ctl(ControlOperation::Add, event.as_raw_fd(), EpollEvent::new(EventSet::IN, 0))?;
@@ -880,7 +941,7 @@ impl OutputWait {
     /// Returns once a frame was held since the last return, or after
     /// `timeout` (rounded up to a millisecond); errors and interruptions
     /// are a return too (the caller looks again).
-    fn wait(&self, timeout: Duration) {
+    pub(crate) fn wait(&self, timeout: Duration) {
         let ms = i32::try_from(timeout.as_micros().div_ceil(1000)).unwrap_or(i32::MAX);
         let mut ev = [EpollEvent::default()];
         if let Ok(1) = self.epoll.wait(ms, &mut ev) {
@@ -968,6 +1029,8 @@ pub struct Primary<'a> {
     histase: Option<Histase>,
     compare: Option<Compare>,
     auto: Option<crate::compare::Auto>,
+    /// `--colo`: the frames held for the secondary's.
+    colo: Option<crate::colo::Outbox>,
     /// Pages per millisecond the last boundary collected (guest- and
     /// VMM-written, over the time since the boundary before, at least the
     /// spacing): decides
@@ -993,6 +1056,7 @@ impl<'a> Primary<'a> {
             histase: None,
             compare: None,
             auto: None,
+            colo: None,
             last_rate: 0.0,
         }
     }
@@ -1056,6 +1120,24 @@ impl<'a> Primary<'a> {
             }
             vm.set_dirty_logging(true).map_err(|e| e.to_string())?;
         }
+        if self.cfg.opts.colo {
+            if self.cfg.opts.pipeline > 0 {
+                return Err("--colo takes synchronous epochs: not with --pipeline".into());
+            }
+            if vm.disk_sectors().is_some() {
+                return Err("--colo compares network output only: not for a VM with a disk".into());
+            }
+            if vm.linux_record().is_some() {
+                return Err("--colo needs the reference guest (its network stack's seed is in \
+                            guest memory): not for a Linux VM"
+                    .into());
+            }
+            if vm.net_output_event().is_none() {
+                return Err("--colo compares network output: the VM has no network device".into());
+            }
+            vm.copy_net_input(true);
+            self.colo = Some(crate::colo::Outbox::new());
+        }
         vm.track_vmm_writes(true);
         if conn.is_some() {
             vm.hold_net_output(true);
@@ -1107,11 +1189,11 @@ impl<'a> Primary<'a> {
             }
         };
         let start = Instant::now();
-        let mut next = Instant::now() + self.cfg.epoch;
+        let mut next = Instant::now() + self.interval();
         let mut last = Instant::now();
         let spacing = Duration::from_millis(self.cfg.opts.output_epoch_ms);
         let mut seen = None;
-        let waiter = match self.cfg.opts.output_epochs {
+        let waiter = match self.cfg.opts.output_epochs && self.colo.is_none() {
             false => None,
             true => OutputWait::new(vm).unwrap_or_else(|e| {
                 (self.log)(format!(
@@ -1129,6 +1211,15 @@ impl<'a> Primary<'a> {
                 false => Duration::ZERO,
             };
             let mut spaced = false;
+            if let (Some(_), Link::Sync(c)) = (&self.colo, &mut link) {
+                if let Err(f) = self.colo_wait(c, next) {
+                    let _ = self.close(std::mem::replace(&mut link, Link::Down));
+                    if self.lost(f) {
+                        return Ok(None);
+                    }
+                }
+                next = Instant::now();
+            }
             loop {
                 let now = Instant::now();
                 if now >= next {
@@ -1161,7 +1252,7 @@ impl<'a> Primary<'a> {
             if self.drain(&mut link, true) {
                 return Ok(None);
             }
-            next = Instant::now() + self.cfg.epoch;
+            next = Instant::now() + self.interval();
             last = Instant::now();
             if matches!(link, Link::Down) && self.cfg.reattach && !self.rep.fenced {
                 link = self.try_reattach(sc);
@@ -1407,6 +1498,7 @@ impl<'a> Primary<'a> {
             r.prediction_gate = Some(p.gate.stats);
         }
         r.auto_capture = self.auto.as_ref().map(|a| a.stats());
+        r.colo = self.colo.as_ref().map(|c| c.stats);
         if let Some(c) = self.compare.as_ref().filter(|c| c.scans > 0) {
             r.compared_per_epoch = Some(c.scanned as f64 / c.scans as f64);
             r.compare_ms_avg = Some(c.scan_ms / c.scans as f64);
@@ -1608,6 +1700,122 @@ impl<'a> Primary<'a> {
     }
 
     /// One epoch boundary; the VM is paused on entry and running on return.
+    /// The epoch timer: `--epoch`, or under COLO its period.
+    fn interval(&self) -> Duration {
+        match self.cfg.opts.colo {
+            true => Duration::from_millis(self.cfg.opts.colo_period_ms.max(1)),
+            false => self.cfg.epoch,
+        }
+    }
+
+    /// COLO between epochs: forwards the guest's input to the secondary,
+    /// compares the two VMs' output and releases what matches. Returns when
+    /// an epoch is due: the outputs differ, a frame waited too long, or
+    /// `until` passed.
+    fn colo_wait(&mut self, c: &mut Conn, until: Instant) -> Result<(), Failure> {
+        let vm = self.vm;
+        let k = self.colo.as_mut().expect("called under --colo only");
+        let timeout = Duration::from_millis(self.cfg.opts.colo_timeout_ms.max(1));
+        let fail = |lost| Failure { lost, held: Vec::new() };
+        let io = |e: String| fail(Lost::Definitive(format!("sending input to the backup: {e}")));
+        let epoll = Epoll::new().map_err(|e| io(e.to_string()))?;
+        let dev = vm.net_output_event().transpose().map_err(|e| io(e.to_string()))?;
+        for fd in dev.as_ref().map(|e| e.as_raw_fd()).into_iter().chain([c.arrived.as_raw_fd()]) {
+            epoll
+                .ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, 0))
+                .map_err(|e| io(e.to_string()))?;
+        }
+        let epoch = self.epoch;
+        // Input is the only traffic to the backup between COLO's epochs: an
+        // idle guest's primary says it is alive (the backup's lease).
+        let beat = self.cfg.lease / 4;
+        let mut last_sent = Instant::now();
+        let mut diverged = |k: &mut crate::colo::Outbox, d: crate::colo::Divergence| {
+            k.stats.divergences += 1;
+            if k.stats.divergences <= 3 {
+                (self.log)(format!("colo: epoch {epoch}: the outputs differ: {}", d.0));
+            }
+        };
+        loop {
+            let now = Instant::now();
+            let input = vm.take_net_input();
+            if !input.is_empty() {
+                for f in &input {
+                    c.seal
+                        .write_frame(&mut c.s, Kind::ColoIn, epoch, 0, &[f])
+                        .map_err(|e| io(e.to_string()))?;
+                }
+                k.stats.forwarded += input.len() as u64;
+                last_sent = now;
+            } else if now >= last_sent + beat {
+                c.seal
+                    .write_frame(&mut c.s, Kind::Heartbeat, epoch, 0, &[])
+                    .map_err(|e| io(e.to_string()))?;
+                last_sent = now;
+            }
+            let mut out = Vec::new();
+            for f in vm.take_net_output() {
+                match k.primary(f, now) {
+                    Ok(r) => out.extend(r),
+                    Err(d) => {
+                        vm.release_net_output(&out);
+                        diverged(k, d);
+                        return Ok(());
+                    }
+                }
+            }
+            while let Ok(r) = c.frames.try_recv() {
+                let Some(f) = heard(c, r).map_err(fail)? else { continue };
+                if f.kind != Kind::ColoOut {
+                    continue; // An older epoch's ack.
+                }
+                if f.epoch != epoch {
+                    k.stats.stale_secondary += 1;
+                    continue;
+                }
+                match k.secondary(&f.payload, now) {
+                    Ok(r) => out.extend(r),
+                    Err(d) => {
+                        vm.release_net_output(&out);
+                        diverged(k, d);
+                        return Ok(());
+                    }
+                }
+            }
+            vm.release_net_output(&out);
+            if !out.is_empty() {
+                self.rep.frames_released += out.len() as u64;
+            }
+            let due = k.oldest().map(|h| h + timeout);
+            if due.is_some_and(|d| now >= d) {
+                k.stats.timeouts += 1;
+                return Ok(());
+            }
+            if now >= until {
+                k.stats.periodic += 1;
+                return Ok(());
+            }
+            if c.last_heard.elapsed() > self.cfg.lease {
+                return Ok(()); // The epoch's ack wait says what became of it.
+            }
+            let left = due
+                .map_or(until, |d| d.min(until))
+                .min(last_sent + beat)
+                .saturating_duration_since(now);
+            let ms = i32::try_from(left.as_micros().div_ceil(1000)).unwrap_or(i32::MAX);
+            let mut ev = [EpollEvent::default(); 2];
+            if let Ok(n) = epoll.wait(ms.max(1), &mut ev) {
+                for e in &ev[..n] {
+                    let _ = e.fd(); // Both are eventfds: reset whichever fired.
+                }
+                if let Some(d) = &dev {
+                    let _ = d.read();
+                }
+                let _ = c.arrived.read();
+            }
+        }
+    }
+
     fn boundary(&mut self, link: &mut Link<'_>) -> Result<(), Failure> {
         let vm = self.vm;
         let t0 = Instant::now();
@@ -1671,7 +1879,13 @@ impl<'a> Primary<'a> {
             }
         };
         let held_since = vm.net_output_since();
-        let out = vm.take_net_output();
+        let mut out = vm.take_net_output();
+        if let Some(k) = self.colo.as_mut() {
+            // Input the guest took before this pause is in the epoch: the
+            // secondary gets it by becoming the epoch, not as a frame.
+            let _ = vm.take_net_input();
+            out = k.checkpointed(out);
+        }
         if let Some(h) = held_since.filter(|_| !out.is_empty()) {
             let m = &mut self.sums;
             m.output_epochs += 1;
@@ -1714,18 +1928,27 @@ impl<'a> Primary<'a> {
             }
             let t = Instant::now();
             let mut ds = disk.iter().cloned().map(Ok);
-            let r = send_epoch(
-                &mut c.s,
-                &mut c.seal,
-                epoch,
-                &rr,
-                |g, l| match shadow {
-                    Some(s) => s.slice(g, l),
-                    None => view.slice(g, l),
-                },
-                &mut ds,
-                &state,
-            );
+            let mut send = |mut w: &mut dyn Write, seal: &mut Sealer| {
+                send_epoch(
+                    &mut w,
+                    seal,
+                    epoch,
+                    &rr,
+                    |g, l| match shadow {
+                        Some(s) => s.slice(g, l),
+                        None => view.slice(g, l),
+                    },
+                    &mut ds,
+                    &state,
+                )
+            };
+            let r = if self.die.is_some_and(|d| Instant::now() >= d) {
+                // The kill campaign's mid-send kill, half-way through.
+                let half = (pages.len() * PAGE + state.len()) / 2 + HEADER_BYTES;
+                send(&mut DieAfter { w: &mut c.s, left: half }, &mut c.seal)
+            } else {
+                send(&mut c.s, &mut c.seal)
+            };
             if from_shadow {
                 self.sums.send_after += ms(t.elapsed());
             } else {

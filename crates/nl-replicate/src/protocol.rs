@@ -82,6 +82,15 @@ pub enum Kind {
     Challenge = 11,
     /// Handshake: the primary's proof of the key.
     Auth = 12,
+    /// COLO, primary to backup: a frame the primary's guest received, for
+    /// the secondary VM. Its epoch field is the primary's epoch count when
+    /// the guest received it (the secondary restored from epoch `e - 1`
+    /// takes it).
+    ColoIn = 13,
+    /// COLO, backup to primary: a frame the secondary VM sent, for the
+    /// primary's comparison. Its epoch field is the one the secondary
+    /// runs from, plus one (as [`Kind::ColoIn`]).
+    ColoOut = 14,
 }
 
 impl Kind {
@@ -100,6 +109,8 @@ impl Kind {
             10 => Kind::Disk,
             11 => Kind::Challenge,
             12 => Kind::Auth,
+            13 => Kind::ColoIn,
+            14 => Kind::ColoOut,
             _ => return None,
         })
     }
@@ -414,6 +425,10 @@ pub struct Hello {
     /// or an epoch whose state is not of the VM kind the hello announced.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub linux: Option<LinuxHello>,
+    /// COLO: the primary releases output once the backup's secondary VM
+    /// sent the same; a backup without a secondary refuses it.
+    #[serde(default)]
+    pub colo: bool,
 }
 
 /// Version of [`LinuxHello`]'s record, checked on its own (the record may

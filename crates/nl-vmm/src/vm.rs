@@ -991,6 +991,37 @@ impl Vm {
         self.net.as_ref().and_then(|n| n.lock().device_mut().detach())
     }
 
+    /// Puts `tap` behind the VM's virtio-net device in place of the one it
+    /// has (returned), with the VM paused: the net receive thread, if one
+    /// runs, is started again on the new TAP. COLO's secondary moves from
+    /// its socket pair to the real TAP this way when it takes over.
+    pub fn replace_tap(
+        &self,
+        tap: nl_devices::tap::Tap,
+    ) -> Result<Option<nl_devices::tap::Tap>, VmmError> {
+        let Some(net) = &self.net else {
+            return Err(VmmError::Vm(self.id, "no network device".into()));
+        };
+        if self.started() && !self.is_paused() {
+            return Err(VmmError::Vm(self.id, "pause the VM before replacing its TAP".into()));
+        }
+        // The old thread waits on the old TAP's descriptor: ended first.
+        drop(self.rx.lock().take());
+        let old = {
+            let mut t = net.lock();
+            let old = t.device_mut().detach();
+            t.device_mut().attach(tap);
+            old
+        };
+        if self.rx_irq() && self.started() {
+            let t = crate::netrx::spawn(self.id, net.clone(), self.run.clone()).map_err(|e| {
+                VmmError::Vm(self.id, format!("cannot start the net receive thread: {e}"))
+            })?;
+            *self.rx.lock() = Some(t);
+        }
+        Ok(old)
+    }
+
     /// Puts `tap` behind the VM's virtio-net device (its link comes up);
     /// refused (the TAP handed back) without a device or with a TAP already
     /// behind it.
@@ -1145,6 +1176,41 @@ impl Vm {
     /// network device.
     pub fn net_output_event(&self) -> Option<std::io::Result<vmm_sys_util::eventfd::EventFd>> {
         self.net.as_ref().map(|n| n.lock().device_mut().output_event())
+    }
+
+    /// COLO's secondary: every frame the guest transmits goes to `hook`, on
+    /// the transmitting vCPU thread (`None`: back to the TAP or output
+    /// commit).
+    pub fn set_net_output_hook(&self, hook: Option<nl_devices::virtio::net::OutputHook>) {
+        if let Some(n) = &self.net {
+            n.lock().device_mut().set_output_hook(hook);
+        }
+    }
+
+    /// Moves frames waiting behind the network device into the guest's
+    /// receive buffers now, as the receive thread does once it wakes (not
+    /// while the VM is paused or stopping): COLO's secondary is fed by the
+    /// thread that wrote the frame, one thread wake-up sooner.
+    pub fn service_net_rx(&self) {
+        if let Some(n) = &self.net {
+            let mut t = n.lock();
+            if !self.run.paused() && !self.run.stopping() {
+                t.service(0);
+            }
+        }
+    }
+
+    /// COLO: keeps a copy of each frame the network device delivers to
+    /// the guest (`true`; the output event is signalled for each), or stops.
+    pub fn copy_net_input(&self, on: bool) {
+        if let Some(n) = &self.net {
+            n.lock().device_mut().copy_input(on);
+        }
+    }
+
+    /// The frames delivered to the guest since the last call, in order.
+    pub fn take_net_input(&self) -> Vec<Vec<u8>> {
+        self.net.as_ref().map_or_else(Vec::new, |n| n.lock().device_mut().take_input())
     }
 
     /// Sends held frames to the TAP.

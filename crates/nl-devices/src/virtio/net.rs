@@ -87,7 +87,17 @@ pub struct Net {
     /// Signalled each time a transmitted frame is held: output waits for
     /// its epoch to end (replication's output-triggered epochs).
     output_event: Option<EventFd>,
+    /// COLO: while set, a copy of each frame delivered to the guest waits
+    /// here for the VMM to forward it to the secondary VM (and the output
+    /// event is signalled).
+    input_copies: Option<Vec<Vec<u8>>>,
+    /// COLO's secondary: each transmitted frame goes here (at once, on the
+    /// transmitting thread) instead of to the TAP or the held frames.
+    output_hook: Option<OutputHook>,
 }
+
+/// Where a device with an output hook sends its frames ([`Net::set_output_hook`]).
+pub type OutputHook = Box<dyn FnMut(&[u8]) + Send>;
 
 impl Net {
     pub fn new(tap: Tap, mac: [u8; 6]) -> Self {
@@ -108,6 +118,8 @@ impl Net {
             held: None,
             held_since: None,
             output_event: None,
+            input_copies: None,
+            output_hook: None,
         }
     }
 
@@ -139,6 +151,24 @@ impl Net {
             self.output_event = Some(EventFd::new(EFD_NONBLOCK)?);
         }
         self.output_event.as_ref().expect("made above").try_clone()
+    }
+
+    /// Sends every frame the guest transmits to `hook` from now on, on the
+    /// transmitting thread, instead of to the TAP or the held frames
+    /// (`None`: as before).
+    pub fn set_output_hook(&mut self, hook: Option<OutputHook>) {
+        self.output_hook = hook;
+    }
+
+    /// Keeps a copy of each frame delivered to the guest from now on
+    /// ([`Net::take_input`]), or with `false` stops and drops the copies.
+    pub fn copy_input(&mut self, on: bool) {
+        self.input_copies = on.then(Vec::new);
+    }
+
+    /// The frames delivered to the guest since the last call, in order.
+    pub fn take_input(&mut self) -> Vec<Vec<u8>> {
+        self.input_copies.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     /// Sends frames (held earlier) to the TAP.
@@ -221,7 +251,9 @@ impl Net {
             self.stats.dropped += 1;
             return;
         }
-        if let Some(held) = self.held.as_mut() {
+        if let Some(h) = self.output_hook.as_mut() {
+            h(&frame[NET_HDR_BYTES..]);
+        } else if let Some(held) = self.held.as_mut() {
             held.push(frame[NET_HDR_BYTES..].to_vec());
             self.held_since.get_or_insert_with(Instant::now);
             if let Some(e) = &self.output_event {
@@ -280,6 +312,12 @@ impl Net {
                 self.stats.dropped += 1;
             } else {
                 self.stats.rx_frames += 1;
+                if let Some(c) = self.input_copies.as_mut() {
+                    c.push(frame);
+                    if let Some(e) = &self.output_event {
+                        let _ = e.write(1);
+                    }
+                }
             }
             queue
                 .add_used(mem, head, written as u32)
@@ -615,6 +653,57 @@ mod tests {
             let again = r.t.device_mut().output_event().unwrap();
             assert!(r.transmit(&frame(9, 60)));
             assert_eq!(again.read().unwrap(), 2, "both frames since the last read");
+        }
+
+        /// COLO: with input copied, each frame delivered to the guest (and
+        /// only once it is delivered: not while it waits for a buffer, not a
+        /// frame too big for the buffer) is kept for the VMM, in order, and
+        /// signals the output event.
+        #[test]
+        fn delivered_frames_are_copied_for_the_secondary() {
+            let mut r = rig();
+            let ev = r.t.device_mut().output_event().unwrap();
+            r.t.device_mut().copy_input(true);
+            let (a, b) = (frame(1, 100), frame(2, 120));
+            r.peer.send(&a).unwrap();
+            r.notify(0);
+            assert!(r.t.device_mut().take_input().is_empty(), "not delivered yet");
+            r.post_rx(2048);
+            r.peer.send(&b).unwrap();
+            r.post_rx(2048);
+            assert_eq!(r.t.device_mut().take_input(), vec![a, b.clone()]);
+            assert!(r.t.device_mut().take_input().is_empty(), "taken once");
+            assert_eq!(ev.read().unwrap(), 2, "one signal per frame delivered");
+            // Too big for the buffer: lost for the guest, so not copied.
+            r.peer.send(&frame(3, 300)).unwrap();
+            r.post_rx(64);
+            assert!(r.t.device_mut().take_input().is_empty());
+            r.t.device_mut().copy_input(false);
+            r.peer.send(&b).unwrap();
+            r.post_rx(2048);
+            assert!(r.t.device_mut().take_input().is_empty(), "copying stopped");
+        }
+
+        /// COLO's secondary: with an output hook, each transmitted frame
+        /// goes to the hook, not to the TAP and not to the held frames.
+        #[test]
+        fn an_output_hook_takes_every_transmitted_frame() {
+            let mut r = rig();
+            r.t.device_mut().hold_output(true);
+            let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+            let g = got.clone();
+            r.t.device_mut().set_output_hook(Some(Box::new(move |f: &[u8]| {
+                g.lock().unwrap().push(f.to_vec())
+            })));
+            let (a, b) = (frame(4, 60), frame(5, 70));
+            assert!(r.transmit(&a) && r.transmit(&b));
+            assert_eq!(*got.lock().unwrap(), vec![a, b]);
+            assert_eq!(r.sent(), None, "nothing to the TAP");
+            assert!(r.t.device_mut().take_held().is_empty(), "nothing held");
+            r.t.device_mut().set_output_hook(None);
+            let c = frame(6, 60);
+            assert!(r.transmit(&c));
+            assert_eq!(r.t.device_mut().take_held(), vec![c], "held again without the hook");
         }
 
         #[test]

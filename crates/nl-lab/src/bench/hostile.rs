@@ -640,6 +640,7 @@ fn hello() -> Hello {
         disk_bytes: 0,
         lease_ms: LEASE_MS,
         linux: None,
+        colo: false,
     }
 }
 

@@ -66,6 +66,10 @@ pub struct BenchReplicateArgs {
     /// gone, so most of the gap a client sees across a kill.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(200..))]
     pub kill_lease_ms: u64,
+    /// The kill campaign under COLO (`--colo --net-rx-irq` on the primary,
+    /// `--colo --net-rx-irq` on the backup): the secondary VM takes over.
+    #[arg(long)]
+    pub kill_colo: bool,
     /// Skip the throughput rows (only the kill campaign).
     #[arg(long)]
     pub no_throughput: bool,
@@ -204,6 +208,8 @@ struct Row {
     compare_ms_avg: Option<f64>,
     /// `--auto-capture`: epochs on the log and on the compare, switches.
     auto_capture: serde_json::Value,
+    /// `--colo`: frames released by the comparison and by epochs.
+    colo: serde_json::Value,
 }
 
 /// A row from a primary's report (as JSON: the kv primaries are processes).
@@ -265,6 +271,7 @@ fn row(
         compared_per_epoch: p["compared_per_epoch"].as_f64(),
         compare_ms_avg: p["compare_ms_avg"].as_f64(),
         auto_capture: p["auto_capture"].clone(),
+        colo: p["colo"].clone(),
     }
 }
 
@@ -335,6 +342,18 @@ fn print_row(r: &Row) {
                     ),
                     _ => String::new(),
                 }
+            ),
+            _ => String::new(),
+        } + &match &r.colo {
+            c if c.is_object() => format!(
+                "; colo: {} frames released as matched (waited {:.2} ms on average), {} by \
+                 epochs ({} differed, {} timed out, {} periodic)",
+                c["matched"],
+                c["match_wait_ms_avg"].as_f64().unwrap_or(f64::NAN),
+                c["released_by_epoch"],
+                c["divergences"],
+                c["timeouts"],
+                c["periodic"]
             ),
             _ => String::new(),
         },
@@ -503,6 +522,7 @@ fn replicated(
         lease: Duration::from_secs(2),
         heartbeat: Duration::from_millis(100),
         handshake: HANDSHAKE_TIME,
+        colo: false,
     };
     let backup = std::thread::spawn(move || serve(&cfg, &mut |_| {}));
     // The primary connects once: wait (bounded, 10 s) until the backup
@@ -719,20 +739,16 @@ fn kv_rows(
 fn kv_case(a: &BenchReplicateArgs, t: &Topo, c: &Case, base: f64) -> Result<(Row, bool)> {
     let load = a.duration.max(1.0);
     {
-        let backup = Topo::spawn(
-            &t.b,
-            &[
-                "replicate",
-                "backup",
-                "--listen",
-                "10.9.0.2:7070",
-                "--lease-ms",
-                "2000",
-                "--key-file",
-                t.key.arg(),
-                "--json",
-            ],
-        )?;
+        let mut bargs = vec!["replicate", "backup", "--listen", "10.9.0.2:7070"];
+        bargs.extend(["--lease-ms", "2000", "--key-file", t.key.arg(), "--json"]);
+        // A COLO primary needs a backup that runs the secondary VM, and a
+        // guest taking network interrupts a backup that builds it so.
+        for f in ["--colo", "--net-rx-irq"] {
+            if c.flags.iter().any(|g| g == f) {
+                bargs.push(f);
+            }
+        }
+        let backup = Topo::spawn(&t.b, &bargs)?;
         if !wait_backup_listens(t) {
             bail!("the backup did not listen within 10 s");
         }
@@ -784,6 +800,8 @@ struct Kill {
     prebuilt: Option<bool>,
     /// The backup's takeover phases (its JSON's `takeover`).
     takeover: serde_json::Value,
+    /// COLO: the secondary VM took over (not a VM built from the last epoch).
+    colo_secondary: Option<bool>,
     /// Acknowledged writes the client did not find (GETs during the load and
     /// the read-back after it).
     lost_acked_writes: u64,
@@ -890,6 +908,9 @@ fn rnd(s: &mut u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The flags of `--kill-colo`, for the primary and the backup alike.
+const KILL_COLO: [&str; 2] = ["--colo", "--net-rx-irq"];
+
 /// One kill: kv primary in P, backup in B, kvload in C.
 fn kill_once(t: &Topo, i: u32, a: &BenchReplicateArgs, seed: &mut u64) -> Result<Kill> {
     let load = a.kill_load.max(1.5);
@@ -917,6 +938,7 @@ fn kill_once(t: &Topo, i: u32, a: &BenchReplicateArgs, seed: &mut u64) -> Result
                 "--json",
             ][..],
             if a.no_prebuild { &["--no-prebuild"] } else { &[] },
+            if a.kill_colo { &KILL_COLO } else { &[] },
         ]
         .concat(),
     )?;
@@ -931,6 +953,9 @@ fn kill_once(t: &Topo, i: u32, a: &BenchReplicateArgs, seed: &mut u64) -> Result
     args.extend(["--key-file", t.key.arg()]);
     if mid_send {
         args.extend(["--test-die-mid-send-ms", &die]);
+    }
+    if a.kill_colo {
+        args.extend(KILL_COLO);
     }
     args.extend(KV_NET);
     let mut primary = Topo::spawn(&t.p, &args)?;
@@ -984,6 +1009,7 @@ fn kill_once(t: &Topo, i: u32, a: &BenchReplicateArgs, seed: &mut u64) -> Result
             .map(|(s, t)| s - t),
         prebuilt: bj["prebuilt"].as_bool(),
         takeover: bj["takeover"].clone(),
+        colo_secondary: bj["colo_secondary"].as_bool(),
         lost_acked_writes: lost,
         digest_ok,
         unverified,
@@ -1157,7 +1183,11 @@ pub fn bench(a: BenchReplicateArgs) -> Result<ExitCode> {
                          lost acknowledged writes {}, client gap (longest request) {:.0} ms, {} client errors, \
                          {}{}",
                         k.kind, k.at_ms, if k.activated { "backup took over" } else { "NO TAKEOVER" },
-                        k.epoch, k.takeover_ms.unwrap_or(f64::NAN), describe_takeover(&k.takeover),
+                        k.epoch, k.takeover_ms.unwrap_or(f64::NAN),
+                        match k.colo_secondary {
+                            Some(true) => "the COLO secondary, running, moved to the TAP".into(),
+                            _ => describe_takeover(&k.takeover),
+                        },
                         k.lost_acked_writes,
                         k.client_max_latency_ms, k.client_errors, describe_ping(&k),
                         k.note.as_ref().map_or(String::new(), |n| format!(" ({n})"))
