@@ -832,6 +832,20 @@ fn slow_writers_epochs_end_at_once_when_output_waits_and_only_fast_ones_are_spac
     assert!(spaced >= 1 && 2 * spaced >= triggered, "{spaced} of {triggered} spaced: {p}");
 }
 
+/// `bench replicate`'s kill campaign, 2 kills of 2 s of load, with
+/// `extra` flags: its output and report; `None` (a loud skip) where it
+/// cannot make its namespaces.
+fn two_kills(extra: &[&str]) -> Option<(Output, serde_json::Value)> {
+    let base = ["bench", "replicate", "--no-throughput", "--kills", "2", "--kill-load", "2"];
+    let o = run_cli(&[&base[..], extra, &["--json"]].concat());
+    let j = last_json(&o);
+    if let Some(why) = j["kills_skipped"].as_str() {
+        common::skip(common::Prereq::Netns, why);
+        return None;
+    }
+    Some((o, j))
+}
+
 /// The kill campaign under COLO (`--kill-colo`): the kv primary killed once
 /// mid-epoch and once mid-send; each time it is the backup's secondary VM
 /// that takes over (it ran every input and sent every reply the primary
@@ -842,22 +856,7 @@ fn colo_kills_lose_no_acknowledged_write_because_the_secondary_takes_over() {
     if !kvm_available() {
         return;
     }
-    let o = run_cli(&[
-        "bench",
-        "replicate",
-        "--no-throughput",
-        "--kills",
-        "2",
-        "--kill-load",
-        "2",
-        "--kill-colo",
-        "--json",
-    ]);
-    let j = last_json(&o);
-    if let Some(why) = j["kills_skipped"].as_str() {
-        common::skip(common::Prereq::Netns, why);
-        return;
-    }
+    let Some((o, j)) = two_kills(&["--kill-colo"]) else { return };
     let kills = j["kills"].as_array().expect("kills");
     assert_eq!(kills.len(), 2, "{}", stderr(&o));
     for k in kills {
@@ -884,21 +883,7 @@ fn killed_kv_primaries_lose_no_acknowledged_write_and_pings_are_answered_again()
     if !kvm_available() {
         return;
     }
-    let o = run_cli(&[
-        "bench",
-        "replicate",
-        "--no-throughput",
-        "--kills",
-        "2",
-        "--kill-load",
-        "2",
-        "--json",
-    ]);
-    let j = last_json(&o);
-    if let Some(why) = j["kills_skipped"].as_str() {
-        common::skip(common::Prereq::Netns, why);
-        return;
-    }
+    let Some((o, j)) = two_kills(&[]) else { return };
     let kills = j["kills"].as_array().expect("kills");
     assert_eq!(kills.len(), 2, "{}", stderr(&o));
     assert_eq!(kills[0]["kind"], "mid-epoch");

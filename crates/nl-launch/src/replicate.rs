@@ -853,18 +853,10 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
         }
         return Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE });
     }
-    let started = Instant::now();
-    let outcome = vm.wait(limit);
-    let (digest_ok, ops_per_sec, error) = if outcome == VmOutcome::Completed {
-        verdict(&vm)?
-    } else {
-        (false, 0.0, Some(outcome.message()))
-    };
+    let ((digest_ok, ops_per_sec, error), ran) = run_to_end(&vm, limit)?;
     println!(
-        "took over from epoch {epoch}; ran to the end in {:.0} ms: digest {}{}",
-        started.elapsed().as_secs_f64() * 1e3,
-        if digest_ok { "verified" } else { "NOT verified" },
-        error.as_ref().map_or(String::new(), |e| format!(" ({e})"))
+        "took over from epoch {epoch}; ran to the end in {ran:.0} ms: digest {}",
+        said(digest_ok, &error)
     );
     if a.json {
         println!(
@@ -876,6 +868,25 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
         );
     }
     Ok(if digest_ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// Waits (up to `limit`) for a VM the backup runs to end, and verifies it:
+/// the verdict, and the ms it ran.
+fn run_to_end(vm: &Vm, limit: Duration) -> Result<(Verdict, f64)> {
+    let started = Instant::now();
+    let outcome = vm.wait(limit);
+    let v = if outcome == VmOutcome::Completed {
+        verdict(vm)?
+    } else {
+        (false, 0.0, Some(outcome.message()))
+    };
+    Ok((v, ms_since(started)))
+}
+
+/// "verified", or "NOT verified" and why.
+fn said(digest_ok: bool, error: &Option<String>) -> String {
+    let e = error.as_ref().map_or(String::new(), |e| format!(" ({e})"));
+    format!("{}{e}", if digest_ok { "verified" } else { "NOT verified" })
 }
 
 /// COLO's failover: the secondary VM, which ran every input the primary's
@@ -914,19 +925,11 @@ fn take_over_with_secondary(
          as the VM, {takeover_ms:.1} ms after detection ({:.1} ms to move it to the TAP)",
         ms_since(t)
     );
-    let started = Instant::now();
-    let outcome = vm.wait(Duration::from_secs(600));
-    let (digest_ok, ops_per_sec, error) = if outcome == VmOutcome::Completed {
-        verdict(&vm)?
-    } else {
-        (false, 0.0, Some(outcome.message()))
-    };
+    let ((digest_ok, ops_per_sec, error), ran) = run_to_end(&vm, Duration::from_secs(600))?;
     println!(
-        "the COLO secondary took over (last checkpoint: epoch {epoch}); ran to the end in {:.0} \
-         ms: digest {}{}",
-        started.elapsed().as_secs_f64() * 1e3,
-        if digest_ok { "verified" } else { "NOT verified" },
-        error.as_ref().map_or(String::new(), |e| format!(" ({e})"))
+        "the COLO secondary took over (last checkpoint: epoch {epoch}); ran to the end in \
+         {ran:.0} ms: digest {}",
+        said(digest_ok, &error)
     );
     if a.json {
         println!(
