@@ -1054,10 +1054,12 @@ fn receive(
                                     f(rx.memory(), st, linux.as_ref());
                                 }
                                 if let (Some(b), Some(st)) = (build.as_mut(), &state) {
-                                    let sink = colo_sink(&s, &seal)?;
                                     let r = match secondary.as_mut() {
                                         Some(sec) => sec.checkpoint(epoch, st),
-                                        None => colo_start(&rx, &mut **b, epoch, st, sink)
+                                        None => colo_sink(&s, &seal)
+                                            .and_then(|sink| {
+                                                colo_start(&rx, &mut **b, epoch, st, sink)
+                                            })
                                             .map(|sec| {
                                                 log(format!("colo: the secondary VM runs from epoch {epoch}"));
                                                 *feed.lock().unwrap_or_else(|p| p.into_inner()) = Some(sec.feed());
