@@ -421,13 +421,13 @@ impl Outbox {
     }
 
     /// An epoch was taken: every frame held leaves with it (in the order
-    /// sent), ahead of `more` (the frames the device held since).
+    /// sent, a frame that diverged included), ahead of `more` (the frames
+    /// the device held since).
     pub fn checkpointed(&mut self, more: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
-        let mut tags = self.cmp.checkpointed();
-        tags.sort_unstable();
-        let mut out: Vec<Vec<u8>> =
-            tags.iter().filter_map(|t| self.frames.remove(t).map(|(f, _)| f)).collect();
-        self.frames.clear();
+        self.cmp.checkpointed();
+        let mut held: Vec<(u64, Vec<u8>)> = self.frames.drain().map(|(t, (f, _))| (t, f)).collect();
+        held.sort_unstable_by_key(|h| h.0);
+        let mut out: Vec<Vec<u8>> = held.into_iter().map(|(_, f)| f).collect();
         self.stats.released_by_epoch += (out.len() + more.len()) as u64;
         out.extend(more);
         out
@@ -519,6 +519,13 @@ mod tests {
         assert_eq!(o.stats.released_by_epoch, 3);
         assert_eq!(o.oldest(), None);
         assert!(o.checkpointed(Vec::new()).is_empty(), "nothing is released twice");
+        // The secondary sent other bytes where the primary's frame goes:
+        // that frame differs, and is held all the same for the epoch.
+        let mut o = Outbox::new();
+        assert!(o.secondary(&tcp(1001, Some(20), "", b"value=8\n", 79, 4096), t0).is_ok());
+        let e = tcp(1001, Some(20), "", b"value=4\n", 4, 512);
+        assert!(o.primary(e.clone(), t0).is_err());
+        assert_eq!(o.checkpointed(Vec::new()), vec![e]);
     }
 
     /// The same stream from both VMs, with different windows and IP ids and

@@ -1754,15 +1754,19 @@ impl<'a> Primary<'a> {
                 last_sent = now;
             }
             let mut out = Vec::new();
+            let mut differ = None;
             for f in vm.take_net_output() {
+                // Every frame is held, the one that differs and those after
+                // it too: the epoch about to be taken releases them.
                 match k.primary(f, now) {
                     Ok(r) => out.extend(r),
-                    Err(d) => {
-                        vm.release_net_output(&out);
-                        diverged(k, d);
-                        return Ok(());
-                    }
+                    Err(d) => differ = differ.or(Some(d)),
                 }
+            }
+            if let Some(d) = differ {
+                vm.release_net_output(&out);
+                diverged(k, d);
+                return Ok(());
             }
             while let Ok(r) = c.frames.try_recv() {
                 let Some(f) = heard(c, r).map_err(fail)? else { continue };
@@ -1804,10 +1808,8 @@ impl<'a> Primary<'a> {
                 .saturating_duration_since(now);
             let ms = i32::try_from(left.as_micros().div_ceil(1000)).unwrap_or(i32::MAX);
             let mut ev = [EpollEvent::default(); 2];
-            if let Ok(n) = epoll.wait(ms.max(1), &mut ev) {
-                for e in &ev[..n] {
-                    let _ = e.fd(); // Both are eventfds: reset whichever fired.
-                }
+            if epoll.wait(ms.max(1), &mut ev).is_ok_and(|n| n > 0) {
+                // Both are eventfds: reset them (non-blocking).
                 if let Some(d) = &dev {
                     let _ = d.read();
                 }
