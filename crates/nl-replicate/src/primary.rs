@@ -126,7 +126,8 @@ impl Options {
     pub const COLO_TIMEOUT_MS: u64 = 10;
     /// [`Options::colo_period_ms`] unless set: kv at 8 connections ran
     /// 4.1 to 4.2k ops/s with an epoch every 20 ms, 4.8 to 5.0k every 100 ms
-    /// and 5.2 to 5.3k every 500 ms (docs/performance.md, COLO).
+    /// and 5.2 to 5.3k every 500 ms, in one stage of the data path
+    /// (docs/performance.md, "COLO for kv: built and measured").
     pub const COLO_PERIOD_MS: u64 = 1000;
 
     /// The defaults: selective re-protection and write-fault prediction
