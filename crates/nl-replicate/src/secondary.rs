@@ -5,19 +5,22 @@
 //! ([`crate::colo::Comparator`]), without waiting for an epoch.
 //!
 //! * **Input.** The primary forwards each frame its guest received
-//!   ([`crate::protocol::Kind::ColoIn`]). The secondary's network device
-//!   reads them from a socket pair whose other end this module writes
-//!   ([`nl_devices::tap::Tap::over_socket`]).
-//! * **Output.** The secondary's device holds every frame its guest sends
-//!   (it never reaches a network); a thread takes them as they come and
-//!   hands them, tagged with the secondary's generation, to the backup's
-//!   loop, which sends them to the primary ([`crate::protocol::Kind::ColoOut`]).
+//!   ([`crate::protocol::Kind::ColoIn`]). The backup's receive thread
+//!   writes it into a socket pair that stands in for the secondary's TAP
+//!   ([`nl_devices::tap::Tap::over_socket`]) and moves it into the guest's
+//!   receive buffers at once ([`Feed::input`]).
+//! * **Output.** Every frame the secondary's guest sends goes to an output
+//!   hook on its vCPU thread (it never reaches a network), tagged with the
+//!   secondary's generation; the backup queues it for a thread that sends
+//!   it to the primary ([`crate::protocol::Kind::ColoOut`]).
 //! * **Checkpoints.** When the backup commits an epoch, the secondary
 //!   becomes that epoch again: paused, its own writes dropped
-//!   ([`GuestMemory::reset_private`]), its state loaded, input and output
-//!   still in flight thrown away, and its generation moved on, so that
-//!   output from before the reset is never compared with the primary's
-//!   output after it.
+//!   ([`GuestMemory::reset_private`]), its state loaded, input still in
+//!   flight thrown away, and its generation moved on, so that input and
+//!   output from before the reset are never taken for what follows it.
+//!
+//! [`GuestMemory::private_copy`]: nl_memory::GuestMemory::private_copy
+//! [`GuestMemory::reset_private`]: nl_memory::GuestMemory::reset_private
 //! * **Failover.** The secondary has run every input the primary's guest
 //!   received and sent every reply the primary released, so it, not the
 //!   last checkpoint, is what takes over ([`Secondary::into_vm`]).
