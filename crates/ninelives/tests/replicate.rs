@@ -799,6 +799,31 @@ fn colo_releases_the_replies_the_secondary_vm_sent_too() {
     assert!(c["forwarded"].as_u64().unwrap_or(0) >= ops, "{p}");
 }
 
+/// COLO after its outputs differ: the backup flips a payload byte in every
+/// 5th frame with payload its secondary sends (a hidden test flag), so the
+/// two VMs' outputs differ again and again. Each time the primary takes an
+/// epoch, which releases what it held, and the secondary becomes that epoch
+/// (reset, reloaded) and matches again: kvload verifies every reply, the
+/// primary counted the differences, and still released more frames as
+/// matched than by epochs. Counted, not timed.
+#[test]
+fn colo_takes_an_epoch_when_the_outputs_differ_and_matches_again_after_it() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(pair) = Pair::new("cd") else { return };
+    let colo = ["--colo", "--net-rx-irq"];
+    let backup = ["--colo", "--net-rx-irq", "--test-colo-perturb", "5"];
+    let (k, p) = kv_with_5s_epochs_and_backup(&pair, "nlcdtap0", &colo, &backup);
+    assert_eq!(k["ok"], true, "kvload: {k}\nprimary: {p}");
+    let c = &p["colo"];
+    let differed = c["divergences"].as_u64().expect("the primary's COLO counts");
+    let matched = c["matched"].as_u64().unwrap_or(0);
+    let by_epoch = c["released_by_epoch"].as_u64().unwrap_or(0);
+    assert!(differed >= 3, "the outputs differed {differed} times: {p}");
+    assert!(matched > by_epoch, "{matched} matched, {by_epoch} released by epochs: {p}");
+}
+
 /// The rule of output-triggered epochs, counted, not timed: with a spacing
 /// of 300 ms (`--output-epoch-ms 300`) that applies only while the guest
 /// dirties more than 128 pages per millisecond, kv's epochs (a few pages per

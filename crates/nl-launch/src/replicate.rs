@@ -225,6 +225,10 @@ pub struct BackupArgs {
     /// copy of this backup's memory; on the primary's loss it is what takes over).
     #[arg(long, conflicts_with_all = ["next_backup"])]
     pub colo: bool,
+    /// A test of COLO's divergences: every Nth frame with TCP payload the secondary
+    /// sends has its first payload byte flipped (0: never).
+    #[arg(long, hide = true, default_value_t = 0, requires = "colo")]
+    pub test_colo_perturb: u64,
     /// Build the VM only in the takeover, not ahead of it once the full
     /// copy is in (for measuring the difference).
     #[arg(long, hide = true)]
@@ -676,6 +680,7 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
         heartbeat: Duration::from_millis((a.lease_ms / 10).clamp(10, 100)),
         handshake: HANDSHAKE_TIME,
         colo: a.colo,
+        colo_test_perturb: a.test_colo_perturb,
     };
     nl_memory::GuestMemory::check_size(a.mem)?;
     let mut log = |m: String| tracing::info!("{m}");

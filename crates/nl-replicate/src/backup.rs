@@ -409,6 +409,9 @@ pub struct BackupConfig {
     /// Runs COLO's secondary VM for a primary that asks for it
     /// ([`serve_colo`]); a primary that asks without it is refused.
     pub colo: bool,
+    /// A test of COLO's divergences: every Nth frame with TCP payload the
+    /// secondary sends has its first payload byte flipped (0: never).
+    pub colo_test_perturb: u64,
 }
 
 /// Default for [`BackupConfig::handshake`].
@@ -818,6 +821,7 @@ fn sealed(seal: &std::sync::Mutex<Sealer>) -> std::sync::MutexGuard<'_, Sealer> 
 fn colo_sink(
     s: &TcpStream,
     seal: &Arc<std::sync::Mutex<Sealer>>,
+    perturb: u64,
 ) -> Result<crate::secondary::OutputSink, String> {
     let mut s = s.try_clone().map_err(|e| format!("socket: {e}"))?;
     let seal = seal.clone();
@@ -832,8 +836,15 @@ fn colo_sink(
             }
         })
         .map_err(|e| format!("cannot start the secondary's output thread: {e}"))?;
+    let sent = std::sync::atomic::AtomicU64::new(0);
     Ok(Box::new(move |g, f| {
-        let _ = tx.try_send((g, f.to_vec()));
+        let mut f = f.to_vec();
+        if let Some(at) = crate::colo::tcp_payload_at(&f).filter(|_| perturb > 0) {
+            if (sent.fetch_add(1, Ordering::Relaxed) + 1).is_multiple_of(perturb) {
+                f[at] ^= 1;
+            }
+        }
+        let _ = tx.try_send((g, f));
     }))
 }
 
@@ -1056,7 +1067,7 @@ fn receive(
                                 if let (Some(b), Some(st)) = (build.as_mut(), &state) {
                                     let r = match secondary.as_mut() {
                                         Some(sec) => sec.checkpoint(epoch, st),
-                                        None => colo_sink(&s, &seal)
+                                        None => colo_sink(&s, &seal, cfg.colo_test_perturb)
                                             .and_then(|sink| {
                                                 colo_start(&rx, &mut **b, epoch, st, sink)
                                             })
@@ -1337,6 +1348,7 @@ mod tests {
             heartbeat: Duration::from_millis(100),
             handshake: HANDSHAKE_TIME,
             colo: false,
+            colo_test_perturb: 0,
         }
     }
 
@@ -1518,6 +1530,7 @@ mod serve_tests {
             heartbeat: Duration::from_millis(20),
             handshake,
             colo: false,
+            colo_test_perturb: 0,
         };
         let (tx, logs) = mpsc::channel();
         let end = std::thread::spawn(move || {

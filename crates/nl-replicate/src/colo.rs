@@ -54,6 +54,18 @@ struct Segment {
     payload: Vec<u8>,
 }
 
+/// Where a TCP segment's payload starts in `frame`, if it has one.
+pub(crate) fn tcp_payload_at(frame: &[u8]) -> Option<usize> {
+    let eth = EthernetFrame::new_checked(frame).ok()?;
+    let ip = Ipv4Packet::new_checked(eth.payload()).ok()?;
+    if eth.ethertype() != EthernetProtocol::Ipv4 || ip.next_header() != IpProtocol::Tcp {
+        return None;
+    }
+    let tcp = TcpPacket::new_checked(ip.payload()).ok()?;
+    let at = 14 + usize::from(ip.header_len()) + usize::from(tcp.header_len());
+    (!tcp.payload().is_empty() && at < frame.len()).then_some(at)
+}
+
 fn parse(frame: &[u8]) -> Option<Segment> {
     let eth = EthernetFrame::new_checked(frame).ok()?;
     if eth.ethertype() != EthernetProtocol::Ipv4 {
@@ -488,6 +500,14 @@ mod tests {
         t[14..16].copy_from_slice(&window.to_be_bytes());
         t[20..].copy_from_slice(payload);
         f
+    }
+
+    #[test]
+    fn the_payload_of_a_segment_is_found() {
+        let f = tcp(1001, Some(20), "", b"value=1\n", 1, 512);
+        assert_eq!(tcp_payload_at(&f).map(|a| f[a]), Some(b'v'));
+        assert_eq!(tcp_payload_at(&tcp(1001, Some(20), "", b"", 1, 512)), None);
+        assert_eq!(tcp_payload_at(&[0u8; 10]), None);
     }
 
     /// The primary's side: a frame leaves (its bytes, as the primary's

@@ -523,6 +523,7 @@ fn replicated(
         heartbeat: Duration::from_millis(100),
         handshake: HANDSHAKE_TIME,
         colo: false,
+        colo_test_perturb: 0,
     };
     let backup = std::thread::spawn(move || serve(&cfg, &mut |_| {}));
     // The primary connects once: wait (bounded, 10 s) until the backup
