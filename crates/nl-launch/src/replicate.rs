@@ -896,8 +896,8 @@ fn said(digest_ok: bool, error: &Option<String>) -> String {
 
 /// COLO's failover: the secondary VM, which ran every input the primary's
 /// guest took and sent every reply the primary released, goes on as the
-/// VM, on the real TAP. Its output held since its last comparison leaves
-/// first (TCP drops what the client has seen already).
+/// VM, on the real TAP. What it sent since the primary's last comparison
+/// went to the primary only; TCP sends it again.
 fn take_over_with_secondary(
     a: &BackupArgs,
     vm: Vm,
@@ -919,8 +919,6 @@ fn take_over_with_secondary(
     } else {
         tracing::warn!("no --net-tap: the secondary takes over without a network");
     }
-    let held = vm.hold_net_output(false);
-    vm.release_net_output(&held);
     vm.announce();
     vm.resume();
     let takeover_ms = ms_since(detected);

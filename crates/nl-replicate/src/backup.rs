@@ -435,9 +435,9 @@ pub enum BackupEnd {
         linux: Option<Box<LinuxRecord>>,
     },
     /// COLO: the primary is gone and the secondary VM, which ran every
-    /// input the primary's guest received, takes over as it is (running,
-    /// its output still held, its network device on a socket pair: the
-    /// caller gives it the TAP).
+    /// input the primary's guest received, takes over as it is (paused,
+    /// its output hook removed, its network device on a socket pair: the
+    /// caller gives it the TAP and resumes it).
     ActivateSecondary {
         /// The last epoch the secondary became.
         epoch: u64,
@@ -794,8 +794,6 @@ fn handshake(
     }
 }
 
-/// Receives the authenticated primary's sealed frames until it is gone,
-/// finishes, or sends a bad stream.
 /// What [`receive`] reports to and calls.
 struct Receiving<'r, 'f, 'b> {
     events: &'r mpsc::Receiver<Event>,
@@ -848,6 +846,8 @@ fn colo_sink(
     }))
 }
 
+/// Receives the authenticated primary's sealed frames until it is gone,
+/// finishes, or sends a bad stream.
 fn receive(
     cfg: &BackupConfig,
     mut s: TcpStream,
@@ -870,7 +870,7 @@ fn receive(
     // The secondary's feed once it runs: the receive thread writes the
     // primary's input into it as it reads each frame.
     let feed: Arc<std::sync::Mutex<Option<Arc<crate::secondary::Feed>>>> = Arc::default();
-    let (tx, frames) = mpsc::sync_channel::<Got>(256);
+    let (tx, frames) = mpsc::sync_channel::<Got>(64);
     // Spent payload buffers go back to the reader (no fresh allocation, so
     // no page faults, per frame once warm).
     let (spare_tx, spare_rx) = mpsc::channel::<Vec<u8>>();
@@ -880,6 +880,7 @@ fn receive(
     let base = Instant::now();
     let heard = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let heard_rx = heard.clone();
+    let fed = || base + Duration::from_micros(heard.load(Ordering::Relaxed));
     std::thread::Builder::new()
         .name("repl-rx".into())
         .spawn(move || {
@@ -982,8 +983,7 @@ fn receive(
         // runs out, whichever comes first: waiting a whole heartbeat after
         // any frame let a partitioned primary be declared gone up to one
         // heartbeat (a tenth of the lease, at most 100 ms) after its lease.
-        let fed = base + Duration::from_micros(heard.load(Ordering::Relaxed));
-        last_heard = last_heard.max(fed);
+        last_heard = last_heard.max(fed());
         let wait = cfg
             .heartbeat
             .saturating_sub(last_beat.elapsed())
@@ -997,8 +997,7 @@ fn receive(
         }
         match got {
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                let fed = base + Duration::from_micros(heard.load(Ordering::Relaxed));
-                last_heard = last_heard.max(fed);
+                last_heard = last_heard.max(fed());
                 if last_heard.elapsed() > cfg.lease {
                     let why = format!(
                         "no frame from the primary for {} ms (lease {} ms)",
@@ -1052,7 +1051,10 @@ fn receive(
                             for b in rx.take_spare() {
                                 let _ = spare_tx.send(b);
                             }
-                            if let Some(epoch) = done {
+                            // The state is decoded only for whoever needs it:
+                            // the first copy's callback, or COLO's secondary.
+                            let wanted = first_copy.is_some() || build.is_some();
+                            if let Some(epoch) = done.filter(|_| wanted) {
                                 let state = rx.committed().map(|(_, b)| VmState::from_bytes(b));
                                 let state = match state {
                                     Some(Ok(state)) => Some(state),

@@ -1133,7 +1133,7 @@ impl<'a> Primary<'a> {
                             guest memory): not for a Linux VM"
                     .into());
             }
-            if vm.net_output_event().is_none() {
+            if vm.config().net.is_none() {
                 return Err("--colo compares network output: the VM has no network device".into());
             }
             vm.copy_net_input(true);
@@ -1700,7 +1700,6 @@ impl<'a> Primary<'a> {
         Ok(())
     }
 
-    /// One epoch boundary; the VM is paused on entry and running on return.
     /// The epoch timer: `--epoch`, or under COLO its period.
     fn interval(&self) -> Duration {
         match self.cfg.opts.colo {
@@ -1731,12 +1730,6 @@ impl<'a> Primary<'a> {
         // idle guest's primary says it is alive (the backup's lease).
         let beat = self.cfg.lease / 4;
         let mut last_sent = Instant::now();
-        let mut diverged = |k: &mut crate::colo::Outbox, d: crate::colo::Divergence| {
-            k.stats.divergences += 1;
-            if k.stats.divergences <= 3 {
-                (self.log)(format!("colo: epoch {epoch}: the outputs differ: {}", d.0));
-            }
-        };
         loop {
             let now = Instant::now();
             let input = vm.take_net_input();
@@ -1764,12 +1757,8 @@ impl<'a> Primary<'a> {
                     Err(d) => differ = differ.or(Some(d)),
                 }
             }
-            if let Some(d) = differ {
-                vm.release_net_output(&out);
-                diverged(k, d);
-                return Ok(());
-            }
-            while let Ok(r) = c.frames.try_recv() {
+            while differ.is_none() {
+                let Ok(r) = c.frames.try_recv() else { break };
                 let Some(f) = heard(c, r).map_err(fail)? else { continue };
                 if f.kind != Kind::ColoOut {
                     continue; // An older epoch's ack.
@@ -1780,16 +1769,18 @@ impl<'a> Primary<'a> {
                 }
                 match k.secondary(&f.payload, now) {
                     Ok(r) => out.extend(r),
-                    Err(d) => {
-                        vm.release_net_output(&out);
-                        diverged(k, d);
-                        return Ok(());
-                    }
+                    Err(d) => differ = Some(d),
                 }
             }
+            // What matched leaves now, whatever comes next.
             vm.release_net_output(&out);
-            if !out.is_empty() {
-                self.rep.frames_released += out.len() as u64;
+            self.rep.frames_released += out.len() as u64;
+            if let Some(d) = differ {
+                k.stats.divergences += 1;
+                if k.stats.divergences <= 3 {
+                    (self.log)(format!("colo: epoch {epoch}: the outputs differ: {}", d.0));
+                }
+                return Ok(());
             }
             let due = k.oldest().map(|h| h + timeout);
             if due.is_some_and(|d| now >= d) {
@@ -1819,6 +1810,7 @@ impl<'a> Primary<'a> {
         }
     }
 
+    /// One epoch boundary; the VM is paused on entry and running on return.
     fn boundary(&mut self, link: &mut Link<'_>) -> Result<(), Failure> {
         let vm = self.vm;
         let t0 = Instant::now();

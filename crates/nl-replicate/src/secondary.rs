@@ -98,7 +98,8 @@ pub struct Secondary {
     /// `None` only once handed over ([`Secondary::into_vm`]).
     vm: Option<Arc<Vm>>,
     feed: Arc<Feed>,
-    stats: SecondaryStats,
+    checkpoints: u64,
+    /// Their total time, ms.
     checkpoint_ms: f64,
 }
 
@@ -146,7 +147,7 @@ impl Secondary {
         if !vm.memory().is_private() {
             return Err("the secondary must run over a private copy of the backup's memory".into());
         }
-        if vm.net_output_event().is_none() {
+        if vm.config().net.is_none() {
             return Err("the secondary has no network device".into());
         }
         let (feed, device_end) = socket_pair()?;
@@ -170,7 +171,7 @@ impl Secondary {
             sink(f.out_gen.load(Ordering::SeqCst), frame)
         })));
         vm.start().map_err(|e| format!("cannot start the secondary: {e}"))?;
-        Ok(Secondary { vm: Some(vm), feed, stats: SecondaryStats::default(), checkpoint_ms: 0.0 })
+        Ok(Secondary { vm: Some(vm), feed, checkpoints: 0, checkpoint_ms: 0.0 })
     }
 
     /// Where the primary's input goes (the receive thread feeds it).
@@ -184,7 +185,8 @@ impl Secondary {
         let vm = self.vm.as_ref().ok_or("the secondary was handed over")?;
         let mut g = self.feed.gen.lock().unwrap_or_else(|p| p.into_inner());
         vm.pause();
-        // Input not yet taken: gone.
+        // What the device wrote into the pair (the gratuitous ARP of each
+        // state load) and input not yet taken: gone.
         drain(&self.feed.file);
         if let Some(tap) = vm.take_tap() {
             // Re-attaching drops a frame read but not yet delivered.
@@ -202,9 +204,8 @@ impl Secondary {
         self.feed.out_gen.store(epoch + 1, Ordering::SeqCst);
         drop(g);
         vm.resume();
-        self.stats.checkpoints += 1;
+        self.checkpoints += 1;
         self.checkpoint_ms += t.elapsed().as_secs_f64() * 1e3;
-        self.stats.checkpoint_ms_avg = self.checkpoint_ms / self.stats.checkpoints as f64;
         r.map_err(|e| format!("the secondary cannot become epoch {epoch}: {e}"))
     }
 
@@ -214,7 +215,8 @@ impl Secondary {
             frames_in: f.frames_in.load(Ordering::Relaxed),
             stale_in: f.stale_in.load(Ordering::Relaxed),
             dropped_in: f.dropped_in.load(Ordering::Relaxed),
-            ..self.stats
+            checkpoints: self.checkpoints,
+            checkpoint_ms_avg: self.checkpoint_ms / self.checkpoints.max(1) as f64,
         }
     }
 
@@ -222,11 +224,10 @@ impl Secondary {
     /// removed: the caller gives it the real TAP and resumes it.
     pub fn into_vm(mut self) -> Result<Vm, String> {
         self.feed.closed.store(true, Ordering::SeqCst);
-        let vm = self.vm.take().ok_or("the secondary was handed over")?;
+        let mut vm = self.vm.take().ok_or("the secondary was handed over")?;
         vm.pause();
         vm.set_net_output_hook(None);
         // The receive thread may hold the VM for a moment (feeding a frame).
-        let mut vm = vm;
         for _ in 0..1000 {
             match Arc::try_unwrap(vm) {
                 Ok(v) => return Ok(v),

@@ -85,7 +85,8 @@ pub struct Net {
     /// When the oldest frame in `held` was held (`None`: nothing held).
     held_since: Option<Instant>,
     /// Signalled each time a transmitted frame is held: output waits for
-    /// its epoch to end (replication's output-triggered epochs).
+    /// its epoch to end (replication's output-triggered epochs); under
+    /// COLO also for each delivered frame copied for the secondary.
     output_event: Option<EventFd>,
     /// COLO: while set, a copy of each frame delivered to the guest waits
     /// here for the VMM to forward it to the secondary VM (and the output
