@@ -229,6 +229,10 @@ pub struct BackupArgs {
     /// sends has its first payload byte flipped (0: never).
     #[arg(long, hide = true, default_value_t = 0, requires = "colo")]
     pub test_colo_perturb: u64,
+    /// A test of a failed secondary: its Nth checkpoint (the Nth epoch it
+    /// is to become after its start) fails (0: never).
+    #[arg(long, hide = true, default_value_t = 0, requires = "colo")]
+    pub test_colo_fail_at: u64,
     /// Build the VM only in the takeover, not ahead of it once the full
     /// copy is in (for measuring the difference).
     #[arg(long, hide = true)]
@@ -681,6 +685,7 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
         handshake: HANDSHAKE_TIME,
         colo: a.colo,
         colo_test_perturb: a.test_colo_perturb,
+        colo_test_fail_at: a.test_colo_fail_at,
     };
     nl_memory::GuestMemory::check_size(a.mem)?;
     let mut log = |m: String| tracing::info!("{m}");

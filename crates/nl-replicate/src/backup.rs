@@ -412,6 +412,8 @@ pub struct BackupConfig {
     /// A test of COLO's divergences: every Nth frame with TCP payload the
     /// secondary sends has its first payload byte flipped (0: never).
     pub colo_test_perturb: u64,
+    /// A test of a failed secondary: its Nth checkpoint fails (0: never).
+    pub colo_test_fail_at: u64,
 }
 
 /// Default for [`BackupConfig::handshake`].
@@ -846,6 +848,20 @@ fn colo_sink(
     }))
 }
 
+/// COLO's secondary stopped (`why`): the primary is told, so that it
+/// releases output by epochs alone instead of waiting for frames that will
+/// never come. Best effort: a failed send shows up as a read error too.
+fn colo_down(
+    s: &TcpStream,
+    seal: &Arc<std::sync::Mutex<Sealer>>,
+    why: &str,
+    log: &mut dyn FnMut(String),
+) {
+    log(format!("WARNING: colo: {why}; the secondary is stopped, the primary told"));
+    let mut s = s;
+    let _ = sealed(seal).write_frame(&mut s, Kind::ColoDown, 0, 0, &[why.as_bytes()]);
+}
+
 /// Receives the authenticated primary's sealed frames until it is gone,
 /// finishes, or sends a bad stream.
 fn receive(
@@ -994,6 +1010,13 @@ fn receive(
             // Best effort: a failed heartbeat shows up as a read error too.
             let _ = sealed(&seal).write_frame(&mut s, Kind::Heartbeat, 0, 0, &[]);
             last_beat = Instant::now();
+            // As often, whether the secondary's guest failed.
+            if let Some(why) = secondary.as_ref().and_then(|sec| sec.failed()) {
+                colo_down(&s, &seal, &why, log);
+                *feed.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                secondary = None;
+                build = None;
+            }
         }
         match got {
             Err(mpsc::RecvTimeoutError::Timeout) => {
@@ -1068,6 +1091,16 @@ fn receive(
                                 }
                                 if let (Some(b), Some(st)) = (build.as_mut(), &state) {
                                     let r = match secondary.as_mut() {
+                                        Some(sec)
+                                            if sec.stats().checkpoints + 1
+                                                == cfg.colo_test_fail_at =>
+                                        {
+                                            Err(format!(
+                                                "checkpoint {} made to fail \
+                                                 (--test-colo-fail-at)",
+                                                cfg.colo_test_fail_at
+                                            ))
+                                        }
                                         Some(sec) => sec.checkpoint(epoch, st),
                                         None => colo_sink(&s, &seal, cfg.colo_test_perturb)
                                             .and_then(|sink| {
@@ -1080,11 +1113,7 @@ fn receive(
                                             }),
                                     };
                                     if let Err(e) = r {
-                                        // Without a secondary nothing matches: the
-                                        // primary releases output by epochs only.
-                                        log(format!(
-                                            "WARNING: colo: {e}; the secondary is stopped"
-                                        ));
+                                        colo_down(&s, &seal, &e, log);
                                         *feed.lock().unwrap_or_else(|p| p.into_inner()) = None;
                                         secondary = None;
                                         build = None;
@@ -1351,6 +1380,7 @@ mod tests {
             handshake: HANDSHAKE_TIME,
             colo: false,
             colo_test_perturb: 0,
+            colo_test_fail_at: 0,
         }
     }
 
@@ -1533,6 +1563,7 @@ mod serve_tests {
             handshake,
             colo: false,
             colo_test_perturb: 0,
+            colo_test_fail_at: 0,
         };
         let (tx, logs) = mpsc::channel();
         let end = std::thread::spawn(move || {

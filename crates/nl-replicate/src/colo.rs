@@ -5,8 +5,9 @@
 //! checkpoint (the secondary becomes the primary's copy again) and
 //! releases what was held.
 //!
-//! This module is the comparison alone (not yet wired to a running
-//! secondary: docs/performance.md, "COLO for kv"). TCP is compared per
+//! This module is the comparison and the primary's held frames; the
+//! secondary VM that sends the other side is [`crate::secondary`]'s, on
+//! the backup (docs/replication.md, "COLO"). TCP is compared per
 //! stream, as colo-compare does: two guests that share a TCP stack's
 //! random seed send the same sequence numbers and payload, but their pure
 //! acknowledgements, windows, IP identifications and timing differ. A
@@ -358,7 +359,7 @@ impl<T> Comparator<T> {
 }
 
 /// COLO's counts on the primary, for its report.
-#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+#[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct ColoStats {
     /// Frames released because the secondary sent the same.
     pub matched: u64,
@@ -378,6 +379,9 @@ pub struct ColoStats {
     /// How long a matched frame waited for the secondary's (ms).
     pub match_wait_ms_avg: f64,
     pub match_wait_ms_max: f64,
+    /// Why the backup's secondary stopped, if it did: from then on output
+    /// is released by epochs alone, as without COLO.
+    pub secondary_down: Option<String>,
 }
 
 /// The primary's side of COLO: the frames its guest sent, held until the

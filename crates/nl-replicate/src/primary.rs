@@ -331,6 +331,9 @@ struct Conn {
     /// for the secondary's output on it).
     arrived: EventFd,
     last_heard: Instant,
+    /// COLO: why the backup's secondary stopped, once it said so
+    /// ([`Kind::ColoDown`]), until the primary acts on it.
+    colo_down: Option<String>,
 }
 
 fn connect(cfg: &PrimaryConfig, vm: &Vm) -> Result<Conn, String> {
@@ -388,6 +391,7 @@ impl Conn {
             frames,
             arrived,
             last_heard: Instant::now(),
+            colo_down: None,
         })
     }
 }
@@ -520,6 +524,11 @@ fn heard(c: &mut Conn, r: Result<Frame, ProtoError>) -> Result<Option<Frame>, Lo
             match f.kind {
                 Kind::Ack | Kind::ColoOut => Ok(Some(f)),
                 Kind::Heartbeat => Ok(None),
+                Kind::ColoDown => {
+                    let why = String::from_utf8_lossy(&f.payload);
+                    c.colo_down = Some(why.chars().take(500).collect());
+                    Ok(None)
+                }
                 Kind::Takeover => {
                     Err(Lost::Silent("the backup announced that it takes over".into()))
                 }
@@ -1194,17 +1203,21 @@ impl<'a> Primary<'a> {
         let mut last = Instant::now();
         let spacing = Duration::from_millis(self.cfg.opts.output_epoch_ms);
         let mut seen = None;
-        let waiter = match self.cfg.opts.output_epochs && self.colo.is_none() {
-            false => None,
-            true => OutputWait::new(vm).unwrap_or_else(|e| {
-                (self.log)(format!(
-                    "WARNING: no output event from the network device ({e}): epochs end on \
-                     the timer only"
-                ));
-                None
-            }),
-        };
+        let mut waiter = None;
+        let mut waiter_tried = false;
         loop {
+            // Output-triggered epochs, unless COLO releases output (made
+            // once COLO's secondary is down, if it goes).
+            if self.cfg.opts.output_epochs && !waiter_tried && !self.colo_live() {
+                waiter_tried = true;
+                waiter = OutputWait::new(vm).unwrap_or_else(|e| {
+                    (self.log)(format!(
+                        "WARNING: no output event from the network device ({e}): epochs end \
+                         on the timer only"
+                    ));
+                    None
+                });
+            }
             // The spacing holds back an output-triggered epoch only while
             // the guest writes fast (see `Options::output_spacing_rate`).
             let early = match self.last_rate > self.cfg.opts.output_spacing_rate as f64 {
@@ -1212,7 +1225,7 @@ impl<'a> Primary<'a> {
                 false => Duration::ZERO,
             };
             let mut spaced = false;
-            if let (Some(_), Link::Sync(c)) = (&self.colo, &mut link) {
+            if let (true, Link::Sync(c)) = (self.colo_live(), &mut link) {
                 if let Err(f) = self.colo_wait(c, next) {
                     let _ = self.close(std::mem::replace(&mut link, Link::Down));
                     if self.lost(f) {
@@ -1499,7 +1512,7 @@ impl<'a> Primary<'a> {
             r.prediction_gate = Some(p.gate.stats);
         }
         r.auto_capture = self.auto.as_ref().map(|a| a.stats());
-        r.colo = self.colo.as_ref().map(|c| c.stats);
+        r.colo = self.colo.as_ref().map(|c| c.stats.clone());
         if let Some(c) = self.compare.as_ref().filter(|c| c.scans > 0) {
             r.compared_per_epoch = Some(c.scanned as f64 / c.scans as f64);
             r.compare_ms_avg = Some(c.scan_ms / c.scans as f64);
@@ -1702,10 +1715,16 @@ impl<'a> Primary<'a> {
 
     /// The epoch timer: `--epoch`, or under COLO its period.
     fn interval(&self) -> Duration {
-        match self.cfg.opts.colo {
+        match self.colo_live() {
             true => Duration::from_millis(self.cfg.opts.colo_period_ms.max(1)),
             false => self.cfg.epoch,
         }
+    }
+
+    /// Whether COLO releases output: asked for, and the backup's secondary
+    /// has not stopped.
+    fn colo_live(&self) -> bool {
+        self.colo.as_ref().is_some_and(|k| k.stats.secondary_down.is_none())
     }
 
     /// COLO between epochs: forwards the guest's input to the secondary,
@@ -1731,6 +1750,18 @@ impl<'a> Primary<'a> {
         let beat = self.cfg.lease / 4;
         let mut last_sent = Instant::now();
         loop {
+            if let Some(why) = c.colo_down.take() {
+                // Nothing will match any more: the epoch now releases what
+                // is held, and epochs alone release output from here on.
+                (self.log)(format!(
+                    "WARNING: colo: the backup's secondary stopped ({why}): output is \
+                     released by epochs from now on"
+                ));
+                vm.copy_net_input(false);
+                let _ = vm.take_net_input();
+                k.stats.secondary_down = Some(why);
+                return Ok(());
+            }
             let now = Instant::now();
             let input = vm.take_net_input();
             if !input.is_empty() {

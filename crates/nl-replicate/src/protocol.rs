@@ -91,6 +91,10 @@ pub enum Kind {
     /// primary's comparison. Its epoch field is the one the secondary
     /// runs from, plus one (as [`Kind::ColoIn`]).
     ColoOut = 14,
+    /// COLO, backup to primary: the secondary VM stopped (it could not
+    /// become an epoch, or its guest failed); the payload says why. The
+    /// primary releases output by epochs alone from then on.
+    ColoDown = 15,
 }
 
 impl Kind {
@@ -111,6 +115,7 @@ impl Kind {
             12 => Kind::Auth,
             13 => Kind::ColoIn,
             14 => Kind::ColoOut,
+            15 => Kind::ColoDown,
             _ => return None,
         })
     }

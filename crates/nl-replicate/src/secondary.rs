@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use nl_vmm::state::VmState;
-use nl_vmm::Vm;
+use nl_vmm::{Vm, VmOutcome};
 
 /// Where the secondary's output goes: (generation, frame), called on the
 /// secondary's vCPU thread as the guest transmits.
@@ -207,6 +207,17 @@ impl Secondary {
         self.checkpoints += 1;
         self.checkpoint_ms += t.elapsed().as_secs_f64() * 1e3;
         r.map_err(|e| format!("the secondary cannot become epoch {epoch}: {e}"))
+    }
+
+    /// Why the secondary's guest stopped, if it failed (an error report,
+    /// an exception, a triple fault): it can no longer match anything.
+    pub fn failed(&self) -> Option<String> {
+        match self.vm.as_ref()?.poll_outcome()? {
+            o @ (VmOutcome::GuestError { .. } | VmOutcome::Crashed { .. }) => {
+                Some(format!("the secondary VM failed: {}", o.message()))
+            }
+            _ => None,
+        }
     }
 
     pub fn stats(&self) -> SecondaryStats {

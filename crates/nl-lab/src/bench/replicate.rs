@@ -354,7 +354,10 @@ fn print_row(r: &Row) {
                 c["divergences"],
                 c["timeouts"],
                 c["periodic"]
-            ),
+            ) + &match c["secondary_down"].as_str() {
+                Some(why) => format!("; THE SECONDARY STOPPED ({why}): epochs released the rest"),
+                None => String::new(),
+            },
             _ => String::new(),
         },
         phases(r),
@@ -524,6 +527,7 @@ fn replicated(
         handshake: HANDSHAKE_TIME,
         colo: false,
         colo_test_perturb: 0,
+        colo_test_fail_at: 0,
     };
     let backup = std::thread::spawn(move || serve(&cfg, &mut |_| {}));
     // The primary connects once: wait (bounded, 10 s) until the backup
