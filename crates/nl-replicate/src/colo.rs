@@ -425,6 +425,25 @@ impl Outbox {
         r.map(|tags| self.take(tags, now))
     }
 
+    /// The frames the primary's guest sent since the last call, in order:
+    /// those that may leave now, and whether one differed from the
+    /// secondary's. Every frame is held, the one that differs and those
+    /// after it too: the epoch the caller then takes releases them.
+    pub fn primary_batch(
+        &mut self,
+        frames: Vec<Vec<u8>>,
+        now: Instant,
+    ) -> (Vec<Vec<u8>>, Option<Divergence>) {
+        let (mut out, mut differ) = (Vec::new(), None);
+        for f in frames {
+            match self.primary(f, now) {
+                Ok(r) => out.extend(r),
+                Err(d) => differ = differ.or(Some(d)),
+            }
+        }
+        (out, differ)
+    }
+
     /// A frame the secondary sent. Returns the frames that may leave now.
     pub fn secondary(&mut self, frame: &[u8], now: Instant) -> Result<Vec<Vec<u8>>, Divergence> {
         self.stats.secondary_frames += 1;
@@ -550,6 +569,18 @@ mod tests {
         let e = tcp(1001, Some(20), "", b"value=4\n", 4, 512);
         assert!(o.primary(e.clone(), t0).is_err());
         assert_eq!(o.checkpointed(Vec::new()), vec![e]);
+        // A batch whose first frame differs: the frames after it are held
+        // too, and the epoch releases all of them, in order.
+        let mut o = Outbox::new();
+        assert!(o.secondary(&tcp(1001, Some(20), "", b"value=8\n", 79, 4096), t0).is_ok());
+        let batch = vec![
+            tcp(1001, Some(20), "", b"value=4\n", 5, 512),
+            tcp(1009, Some(20), "", b"value=5\n", 6, 512),
+            vec![7u8; 60],
+        ];
+        let (out, differ) = o.primary_batch(batch.clone(), t0);
+        assert!(out.is_empty() && differ.is_some(), "{differ:?}");
+        assert_eq!(o.checkpointed(Vec::new()), batch);
     }
 
     /// The same stream from both VMs, with different windows and IP ids and

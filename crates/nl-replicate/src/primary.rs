@@ -1778,16 +1778,7 @@ impl<'a> Primary<'a> {
                     .map_err(|e| io(e.to_string()))?;
                 last_sent = now;
             }
-            let mut out = Vec::new();
-            let mut differ = None;
-            for f in vm.take_net_output() {
-                // Every frame is held, the one that differs and those after
-                // it too: the epoch about to be taken releases them.
-                match k.primary(f, now) {
-                    Ok(r) => out.extend(r),
-                    Err(d) => differ = differ.or(Some(d)),
-                }
-            }
+            let (mut out, mut differ) = k.primary_batch(vm.take_net_output(), now);
             while differ.is_none() {
                 let Ok(r) = c.frames.try_recv() else { break };
                 let Some(f) = heard(c, r).map_err(fail)? else { continue };
