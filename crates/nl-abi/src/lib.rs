@@ -349,6 +349,13 @@ pub const WORKLOAD_TLBWALK: u64 = 14;
 /// The stride of `tlbwalk`: one page and one cache line, so every access
 /// is on another page and another cache set.
 pub const TLBWALK_STRIDE: u64 = 4160;
+/// `tlbwalk`'s `pattern`: one checked 8-byte load per page (Quest-V's
+/// Fig. 7, data TLB).
+pub const TLBWALK_LOADS: u64 = 0;
+/// `tlbwalk`'s `pattern`: one instruction fetch per page, a chain of
+/// `add rax, imm32; jmp` through every page (Quest-V's Fig. 8,
+/// instruction TLB).
+pub const TLBWALK_FETCHES: u64 = 1;
 /// A sandbox with a CPU reservation: greedy ring-3 work on vCPU 0 that
 /// accounts, with the TSC, the CPU time it got in every period of `stride`
 /// µs and compares it with its reservation of `data_bytes` µs

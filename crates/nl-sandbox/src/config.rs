@@ -418,6 +418,10 @@ pub struct WorkloadConfig {
     /// stride.
     #[serde(default = "default_pages")]
     pub pages: u64,
+    /// tlbwalk: `load` (one checked load per page, Quest-V's Fig. 7) or
+    /// `fetch` (one instruction fetched per page, Fig. 8).
+    #[serde(default = "default_access")]
+    pub access: String,
     /// periodic: the accounting period in µs (at least 1000).
     #[serde(default = "default_period_us")]
     pub period_us: u64,
@@ -436,6 +440,10 @@ fn default_reserve_us() -> u64 {
 
 fn default_pages() -> u64 {
     64
+}
+
+fn default_access() -> String {
+    "load".into()
 }
 
 fn default_send_every_us() -> u64 {
@@ -539,6 +547,11 @@ impl WorkloadConfig {
                 nl_workloads::TLBWALK_MAX_PAGES
             ));
         }
+        let access = match self.access.as_str() {
+            "load" => nl_abi::TLBWALK_LOADS,
+            "fetch" if kind == WORKLOAD_TLBWALK => nl_abi::TLBWALK_FETCHES,
+            a => return Err(format!("workload access '{a}': `load`, or `fetch` for tlbwalk")),
+        };
         let p = WorkloadParams {
             kind,
             seed: self.seed,
@@ -552,7 +565,10 @@ impl WorkloadConfig {
                 _ => 0,
             },
             write_pct: self.write_pct,
-            pattern: PATTERN_RANDOM,
+            pattern: match kind {
+                WORKLOAD_TLBWALK => access,
+                _ => PATTERN_RANDOM,
+            },
             stride: match kind {
                 WORKLOAD_CHANBENCH => self.max_msg,
                 WORKLOAD_CHANSTREAM => self.send_every_us,

@@ -120,6 +120,40 @@ pub trait Platform {
     fn null_syscall(&mut self) -> u64 {
         nl_abi::SYS_ENOSYS
     }
+    /// Calls the machine code at the start of `code` (tlbwalk's fetch
+    /// chain, [`fetch_chain_point`]) with `arg` in RDI and returns its RAX;
+    /// `None` where code cannot be run from this memory.
+    fn run_code(&mut self, code: &[u64], arg: u64) -> Option<u64> {
+        let _ = (code, arg);
+        None
+    }
+}
+
+/// tlbwalk with [`nl_abi::TLBWALK_FETCHES`]: the two words of machine code at
+/// point `i` of `pages` (byte offset `i * TLBWALK_STRIDE`, so word-aligned),
+/// and the immediate it adds to RAX. The first point moves RDI into RAX;
+/// every point adds its immediate, then jumps to the next point, the last
+/// returns. Unused bytes are `int3`.
+pub fn fetch_chain_point(seed: u64, i: u64, pages: u64) -> ([u64; 2], u32) {
+    let imm = (mix64(seed ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15)) as u32) & 0x7fff_ffff;
+    let mut b = [0xccu8; 16];
+    // mov rax, rdi (the first point only)
+    let head = if i == 0 { 3 } else { 0 };
+    b[..head].copy_from_slice(&[0x48, 0x89, 0xf8][..head]);
+    // add rax, imm32
+    b[head..head + 2].copy_from_slice(&[0x48, 0x05]);
+    b[head + 2..head + 6].copy_from_slice(&imm.to_le_bytes());
+    let at = head + 6;
+    if i + 1 == pages {
+        b[at] = 0xc3; // ret
+    } else {
+        // jmp rel32 to the next point, relative to the end of the jmp.
+        let rel = (nl_abi::TLBWALK_STRIDE - (at as u64 + 5)) as u32;
+        b[at] = 0xe9;
+        b[at + 1..at + 5].copy_from_slice(&rel.to_le_bytes());
+    }
+    let w = |k: usize| u64::from_le_bytes(b[k..k + 8].try_into().unwrap_or([0xcc; 8]));
+    ([w(0), w(8)], imm)
 }
 
 /// Bytes in a page: the granularity of the VMM's dirty tracking.
@@ -196,12 +230,13 @@ pub fn validate(params: &WorkloadParams) -> Result<(), &'static str> {
         WORKLOAD_SYSCALL => Ok(()),
         WORKLOAD_TLBWALK
             if (1..=TLBWALK_MAX_PAGES).contains(&params.stride)
-                && params.ws_bytes == tlbwalk_ws_bytes(params.stride) =>
+                && params.ws_bytes == tlbwalk_ws_bytes(params.stride)
+                && [nl_abi::TLBWALK_LOADS, nl_abi::TLBWALK_FETCHES].contains(&params.pattern) =>
         {
             Ok(())
         }
         WORKLOAD_TLBWALK => {
-            Err("tlbwalk: stride (pages) must be 1..=65536 and ws_bytes tlbwalk_ws_bytes(pages)")
+            Err("tlbwalk: stride (pages) must be 1..=65536, ws_bytes tlbwalk_ws_bytes(pages), and pattern TLBWALK_LOADS or TLBWALK_FETCHES")
         }
         WORKLOAD_KV if params.ws_bytes == kv::KV_WS_BYTES => Ok(()),
         WORKLOAD_KV => Err("kv: ws_bytes must be kv::KV_WS_BYTES"),
@@ -403,7 +438,7 @@ impl<'m> Workload<'m> {
             Kind::Exits => self.exits_round(p),
             Kind::Syscall => self.syscall_round(p),
             Kind::Tlbwalk if self.rounds == 0 => self.tlbwalk_warm_up(),
-            Kind::Tlbwalk => self.tlbwalk_round(),
+            Kind::Tlbwalk => self.tlbwalk_round(p),
             Kind::Idle => {
                 p.halt();
                 1
@@ -708,9 +743,24 @@ impl<'m> Workload<'m> {
     }
 
     /// tlbwalk round 0: one sealed word at every access position (maps
-    /// every page). Ops = pages.
+    /// every page), or under [`nl_abi::TLBWALK_FETCHES`] the fetch chain's
+    /// code. Ops = pages.
     fn tlbwalk_warm_up(&mut self) -> u64 {
         let (n, step) = (self.hot_words, self.stride);
+        if self.pattern == nl_abi::TLBWALK_FETCHES {
+            let mut sum = 0u64;
+            for i in 0..n {
+                let (code, imm) = fetch_chain_point(self.seed, i as u64, n as u64);
+                if let Some(w) = self.mem.get_mut(i * step..i * step + 2) {
+                    w.copy_from_slice(&code);
+                }
+                sum = sum.wrapping_add(u64::from(imm));
+            }
+            // What one call adds to its argument (kept where the load
+            // walk's nothing is: the lanes).
+            self.lanes[0] = sum;
+            return n as u64;
+        }
         for i in 0..n {
             let h = mix64(self.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
             if let Some(w) = self.mem.get_mut(i * step) {
@@ -722,10 +772,27 @@ impl<'m> Workload<'m> {
 
     /// tlbwalk: whole passes over the pages, one 8-byte load per page at a
     /// `TLBWALK_STRIDE`-byte stride, each checked against its seal.
-    fn tlbwalk_round(&mut self) -> u64 {
+    fn tlbwalk_round<P: Platform>(&mut self, p: &mut P) -> u64 {
         let (n, step) = (self.hot_words, self.stride);
         let passes = self.ops_per_round / n as u64;
         let (mut d, mut bad) = (self.digest, 0);
+        if self.pattern == nl_abi::TLBWALK_FETCHES {
+            // One call runs the chain: one fetch per page, each checked by
+            // the sum of the immediates it added.
+            for k in 0..passes {
+                let arg = fold(d, k);
+                match p.run_code(self.mem, arg) {
+                    Some(r) => {
+                        bad += u64::from(r != arg.wrapping_add(self.lanes[0]));
+                        d = fold(d, r);
+                    }
+                    None => bad += 1,
+                }
+            }
+            self.digest = d;
+            self.mismatches += bad;
+            return self.ops_per_round;
+        }
         for _ in 0..passes {
             let mut acc = 0u64;
             for i in 0..n {

@@ -72,6 +72,10 @@ impl Platform for NativePlatform {
         }
     }
 
+    fn run_code(&mut self, code: &[u64], arg: u64) -> Option<u64> {
+        run_code_in_exec_map(code, arg)
+    }
+
     fn blk_read(&mut self, sector: u64, buf: &mut [u64]) -> bool {
         match disk_range(sector, buf.len(), self.disk.len()) {
             Some(r) => {
@@ -171,6 +175,88 @@ impl Replay {
     }
 }
 
+std::thread_local! {
+    /// The words of the [`ExecMap`] alive on this thread, if one is: the
+    /// only memory [`run_code_in_exec_map`] runs code from.
+    static EXEC_RANGE: core::cell::Cell<Option<(usize, usize)>> =
+        const { core::cell::Cell::new(None) };
+}
+
+/// Zeroed anonymous memory the host can run code from: tlbwalk's fetch
+/// chain ([`nl_abi::TLBWALK_FETCHES`]), as the guest runs it from its
+/// working set. One per thread at a time.
+struct ExecMap {
+    ptr: *mut u64,
+    words: usize,
+}
+
+impl ExecMap {
+    #[allow(unsafe_code)]
+    fn new(bytes: u64) -> Result<Self, &'static str> {
+        let len = usize::try_from(bytes).map_err(|_| "tlbwalk: working set too large")?;
+        if len == 0 || EXEC_RANGE.with(|r| r.get().is_some()) {
+            return Err("tlbwalk: no executable working set for the fetch chain");
+        }
+        // SAFETY: a fresh private anonymous mapping; the kernel chooses
+        // the address, nothing else refers to it, and it is checked below.
+        let p = unsafe {
+            libc::mmap(
+                core::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE | libc::PROT_EXEC,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err("tlbwalk: cannot map an executable working set");
+        }
+        let words = len / 8;
+        EXEC_RANGE.with(|r| r.set(Some((p as usize, p as usize + words * 8))));
+        Ok(ExecMap { ptr: p.cast(), words })
+    }
+
+    #[allow(unsafe_code)]
+    fn words(&mut self) -> &mut [u64] {
+        // SAFETY: `ptr` is a live mapping of `words` zero-filled, aligned
+        // u64s owned by this value, borrowed mutably through it.
+        unsafe { core::slice::from_raw_parts_mut(self.ptr, self.words) }
+    }
+}
+
+impl Drop for ExecMap {
+    #[allow(unsafe_code)]
+    fn drop(&mut self) {
+        EXEC_RANGE.with(|r| r.set(None));
+        // SAFETY: the mapping made in `new`, with its length; no slice of it
+        // outlives `self` (`words` borrows `self`).
+        unsafe { libc::munmap(self.ptr.cast(), self.words * 8) };
+    }
+}
+
+/// Calls the code at the start of `code` with `arg` in RDI and returns RAX,
+/// if `code` lies in this thread's [`ExecMap`] (else `None`: heap memory
+/// cannot run code).
+#[allow(unsafe_code)]
+fn run_code_in_exec_map(code: &[u64], arg: u64) -> Option<u64> {
+    let (lo, hi) = EXEC_RANGE.with(|r| r.get())?;
+    let at = code.as_ptr() as usize;
+    if at < lo || at + code.len() * 8 > hi || code.is_empty() {
+        return None;
+    }
+    // The chain was written through ordinary stores: they are done before
+    // the call reads them as instructions (x86 keeps the instruction
+    // stream coherent with stores on the same core).
+    core::sync::atomic::compiler_fence(core::sync::atomic::Ordering::SeqCst);
+    // SAFETY: `code` lies in this thread's executable mapping, where only
+    // tlbwalk's warm-up wrote: a chain of `add rax, imm32; jmp rel32` that
+    // stays inside the working set and ends in `ret`, touching no memory
+    // and no register but RAX and the flags (`fetch_chain_point`).
+    let f: extern "sysv64" fn(u64) -> u64 = unsafe { core::mem::transmute(code.as_ptr()) };
+    Some(f(arg))
+}
+
 /// A zeroed working set for `params` (empty unless memwrite). Zeroed
 /// allocation maps pages lazily, so the warm-up round faults them in just as
 /// in the guest.
@@ -240,8 +326,18 @@ fn run<P: Platform>(
     mut more: impl FnMut(Duration, u64) -> bool,
 ) -> Result<Replay, &'static str> {
     validate(params)?;
-    let mut mem = working_set(params);
-    let mut wl = Workload::new(params, cpu, &mut mem)?;
+    let fetch =
+        params.kind == nl_abi::WORKLOAD_TLBWALK && params.pattern == nl_abi::TLBWALK_FETCHES;
+    let mut heap = match fetch {
+        true => Vec::new(),
+        false => working_set(params),
+    };
+    let mut exec = None;
+    let mem: &mut [u64] = match fetch {
+        true => exec.insert(ExecMap::new(params.ws_bytes)?).words(),
+        false => &mut heap,
+    };
+    let mut wl = Workload::new(params, cpu, mem)?;
     let mut warmup_ops = 0;
     if more(Duration::ZERO, 0) {
         warmup_ops = wl.round(&mut plat);
@@ -258,4 +354,59 @@ fn run<P: Platform>(
     let (cache_hits, cache_misses) = wl.cache_counts();
     let digest = wl.finish();
     Ok(Replay { digest, warmup_ops, ops, measured_ns, rounds, cache_hits, cache_misses })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A platform that runs the chain and then lies about its sum by
+    /// `skew` (as a fetch chain with a wrong instruction in it would).
+    struct Skewed {
+        skew: u64,
+    }
+
+    impl Platform for Skewed {
+        fn port_echo(&mut self, v: u32) -> u32 {
+            !v
+        }
+        fn mmio_echo(&mut self, v: u64) -> u64 {
+            v
+        }
+        fn halt(&mut self) {}
+        fn run_code(&mut self, code: &[u64], arg: u64) -> Option<u64> {
+            run_code_in_exec_map(code, arg).map(|r| r.wrapping_add(self.skew))
+        }
+    }
+
+    fn fetch_params(pages: u64) -> WorkloadParams {
+        WorkloadParams {
+            kind: nl_abi::WORKLOAD_TLBWALK,
+            seed: 3,
+            ws_bytes: crate::tlbwalk_ws_bytes(pages),
+            pattern: nl_abi::TLBWALK_FETCHES,
+            stride: pages,
+            ..Default::default()
+        }
+    }
+
+    /// Every call of the fetch chain is checked: a sum off by one is a
+    /// self-check failure in every pass, the right sum none; code outside
+    /// the executable map is never run.
+    #[test]
+    fn the_fetch_chain_is_checked_call_by_call() {
+        for (skew, bad) in [(0, false), (1, true)] {
+            let p = fetch_params(300);
+            let mut map = ExecMap::new(p.ws_bytes).unwrap();
+            let mut wl = Workload::new(&p, 0, map.words()).unwrap();
+            let mut plat = Skewed { skew };
+            assert_eq!(wl.round(&mut plat), 300, "the warm-up writes one point per page");
+            let ops = wl.round(&mut plat);
+            let passes = ops / 300;
+            assert!(passes >= 1);
+            let want = if bad { passes } else { 0 };
+            assert_eq!(wl.self_check_failures(), want, "skew {skew}");
+        }
+        assert_eq!(run_code_in_exec_map(&[0xc3], 5), None, "heap memory is not run");
+    }
 }

@@ -22,7 +22,7 @@ fn params(kind: u64) -> WorkloadParams {
             _ => 0,
         },
         write_pct: 50,
-        pattern: PATTERN_RANDOM,
+        pattern: if kind == WORKLOAD_TLBWALK { TLBWALK_LOADS } else { PATTERN_RANDOM },
         // tlbwalk: the pages.
         stride: if kind == WORKLOAD_TLBWALK { 64 } else { 4096 },
         hot_pct: 10,
@@ -75,4 +75,16 @@ fn the_digest_depends_on_seed_and_vcpu() {
     assert_ne!(replay(&WorkloadParams { seed: 8, ..p }, 0, 3, 0).unwrap().digest, base);
     assert_ne!(replay(&p, 1, 3, 0).unwrap().digest, base);
     assert_ne!(replay(&p, 0, 4, 0).unwrap().digest, base);
+}
+
+/// tlbwalk's instruction fetches (`TLBWALK_FETCHES`): the chain runs
+/// natively from an executable working set, every call's sum checks out,
+/// and its digest is pinned and differs from the loads'.
+#[test]
+fn tlbwalk_fetches_run_their_chain_with_a_pinned_digest() {
+    let p = WorkloadParams { pattern: TLBWALK_FETCHES, ..params(WORKLOAD_TLBWALK) };
+    let got = replay(&p, 1, 3, 0).expect("the fetch chain runs natively");
+    assert_eq!((got.digest, got.ops), (0xe7a7_1930_b861_7192, 131_072), "{:#018x}", got.digest);
+    let loads = replay(&params(WORKLOAD_TLBWALK), 1, 3, 0).unwrap();
+    assert_ne!(got.digest, loads.digest);
 }

@@ -192,6 +192,21 @@ impl Platform for Guest<'_> {
         syscall2(nl_abi::SYS_NULL, 0, 0)
     }
 
+    fn run_code(&mut self, code: &[u64], arg: u64) -> Option<u64> {
+        // User memory is mapped without NX (nl_arch::paging), and the
+        // working set holds only what tlbwalk's warm-up wrote there.
+        if code.is_empty() {
+            return None;
+        }
+        core::sync::atomic::compiler_fence(core::sync::atomic::Ordering::SeqCst);
+        // SAFETY: `code` is this vCPU's working set, where tlbwalk's warm-up
+        // wrote a chain of `add rax, imm32; jmp rel32` that stays inside it
+        // and ends in `ret`, touching no memory and no register but RAX and
+        // the flags (`nl_workloads::fetch_chain_point`).
+        let f: extern "sysv64" fn(u64) -> u64 = unsafe { core::mem::transmute(code.as_ptr()) };
+        Some(f(arg))
+    }
+
     fn blk_read(&mut self, sector: u64, buf: &mut [u64]) -> bool {
         self.blk.as_mut().is_some_and(|b| b.read(sector, buf))
     }

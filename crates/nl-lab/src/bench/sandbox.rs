@@ -40,6 +40,10 @@ pub struct BenchSandboxArgs {
     /// Page counts of the TLB rows (Figs. 7/8), 1..=65536 each.
     #[arg(long, value_delimiter = ',', default_values_t = vec![8, 64, 512, 2048, 8192])]
     pub pages: Vec<u64>,
+    /// The TLB series: `load` (data, Fig. 7) and `fetch` (instructions,
+    /// Fig. 8).
+    #[arg(long, value_delimiter = ',', default_values_t = ["load".to_string(), "fetch".to_string()])]
+    pub tlb_access: Vec<String>,
     /// What to measure: any of fig9 (with the doorbell), budgets (Fig. 9's
     /// Hi and Low budget curves), table2, tlb, isolation, storm (the budget
     /// storm), tapflood (a TAP flood beside a reserved sandbox), interrupts
@@ -169,6 +173,8 @@ pub struct Table2 {
 /// Figs. 7/8: one page count.
 #[derive(Clone, Debug, Serialize)]
 pub struct TlbRow {
+    /// `load` (Fig. 7) or `fetch` (Fig. 8).
+    pub access: String,
     pub pages: u64,
     /// Nanoseconds per access.
     pub sandbox_ns: Spread,
@@ -590,13 +596,20 @@ pub fn tlb(a: &BenchSandboxArgs) -> Result<Tlb> {
     let core = host[0];
     let kvm = nl_vmm::open_kvm()?;
     let loadavg_before = loadavg();
-    let n = a.pages.len();
+    for x in &a.tlb_access {
+        if !["load", "fetch"].contains(&x.as_str()) {
+            anyhow::bail!("--tlb-access {x}: `load` or `fetch`");
+        }
+    }
+    let series: Vec<(&str, u64)> =
+        a.tlb_access.iter().flat_map(|x| a.pages.iter().map(move |&p| (x.as_str(), p))).collect();
+    let n = series.len();
     let (mut sb, mut nat) = (vec![Vec::new(); n], vec![Vec::new(); n]);
     for rep in 0..a.reps {
         eprintln!("bench sandbox: Figs. 7/8 repetition {}/{}", rep + 1, a.reps);
-        for (i, &pages) in a.pages.iter().enumerate() {
+        for (i, &(access, pages)) in series.iter().enumerate() {
             let w = format!(
-                r#"{{"kind": "tlbwalk", "seed": {}, "pages": {pages}, "duration_ms": {}}}"#,
+                r#"{{"kind": "tlbwalk", "seed": {}, "pages": {pages}, "access": "{access}", "duration_ms": {}}}"#,
                 31 + rep,
                 a.duration_ms
             );
@@ -606,11 +619,11 @@ pub fn tlb(a: &BenchSandboxArgs) -> Result<Tlb> {
             nat[i].push(native_tlbwalk_ns(core, params, a.duration_ms)?);
         }
     }
-    let rows = a
-        .pages
+    let rows = series
         .iter()
         .enumerate()
-        .map(|(i, &pages)| TlbRow {
+        .map(|(i, &(access, pages))| TlbRow {
+            access: access.to_string(),
             pages,
             sandbox_ns: spread(sb[i].clone()),
             native_ns: spread(nat[i].clone()),
@@ -724,16 +737,17 @@ pub fn bench(a: BenchSandboxArgs) -> Result<ExitCode> {
     let tl = if part("tlb") { Some(tlb(&a)?) } else { None };
     if let Some(tl) = &tl {
         println!(
-            "Figs. 7/8, tlbwalk (one load per page at a {}-byte stride) on core {}, sandbox against native, {} repetitions interleaved (median [min, max]):",
+            "Figs. 7/8, tlbwalk (one access per page at a {}-byte stride: a checked load, Fig. 7, or a fetched `add; jmp`, Fig. 8) on core {}, sandbox against native, {} repetitions interleaved (median [min, max]):",
             tl.stride_bytes, tl.core, tl.reps
         );
         println!(
-            "{:>7}  {:>24}  {:>24}  {:>24}",
-            "pages", "ns/access sandbox", "ns/access native", "sandbox/native"
+            "{:>6}  {:>7}  {:>24}  {:>24}  {:>24}",
+            "access", "pages", "ns/access sandbox", "ns/access native", "sandbox/native"
         );
         for r in &tl.rows {
             println!(
-                "{:>7}  {:>24}  {:>24}  {:>24}",
+                "{:>6}  {:>7}  {:>24}  {:>24}  {:>24}",
+                r.access,
                 r.pages,
                 s(r.sandbox_ns, 2),
                 s(r.native_ns, 2),
