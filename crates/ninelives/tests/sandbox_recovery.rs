@@ -704,6 +704,43 @@ fn under_restart_a_service_that_completes_is_detected_and_restarted() {
     healthy(&r, &["p", "q"]);
 }
 
+/// Issue 19: a workload with an end that a fault returns into its end
+/// early is cut short, not done: its digest may still replay right over
+/// the rounds it ran, but its measured period (`CYCLES`) is shorter than
+/// its `duration_ms`. Under `restart` its monitor's result check at the
+/// completion finds it (a guest error), the sandbox runs again from a fresh
+/// start and this time completes its whole period, verified; p and q see
+/// nothing of it.
+#[test]
+fn under_restart_a_workload_cut_short_by_a_fault_is_detected_and_run_again() {
+    if !kvm_available() {
+        return;
+    }
+    // svc (the first sandbox) with an end: 3 s.
+    let finite = three(r#""recovery": {"policy": "restart"},"#).replacen(
+        r#""duration_ms": 0"#,
+        r#""duration_ms": 3000"#,
+        1,
+    );
+    assert!(finite.contains(r#""duration_ms": 3000"#), "{finite}");
+    let s = sandbox_set(&finite);
+    let r = supervised(&s, Duration::from_secs(120), |s| {
+        let svc = s.get("svc").expect("svc");
+        wait_for("both streaming", Duration::from_secs(60), || consumed(s, 0) > 500);
+        end_svc(s);
+        wait_for("the restart", Duration::from_secs(60), || svc.monitor.recovery_count() >= 1);
+        wait_for("svc's whole run after it", Duration::from_secs(60), || svc.monitor.ended());
+    });
+    let svc = &r.sandboxes[0];
+    assert_eq!(svc.outcome, VmOutcome::Completed, "{}\n{}", svc.message, svc.console);
+    assert!(svc.verified, "{}", svc.message);
+    let d = &svc.detections[0];
+    assert_eq!(d.detector, Detector::GuestError, "{d:?}");
+    assert!(d.detail.contains("cut short"), "{d:?}");
+    assert!(svc.recoveries.iter().all(|r| r.policy == "restart" && r.ok), "{:?}", svc.recoveries);
+    healthy(&r, &["p", "q"]);
+}
+
 /// Issue 19: the same under `rollback`: the supervisor's result check
 /// refuses the completion and rolls svc back to its last checkpoint (the
 /// code the fault overwrote comes back with it), and it streams on.

@@ -73,7 +73,10 @@ pub enum SandboxFaultArg {
     /// A broken driver: an endless storm of MMIO stores to an address no
     /// device claims.
     BrokenDriver,
-    /// Each run picks one of the four by its seed.
+    /// The workload's own end over its next ring-3 instruction: it
+    /// completes early, with a wrong result.
+    PrematureExit,
+    /// Each run picks one of the five by its seed.
     Mixed,
     /// (control) The host makes `q`'s region of channel `pq` announce
     /// records `q` never wrote, as a broken isolation would: `p` rejects
@@ -103,6 +106,7 @@ impl SandboxFaultArg {
             SandboxFaultArg::RegisterFlip => Some(FaultModel::RegisterFlip),
             SandboxFaultArg::ViolatingWrite => Some(FaultModel::ViolatingWrite),
             SandboxFaultArg::BrokenDriver => Some(FaultModel::BrokenDriver),
+            SandboxFaultArg::PrematureExit => Some(FaultModel::PrematureExit),
             SandboxFaultArg::Mixed | SandboxFaultArg::HarmControl | SandboxFaultArg::BadRecords => {
                 None
             }

@@ -56,14 +56,19 @@ pub enum FaultModel {
     ViolatingWrite,
     /// A broken driver: an MMIO storm ([`SandboxFault::MmioStorm`]).
     BrokenDriver,
+    /// The workload's own end written over its next ring-3 instruction
+    /// ([`GuestFault::Exit`]): it completes early, as one does when a
+    /// control-flow error returns it into its end.
+    PrematureExit,
 }
 
 impl FaultModel {
-    pub const ALL: [FaultModel; 4] = [
+    pub const ALL: [FaultModel; 5] = [
         FaultModel::MemoryFlip,
         FaultModel::RegisterFlip,
         FaultModel::ViolatingWrite,
         FaultModel::BrokenDriver,
+        FaultModel::PrematureExit,
     ];
 
     pub fn name(self) -> &'static str {
@@ -72,6 +77,7 @@ impl FaultModel {
             FaultModel::RegisterFlip => "register-flip",
             FaultModel::ViolatingWrite => "violating-write",
             FaultModel::BrokenDriver => "broken-driver",
+            FaultModel::PrematureExit => "premature-exit",
         }
     }
 }
@@ -120,6 +126,7 @@ pub fn pick_model(
             let (lo, hi) = UNCLAIMED_MMIO;
             SandboxFault::MmioStorm { gpa: lo + rng.below((hi - lo) / 8) * 8 }
         }
+        FaultModel::PrematureExit => SandboxFault::Guest { fault: GuestFault::Exit { cpu: 0 } },
     })
 }
 

@@ -92,6 +92,25 @@ fn result_check(set: &SandboxSet, sb: &Sandbox, vm: &Vm) -> Result<(), String> {
     }
 }
 
+/// Under `restart` and `replace`, why a completed sandbox's result is
+/// wrong, if it is (`verify::check`): a derailed workload can return into
+/// its own end early, or finish with corrupt data, and a fresh start runs it
+/// again. Under `stop` the wrong result is reported as it is.
+fn wrong_result(set: &SandboxSet, sb: &Sandbox, vm: &Vm) -> Option<String> {
+    if !matches!(sb.config.recovery.policy, RecoveryPolicy::Restart | RecoveryPolicy::Replace)
+        || set.stop_requested()
+    {
+        return None;
+    }
+    match crate::verify::check_vm(set, sb, vm) {
+        (true, _) => None,
+        (false, why) => Some(format!(
+            "result check failed at completion: {}",
+            why.unwrap_or_else(|| "wrong result".into())
+        )),
+    }
+}
+
 /// One recovery.
 #[derive(Clone, Debug, Serialize)]
 pub struct RecoveryRecord {
@@ -181,10 +200,13 @@ fn run_local(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome {
                 std::thread::sleep(Duration::from_micros(nap));
                 continue;
             }
-            // A service's completion is a failure, not an end.
+            // A service's completion is a failure, not an end; so is, under
+            // a policy that recovers, a completion with a wrong result.
             Some(Err(o)) => {
-                match (o == VmOutcome::Completed).then(|| completed_without_end(set, sb)).flatten()
-                {
+                let failed = (o == VmOutcome::Completed)
+                    .then(|| completed_without_end(set, sb).or_else(|| wrong_result(set, sb, &vm)))
+                    .flatten();
+                match failed {
                     Some(why) => (Detector::GuestError, why),
                     None => {
                         finish(sb, &mut pending);

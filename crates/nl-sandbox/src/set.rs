@@ -402,8 +402,22 @@ impl SandboxSet {
             sb.live.inject(fault.clone());
             return Ok(None);
         }
-        nl_checkpoint::inject::apply(&sb.vm(), fault)
-            .map_err(|e| SandboxError::Vm(name.into(), format!("fault injection: {e}")))
+        // A fault that needs the vCPU in ring 3 (`Exit`) waits for it there,
+        // a bounded while (1 s).
+        let mut tries = 0;
+        loop {
+            match nl_checkpoint::inject::apply(&sb.vm(), fault) {
+                Err(nl_checkpoint::CheckpointError::NotNow(_)) if tries < 1000 => {
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                r => {
+                    return r.map_err(|e| {
+                        SandboxError::Vm(name.into(), format!("fault injection: {e}"))
+                    })
+                }
+            }
+        }
     }
 
     /// Sandbox `i`'s channels it receives on: (channel index, the peer's

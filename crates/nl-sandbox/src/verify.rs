@@ -63,6 +63,9 @@ pub fn check(set: &SandboxSet, sb: &Sandbox, regs: &[VcpuRegsSnapshot]) -> (bool
             }
         }
         WORKLOAD_CHANSTREAM => {
+            if let Some(why) = cut_short(sb, p, 0, &r0) {
+                return (false, Some(why));
+            }
             if r0.digest == 0 && r0.ops > 0 {
                 (true, None)
             } else {
@@ -104,6 +107,9 @@ pub fn check(set: &SandboxSet, sb: &Sandbox, regs: &[VcpuRegsSnapshot]) -> (bool
         }
         _ => {
             for (cpu, r) in regs.iter().enumerate() {
+                if let Some(why) = cut_short(sb, p, cpu, r) {
+                    return (false, Some(why));
+                }
                 match nl_workloads::native::replay(p, cpu as u64, r.rounds, 0) {
                     Ok(rep) if rep.digest == r.digest && rep.ops == r.ops => {}
                     Ok(rep) => {
@@ -121,6 +127,28 @@ pub fn check(set: &SandboxSet, sb: &Sandbox, regs: &[VcpuRegsSnapshot]) -> (bool
             (true, None)
         }
     }
+}
+
+/// Why vCPU `cpu`'s measured period was shorter than `duration_ms`, if it
+/// was. The guest's loop ends only once its TSC has run the whole period
+/// (`CYCLES` at least `duration_ms` × the TSC's kHz), so a shorter one
+/// ended early: a derailed workload that returned into its own end, whose
+/// digest can still replay right over the rounds it did.
+fn cut_short(
+    sb: &Sandbox,
+    p: &nl_abi::WorkloadParams,
+    cpu: usize,
+    r: &VcpuRegsSnapshot,
+) -> Option<String> {
+    let khz = nl_vmm_boot_info(sb).ok()?.tsc_khz;
+    let want = p.duration_ms.checked_mul(khz)?;
+    (r.cycles < want).then(|| {
+        format!(
+            "vCPU {cpu} ended after {} of its {} ms: cut short",
+            r.cycles / khz.max(1),
+            p.duration_ms
+        )
+    })
 }
 
 fn nl_vmm_boot_info(sb: &Sandbox) -> Result<nl_abi::BootInfo, String> {
