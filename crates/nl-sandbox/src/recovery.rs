@@ -368,7 +368,28 @@ fn run_rollback(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome {
         // instead of reported as done.
         let vcpus = sb.config.vcpus() as usize;
         let mut det = detectors(set, sb);
-        let detector = move |vm: &Vm, fresh: bool| {
+        // The supervisor starts the VM, and after each rollback fresh vCPU
+        // threads: they are placed (vCPU i on its core, the budget applied)
+        // at its first polls once they are up. A budget that cannot be
+        // applied stops the sandbox.
+        let trivial = sb.config.cores.len() == 1 && sb.config.budget.is_none();
+        let mut placed = trivial;
+        let placing_failed = std::cell::RefCell::new(None);
+        let detector = |vm: &Vm, fresh: bool| {
+            if fresh {
+                placed = trivial || placing_failed.borrow().is_some();
+            }
+            if !placed {
+                match set.place_threads_when_up(sb, vm) {
+                    Ok(done) => placed = done,
+                    Err(e) => {
+                        *placing_failed.borrow_mut() = Some(e.to_string());
+                        placed = true;
+                        vm.stop();
+                        return None;
+                    }
+                }
+            }
             if fresh {
                 det.reset(vcpus);
             }
@@ -381,6 +402,12 @@ fn run_rollback(set: &SandboxSet, sb: &Sandbox, limit: Duration) -> VmOutcome {
                 .with_result_check(Box::new(check))
                 .run()
         });
+        if let Some(e) = placing_failed.take() {
+            vm.stop();
+            let message = format!("cannot place its threads or apply its budget: {e}");
+            sb.monitor.give_up(message.clone());
+            return VmOutcome::Crashed { cpu: 0, message };
+        }
         let report = match report {
             Ok(r) => r,
             Err(e) => {

@@ -615,10 +615,6 @@ impl SandboxSet {
                 "its vCPU threads did not start within 1 s".into(),
             ));
         }
-        // vCPU i on cores[i % len].
-        for (i, tid) in tids.iter().enumerate() {
-            affinity::pin(*tid, &[sb.config.cores[i % sb.config.cores.len()]])?;
-        }
         // The I/O threads (the net receive thread) on the sandbox's cores
         // (they were started there; pinned again by id as the vCPUs are),
         // once they report their ids (bounded: 1 s).
@@ -637,15 +633,50 @@ impl SandboxSet {
                 "its I/O threads did not start within 1 s".into(),
             ));
         }
-        for tid in &io_tids {
+        self.place_threads(sb, &vm, &tids, &io_tids)
+    }
+
+    /// Under `rollback` (its supervisor starts the VM): pins its vCPU and
+    /// I/O threads and applies its budget, once those threads are up.
+    /// `Ok(false)`: not yet (call again); `Ok(true)`: done.
+    pub(crate) fn place_threads_when_up(
+        &self,
+        sb: &Sandbox,
+        vm: &nl_vmm::Vm,
+    ) -> Result<bool, SandboxError> {
+        let threads = vm.vcpu_threads();
+        let io_tids = vm.io_threads();
+        if !threads.iter().all(|t| t.as_ref().is_some_and(|t| t.tid > 0))
+            || io_tids.iter().any(|&t| t <= 0)
+        {
+            return Ok(false);
+        }
+        let tids: Vec<i32> = threads.iter().flatten().map(|t| t.tid).collect();
+        self.place_threads(sb, vm, &tids, &io_tids).map(|()| true)
+    }
+
+    /// vCPU i on `cores[i % len]`, the I/O threads on the sandbox's cores,
+    /// and its budget on all of them; the VM is stopped if the budget
+    /// cannot be applied.
+    fn place_threads(
+        &self,
+        sb: &Sandbox,
+        vm: &nl_vmm::Vm,
+        tids: &[i32],
+        io_tids: &[i32],
+    ) -> Result<(), SandboxError> {
+        for (i, tid) in tids.iter().enumerate() {
+            affinity::pin(*tid, &[sb.config.cores[i % sb.config.cores.len()]])?;
+        }
+        for tid in io_tids {
             affinity::pin(*tid, &sb.config.cores)?;
         }
         if let Some(b) = sb.config.budget {
             let mut budgets = self.budgets.lock();
             // A restarted sandbox's new threads join the cgroups it has.
             let r = match &budgets[sb.index] {
-                Some(applied) => applied.attach(&tids, &io_tids),
-                None => crate::budget::AppliedBudget::apply(&sb.config.name, b, &tids, &io_tids)
+                Some(applied) => applied.attach(tids, io_tids),
+                None => crate::budget::AppliedBudget::apply(&sb.config.name, b, tids, io_tids)
                     .map(|a| budgets[sb.index] = Some(a)),
             };
             r.inspect_err(|_| vm.stop())?;
