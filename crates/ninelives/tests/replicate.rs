@@ -824,30 +824,43 @@ fn colo_takes_an_epoch_when_the_outputs_differ_and_matches_again_after_it() {
     assert!(matched > by_epoch, "{matched} matched, {by_epoch} released by epochs: {p}");
 }
 
-/// COLO whose secondary stops: the backup makes its secondary's first
-/// checkpoint fail (a hidden test flag), stops it and tells the primary
-/// (`ColoDown`). The primary then releases output by epochs alone, as
-/// without COLO: its replies end their epochs (at least 10
-/// output-triggered epochs in the 1 s of load, none while COLO ran) instead
-/// of each waiting for COLO's 10 ms timeout, kvload verifies every reply,
-/// and the report says why COLO stopped. Counted, not timed.
+/// COLO whose secondary stops, two ways (hidden test flags of the
+/// backup): its first checkpoint fails, or after it its guest fails (`ud2`
+/// at its next instruction, in the secondary's private memory only, found
+/// by the backup's check at each heartbeat or checkpoint). Either way the
+/// backup stops it and tells the primary (`ColoDown`). The primary then
+/// releases output by epochs alone, as without COLO: its replies end their
+/// epochs (at least 10 output-triggered epochs in the 1 s of load, none
+/// while COLO ran) instead of each waiting for COLO's 10 ms timeout,
+/// kvload verifies every reply, and the report says why COLO stopped.
+/// Counted, not timed.
 #[test]
 fn colo_whose_secondary_stops_falls_back_to_epochs_and_loses_nothing() {
     if !kvm_available() {
         return;
     }
-    let Some(pair) = Pair::new("cf") else { return };
-    let colo = ["--colo", "--net-rx-irq"];
-    let backup = ["--colo", "--net-rx-irq", "--test-colo-fail-at", "1"];
-    let (k, p) = kv_with_5s_epochs_and_backup(&pair, "nlcftap0", &colo, &backup);
-    assert_eq!(k["ok"], true, "kvload: {k}\nprimary: {p}");
-    let ops = k["ops"].as_u64().unwrap_or(0);
-    assert!(ops >= 10, "only {ops} requests answered in 1 s: {k}");
-    let down = p["colo"]["secondary_down"].as_str().unwrap_or_default();
-    assert!(down.contains("made to fail"), "the primary was not told: {p}");
-    let triggered = p["output_triggered_epochs"].as_u64().expect("output-triggered epochs");
-    assert!(triggered >= 10, "{triggered} output-triggered epochs for {ops} requests: {p}");
-    assert!(p["frames_released"].as_u64().unwrap_or(0) >= ops, "{p}");
+    let cases = [
+        ("cf", "--test-colo-fail-at", "made to fail"),
+        ("cc", "--test-colo-crash-at", "the secondary VM failed"),
+    ];
+    for (name, flag, why) in cases {
+        let Some(pair) = Pair::new(name) else { return };
+        let colo = ["--colo", "--net-rx-irq"];
+        let backup = ["--colo", "--net-rx-irq", flag, "1"];
+        let tap = format!("nl{name}tap0");
+        let (k, p) = kv_with_5s_epochs_and_backup(&pair, &tap, &colo, &backup);
+        assert_eq!(k["ok"], true, "{flag}: kvload: {k}\nprimary: {p}");
+        let ops = k["ops"].as_u64().unwrap_or(0);
+        assert!(ops >= 10, "{flag}: only {ops} requests answered in 1 s: {k}");
+        let down = p["colo"]["secondary_down"].as_str().unwrap_or_default();
+        assert!(down.contains(why), "{flag}: the primary was not told: {p}");
+        let triggered = p["output_triggered_epochs"].as_u64().expect("output-triggered epochs");
+        assert!(
+            triggered >= 10,
+            "{flag}: {triggered} output-triggered epochs for {ops} requests: {p}"
+        );
+        assert!(p["frames_released"].as_u64().unwrap_or(0) >= ops, "{flag}: {p}");
+    }
 }
 
 /// The rule of output-triggered epochs, counted, not timed: with a spacing

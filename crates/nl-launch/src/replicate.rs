@@ -233,6 +233,10 @@ pub struct BackupArgs {
     /// is to become after its start) fails (0: never).
     #[arg(long, hide = true, default_value_t = 0, requires = "colo")]
     pub test_colo_fail_at: u64,
+    /// A test of a secondary whose guest fails: after its Nth checkpoint its
+    /// vCPU 0's next instruction becomes `ud2` (0: never).
+    #[arg(long, hide = true, default_value_t = 0, requires = "colo")]
+    pub test_colo_crash_at: u64,
     /// Build the VM only in the takeover, not ahead of it once the full
     /// copy is in (for measuring the difference).
     #[arg(long, hide = true)]
@@ -686,6 +690,7 @@ fn backup(a: BackupArgs) -> Result<ExitCode> {
         colo: a.colo,
         colo_test_perturb: a.test_colo_perturb,
         colo_test_fail_at: a.test_colo_fail_at,
+        colo_test_crash_at: a.test_colo_crash_at,
     };
     nl_memory::GuestMemory::check_size(a.mem)?;
     let mut log = |m: String| tracing::info!("{m}");

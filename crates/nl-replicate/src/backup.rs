@@ -414,6 +414,9 @@ pub struct BackupConfig {
     pub colo_test_perturb: u64,
     /// A test of a failed secondary: its Nth checkpoint fails (0: never).
     pub colo_test_fail_at: u64,
+    /// A test of a secondary whose guest fails: after its Nth checkpoint
+    /// its vCPU 0's next instruction becomes `ud2` (0: never).
+    pub colo_test_crash_at: u64,
 }
 
 /// Default for [`BackupConfig::handshake`].
@@ -1101,7 +1104,19 @@ fn receive(
                                                 cfg.colo_test_fail_at
                                             ))
                                         }
-                                        Some(sec) => sec.checkpoint(epoch, st),
+                                        Some(sec) => match sec.failed() {
+                                            Some(why) => Err(why),
+                                            None => sec.checkpoint(epoch, st).inspect(|()| {
+                                                let n = sec.stats().checkpoints;
+                                                if n == cfg.colo_test_crash_at {
+                                                    log(format!(
+                                                        "colo: test: the secondary's guest \
+                                                         broken after checkpoint {n}: {:?}",
+                                                        sec.break_guest_for_test()
+                                                    ));
+                                                }
+                                            }),
+                                        },
                                         None => colo_sink(&s, &seal, cfg.colo_test_perturb)
                                             .and_then(|sink| {
                                                 colo_start(&rx, &mut **b, epoch, st, sink)
@@ -1381,6 +1396,7 @@ mod tests {
             colo: false,
             colo_test_perturb: 0,
             colo_test_fail_at: 0,
+            colo_test_crash_at: 0,
         }
     }
 
@@ -1564,6 +1580,7 @@ mod serve_tests {
             colo: false,
             colo_test_perturb: 0,
             colo_test_fail_at: 0,
+            colo_test_crash_at: 0,
         };
         let (tx, logs) = mpsc::channel();
         let end = std::thread::spawn(move || {

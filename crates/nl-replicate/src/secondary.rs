@@ -220,6 +220,26 @@ impl Secondary {
         }
     }
 
+    /// A test's fault: vCPU 0's next instruction becomes `ud2`, written into
+    /// the secondary's private memory only (the backup's copy keeps its
+    /// code). Its guest then fails, as a secondary that diverged into a
+    /// crash would.
+    pub fn break_guest_for_test(&self) -> Result<u64, String> {
+        use vm_memory::{Bytes, GuestAddress};
+        let vm = self.vm.as_ref().ok_or("the secondary was handed over")?;
+        // Paused, so the instruction written is the one it runs next.
+        let _paused = vm.hold_paused();
+        let rip = vm
+            .with_vcpu(0, |fd| fd.get_regs().map(|r| r.rip))
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("KVM_GET_REGS: {e}"))?;
+        vm.memory()
+            .mem()
+            .write_slice(&[0x0f, 0x0b], GuestAddress(rip))
+            .map_err(|e| format!("writing at {rip:#x}: {e}"))?;
+        Ok(rip)
+    }
+
     pub fn stats(&self) -> SecondaryStats {
         let f = &self.feed;
         SecondaryStats {

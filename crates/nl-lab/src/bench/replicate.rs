@@ -528,6 +528,7 @@ fn replicated(
         colo: false,
         colo_test_perturb: 0,
         colo_test_fail_at: 0,
+        colo_test_crash_at: 0,
     };
     let backup = std::thread::spawn(move || serve(&cfg, &mut |_| {}));
     // The primary connects once: wait (bounded, 10 s) until the backup
