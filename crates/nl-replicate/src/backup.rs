@@ -851,16 +851,23 @@ fn colo_sink(
     }))
 }
 
-/// COLO's secondary stopped (`why`): the primary is told, so that it
-/// releases output by epochs alone instead of waiting for frames that will
-/// never come. Best effort: a failed send shows up as a read error too.
-fn colo_down(
+/// COLO's secondary failed (`why`): it is stopped (no more input fed, not
+/// built again) and the primary is told, so that it releases output by
+/// epochs alone instead of waiting for frames that will never come. Best
+/// effort: a failed send shows up as a read error too.
+fn colo_down<B>(
     s: &TcpStream,
     seal: &Arc<std::sync::Mutex<Sealer>>,
     why: &str,
     log: &mut dyn FnMut(String),
+    feed: &std::sync::Mutex<Option<Arc<crate::secondary::Feed>>>,
+    secondary: &mut Option<crate::secondary::Secondary>,
+    build: &mut Option<B>,
 ) {
     log(format!("WARNING: colo: {why}; the secondary is stopped, the primary told"));
+    *feed.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    *secondary = None;
+    *build = None;
     let mut s = s;
     let _ = sealed(seal).write_frame(&mut s, Kind::ColoDown, 0, 0, &[why.as_bytes()]);
 }
@@ -1015,10 +1022,7 @@ fn receive(
             last_beat = Instant::now();
             // As often, whether the secondary's guest failed.
             if let Some(why) = secondary.as_ref().and_then(|sec| sec.failed()) {
-                colo_down(&s, &seal, &why, log);
-                *feed.lock().unwrap_or_else(|p| p.into_inner()) = None;
-                secondary = None;
-                build = None;
+                colo_down(&s, &seal, &why, log, &feed, &mut secondary, &mut build);
             }
         }
         match got {
@@ -1128,10 +1132,15 @@ fn receive(
                                             }),
                                     };
                                     if let Err(e) = r {
-                                        colo_down(&s, &seal, &e, log);
-                                        *feed.lock().unwrap_or_else(|p| p.into_inner()) = None;
-                                        secondary = None;
-                                        build = None;
+                                        colo_down(
+                                            &s,
+                                            &seal,
+                                            &e,
+                                            log,
+                                            &feed,
+                                            &mut secondary,
+                                            &mut build,
+                                        );
                                     }
                                 }
                             }
