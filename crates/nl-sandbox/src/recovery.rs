@@ -79,21 +79,27 @@ fn completed_without_end(set: &SandboxSet, sb: &Sandbox) -> Option<String> {
     })
 }
 
-/// A `rollback` sandbox's result when its guest reports completion: a
-/// workload without end (a service) must not complete, and one with an
-/// end must have the result the host computes (`verify::check`).
-fn result_check(set: &SandboxSet, sb: &Sandbox, vm: &Vm) -> Result<(), String> {
-    if let Some(why) = completed_without_end(set, sb) {
-        return Err(why);
-    }
+/// Whether a completed sandbox's result is the one the host computes
+/// (`verify::check`), and what is wrong if not.
+fn verified(set: &SandboxSet, sb: &Sandbox, vm: &Vm) -> Result<(), String> {
     match crate::verify::check_vm(set, sb, vm) {
         (true, _) => Ok(()),
         (false, why) => Err(why.unwrap_or_else(|| "wrong result".into())),
     }
 }
 
+/// A `rollback` sandbox's result when its guest reports completion: a
+/// workload without end (a service) must not complete, and one with an
+/// end must have the result the host computes ([`verified`]).
+fn result_check(set: &SandboxSet, sb: &Sandbox, vm: &Vm) -> Result<(), String> {
+    if let Some(why) = completed_without_end(set, sb) {
+        return Err(why);
+    }
+    verified(set, sb, vm)
+}
+
 /// Under `restart` and `replace`, why a completed sandbox's result is
-/// wrong, if it is (`verify::check`): a derailed workload can return into
+/// wrong, if it is ([`verified`]): a derailed workload can return into
 /// its own end early, or finish with corrupt data, and a fresh start runs it
 /// again. Under `stop` the wrong result is reported as it is.
 fn wrong_result(set: &SandboxSet, sb: &Sandbox, vm: &Vm) -> Option<String> {
@@ -102,13 +108,7 @@ fn wrong_result(set: &SandboxSet, sb: &Sandbox, vm: &Vm) -> Option<String> {
     {
         return None;
     }
-    match crate::verify::check_vm(set, sb, vm) {
-        (true, _) => None,
-        (false, why) => Some(format!(
-            "result check failed at completion: {}",
-            why.unwrap_or_else(|| "wrong result".into())
-        )),
-    }
+    verified(set, sb, vm).err().map(|why| format!("result check failed at completion: {why}"))
 }
 
 /// One recovery.
