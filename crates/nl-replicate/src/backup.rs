@@ -872,6 +872,31 @@ fn colo_down<B>(
     let _ = sealed(seal).write_frame(&mut s, Kind::ColoDown, 0, 0, &[why.as_bytes()]);
 }
 
+/// COLO's secondary becomes committed `epoch` (`state`), unless its guest
+/// failed. The backup's COLO test flags act here: the Nth checkpoint made
+/// to fail, or the guest broken after it.
+fn colo_checkpoint(
+    sec: &mut crate::secondary::Secondary,
+    cfg: &BackupConfig,
+    epoch: u64,
+    state: &VmState,
+    log: &mut dyn FnMut(String),
+) -> Result<(), String> {
+    let n = sec.stats().checkpoints + 1;
+    if n == cfg.colo_test_fail_at {
+        return Err(format!("checkpoint {n} made to fail (--test-colo-fail-at)"));
+    }
+    if let Some(why) = sec.failed() {
+        return Err(why);
+    }
+    sec.checkpoint(epoch, state)?;
+    if n == cfg.colo_test_crash_at {
+        let broken = sec.break_guest_for_test();
+        log(format!("colo: test: the secondary's guest broken after checkpoint {n}: {broken:?}"));
+    }
+    Ok(())
+}
+
 /// Receives the authenticated primary's sealed frames until it is gone,
 /// finishes, or sends a bad stream.
 fn receive(
@@ -1098,29 +1123,7 @@ fn receive(
                                 }
                                 if let (Some(b), Some(st)) = (build.as_mut(), &state) {
                                     let r = match secondary.as_mut() {
-                                        Some(sec)
-                                            if sec.stats().checkpoints + 1
-                                                == cfg.colo_test_fail_at =>
-                                        {
-                                            Err(format!(
-                                                "checkpoint {} made to fail \
-                                                 (--test-colo-fail-at)",
-                                                cfg.colo_test_fail_at
-                                            ))
-                                        }
-                                        Some(sec) => match sec.failed() {
-                                            Some(why) => Err(why),
-                                            None => sec.checkpoint(epoch, st).inspect(|()| {
-                                                let n = sec.stats().checkpoints;
-                                                if n == cfg.colo_test_crash_at {
-                                                    log(format!(
-                                                        "colo: test: the secondary's guest \
-                                                         broken after checkpoint {n}: {:?}",
-                                                        sec.break_guest_for_test()
-                                                    ));
-                                                }
-                                            }),
-                                        },
+                                        Some(sec) => colo_checkpoint(sec, cfg, epoch, st, log),
                                         None => colo_sink(&s, &seal, cfg.colo_test_perturb)
                                             .and_then(|sink| {
                                                 colo_start(&rx, &mut **b, epoch, st, sink)

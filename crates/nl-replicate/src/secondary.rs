@@ -18,12 +18,12 @@
 //!   ([`GuestMemory::reset_private`]), its state loaded, input still in
 //!   flight thrown away, and its generation moved on, so that input and
 //!   output from before the reset are never taken for what follows it.
-//!
-//! [`GuestMemory::private_copy`]: nl_memory::GuestMemory::private_copy
-//! [`GuestMemory::reset_private`]: nl_memory::GuestMemory::reset_private
 //! * **Failover.** The secondary has run every input the primary's guest
 //!   received and sent every reply the primary released, so it, not the
 //!   last checkpoint, is what takes over ([`Secondary::into_vm`]).
+//!
+//! [`GuestMemory::private_copy`]: nl_memory::GuestMemory::private_copy
+//! [`GuestMemory::reset_private`]: nl_memory::GuestMemory::reset_private
 
 use std::fs::File;
 use std::io::{Read, Write};
